@@ -1,0 +1,31 @@
+# Two commands do all set-up on a fresh machine: `make run` (the main job) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test venv schemas clean
+
+$(STAMP): requirements-dev.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## The main job: convert the example configs and print their reports.
+run: $(STAMP)
+	$(PY) -m torsh.demo
+
+## The whole test suite.
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+## Regenerate the schemas generated from code.
+schemas: $(STAMP)
+	$(PY) -m torsh.schemas
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,87 @@
+"""The registry of dialects, detection by content, and loading any config into the core model.
+
+A dialect is a module in this package (its file name is its name; files starting with ``_`` are shared
+helpers) or an entry point in the ``torsh.adapters`` group. Every dialect module has the same shape:
+``NAME``, ``FIELD_MAP``, ``VALUE_MAPS``, ``ALIASES``, ``read(raw, *, version=None)``,
+``write(cfg, *, version=None)`` and ``sniff(raw) -> float`` (0: not this dialect, 1: certainly this one).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from torsh.config import TorshConfig
+from torsh.errors import ConfigError, Problem, did_you_mean
+from torsh.formats import load_file
+from torsh.translate import Translation
+
+REQUIRED_ATTRIBUTES = ("NAME", "FIELD_MAP", "VALUE_MAPS", "ALIASES", "read", "write", "sniff")
+
+
+@cache
+def _entry_points() -> dict[str, str]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep.value for ep in entry_points(group="torsh.adapters")}
+
+
+def names() -> list[str]:
+    """Every registered dialect name, sorted."""
+    local = [m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
+    return sorted(set(local) | set(_entry_points()))
+
+
+def get(name: str) -> ModuleType:
+    """The adapter module of a dialect; an unknown name is a ConfigError with a did-you-mean."""
+    known = names()
+    if name not in known:
+        raise ConfigError([Problem("dialect", name, f"unknown dialect; known: {', '.join(known)}",
+                                   did_you_mean(name, known))])  # fmt: skip
+    if name in _entry_points() and name not in {m.name for m in pkgutil.iter_modules(__path__)}:
+        module_name = _entry_points()[name].split(":")[0]
+    else:
+        module_name = f"{__name__}.{name}"
+    return importlib.import_module(module_name)
+
+
+def sniff(raw: Any) -> str:
+    """The dialect a parsed config is written in, decided by its content (never its file name)."""
+    scores = sorted(((get(n).sniff(raw), n) for n in names()), reverse=True)
+    if not scores or scores[0][0] <= 0:
+        keys = ", ".join(list(raw)[:8]) if isinstance(raw, dict) else type(raw).__name__
+        raise ConfigError([Problem("", keys, "cannot tell which dialect this is; pass the dialect explicitly "
+                                   f"(--from with one of: {', '.join(names())})")])  # fmt: skip
+    if len(scores) > 1 and scores[0][0] == scores[1][0]:
+        raise ConfigError([Problem("", None, f"looks equally like {scores[0][1]} and {scores[1][1]}; pass the "
+                                   "dialect explicitly (--from)")])  # fmt: skip
+    return scores[0][1]
+
+
+def read(raw: Any, dialect: str | None = None, *, version: str | None = None) -> Translation[TorshConfig]:
+    """Read parsed config data of any dialect (sniffed when not given) into the core model."""
+    return get(dialect or sniff(raw)).read(raw, version=version)
+
+
+def write(cfg: TorshConfig, dialect: str, *, version: str | None = None) -> Translation[Any]:
+    """Write the core model in a dialect."""
+    return get(dialect).write(cfg, version=version)
+
+
+def load(source: str | os.PathLike[str] | dict | TorshConfig, dialect: str | None = None, *,
+         version: str | None = None) -> Translation[TorshConfig]:  # fmt: skip
+    """Load a config from a path, parsed data, or a TorshConfig; errors are attributed to the file."""
+    if isinstance(source, TorshConfig):
+        return Translation(source, [], "torsh", "torsh")
+    if isinstance(source, dict):
+        return read(source, dialect, version=version)
+    data, _ = load_file(source)
+    try:
+        return read(data, dialect, version=version)
+    except ConfigError as exc:
+        raise exc.with_source(str(Path(source))) from None

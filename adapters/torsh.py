@@ -1,0 +1,106 @@
+"""The native dialect: the core model as TOML, YAML or JSON, plus the seed layouts it grew from.
+
+Two input layouts are read:
+
+* the core layout (sections ``batch``, ``sharding``, ``precision``, ...) — validated as is;
+* the ToRSh seed layout (``[distributed]``/``[ddp]``/``[training]`` TOML and the ``distributed``/``model``/
+  ``training`` "PyTorch config" YAML of the migration guide) — mapped key by key through ``FIELD_MAP``.
+
+Writing always produces the core layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torsh.config import SECTION_NAMES, TorshConfig, iter_leaves
+from torsh.translate import (
+    Fidelity,
+    FieldMap,
+    Hook,
+    Ignored,
+    Note,
+    ReadContext,
+    To,
+    Translation,
+    check_version,
+    read_mapping,
+)
+
+NAME = "torsh"
+VERSIONS = ("1",)
+
+_RANK_REASON = (
+    "a process's rank comes from the launcher at run time (RANK); one file cannot fix it for every process"
+)
+
+
+def _gradient_compression(value: Any, ctx: ReadContext, path: str) -> None:
+    if value is False:
+        ctx.set("compression.method", "none", path)
+    elif value is True:
+        ctx.set("compression.method", "fp16", path, Fidelity.APPROXIMATE,
+                "the seed layout does not name a method; fp16 compression is the closest common one")  # fmt: skip
+    else:
+        ctx.problem(path, value, "expected true or false")
+
+
+#: The seed layout (source) -> core model. The core layout needs no map: it is the model itself.
+FIELD_MAP = {
+    "distributed.backend": "communication.backend",
+    "distributed.init_method": "communication.init_method",
+    "distributed.master_addr": "launch.master_addr",
+    "distributed.master_port": "launch.master_port",
+    "distributed.world_size": "launch.world_size",
+    "distributed.rank": Ignored(_RANK_REASON, keep=False),
+    "ddp.bucket_size_mb": "ddp.bucket_cap_mb",
+    "ddp.overlap_communication": "ddp.overlap_comm",
+    "ddp.gradient_compression": Hook(read=_gradient_compression),
+    "training.epochs": "data.epochs",
+    "training.batch_size": To("batch.micro_batch_size", reason="the seed's batch_size is per process"),
+    "training.learning_rate": To("optimizer.lr", reason="applied to the optimizer the script passes"),
+    "training.gradient_clipping": "gradients.clip_max_norm",
+    "model.batch_size": To("batch.micro_batch_size", reason="the seed's batch_size is per process", write=False),
+    "model.learning_rate": To("optimizer.lr", reason="applied to the optimizer the script passes", write=False),
+}
+VALUE_MAPS = {
+    "distributed.backend": {"nccl": "nccl", "gloo": "gloo", "mpi": "mpi", "ccl": "ccl", "auto": "auto"},
+}
+ALIASES: dict[str, str] = {}
+
+_FIELD_MAP = FieldMap(FIELD_MAP, ALIASES)
+_SEED_SECTIONS = {"distributed", "training", "model"}
+_SEED_DDP_KEYS = {"bucket_size_mb", "overlap_communication", "gradient_compression"}
+
+
+def sniff(raw: Any) -> float:
+    if not isinstance(raw, dict) or not raw:
+        return 0.0
+    if _is_seed_layout(raw):
+        return 0.9
+    return 1.0 if set(raw) <= set(SECTION_NAMES) else 0.0
+
+
+def _is_seed_layout(raw: dict) -> bool:
+    ddp = raw.get("ddp")
+    return bool(_SEED_SECTIONS & set(raw)) or (isinstance(ddp, dict) and bool(_SEED_DDP_KEYS & set(ddp)))
+
+
+def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
+    """Read the core layout or the seed layout into the core model."""
+    check_version(NAME, version, VERSIONS)
+    if isinstance(raw, dict) and _is_seed_layout(raw):
+        return read_mapping(raw, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS)
+    cfg = TorshConfig.from_dict(raw, source=NAME)
+    return Translation(cfg, _identity_notes(cfg.model_dump(mode="json", exclude_unset=True)), NAME, NAME)
+
+
+def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
+    """The core layout as plain data (``"auto"`` for deferred values; None values omitted)."""
+    check_version(NAME, version, VERSIONS)
+    data = cfg.model_dump(mode="json", exclude_none=True)
+    return Translation(data, _identity_notes(cfg.model_dump(mode="json", exclude_unset=True)), NAME, NAME)
+
+
+def _identity_notes(data: dict) -> list[Note]:
+    return [Note(path, path, value, Fidelity.EXACT) for path, value in iter_leaves(data)]

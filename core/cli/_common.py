@@ -1,0 +1,75 @@
+"""Helpers shared by the sub-commands: input options, reports, safe output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import IO, Any
+
+from torsh.errors import ConfigError, Problem
+from torsh.translate import Translation
+
+
+def add_input_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from", dest="dialect", metavar="DIALECT",
+                        help="dialect of the input (default: detected from the content)")
+    parser.add_argument("--report", choices=["table", "json"], default="table",
+                        help="report format (default: table)")
+
+
+def print_report(translation: Translation[Any], style: str, stream: IO[str], *, title: str = "") -> None:
+    """The translation report as a readable table or as JSON."""
+    if style == "json":
+        json.dump(translation.to_dict(), stream, indent=2)
+        stream.write("\n")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=stream, width=max(100, _width(stream)), highlight=False, soft_wrap=False)
+    table = Table(title=title or f"{translation.source} -> {translation.target}", show_lines=False)
+    for column in ("source key", "target", "value", "fidelity", "reason"):
+        table.add_column(column, overflow="fold")
+    for note in translation.notes:
+        style_ = {"exact": "", "defaulted": "dim", "ignored": "dim", "deferred": "cyan"}.get(note.fidelity.value, "yellow")
+        table.add_row(note.source_path, note.target_path or "-", _short(note.value), note.fidelity.value,
+                      note.reason, style=style_)
+    console.print(table)
+    counts = ", ".join(f"{n} {k}" for k, n in translation.counts().items() if n)
+    console.print(f"{len(translation.notes)} keys: {counts or 'none'}")
+
+
+def write_output(text: str, out: str | None, force: bool) -> None:
+    """Write to stdout, or atomically to a file that must not exist unless ``force``."""
+    if out is None or out == "-":
+        sys.stdout.write(text)
+        return
+    path = Path(out)
+    if path.exists() and not force:
+        raise ConfigError([Problem("-o", out, "the output file exists; pass --force to overwrite it")])
+    if path.parent and not path.parent.exists():
+        raise ConfigError([Problem("-o", out, f"the directory {path.parent} does not exist")])
+    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _width(stream: IO[str]) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 140

@@ -1,0 +1,49 @@
+"""``torsh-migrate convert FILE --to DIALECT``: translate a config, with a report for every key."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from torsh.cli._common import add_input_options, print_report, write_output
+from torsh.formats import FORMATS, dump_text, format_for
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("convert", help="translate a config to another dialect",
+                            description="Read a config of any dialect into the core model and write it in "
+                            "another. The converted config goes to -o (or stdout); the report to stdout "
+                            "with -o, else to stderr.")  # fmt: skip
+    parser.add_argument("file", help="config file (JSON, hjson, YAML or TOML)")
+    parser.add_argument("--to", required=True, metavar="DIALECT", help="target dialect (e.g. torsh, deepspeed)")
+    parser.add_argument("--format", choices=FORMATS, help="output format (default: from -o, else the dialect's own)")
+    parser.add_argument("-o", "--output", metavar="OUT", help="output file (default: stdout)")
+    parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if any key is approximated, dropped or "
+                        "unsupported")  # fmt: skip
+    add_input_options(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from torsh import adapters
+    from torsh.translate import ErrorLevel
+
+    adapter = adapters.get(args.to)
+    read = adapters.load(args.file, args.dialect)
+    written = adapter.write(read.result)
+    report_stream = sys.stdout if args.output and args.output != "-" else sys.stderr
+    print_report(read, args.report, report_stream, title=f"read {args.file} ({read.source})")
+    print_report(written, args.report, report_stream, title=f"write {args.to}")
+    if args.strict:
+        read.check(ErrorLevel.RAISE)
+        written.check(ErrorLevel.RAISE)
+    payload = written.result
+    if isinstance(payload, str):
+        text = payload if payload.endswith("\n") else payload + "\n"
+    else:
+        fmt = args.format or (format_for(args.output) if args.output else None) or getattr(
+            adapter, "DEFAULT_FORMAT", "json")
+        text = dump_text(payload, fmt)
+    write_output(text, args.output, args.force)
+    return 0
