@@ -1,0 +1,1 @@
+"""The execution engine: builds a running PyTorch job from the core model (imports torch)."""
