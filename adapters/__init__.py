@@ -54,9 +54,10 @@ def sniff(raw: Any) -> str:
     """The dialect a parsed config is written in, decided by its content (never its file name)."""
     scores = sorted(((get(n).sniff(raw), n) for n in names()), reverse=True)
     if not scores or scores[0][0] <= 0:
-        keys = ", ".join(list(raw)[:8]) if isinstance(raw, dict) else type(raw).__name__
-        raise ConfigError([Problem("", keys, "cannot tell which dialect this is; pass the dialect explicitly "
-                                   f"(--from with one of: {', '.join(names())})")])  # fmt: skip
+        what = "" if isinstance(raw, dict) else f"the content is a {type(raw).__name__}, not a mapping of keys; "
+        keys = ", ".join(map(str, list(raw)[:8])) if isinstance(raw, dict) else raw
+        raise ConfigError([Problem("", keys, f"{what}cannot tell which dialect this is; pass the dialect "
+                                   f"explicitly (--from with one of: {', '.join(names())})")])  # fmt: skip
     if len(scores) > 1 and scores[0][0] == scores[1][0]:
         raise ConfigError([Problem("", None, f"looks equally like {scores[0][1]} and {scores[1][1]}; pass the "
                                    "dialect explicitly (--from)")])  # fmt: skip

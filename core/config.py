@@ -34,6 +34,7 @@ Every field has an attribute docstring; they become the descriptions of ``schema
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -892,8 +893,15 @@ def validation_to_config_error(exc: ValidationError, model: type[BaseModel], *, 
             problems.append(unknown_key(path, err["input"], field_names_at(model, tuple(err["clean"][:-1]))))
             continue
         reasons = list(dict.fromkeys(_reason(e) for e in errs))
-        problems.append(Problem(path, err.get("input"), " or ".join(reasons)))
+        value = err.get("input")
+        named = _NAMED_PATH.match(reasons[0])
+        if err["type"] == "value_error" and named:  # a cross-field rule names the key it is about
+            path, value = named.group(1), get_path(value, named.group(1)[len(path) + 1 if path else 0:])
+        problems.append(Problem(path, value, " or ".join(reasons)))
     return ConfigError(problems, source=source)
+
+
+_NAMED_PATH = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+)")
 
 
 def _clean_loc(model: type[BaseModel], loc: tuple[Any, ...]) -> list[Any]:

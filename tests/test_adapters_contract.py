@@ -1,0 +1,48 @@
+"""Every registered dialect has the same shape and all its parts (sqlglot's registry sync test)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from torsh import adapters, schemas
+from torsh.config import TorshConfig
+from torsh.errors import ConfigError
+from torsh.translate import FieldMap, Translation
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", adapters.names())
+def test_dialect_has_every_part(name):
+    module = adapters.get(name)
+    missing = [a for a in adapters.REQUIRED_ATTRIBUTES if not hasattr(module, a)]
+    assert not missing, f"adapters/{name}.py lacks {missing}"
+    assert module.NAME == name
+    assert name in schemas.available(), f"schemas/{name}.schema.json is missing"
+    assert list((ROOT / "tests").glob(f"test_{name}*.py")), f"tests/test_{name}*.py is missing"
+    assert (ROOT / "migration_examples" / name).is_dir(), f"migration_examples/{name}/ is missing"
+
+
+@pytest.mark.parametrize("name", adapters.names())
+def test_reverse_map_is_one_to_one(name):
+    fmap = adapters.get(name).FIELD_MAP
+    FieldMap(fmap).reverse()  # raises on two writable entries for one core field
+
+
+@pytest.mark.parametrize("name", adapters.names())
+def test_write_default_config(name):
+    written = adapters.get(name).write(TorshConfig())
+    assert isinstance(written, Translation)
+
+
+def test_sniff_rejects_unknown_content():
+    with pytest.raises(ConfigError, match="cannot tell which dialect"):
+        adapters.sniff({"nothing": "known"})
+
+
+def test_unknown_dialect_suggests():
+    with pytest.raises(ConfigError) as exc:
+        adapters.get("torch")
+    assert exc.value.problems[0].suggestion == "torsh"
