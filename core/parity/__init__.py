@@ -1,0 +1,339 @@
+"""Side-by-side parity: the same model, data and config through real DeepSpeed and through torsh, step by step.
+
+A :class:`Scenario` (config + built-in model + deterministic data + steps) runs N ranks wide under an engine.
+Runs start from the same seed checkpoint and see the same batches in the same order; per optimizer step they
+record loss, global gradient norm, learning rate, loss scale and the skipped flag. :func:`compare` checks a
+candidate run against a reference run with per-precision tolerances and names the first divergent step and
+metric; :func:`calibrate` derives the low-precision band from DeepSpeed's own spread between two of its ZeRO
+stages on the same scenario (DeepSpeed does not match itself across stages exactly, so a fixed epsilon would
+be a guess). :func:`check_config` is the whole flow behind ``torsh-migrate parity``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+METRICS = ("loss", "grad_norm", "lr", "loss_scale")
+
+#: fp32 needs no calibration: the same math in the same order agrees to rounding.
+FP32_TOLERANCE = {"loss": 1e-5, "grad_norm": 1e-4, "lr": 1e-9, "loss_scale": 0.0}
+#: The smallest band a calibrated low-precision tolerance may have (bf16 has 8 bits of mantissa).
+LOW_PRECISION_FLOOR = {"loss": 2e-3, "grad_norm": 1e-2, "lr": 1e-9, "loss_scale": 0.0}
+#: Calibrated tolerance = this factor x DeepSpeed's own stage-to-stage spread (at least the floor).
+CALIBRATION_FACTOR = 3.0
+
+
+class ParityUnavailable(RuntimeError):
+    """The reference side cannot run (DeepSpeed is not installed)."""
+
+
+class ParityRunError(RuntimeError):
+    """A parity launch failed; carries the tail of its log."""
+
+
+@dataclass
+class Scenario:
+    """One training job to run under an engine."""
+
+    name: str
+    config: dict[str, Any]
+    """The engine's config (a DeepSpeed dict for the deepspeed engine; any dialect for torsh)."""
+    model: str = "tiny-mlp"
+    steps: int = 20
+    seed: int = 0
+    data_seed: int = 1
+
+
+@dataclass
+class Divergence:
+    """The first step at which a metric left its tolerance."""
+
+    step: int
+    metric: str
+    reference: float
+    candidate: float
+    rel_diff: float
+
+
+@dataclass
+class Comparison:
+    """Candidate vs reference, metric by metric."""
+
+    passed: bool
+    tolerance: dict[str, float]
+    max_rel_diff: dict[str, float]
+    first_divergence: Divergence | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def deepspeed_available() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def rel_diff(a: float, b: float) -> float:
+    """|a-b| relative to the larger magnitude; 0 for two NaNs or two equal values."""
+    if math.isnan(a) and math.isnan(b):
+        return 0.0
+    if math.isnan(a) or math.isnan(b):
+        return math.inf
+    if a == b:
+        return 0.0
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+def compare(reference: list[dict], candidate: list[dict], tolerance: Mapping[str, float]) -> Comparison:
+    """Compare two runs step by step; the skipped flag must match exactly."""
+    notes = []
+    if len(reference) != len(candidate):
+        notes.append(f"the runs have {len(reference)} and {len(candidate)} steps")
+    max_rel = dict.fromkeys(METRICS, 0.0)
+    first: Divergence | None = None
+    ref_has_norm = any(not math.isnan(r["grad_norm"]) for r in reference)
+    if not ref_has_norm:
+        notes.append("the reference reports no gradient norm (DeepSpeed stage 0 fp32 returns None); not compared")
+    for ref, cand in zip(reference, candidate, strict=False):
+        for metric in METRICS:
+            if metric == "grad_norm" and not ref_has_norm:
+                continue
+            diff = rel_diff(float(ref[metric]), float(cand[metric]))
+            max_rel[metric] = max(max_rel[metric], diff)
+            if diff > tolerance[metric] and first is None:
+                first = Divergence(ref["step"], metric, float(ref[metric]), float(cand[metric]), diff)
+        if ref["skipped"] != cand["skipped"] and first is None:
+            first = Divergence(ref["step"], "skipped", float(ref["skipped"]), float(cand["skipped"]), math.inf)
+    passed = first is None and len(reference) == len(candidate)
+    return Comparison(passed, dict(tolerance), max_rel, first, notes)
+
+
+def calibrate(run_a: list[dict], run_b: list[dict]) -> dict[str, float]:
+    """A tolerance from DeepSpeed's spread between two of its stages: factor x spread, at least the floor."""
+    spread = compare(run_a, run_b, dict.fromkeys(METRICS, math.inf)).max_rel_diff
+    return {m: max(LOW_PRECISION_FLOOR[m], CALIBRATION_FACTOR * spread[m]) for m in METRICS}
+
+
+def precision_of(config: Mapping[str, Any]) -> str:
+    """fp32 / bf16 / fp16 of a DeepSpeed-style config."""
+    for key in ("bf16", "bfloat16"):
+        if isinstance(config.get(key), Mapping) and config[key].get("enabled") is True:
+            return "bf16"
+    if isinstance(config.get("fp16"), Mapping) and config["fp16"].get("enabled") is True:
+        return "fp16"
+    return "fp32"
+
+
+#: The ZeRO stage DeepSpeed is compared with itself at, for calibration: the neighbouring stage.
+CALIBRATION_STAGE = {0: 1, 1: 2, 2: 3, 3: 2}
+
+
+def calibration_variant(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The same DeepSpeed config at the neighbouring ZeRO stage, for the calibration run.
+
+    Offload keys are dropped when the variant's stage cannot hold them (parameter offload needs stage 3).
+    """
+    variant = copy.deepcopy(dict(config))
+    zero = variant.get("zero_optimization")
+    zero = dict(zero) if isinstance(zero, Mapping) else {}
+    zero["stage"] = CALIBRATION_STAGE[int(zero.get("stage", 0))]
+    if zero["stage"] != 3:
+        zero.pop("offload_param", None)
+    if zero["stage"] == 0:
+        zero.pop("offload_optimizer", None)
+    variant["zero_optimization"] = zero
+    return variant
+
+
+# --------------------------------------------------------------------------------------------------
+# running
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_seed_checkpoints(scenarios: list[Scenario], seed_dir: Path) -> None:
+    """One initial state dict per scenario, shared by every engine that runs it."""
+    import torch
+
+    from torsh.models import build_model
+
+    seed_dir.mkdir(parents=True, exist_ok=True)
+    for scenario in scenarios:
+        path = seed_dir / f"{scenario.name}.pt"
+        if not path.exists():
+            torch.save(build_model(scenario.model, scenario.seed).state_dict(), path)
+
+
+def run(scenarios: list[Scenario], engine: str, *, nproc: int = 2, workdir: Path,
+        on_progress: Callable[[str, int, int], None] | None = None, timeout: float = 1800) -> dict[str, Any]:  # fmt: skip
+    """Run every scenario under ``engine`` in ONE launch of ``nproc`` ranks; returns the worker's results."""
+    if engine == "deepspeed" and not deepspeed_available():
+        raise ParityUnavailable("DeepSpeed is not installed, so there is no reference to compare against; "
+                                "install it with: pip install 'torsh-distributed[parity]'")  # fmt: skip
+    workdir.mkdir(parents=True, exist_ok=True)
+    write_seed_checkpoints(scenarios, workdir / "seeds")
+    out = workdir / f"{engine}-results.json"
+    spec = workdir / f"{engine}-spec.json"
+    spec.write_text(json.dumps({"engine": engine, "seed_dir": str(workdir / "seeds"), "out": str(out),
+                                "scenarios": [asdict(s) for s in scenarios]}))  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={_free_port()}", "-m", "torsh.parity.worker", str(spec)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+           "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    log: list[str] = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line)
+            if line.startswith("PROGRESS ") and on_progress is not None:
+                _, name, frac = line.split()
+                done, total = frac.split("/")
+                on_progress(name, int(done), int(total))
+        code = proc.wait(timeout=timeout)
+    if code != 0 or not out.exists():
+        raise ParityRunError(f"the {engine} run failed (exit {code}):\n" + "".join(log[-40:]))
+    results = json.loads(out.read_text())
+    results["log"] = "".join(log)
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+# the whole flow
+
+
+@dataclass
+class ParityReport:
+    """Verdict, first divergence, tolerances and both runs' records."""
+
+    scenario: str
+    precision: str
+    reference: str
+    candidate: str
+    comparison: Comparison
+    reference_records: list[dict]
+    candidate_records: list[dict]
+    calibration: dict[str, Any] | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.comparison.passed
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["verdict"] = "pass" if self.passed else "fail"
+        return data
+
+
+def deepspeed_config_for(config: Any) -> dict[str, Any]:
+    """The DeepSpeed JSON of any config: as is when it is DeepSpeed, else translated by the adapter."""
+    from torsh import adapters
+
+    translation = adapters.load(config) if not isinstance(config, dict) else adapters.read(config)
+    if translation.source == "deepspeed" and isinstance(config, dict):
+        return copy.deepcopy(config)
+    if translation.source == "deepspeed":
+        from torsh.formats import load_file
+
+        return load_file(config)[0]
+    return adapters.write(translation.result, "deepspeed").result
+
+
+def check_config(config: Any, *, steps: int = 20, nproc: int = 2, model: str = "tiny-mlp",
+                 candidate_config: Any = None, workdir: Path | None = None,
+                 on_progress: Callable[[str, int, int], None] | None = None) -> ParityReport:  # fmt: skip
+    """Run ``config`` under real DeepSpeed and under torsh (or ``candidate_config`` under torsh) and compare."""
+    ds_config = deepspeed_config_for(config)
+    precision = precision_of(ds_config)
+    reference = Scenario("reference", ds_config, model=model, steps=steps)
+    ds_scenarios = [reference]
+    if precision != "fp32":
+        ds_scenarios.append(Scenario("calibration", calibration_variant(ds_config), model=model, steps=steps))
+    candidate = Scenario("reference", _plain_config(candidate_config if candidate_config is not None else config),
+                         model=model, steps=steps)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="torsh-parity-") as tmp:
+        work = workdir or Path(tmp)
+        ds = run(ds_scenarios, "deepspeed", nproc=nproc, workdir=work, on_progress=on_progress)
+        ts = run([candidate], "torsh", nproc=nproc, workdir=work, on_progress=on_progress)
+    ref_records = _records(ds, "reference", "deepspeed")
+    cand_records = _records(ts, "reference", "torsh")
+    calibration = None
+    if precision == "fp32":
+        tolerance = dict(FP32_TOLERANCE)
+    else:
+        tolerance = calibrate(ref_records, _records(ds, "calibration", "deepspeed"))
+        calibration = {"against_stage": ds_scenarios[1].config["zero_optimization"]["stage"],
+                       "factor": CALIBRATION_FACTOR, "floor": LOW_PRECISION_FLOOR}  # fmt: skip
+    comparison = compare(ref_records, cand_records, tolerance)
+    return ParityReport("reference", precision, "deepspeed 0.19.8", "torsh", comparison, ref_records, cand_records,
+                        calibration)  # fmt: skip
+
+
+def _plain_config(config: Any) -> Any:
+    """A JSON-able config for the worker: dicts as they are, files parsed, core models dumped."""
+    from torsh.config import TorshConfig
+
+    if isinstance(config, TorshConfig):
+        return config.model_dump(mode="json")
+    if isinstance(config, (str, os.PathLike)):
+        from torsh.formats import load_file
+
+        return load_file(config)[0]
+    return copy.deepcopy(config)
+
+
+def _records(results: dict[str, Any], name: str, engine: str) -> list[dict]:
+    entry = results["scenarios"].get(name, {})
+    if "error" in entry or "records" not in entry:
+        raise ParityRunError(f"{engine}: scenario {name} failed: {entry.get('error', 'no records')}")
+    return entry["records"]
+
+
+# --------------------------------------------------------------------------------------------------
+# plot
+
+
+def plot(report: ParityReport, path: str | os.PathLike[str]) -> None:
+    """Loss and grad-norm curves of both runs and their relative difference, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ref, cand = report.reference_records, report.candidate_records
+    steps = [r["step"] for r in ref]
+    fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    for ax, metric in zip(axes[:2], ("loss", "grad_norm"), strict=True):
+        ax.plot(steps, [r[metric] for r in ref], "o-", label=report.reference, markersize=3)
+        ax.plot(steps[: len(cand)], [c[metric] for c in cand], "x--", label=report.candidate, markersize=4)
+        ax.set_ylabel(metric.replace("_", " "))
+        ax.legend(loc="upper right", fontsize=8)
+    for metric, style in (("loss", "o-"), ("grad_norm", "x-")):
+        diffs = [max(rel_diff(r[metric], c[metric]), 1e-16) for r, c in zip(ref, cand, strict=False)]
+        axes[2].semilogy(steps[: len(diffs)], diffs, style, markersize=3, label=f"{metric} rel. diff")
+        axes[2].axhline(max(report.comparison.tolerance[metric], 1e-16), linestyle=":", linewidth=1,
+                        color="C0" if metric == "loss" else "C1")  # fmt: skip
+    div = report.comparison.first_divergence
+    if div is not None:
+        for ax in axes:
+            ax.axvline(div.step, color="red", linewidth=1)
+    axes[2].set_ylabel("relative difference")
+    axes[2].set_xlabel("optimizer step")
+    axes[2].legend(loc="upper right", fontsize=8)
+    verdict = "PASS" if report.passed else f"FAIL at step {div.step} ({div.metric})" if div else "FAIL"
+    fig.suptitle(f"parity {report.precision}: {report.candidate} vs {report.reference} - {verdict}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
