@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test venv schemas clean
+.PHONY: run test venv schemas bench clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,3 +29,7 @@ schemas: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+## Benchmarks: torsh against hand-written PyTorch and DeepSpeed (ratios measured in one run).
+bench: $(STAMP)
+	$(PY) -m benchmarks --update-readme

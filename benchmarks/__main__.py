@@ -1,0 +1,210 @@
+"""``python -m benchmarks``: torsh against hand-written PyTorch and DeepSpeed, interleaved, with ratios.
+
+Every case runs in its own 2-rank launch (so peak RSS belongs to that case alone); the implementations are
+interleaved (native, torsh, deepspeed, native, ...) and repeated; medians and min-max are reported with the
+ratios torsh/native and torsh/DeepSpeed, and whether each target holds. Writes ``benchmarks/results/latest.json``
+and ``latest.md`` and, with ``--update-readme``, the table in README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+TARGETS = {
+    "step torsh/native": 1.02,
+    "step torsh/deepspeed": 0.9,
+    "peak memory torsh/native": 1.03,
+    "initialize torsh - native (s)": 0.3,
+    "convert cold start (s)": 0.3,
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_case(impl: str, stage: str, precision: str, shape: str, steps: int, warmup: int, nproc: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+        out = handle.name
+    spec = {"impl": impl, "stage": stage, "precision": precision, "shape": shape, "steps": steps,
+            "warmup": warmup, "out": out}  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={_free_port()}", "-m", "benchmarks.worker", json.dumps(spec)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        return {**spec, "error": (done.stdout + done.stderr)[-2000:]}
+    result = json.loads(Path(out).read_text())
+    Path(out).unlink(missing_ok=True)
+    return result
+
+
+def cold_start(repeats: int) -> dict[str, list[float]]:
+    """Wall time of ``torsh-migrate convert`` against ``import deepspeed`` and ``import torch``, interleaved."""
+    example = ROOT / "migration_examples" / "torsh" / "torsh_config.toml"
+    commands = {
+        "torsh-migrate convert": [sys.executable, "-m", "torsh.cli", "convert", str(example), "--to", "torsh"],
+        "import torch": [sys.executable, "-c", "import torch"],
+    }
+    if importlib.util.find_spec("deepspeed"):
+        commands["import deepspeed"] = [sys.executable, "-c", "import deepspeed"]
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    for _ in range(repeats):
+        for name, command in commands.items():
+            started = time.perf_counter()
+            subprocess.run(command, capture_output=True, env=env, check=True)
+            times[name].append(time.perf_counter() - started)
+    return times
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def aggregate(results: list[dict]) -> dict:
+    grouped: dict[tuple, dict[str, dict[str, list[float]]]] = {}
+    for r in results:
+        if "error" in r:
+            continue
+        key = (r["shape"], r["stage"], r["precision"])
+        for metric in ("step_s", "init_s", "peak_rss_mib"):
+            grouped.setdefault(key, {}).setdefault(r["impl"], {}).setdefault(metric, []).append(r[metric])
+    rows = []
+    for (shape, stage, precision), impls in sorted(grouped.items()):
+        row = {"shape": shape, "stage": stage, "precision": precision}
+        for impl, metrics in impls.items():
+            for metric, values in metrics.items():
+                row[f"{impl}.{metric}"] = _summary(values)
+        med = {f"{i}.{m}": row[f"{i}.{m}"]["median"] for i in impls for m in ("step_s", "init_s", "peak_rss_mib")}
+        if "torsh.step_s" in med and "native.step_s" in med:
+            row["step torsh/native"] = med["torsh.step_s"] / med["native.step_s"]
+            row["peak memory torsh/native"] = med["torsh.peak_rss_mib"] / med["native.peak_rss_mib"]
+            row["initialize torsh - native (s)"] = med["torsh.init_s"] - med["native.init_s"]
+        if "torsh.step_s" in med and "deepspeed.step_s" in med:
+            row["step torsh/deepspeed"] = med["torsh.step_s"] / med["deepspeed.step_s"]
+            row["peak memory torsh/deepspeed"] = med["torsh.peak_rss_mib"] / med["deepspeed.peak_rss_mib"]
+        rows.append(row)
+    return {"rows": rows}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Measured {report['date']} on {report['machine']} with `{report['command']}` "
+             f"({report['repeats']} interleaved repeats, {report['steps']} timed steps each, 2 ranks, gloo).", "",
+             "| shape | stage | precision | step native / torsh / DeepSpeed (ms) | torsh/native | torsh/DeepSpeed "
+             "| peak RSS torsh/native | init torsh − native (s) |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+
+    def ms(row, impl):
+        cell = row.get(f"{impl}.step_s")
+        return f"{cell['median'] * 1e3:.1f}" if cell else "–"
+
+    def ratio(row, key, fmt="{:.2f}"):
+        return fmt.format(row[key]) if key in row else "–"
+
+    for row in report["rows"]:
+        lines.append(f"| {row['shape']} | {row['stage']} | {row['precision']} | {ms(row, 'native')} / "
+                     f"{ms(row, 'torsh')} / {ms(row, 'deepspeed')} | {ratio(row, 'step torsh/native')} | "
+                     f"{ratio(row, 'step torsh/deepspeed')} | {ratio(row, 'peak memory torsh/native')} | "
+                     f"{ratio(row, 'initialize torsh - native (s)', '{:+.2f}')} |")  # fmt: skip
+    cold = report.get("cold_start", {})
+    if cold:
+        lines += ["", "| cold start | median (s) | min–max (s) |", "|---|---|---|"]
+        for name, s in cold.items():
+            lines.append(f"| `{name}` | {s['median']:.3f} | {s['min']:.3f}–{s['max']:.3f} |")
+    lines += ["", "Targets:"] + [f"- {line}" for line in report["targets"]]
+    return "\n".join(lines) + "\n"
+
+
+def check_targets(report: dict) -> list[str]:
+    out = []
+    for key, limit in TARGETS.items():
+        if key == "convert cold start (s)":
+            values = [report["cold_start"]["torsh-migrate convert"]["median"]] if report.get("cold_start") else []
+        else:
+            values = [row[key] for row in report["rows"] if key in row]
+        if not values:
+            out.append(f"{key} ≤ {limit}: not measured")
+            continue
+        worst = max(values)
+        out.append(f"{key} ≤ {limit}: {'holds' if worst <= limit else 'MISSED'} (worst {worst:.3f})")
+    return out
+
+
+def update_readme(table: str) -> None:
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    start, end = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
+    if start not in text or end not in text:
+        raise SystemExit("README.md has no benchmark markers")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n{table}{end}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--impls", default=",".join(("native", "torsh", "deepspeed")))
+    parser.add_argument("--stages", default="0,1,2,3,3+offload")
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--shapes", default="compute,comm")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="1 repeat, stages 0 and 3, fp32, comm shape only")
+    parser.add_argument("--update-readme", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.stages, args.precisions, args.shapes = 1, "0,3", "fp32", "comm"
+    impls = args.impls.split(",")
+    if "deepspeed" in impls and not importlib.util.find_spec("deepspeed"):
+        print("DeepSpeed is not installed: skipping it (pip install 'torsh-distributed[parity]')")
+        impls.remove("deepspeed")
+    cases = list(itertools.product(args.shapes.split(","), args.stages.split(","), args.precisions.split(",")))
+    results = []
+    for repeat in range(args.repeats):
+        for shape, stage, precision in cases:
+            for impl in impls:  # interleaved: A B C A B C ...
+                r = run_case(impl, stage, precision, shape, args.steps, args.warmup, args.nproc)
+                status = r.get("error", "").splitlines()[-1:] if "error" in r else f"{r['step_s'] * 1e3:.1f} ms"
+                print(f"[{repeat + 1}/{args.repeats}] {shape:<7} stage {stage:<9} {precision} {impl:<9} {status}",
+                      flush=True)  # fmt: skip
+                results.append(r)
+    report = aggregate(results)
+    report["cold_start"] = {k: _summary(v) for k, v in cold_start(max(3, args.repeats * 2)).items()}
+    report.update({
+        "date": time.strftime("%Y-%m-%d"), "repeats": args.repeats, "steps": args.steps,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "command": "python -m benchmarks" + (" --quick" if args.quick else ""),
+        "errors": [r for r in results if "error" in r],
+    })  # fmt: skip
+    report["targets"] = check_targets(report)
+    table = markdown(report)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "latest.json").write_text(json.dumps({**report, "raw": results}, indent=1))
+    (RESULTS / "latest.md").write_text(table)
+    print(table)
+    if args.update_readme:
+        update_readme(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
