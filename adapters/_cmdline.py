@@ -124,7 +124,7 @@ _REPEATABLE = {("mpirun", "x"), ("mpirun", "mca"), ("horovodrun", "network_inter
 
 _PYTHON = re.compile(r"^(.*/)?python(\d+(\.\d+)?)?$")
 _ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")
-_REDIRECT = re.compile(r"^(\d*>>?|&>>?|\d*>&\d*|<(?![^<>]+>$)|\||\|\||&&|;|&)")
+_REDIRECT = re.compile(r"^(\d*>>?|&>>?|\d*>&\d*|<(?![^<>\s]*>)|\||\|\||&&|;|&)")
 _SAFE = re.compile(r"^([\w@%+=:,./{}$-]+|<[^<>\s]+>)$")
 _PYTHON_OPTS_WITH_VALUE = {"-W", "-X"}
 
@@ -202,6 +202,7 @@ def parse(raw: str | Sequence[str]) -> dict[str, Any]:
     cut = next((i for i, t in enumerate(rest) if _REDIRECT.match(t)), len(rest))
     rest, redirect = rest[:cut], rest[cut:]
     options, positional = _parse_options(launcher, rest)
+    out["launcher"] = launcher
     out[launcher] = options
     if program != launcher:
         out["program"] = program

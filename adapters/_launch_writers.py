@@ -20,6 +20,8 @@ from torsh.errors import ConfigError, Problem
 from torsh.translate import Fidelity, Note
 
 DEFAULT_PORT = 29500
+_DEFAULT_NPROC = {"torchrun": "1 per node", "deepspeed": "one per visible GPU", "horovodrun": "-np is required",
+                  "mpirun": "one per slot"}  # fmt: skip
 _LAUNCH_DEFAULTS = dict(iter_leaves(LaunchConfig().model_dump()))
 _LOCAL_RANK_FIX = ("make the script read the LOCAL_RANK variable, or accept every spelling with "
                    "torsh.launch_args.add_local_rank_argument(parser)")  # fmt: skip
@@ -160,7 +162,9 @@ class _Writer:
     def _extensions(self) -> None:
         for key, value in self.ext.items():
             path = f"extensions.launch.{key}"
-            if key in ("program", "wrapper"):
+            if key == "launcher":
+                self.notes.append(Note(path, None, value, Fidelity.IGNORED, "the source launcher"))
+            elif key in ("program", "wrapper"):
                 kept = _launcher_of(self.ext) == self.target
                 self.notes.append(Note(path, key if kept else None, value, Fidelity.EXACT if kept else Fidelity.DROPPED,
                                        "" if kept else f"belongs to the source launcher, not {self.target}"))
@@ -249,11 +253,8 @@ class _Writer:
 
 
 def _launcher_of(ext: Mapping[str, Any]) -> str | None:
-    for key in ext:
-        if "." in key:
-            return key.split(".")[0]
-    program = ext.get("program", "")
-    return "torchrun" if "torch" in program or program == "tune run" else program.split()[0] if program else None
+    """The launcher a config was read from (kept in ``extensions.launch.launcher``)."""
+    return ext.get("launcher")
 
 
 def _port(w: _Writer) -> tuple[Any, Any]:
@@ -371,18 +372,18 @@ def _filter_note(w: _Writer, per_node_devices: bool) -> None:
 
 
 def _topology_notes(w: _Writer, target: str) -> None:
+    """Node count, processes per node, world size and node rank, as far as the writer has not noted them."""
     L = w.launch
-    for key in ("nnodes", "nproc_per_node", "world_size", "hosts", "hostfile", "node_rank"):
+    if L.hostfile and w.target == "torchrun":
+        w.note("launch.hostfile", Fidelity.EXACT if L.hosts else Fidelity.APPROXIMATE, "torchrun reads no hostfile: "
+               "one command per host" + ("" if L.hosts else "; its hosts were not given (pass --hostfile to "
+                                         "torsh-migrate), so the commands cannot be listed per host"))
+    for key in ("nnodes", "nproc_per_node", "world_size", "node_rank"):
         if w.set(f"launch.{key}") and f"launch.{key}" not in w.done:
-            if key == "hostfile" and w.target == "torchrun":
-                reason = "torchrun reads no hostfile: one command per host instead"
-                fid = Fidelity.APPROXIMATE if not L.hosts else Fidelity.EXACT
-                w.note("launch.hostfile", fid, reason + ("" if L.hosts else "; its hosts were not given "
-                                                          "(pass --hostfile to torsh-migrate)"))
-            elif key == "hosts":
-                continue  # noted by each writer
-            else:
-                w.note(f"launch.{key}", Fidelity.EXACT, "", target)
+            w.note(f"launch.{key}", Fidelity.EXACT, "", target)
+    if L.nproc_per_node is None and L.world_size is None and not L.hosts and "launch.nproc_per_node" not in w.done:
+        w.note("launch.nproc_per_node", Fidelity.APPROXIMATE, "the source command does not say how many processes "
+               f"(its launcher's config or default decides); {w.target}'s default applies: {_DEFAULT_NPROC[w.target]}")
 
 
 def _master_notes(w: _Writer, target: str) -> None:
@@ -495,7 +496,9 @@ def _command_launcher(cfg: TorshConfig, target: str) -> tuple[_Writer, list[str]
     args: list[str] = []
     world = p.world_size
     literal = p.nproc in ("gpu", "auto", "cpu")
-    if world is None and p.nodes is None and p.nnodes not in (None, 1) and p.nproc is not None and not literal:
+    if world is None and p.nproc is not None and not literal and p.nnodes in (None, 1):
+        world = p.nproc
+    elif world is None and p.nodes is None and p.nproc is not None and not literal:
         world = f"$(({_cmdline.quote(str(p.nnodes))} * {_cmdline.quote(str(p.nproc))}))"
     if world is not None:
         args += ["-np", str(world)]
@@ -510,17 +513,21 @@ def _command_launcher(cfg: TorshConfig, target: str) -> tuple[_Writer, list[str]
     if named and (len(named) > 1 or named[0][0] != "localhost"):
         args += ["-H", format_host_list(named)]
         w.notes.append(Note("launch.hosts", "-H", [h for h, _ in named], Fidelity.EXACT))
+        if L.hostfile:
+            w.note("launch.hostfile", Fidelity.EXACT, "its hosts are listed with -H", "-H")
     elif L.hostfile:
         args += ["--hostfile" if target == "horovodrun" else "-hostfile", L.hostfile]
         w.note("launch.hostfile", Fidelity.EXACT if target == "mpirun" else Fidelity.APPROXIMATE,
                "" if target == "mpirun" else "horovodrun's parser fails on blank lines and comments in it")
     elif p.nodes and len(p.nodes) > 1 or p.nnodes not in (None, 1):
         count = len(p.nodes) if p.nodes else p.nnodes
-        slots = p.nproc if p.nproc is not None and not literal else "N"
-        placeholder = ",".join(f"<host-{i}>:{slots}" for i in range(count if isinstance(count, int) else 2))
-        args += ["-H", placeholder]
-        w.notes.append(Note("launch.nnodes", "-H", p.nnodes, Fidelity.APPROXIMATE, f"{target} starts every node "
-                            "from one command and needs the host names: fill in -H"))  # fmt: skip
+        if isinstance(count, int) and isinstance(p.nproc, int):
+            args += ["-H", ",".join(f"<host-{i}>:{p.nproc}" for i in range(count))]
+            w.notes.append(Note("launch.nnodes", "-H", p.nnodes, Fidelity.APPROXIMATE, f"{target} starts every "
+                                "node from one command and needs the host names: fill in -H"))  # fmt: skip
+        else:
+            w.notes.append(Note("launch.nnodes", None, p.nnodes, Fidelity.UNSUPPORTED, f"{target} needs the hosts "
+                                "and their process counts (-H host:N,...); they are only known at run time here"))
     w.done |= {"launch.hosts", "launch.hostfile"}
     if L.node_rank is not None:
         w.note("launch.node_rank", Fidelity.DROPPED, f"{target} starts all nodes from one command on one host")

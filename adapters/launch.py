@@ -101,7 +101,9 @@ def _mpirun_x(value: Any, ctx: ReadContext, path: str) -> None:
     forward = []
     for item in value:
         name, eq, val = item.partition("=")
-        if eq:
+        if eq and name in ("MASTER_ADDR", "MASTER_PORT"):  # the rendezvous torch's env:// reads under mpirun
+            ctx.set(f"launch.{name.lower()}", _number(val), path, note=False)
+        elif eq:
             ctx.set(f"launch.env.{name}", val, path, note=False)
         else:
             forward.append(name)
@@ -159,6 +161,7 @@ FIELD_MAP = {
     "script": "launch.script",
     "script_args": "launch.script_args",
     "env.*": Hook(read=_env),
+    "launcher": Ignored("the launcher the command was written for; its own options are written back only to it"),
     "program": Ignored("the launcher's spelling; written back for the same launcher"),
     "wrapper": Ignored("a wrapper in front of the launcher (srun, nohup); written back for the same launcher"),
     "redirect": Ignored("a shell redirection; written back after every translated command"),
@@ -239,7 +242,9 @@ FIELD_MAP = {
         "autotune_bayes_opt_max_samples", "autotune_gaussian_process_noise", "no_stall_check",
         "stall_check_warning_time_seconds", "stall_check_shutdown_time_seconds", "mpi_threads_disable",
         "mpi_args", "binding_args", "num_nccl_streams", "thread_affinity", "log_level", "log_without_timestamp",
-        "prefix_output_with_timestamp", "module", "no_python")},
+        "prefix_output_with_timestamp")},
+    "horovodrun.module": "launch.module",
+    "horovodrun.no_python": "launch.no_python",
     # ---- mpirun (Open MPI)
     "mpirun.np": Int("launch.world_size"),
     "mpirun.hosts": Hook(read=_hosts),
@@ -251,7 +256,9 @@ FIELD_MAP = {
     **{f"mpirun.{k}": Ignored(_KEEP) for k in (
         "bind_to", "rank_by", "report_bindings", "display_map", "tag_output", "timestamp_output",
         "output_filename", "oversubscribe", "allow_run_as_root", "wdir", "prefix", "quiet", "verbose", "mpi_args",
-        "launch_agent", "module", "no_python")},
+        "launch_agent")},
+    "mpirun.module": "launch.module",
+    "mpirun.no_python": "launch.no_python",
     # ---- accelerate launch (its launch options; the rest belongs to the accelerate config dialect)
     "accelerate.num_processes": Int("launch.world_size", reason="accelerate counts processes on all machines"),
     "accelerate.num_machines": Int("launch.nnodes"),
@@ -313,6 +320,9 @@ def read(raw: str | Sequence[str], *, version: str | None = None,
                 "hostfile_hosts" in ctx.raw):
             ctx.set("launch.nproc_per_node", "gpu", "deepspeed.num_gpus", Fidelity.DEFAULTED,
                     "not set: deepspeed starts one process per visible accelerator on each node")
+        if launcher == "torchrun" and "nproc_per_node" not in options:
+            ctx.set("launch.nproc_per_node", 1, "torchrun.nproc_per_node", Fidelity.DEFAULTED,
+                    "not set: torchrun starts one process per node")
         flag = _DEFAULT_LOCAL_RANK_ARGV.get(program)
         if flag and not options.get("no_local_rank") and not options.get("use_env"):
             ctx.set("launch.local_rank_argv", flag, program, reason=f"{program} appends {flag}=N to the script's "
