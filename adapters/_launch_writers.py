@@ -318,8 +318,8 @@ def write_torchrun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
         node = p.nodes[L.node_rank] if p.nodes and isinstance(L.node_rank, int) and L.node_rank < len(p.nodes) \
             else None
         ranks = [(L.node_rank, node)]
-    elif p.nodes is not None and len(p.nodes) > 1 and (not dynamic or _uniform(p.nodes) is None
-                                                       or any(n.devices for n in p.nodes)):
+    elif p.nodes is not None and len(p.nodes) > 1 and all(n.host for n in p.nodes) and (
+            not dynamic or _uniform(p.nodes) is None or any(n.devices for n in p.nodes)):
         ranks = list(enumerate(p.nodes))
     else:
         ranks = [("$NODE_RANK" if nnodes not in (None, 1) and not dynamic else 0,
