@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from torsh.errors import ConfigError, Problem
 
-_LINE = re.compile(r"^(?P<host>[^\s:=#]+)(?::(?P<colon>\d+)|\s+slots\s*=\s*(?P<slots>\d+)(?:\s+max_slots\s*=\s*\d+)?)?$")
+_LINE = re.compile(
+    r"^(?P<host>[^\s:=#]+)(?::(?P<colon>\d+)|\s+slots\s*=\s*(?P<slots>\d+)(?:\s+max_slots\s*=\s*\d+)?)?$")
 _HOST_LIST_ITEM = re.compile(r"^(?P<host>[^\s:,]+)(?::(?P<slots>\d+))?$")
 
 
@@ -146,6 +147,6 @@ def resolve_nodes(hosts: list[tuple[str, int | None]], *, include: str | None = 
         devices = tuple(slots[:count]) if slots is not None and slots != list(range(len(slots))) else None
         nodes.append(Node(host, count, devices))
     if remaining:
-        raise ConfigError([Problem("launch.world_size", world_size, f"more processes than slots: "
-                                   f"{world_size - remaining} slot(s) on {', '.join(h for h, _ in items)}")])  # fmt: skip
+        raise ConfigError([Problem("launch.world_size", world_size, "more processes than slots: "
+                                   f"{world_size - remaining} slot(s) on {', '.join(h for h, _ in items)}")])
     return nodes

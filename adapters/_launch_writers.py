@@ -15,7 +15,7 @@ from typing import Any
 
 from torsh.adapters import _cmdline
 from torsh.adapters._hostfile import Node, format_host_list, format_hostfile, resolve_nodes
-from torsh.config import LaunchConfig, TorshConfig, iter_leaves
+from torsh.config import LaunchConfig, TorshConfig, get_path, iter_leaves
 from torsh.errors import ConfigError, Problem
 from torsh.translate import Fidelity, Note
 
@@ -131,15 +131,11 @@ class _Writer:
         self.ext = dict(cfg.extensions.get("launch", {}))
 
     def note(self, path: str, fidelity: Fidelity, reason: str = "", target: str | None = None) -> None:
-        from torsh.config import get_path
-
         self.notes.append(Note(path, target, get_path(self.cfg, path), fidelity, reason))
         self.done.add(path)
 
     def set(self, path: str) -> bool:
         """The launch field differs from its default (a user-visible setting)."""
-        from torsh.config import get_path
-
         return get_path(self.cfg, path) != _LAUNCH_DEFAULTS.get(path.removeprefix("launch."), None)
 
     def finish(self, argv_per_node: list[NodeCommand], files: dict[str, str] | None = None) -> LaunchCommand:
@@ -168,8 +164,10 @@ class _Writer:
                 kept = _launcher_of(self.ext) == self.target
                 self.notes.append(Note(path, key if kept else None, value, Fidelity.EXACT if kept else Fidelity.DROPPED,
                                        "" if kept else f"belongs to the source launcher, not {self.target}"))
-            elif key in ("redirect", "python", "python_flags"):
+            elif key == "redirect" or self.target in ("horovodrun", "mpirun"):
                 self.notes.append(Note(path, key, value, Fidelity.EXACT))
+            elif key in ("python", "python_flags"):
+                self.notes.append(Note(path, None, value, Fidelity.DROPPED, f"{self.target} starts Python itself"))
             elif key.split(".")[0] != self.target:
                 self.notes.append(Note(path, None, value, Fidelity.DROPPED, f"a {key.split('.')[0]} option with no "
                                        f"{self.target} counterpart"))  # fmt: skip
@@ -539,6 +537,12 @@ def _command_launcher(cfg: TorshConfig, target: str) -> tuple[_Writer, list[str]
                "(--reset-limit)")
     if L.standalone:
         w.note("launch.standalone", Fidelity.EXACT, "a single-node job")
+    names = "HOROVOD_RANK, HOROVOD_LOCAL_RANK, HOROVOD_SIZE" if target == "horovodrun" else "OMPI_COMM_WORLD_*"
+    source = _launcher_of(w.ext)
+    if source != target and (source, target) != ("horovodrun", "mpirun"):  # hvd.init() also works under mpirun
+        w.notes.append(Note("launch", None, None, Fidelity.APPROXIMATE, f"{target} sets no RANK, LOCAL_RANK or "
+                            f"WORLD_SIZE (only {names}): a script reading them must use torsh.ranks.discover()"
+                            + (" or hvd.init()" if target == "horovodrun" else "")))  # fmt: skip
     return w, args, env
 
 
