@@ -73,17 +73,26 @@ class RankInfo:
     def torch_env(self) -> dict[str, str]:
         """The ``env://`` variables ``torch.distributed.init_process_group`` reads, for this process.
 
-        Master address/port are included only when known. Under ``horovodrun`` they name Horovod's HTTP
-        rendezvous server, which is not a TCPStore (see ``sources['master_addr']``): a caller must not bind it.
+        Master address/port are included only when they name a place for rank 0's TCPStore. Under ``horovodrun``
+        without MASTER_ADDR/MASTER_PORT they name Horovod's HTTP rendezvous server on the launching host (a
+        key-value store, not a TCPStore, and its port is taken), so they are left out: the caller must agree on a
+        store address another way (for example through that key-value store).
         """
         env = {"RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank), "WORLD_SIZE": str(self.world_size)}
         if self.local_world_size is not None:
             env["LOCAL_WORLD_SIZE"] = str(self.local_world_size)
+        if self.master_is_horovod_rendezvous:
+            return env
         if self.master_addr is not None:
             env["MASTER_ADDR"] = self.master_addr
         if self.master_port is not None:
             env["MASTER_PORT"] = str(self.master_port)
         return env
+
+    @property
+    def master_is_horovod_rendezvous(self) -> bool:
+        """master_addr/master_port are horovodrun's Gloo rendezvous server, not a free TCPStore address."""
+        return str(self.sources.get("master_port", "")).startswith("HOROVOD_GLOO_RENDEZVOUS")
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,10 @@ def test_mpi_node_rank_is_left_unknown_when_nodes_differ_in_size():
 def test_horovod_explicit_master_overrides_the_gloo_rendezvous_server():
     info = discover({**HOROVOD, "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}, [])
     assert (info.master_addr, info.master_port) == ("node0", 29500)
-    assert discover(HOROVOD, []).sources["master_port"] == "HOROVOD_GLOO_RENDEZVOUS_PORT"
+    assert not info.master_is_horovod_rendezvous and info.torch_env()["MASTER_PORT"] == "29500"
+    gloo = discover(HOROVOD, [])
+    assert gloo.sources["master_port"] == "HOROVOD_GLOO_RENDEZVOUS_PORT" and gloo.master_is_horovod_rendezvous
+    assert "MASTER_PORT" not in gloo.torch_env()  # rank 0 cannot bind horovodrun's own server port
 
 
 def test_torch_env_is_what_init_process_group_reads():
