@@ -562,22 +562,27 @@ class Host(Section):
     """Processes (usually accelerators) on this host. None: the launcher decides."""
 
 
+ShellRef = Annotated[str, Field(pattern=r"^(\$\w+|\$\{[^{}]+\}|\$\(\([^()]*\)\)|<[^<>]+>|\{\w+\})$")]
+"""A launch value written as a shell variable (``$NGPU``, ``${NODE_RANK:-0}``, ``$((N * 8))``) or a documentation
+placeholder (``<n>``, ``{num_gpus}``); kept verbatim for the shell that runs the command."""
+
+
 class LaunchConfig(Section):
     """How the processes of the job are started (torchrun, deepspeed, horovodrun, mpirun)."""
 
-    nnodes: PositiveInt | None = None
+    nnodes: PositiveInt | ShellRef | None = None
     """Number of nodes (the minimum when elastic)."""
-    max_nnodes: PositiveInt | None = None
+    max_nnodes: PositiveInt | ShellRef | None = None
     """Maximum number of nodes for an elastic job. None: fixed size."""
-    nproc_per_node: PositiveInt | Literal["auto", "gpu", "cpu"] | None = None
+    nproc_per_node: PositiveInt | Literal["auto", "gpu", "cpu"] | ShellRef | None = None
     """Processes per node."""
-    world_size: PositiveInt | None = None
+    world_size: PositiveInt | ShellRef | None = None
     """Total processes, when given without a topology (e.g. ``horovodrun -np``)."""
-    node_rank: NonNegativeInt | None = None
+    node_rank: NonNegativeInt | ShellRef | None = None
     """This node's index (static rendezvous)."""
     master_addr: str | None = None
     """Address of rank 0 (static rendezvous)."""
-    master_port: Annotated[int, Field(ge=0, le=65535)] | None = None
+    master_port: Annotated[int, Field(ge=0, le=65535)] | ShellRef | None = None
     """Port of rank 0 (static rendezvous)."""
     rdzv_backend: str | None = None
     """Rendezvous backend (static, c10d, etcd, ...)."""
@@ -589,10 +594,12 @@ class LaunchConfig(Section):
     """Extra rendezvous settings (``timeout``, ``join_timeout``, ...)."""
     standalone: bool = False
     """Single-node job with a local rendezvous."""
-    max_restarts: NonNegativeInt | None = None
+    max_restarts: NonNegativeInt | ShellRef | None = None
     """Worker-group restarts before failing."""
     hosts: list[Host] = []
     """Hosts and their slots (hostfile / ``-H``)."""
+    hostfile: str | None = None
+    """Path of the hostfile the command names (its hosts, when known, are in ``hosts``)."""
     include: str | None = None
     """DeepSpeed ``--include`` node/slot filter."""
     exclude: str | None = None
@@ -605,13 +612,20 @@ class LaunchConfig(Section):
     """Run ``script`` as a module (``python -m``)."""
     no_python: bool = False
     """Execute ``script`` directly, not through Python."""
+    local_rank_argv: Literal["--local_rank", "--local-rank"] | None = None
+    """The flag the launcher appends to the script's arguments with the local rank (deepspeed: ``--local_rank``,
+    ``torch.distributed.launch``: ``--local-rank``). None: the script gets only the ``LOCAL_RANK`` variable."""
     env: dict[str, str] = {}
     """Environment variables exported to every worker."""
+    forward_env: list[str] = []
+    """Variables forwarded to every worker with their value in the launching shell (``mpirun -x NAME``)."""
 
     @model_validator(mode="after")
     def _elastic_range(self) -> LaunchConfig:
-        if self.max_nnodes is not None and self.nnodes is not None and self.max_nnodes < self.nnodes:
+        if isinstance(self.max_nnodes, int) and isinstance(self.nnodes, int) and self.max_nnodes < self.nnodes:
             raise ValueError(f"launch.max_nnodes ({self.max_nnodes}) is smaller than launch.nnodes ({self.nnodes})")
+        if self.include and self.exclude:
+            raise ValueError("launch.include and launch.exclude cannot both be set (DeepSpeed rejects it too)")
         return self
 
 

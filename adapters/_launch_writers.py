@@ -1,0 +1,669 @@
+"""Writing the core model's ``launch`` section as a torchrun, deepspeed, horovodrun or mpirun command.
+
+Every writer resolves the same topology first (:func:`plan`: which nodes run how many processes on which
+devices, with DeepSpeed's rules for ``--include``/``--exclude``/``--num_nodes``/``--num_gpus`` and Horovod/MPI's
+for ``-np``), then spells it in its launcher's vocabulary and notes every launch field it wrote, approximated or
+could not express (with the closest equivalent). :func:`worker_environments` lists the variables each worker
+process receives from that launcher, so a translation can be checked against ``torsh.ranks.discover``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torsh.adapters import _cmdline
+from torsh.adapters._hostfile import Node, format_host_list, format_hostfile, resolve_nodes
+from torsh.config import LaunchConfig, TorshConfig, get_path, iter_leaves
+from torsh.errors import ConfigError, Problem
+from torsh.translate import Fidelity, Note
+
+DEFAULT_PORT = 29500
+_DEFAULT_NPROC = {"torchrun": "1 per node", "deepspeed": "one per visible GPU", "horovodrun": "-np is required",
+                  "mpirun": "one per slot"}  # fmt: skip
+_LAUNCH_DEFAULTS = dict(iter_leaves(LaunchConfig().model_dump()))
+_LOCAL_RANK_FIX = ("make the script read the LOCAL_RANK variable, or accept every spelling with "
+                   "torsh.launch_args.add_local_rank_argument(parser)")  # fmt: skip
+# Variables the deepspeed launcher forwards to other nodes by itself (runner.py EXPORT_ENVS + CUDA's NCCL).
+_DEEPSPEED_FORWARDS = ("NCCL", "PYTHON", "MV2", "UCX", "MLFLOW")
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    """The command one node runs (or, for launchers that reach other nodes themselves, the head node)."""
+
+    host: str | None
+    """Where to run it; None: any node / the local machine."""
+    argv: tuple[str, ...]
+    """The launcher's argv (program first)."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """``VAR=value`` assignments in front of the command."""
+
+    def shell(self, wrapper: str = "", redirect: str = "") -> str:
+        """The command as one shell line."""
+        parts = [f"{k}={_cmdline.quote(v)}" for k, v in self.env.items()]
+        parts += [wrapper] if wrapper else []
+        parts += [_cmdline.join(self.argv)] + ([redirect] if redirect else [])
+        return " ".join(parts)
+
+
+class LaunchCommand(str):
+    """A translated launch: the text to run (one line per node when nodes run their own command), plus its parts."""
+
+    launcher: str
+    commands: tuple[NodeCommand, ...]
+    files: Mapping[str, str]
+
+    def __new__(cls, text: str, *, launcher: str, commands: tuple[NodeCommand, ...],
+                files: Mapping[str, str] | None = None) -> LaunchCommand:  # fmt: skip
+        obj = super().__new__(cls, text)
+        obj.launcher, obj.commands, obj.files = launcher, commands, dict(files or {})
+        return obj
+
+
+# --------------------------------------------------------------------------------------------------
+# topology
+
+
+@dataclass
+class Plan:
+    """The resolved topology: concrete nodes when every number is known, else the symbolic values."""
+
+    nodes: list[Node] | None
+    nnodes: Any
+    nproc: Any
+    world_size: Any
+
+
+def plan(launch: LaunchConfig) -> Plan:
+    """Which nodes run how many processes, following the launchers' own rules."""
+    hosts = [(h.name, h.slots) for h in launch.hosts]
+    concrete = all(v is None or isinstance(v, int) for v in (launch.nnodes, launch.world_size)) and (
+        launch.nproc_per_node is None or isinstance(launch.nproc_per_node, int))
+    symbolic = Plan(None, launch.nnodes, launch.nproc_per_node, launch.world_size)
+    if symbolic.nproc is None and symbolic.world_size is not None and launch.nnodes in (None, 1) and not hosts:
+        symbolic.nproc = symbolic.world_size
+    if not concrete:
+        return symbolic
+    if not hosts and (launch.include or launch.exclude):
+        hosts = [(h, None) for h in _filter_hosts(launch.include or launch.exclude)]
+        if launch.exclude:
+            return symbolic
+    if hosts:
+        if launch.nproc_per_node is None and launch.world_size is None and any(s is None for _, s in hosts) and not (
+                launch.include and all(":" in part for part in launch.include.split("@"))):
+            return symbolic
+        nodes = resolve_nodes(hosts, include=launch.include, exclude=launch.exclude, num_nodes=launch.nnodes,
+                              nproc_per_node=launch.nproc_per_node, world_size=launch.world_size)
+        return Plan(nodes, len(nodes), _uniform(nodes), sum(n.nproc for n in nodes))
+    nnodes = launch.nnodes or 1
+    if isinstance(launch.nproc_per_node, int):
+        nodes = [Node(None, launch.nproc_per_node)] * nnodes
+    elif launch.world_size is not None and launch.world_size % nnodes == 0:
+        nodes = [Node(None, launch.world_size // nnodes)] * nnodes
+    else:
+        return symbolic
+    return Plan(nodes, nnodes, nodes[0].nproc, sum(n.nproc for n in nodes))
+
+
+def _filter_hosts(spec: str) -> list[str]:
+    return [part.split(":")[0] for part in spec.split("@")]
+
+
+def _uniform(nodes: list[Node]) -> int | None:
+    counts = {n.nproc for n in nodes}
+    return counts.pop() if len(counts) == 1 else None
+
+
+# --------------------------------------------------------------------------------------------------
+# the writer's bookkeeping
+
+
+class _Writer:
+    """Notes for one write; ``done`` collects the launch fields accounted for."""
+
+    def __init__(self, cfg: TorshConfig, target: str):
+        self.cfg, self.launch, self.target = cfg, cfg.launch, target
+        self.notes: list[Note] = []
+        self.done: set[str] = set()
+        self.plan = plan(cfg.launch)
+        self.ext = dict(cfg.extensions.get("launch", {}))
+
+    def note(self, path: str, fidelity: Fidelity, reason: str = "", target: str | None = None) -> None:
+        self.notes.append(Note(path, target, get_path(self.cfg, path), fidelity, reason))
+        self.done.add(path)
+
+    def set(self, path: str) -> bool:
+        """The launch field differs from its default (a user-visible setting)."""
+        return get_path(self.cfg, path) != _LAUNCH_DEFAULTS.get(path.removeprefix("launch."), None)
+
+    def finish(self, argv_per_node: list[NodeCommand], files: dict[str, str] | None = None) -> LaunchCommand:
+        """Account for every remaining field and extension, and build the LaunchCommand."""
+        self._extensions()
+        self._remaining()
+        same = self.ext.get("program") is not None and _launcher_of(self.ext) == self.target
+        wrapper = self.ext.get("wrapper", "") if _launcher_of(self.ext) == self.target else ""
+        redirect = self.ext.get("redirect", "")
+        if same and argv_per_node:
+            program = self.ext["program"].split()
+            argv_per_node = [NodeCommand(c.host, (*program, *c.argv[1:]), c.env) for c in argv_per_node]
+        lines = []
+        for cmd in argv_per_node:
+            if len(argv_per_node) > 1 or (cmd.host and self.target in ("torchrun",)):
+                lines.append(f"# on {cmd.host or 'each node'}")
+            lines.append(cmd.shell(wrapper, redirect))
+        return LaunchCommand("\n".join(lines), launcher=self.target, commands=tuple(argv_per_node), files=files)
+
+    def _extensions(self) -> None:
+        for key, value in self.ext.items():
+            path = f"extensions.launch.{key}"
+            if key == "launcher":
+                self.notes.append(Note(path, None, value, Fidelity.IGNORED, "the source launcher"))
+            elif key in ("program", "wrapper"):
+                kept = _launcher_of(self.ext) == self.target
+                self.notes.append(Note(path, key if kept else None, value, Fidelity.EXACT if kept else Fidelity.DROPPED,
+                                       "" if kept else f"belongs to the source launcher, not {self.target}"))
+            elif key == "redirect" or self.target in ("horovodrun", "mpirun"):
+                self.notes.append(Note(path, key, value, Fidelity.EXACT))
+            elif key in ("python", "python_flags"):
+                self.notes.append(Note(path, None, value, Fidelity.DROPPED, f"{self.target} starts Python itself"))
+            elif key.split(".")[0] != self.target:
+                self.notes.append(Note(path, None, value, Fidelity.DROPPED, f"a {key.split('.')[0]} option with no "
+                                       f"{self.target} counterpart"))  # fmt: skip
+
+    def _remaining(self) -> None:
+        data = self.cfg.model_dump(exclude={"extensions"})
+        defaults = dict(iter_leaves(TorshConfig().model_dump(exclude={"extensions"})))
+        for path, value in iter_leaves(data):
+            if path in self.done or any(path.startswith(d + ".") for d in self.done) or value == defaults.get(path):
+                continue
+            if path.startswith(("launch.", "communication.")):
+                self.notes.append(Note(path, None, value, Fidelity.UNSUPPORTED, f"{self.target} has no option for "
+                                       "this"))  # fmt: skip
+            else:
+                self.notes.append(Note(path, None, value, Fidelity.DROPPED, "not part of a launch command"))
+
+    def option_flags(self) -> list[str]:
+        """This launcher's options kept from a source command of the same launcher."""
+        table: dict[str, str] = {}
+        for spelling, (dest, _) in _cmdline.LAUNCHER_FLAGS[self.target].items():
+            if dest not in table or len(spelling) > len(table[dest]):
+                table[dest] = spelling
+        flags = []
+        for key, value in self.ext.items():
+            launcher, _, dest = key.partition(".")
+            if launcher != self.target or dest not in table:
+                continue
+            spelling = table[dest]
+            for item in value if isinstance(value, list) and dest in ("x", "mca", "network_interface") else [value]:
+                if item is True:
+                    flags.append(spelling)
+                elif isinstance(item, list):
+                    flags += [spelling, *map(str, item)]
+                else:
+                    flags += [spelling, str(item)]
+        return flags
+
+    def script(self, run_python: bool) -> list[str]:
+        """The script and its arguments; ``run_python``: the launcher runs a command, so Python is spelled."""
+        L = self.launch
+        if L.script is None:
+            raise ConfigError([Problem("launch.script", None, "a launch command needs the training script")])
+        self.done |= {"launch.script", "launch.script_args", "launch.module", "launch.no_python"}
+        self.notes.append(Note("launch.script", "script", L.script, Fidelity.EXACT))
+        if L.script_args:
+            self.notes.append(Note("launch.script_args", "script_args", L.script_args, Fidelity.EXACT))
+        if not run_python or L.no_python:
+            return [L.script, *L.script_args]
+        python = [self.ext.get("python", "python"), *self.ext.get("python_flags", [])]
+        return [*python, *(["-m"] if L.module else []), L.script, *L.script_args]
+
+    def local_rank(self, passes: str | None, fix: str = _LOCAL_RANK_FIX) -> None:
+        """Note how the script learns its local rank under this launcher compared with the source launcher."""
+        wanted = self.launch.local_rank_argv
+        self.done.add("launch.local_rank_argv")
+        if wanted == passes:
+            if wanted is not None:
+                self.notes.append(Note("launch.local_rank_argv", None, wanted, Fidelity.EXACT,
+                                       f"{self.target} appends {wanted}=N too"))  # fmt: skip
+            return
+        got = f"{self.target} passes {passes}=N" if passes else f"{self.target} passes no local-rank argument"
+        had = f"the script received {wanted}=N" if wanted else "the script read LOCAL_RANK"
+        self.notes.append(Note("launch.local_rank_argv", None, wanted, Fidelity.APPROXIMATE, f"{had}; {got}: {fix}"))
+
+    def devices_env(self, nodes: list[Node] | None) -> dict[str, str] | None:
+        """CUDA_VISIBLE_DEVICES when every node uses the same device subset; None when they differ."""
+        sets = {n.devices for n in nodes or []}
+        if sets in (set(), {None}):
+            return {}
+        if len(sets) == 1:
+            return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, sets.pop()))}
+        return None
+
+    def env_notes(self, target: str, reason: str = "") -> None:
+        for name in self.launch.env:
+            self.notes.append(Note(f"launch.env.{name}", target, self.launch.env[name], Fidelity.EXACT, reason))
+        if self.launch.forward_env:
+            self.notes.append(Note("launch.forward_env", target, self.launch.forward_env, Fidelity.EXACT,
+                                   f"{self.target} workers inherit the launching shell's environment"))
+        self.done |= {"launch.env", "launch.forward_env"}
+
+
+def _launcher_of(ext: Mapping[str, Any]) -> str | None:
+    """The launcher a config was read from (kept in ``extensions.launch.launcher``)."""
+    return ext.get("launcher")
+
+
+def _port(w: _Writer) -> tuple[Any, Any]:
+    """Master address and port: explicit, else from a rendezvous endpoint, else the first host / 29500."""
+    L = w.launch
+    addr, port = L.master_addr, L.master_port
+    if L.rdzv_endpoint and (addr is None or port is None):
+        host, _, rport = L.rdzv_endpoint.rpartition(":") if ":" in L.rdzv_endpoint else (L.rdzv_endpoint, "", "")
+        addr = addr or host
+        port = port if port is not None else (int(rport) if rport.isdigit() else (rport or None))
+        port = None if port == 0 else port  # c10d's "any free port"; a static rendezvous needs a real one
+    if addr is None and w.plan.nodes and w.plan.nodes[0].host:
+        addr = w.plan.nodes[0].host
+    return addr, port
+
+
+# --------------------------------------------------------------------------------------------------
+# the four writers
+
+
+def write_torchrun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
+    w = _Writer(cfg, "torchrun")
+    L, p = cfg.launch, w.plan
+    common: list[str] = []
+    dynamic = L.rdzv_backend not in (None, "static")
+    if L.standalone:
+        common.append("--standalone")
+        w.note("launch.standalone", Fidelity.EXACT, target="--standalone")
+    nnodes = p.nnodes if p.nodes is None else len(p.nodes)
+    if L.max_nnodes is not None:
+        nnodes = f"{nnodes}:{L.max_nnodes}"
+        w.note("launch.max_nnodes", Fidelity.EXACT, target="--nnodes")
+    addr, port = _port(w)
+    for key, flag in (("rdzv_backend", "--rdzv-backend"), ("rdzv_endpoint", "--rdzv-endpoint"),
+                      ("rdzv_id", "--rdzv-id")):  # fmt: skip
+        if getattr(L, key) is not None:
+            common.append(f"{flag}={getattr(L, key)}")
+            w.note(f"launch.{key}", Fidelity.EXACT, target=flag)
+    if L.rdzv_conf:
+        common.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in L.rdzv_conf.items()))
+        w.note("launch.rdzv_conf", Fidelity.EXACT, target="--rdzv-conf")
+    if L.max_restarts is not None:
+        common.append(f"--max-restarts={L.max_restarts}")
+        w.note("launch.max_restarts", Fidelity.EXACT, target="--max-restarts")
+    common += w.option_flags()
+    common += ["-m"] if L.module else ["--no-python"] if L.no_python else []
+    legacy = w.ext.get("program") == "python -m torch.distributed.launch"
+    if legacy and L.local_rank_argv is None:
+        common.append("--use-env")
+    _topology_notes(w, "--nnodes/--nproc-per-node")
+    w.env_notes("environment", "set in front of torchrun; workers inherit it")
+    w.local_rank("--local-rank" if legacy and L.local_rank_argv is not None else None)
+    script = w.script(run_python=False)
+    _filter_note(w, per_node_devices=True)
+    if L.node_rank is not None:  # the source runs one command per node (deepspeed --no_ssh): so do we
+        if nnodes is None:
+            nnodes = len(L.hosts) if L.hosts else "$NNODES"
+            if not L.hosts:
+                w.notes.append(Note("launch.node_rank", "--nnodes", L.node_rank, Fidelity.APPROXIMATE,
+                                    "the node count is in the hostfile, which was not given: set NNODES"))
+        node = p.nodes[L.node_rank] if p.nodes and isinstance(L.node_rank, int) and L.node_rank < len(p.nodes) \
+            else None
+        ranks = [(L.node_rank, node)]
+    elif p.nodes is not None and len(p.nodes) > 1 and all(n.host for n in p.nodes) and (
+            not dynamic or _uniform(p.nodes) is None or any(n.devices for n in p.nodes)):
+        ranks = list(enumerate(p.nodes))
+    else:
+        ranks = [("$NODE_RANK" if nnodes not in (None, 1) and not dynamic else 0,
+                  p.nodes[0] if p.nodes else None)]
+        if nnodes not in (None, 1) and not dynamic:
+            w.notes.append(Note("launch.nnodes", "--node-rank", nnodes, Fidelity.APPROXIMATE, "the hosts are not "
+                                "known: run this on every node with NODE_RANK=0..N-1 and MASTER_ADDR=node 0"))
+    commands: list[NodeCommand] = []
+    multi = nnodes not in (None, 1)
+    for node_rank, node in ranks:
+        argv = ["torchrun", *([f"--nnodes={nnodes}"] if multi else [])]
+        nproc = node.nproc if node is not None else p.nproc
+        argv += [f"--nproc-per-node={nproc}"] if nproc is not None else []
+        if multi and not dynamic:
+            argv += [f"--node-rank={node_rank}", f"--master-addr={addr if addr is not None else '$MASTER_ADDR'}",
+                     f"--master-port={port if port is not None else DEFAULT_PORT}"]
+        elif not dynamic:
+            argv += [f"--master-addr={addr}"] if addr is not None and L.master_addr is not None else []
+            argv += [f"--master-port={port}"] if port is not None else []
+        devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, node.devices))} if node and node.devices else {}
+        commands.append(NodeCommand(node.host if node else None, (*argv, *common, *script), {**L.env, **devices}))
+    _master_notes(w, "--master-addr/--master-port" if not dynamic else "--rdzv-endpoint")
+    if L.hosts:
+        w.notes.append(Note("launch.hosts", None, [h.name for h in L.hosts], Fidelity.EXACT,
+                            "torchrun runs once per node: each command names its host"
+                            if len(commands) > 1 else "torchrun runs once per node: start the command on each host"))
+        w.done.add("launch.hosts")
+    return w.finish(commands), w.notes
+
+
+def _filter_note(w: _Writer, per_node_devices: bool) -> None:
+    """--include/--exclude: applied when the hosts are known, else the closest equivalent is named."""
+    L, nodes = w.launch, w.plan.nodes
+    w.done |= {"launch.include", "launch.exclude"}
+    if not (L.include or L.exclude):
+        return
+    path, value = ("launch.include", L.include) if L.include else ("launch.exclude", L.exclude)
+    if nodes is None:
+        w.notes.append(Note(path, None, value, Fidelity.UNSUPPORTED, f"{w.target} cannot filter hosts or devices "
+                            "and the hostfile's hosts were not given (pass --hostfile); closest: start it only on "
+                            "the selected hosts with CUDA_VISIBLE_DEVICES set to the selected device ids"))
+    elif not any(n.devices for n in nodes):
+        w.notes.append(Note(path, "hosts", value, Fidelity.EXACT, "applied: only the selected hosts are used"))
+    elif per_node_devices or w.devices_env(nodes) is not None:
+        w.notes.append(Note(path, "CUDA_VISIBLE_DEVICES", value, Fidelity.APPROXIMATE, f"{w.target} cannot choose "
+                            "devices; CUDA_VISIBLE_DEVICES selects the same ids (as deepspeed itself does)"))
+    else:
+        w.notes.append(Note(path, None, value, Fidelity.UNSUPPORTED, f"{w.target} cannot give hosts different "
+                            "device sets; closest: CUDA_VISIBLE_DEVICES set per host (e.g. in ~/.bashrc)"))
+
+
+def _topology_notes(w: _Writer, target: str) -> None:
+    """Node count, processes per node, world size and node rank, as far as the writer has not noted them."""
+    L = w.launch
+    if L.hostfile and w.target == "torchrun":
+        w.note("launch.hostfile", Fidelity.EXACT if L.hosts else Fidelity.APPROXIMATE, "torchrun reads no hostfile: "
+               "one command per host" + ("" if L.hosts else "; its hosts were not given (pass --hostfile to "
+                                         "torsh-migrate), so the commands cannot be listed per host"))
+    for key in ("nnodes", "nproc_per_node", "world_size", "node_rank"):
+        if w.set(f"launch.{key}") and f"launch.{key}" not in w.done:
+            w.note(f"launch.{key}", Fidelity.EXACT, "", target)
+    if L.nproc_per_node is None and L.world_size is None and not L.hosts and "launch.nproc_per_node" not in w.done:
+        w.note("launch.nproc_per_node", Fidelity.APPROXIMATE, "the source command does not say how many processes "
+               f"(its launcher's config or default decides); {w.target}'s default applies: {_DEFAULT_NPROC[w.target]}")
+
+
+def _master_notes(w: _Writer, target: str) -> None:
+    for key in ("master_addr", "master_port"):
+        if getattr(w.launch, key) is not None:
+            w.note(f"launch.{key}", Fidelity.EXACT, target=target)
+
+
+def write_deepspeed(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
+    w = _Writer(cfg, "deepspeed")
+    L, p = cfg.launch, w.plan
+    argv = ["deepspeed"]
+    files: dict[str, str] = {}
+    nodes = p.nodes
+    multi = (nodes is not None and len(nodes) > 1) or (nodes is None and p.nnodes not in (None, 1))
+    hosts = [(h.name, h.slots) for h in L.hosts]
+    if L.hostfile:
+        argv.append(f"--hostfile={L.hostfile}")
+        w.note("launch.hostfile", Fidelity.EXACT, target="--hostfile")
+        if hosts:
+            w.notes.append(Note("launch.hosts", "--hostfile", [h.name for h in L.hosts], Fidelity.EXACT,
+                                f"listed in {L.hostfile}"))
+    elif multi or hosts:
+        named = hosts or [(n.host or f"<host-{i}>", n.nproc) for i, n in enumerate(nodes or [])]
+        if not named:
+            count = p.nnodes if isinstance(p.nnodes, int) else 2
+            named = [(f"<host-{i}>", p.nproc if isinstance(p.nproc, int) else None) for i in range(count)]
+        files["hostfile"] = format_hostfile(named)
+        argv.append("--hostfile=hostfile")
+        if hosts:
+            w.notes.append(Note("launch.hosts", "hostfile", [h.name for h in L.hosts], Fidelity.EXACT,
+                                "written to the hostfile"))
+        else:
+            w.notes.append(Note("launch.nnodes", "hostfile", p.nnodes, Fidelity.APPROXIMATE, "deepspeed needs a "
+                                "hostfile naming the nodes: fill in the host names in the generated one"))
+    w.done.add("launch.hosts")
+    include = L.include
+    if L.include or L.exclude:
+        argv.append(f"--include={L.include}" if L.include else f"--exclude={L.exclude}")
+        w.note("launch.include" if L.include else "launch.exclude", Fidelity.EXACT, target="--include/--exclude")
+        w.done |= {"launch.include", "launch.exclude"}
+    elif nodes and hosts and any(n.nproc != (s or n.nproc) for n, (_, s) in zip(nodes, hosts)) and L.world_size:
+        include = "@".join(f"{n.host}:{','.join(map(str, range(n.nproc)))}" for n in nodes)
+        argv.append(f"--include={include}")
+        w.notes.append(Note("launch.world_size", "--include", L.world_size, Fidelity.EXACT,
+                            "fewer processes than slots: the first slots of each host, as -np fills them"))
+        w.done.add("launch.world_size")
+    if not (L.include or L.exclude or include):
+        if multi and L.nnodes is not None or (nodes and len(nodes) < len(hosts)):
+            argv.append(f"--num_nodes={p.nnodes}")
+        nproc = p.nproc
+        if isinstance(nproc, str) and nproc in ("gpu", "auto"):
+            w.note("launch.nproc_per_node", Fidelity.EXACT, "deepspeed uses every device by default")
+        elif nproc == "cpu":
+            w.note("launch.nproc_per_node", Fidelity.UNSUPPORTED, "deepspeed starts one process per accelerator")
+        elif nproc is not None and not (hosts and all(s == nproc for _, s in hosts) and not L.nproc_per_node):
+            argv.append(f"--num_gpus={nproc}")
+    if L.max_nnodes is not None:
+        w.note("launch.max_nnodes", Fidelity.UNSUPPORTED, "the deepspeed launcher has no elastic range; it starts "
+               "the minimum (--num_nodes); torchrun --nnodes=MIN:MAX is the elastic equivalent")
+    _topology_notes(w, "--num_nodes/--num_gpus")
+    addr, port = _port(w)
+    if L.node_rank is not None:
+        argv += ["--no_ssh", f"--node_rank={L.node_rank}"]
+    if addr is not None and (L.master_addr is not None or multi or L.node_rank is not None):
+        argv.append(f"--master_addr={addr}")
+    if port is not None:
+        argv.append(f"--master_port={port}")
+    _master_notes(w, "--master_addr/--master_port")
+    for key in ("rdzv_backend", "rdzv_endpoint"):
+        if getattr(L, key) is not None:
+            w.note(f"launch.{key}", Fidelity.APPROXIMATE, "deepspeed has a static rendezvous only: its address is "
+                   "--master_addr/--master_port and rank order follows the hostfile")
+    for key in ("rdzv_id", "rdzv_conf", "max_restarts"):
+        if w.set(f"launch.{key}"):
+            w.note(f"launch.{key}", Fidelity.UNSUPPORTED, "the deepspeed launcher has no rendezvous id, "
+                   "settings or restarts")
+    if L.standalone:
+        w.note("launch.standalone", Fidelity.EXACT, "single-node deepspeed runs locally")
+    argv += ["--module"] if L.module else ["--no_python"] if L.no_python else []
+    if L.local_rank_argv is None:
+        argv.append("--no_local_rank")
+        w.done.add("launch.local_rank_argv")
+        w.notes.append(Note("launch.local_rank_argv", "--no_local_rank", None, Fidelity.EXACT,
+                            "the script reads LOCAL_RANK as before; deepspeed would otherwise append --local_rank"))
+    else:
+        w.local_rank("--local_rank", "the underscore spelling differs: accept both with "
+                     "torsh.launch_args.add_local_rank_argument(parser)")
+    argv += [f for f in w.option_flags() if f not in argv]
+    env = dict(L.env)
+    if multi and (L.env or L.forward_env):
+        lines = [f"{k}={v}" for k, v in L.env.items()] + [f"{k}=${{{k}}}" for k in L.forward_env
+                                                          if not k.startswith(_DEEPSPEED_FORWARDS)]
+        files[".deepspeed_env"] = "".join(line + "\n" for line in lines)
+        env = {}
+        w.env_notes(".deepspeed_env", "deepspeed exports the lines of .deepspeed_env on every node")
+        if any(not k.startswith(_DEEPSPEED_FORWARDS) for k in L.forward_env):
+            w.notes.append(Note("launch.forward_env", ".deepspeed_env", L.forward_env, Fidelity.APPROXIMATE,
+                                "written as NAME=${NAME}: replace with the value, deepspeed does not expand it"))
+    else:
+        w.env_notes("environment", "set in front of deepspeed; its workers inherit it")
+    argv += w.script(run_python=False)
+    return w.finish([NodeCommand(None, tuple(argv), env)], files), w.notes
+
+
+def _command_launcher(cfg: TorshConfig, target: str) -> tuple[_Writer, list[str], dict[str, str]]:
+    """What horovodrun and mpirun share: -np, hosts, device selection, no rendezvous of their own."""
+    w = _Writer(cfg, target)
+    L, p = cfg.launch, w.plan
+    args: list[str] = []
+    world = p.world_size
+    literal = p.nproc in ("gpu", "auto", "cpu")
+    if world is None and p.nproc is not None and not literal and p.nnodes in (None, 1):
+        world = p.nproc
+    elif world is None and p.nodes is None and p.nproc is not None and not literal:
+        world = f"$(({_cmdline.quote(str(p.nnodes))} * {_cmdline.quote(str(p.nproc))}))"
+    if world is not None:
+        args += ["-np", str(world)]
+    elif p.nproc in ("gpu", "auto", "cpu"):
+        w.note("launch.nproc_per_node", Fidelity.UNSUPPORTED, f"{target} needs a process count (-np N); "
+               f"'{p.nproc}' is decided by torchrun at start-up")
+    _topology_notes(w, "-np")
+    env = dict(L.env)
+    env.update(w.devices_env(p.nodes) or {})
+    _filter_note(w, per_node_devices=False)
+    named = [(n.host, n.nproc) for n in p.nodes or [] if n.host]
+    if named and (len(named) > 1 or named[0][0] != "localhost"):
+        args += ["-H", format_host_list(named)]
+        w.notes.append(Note("launch.hosts", "-H", [h for h, _ in named], Fidelity.EXACT))
+        if L.hostfile:
+            w.note("launch.hostfile", Fidelity.EXACT, "its hosts are listed with -H", "-H")
+    elif L.hostfile:
+        args += ["--hostfile" if target == "horovodrun" else "-hostfile", L.hostfile]
+        w.note("launch.hostfile", Fidelity.EXACT if target == "mpirun" else Fidelity.APPROXIMATE,
+               "" if target == "mpirun" else "horovodrun's parser fails on blank lines and comments in it")
+    elif p.nodes and len(p.nodes) > 1 or p.nnodes not in (None, 1):
+        count = len(p.nodes) if p.nodes else p.nnodes
+        if isinstance(count, int) and isinstance(p.nproc, int):
+            args += ["-H", ",".join(f"<host-{i}>:{p.nproc}" for i in range(count))]
+            w.notes.append(Note("launch.nnodes", "-H", p.nnodes, Fidelity.APPROXIMATE, f"{target} starts every "
+                                "node from one command and needs the host names: fill in -H"))  # fmt: skip
+        else:
+            w.notes.append(Note("launch.nnodes", None, p.nnodes, Fidelity.UNSUPPORTED, f"{target} needs the hosts "
+                                "and their process counts (-H host:N,...); they are only known at run time here"))
+    w.done |= {"launch.hosts", "launch.hostfile"}
+    if L.node_rank is not None:
+        w.note("launch.node_rank", Fidelity.DROPPED, f"{target} starts all nodes from one command on one host")
+    if L.max_nnodes is not None:
+        w.note("launch.max_nnodes", Fidelity.UNSUPPORTED, "an elastic range needs horovodrun --min-np/--max-np with "
+               "--host-discovery-script (a script printing the current hosts)")
+    if w.set("launch.max_restarts"):
+        w.note("launch.max_restarts", Fidelity.UNSUPPORTED, "restarts exist only in elastic horovodrun "
+               "(--reset-limit)")
+    if L.standalone:
+        w.note("launch.standalone", Fidelity.EXACT, "a single-node job")
+    names = "HOROVOD_RANK, HOROVOD_LOCAL_RANK, HOROVOD_SIZE" if target == "horovodrun" else "OMPI_COMM_WORLD_*"
+    source = _launcher_of(w.ext)
+    if source != target and (source, target) != ("horovodrun", "mpirun"):  # hvd.init() also works under mpirun
+        w.notes.append(Note("launch", None, ["RANK", "LOCAL_RANK", "WORLD_SIZE"], Fidelity.APPROXIMATE, f"{target} sets no RANK, LOCAL_RANK or "
+                            f"WORLD_SIZE (only {names}): a script reading them must use torsh.ranks.discover()"
+                            + (" or hvd.init()" if target == "horovodrun" else "")))  # fmt: skip
+    return w, args, env
+
+
+def write_horovodrun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
+    w, args, env = _command_launcher(cfg, "horovodrun")
+    L, C = cfg.launch, cfg.communication
+    for key in ("master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf"):
+        if w.set(f"launch.{key}"):
+            w.note(f"launch.{key}", Fidelity.DROPPED, "horovodrun runs its own rendezvous server "
+                   "(HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT, read by torsh.ranks.discover)")
+    tunables: list[str] = []
+    if C.fusion_threshold_bytes is not None:
+        mb = C.fusion_threshold_bytes / (1024 * 1024)
+        tunables.append(f"--fusion-threshold-mb={int(round(mb))}")
+        w.note("communication.fusion_threshold_bytes", Fidelity.EXACT if mb == int(mb) else Fidelity.APPROXIMATE,
+               "whole MiB" if mb != int(mb) else "", "--fusion-threshold-mb")
+    if C.cycle_time_ms is not None:
+        tunables.append(f"--cycle-time-ms={C.cycle_time_ms:g}")
+        w.note("communication.cycle_time_ms", Fidelity.EXACT, target="--cycle-time-ms")
+    for key in ("hierarchical_allreduce", "hierarchical_allgather"):
+        if getattr(C, key):
+            tunables.append("--" + key.replace("_", "-"))
+            w.note(f"communication.{key}", Fidelity.EXACT, target=tunables[-1])
+    if C.timeout_s is not None:
+        tunables.append(f"--gloo-timeout-seconds={int(C.timeout_s)}")
+        w.note("communication.timeout_s", Fidelity.APPROXIMATE, "Horovod's Gloo timeout", "--gloo-timeout-seconds")
+    timeline = cfg.monitoring.timeline
+    if timeline.filename:
+        tunables.append(f"--timeline-filename={timeline.filename}")
+        w.note("monitoring.timeline.filename", Fidelity.EXACT, target="--timeline-filename")
+        if timeline.mark_cycles:
+            tunables.append("--timeline-mark-cycles")
+            w.note("monitoring.timeline.mark_cycles", Fidelity.EXACT, target="--timeline-mark-cycles")
+    w.env_notes("environment", "horovodrun forwards the launching shell's environment to every worker")
+    w.local_rank(None, "use hvd.local_rank(), LOCAL_RANK is not set either: torsh.ranks.discover() reads "
+                 "HOROVOD_LOCAL_RANK")
+    argv = ["horovodrun", *args, *tunables, *[f for f in w.option_flags() if f not in tunables]]
+    argv += w.script(run_python=True)
+    return w.finish([NodeCommand(None, tuple(argv), env)]), w.notes
+
+
+def write_mpirun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
+    w, args, env = _command_launcher(cfg, "mpirun")
+    L = cfg.launch
+    addr, port = _port(w)
+    exports = [f"{k}={v}" for k, v in env.items()] + list(L.forward_env)
+    w.env_notes("-x", "exported to every rank with -x")
+    single = w.plan.nodes is not None and len(w.plan.nodes) == 1 and w.plan.nodes[0].host in (None, "localhost")
+    fallback = "127.0.0.1" if single or w.plan.nnodes in (None, 1) else "<host-0>"
+    rendezvous = {"MASTER_ADDR": addr if addr is not None else fallback, "MASTER_PORT": port or DEFAULT_PORT}
+    exports += [f"{k}={v}" for k, v in rendezvous.items() if k not in L.env]
+    for key in ("master_addr", "master_port"):
+        if getattr(L, key) is not None:
+            w.note(f"launch.{key}", Fidelity.EXACT, "-x " + key.upper())
+    w.notes.append(Note("launch", "-x MASTER_ADDR/MASTER_PORT", rendezvous, Fidelity.DEFAULTED, "mpirun has no "
+                        "rendezvous: exported so torch.distributed's env:// finds rank 0's store"))  # fmt: skip
+    for key in ("rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf"):
+        if w.set(f"launch.{key}"):
+            w.note(f"launch.{key}", Fidelity.APPROXIMATE if key == "rdzv_endpoint" else Fidelity.DROPPED,
+                   "static rendezvous at MASTER_ADDR/MASTER_PORT")
+    w.local_rank(None, "mpirun sets OMPI_COMM_WORLD_LOCAL_RANK, not LOCAL_RANK: use torsh.ranks.discover()")
+    kept = w.option_flags()
+    argv = ["mpirun", *args]
+    for item in exports:
+        argv += ["-x", item]
+    argv += [f for f in kept if f not in argv or f == "-x"]
+    argv += w.script(run_python=True)
+    return w.finish([NodeCommand(None, tuple(argv), {})]), w.notes
+
+
+WRITERS: dict[str, Callable[[TorshConfig], tuple[LaunchCommand, list[Note]]]] = {
+    "torchrun": write_torchrun, "deepspeed": write_deepspeed, "horovodrun": write_horovodrun,
+    "mpirun": write_mpirun,
+}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# worker environments
+
+
+def worker_environments(cfg: TorshConfig, launcher: str = "torchrun") -> list[dict[str, str]]:
+    """The variables each worker gets from ``launcher`` (global rank order), beyond the inherited environment.
+
+    Includes ``launch.env``. Raises ConfigError when the topology is not concrete (shell variables, ``gpu``).
+    """
+    if launcher not in WRITERS:
+        raise ConfigError([Problem("launcher", launcher, f"expected one of {', '.join(WRITERS)}")])
+    L = cfg.launch
+    p = plan(L)
+    if p.nodes is None:
+        raise ConfigError([Problem("launch", {"nnodes": L.nnodes, "nproc_per_node": L.nproc_per_node,
+                                              "world_size": L.world_size}, "the number of processes is not known "
+                                   "until the command runs (a shell variable or gpu/auto)")])  # fmt: skip
+    addr, port = _port(_Writer(cfg, launcher))
+    addr = addr or "127.0.0.1"
+    port = str(port or DEFAULT_PORT)
+    world, nnodes = sum(n.nproc for n in p.nodes), len(p.nodes)
+    envs = []
+    rank = 0
+    for node_rank, node in enumerate(p.nodes):
+        for local in range(node.nproc):
+            common = {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world)}
+            if launcher == "torchrun":
+                env = {**common, "LOCAL_WORLD_SIZE": str(node.nproc), "GROUP_RANK": str(node_rank),
+                       "GROUP_WORLD_SIZE": str(nnodes), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
+                       "ROLE_NAME": "default", "MASTER_ADDR": addr, "MASTER_PORT": port,
+                       "TORCHELASTIC_RUN_ID": L.rdzv_id or "none", "TORCHELASTIC_RESTART_COUNT": "0",
+                       "TORCHELASTIC_MAX_RESTARTS": str(L.max_restarts or 0)}  # fmt: skip
+            elif launcher == "deepspeed":
+                env = {**common, "LOCAL_SIZE": str(node.nproc), "CROSS_RANK": str(node_rank),
+                       "CROSS_SIZE": str(nnodes), "MASTER_ADDR": addr, "MASTER_PORT": port,
+                       "CUDA_VISIBLE_DEVICES": ",".join(map(str, node.devices or range(node.nproc)))}  # fmt: skip
+            elif launcher == "horovodrun":
+                env = {"HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(world), "HOROVOD_LOCAL_RANK": str(local),
+                       "HOROVOD_LOCAL_SIZE": str(node.nproc), "HOROVOD_CROSS_RANK": str(node_rank),
+                       "HOROVOD_CROSS_SIZE": str(nnodes), "HOROVOD_HOSTNAME": node.host or "localhost",
+                       "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}  # fmt: skip
+            else:
+                env = {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(world),
+                       "OMPI_COMM_WORLD_LOCAL_RANK": str(local), "OMPI_COMM_WORLD_LOCAL_SIZE": str(node.nproc),
+                       "MASTER_ADDR": addr, "MASTER_PORT": port}  # fmt: skip
+            envs.append({**L.env, **env})
+            rank += 1
+    return envs

@@ -1,0 +1,340 @@
+"""The ``launch`` dialect: torchrun, the deepspeed launcher, horovodrun and mpirun command lines.
+
+Reading: a command (a string, split like a shell, or an argv list) becomes a mapping (``_cmdline.parse``:
+``{"torchrun": {"nnodes": "2", ...}, "script": ..., "script_args": [...], "env": {...}}``) that ``FIELD_MAP``
+translates into the core model's ``launch`` and ``communication`` sections, one note per option. Accepted:
+``torchrun``, ``python -m torch.distributed.run`` / ``.launch``, ``tune run``, ``deepspeed``, ``horovodrun``,
+``mpirun``/``mpiexec`` (Open MPI) and ``accelerate launch`` (its launch options; the config file it names is
+another dialect). ``VAR=value`` prefixes, a wrapper such as ``srun`` and a trailing redirection are kept.
+
+Writing: ``write(cfg, version="torchrun" | "deepspeed" | "horovodrun" | "mpirun")`` returns a Translation whose
+result is a :class:`~torsh.adapters._launch_writers.LaunchCommand` - a ``str`` (one line per node when every
+node runs its own command) that also carries each node's argv, files to create (hostfile, ``.deepspeed_env``)
+and, through :func:`worker_environments`, the environment every worker gets. What a launcher cannot express is a
+note naming the closest equivalent.
+
+Reading is pure: a hostfile named by the command is read only when its text is passed (``hostfile=``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torsh.adapters import _cmdline
+from torsh.adapters._hostfile import parse_host_list, parse_hostfile
+from torsh.adapters._launch_writers import WRITERS, LaunchCommand, worker_environments
+from torsh.config import TorshConfig
+from torsh.translate import (
+    Fidelity,
+    FieldMap,
+    Hook,
+    Ignored,
+    ReadContext,
+    Translation,
+    Unsupported,
+    check_version,
+    read_mapping,
+)
+
+NAME = "launch"
+VERSIONS = tuple(WRITERS)
+"""Write targets; the first is the default. Reading accepts every launcher (the version is not needed)."""
+WRITE_TARGETS = VERSIONS
+"""FIELD_MAP is sectioned by launcher; each section's reverse map is checked on its own."""
+
+__all__ = ["NAME", "FIELD_MAP", "VALUE_MAPS", "ALIASES", "LaunchCommand", "read", "write", "sniff",
+           "worker_environments"]  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# hooks: what a one-to-one map cannot say
+
+
+def _number(text: Any) -> Any:
+    """``"8"`` -> 8; shell variables and placeholders stay strings (the core model keeps them verbatim)."""
+    if isinstance(text, str) and text.strip().isdigit():
+        return int(text)
+    if isinstance(text, str):
+        try:
+            return float(text)
+        except ValueError:
+            return text
+    return text
+
+
+def Int(path: str, fidelity: Fidelity = Fidelity.EXACT, reason: str = "") -> Hook:  # noqa: N802 - a map value
+    """A numeric option: digits become a number, ``$VAR`` stays verbatim."""
+    return Hook(read=lambda value, ctx, src: ctx.set(path, _number(value), src, fidelity, reason))
+
+
+def _nnodes(value: Any, ctx: ReadContext, path: str) -> None:
+    low, sep, high = str(value).partition(":")
+    ctx.set("launch.nnodes", _number(low), path)
+    if sep and high != low:
+        ctx.set("launch.max_nnodes", _number(high), path, note=False)
+
+
+def _rdzv_conf(value: Any, ctx: ReadContext, path: str) -> None:
+    conf = {}
+    for item in filter(None, str(value).split(",")):
+        key, eq, val = item.partition("=")
+        if not eq:
+            ctx.problem(path, value, f"cannot read {item!r}; expected key=value[,key=value]")
+            return
+        conf[key.strip()] = val.strip()
+    ctx.set("launch.rdzv_conf", conf, path)
+
+
+def _hosts(value: Any, ctx: ReadContext, path: str) -> None:
+    hosts = parse_host_list(str(value), source=path)
+    ctx.set("launch.hosts", [{"name": h, "slots": s} for h, s in hosts], path)
+
+
+def _hostfile_hosts(value: Any, ctx: ReadContext, path: str) -> None:
+    ctx.set("launch.hosts", value, path, reason="read from the hostfile's text")
+
+
+def _env(value: Any, ctx: ReadContext, path: str) -> None:
+    ctx.set(f"launch.env.{path.split('.', 1)[1]}", str(value), path, reason="exported to every worker")
+
+
+def _mpirun_x(value: Any, ctx: ReadContext, path: str) -> None:
+    forward = []
+    for item in value:
+        name, eq, val = item.partition("=")
+        if eq and name in ("MASTER_ADDR", "MASTER_PORT"):  # the rendezvous torch's env:// reads under mpirun
+            ctx.set(f"launch.{name.lower()}", _number(val), path, note=False)
+        elif eq:
+            ctx.set(f"launch.env.{name}", val, path, note=False)
+        else:
+            forward.append(name)
+    if forward:
+        ctx.set("launch.forward_env", forward, path, note=False)
+    ctx.note(path, Fidelity.EXACT, "NAME=value -> launch.env, NAME -> launch.forward_env", value, "launch.env")
+
+
+def _mpirun_map_by(value: Any, ctx: ReadContext, path: str) -> None:
+    ctx.keep(path, value)
+    if str(value).split(":")[0].lower() == "node":
+        ctx.note(path, Fidelity.UNSUPPORTED, "round-robin placement (rank i on node i mod N); the other launchers "
+                 "place ranks node by node", value)  # fmt: skip
+    else:
+        ctx.note(path, Fidelity.IGNORED, "process placement within the block-by-node order the other launchers use",
+                 value)  # fmt: skip
+
+
+def _switch(path: str, value: bool, reason: str = "") -> Hook:
+    return Hook(read=lambda v, ctx, src: ctx.set(path, value, src, reason=reason))
+
+
+def _fusion_mb(value: Any, ctx: ReadContext, path: str) -> None:
+    ctx.set("communication.fusion_threshold_bytes", int(float(value) * 1024 * 1024), path,
+            reason="MB x 1048576 (HOROVOD_FUSION_THRESHOLD)")  # fmt: skip
+
+
+def _gpu_ids(value: Any, ctx: ReadContext, path: str) -> None:
+    if str(value) == "all":
+        ctx.note(path, Fidelity.EXACT, "all devices: the default", value)
+        return
+    ctx.set("launch.env.CUDA_VISIBLE_DEVICES", str(value), path, Fidelity.APPROXIMATE,
+            "accelerate sets CUDA_VISIBLE_DEVICES from --gpu_ids")  # fmt: skip
+
+
+def _no_ssh(value: Any, ctx: ReadContext, path: str) -> None:
+    if "node_rank" not in ctx.raw.get("deepspeed", {}):
+        ctx.problem(path, value, "--no_ssh runs the command on every node and needs --node_rank")
+        return
+    ctx.note(path, Fidelity.EXACT, "each node runs the command itself: implied by launch.node_rank", value,
+             "launch.node_rank")  # fmt: skip
+
+
+def _local_rank_argv(flag: str | None, reason: str) -> Hook:
+    return Hook(read=lambda v, ctx, src: ctx.set("launch.local_rank_argv", flag, src, reason=reason))
+
+
+_KEEP = "no effect on what runs where; kept for a round trip to the same launcher"
+_ELASTIC_HVD = "elastic Horovod (host discovery); torchrun's elastic range is per node: --nnodes=MIN:MAX"
+_TRAINING = "a training setting, not a launch one: convert the accelerate config with `torsh-migrate convert`"
+
+#: Source path (``launcher.option_dest``) -> core path or status. Unlisted options are rejected when parsing.
+FIELD_MAP = {
+    # ---- every launcher
+    "script": "launch.script",
+    "script_args": "launch.script_args",
+    "env.*": Hook(read=_env),
+    "launcher": Ignored("the launcher the command was written for; its own options are written back only to it"),
+    "program": Ignored("the launcher's spelling; written back for the same launcher"),
+    "wrapper": Ignored("a wrapper in front of the launcher (srun, nohup); written back for the same launcher"),
+    "redirect": Ignored("a shell redirection; written back after every translated command"),
+    "python": Ignored("the Python executable; written back where the launcher runs a command"),
+    "python_flags": Ignored("flags of the Python interpreter; written back where the launcher runs a command"),
+    "hostfile_hosts": Hook(read=_hostfile_hosts),
+    # ---- torchrun / python -m torch.distributed.run / .launch / tune run
+    "torchrun.nnodes": Hook(read=_nnodes),
+    "torchrun.nproc_per_node": Int("launch.nproc_per_node"),
+    "torchrun.node_rank": Int("launch.node_rank"),
+    "torchrun.master_addr": "launch.master_addr",
+    "torchrun.master_port": Int("launch.master_port"),
+    "torchrun.rdzv_backend": "launch.rdzv_backend",
+    "torchrun.rdzv_endpoint": "launch.rdzv_endpoint",
+    "torchrun.rdzv_id": "launch.rdzv_id",
+    "torchrun.rdzv_conf": Hook(read=_rdzv_conf),
+    "torchrun.standalone": "launch.standalone",
+    "torchrun.max_restarts": Int("launch.max_restarts"),
+    "torchrun.module": "launch.module",
+    "torchrun.no_python": "launch.no_python",
+    "torchrun.use_env": _local_rank_argv(None, "--use-env: the script reads LOCAL_RANK, no --local-rank argument"),
+    "torchrun.run_path": Unsupported("runs the script in the agent's interpreter (runpy); others start Python"),
+    "torchrun.virtual_local_rank": Unsupported("every worker sees LOCAL_RANK=0 and one device; no other launcher "
+                                               "does this"),
+    "torchrun.numa_binding": Unsupported("NUMA binding of workers; deepspeed --bind_cores_to_rank is the closest"),
+    **{f"torchrun.{k}": Ignored(_KEEP) for k in (
+        "monitor_interval", "start_method", "event_log_handler", "role", "log_dir", "redirects", "tee",
+        "local_ranks_filter", "duplicate_stdout_filters", "duplicate_stderr_filters", "local_addr", "logs_specs",
+        "signals_to_handle", "shutdown_timeout")},
+    # ---- deepspeed
+    "deepspeed.hostfile": "launch.hostfile",
+    "deepspeed.include": "launch.include",
+    "deepspeed.exclude": "launch.exclude",
+    "deepspeed.num_nodes": Int("launch.nnodes", reason="the first N hosts of the hostfile"),
+    "deepspeed.num_gpus": Int("launch.nproc_per_node", reason="slots 0..N-1 on every node"),
+    "deepspeed.master_addr": "launch.master_addr",
+    "deepspeed.master_port": Int("launch.master_port"),
+    "deepspeed.node_rank": Int("launch.node_rank"),
+    "deepspeed.no_ssh": Hook(read=_no_ssh),
+    "deepspeed.module": "launch.module",
+    "deepspeed.no_python": "launch.no_python",
+    "deepspeed.no_local_rank": _local_rank_argv(None, "the script reads LOCAL_RANK, no --local_rank argument"),
+    "deepspeed.launcher": Ignored("how deepspeed reaches the other nodes (pdsh, openmpi, slurm, ...)"),
+    "deepspeed.launcher_args": Unsupported("arguments for deepspeed's multi-node backend (pdsh/mpirun/srun)"),
+    "deepspeed.autotuning": Unsupported("DeepSpeed's autotuner runs experiments before training"),
+    "deepspeed.bind_cores_to_rank": Unsupported("CPU core binding (sets OMP_NUM_THREADS); torchrun "
+                                                "--numa-binding is the closest"),
+    "deepspeed.bind_core_list": Unsupported("CPU cores to bind to"),
+    **{f"deepspeed.{k}": Ignored(_KEEP) for k in (
+        "no_ssh_check", "force_multi", "save_pid", "enable_each_rank_log", "ssh_port", "venv_script", "log_level",
+        "quiet")},
+    # ---- horovodrun
+    "horovodrun.num_proc": Int("launch.world_size"),
+    "horovodrun.hosts": Hook(read=_hosts),
+    "horovodrun.hostfile": "launch.hostfile",
+    "horovodrun.fusion_threshold_mb": Hook(read=_fusion_mb),
+    "horovodrun.cycle_time_ms": Int("communication.cycle_time_ms"),
+    "horovodrun.hierarchical_allreduce": "communication.hierarchical_allreduce",
+    "horovodrun.no_hierarchical_allreduce": _switch("communication.hierarchical_allreduce", False),
+    "horovodrun.hierarchical_allgather": "communication.hierarchical_allgather",
+    "horovodrun.no_hierarchical_allgather": _switch("communication.hierarchical_allgather", False),
+    "horovodrun.timeline_filename": "monitoring.timeline.filename",
+    "horovodrun.timeline_mark_cycles": "monitoring.timeline.mark_cycles",
+    "horovodrun.gloo_timeout_seconds": Int("communication.timeout_s", Fidelity.APPROXIMATE,
+                                           "Horovod's Gloo context timeout; the process-group timeout is closest"),
+    "horovodrun.tcp": Hook(read=lambda v, ctx, src: ctx.set("launch.env.NCCL_IB_DISABLE", "1", src,
+                           Fidelity.APPROXIMATE, "NCCL_IB_DISABLE=1; horovodrun also limits MPI to TCP")),
+    "horovodrun.config_file": Unsupported("Horovod tunables in YAML: convert it with `torsh-migrate convert`"),
+    **{f"horovodrun.{k}": Unsupported(_ELASTIC_HVD) for k in (
+        "min_np", "max_np", "slots", "elastic_timeout", "reset_limit", "blacklist_cooldown_range",
+        "host_discovery_script")},
+    **{f"horovodrun.{k}": Ignored("Horovod's controller: how horovodrun starts processes; torch.distributed "
+                                  "takes its backend from communication.backend") for k in ("gloo", "mpi", "jsrun")},
+    **{f"horovodrun.{k}": Ignored(_KEEP) for k in (
+        "disable_cache", "start_timeout", "network_interfaces", "network_interface", "output_filename", "verbose",
+        "ssh_port", "ssh_identity_file", "cache_capacity", "torus_allreduce", "no_torus_allreduce", "autotune",
+        "autotune_log_file", "autotune_warmup_samples", "autotune_steps_per_sample",
+        "autotune_bayes_opt_max_samples", "autotune_gaussian_process_noise", "no_stall_check",
+        "stall_check_warning_time_seconds", "stall_check_shutdown_time_seconds", "mpi_threads_disable",
+        "mpi_args", "binding_args", "num_nccl_streams", "thread_affinity", "log_level", "log_without_timestamp",
+        "prefix_output_with_timestamp")},
+    "horovodrun.module": "launch.module",
+    "horovodrun.no_python": "launch.no_python",
+    # ---- mpirun (Open MPI)
+    "mpirun.np": Int("launch.world_size"),
+    "mpirun.hosts": Hook(read=_hosts),
+    "mpirun.hostfile": "launch.hostfile",
+    "mpirun.x": Hook(read=_mpirun_x),
+    "mpirun.npernode": Int("launch.nproc_per_node"),
+    "mpirun.map_by": Hook(read=_mpirun_map_by),
+    "mpirun.mca": Ignored("an Open MPI transport setting; NCCL and Gloo do not use MPI's transports"),
+    **{f"mpirun.{k}": Ignored(_KEEP) for k in (
+        "bind_to", "rank_by", "report_bindings", "display_map", "tag_output", "timestamp_output",
+        "output_filename", "oversubscribe", "allow_run_as_root", "wdir", "prefix", "quiet", "verbose", "mpi_args",
+        "launch_agent")},
+    "mpirun.module": "launch.module",
+    "mpirun.no_python": "launch.no_python",
+    # ---- accelerate launch (its launch options; the rest belongs to the accelerate config dialect)
+    "accelerate.num_processes": Int("launch.world_size", reason="accelerate counts processes on all machines"),
+    "accelerate.num_machines": Int("launch.nnodes"),
+    "accelerate.machine_rank": Int("launch.node_rank"),
+    "accelerate.main_process_ip": "launch.master_addr",
+    "accelerate.main_process_port": Int("launch.master_port"),
+    "accelerate.rdzv_backend": "launch.rdzv_backend",
+    "accelerate.max_restarts": Int("launch.max_restarts"),
+    "accelerate.module": "launch.module",
+    "accelerate.no_python": "launch.no_python",
+    "accelerate.gpu_ids": Hook(read=_gpu_ids),
+    **{f"accelerate.{k}": Unsupported(_TRAINING) for k in (
+        "config_file", "mixed_precision", "use_deepspeed", "use_fsdp", "deepspeed_config_file", "zero_stage",
+        "gradient_accumulation_steps", "dynamo_backend")},
+    **{f"accelerate.{k}": Ignored(_KEEP) for k in (
+        "multi_gpu", "cpu", "same_network", "monitor_interval", "num_cpu_threads_per_process", "quiet", "debug",
+        "tee", "log_dir", "role", "main_training_function")},
+}  # fmt: skip
+VALUE_MAPS: dict[str, dict[Any, Any]] = {}
+ALIASES: dict[str, str] = {}  # option spellings are resolved by the parser tables (_cmdline)
+
+_FIELD_MAP = FieldMap(FIELD_MAP, ALIASES)
+
+#: The local-rank argument each launcher appends to the script's arguments by default.
+_DEFAULT_LOCAL_RANK_ARGV = {"deepspeed": "--local_rank", "python -m torch.distributed.launch": "--local-rank"}
+
+
+def sniff(raw: Any) -> float:
+    """A command string or argv naming a launcher; never a mapping (those are config files)."""
+    if isinstance(raw, str) or (isinstance(raw, (list, tuple)) and raw and all(isinstance(t, str) for t in raw)):
+        try:
+            _cmdline.parse(raw)
+        except Exception:  # noqa: BLE001 - sniffing must never raise
+            return 0.0
+        return 1.0
+    return 0.0
+
+
+def read(raw: str | Sequence[str], *, version: str | None = None,
+         hostfile: str | None = None) -> Translation[TorshConfig]:  # fmt: skip
+    """Read a launch command (a string split like a shell, or argv) into the core model.
+
+    ``hostfile`` is the *text* of the hostfile the command names (or of one to use), read with both grammars.
+    ``version`` is accepted for the registry's signature; any launcher is read.
+    """
+    if version is not None:
+        check_version(NAME, version, VERSIONS)
+    parsed = _cmdline.parse(raw)
+    launcher = next(k for k in _cmdline.LAUNCHER_FLAGS if k in parsed)
+    if hostfile is not None:
+        parsed["hostfile_hosts"] = [{"name": h, "slots": s}
+                                    for h, s in parse_hostfile(hostfile, source=parsed[launcher].get("hostfile",
+                                                                                                   "hostfile"))]
+    program = parsed.get("program", launcher)
+
+    def finalize(ctx: ReadContext) -> None:
+        options = ctx.raw[launcher]
+        if launcher == "deepspeed" and not ({"num_gpus", "include", "exclude"} & set(options)) and not (
+                "hostfile_hosts" in ctx.raw):
+            ctx.set("launch.nproc_per_node", "gpu", "deepspeed.num_gpus", Fidelity.DEFAULTED,
+                    "not set: deepspeed starts one process per visible accelerator on each node")
+        if launcher == "torchrun" and "nproc_per_node" not in options:
+            ctx.set("launch.nproc_per_node", 1, "torchrun.nproc_per_node", Fidelity.DEFAULTED,
+                    "not set: torchrun starts one process per node")
+        flag = _DEFAULT_LOCAL_RANK_ARGV.get(program)
+        if flag and not options.get("no_local_rank") and not options.get("use_env"):
+            ctx.set("launch.local_rank_argv", flag, program, reason=f"{program} appends {flag}=N to the script's "
+                    "arguments: the script must accept it (torsh.launch_args.add_local_rank_argument)")
+
+    return read_mapping(parsed, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS, finalize=finalize)
+
+
+def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[LaunchCommand]:
+    """The job as a command for one launcher (default torchrun), with a note for everything it cannot express."""
+    target = check_version(NAME, version, VERSIONS)
+    command, notes = WRITERS[target](cfg)
+    return Translation(command, notes, "torsh", target)

@@ -1,0 +1,89 @@
+"""``torsh-migrate launch "COMMAND" --to LAUNCHER``: translate a launch command line, with a report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("launch", help="translate a launch command (torchrun, deepspeed, horovodrun, mpirun)",
+                            description="Read a torchrun / python -m torch.distributed.run / deepspeed / horovodrun "
+                            "/ mpirun / accelerate launch command and write the same job for another launcher. "
+                            "Quote the command as one argument, or put it after --.")  # fmt: skip
+    parser.add_argument("command", nargs="+", help="the launch command (one quoted string, or words after --)")
+    parser.add_argument("--to", default="torchrun", metavar="LAUNCHER",
+                        help="torchrun, deepspeed, horovodrun, mpirun or all (default: torchrun)")
+    parser.add_argument("--hostfile", metavar="FILE", help="hostfile to read the hosts from (DeepSpeed or Horovod "
+                        "grammar); default: none is read")  # fmt: skip
+    parser.add_argument("--show-env", action="store_true", help="also list the variables every worker gets")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if anything is approximated, dropped or "
+                        "unsupported")  # fmt: skip
+    parser.add_argument("--report", choices=["table", "json"], default="table", help="report format")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from torsh.adapters import launch
+    from torsh.cli._common import print_report
+    from torsh.errors import ConfigError, Problem, did_you_mean
+    from torsh.translate import ErrorLevel
+
+    targets = list(launch.VERSIONS) if args.to == "all" else [args.to]
+    if args.to not in (*launch.VERSIONS, "all"):
+        raise ConfigError([Problem("--to", args.to, f"expected one of {', '.join(launch.VERSIONS)}, all",
+                                   did_you_mean(args.to, launch.VERSIONS))])  # fmt: skip
+    hostfile = None
+    if args.hostfile:
+        path = Path(args.hostfile)
+        if not path.is_file():
+            raise ConfigError([Problem("--hostfile", args.hostfile, "no such file")])
+        hostfile = path.read_text(encoding="utf-8")
+    command = args.command[0] if len(args.command) == 1 else args.command
+    read = launch.read(command, hostfile=hostfile)
+    written = {t: launch.write(read.result, version=t) for t in targets}
+    if args.report == "json":
+        json.dump({"read": read.to_dict(), "write": {t: _payload(launch, read.result, w) for t, w in written.items()}},
+                  sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print_report(read, "table", sys.stdout, title=f"read ({read.result.launch.script})")
+        for target, translation in written.items():
+            print(f"\n# ---- {target}")
+            print(translation.result)
+            for name, text in translation.result.files.items():
+                print(f"# ---- file {name}:\n{text}", end="" if text.endswith("\n") else "\n")
+            if args.show_env:
+                _print_env(launch, read.result, target)
+            print_report(translation, "table", sys.stdout, title=f"write {target}")
+    if args.strict:
+        read.check(ErrorLevel.RAISE)
+        for translation in written.values():
+            translation.check(ErrorLevel.RAISE)
+    return 0
+
+
+def _payload(launch, cfg, translation) -> dict:
+    from torsh.errors import ConfigError
+
+    try:
+        env = launch.worker_environments(cfg, translation.target)
+    except ConfigError as exc:
+        env = str(exc)
+    return {"command": str(translation.result), "argv": [list(c.argv) for c in translation.result.commands],
+            "files": dict(translation.result.files), "worker_env": env, "report": translation.to_dict()}
+
+
+def _print_env(launch, cfg, target: str) -> None:
+    from torsh.errors import ConfigError
+
+    try:
+        envs = launch.worker_environments(cfg, target)
+    except ConfigError as exc:
+        print(f"# worker environment: {exc}")
+        return
+    for env in envs:
+        print("# worker: " + " ".join(f"{k}={v}" for k, v in env.items()))
