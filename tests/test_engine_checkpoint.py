@@ -191,6 +191,11 @@ def test_missing_checkpoint_on_two_ranks(multiprocess_results):
     _check(multiprocess_results, "missing", (0, 1))
 
 
+@pytest.mark.slow
+def test_ranks_saving_under_different_tags_all_raise(multiprocess_results):
+    _check(multiprocess_results, "tag_mismatch", (0, 1))
+
+
 def test_rng_helpers_round_trip_python_state():
     from torsh.engine.checkpoint import _rng_state, _set_rng_state
 

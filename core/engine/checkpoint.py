@@ -136,6 +136,17 @@ def _check_tag(tag: Any) -> str:
     return tag
 
 
+def _check_same_tag(tag: str) -> None:
+    """Every rank must save under the same tag (DeepSpeed's tag validation); all ranks raise together."""
+    dist = _dist()
+    if not dist:
+        return
+    tags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(tags, tag)
+    if len(set(tags)) > 1:
+        raise ValueError(f"ranks save under different checkpoint tags {tags}: pass the same tag on every rank")
+
+
 def _is_complete(path: Path) -> bool:
     return (path / DCP_METADATA).is_file() and (path / ENGINE_STATES).is_file()
 
@@ -281,10 +292,7 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     if tag is None:
         tag = f"global_step{engine_state.get('global_steps', 0)}"
     tag = _check_tag(tag)
-    rank0_tag = _broadcast(tag)
-    if rank0_tag != tag:
-        raise ValueError(f"rank {_rank()} saves checkpoint tag {tag!r} but rank 0 saves {rank0_tag!r}: "
-                         "every rank must use the same tag")  # fmt: skip
+    _check_same_tag(tag)
     root = Path(save_dir)
     final, staging = root / tag, root / f".tmp-{tag}"
     rank = _rank()

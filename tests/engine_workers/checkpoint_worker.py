@@ -145,6 +145,7 @@ def phase_main2(workdir: Path) -> dict:
         results[f"roundtrip_{kind}"] = _run(_roundtrip, kind, workdir)
         results[f"from_w1_{kind}"] = _run(_load_and_compare, kind, workdir, "w1")
     results["missing"] = _run(_missing, workdir)
+    results["tag_mismatch"] = _run(_tag_mismatch, workdir)
     return results
 
 
@@ -181,6 +182,18 @@ def _missing(workdir: Path) -> None:
     got = load_checkpoint(workdir / "nothing_here", None, model=model, optimizer=opt, lr_scheduler=sched,
                           loss_scaler=scaler)  # fmt: skip
     assert got == (None, None, None), got
+
+
+def _tag_mismatch(workdir: Path) -> None:
+    model, opt, sched, scaler = build("ddp", seed=0)
+    try:
+        save_checkpoint(workdir / "mismatch", f"rank{dist.get_rank()}", model=model, optimizer=opt,
+                        lr_scheduler=sched, loss_scaler=scaler, engine_state={}, client_state={},
+                        save_latest=True)  # fmt: skip
+    except ValueError as exc:
+        assert "different checkpoint tags" in str(exc), exc
+    else:
+        raise AssertionError("saving under different tags on different ranks did not raise")
 
 
 def _run(fn, *args) -> str:
