@@ -196,10 +196,11 @@ def test_ranks_saving_under_different_tags_all_raise(multiprocess_results):
     _check(multiprocess_results, "tag_mismatch", (0, 1))
 
 
-def test_rng_helpers_round_trip_python_state():
-    from torsh.engine.checkpoint import _rng_state, _set_rng_state
+def test_rng_states_round_trip_through_a_safe_load(tmp_path):
+    from torsh.engine.checkpoint import _rng_state, _set_rng_state, _torch_bytes
 
-    state = _rng_state()
-    expected = (random.random(), torch.rand(1))
-    _set_rng_state(state)
-    assert (random.random(), torch.rand(1)) == expected
+    np = pytest.importorskip("numpy", reason="numpy's RNG is saved only when numpy is installed")
+    (tmp_path / "rng.pt").write_bytes(_torch_bytes(_rng_state(), "RNG state"))
+    expected = (random.random(), torch.rand(2).tolist(), np.random.rand(2).tolist())
+    _set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), torch.rand(2).tolist(), np.random.rand(2).tolist()) == expected

@@ -292,6 +292,17 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     if tag is None:
         tag = f"global_step{engine_state.get('global_steps', 0)}"
     tag = _check_tag(tag)
+    # Serialise the small states first, on every rank: a client_state that cannot be stored then fails on all
+    # ranks alike before any collective, instead of on rank 0 alone while the others wait at a barrier.
+    engine_bytes = _torch_bytes({
+        "format": FORMAT_VERSION,
+        "world_size": _world_size(),
+        "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+        "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
+        "engine": dict(engine_state),
+        "client_state": dict(client_state or {}),
+    }, "client_state / engine state")  # fmt: skip
+    rng_bytes = _torch_bytes(_rng_state(), "RNG state")
     _check_same_tag(tag)
     root = Path(save_dir)
     final, staging = root / tag, root / f".tmp-{tag}"
@@ -317,17 +328,9 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
 
     # 2. small states: rank 0 writes the shared ones, every rank its RNG
     if rank == 0:
-        engine_states = {
-            "format": FORMAT_VERSION,
-            "world_size": _world_size(),
-            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
-            "engine": dict(engine_state),
-            "client_state": dict(client_state or {}),
-        }
-        _write_bytes(staging / ENGINE_STATES, _torch_bytes(engine_states, "client_state / engine state"))
+        _write_bytes(staging / ENGINE_STATES, engine_bytes)
     (staging / RNG_DIR).mkdir(exist_ok=True)
-    _write_bytes(staging / RNG_DIR / f"rank{rank}.pt", _torch_bytes(_rng_state(), "RNG state"))
+    _write_bytes(staging / RNG_DIR / f"rank{rank}.pt", rng_bytes)
     _barrier()
 
     # 3. publish: rename the complete directory into place, then move `latest`
