@@ -152,9 +152,9 @@ def _float32(value: float) -> float:
 
 def build_loss_scaler(cfg: Any) -> LossScaler:
     """The loss scaler for a ``precision.loss_scaling`` section (:class:`torsh.config.LossScalingConfig`)."""
-    common = dict(growth_interval=cfg.growth_interval, growth_factor=cfg.growth_factor,
-                  backoff_factor=cfg.backoff_factor, hysteresis=cfg.hysteresis,
-                  consecutive_hysteresis=cfg.consecutive_hysteresis, min_scale=cfg.min_scale)  # fmt: skip
+    common = {"growth_interval": cfg.growth_interval, "growth_factor": cfg.growth_factor,
+              "backoff_factor": cfg.backoff_factor, "hysteresis": cfg.hysteresis,
+              "consecutive_hysteresis": cfg.consecutive_hysteresis, "min_scale": cfg.min_scale}  # fmt: skip
     if cfg.mode == "none":
         return LossScaler(mode="none", semantics=cfg.semantics, cur_scale=1.0, **common)
     if cfg.mode == "static":

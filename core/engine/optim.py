@@ -47,8 +47,9 @@ def build_optimizer(cfg: Any, params: Any, *, offload: bool) -> Any:
 
     Returns None when there is no section or it names no class (the training script passes its own optimizer).
     ``offload``: the parameters live on the CPU (FSDP2 ``CPUOffloadPolicy``); the torch optimizer then steps on
-    the CPU where they are (``capturable``, which needs accelerator-resident state, is refused). Unknown or DeepSpeed-only names, unresolved "auto" values and keywords the class does not
-    take raise :class:`~torsh.errors.ConfigError`.
+    the CPU where they are (``capturable``, which needs accelerator-resident state, is refused). Unknown or
+    DeepSpeed-only names, unresolved "auto" values and keywords the class does not take raise
+    :class:`~torsh.errors.ConfigError`.
     """
     import torch
 

@@ -88,8 +88,8 @@ def scenario(root: Path, arm, new_tag: str) -> None:
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"child status {status}"
     assert (root / "latest").read_text() == "a"
     fresh, fresh_opt = _job(1)
-    path, client, engine = checkpoint.load_checkpoint(root, None, model=fresh, optimizer=fresh_opt,
-                                                      lr_scheduler=None, loss_scaler=None)  # fmt: skip
+    path, client, _ = checkpoint.load_checkpoint(root, None, model=fresh, optimizer=fresh_opt,
+                                                 lr_scheduler=None, loss_scaler=None)  # fmt: skip
     assert path is not None and client == {"marker": "a"}, (path, client)
     assert torch.equal(fresh.weight, expected), "loaded weights are not the last complete checkpoint's"
     # The next save succeeds and cleans up after the crash.
