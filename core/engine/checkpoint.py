@@ -173,11 +173,17 @@ def _is_zero(optimizer: Any) -> bool:
 
 
 def _param_names(model: Any) -> dict[int, str]:
-    """id(param) -> name as ``get_state_dict`` spells it (wrapper prefixes such as DDP's ``module.`` removed)."""
-    from torch.nn.parallel import DistributedDataParallel
+    """id(param) -> name as ``get_state_dict`` spells it (wrapper prefixes such as DDP's ``module.``, compile's
+    ``_orig_mod.`` and activation checkpointing's removed), so ZeRO state keys match every other layout."""
+    try:  # torch's own canonicalisation, the one get_state_dict uses
+        from torch.distributed.checkpoint.state_dict import _get_fqns
 
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
-    return {id(p): name for name, p in inner.named_parameters(remove_duplicate=False)}
+        return {id(p): next(iter(_get_fqns(model, name))) for name, p in model.named_parameters()}
+    except ImportError:  # pragma: no cover - a torch without the private helper
+        from torch.nn.parallel import DistributedDataParallel
+
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        return {id(p): name for name, p in inner.named_parameters()}
 
 
 def _zero_param_groups(zero: Any, names: dict[int, str]) -> list[dict[str, Any]]:
