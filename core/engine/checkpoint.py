@@ -18,7 +18,8 @@ consolidation on one rank is needed and a different partition (world size) reads
 Atomicity: everything is written into ``save_dir/.tmp-<tag>``; after a barrier rank 0 renames it to
 ``save_dir/<tag>`` and then replaces ``latest`` with ``os.replace``. A process killed at any point leaves
 ``latest`` pointing at a complete earlier checkpoint. Re-saving an existing tag moves the old directory aside
-(``.old-<tag>``) for the instant between the two renames; loading recovers it if a crash hit exactly there.
+(``.old-<tag>``) for the instant between the two renames; if a crash hits exactly there, loading reads the
+set-aside copy and the next save moves it back. The next save also deletes staging directories of killed saves.
 
 Every rank calls :func:`save_checkpoint` and :func:`load_checkpoint` (they are collective). The directory must
 be visible to every rank (a shared filesystem), as for DeepSpeed.
