@@ -1,0 +1,486 @@
+"""Checkpoints in DeepSpeed's directory convention, written with ``torch.distributed.checkpoint`` (DCP).
+
+Layout::
+
+    save_dir/
+      latest                     # text: the newest tag (written by rank 0 when save_latest)
+      <tag>/                     # e.g. global_step100
+        .metadata, *.distcp      # DCP: model and optimizer state, sharded; reshards at another world size
+        engine_states.pt         # rank 0: scheduler, loss scaler, engine counters, client state
+        rng_states/rank<r>.pt    # every rank: python / numpy / torch (and CUDA) RNG states
+
+Model and optimizer state go through ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
+``set_state_dict`` (keys are parameter names without DDP/FSDP wrapper prefixes), so a checkpoint written by a
+DDP job loads into an FSDP2 job and the reverse, at any world size. ``ZeroRedundancyOptimizer`` is handled here:
+each rank writes the optimizer state of the parameters it owns under the same parameter-name keys, so no
+consolidation on one rank is needed and a different partition (world size) reads what it owns.
+
+Atomicity: everything is written into ``save_dir/.tmp-<tag>``; after a barrier rank 0 renames it to
+``save_dir/<tag>`` and then replaces ``latest`` with ``os.replace``. A process killed at any point leaves
+``latest`` pointing at a complete earlier checkpoint. Re-saving an existing tag moves the old directory aside
+(``.old-<tag>``) for the instant between the two renames; if a crash hits exactly there, loading reads the
+set-aside copy and the next save moves it back. The next save also deletes staging directories of killed saves.
+
+Every rank calls :func:`save_checkpoint` and :func:`load_checkpoint` (they are collective). The directory must
+be visible to every rank (a shared filesystem), as for DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+LATEST = "latest"
+ENGINE_STATES = "engine_states.pt"
+RNG_DIR = "rng_states"
+DCP_METADATA = ".metadata"
+FORMAT_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------------
+# process-group helpers (everything also works without torch.distributed initialised)
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank() -> int:
+    dist = _dist()
+    return dist.get_rank() if dist else 0
+
+
+def _world_size() -> int:
+    dist = _dist()
+    return dist.get_world_size() if dist else 1
+
+
+def _barrier() -> None:
+    dist = _dist()
+    if dist:
+        dist.barrier()
+
+
+def _broadcast(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    dist = _dist()
+    if not dist:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# small file helpers
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some filesystems do not allow opening directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _torch_bytes(obj: Any, what: str) -> bytes:
+    """``obj`` serialised, checked to load back with ``weights_only=True`` (checkpoints are loaded safely)."""
+    import torch
+
+    buffer = io.BytesIO()
+    try:
+        torch.save(obj, buffer)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the offending part named
+        raise TypeError(
+            f"the {what} cannot be stored in a checkpoint that loads with weights_only=True: keep it to tensors, "
+            f"numbers, strings, None and lists/tuples/dicts of those ({exc})"
+        ) from None
+    return buffer.getvalue()
+
+
+def _torch_load(path: Path) -> Any:
+    import torch
+
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
+def _check_tag(tag: Any) -> str:
+    tag = str(tag)
+    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag or tag.startswith("."):
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name (no '/', not starting with '.')")
+    return tag
+
+
+def _check_same_tag(tag: str) -> None:
+    """Every rank must save under the same tag (DeepSpeed's tag validation); all ranks raise together."""
+    dist = _dist()
+    if not dist:
+        return
+    tags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(tags, tag)
+    if len(set(tags)) > 1:
+        raise ValueError(f"ranks save under different checkpoint tags {tags}: pass the same tag on every rank")
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / DCP_METADATA).is_file() and (path / ENGINE_STATES).is_file()
+
+
+# --------------------------------------------------------------------------------------------------
+# model and optimizer state
+
+
+def _torch_optimizer(optimizer: Any) -> Any:
+    from torch.optim import Optimizer
+
+    if optimizer is None or isinstance(optimizer, Optimizer):
+        return optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, Optimizer):
+        return inner
+    raise TypeError(f"{type(optimizer).__name__} is not a torch.optim.Optimizer")
+
+
+def _is_zero(optimizer: Any) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def _param_names(model: Any) -> dict[int, str]:
+    """id(param) -> name as ``get_state_dict`` spells it (wrapper prefixes such as DDP's ``module.``, compile's
+    ``_orig_mod.`` and activation checkpointing's removed), so ZeRO state keys match every other layout."""
+    try:  # torch's own canonicalisation, the one get_state_dict uses
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+
+        return {id(p): next(iter(_get_fqns(model, name))) for name, p in model.named_parameters()}
+    except ImportError:  # pragma: no cover - a torch without the private helper
+        from torch.nn.parallel import DistributedDataParallel
+
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        return {id(p): name for name, p in inner.named_parameters()}
+
+
+def _zero_param_groups(zero: Any, names: dict[int, str]) -> list[dict[str, Any]]:
+    """The global parameter groups with every hyper-parameter (the local optimizer has the class defaults) and
+    parameters as names, in the format ``get_optimizer_state_dict`` produces."""
+    groups = []
+    for global_group, local_group in zip(zero.param_groups, zero.optim.param_groups):
+        group = {k: v for k, v in local_group.items() if k != "params"}
+        group.update({k: v for k, v in global_group.items() if k != "params"})
+        group["params"] = [names[id(p)] for p in global_group["params"]]
+        groups.append(group)
+    return groups
+
+
+def _zero_state_dict(zero: Any, names: dict[int, str]) -> dict[str, Any]:
+    """This rank's share of a ZeroRedundancyOptimizer's state, keyed by parameter name."""
+    state = {names[id(p)]: dict(s) for p, s in zero.optim.state.items() if s}
+    return {"state": state, "param_groups": _zero_param_groups(zero, names)}
+
+
+def _zero_load_template(zero: Any, names: dict[int, str], metadata: Any) -> dict[str, Any]:
+    """Empty tensors shaped like the saved state of the parameters this rank now owns (read from DCP metadata)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    state: dict[str, dict[str, Any]] = {}
+    for group in zero.optim.param_groups:
+        for p in group["params"]:
+            prefix = f"optim.state.{names[id(p)]}."
+            for key, md in metadata.state_dict_metadata.items():
+                if not key.startswith(prefix):
+                    continue
+                leaf = key[len(prefix):]
+                slot = state.setdefault(names[id(p)], {})
+                if isinstance(md, TensorStorageMetadata):
+                    slot[leaf] = torch.empty(md.size, dtype=md.properties.dtype)
+                else:
+                    slot[leaf] = None  # a pickled value; DCP replaces it
+    return {"state": state, "param_groups": _zero_param_groups(zero, names)}
+
+
+def _zero_load(zero: Any, names: dict[int, str], loaded: dict[str, Any]) -> None:
+    """Install loaded name-keyed state into the local optimizer and the hyper-parameters into both groups."""
+    local_groups, index, local_state = [], 0, {}
+    for local_group, saved_group in zip(zero.optim.param_groups, loaded["param_groups"]):
+        hyper = {k: v for k, v in saved_group.items() if k != "params"}
+        ids = []
+        for p in local_group["params"]:
+            if names[id(p)] in loaded["state"]:
+                local_state[index] = loaded["state"][names[id(p)]]
+            ids.append(index)
+            index += 1
+        local_groups.append({**hyper, "params": ids})
+    zero.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+    for global_group, local_group in zip(zero.param_groups, zero.optim.param_groups):
+        global_group.update({k: v for k, v in local_group.items() if k != "params"})
+
+
+# --------------------------------------------------------------------------------------------------
+# RNG
+
+
+def _rng_state() -> dict[str, Any]:
+    import torch
+
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        # numpy arrays do not load with weights_only=True; a tensor does.
+        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        try:
+            import numpy as np
+        except ImportError:
+            np = None
+        if np is not None:
+            kind, keys, pos, has_gauss, cached = state["numpy"]
+            np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------------------------------
+# save
+
+
+def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimizer: Any, lr_scheduler: Any,
+                    loss_scaler: Any, engine_state: dict, client_state: dict, save_latest: bool) -> bool:  # fmt: skip
+    """Write a checkpoint to ``save_dir/<tag>/`` atomically; collective (every rank calls it). Returns True.
+
+    ``tag`` None means ``global_step{engine_state['global_steps']}`` (DeepSpeed's default). ``client_state`` is
+    returned by :func:`load_checkpoint`; it must hold tensors, numbers, strings and containers of those.
+    With ``save_latest`` rank 0 points ``save_dir/latest`` at the tag once the checkpoint is complete.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if tag is None:
+        tag = f"global_step{engine_state.get('global_steps', 0)}"
+    tag = _check_tag(tag)
+    # Serialise the small states first, on every rank: a client_state that cannot be stored then fails on all
+    # ranks alike before any collective, instead of on rank 0 alone while the others wait at a barrier.
+    engine_bytes = _torch_bytes({
+        "format": FORMAT_VERSION,
+        "world_size": _world_size(),
+        "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+        "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
+        "engine": dict(engine_state),
+        "client_state": dict(client_state or {}),
+    }, "client_state / engine state")  # fmt: skip
+    rng_bytes = _torch_bytes(_rng_state(), "RNG state")
+    _check_same_tag(tag)
+    root = Path(save_dir)
+    final, staging = root / tag, root / f".tmp-{tag}"
+    rank = _rank()
+
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale(root)
+        staging.mkdir()
+    _barrier()
+
+    # 1. model and optimizer (sharded; every rank writes its part, rank 0 writes .metadata last)
+    optimizer = _torch_optimizer(optimizer)
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    elif _is_zero(optimizer):
+        state = {"model": get_model_state_dict(model), "optim": _zero_state_dict(optimizer, _param_names(model))}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    with _quiet_without_dist():
+        dcp.save(state, checkpoint_id=staging)
+
+    # 2. small states: rank 0 writes the shared ones, every rank its RNG
+    if rank == 0:
+        _write_bytes(staging / ENGINE_STATES, engine_bytes)
+    (staging / RNG_DIR).mkdir(exist_ok=True)
+    _write_bytes(staging / RNG_DIR / f"rank{rank}.pt", rng_bytes)
+    _barrier()
+
+    # 3. publish: rename the complete directory into place, then move `latest`
+    if rank == 0:
+        _publish(root, staging, final, tag if save_latest else None)
+    _barrier()
+    return True
+
+
+def _remove_stale(root: Path) -> None:
+    """Rank 0: tidy what killed saves left behind: staging dirs are deleted; a set-aside copy is deleted when its
+    replacement is complete, and moved back into place when the replacement never arrived."""
+    for entry in list(root.iterdir()):
+        if entry.name.startswith(".tmp-"):
+            shutil.rmtree(entry, ignore_errors=True)
+        elif entry.name.startswith(".old-"):
+            original = root / entry.name[len(".old-"):]
+            if _is_complete(original):
+                shutil.rmtree(entry, ignore_errors=True)
+            elif not original.exists() and _is_complete(entry):
+                os.replace(entry, original)
+
+
+def _publish(root: Path, staging: Path, final: Path, latest_tag: str | None) -> None:
+    """Rank 0: make the staged checkpoint visible, each step atomic."""
+    _fsync_dir(staging)
+    aside = root / f".old-{final.name}"
+    if final.exists():  # re-saving a tag: keep the old copy until the new one is in place
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(staging, final)
+    _fsync_dir(root)
+    shutil.rmtree(aside, ignore_errors=True)
+    if latest_tag is not None:
+        tmp = root / f".{LATEST}.tmp"
+        _write_bytes(tmp, latest_tag.encode())
+        os.replace(tmp, root / LATEST)
+        _fsync_dir(root)
+
+
+# --------------------------------------------------------------------------------------------------
+# load
+
+
+def _resolve(load_dir: Path, tag: Any) -> Path | None:
+    """The checkpoint directory to load, or None (with a warning) when there is none."""
+    if tag is None:
+        latest = load_dir / LATEST
+        if not latest.is_file():
+            log.warning("no checkpoint to load: %s does not exist (pass a tag to load a specific one)", latest)
+            return None
+        tag = latest.read_text().strip()
+    tag = _check_tag(tag)
+    path = load_dir / tag
+    if _is_complete(path):
+        return path
+    aside = load_dir / f".old-{tag}"
+    if not path.exists() and _is_complete(aside):  # a re-save of this tag was killed between its two renames
+        log.warning("checkpoint %s was being replaced when a save stopped; loading the previous copy %s", path, aside)
+        return aside
+    log.warning("no complete checkpoint at %s; nothing loaded", path)
+    return None
+
+
+def load_checkpoint(load_dir: str | os.PathLike, tag: Any, *, model: Any, optimizer: Any, lr_scheduler: Any,
+                    loss_scaler: Any, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                    ) -> tuple[str | None, dict | None, dict | None]:  # fmt: skip
+    """Load a checkpoint written by :func:`save_checkpoint` (at any world size); collective.
+
+    ``tag`` None reads ``load_dir/latest``. Returns ``(path, client_state, engine_state)``; ``(None, None, None)``
+    with a warning when there is no checkpoint, as DeepSpeed returns ``(None, None)``. ``load_module_only`` loads
+    the weights only (no optimizer, scheduler, loss scaler, RNG; ``engine_state`` is None so the engine keeps its
+    counters). The loss scaler and RNG states are restored together with the optimizer states.
+    """
+    path = _broadcast(_resolve(Path(load_dir), tag) if _rank() == 0 else None)
+    if path is None:
+        return None, None, None
+    saved = _torch_load(path / ENGINE_STATES)
+
+    with_optimizer = load_optimizer_states and not load_module_only and optimizer is not None
+    with _quiet_without_dist():
+        _load_model_and_optimizer(path, model, _torch_optimizer(optimizer) if with_optimizer else None,
+                                  strict=load_module_strict)  # fmt: skip
+    if not load_module_only:
+        if load_lr_scheduler_states and lr_scheduler is not None and saved["lr_scheduler"] is not None:
+            lr_scheduler.load_state_dict(saved["lr_scheduler"])
+        if with_optimizer and loss_scaler is not None and saved["loss_scaler"] is not None:
+            loss_scaler.load_state_dict(saved["loss_scaler"])
+        if with_optimizer:
+            _load_rng(path, saved["world_size"])
+    _barrier()
+    engine_state = None if load_module_only else saved["engine"]
+    return str(path), saved["client_state"], engine_state
+
+
+def _load_model_and_optimizer(path: Path, model: Any, optimizer: Any, *, strict: bool) -> None:
+    """Read model (and optimizer, unless None) state from the DCP files, resharding to the current layout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    options = StateDictOptions(strict=strict)
+    # Non-strict loading tolerates parameters the checkpoint lacks (DCP refuses them otherwise).
+    planner = DefaultLoadPlanner(allow_partial_load=not strict)
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=path, planner=planner)
+        set_model_state_dict(model, state["model"], options=options)
+    elif _is_zero(optimizer):
+        names = _param_names(model)
+        metadata = FileSystemReader(path).read_metadata()
+        state = {"model": get_model_state_dict(model), "optim": _zero_load_template(optimizer, names, metadata)}
+        dcp.load(state, checkpoint_id=path, planner=planner)
+        set_model_state_dict(model, state["model"], options=options)
+        _zero_load(optimizer, names, state["optim"])
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path, planner=planner)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _quiet_without_dist():
+    """DCP warns that it assumes a single process when torch.distributed is not initialised; that is intended."""
+    with warnings.catch_warnings():
+        if _dist() is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _load_rng(path: Path, saved_world_size: int) -> None:
+    rng_file = path / RNG_DIR / f"rank{_rank()}.pt"
+    if rng_file.is_file():
+        _set_rng_state(_torch_load(rng_file))
+    else:
+        log.warning("checkpoint %s was written by %d ranks and has no RNG state for rank %d; RNG not restored",
+                    path, saved_world_size, _rank())  # fmt: skip

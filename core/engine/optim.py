@@ -1,0 +1,93 @@
+"""Build the optimizer a config names, with DeepSpeed's naming and defaults resolved to ``torch.optim``.
+
+The core model stores a ``torch.optim`` class name: the DeepSpeed adapter has already turned DeepSpeed's
+``"Adam"`` (decoupled weight decay unless ``adam_w_mode: false``) into ``AdamW`` or ``Adam`` and written
+DeepSpeed's weight-decay default of 0 explicitly. This module builds that class over the (already sharded)
+parameters, refuses the DeepSpeed-only optimizers torch has no equivalent for, and checks every
+hyper-parameter against the class's constructor so a misspelt or foreign keyword is a config error naming
+its key rather than a TypeError deep inside torch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from ..deferred import is_deferred
+from ..errors import ConfigError, Problem, did_you_mean
+
+__all__ = ["UNSUPPORTED_OPTIMIZERS", "build_optimizer"]
+
+#: DeepSpeed optimizer names with no torch.optim equivalent (lower-cased) -> what to use instead.
+UNSUPPORTED_OPTIMIZERS = {
+    "lamb": "AdamW (DeepSpeed's FusedLamb has no torch.optim counterpart)",
+    "lion": "AdamW (torch.optim has no Lion)",
+    "muadam": "Adam (mup's MuAdam needs the mup package's parameter groups)",
+    "muadamw": "AdamW (mup's MuAdamW needs the mup package's parameter groups)",
+    "musgd": "SGD (mup's MuSGD needs the mup package's parameter groups)",
+    "muon": "AdamW, or torch.optim.Muon by name with your own parameter split",
+    "onebitadam": "AdamW (1-bit Adam was removed from DeepSpeed 0.19)",
+    "zerooneadam": "AdamW (0/1 Adam was removed from DeepSpeed 0.19)",
+    "onebitlamb": "AdamW (1-bit LAMB was removed from DeepSpeed 0.19)",
+}
+
+# Hyper-parameters with their own field in the core model, in the order the constructor usually takes them.
+_TYPED_FIELDS = ("lr", "weight_decay", "betas", "eps", "momentum")
+
+
+def _torch_optimizer_names() -> list[str]:
+    import torch
+
+    return [n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
+            and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"]  # fmt: skip
+
+
+def build_optimizer(cfg: Any, params: Any, *, offload: bool) -> Any:
+    """The ``torch.optim`` optimizer the ``optimizer`` section names, over ``params`` (tensors or param groups).
+
+    Returns None when there is no section or it names no class (the training script passes its own optimizer).
+    ``offload``: the parameters live on the CPU (FSDP2 ``CPUOffloadPolicy``); the torch optimizer then steps on
+    the CPU where they are (``capturable``, which needs accelerator-resident state, is refused). Unknown or
+    DeepSpeed-only names, unresolved "auto" values and keywords the class does not take raise
+    :class:`~torsh.errors.ConfigError`.
+    """
+    import torch
+
+    if cfg is None or cfg.name is None:
+        return None
+    name = cfg.name
+    if name.lower() in UNSUPPORTED_OPTIMIZERS:
+        raise ConfigError([Problem("optimizer.name", name,
+                                   f"unsupported by the engine: use {UNSUPPORTED_OPTIMIZERS[name.lower()]}")])
+    names = _torch_optimizer_names()
+    if name not in names:
+        raise ConfigError([Problem("optimizer.name", name, "not a torch.optim optimizer class",
+                                   did_you_mean(name, names))])  # fmt: skip
+    cls = getattr(torch.optim, name)
+
+    kwargs: dict[str, tuple[str, Any]] = {}  # keyword -> (dotted path for messages, value)
+    for field in _TYPED_FIELDS:
+        value = getattr(cfg, field)
+        if value is not None:
+            kwargs[field] = (f"optimizer.{field}", value)
+    for key, value in cfg.kwargs.items():
+        kwargs[key] = (f"optimizer.kwargs.{key}", value)
+
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    problems = []
+    for key, (path, value) in kwargs.items():
+        if is_deferred(value):
+            problems.append(Problem(path, value, "still 'auto': resolve it before the optimizer is built"))
+        elif key not in accepted:
+            problems.append(Problem(path, value, f"{name} has no argument '{key}'",
+                                    did_you_mean(key, accepted)))  # fmt: skip
+    if offload and "capturable" in kwargs and kwargs["capturable"][1]:
+        # CUDA-graph capture needs the optimizer state on the accelerator; offloaded parameters keep it on CPU.
+        problems.append(Problem(kwargs["capturable"][0], kwargs["capturable"][1],
+                                "capturable=True cannot be used with CPU offload (the step runs on the CPU)"))
+    if problems:
+        raise ConfigError(problems)
+    values = {key: value for key, (_, value) in kwargs.items()}
+    if "betas" in values:
+        values["betas"] = tuple(values["betas"])
+    return cls(params, **values)

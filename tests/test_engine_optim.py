@@ -1,0 +1,75 @@
+"""Optimizer construction from the core model: torch names, DeepSpeed's resolved names, clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torsh.config import OptimizerConfig  # noqa: E402
+from torsh.engine.optim import build_optimizer  # noqa: E402
+from torsh.errors import ConfigError  # noqa: E402
+
+
+def _params():
+    return [torch.nn.Parameter(torch.ones(3))]
+
+
+def test_adamw_with_typed_fields_and_kwargs():
+    cfg = OptimizerConfig(name="AdamW", lr=0.01, weight_decay=0.0, betas=(0.8, 0.9), eps=1e-6,
+                          kwargs={"foreach": False})
+    opt = build_optimizer(cfg, _params(), offload=False)
+    assert type(opt) is torch.optim.AdamW
+    group = opt.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["betas"], group["eps"], group["foreach"]) == (
+        0.01, 0.0, (0.8, 0.9), 1e-6, False)
+
+
+def test_unset_fields_keep_the_class_defaults():
+    opt = build_optimizer(OptimizerConfig(name="AdamW"), _params(), offload=False)
+    assert opt.param_groups[0]["weight_decay"] == 0.01  # torch AdamW's own default; adapters write DS's 0
+
+
+def test_adam_is_l2_adam_and_sgd_takes_momentum():
+    assert type(build_optimizer(OptimizerConfig(name="Adam"), _params(), offload=False)) is torch.optim.Adam
+    sgd = build_optimizer(OptimizerConfig(name="SGD", lr=0.1, momentum=0.9), _params(), offload=True)
+    assert type(sgd) is torch.optim.SGD and sgd.param_groups[0]["momentum"] == 0.9
+
+
+def test_param_groups_are_kept():
+    a, b = _params(), _params()
+    opt = build_optimizer(OptimizerConfig(name="AdamW", lr=0.1), [{"params": a}, {"params": b, "lr": 0.5}],
+                          offload=False)  # fmt: skip
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.5]
+
+
+def test_no_section_or_no_name_builds_nothing():
+    assert build_optimizer(None, _params(), offload=False) is None
+    assert build_optimizer(OptimizerConfig(lr=0.5), _params(), offload=False) is None
+
+
+@pytest.mark.parametrize("name", ["Lamb", "Lion", "OneBitAdam", "MuAdamW"])
+def test_deepspeed_only_optimizers_are_refused_with_an_alternative(name):
+    with pytest.raises(ConfigError, match="unsupported by the engine: use") as err:
+        build_optimizer(OptimizerConfig(name=name), _params(), offload=False)
+    assert err.value.problems[0].path == "optimizer.name"
+
+
+def test_unknown_name_suggests_the_torch_class():
+    with pytest.raises(ConfigError) as err:
+        build_optimizer(OptimizerConfig(name="Adamw"), _params(), offload=False)
+    assert err.value.problems[0].suggestion == "AdamW"
+
+
+def test_foreign_keywords_and_auto_are_config_errors_naming_the_key():
+    cfg = OptimizerConfig(name="SGD", betas=(0.9, 0.99), lr="auto", kwargs={"bias_correction": False})
+    with pytest.raises(ConfigError) as err:
+        build_optimizer(cfg, _params(), offload=False)
+    assert {p.path for p in err.value.problems} == {"optimizer.lr", "optimizer.betas",
+                                                    "optimizer.kwargs.bias_correction"}  # fmt: skip
+
+
+def test_capturable_is_refused_with_cpu_offload():
+    cfg = OptimizerConfig(name="AdamW", kwargs={"capturable": True})
+    with pytest.raises(ConfigError, match="offload"):
+        build_optimizer(cfg, _params(), offload=True)
