@@ -1,0 +1,83 @@
+"""The Horovod PyTorch API on torch.distributed: replace ``import horovod.torch as hvd`` with
+``import torsh.horovod as hvd`` and run the script under torchrun (or horovodrun, mpirun, srun).
+
+What is exact, approximate and unsupported (each function's docstring has the details):
+
+* exact: ``init`` / ``shutdown`` / ``is_initialized``, ``size``, ``rank``, ``local_rank``, ``local_size``,
+  ``cross_rank``, ``cross_size``, ``is_homogeneous``; ``DistributedOptimizer`` numerics (Average as
+  prescale 1/f, sum, postscale f/size; Sum, Min, Max, Product; ``Compression.none`` / ``fp16``;
+  ``backward_passes_per_step`` accumulation; ``named_parameters`` checks; ``synchronize`` /
+  ``skip_synchronize``; ``zero_grad`` and over-accumulation errors); ``allreduce`` / ``allreduce_``,
+  ``allgather`` (uneven first dimensions), ``broadcast`` / ``broadcast_`` and their gradients;
+  ``broadcast_parameters``, ``broadcast_optimizer_state``, ``broadcast_object``, ``allgather_object``,
+  ``barrier``, the ``*_async`` / ``synchronize`` / ``poll`` handles.
+* approximate: gradients are reduced in ``step()`` / ``synchronize()`` in parameter order, fused by
+  ``HOROVOD_FUSION_THRESHOLD``, not overlapped with backward; ``groups`` only validated; sparse gradients
+  reduced densely; ``join`` returns the last rank but joined ranks do not serve others' allreduces.
+* unsupported (a clear error): ``op=Adasum``, process sets other than the global one, ``init(comm=...)``,
+  the timeline (``start_timeline``), ``hvd.elastic``.
+"""
+
+from ._basics import (
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from ._ops import (
+    Adasum,
+    Average,
+    Compression,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    Sum,
+    allgather,
+    allgather_async,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    broadcast_object,
+    global_process_set,
+    join,
+    poll,
+    synchronize,
+)
+from ._optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+
+__all__ = [
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "ProcessSet", "Product", "Sum",
+    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank",
+    "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled", "init",
+    "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "poll", "rank", "rocm_built", "shutdown", "size", "start_timeline",
+    "stop_timeline", "synchronize",
+]  # fmt: skip
