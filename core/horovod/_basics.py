@@ -99,8 +99,9 @@ def _init_process_group(info: RankInfo) -> None:
                                        "processes but gave no rendezvous address; export MASTER_ADDR and MASTER_PORT "
                                        "(rank 0's host and a free port) or launch with torchrun")],
                               source="torsh.horovod.init")  # fmt: skip
-        store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, info.rank == 0,
-                              timeout=_timeout())  # fmt: skip
+        # Under torchrun the agent already serves the store at MASTER_PORT (as torch's env:// handler knows).
+        hosts_store = info.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, hosts_store, timeout=_timeout())
     dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size, timeout=_timeout())
 
 
