@@ -66,6 +66,8 @@ class Tunable:
     reason: str = _NO_TORCH
     fidelity: Fidelity = Fidelity.EXACT
     """Of the mapping to ``core`` (with ``reason`` saying why when approximate)."""
+    inverted: str = ""
+    """The spelling ("yaml" or "env") that holds the negation of the flag (stall_check.enabled, LOG_HIDE_TIME)."""
 
 
 TUNABLES = (
@@ -92,7 +94,8 @@ TUNABLES = (
     Tunable("timeline_mark_cycles", "timeline.mark_cycles", "HOROVOD_TIMELINE_MARK_CYCLES", "bool",
             "monitoring.timeline.mark_cycles"),
     Tunable("no_stall_check", "stall_check.enabled", "HOROVOD_STALL_CHECK_DISABLE", "bool",
-            reason="Horovod's stall inspector; torch.distributed reports hangs through its collective timeout"),
+            reason="Horovod's stall inspector; torch.distributed reports hangs through its collective timeout",
+            inverted="yaml"),
     Tunable("stall_check_warning_time_seconds", "stall_check.warning_time_seconds",
             "HOROVOD_STALL_CHECK_TIME_SECONDS", "int"),
     Tunable("stall_check_shutdown_time_seconds", "stall_check.shutdown_time_seconds",
@@ -104,7 +107,7 @@ TUNABLES = (
             "communication.timeout_s", "Horovod's Gloo context timeout (default 30 s) becomes the process-group "
             "timeout, which also covers NCCL collectives", Fidelity.APPROXIMATE),
     Tunable("log_level", "logging.level", "HOROVOD_LOG_LEVEL", "level", "monitoring.log_level"),
-    Tunable("log_with_timestamp", "logging.with_timestamp", "HOROVOD_LOG_HIDE_TIME", "bool"),
+    Tunable("log_with_timestamp", "logging.with_timestamp", "HOROVOD_LOG_HIDE_TIME", "bool", inverted="env"),
 )  # fmt: skip
 _LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 _PRECEDENCE = "a horovodrun flag beats --config-file, which beats the environment"
@@ -359,7 +362,8 @@ def _normalise(raw: Any) -> tuple[dict, list, str]:
     notes, env = [], dict(raw.get("env") or {})
     for key in list(env):
         if not key.startswith("HOROVOD_") or key.startswith(_BUILD_TIME):
-            why = "read when Horovod is built, not at run time" if key.startswith("HOROVOD_") else "not a Horovod variable"
+            why = ("read when Horovod is built, not at run time" if key.startswith("HOROVOD_")
+                   else "not a Horovod variable")  # fmt: skip
             notes.append(Note(f"env.{key}", None, env.pop(key), Fidelity.IGNORED, why))
     ordered = {k: raw[k] for k in SECTIONS if k in raw} | {k: v for k, v in raw.items() if k not in SECTIONS}
     if "env" in ordered:
@@ -402,8 +406,30 @@ def _env_text(value: Any) -> str:
     return ("1" if value else "0") if isinstance(value, bool) else str(value)
 
 
+def _write_kept_tunable(t: Tunable, kept: dict, ctx: WriteContext) -> None:
+    """A Horovod-only knob kept from a Horovod source, written in all three spellings."""
+    for form, path in (("flag", f"horovodrun.{t.flag}"), ("yaml", f"config_file.{t.yaml}"), ("env", f"env.{t.env}")):
+        if path not in kept:
+            continue
+        value = kept[path]
+        if form == "env":
+            value = str(value) if t.kind in ("str", "level") else (
+                int(value) > 0 if t.kind == "bool" else float(value) if t.kind == "float" else int(value))
+        flag_value = (not value) if t.inverted == form else value
+        for out_form, out_path in (("flag", f"horovodrun.{t.flag}"), ("yaml", f"config_file.{t.yaml}"),
+                                   ("env", f"env.{t.env}")):  # fmt: skip
+            out = (not flag_value) if t.inverted == out_form else flag_value
+            ctx.put(out_path, _env_text(out) if out_form == "env" else out, f"extensions.horovod.{path}",
+                    Fidelity.EXACT, "kept from the source" if out_path == path else f"same setting as {path}")
+        return
+
+
 def _write_tunables(cfg: TorshConfig, ctx: WriteContext) -> None:
+    kept = cfg.extensions.get(NAME, {})
     for t in TUNABLES:
+        if t.core is None:
+            _write_kept_tunable(t, kept, ctx)
+            continue
         value = get_path(cfg, t.core) if t.core else None
         fidelity, reason = t.fidelity, t.reason if t.fidelity is not Fidelity.EXACT else ""
         if t.kind == "int" and isinstance(value, float):
@@ -493,16 +519,20 @@ def _write_optimizer(cfg: TorshConfig, ctx: WriteContext) -> None:
                  cfg.sharding.stage)  # fmt: skip
 
 
-_WRITE_HOOKS = Hook(write=lambda cfg, ctx: [f(cfg, ctx) for f in (_write_tunables, _write_backend, _write_launch,
-                                                                      _write_optimizer)],
-                    claims=(*(f"communication.{k}" for k in ("backend", "fusion_threshold_bytes", "cycle_time_ms", "timeout_s",
-                                                             "hierarchical_allreduce", "hierarchical_allgather")),
-                            *(f"launch.{k}" for k in ("hosts", "nproc_per_node", "nnodes", "max_nnodes", "world_size",
-                                                      "max_restarts", "script", "script_args", "module", "no_python",
-                                                      "master_addr", "master_port", "node_rank", "rdzv_backend",
-                                                      "rdzv_endpoint", "rdzv_id")),
-                            "monitoring.timeline", "monitoring.log_level", "ddp.bucket_cap_mb", "compression.method",
-                            "gradients.reduce_op", "gradients.prescale", "sharding.stage"))  # fmt: skip
+def _write_all(cfg: TorshConfig, ctx: WriteContext) -> None:
+    for write_part in (_write_tunables, _write_backend, _write_launch, _write_optimizer):
+        write_part(cfg, ctx)
+
+
+_CLAIMED_COMMUNICATION = ("backend", "fusion_threshold_bytes", "cycle_time_ms", "timeout_s", "hierarchical_allreduce",
+                          "hierarchical_allgather")  # fmt: skip
+_CLAIMED_LAUNCH = ("hosts", "nproc_per_node", "nnodes", "max_nnodes", "world_size", "max_restarts", "script",
+                   "script_args", "module", "no_python", "master_addr", "master_port", "node_rank", "rdzv_backend",
+                   "rdzv_endpoint", "rdzv_id")  # fmt: skip
+_WRITE_HOOKS = Hook(write=_write_all, claims=(
+    *(f"communication.{k}" for k in _CLAIMED_COMMUNICATION), *(f"launch.{k}" for k in _CLAIMED_LAUNCH),
+    "monitoring.timeline", "monitoring.log_level", "ddp.bucket_cap_mb", "compression.method", "gradients.reduce_op",
+    "gradients.prescale", "sharding.stage"))  # fmt: skip
 _WRITE_MAP = FieldMap({**FIELD_MAP, "__write__": _WRITE_HOOKS}, ALIASES)
 
 

@@ -30,7 +30,8 @@ def test_config_file_example_reads_every_section(examples):
     assert cfg.communication.cycle_time_ms == 2.5
     assert cfg.communication.hierarchical_allreduce is True and cfg.communication.hierarchical_allgather is False
     assert cfg.communication.backend == "gloo" and cfg.communication.timeout_s == 60
-    assert (cfg.monitoring.timeline.filename, cfg.monitoring.timeline.mark_cycles) == ("/tmp/horovod_timeline.json", True)
+    timeline = cfg.monitoring.timeline
+    assert (timeline.filename, timeline.mark_cycles) == ("/tmp/horovod_timeline.json", True)
     assert cfg.monitoring.log_level == "INFO"
     notes = notes_by_source(t)
     assert notes["params.cache_capacity"].fidelity is Fidelity.IGNORED
@@ -219,3 +220,14 @@ def test_golden_native_conversion(examples):
         golden.write_text(text)
     assert golden.read_text() == text
     assert adapters.load(golden).result == adapters.load(source).result
+
+
+def test_horovod_only_knobs_are_written_in_all_three_spellings_with_their_inversions():
+    t = adapters.read({"stall_check": {"enabled": False}, "logging": {"with_timestamp": False},
+                       "params": {"cache_capacity": 0}})
+    written = adapters.write(t.result, "horovod").result
+    assert written["horovodrun"] == {"cache_capacity": 0, "no_stall_check": True, "log_with_timestamp": False}
+    assert written["env"] == {"HOROVOD_CACHE_CAPACITY": "0", "HOROVOD_STALL_CHECK_DISABLE": "1",
+                              "HOROVOD_LOG_HIDE_TIME": "1"}
+    assert horovod.command_line(written["horovodrun"]) == [
+        "horovodrun", "--cache-capacity", "0", "--no-stall-check", "--log-without-timestamp"]

@@ -1,7 +1,7 @@
 """The classic Horovod PyTorch MNIST training script, with synthetic data so it runs anywhere.
 
-Run it with torchrun:  torchrun --nproc-per-node 2 train_torsh.py
-(the same as train_horovod.py except the import line: torsh.horovod instead of horovod.torch)
+Horovod:  horovodrun -np 2 -H localhost:2 python train_horovod.py
+torsh:    torchrun --nproc-per-node 2 train_torsh.py   (the same file, importing torsh.horovod as hvd)
 """
 
 import argparse
@@ -44,7 +44,8 @@ class Net(nn.Module):
 
 def synthetic_mnist(n, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.utils.data.TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
+    images = torch.randn(n, 1, 28, 28, generator=g)
+    return torch.utils.data.TensorDataset(images, torch.randint(0, 10, (n,), generator=g))
 
 
 def metric_average(val, name):
