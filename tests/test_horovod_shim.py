@@ -109,6 +109,45 @@ def predivide_factor_gives_the_same_mean(hvd, torch):
 
 
 @case
+def a_parameter_unused_on_one_rank_still_averages(hvd, torch):
+    """Rank 1 never uses the last bias: it takes part with zeros (as in Horovod), launched by step()."""
+    os.environ["HOROVOD_FUSION_THRESHOLD"] = "40"  # several buckets, the first one incomplete on rank 1
+    try:
+        model = _synced_model(hvd)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    finally:
+        del os.environ["HOROVOD_FUSION_THRESHOLD"]
+    x = _rank_batches(hvd)[0]
+    hidden = model[1](model[0](x))
+    out = model[2](hidden) if hvd.rank() == 0 else torch.nn.functional.linear(hidden, model[2].weight)
+    out.pow(2).sum().backward()
+    local_bias = model[2].bias.grad.clone() if hvd.rank() == 0 else torch.zeros(2)
+    opt.step()
+    every = _every_rank(hvd, [p.grad for p in model.parameters()] + [local_bias])
+    for mine, theirs in zip(every[0][:-1], every[1][:-1], strict=True):
+        assert torch.equal(mine, theirs)
+    torch.testing.assert_close(model[2].bias.grad, every[0][-1] / 2, rtol=1e-6, atol=0)
+
+
+@case
+def fusion_threshold_splits_buckets_without_changing_the_mean(hvd, torch):
+    os.environ["HOROVOD_FUSION_THRESHOLD"] = "40"  # bytes: several buckets for this model
+    try:
+        model = _synced_model(hvd)
+        batches = _rank_batches(hvd)
+        local = _local_grads(model, batches)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        assert len(opt._buckets) > 2
+        model(batches[0]).pow(2).sum().backward()
+        opt.step()
+    finally:
+        del os.environ["HOROVOD_FUSION_THRESHOLD"]
+    every = _every_rank(hvd, local)
+    for i, p in enumerate(model.parameters()):
+        torch.testing.assert_close(p.grad, (every[0][i] + every[1][i]) / 2, rtol=1e-6, atol=0)
+
+
+@case
 def sum_op_sums(hvd, torch):
     model = _synced_model(hvd)
     batches = _rank_batches(hvd)
@@ -134,11 +173,12 @@ def backward_passes_per_step_accumulates_then_communicates_once(hvd, torch):
     real = dist.all_reduce
     dist.all_reduce = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     try:
-        for x in batches:
-            model(x).pow(2).sum().backward()
-        assert calls == [], "communicated during the accumulation passes"
+        model(batches[0]).pow(2).sum().backward()
+        assert calls == [], "communicated during an accumulation pass"
+        model(batches[1]).pow(2).sum().backward()
+        assert len(calls) == 1, f"expected one fused allreduce started by the last pass, got {len(calls)}"
         opt.step()
-        assert len(calls) == 1, f"expected one fused allreduce, got {len(calls)}"
+        assert len(calls) == 1, "step() communicated again"
     finally:
         dist.all_reduce = real
     every = _every_rank(hvd, local)
@@ -170,11 +210,11 @@ def synchronize_then_skip_synchronize_reduces_once(hvd, torch):
 
     model = _synced_model(hvd)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    model(_rank_batches(hvd)[0]).pow(2).sum().backward()
     calls = []
     real = dist.all_reduce
     dist.all_reduce = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     try:
+        model(_rank_batches(hvd)[0]).pow(2).sum().backward()
         opt.synchronize()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         with opt.skip_synchronize():
@@ -427,6 +467,7 @@ def test_init_under_horovodrun_gloo_environment(tmp_path):
                        "sum": 3.0}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_single_process_without_a_launcher():
     code = ("import torch, torsh.horovod as hvd\n"
             "try:\n    hvd.size()\nexcept ValueError as e:\n    assert 'hvd.init()' in str(e)\n"

@@ -11,9 +11,11 @@ What is exact, approximate and unsupported (each function's docstring has the de
   ``allgather`` (uneven first dimensions), ``broadcast`` / ``broadcast_`` and their gradients;
   ``broadcast_parameters``, ``broadcast_optimizer_state``, ``broadcast_object``, ``allgather_object``,
   ``barrier``, the ``*_async`` / ``synchronize`` / ``poll`` handles.
-* approximate: gradients are reduced in ``step()`` / ``synchronize()`` in parameter order, fused by
-  ``HOROVOD_FUSION_THRESHOLD``, not overlapped with backward; ``groups`` only validated; sparse gradients
-  reduced densely; ``join`` returns the last rank but joined ranks do not serve others' allreduces.
+* approximate: gradients are fused into fixed buckets (``HOROVOD_FUSION_THRESHOLD`` bytes, reverse
+  parameter order) launched in bucket order from the backward hooks, where Horovod fuses whatever is ready
+  each cycle (same numbers; a bucket waits for the ones before it); ``groups`` is only validated; sparse
+  gradients are reduced densely; ``join`` returns the last rank but joined ranks do not serve others'
+  allreduces.
 * unsupported (a clear error): ``op=Adasum``, process sets other than the global one, ``init(comm=...)``,
   the timeline (``start_timeline``), ``hvd.elastic``.
 """

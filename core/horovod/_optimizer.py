@@ -6,12 +6,14 @@ optimizer's class (built from its ``param_groups``, as Horovod does), gradients 
 reduction, more passes than that raise Horovod's AssertionError, and ``zero_grad()`` between ``backward()``
 and ``step()`` raises Horovod's AssertionError.
 
-One deliberate difference: Horovod starts each gradient's allreduce from a hook during backward and its
-coordinator matches tensors across ranks by name. torch.distributed matches collectives by call order
-instead, and hooks fire in a rank-dependent order when ranks take different branches; so the hooks here
-only count backward passes, and ``synchronize()`` reduces every gradient in parameter order, fused into
-buffers of at most ``HOROVOD_FUSION_THRESHOLD`` bytes (Horovod's tensor fusion). The numbers are the same;
-communication does not overlap the backward pass.
+One deliberate difference: Horovod's coordinator matches tensors across ranks by name, so each gradient's
+allreduce may start whenever its hook fires. torch.distributed matches collectives by call order, and hooks
+fire in a rank-dependent order when ranks take different branches. So gradients are grouped into fixed
+buckets of at most ``HOROVOD_FUSION_THRESHOLD`` bytes (Horovod's tensor fusion; reverse parameter order, the
+order backward produces them), and bucket k is launched from a hook only after buckets 0..k-1: every rank
+issues the same collectives in the same order, communication still overlaps the backward pass, and a
+bucket a rank never completed (an unused parameter) is launched by ``synchronize()``. The numbers are
+Horovod's.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import warnings
 from contextlib import contextmanager
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _flatten_dense_tensors
 
 from ._basics import size
 from ._ops import _ADASUM, Adasum, Average, Compression, _allreduce_launch, _check_process_set, broadcast_
@@ -72,7 +74,11 @@ class _DistributedOptimizer:
         self._synchronized = False
         self._should_synchronize = True
         self._requires_update = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        self._in_flight: list = []
         if size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
+            self._buckets = _bucket_layout(self._requires_update, compression)
+            self._bucket_of = {p: i for i, bucket in enumerate(self._buckets) for p in bucket}
+            self._next, self._ready = 0, [0] * len(self._buckets)
             for p in self._requires_update:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(self._count_pass))
 
@@ -82,6 +88,10 @@ class _DistributedOptimizer:
                                  "step(). Increase backward_passes_per_step to accumulate gradients locally.")
         self._allreduce_delay[p] -= 1
         self._pending.add(p)
+        if self._allreduce_delay[p] == 0:  # the last local pass: this gradient is final until step()
+            self._ready[self._bucket_of[p]] += 1
+            while self._next < len(self._buckets) and self._ready[self._next] == len(self._buckets[self._next]):
+                self._launch(self._next)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change the number of local backward passes per reduction."""
@@ -99,37 +109,40 @@ class _DistributedOptimizer:
 
     def synchronize(self) -> None:
         """Combine every gradient across ranks now (Horovod's ``synchronize``)."""
-        if size() > 1:
-            self._reduce_gradients()
+        if self._hook_handles:
+            while self._next < len(self._buckets):  # buckets not completed by hooks (fewer passes, unused params)
+                self._launch(self._next)
+            for bucket, flat, ctxs, handle in self._in_flight:
+                handle.wait()
+                outputs = _split(flat, [shape for _, shape in ctxs])
+                for p, out, (ctx, _) in zip(bucket, outputs, ctxs, strict=True):
+                    reduced = self._compression.decompress(out, ctx)
+                    if p.grad.is_sparse:
+                        p.grad = reduced.to_sparse()
+                    else:
+                        p.grad.copy_(reduced)
+            self._in_flight.clear()
+            self._next, self._ready = 0, [0] * len(self._buckets)
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._pending.clear()
         self._synchronized = True
 
-    def _reduce_gradients(self) -> None:
+    def _launch(self, index: int) -> None:
         # Average: prescale 1/f, sum, postscale f (and 1/size) - Horovod's split of the mean.
         prescale, postscale = ((1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor)
                                if self.op == Average else (1.0, 1.0))  # fmt: skip
-        entries = []
-        for p in self._requires_update:
+        bucket, parts, ctxs = self._buckets[index], [], []
+        for p in bucket:
             if p.grad is None:  # another rank may have a gradient for it: take part with zeros, as Horovod does
                 p.grad = torch.zeros_like(p)
-            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
-            compressed, ctx = self._compression.compress(grad)
-            entries.append((p, compressed, ctx))
-        launched = []
-        for bucket in _buckets(entries, _fusion_threshold()):
-            flat = _flatten_dense_tensors([c for _, c, _ in bucket]) if len(bucket) > 1 else bucket[0][1].clone()
-            launched.append((bucket, flat, _allreduce_launch(flat, self.op, prescale, postscale)))
-        for bucket, flat, handle in launched:
-            handle.wait()
-            outputs = _unflatten_dense_tensors(flat, [c for _, c, _ in bucket]) if len(bucket) > 1 else [flat]
-            for (p, _, ctx), out in zip(bucket, outputs, strict=True):
-                reduced = self._compression.decompress(out, ctx)
-                if p.grad.is_sparse:
-                    p.grad = reduced.to_sparse()
-                else:
-                    p.grad.copy_(reduced)
+            compressed, ctx = self._compression.compress(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+            parts.append(compressed)
+            ctxs.append(ctx)
+        flat = _flatten_dense_tensors(parts) if len(parts) > 1 else parts[0].clone()
+        self._in_flight.append((bucket, flat, [(c, t.shape) for c, t in zip(ctxs, parts, strict=True)],
+                                _allreduce_launch(flat, self.op, prescale, postscale)))  # fmt: skip
+        self._next = index + 1
 
     @contextmanager
     def skip_synchronize(self):
@@ -160,20 +173,31 @@ class _DistributedOptimizer:
         return super().zero_grad(set_to_none=set_to_none)
 
 
-def _buckets(entries, threshold: int):
-    """Consecutive entries of one dtype and device, each bucket at most ``threshold`` bytes (0: no fusion)."""
-    bucket, used = [], 0
-    for entry in entries:
-        t = entry[1]
-        nbytes = t.numel() * t.element_size()
-        if bucket and (threshold <= 0 or used + nbytes > threshold or t.dtype != bucket[0][1].dtype
-                       or t.device != bucket[0][1].device):  # fmt: skip
-            yield bucket
-            bucket, used = [], 0
-        bucket.append(entry)
+def _bucket_layout(params: list, compression) -> list[list]:
+    """Fixed buckets in reverse parameter order, one dtype and device each, at most the fusion threshold."""
+    threshold, buckets, used = _fusion_threshold(), [], 0
+    for p in reversed(params):
+        wire = torch.float16 if compression is Compression.fp16 and p.dtype.is_floating_point else p.dtype
+        nbytes = p.numel() * torch.empty((), dtype=wire).element_size()
+        last = buckets[-1][-1] if buckets else None
+        if last is None or threshold <= 0 or used + nbytes > threshold or (last.dtype, last.device) != (
+                p.dtype, p.device):  # fmt: skip
+            buckets.append([])
+            used = 0
+        buckets[-1].append(p)
         used += nbytes
-    if bucket:
-        yield bucket
+    return buckets
+
+
+def _split(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
+    if len(shapes) == 1:
+        return [flat]
+    out, offset = [], 0
+    for shape in shapes:
+        n = int(torch.Size(shape).numel())
+        out.append(flat[offset: offset + n].view(shape))
+        offset += n
+    return out
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,  # noqa: N802 - Horovod's name
