@@ -101,6 +101,11 @@ class _DistributedOptimizer:
 
     def load_state_dict(self, *args, **kwargs):
         """The wrapped optimizer's ``load_state_dict``; also resets the accumulation counters (as Horovod)."""
+        for *_, handle in self._in_flight:  # collectives already issued must still complete on every rank
+            handle.wait()
+        self._in_flight.clear()
+        if self._hook_handles:
+            self._next, self._ready = 0, [0] * len(self._buckets)
         self._pending.clear()
         self._synchronized = False
         self._should_synchronize = True
