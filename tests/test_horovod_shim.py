@@ -321,6 +321,10 @@ def allreduce_functions(hvd, torch):
     assert torch.equal(hvd.synchronize(hvd.allreduce_async(x)), torch.tensor([1.5, 3.0]))
     h = hvd.allreduce(x, compression=hvd.Compression.fp16)
     assert h.dtype == torch.float32 and torch.equal(h, torch.tensor([1.5, 3.0]))
+    counts = torch.tensor([3, -3]) * (hvd.rank() + 1)  # integers: average truncates toward zero, as Horovod
+    assert hvd.allreduce(counts).tolist() == [4, -4] and hvd.allreduce(counts, op=hvd.Sum).tolist() == [9, -9]
+    pair = hvd.grouped_allreduce([x, x * 2], op=hvd.Sum)
+    assert torch.equal(pair[0], torch.tensor([3.0, 6.0])) and torch.equal(pair[1], torch.tensor([6.0, 12.0]))
     leaf = x.clone().requires_grad_()
     hvd.allreduce(leaf).sum().backward()
     assert torch.equal(leaf.grad, torch.ones(2))
@@ -476,7 +480,8 @@ def test_single_process_without_a_launcher():
             "m(torch.ones(1, 2)).sum().backward(); g = m.weight.grad.clone(); o.step()\n"
             "assert torch.equal(m.weight.grad, g)\n"
             "assert hvd.allgather(torch.ones(2, 3)).shape == (2, 3)\n"
-            "hvd.shutdown(); assert not hvd.is_initialized()\n")  # fmt: skip
+            "hvd.shutdown(); assert not hvd.is_initialized()\n"
+            "try:\n    hvd.elastic\nexcept AttributeError as e:\n    assert 'torchrun --nnodes' in str(e)\nelse:\n    raise SystemExit('hvd.elastic gave no error')\n")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

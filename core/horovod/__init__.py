@@ -67,18 +67,38 @@ from ._ops import (
     broadcast_async_,
     broadcast_object,
     global_process_set,
+    grouped_allreduce,
+    grouped_allreduce_,
     join,
     poll,
     synchronize,
 )
 from ._optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 
+# Horovod names this module does not provide, and what to do instead (a clear message, not a bare AttributeError).
+_NOT_PROVIDED = {
+    "elastic": "Horovod elastic training; use torchrun --nnodes MIN:MAX with --max-restarts and reload a checkpoint",
+    "add_process_set": "process sets; every collective runs over all ranks",
+    "remove_process_set": "process sets; every collective runs over all ranks",
+    "alltoall": "alltoall; use torch.distributed.all_to_all_single",
+    "reducescatter": "reducescatter; use torch.distributed.reduce_scatter_tensor",
+    "grouped_reducescatter": "reducescatter; use torch.distributed.reduce_scatter_tensor",
+    "grouped_allgather": "grouped allgather; call hvd.allgather on each tensor",
+    "SyncBatchNorm": "Horovod's SyncBatchNorm; use torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)",
+}
+
+
+def __getattr__(name: str):
+    if name in _NOT_PROVIDED:
+        raise AttributeError(f"torsh.horovod does not provide hvd.{name} ({_NOT_PROVIDED[name]})")
+    raise AttributeError(f"module 'torsh.horovod' has no attribute {name!r}")
+
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "ProcessSet", "Product", "Sum",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank",
-    "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled", "init",
+    "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "grouped_allreduce", "grouped_allreduce_", "gloo_enabled", "init",
     "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "poll", "rank", "rocm_built", "shutdown", "size", "start_timeline",
     "stop_timeline", "synchronize",

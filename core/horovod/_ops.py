@@ -122,8 +122,12 @@ def poll(handle: Handle) -> bool:
 
 
 def _scale(tensor: torch.Tensor, factor: float) -> None:
-    if factor != 1.0:
+    if factor == 1.0:
+        return
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
         tensor.mul_(factor)
+    else:  # Horovod scales integer buffers element by element and truncates toward zero (a C cast)
+        tensor.copy_(torch.trunc(tensor.double() * factor).to(tensor.dtype))
 
 
 def _allreduce_launch(tensor: torch.Tensor, op: int, prescale: float, postscale: float) -> Handle:
@@ -334,3 +338,19 @@ def _join_round() -> int:
     _join_calls += 1
     return _join_calls
 
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=global_process_set) -> list:  # fmt: skip
+    """``allreduce`` of each tensor (Horovod reduces a group in one fused operation; the numbers are the same)."""
+    return [allreduce(t, average, name, compression, op, prescale_factor, postscale_factor, process_set)
+            for t in tensors]  # fmt: skip
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=global_process_set) -> list:  # fmt: skip
+    """``allreduce_`` of each tensor, in place."""
+    _check_process_set(process_set)
+    op = resolve_op(op, average)
+    handles = [_allreduce_launch(t, op, prescale_factor, postscale_factor) for t in tensors]
+    return [h.wait() for h in handles]
