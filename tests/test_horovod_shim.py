@@ -481,7 +481,8 @@ def test_single_process_without_a_launcher():
             "assert torch.equal(m.weight.grad, g)\n"
             "assert hvd.allgather(torch.ones(2, 3)).shape == (2, 3)\n"
             "hvd.shutdown(); assert not hvd.is_initialized()\n"
-            "try:\n    hvd.elastic\nexcept AttributeError as e:\n    assert 'torchrun --nnodes' in str(e)\nelse:\n    raise SystemExit('hvd.elastic gave no error')\n")  # fmt: skip
+            "try:\n    hvd.elastic\nexcept AttributeError as e:\n    assert 'torchrun --nnodes' in str(e)\n"
+            "else:\n    raise SystemExit('hvd.elastic gave no error')\n")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

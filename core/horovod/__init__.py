@@ -98,8 +98,8 @@ __all__ = [
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank",
-    "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "grouped_allreduce", "grouped_allreduce_", "gloo_enabled", "init",
-    "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
-    "mpi_threads_supported", "nccl_built", "poll", "rank", "rocm_built", "shutdown", "size", "start_timeline",
-    "stop_timeline", "synchronize",
+    "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled",
+    "grouped_allreduce", "grouped_allreduce_", "init", "is_homogeneous", "is_initialized", "join", "local_rank",
+    "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "rocm_built",
+    "shutdown", "size", "start_timeline", "stop_timeline", "synchronize",
 ]  # fmt: skip
