@@ -231,3 +231,16 @@ def test_horovod_only_knobs_are_written_in_all_three_spellings_with_their_invers
                               "HOROVOD_LOG_HIDE_TIME": "1"}
     assert horovod.command_line(written["horovodrun"]) == [
         "horovodrun", "--cache-capacity", "0", "--no-stall-check", "--log-without-timestamp"]
+
+
+def test_schema_lists_every_tunable_in_every_spelling():
+    from torsh import schemas
+
+    schema = schemas.load("horovod")["properties"]
+    flags, sections = schema["horovodrun"]["properties"], schema["config_file"]["properties"]
+    for t in horovod.TUNABLES:
+        section, key = t.yaml.split(".")
+        assert t.flag in flags and key in sections[section]["properties"], t
+        assert f"env.{t.env}" in horovod.FIELD_MAP
+    assert not schemas.check({"horovodrun": {"cycle_time_ms": 1.5}, "env": {"HOROVOD_CYCLE_TIME": "1"}}, "horovod")
+    assert schemas.check({"horovodrun": {"cycle_time_ms": "fast"}}, "horovod")
