@@ -183,8 +183,11 @@ def _controller(value: Any, ctx: ReadContext, path: str) -> None:
     if name not in ("gloo", "mpi", "ccl"):
         ctx.problem(path, value, "No such controller supported; expected gloo or mpi")
         return
-    if ctx.origin.get("communication.backend") not in (None, path):
-        ctx.note(path, Fidelity.IGNORED, f"overridden by {ctx.origin['communication.backend']} ({_PRECEDENCE})")
+    winner = ctx.origin.get("communication.backend")
+    if winner not in (None, path):
+        same = get_path(ctx.core, "communication.backend") == name
+        ctx.note(path, Fidelity.IGNORED, f"{'same value as' if same else 'overridden by'} {winner} ({_PRECEDENCE})",
+                 value)  # fmt: skip
         return
     ctx.set("communication.backend", name, path, Fidelity.APPROXIMATE,
             "Horovod's controller and CPU collectives; GPU tensors use NCCL whatever the controller, as "
