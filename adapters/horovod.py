@@ -1,0 +1,569 @@
+"""Horovod 0.28.1 settings: horovodrun flags, the ``--config-file`` YAML, the HOROVOD_* environment and
+``hvd.DistributedOptimizer`` keyword arguments.
+
+Input shape: a mapping with any of four top-level keys, one per place a Horovod job is configured::
+
+    horovodrun:             # horovodrun's flags by their argparse dest: num_proc, hosts, fusion_threshold_mb,
+      fusion_threshold_mb: 64   #   cycle_time_ms, hierarchical_allreduce, min_num_proc, use_gloo, command, ...
+    config_file:            # the --config-file YAML as is (controller, params, autotune, timeline,
+      params: {cycle_time_ms: 5}  #   stall_check, library_options, logging)
+    env:                    # HOROVOD_* variables as strings (given explicitly: adapters never read os.environ)
+      HOROVOD_HIERARCHICAL_ALLREDUCE: "1"
+    distributed_optimizer:  # DistributedOptimizer(...) keyword arguments
+      compression: fp16     #   none / fp16; op: Average / Sum / Adasum; backward_passes_per_step; ...
+
+A bare config-file YAML and a bare HOROVOD_* mapping are recognised too (``sniff``) and read as
+``config_file`` / ``env``. Where one tunable is given in several places, Horovod's precedence applies: a flag
+beats the config file, which beats the environment (the losers are IGNORED notes naming the winner).
+
+``write`` produces all four sections: the same settings as flags, as a config file and as an environment,
+and the optimizer arguments; :func:`command_line` turns the ``horovodrun`` section into an argument list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torsh.config import TorshConfig, get_path
+from torsh.errors import ConfigError, Problem
+from torsh.translate import (
+    NOTHING,
+    Fidelity,
+    FieldMap,
+    Hook,
+    Ignored,
+    Note,
+    ReadContext,
+    To,
+    Translation,
+    Unsupported,
+    WriteContext,
+    check_version,
+    read_mapping,
+    write_mapping,
+)
+
+NAME = "horovod"
+VERSIONS = ("0.28.1",)
+SECTIONS = ("horovodrun", "config_file", "env", "distributed_optimizer")
+CONFIG_FILE_SECTIONS = ("controller", "params", "autotune", "timeline", "stall_check", "library_options", "logging")
+_MIB = 1024 * 1024
+_NO_TORCH = "no effect under torch.distributed (a Horovod runtime knob); kept for a Horovod round trip"
+
+
+@dataclass(frozen=True)
+class Tunable:
+    """One horovodrun tunable in its three spellings (flag dest, config-file path, environment variable)."""
+
+    flag: str
+    yaml: str
+    env: str
+    kind: str
+    """int, float, bool, str, mb (fusion threshold: MB as a flag, bytes in the environment) or level."""
+    core: str | None = None
+    """Core path; None: a Horovod-only knob kept in extensions."""
+    reason: str = _NO_TORCH
+    fidelity: Fidelity = Fidelity.EXACT
+    """Of the mapping to ``core`` (with ``reason`` saying why when approximate)."""
+    inverted: str = ""
+    """The spelling ("yaml" or "env") that holds the negation of the flag (stall_check.enabled, LOG_HIDE_TIME)."""
+
+
+TUNABLES = (
+    Tunable("fusion_threshold_mb", "params.fusion_threshold_mb", "HOROVOD_FUSION_THRESHOLD", "mb",
+            "communication.fusion_threshold_bytes"),
+    Tunable("cycle_time_ms", "params.cycle_time_ms", "HOROVOD_CYCLE_TIME", "float", "communication.cycle_time_ms"),
+    Tunable("cache_capacity", "params.cache_capacity", "HOROVOD_CACHE_CAPACITY", "int"),
+    Tunable("hierarchical_allreduce", "params.hierarchical_allreduce", "HOROVOD_HIERARCHICAL_ALLREDUCE", "bool",
+            "communication.hierarchical_allreduce"),
+    Tunable("hierarchical_allgather", "params.hierarchical_allgather", "HOROVOD_HIERARCHICAL_ALLGATHER", "bool",
+            "communication.hierarchical_allgather"),
+    Tunable("torus_allreduce", "params.torus_allreduce", "HOROVOD_TORUS_ALLREDUCE", "bool",
+            reason="Horovod's 2-D torus allreduce has no torch.distributed equivalent; NCCL picks its own algorithm"),
+    Tunable("autotune", "autotune.enabled", "HOROVOD_AUTOTUNE", "bool",
+            reason="Horovod's Bayesian autotuning of fusion and cycle time; torch.distributed has no autotuner"),
+    Tunable("autotune_log_file", "autotune.log_file", "HOROVOD_AUTOTUNE_LOG", "str"),
+    Tunable("autotune_warmup_samples", "autotune.warmup_samples", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", "int"),
+    Tunable("autotune_steps_per_sample", "autotune.steps_per_sample", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "int"),
+    Tunable("autotune_bayes_opt_max_samples", "autotune.bayes_opt_max_samples",
+            "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "int"),
+    Tunable("autotune_gaussian_process_noise", "autotune.gaussian_process_noise",
+            "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "float"),
+    Tunable("timeline_filename", "timeline.filename", "HOROVOD_TIMELINE", "str", "monitoring.timeline.filename"),
+    Tunable("timeline_mark_cycles", "timeline.mark_cycles", "HOROVOD_TIMELINE_MARK_CYCLES", "bool",
+            "monitoring.timeline.mark_cycles"),
+    Tunable("no_stall_check", "stall_check.enabled", "HOROVOD_STALL_CHECK_DISABLE", "bool",
+            reason="Horovod's stall inspector; torch.distributed reports hangs through its collective timeout",
+            inverted="yaml"),
+    Tunable("stall_check_warning_time_seconds", "stall_check.warning_time_seconds",
+            "HOROVOD_STALL_CHECK_TIME_SECONDS", "int"),
+    Tunable("stall_check_shutdown_time_seconds", "stall_check.shutdown_time_seconds",
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "int"),
+    Tunable("mpi_threads_disable", "library_options.mpi_threads_disable", "HOROVOD_MPI_THREADS_DISABLE", "bool"),
+    Tunable("num_nccl_streams", "library_options.num_nccl_streams", "HOROVOD_NUM_NCCL_STREAMS", "int"),
+    Tunable("thread_affinity", "library_options.thread_affinity", "HOROVOD_THREAD_AFFINITY", "int"),
+    Tunable("gloo_timeout_seconds", "library_options.gloo_timeout_seconds", "HOROVOD_GLOO_TIMEOUT_SECONDS", "int",
+            "communication.timeout_s", "Horovod's Gloo context timeout (default 30 s) becomes the process-group "
+            "timeout, which also covers NCCL collectives", Fidelity.APPROXIMATE),
+    Tunable("log_level", "logging.level", "HOROVOD_LOG_LEVEL", "level", "monitoring.log_level"),
+    Tunable("log_with_timestamp", "logging.with_timestamp", "HOROVOD_LOG_HIDE_TIME", "bool", inverted="env"),
+)  # fmt: skip
+_LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+_PRECEDENCE = "a horovodrun flag beats --config-file, which beats the environment"
+
+# --------------------------------------------------------------------------------------------------
+# reading hooks
+
+
+def _parse(value: Any, t: Tunable, form: str, ctx: ReadContext, path: str) -> Any:
+    """The value in the flag's units and type, or NOTHING after recording a problem."""
+    if form == "env":
+        text = str(value).strip()
+        if t.kind in ("bool", "int", "mb"):
+            if not text.lstrip("-").isdigit():  # Horovod parses these with strtol: "true" would silently mean 0
+                ctx.problem(path, value, "Horovod reads this variable as an integer (strtol); write 1 or 0"
+                            if t.kind == "bool" else "expected an integer")  # fmt: skip
+                return NOTHING
+            number = int(text)
+            return number > 0 if t.kind == "bool" else number / _MIB if t.kind == "mb" else number
+        if t.kind == "float":
+            try:
+                return float(text)
+            except ValueError:
+                ctx.problem(path, value, "expected a number")
+                return NOTHING
+        value = text
+    if t.kind == "level":
+        if str(value).upper() not in _LOG_LEVELS:
+            ctx.problem(path, value, f"unknown log level; expected one of {', '.join(_LOG_LEVELS)}")
+            return NOTHING
+        return str(value).upper()
+    if t.kind in ("int", "mb", "float") and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                             or value < 0):  # fmt: skip
+        ctx.problem(path, value, "must be a number >= 0 (horovodrun validates it)")
+        return NOTHING
+    if t.flag == "autotune_gaussian_process_noise" and not 0 <= value <= 1:
+        ctx.problem(path, value, "must be in [0, 1] (horovodrun validates it)")
+        return NOTHING
+    return value
+
+
+def _tunable_hook(t: Tunable, form: str) -> Hook:
+    def read(value: Any, ctx: ReadContext, path: str) -> None:
+        parsed = _parse(value, t, form, ctx, path)
+        if parsed is NOTHING:
+            return
+        if t.core is None:
+            ctx.keep(path, value)
+            ctx.note(path, Fidelity.IGNORED, t.reason, value)
+            return
+        core_value = int(round(parsed * _MIB)) if t.kind == "mb" else parsed
+        winner = ctx.origin.get(t.core)
+        if winner is not None and winner != path:
+            same = get_path(ctx.core, t.core) == core_value
+            ctx.note(path, Fidelity.IGNORED, f"{'same value as' if same else 'overridden by'} {winner} "
+                     f"({_PRECEDENCE})", value)  # fmt: skip
+            return
+        ctx.set(t.core, core_value, path, t.fidelity, t.reason if t.fidelity is not Fidelity.EXACT else "")
+        if t.kind == "mb" and core_value > 0:
+            ctx.set("ddp.bucket_cap_mb", core_value / _MIB, path, Fidelity.APPROXIMATE,
+                    "DDP buckets gradients in reverse parameter order up to this size and overlaps them with "
+                    "backward; Horovod fuses whatever is ready each cycle into one buffer of this size")  # fmt: skip
+
+    return Hook(read=read)
+
+
+def _controller(value: Any, ctx: ReadContext, path: str) -> None:
+    leaf = path.rsplit(".", 1)[-1]
+    name = {"use_gloo": "gloo", "use_mpi": "mpi", "use_jsrun": "mpi"}.get(leaf, str(value).lower())
+    if leaf.startswith("use_") and value is not True:
+        ctx.note(path, Fidelity.IGNORED, "flag not given", value)
+        return
+    if name not in ("gloo", "mpi", "ccl"):
+        ctx.problem(path, value, "No such controller supported; expected gloo or mpi")
+        return
+    winner = ctx.origin.get("communication.backend")
+    if winner not in (None, path):
+        same = get_path(ctx.core, "communication.backend") == name
+        ctx.note(path, Fidelity.IGNORED, f"{'same value as' if same else 'overridden by'} {winner} ({_PRECEDENCE})",
+                 value)  # fmt: skip
+        return
+    ctx.set("communication.backend", name, path, Fidelity.APPROXIMATE,
+            "Horovod's controller and CPU collectives; GPU tensors use NCCL whatever the controller, as "
+            "torch.distributed does with backend nccl")  # fmt: skip
+
+
+def _hosts(value: Any, ctx: ReadContext, path: str) -> None:
+    hosts = []
+    for item in str(value).split(","):
+        name, _, slots = item.strip().partition(":")
+        if not name or not slots.isdigit():
+            ctx.problem(path, value, "expected host:slots[,host:slots...] (e.g. 'node1:4,node2:4')")
+            return
+        hosts.append({"name": name, "slots": int(slots)})
+    ctx.set("launch.hosts", hosts, path)
+
+
+def _command(value: Any, ctx: ReadContext, path: str) -> None:
+    args = list(value) if isinstance(value, list) else str(value).split()
+    if args and args[0].rsplit("/", 1)[-1].startswith("python"):
+        args = args[1:]
+        if args[:1] == ["-m"]:
+            ctx.set("launch.module", True, path, note=False)
+            args = args[1:]
+    else:
+        ctx.set("launch.no_python", True, path, note=False)
+    if args:
+        ctx.set("launch.script", args[0], path)
+        ctx.set("launch.script_args", args[1:], path, note=False)
+
+
+def _elastic_note(value: Any, ctx: ReadContext, path: str) -> None:
+    # Converted in _finalize_read, where slots per host are known.
+    ctx.note(path, Fidelity.APPROXIMATE, "Horovod counts processes; torchrun counts nodes (divided by the slots per "
+             "host, or nodes of one process each when no slots are given)", value,
+             "launch.max_nnodes" if "max" in path else "launch.nnodes")  # fmt: skip
+
+
+def _op(value: Any, ctx: ReadContext, path: str) -> None:
+    op = str(value).rsplit(".", 1)[-1].lower()
+    if op in ("average", "sum"):
+        ctx.set("gradients.reduce_op", {"average": "mean", "sum": "sum"}[op], path)
+    elif op == "adasum":
+        ctx.keep(path, value)
+        ctx.note(path, Fidelity.UNSUPPORTED, "Adasum's scale-invariant pairwise combination has no torch.distributed "
+                 "equivalent; gradients will be averaged", value)  # fmt: skip
+    elif op in ("min", "max", "product"):
+        ctx.keep(path, value)
+        ctx.note(path, Fidelity.UNSUPPORTED, f"a {op} of gradients is not a training reduction the engine runs", value)
+    else:
+        ctx.problem(path, value, "unknown op; expected Average, Sum, Adasum, Min, Max or Product")
+
+
+def _finalize_read(ctx: ReadContext) -> None:
+    run = ctx.raw.get("horovodrun") or {}
+    low, high = run.get("min_num_proc"), run.get("max_num_proc")
+    if low is None and high is None:
+        return
+    slots = run.get("slots") or _uniform_slots(get_path(ctx.core, "launch.hosts") or [])
+    per_node = slots or 1
+    if low is not None:
+        ctx.set("launch.nnodes", max(1, -(-low // per_node)), "horovodrun.min_num_proc", note=False)
+    if high is not None:
+        ctx.set("launch.max_nnodes", max(1, high // per_node), "horovodrun.max_num_proc", note=False)
+    ctx.set("launch.nproc_per_node", per_node, "horovodrun.slots" if slots else "horovodrun.min_num_proc", note=False)
+
+
+def _uniform_slots(hosts: list[dict]) -> int | None:
+    slots = {h.get("slots") for h in hosts}
+    return slots.pop() if len(slots) == 1 else None
+
+
+# --------------------------------------------------------------------------------------------------
+# the map
+
+_RUNTIME = "set per process or per job by horovodrun at run time, not a setting"
+_LAUNCH_ONLY = "a horovodrun launch option with no training meaning; the launch dialect translates launch commands"
+
+
+def _field_map() -> dict[str, Any]:
+    fmap: dict[str, Any] = {}
+    for t in TUNABLES:
+        fmap[f"horovodrun.{t.flag}"] = _tunable_hook(t, "flag")
+        fmap[f"config_file.{t.yaml}"] = _tunable_hook(t, "yaml")
+        fmap[f"env.{t.env}"] = _tunable_hook(t, "env")
+    fmap.update({
+        "horovodrun.num_proc": "launch.world_size",
+        "horovodrun.hosts": Hook(read=_hosts),
+        "horovodrun.slots": To("launch.nproc_per_node", Fidelity.APPROXIMATE, "horovodrun's slots per host for "
+                               "elastic jobs; torchrun starts this many processes on every node", write=False),
+        "horovodrun.min_num_proc": Hook(read=_elastic_note),
+        "horovodrun.max_num_proc": Hook(read=_elastic_note),
+        "horovodrun.reset_limit": To("launch.max_restarts", Fidelity.APPROXIMATE,
+                                     "Horovod counts resets of the worker set; torchrun counts worker-group restarts"),
+        "horovodrun.host_discovery_script": Unsupported("torchrun finds nodes by rendezvous (every node runs "
+                                                        "torchrun --nnodes MIN:MAX); there is no discovery script"),
+        "horovodrun.command": Hook(read=_command),
+        "horovodrun.use_gloo": Hook(read=_controller),
+        "horovodrun.use_mpi": Hook(read=_controller),
+        "horovodrun.use_jsrun": Hook(read=_controller),
+        "config_file.controller": Hook(read=_controller),
+        "env.HOROVOD_CONTROLLER": Hook(read=_controller),
+        "env.HOROVOD_CPU_OPERATIONS": Hook(read=_controller),
+        "config_file.logging.hide_timestamp": Ignored("Horovod silently ignores it: horovodrun reads "
+                                                      "logging.with_timestamp (its own sample file uses this key)"),
+        "distributed_optimizer.compression": "compression.method",
+        "distributed_optimizer.backward_passes_per_step": To(
+            "batch.gradient_accumulation_steps", Fidelity.APPROXIMATE,
+            "Horovod sums the passes' gradients and leaves loss scaling to the script; torsh.initialize's engine "
+            "divides the loss by the steps as DeepSpeed does (torsh.horovod keeps Horovod's sum)"),
+        "distributed_optimizer.op": Hook(read=_op),
+        "distributed_optimizer.gradient_predivide_factor": "gradients.predivide_factor",
+        "distributed_optimizer.groups": Ignored("groups only batch Horovod's allreduce calls; the numbers are equal"),
+        "distributed_optimizer.num_groups": Ignored("deprecated spelling of groups; only batches allreduce calls"),
+        "distributed_optimizer.sparse_as_dense": Ignored("sparse gradients are reduced densely by torch DDP anyway"),
+        "distributed_optimizer.named_parameters": Ignored("Python objects of the script, not a setting", keep=False),
+        "distributed_optimizer.process_set": Unsupported("Horovod process sets (sub-communicators) are not "
+                                                         "expressed by the core model; all ranks reduce together"),
+    })  # fmt: skip
+    for flag in ("start_timeout", "nics", "output_filename", "verbose", "config_file", "ssh_port",
+                 "ssh_identity_file", "disable_cache", "elastic_timeout", "cooldown_range", "hostfile", "mpi_args",
+                 "tcp_flag", "binding_args", "prefix_output_with_timestamp"):  # fmt: skip
+        fmap[f"horovodrun.{flag}"] = Ignored(_LAUNCH_ONLY)
+    for var in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME",
+                "GLOO_RENDEZVOUS_ADDR", "GLOO_RENDEZVOUS_PORT", "GLOO_IFACE"):  # fmt: skip
+        fmap[f"env.HOROVOD_{var}"] = Ignored(_RUNTIME, keep=False)
+    for var in ("ELASTIC", "START_TIMEOUT", "ELASTIC_TIMEOUT", "CCL_CACHE", "ADASUM_MPI_CHUNK_SIZE",
+                "BATCH_D2D_MEMCOPIES", "DISABLE_GROUP_FUSION", "DISABLE_NVTX_RANGES", "ENABLE_ASYNC_COMPLETION",
+                "DYNAMIC_PROCESS_SETS", "ENABLE_XLA_OPS"):  # fmt: skip
+        fmap[f"env.HOROVOD_{var}"] = Ignored(_NO_TORCH)
+    return fmap
+
+
+FIELD_MAP = _field_map()
+VALUE_MAPS = {
+    "distributed_optimizer.compression": {"none": "none", "fp16": "fp16", "Compression.none": "none",
+                                          "Compression.fp16": "fp16", "hvd.Compression.none": "none",
+                                          "hvd.Compression.fp16": "fp16"},
+}  # fmt: skip
+ALIASES: dict[str, str] = {}
+_FIELD_MAP = FieldMap(FIELD_MAP, ALIASES)
+_BUILD_TIME = ("HOROVOD_WITH_", "HOROVOD_WITHOUT_", "HOROVOD_GPU", "HOROVOD_BUILD_", "HOROVOD_CPU_OPERATIONS_")
+
+# --------------------------------------------------------------------------------------------------
+# sniff and read
+
+
+def _is_env(raw: Any) -> bool:
+    return (isinstance(raw, dict) and bool(raw) and all(isinstance(k, str) for k in raw)
+            and any(k.startswith("HOROVOD_") for k in raw)
+            and all(not isinstance(v, (dict, list)) for v in raw.values()))  # fmt: skip
+
+
+def _is_config_file(raw: Any) -> bool:
+    return isinstance(raw, dict) and bool(raw) and set(raw) <= set(CONFIG_FILE_SECTIONS) and (
+        set(raw) - {"logging"} or isinstance(raw.get("logging"), dict))
+
+
+def sniff(raw: Any) -> float:
+    """1 for the four-section layout, 0.9 for a bare config-file YAML or HOROVOD_* environment, else 0."""
+    if isinstance(raw, dict) and raw and set(raw) <= set(SECTIONS):
+        return 1.0
+    return 0.9 if _is_config_file(raw) or _is_env(raw) else 0.0
+
+
+def _normalise(raw: Any) -> tuple[dict, list, str]:
+    """The four-section layout (ordered by precedence), notes for environment entries Horovod never reads, and
+    the section a bare input was wrapped in ("" when it was not)."""
+    wrapped = ""
+    if isinstance(raw, dict) and not (set(raw) <= set(SECTIONS)):
+        wrapped = "config_file" if _is_config_file(raw) else "env" if _is_env(raw) else ""
+        raw = {wrapped: raw} if wrapped else raw
+    if not isinstance(raw, dict):
+        raise ConfigError([Problem("", raw, "a horovod config must be a mapping")], source=NAME)
+    notes, env = [], dict(raw.get("env") or {})
+    for key in list(env):
+        if not key.startswith("HOROVOD_") or key.startswith(_BUILD_TIME):
+            why = ("read when Horovod is built, not at run time" if key.startswith("HOROVOD_")
+                   else "not a Horovod variable")  # fmt: skip
+            notes.append(Note(f"env.{key}", None, env.pop(key), Fidelity.IGNORED, why))
+    ordered = {k: raw[k] for k in SECTIONS if k in raw} | {k: v for k, v in raw.items() if k not in SECTIONS}
+    if "env" in ordered:
+        ordered["env"] = env
+    return ordered, notes, wrapped
+
+
+def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
+    """Read Horovod settings (see the module docstring for the layout) into the core model.
+
+    Notes and errors name keys as the user wrote them: ``params.cycle_time_ms`` for a bare config file,
+    ``config_file.params.cycle_time_ms`` in the four-section layout.
+    """
+    check_version(NAME, version, VERSIONS)
+    data, notes, wrapped = _normalise(raw)
+    from torsh.schemas import check
+
+    try:
+        problems = [p for p in check(data, NAME) if "Additional properties" not in p.reason]  # unknown keys: the map
+        if problems:
+            raise ConfigError(problems, source=NAME)
+        result = read_mapping(data, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS,
+                              finalize=_finalize_read)  # fmt: skip
+    except ConfigError as exc:
+        raise ConfigError([replace(p, path=_unwrap(p.path, wrapped)) for p in exc.problems], source=NAME) from None
+    result.notes[:0] = notes
+    result.notes[:] = [replace(n, source_path=_unwrap(n.source_path, wrapped)) for n in result.notes]
+    return result
+
+
+def _unwrap(path: str, wrapped: str) -> str:
+    return path[len(wrapped) + 1:] if wrapped and path.startswith(wrapped + ".") else path
+
+
+# --------------------------------------------------------------------------------------------------
+# write
+
+
+def _env_text(value: Any) -> str:
+    return ("1" if value else "0") if isinstance(value, bool) else str(value)
+
+
+def _write_kept_tunable(t: Tunable, kept: dict, ctx: WriteContext) -> None:
+    """A Horovod-only knob kept from a Horovod source, written in all three spellings."""
+    for form, path in (("flag", f"horovodrun.{t.flag}"), ("yaml", f"config_file.{t.yaml}"), ("env", f"env.{t.env}")):
+        if path not in kept:
+            continue
+        value = kept[path]
+        if form == "env":
+            value = str(value) if t.kind in ("str", "level") else (
+                int(value) > 0 if t.kind == "bool" else float(value) if t.kind == "float" else int(value))
+        flag_value = (not value) if t.inverted == form else value
+        for out_form, out_path in (("flag", f"horovodrun.{t.flag}"), ("yaml", f"config_file.{t.yaml}"),
+                                   ("env", f"env.{t.env}")):  # fmt: skip
+            out = (not flag_value) if t.inverted == out_form else flag_value
+            ctx.put(out_path, _env_text(out) if out_form == "env" else out, f"extensions.horovod.{path}",
+                    Fidelity.EXACT, "kept from the source" if out_path == path else f"same setting as {path}")
+        return
+
+
+def _write_tunables(cfg: TorshConfig, ctx: WriteContext) -> None:
+    kept = cfg.extensions.get(NAME, {})
+    for t in TUNABLES:
+        if t.core is None:
+            _write_kept_tunable(t, kept, ctx)
+            continue
+        value = get_path(cfg, t.core) if t.core else None
+        fidelity, reason = t.fidelity, t.reason if t.fidelity is not Fidelity.EXACT else ""
+        if t.kind == "int" and isinstance(value, float):
+            value = int(round(value))
+        if t.kind == "mb" and value is None and cfg.ddp.bucket_cap_mb != 25.0 and isinstance(cfg.ddp.bucket_cap_mb,
+                                                                                               float):  # fmt: skip
+            value = int(cfg.ddp.bucket_cap_mb * _MIB)
+            fidelity, reason = Fidelity.APPROXIMATE, "from ddp.bucket_cap_mb: Horovod fuses per cycle, not per bucket"
+        if value is None or value is False:
+            continue
+        flag_value = value / _MIB if t.kind == "mb" else value
+        if t.kind == "mb":
+            flag_value = int(flag_value) if float(flag_value).is_integer() else flag_value
+            if not isinstance(flag_value, int):
+                reason = "horovodrun takes whole MB; the exact byte count is in HOROVOD_FUSION_THRESHOLD"
+                fidelity, flag_value = Fidelity.APPROXIMATE, max(1, round(flag_value))
+        source = t.core if t.core and get_path(cfg, t.core) is not None else "ddp.bucket_cap_mb"
+        ctx.put(f"horovodrun.{t.flag}", flag_value, source, fidelity, reason)
+        ctx.put(f"config_file.{t.yaml}", flag_value, source, fidelity, reason)
+        ctx.put(f"env.{t.env}", _env_text(value), source, Fidelity.EXACT if t.kind == "mb" else fidelity, reason)
+    if cfg.communication.timeout_s is not None and not float(cfg.communication.timeout_s).is_integer():
+        ctx.note("communication.timeout_s", Fidelity.APPROXIMATE, "Horovod takes whole seconds",
+                 cfg.communication.timeout_s)
+    if cfg.communication.fusion_threshold_bytes is not None and cfg.ddp.bucket_cap_mb != 25.0:
+        ctx.note("ddp.bucket_cap_mb", Fidelity.APPROXIMATE, "Horovod has no DDP buckets; its fusion threshold is "
+                 "written from communication.fusion_threshold_bytes", cfg.ddp.bucket_cap_mb)  # fmt: skip
+
+
+def _write_backend(cfg: TorshConfig, ctx: WriteContext) -> None:
+    backend = cfg.communication.backend
+    if backend in ("gloo", "mpi"):
+        ctx.put(f"horovodrun.use_{backend}", True, "communication.backend", Fidelity.APPROXIMATE,
+                "Horovod's controller; GPU tensors still go through NCCL when Horovod is built with it")
+        ctx.put("config_file.controller", backend, "communication.backend", Fidelity.APPROXIMATE)
+        ctx.put("env.HOROVOD_CONTROLLER", backend, "communication.backend", Fidelity.APPROXIMATE)
+        ctx.put("env.HOROVOD_CPU_OPERATIONS", backend, "communication.backend", Fidelity.APPROXIMATE)
+    elif backend in ("nccl", "ccl"):
+        ctx.note("communication.backend", Fidelity.APPROXIMATE, f"Horovod uses {backend.upper()} when it is built "
+                 f"with it (HOROVOD_GPU_OPERATIONS / HOROVOD_CPU_OPERATIONS={backend}); no run-time setting", backend)
+
+
+def _write_launch(cfg: TorshConfig, ctx: WriteContext) -> None:
+    launch = cfg.launch
+    if launch.hosts:
+        if all(h.slots for h in launch.hosts):
+            ctx.put("horovodrun.hosts", ",".join(f"{h.name}:{h.slots}" for h in launch.hosts), "launch.hosts")
+        else:
+            ctx.note("launch.hosts", Fidelity.UNSUPPORTED, "horovodrun -H needs slots for every host", launch.hosts)
+    per_node = launch.nproc_per_node if isinstance(launch.nproc_per_node, int) else None
+    if launch.max_nnodes is not None:  # elastic: process counts
+        ctx.put("horovodrun.min_num_proc", (launch.nnodes or 1) * (per_node or 1), "launch.nnodes",
+                Fidelity.APPROXIMATE, "torchrun counts nodes, horovodrun processes: nodes x nproc_per_node")
+        ctx.put("horovodrun.max_num_proc", launch.max_nnodes * (per_node or 1), "launch.max_nnodes",
+                Fidelity.APPROXIMATE, "torchrun counts nodes, horovodrun processes: nodes x nproc_per_node")
+        if per_node:
+            ctx.put("horovodrun.slots", per_node, "launch.nproc_per_node")
+    world = launch.world_size or (launch.nnodes * per_node if launch.nnodes and per_node else None)
+    if world:
+        ctx.put("horovodrun.num_proc", world, "launch.world_size" if launch.world_size else "launch.nproc_per_node")
+    if launch.max_restarts is not None:
+        ctx.put("horovodrun.reset_limit", launch.max_restarts, "launch.max_restarts", Fidelity.APPROXIMATE,
+                "torchrun counts worker-group restarts, Horovod resets of the worker set")
+    if launch.script:
+        head = [] if launch.no_python else ["python", "-m"] if launch.module else ["python"]
+        ctx.put("horovodrun.command", [*head, launch.script, *launch.script_args], "launch.script")
+    for path in ("master_addr", "master_port", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id"):
+        if getattr(launch, path) is not None:
+            ctx.note(f"launch.{path}", Fidelity.DROPPED, "horovodrun runs its own rendezvous", getattr(launch, path))
+
+
+def _write_optimizer(cfg: TorshConfig, ctx: WriteContext) -> None:
+    method = cfg.compression.method
+    if method == "fp16":
+        ctx.put("distributed_optimizer.compression", "fp16", "compression.method")
+    elif method != "none":
+        ctx.note("compression.method", Fidelity.UNSUPPORTED, f"Horovod compresses only to fp16 (Compression.fp16); "
+                 f"it has no {method} compressor", method)  # fmt: skip
+    op = cfg.gradients.reduce_op
+    if op != "mean":
+        ctx.put("distributed_optimizer.op", {"sum": "Sum", "adasum": "Adasum"}[op], "gradients.reduce_op")
+    if cfg.gradients.prescale:
+        ctx.note("gradients.prescale", Fidelity.APPROXIMATE, "Horovod has no prescale switch; "
+                 "gradient_predivide_factor=size() divides before the sum", True)  # fmt: skip
+    if cfg.sharding.stage > 0:
+        ctx.note("sharding.stage", Fidelity.UNSUPPORTED, "Horovod replicates parameters, gradients and optimizer "
+                 f"state on every rank: it has no ZeRO / FSDP sharding (stage {cfg.sharding.stage})",
+                 cfg.sharding.stage)  # fmt: skip
+
+
+def _write_all(cfg: TorshConfig, ctx: WriteContext) -> None:
+    for write_part in (_write_tunables, _write_backend, _write_launch, _write_optimizer):
+        write_part(cfg, ctx)
+
+
+_CLAIMED_COMMUNICATION = ("backend", "fusion_threshold_bytes", "cycle_time_ms", "timeout_s", "hierarchical_allreduce",
+                          "hierarchical_allgather")  # fmt: skip
+_CLAIMED_LAUNCH = ("hosts", "nproc_per_node", "nnodes", "max_nnodes", "world_size", "max_restarts", "script",
+                   "script_args", "module", "no_python", "master_addr", "master_port", "node_rank", "rdzv_backend",
+                   "rdzv_endpoint", "rdzv_id")  # fmt: skip
+_WRITE_HOOKS = Hook(write=_write_all, claims=(
+    *(f"communication.{k}" for k in _CLAIMED_COMMUNICATION), *(f"launch.{k}" for k in _CLAIMED_LAUNCH),
+    "monitoring.timeline", "monitoring.log_level", "ddp.bucket_cap_mb", "compression.method", "gradients.reduce_op",
+    "gradients.prescale", "sharding.stage"))  # fmt: skip
+_WRITE_MAP = FieldMap({**FIELD_MAP, "__write__": _WRITE_HOOKS}, ALIASES)
+
+
+def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
+    """The core model as horovodrun flags, a config file, an environment and DistributedOptimizer arguments."""
+    check_version(NAME, version, VERSIONS)
+    return write_mapping(cfg, dialect=NAME, field_map=_WRITE_MAP, value_maps=VALUE_MAPS)
+
+
+def command_line(flags: dict[str, Any]) -> list[str]:
+    """horovodrun's argument list for a ``horovodrun`` section (flag dests), the training command last."""
+    spelled = {"num_proc": "-np", "hosts": "-H", "min_num_proc": "--min-np", "max_num_proc": "--max-np",
+               "slots": "--slots-per-host", "use_gloo": "--gloo", "use_mpi": "--mpi", "use_jsrun": "--jsrun",
+               "no_stall_check": "--no-stall-check", "nics": "--network-interfaces", "tcp_flag": "--tcp",
+               "log_with_timestamp": "--log-with-timestamp"}  # fmt: skip
+    argv = ["horovodrun"]
+    for dest, value in flags.items():
+        if dest == "command":
+            continue
+        flag = spelled.get(dest, "--" + dest.replace("_", "-"))
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            if dest in ("hierarchical_allreduce", "hierarchical_allgather", "torus_allreduce", "autotune",
+                        "timeline_mark_cycles", "mpi_threads_disable"):  # fmt: skip
+                argv.append("--no-" + dest.replace("_", "-"))
+            elif dest == "log_with_timestamp":
+                argv.append("--log-without-timestamp")
+        else:
+            argv += [flag, *map(str, value if isinstance(value, list) else [value])]
+    return argv + [str(a) for a in flags.get("command", [])]
