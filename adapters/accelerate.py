@@ -353,6 +353,8 @@ def _finalize(ctx: ReadContext, base_dir: Any) -> None:
 
 
 def _finalize_fsdp(ctx: ReadContext, state: dict, version: int) -> None:
+    if "fsdp_version" not in (ctx.raw.get("fsdp_config") or {}):
+        ctx.keep("fsdp_config.fsdp_version", 1)  # the launcher's default; kept so the file is written back as FSDP1
     _fsdp_stage(ctx, state, version)
     _fsdp_wrap(ctx, state)
     if "offload" in state:
@@ -428,6 +430,7 @@ def _fsdp_wrap(ctx: ReadContext, state: dict) -> None:
     if policy == "TRANSFORMER_BASED_WRAP" and classes:
         ctx.set("sharding.wrap.module_classes", classes[0], classes[1])
     elif policy == "TRANSFORMER_BASED_WRAP":
+        ctx.keep(wrap[1], wrap[2])
         ctx.note(wrap[1], Fidelity.APPROXIMATE, "wraps the model's _no_split_modules (known only with the model); "
                  "torsh wraps each direct child that holds parameters", wrap[2])  # fmt: skip
     elif policy == "SIZE_BASED_WRAP":
@@ -572,3 +575,258 @@ def _inactive_sections(raw: dict) -> tuple[dict, list[Note], dict]:
         else:
             clean[key] = value
     return clean, notes, kept
+
+
+# ---- writing --------------------------------------------------------------------------------------------
+
+
+def _backend(cfg: TorshConfig, version: str | None) -> str:
+    """The Accelerate backend to write: asked for, else what the stage and offload need, else the source's."""
+    if version is not None:
+        return version
+    s, o = cfg.sharding, cfg.offload
+    kept = cfg.extensions.get(NAME, {})
+    if s.stage == 0:
+        return "ddp"
+    if s.stage == 1 or "nvme" in (o.params, o.optimizer) or (o.optimizer != "none" and o.params == "none"):
+        return "deepspeed"  # the only Accelerate backend with ZeRO-1 and these offloads
+    if kept.get("distributed_type") == "DEEPSPEED":
+        return "deepspeed"
+    return "fsdp1" if str(kept.get("fsdp_config.fsdp_version", 2)) == "1" else "fsdp2"
+
+
+def _write_kind(backend: str):
+    def hook(cfg: TorshConfig, ctx: WriteContext) -> None:
+        stage = cfg.sharding.stage
+        kept = cfg.extensions.get(NAME, {}).get("distributed_type")
+        ddp_kind = kept if kept in _DDP_TYPES or (kept == "NO" and stage == 0) else "MULTI_GPU"
+        kind = {"ddp": ddp_kind, "deepspeed": "DEEPSPEED"}.get(backend, "FSDP")
+        if backend == "ddp" and stage > 0:
+            ctx.put("distributed_type", kind, "sharding.stage", Fidelity.UNSUPPORTED, f"DDP replicates: ZeRO-{stage} "
+                    "sharding is lost (write --to accelerate with the fsdp2 or deepspeed version)")  # fmt: skip
+        elif backend.startswith("fsdp") and stage < 2:
+            ctx.put("distributed_type", kind, "sharding.stage", Fidelity.APPROXIMATE, "FSDP cannot shard only the "
+                    "optimizer state (ZeRO-1); written as ZeRO-2" if stage == 1 else "FSDP NO_SHARD (DDP-like)")
+        else:
+            ctx.put("distributed_type", kind, "sharding.stage", Fidelity.EXACT,
+                    "" if backend != "deepspeed" else "zero_stage follows")  # fmt: skip
+        if backend.startswith("fsdp"):
+            ctx.put("fsdp_config.fsdp_version", int(backend[-1]), "sharding.stage")
+            _write_fsdp_sharding(cfg, ctx, int(backend[-1]))
+        elif backend == "deepspeed":
+            ctx.put("deepspeed_config.zero_stage", stage, "sharding.stage")
+            if cfg.sharding.hybrid_shard_size is not None:
+                ctx.note("sharding.hybrid_shard_size", Fidelity.UNSUPPORTED, "the inline deepspeed_config has no "
+                         "ZeRO++ keys: use deepspeed_config_file", cfg.sharding.hybrid_shard_size)  # fmt: skip
+
+    return hook
+
+
+def _write_fsdp_sharding(cfg: TorshConfig, ctx: WriteContext, version: int) -> None:
+    s = cfg.sharding
+    reshard = bool(s.effective_reshard_after_forward) if s.stage >= 2 else s.stage == 0
+    name = ("FULL_SHARD" if reshard else "SHARD_GRAD_OP") if s.stage else "NO_SHARD"
+    if s.hybrid_shard_size is not None and version == 1:
+        name = "HYBRID_SHARD" if reshard else "HYBRID_SHARD_ZERO2"
+        if s.hybrid_shard_size is not AUTO:
+            ctx.note("sharding.hybrid_shard_size", Fidelity.APPROXIMATE, "Accelerate's FSDP1 HYBRID_SHARD shards "
+                     "within each node; a group of another size needs a device mesh", s.hybrid_shard_size)
+    if version == 1:
+        ctx.put("fsdp_config.fsdp_sharding_strategy", name, "sharding.stage", Fidelity.EXACT, "what the FSDP1 plugin "
+                "reads (FSDP_SHARDING_STRATEGY)")  # fmt: skip
+        ctx.put("fsdp_config.fsdp_reshard_after_forward", name, "sharding.stage", Fidelity.EXACT, "the same strategy "
+                "under the key `accelerate config` writes for FSDP1: both keys, so every Accelerate version runs it")
+        return
+    ctx.put("fsdp_config.fsdp_reshard_after_forward", reshard, "sharding.stage")
+    size, world = s.hybrid_shard_size, cfg.launch.world_size
+    if size is None:
+        return
+    if size is AUTO or world is None or world % size:
+        ctx.note("sharding.hybrid_shard_size", Fidelity.UNSUPPORTED, "FSDP2 hybrid sharding in Accelerate is "
+                 "parallelism_config dp_replicate_size x dp_shard_size: needs a known group size dividing "
+                 "num_processes", size)  # fmt: skip
+        return
+    ctx.put("parallelism_config.parallelism_config_dp_replicate_size", world // size, "sharding.hybrid_shard_size")
+    ctx.put("parallelism_config.parallelism_config_dp_shard_size", size, "sharding.hybrid_shard_size")
+
+
+def _write_fsdp_rest(version: int):
+    def hook(cfg: TorshConfig, ctx: WriteContext) -> None:
+        s = cfg.sharding
+        _write_offload(cfg, ctx, "fsdp_config.fsdp_offload_params")
+        if s.wrap.module_classes:
+            ctx.put("fsdp_config.fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "sharding.wrap.module_classes")
+            ctx.put("fsdp_config.fsdp_transformer_layer_cls_to_wrap", ",".join(s.wrap.module_classes),
+                    "sharding.wrap.module_classes")  # fmt: skip
+        elif s.wrap.min_num_params:
+            ctx.put("fsdp_config.fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "sharding.wrap.min_num_params")
+            ctx.put("fsdp_config.fsdp_min_num_params", s.wrap.min_num_params, "sharding.wrap.min_num_params")
+        elif cfg.extensions.get(NAME, {}).get("fsdp_config.fsdp_auto_wrap_policy") == "TRANSFORMER_BASED_WRAP":
+            ctx.put("fsdp_config.fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "sharding.wrap", Fidelity.EXACT,
+                    "the model's _no_split_modules, as in the source file")  # fmt: skip
+        else:
+            ctx.put("fsdp_config.fsdp_auto_wrap_policy", "NO_WRAP", "sharding.wrap", Fidelity.APPROXIMATE, "torsh's "
+                    "default wraps each direct child; NO_WRAP makes the whole model one unit (same numerics)")
+        prefetch = s.backward_prefetch
+        if version == 1:
+            name = {v: k for k, v in _PREFETCH.items()}[prefetch or "none"]
+            ctx.put("fsdp_config.fsdp_backward_prefetch", name, "sharding.backward_prefetch")
+            ctx.put("fsdp_config.fsdp_forward_prefetch", s.forward_prefetch, "sharding.forward_prefetch")
+            ctx.put("fsdp_config.fsdp_sync_module_states", s.sync_module_states, "sharding.sync_module_states")
+            ctx.put("fsdp_config.fsdp_cpu_ram_efficient_loading", s.sync_module_states, "sharding.sync_module_states",
+                    Fidelity.EXACT, "on FSDP1 true forces sync_module_states")  # fmt: skip
+        else:
+            if prefetch in ("backward_post", "none"):
+                ctx.note("sharding.backward_prefetch", Fidelity.APPROXIMATE, "FSDP2 always prefetches like "
+                         "BACKWARD_PRE", prefetch)  # fmt: skip
+            if s.forward_prefetch:
+                ctx.note("sharding.forward_prefetch", Fidelity.UNSUPPORTED, "Accelerate raises for forward prefetch "
+                         "with FSDP2", True)  # fmt: skip
+            ctx.put("fsdp_config.fsdp_cpu_ram_efficient_loading", s.sync_module_states, "sharding.sync_module_states",
+                    Fidelity.EXACT, "FSDP2: rank 0 loads, the weights are broadcast")  # fmt: skip
+        ctx.put("fsdp_config.fsdp_state_dict_type", f"{cfg.checkpoint.state_dict_type.upper()}_STATE_DICT",
+                "checkpoint.state_dict_type")  # fmt: skip
+
+    return hook
+
+
+def _write_offload(cfg: TorshConfig, ctx: WriteContext, key: str) -> None:
+    o = cfg.offload
+    if o.params == "none" and o.optimizer == "none":
+        ctx.put(key, False, "offload.params")
+    elif o.params == "cpu" and o.optimizer in ("cpu", "none"):
+        ctx.put(key, True, "offload.params", Fidelity.EXACT if o.optimizer == "cpu" else Fidelity.APPROXIMATE,
+                "" if o.optimizer == "cpu" else "FSDP offload also moves the optimizer step to the CPU")
+    else:
+        ctx.note("offload", Fidelity.UNSUPPORTED, "FSDP offloads parameters, gradients and optimizer to CPU memory "
+                 "together; NVMe or optimizer-only offload needs DeepSpeed", f"{o.params}/{o.optimizer}")
+
+
+def _write_deepspeed_rest(cfg: TorshConfig, ctx: WriteContext) -> None:
+    o = cfg.offload
+    ctx.put("deepspeed_config.offload_optimizer_device", o.optimizer, "offload.optimizer")
+    ctx.put("deepspeed_config.offload_param_device", o.params, "offload.params")
+    if o.nvme_path:
+        for which in ("optimizer", "param"):
+            if getattr(o, "params" if which == "param" else "optimizer") == "nvme":
+                ctx.put(f"deepspeed_config.offload_{which}_nvme_path", o.nvme_path, "offload.nvme_path",
+                        Fidelity.APPROXIMATE, _NVME_REASON)  # fmt: skip
+    if not o.pin_memory and "none" not in (o.params, o.optimizer):
+        ctx.note("offload.pin_memory", Fidelity.UNSUPPORTED, "the inline deepspeed_config pins offloaded memory", False)
+
+
+def _write_precision(backend: str):
+    def hook(cfg: TorshConfig, ctx: WriteContext) -> None:
+        p = cfg.precision
+        name = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[p.param_dtype]
+        ctx.put("mixed_precision", name, "precision.param_dtype")
+        if p.param_dtype == "fp32":
+            return
+        expected = _expected_precision(backend, p.param_dtype, cfg.sharding.stage)
+        for path, want in expected.items():
+            have = get_path(cfg, path)
+            if have != want and not (path.endswith("reduce_dtype") and have is None and want == p.param_dtype):
+                ctx.note(path, Fidelity.APPROXIMATE, f"Accelerate's {backend} mixed_precision={name} gives {want!r}; "
+                         "set it in the script's plugin (FullyShardedDataParallelPlugin / DeepSpeedPlugin / "
+                         "GradScalerKwargs) to keep it", have)  # fmt: skip
+
+    return hook
+
+
+def _expected_precision(backend: str, dtype: str, stage: int) -> dict[str, Any]:
+    if backend == "ddp":
+        out = {"precision.autocast": True}
+    elif backend == "deepspeed":
+        out = {"precision.reduce_dtype": dtype, "precision.cast_forward_inputs": False}
+    else:
+        out = {"precision.reduce_dtype": dtype, "precision.cast_forward_inputs": True}
+        if backend == "fsdp1":
+            out["precision.buffer_dtype"] = dtype
+    if dtype == "fp16":
+        semantics = "torch_grad_scaler" if backend != "deepspeed" else "deepspeed_zero" if stage else "deepspeed_stage0"
+        out.update({"precision.loss_scaling.mode": "dynamic", "precision.loss_scaling.semantics": semantics,
+                    "precision.loss_scaling.growth_interval": 2000 if backend != "deepspeed" else 1000})
+    return out
+
+
+def _write_num_processes(cfg: TorshConfig, ctx: WriteContext) -> None:
+    launch = cfg.launch
+    if launch.world_size is not None:
+        ctx.put("num_processes", launch.world_size, "launch.world_size")
+    elif launch.nnodes and isinstance(launch.nproc_per_node, int):
+        ctx.put("num_processes", launch.nnodes * launch.nproc_per_node, "launch.nproc_per_node", Fidelity.EXACT,
+                "Accelerate counts the processes of all machines")  # fmt: skip
+    elif launch.nproc_per_node is not None:
+        ctx.note("launch.nproc_per_node", Fidelity.APPROXIMATE, "every visible accelerator (num_processes left out)",
+                 launch.nproc_per_node)  # fmt: skip
+
+
+_PRECISION_CLAIMS = ("precision.param_dtype", "precision.reduce_dtype", "precision.buffer_dtype", "precision.autocast",
+                     "precision.cast_forward_inputs", "precision.loss_scaling.mode", "precision.loss_scaling.semantics",
+                     "precision.loss_scaling.growth_interval")  # fmt: skip
+_SHARDING_CLAIMS = ("sharding.stage", "sharding.reshard_after_forward", "sharding.hybrid_shard_size")
+
+
+def _write_map(backend: str) -> FieldMap:
+    common = {k: v for k, v in TOP_MAP.items() if isinstance(v, To)}
+    hooks = {
+        "distributed_type": Hook(write=_write_kind(backend), claims=_SHARDING_CLAIMS),
+        "mixed_precision": Hook(write=_write_precision(backend), claims=_PRECISION_CLAIMS),
+        "num_processes": Hook(write=_write_num_processes, claims=("launch.world_size", "launch.nproc_per_node")),
+        "main_process_ip": Hook(write=lambda c, x: c.launch.master_addr and x.put(
+            "main_process_ip", c.launch.master_addr, "launch.master_addr"), claims=("launch.master_addr",)),
+        "main_process_port": Hook(write=lambda c, x: c.launch.master_port is not None and x.put(
+            "main_process_port", c.launch.master_port, "launch.master_port"), claims=("launch.master_port",)),
+    }
+    if backend.startswith("fsdp"):
+        version = int(backend[-1])
+        section = {"fsdp_config.fsdp_activation_checkpointing": FSDP_MAP["fsdp_config.fsdp_activation_checkpointing"],
+                   "fsdp_config.(rest)": Hook(write=_write_fsdp_rest(version), claims=(
+                       "offload", "sharding.wrap", "sharding.backward_prefetch", "sharding.forward_prefetch",
+                       "sharding.sync_module_states", "checkpoint.state_dict_type"))}  # fmt: skip
+    elif backend == "deepspeed":
+        section = {k: v for k, v in DS_MAP.items() if isinstance(v, To) and v.path.split(".")[0] not in ("offload",
+                                                                                                         "sharding")}
+        section["deepspeed_config.(offload)"] = Hook(write=_write_deepspeed_rest, claims=("offload",))
+    else:
+        section = {}
+    return FieldMap({**common, **hooks, **section})
+
+
+def _finalize_write(backend: str):
+    def finalize(ctx: WriteContext) -> None:
+        if backend == "deepspeed":
+            # "auto" is what Accelerate's plugin uses for these anyway: leave them out, as `accelerate config` does.
+            for key in ("gradient_accumulation_steps", "gradient_clipping"):
+                if ctx.out.get("deepspeed_config", {}).get(key) == "auto":
+                    del ctx.out["deepspeed_config"][key]
+            ctx.notes[:] = [n for n in ctx.notes if not (n.source_path.startswith("batch.") and
+                                                        n.fidelity is Fidelity.UNSUPPORTED and n.value is AUTO)]
+        # kept keys of another backend's section (e.g. fsdp_config when writing DeepSpeed) do not belong here
+        other = {"fsdp_config", "deepspeed_config", "parallelism_config"} - {
+            "fsdp_config" if backend.startswith("fsdp") else "deepspeed_config" if backend == "deepspeed" else "",
+            "parallelism_config" if backend == "fsdp2" else ""}
+        for key in sorted(other & set(ctx.out)):
+            value = ctx.out.pop(key)
+            ctx.notes[:] = [n for n in ctx.notes if not (n.target_path or "").startswith(key + ".")]
+            ctx.notes.append(Note(f"extensions.{NAME}.{key}", None, value, Fidelity.DROPPED,
+                                  f"a {key} setting; this file is written for {backend}"))  # fmt: skip
+        if backend == "fsdp2":
+            fc = ctx.out.get("fsdp_config", {})
+            for key in ("fsdp_sharding_strategy", "fsdp_backward_prefetch", "fsdp_forward_prefetch",
+                        "fsdp_use_orig_params", "fsdp_sync_module_states"):
+                if key in fc:
+                    ctx.notes.append(Note(f"extensions.{NAME}.fsdp_config.{key}", None, fc.pop(key), Fidelity.DROPPED,
+                                          "an FSDP1 key; Accelerate ignores it with fsdp_version 2"))  # fmt: skip
+
+    return finalize
+
+
+def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
+    """Write an ``accelerate config`` YAML (as data) for the backend ``version`` names or the stage implies."""
+    if version is not None and version not in VERSIONS:
+        raise ConfigError([Problem("version", version, f"expected one of {', '.join(VERSIONS)}")], source=NAME)
+    backend = _backend(cfg, version)
+    translation = write_mapping(cfg, dialect=NAME, field_map=_write_map(backend), finalize=_finalize_write(backend))
+    translation.result = {"compute_environment": "LOCAL_MACHINE", **translation.result}
+    return translation
