@@ -237,7 +237,8 @@ def _delete(data: dict, path: str) -> None:
     for part in parts[:-1]:
         chain.append(chain[-1][part])
     del chain[-1][parts[-1]]
-    for node, part in zip(reversed(chain[:-1]), reversed(parts[:-1]), strict=True):
+    # Empty sections below the top level go too; a top-level one stays (its presence means "use this feature").
+    for node, part in list(zip(reversed(chain[:-1]), reversed(parts[:-1]), strict=True))[:-1]:
         if node[part] == {}:
             del node[part]
 
