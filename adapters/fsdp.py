@@ -337,7 +337,8 @@ def sniff(raw: Any) -> float:
     if isinstance(raw.get("fully_shard"), dict):
         return 1.0
     top = {k.split(".")[0] for k in FSDP1_MAP} | {"state_dict_type"}
-    if set(raw) <= top and not isinstance(raw.get("mixed_precision"), str):
+    # Accelerate also has a top-level mixed_precision, but as one of its strings.
+    if set(raw) <= top and str(raw.get("mixed_precision")).lower() not in ("no", "fp16", "bf16", "fp8"):
         return 0.9
     return 0.0
 
