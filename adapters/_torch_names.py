@@ -104,9 +104,11 @@ def is_expression(value: Any, known: frozenset[str] = frozenset()) -> bool:
     if text.lower() in known or text.lower() in DTYPES or text.lower() in _TRUE | _FALSE | {"auto", "none", "null"}:
         return False
     try:
-        ast.parse(text, mode="eval")
+        tree = ast.parse(text, mode="eval")
     except SyntaxError:
         return False
+    if isinstance(tree.body, ast.Constant):
+        return False  # a number or a literal, not something the script computes
     if any(ch in text for ch in "()[] "):
         return True
     return not (_ENUM_MEMBER.fullmatch(text.rsplit(".", 1)[-1]) or text.startswith("torch."))

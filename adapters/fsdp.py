@@ -288,7 +288,8 @@ VALUE_MAPS = {k: _PARAM_DTYPE_MAP if k.endswith("param_dtype") else _DTYPE_MAP
               for k in FIELD_MAP if k.endswith(("param_dtype", "reduce_dtype", "buffer_dtype"))}
 ALIASES: dict[str, str] = {}
 _READ_MAPS = {"fsdp1": FieldMap({**FSDP1_MAP, **_SHARED}), "fsdp2": FieldMap({**FSDP2_MAP, **_SHARED})}
-_KNOWN = frozenset(s.lower() for s in ("CPUOffloadPolicy()", "CPUOffloadPolicy", "OffloadPolicy()", "OffloadPolicy",
+_KNOWN = frozenset(s.lower() for s in (*SHARDING_STRATEGIES, *STRATEGY_ALIASES, *STATE_DICT_TYPES, *BACKWARD_PREFETCH,
+                                       "CPUOffloadPolicy()", "CPUOffloadPolicy", "OffloadPolicy()", "OffloadPolicy",
                                        "CPUOffloadPolicy(pin_memory=True)", "CPUOffloadPolicy(pin_memory=False)"))
 
 
@@ -390,7 +391,7 @@ def _write_strategy(cfg: TorshConfig, ctx: WriteContext) -> None:
             ctx.notes.append(_note("sharding.hybrid_shard_size", None, AUTO, Fidelity.EXACT,
                                    "HYBRID_SHARD without a mesh shards within each node"))  # fmt: skip
         else:
-            ctx.put("device_mesh", mesh_description(s.hybrid_shard_size, MESH_NAMES), "sharding.hybrid_shard_size",
+            ctx.put("device_mesh", mesh_description(s.hybrid_shard_size, _mesh_names(cfg)), "sharding.hybrid_shard_size",
                     Fidelity.EXACT, "dim 0 replicates, dim 1 shards; -1: the remaining ranks")  # fmt: skip
     ctx.put("sharding_strategy", name, "sharding.stage", fidelity, reason)
 
@@ -406,8 +407,18 @@ def _write_reshard(cfg: TorshConfig, ctx: WriteContext) -> None:
     else:
         ctx.put("fully_shard.reshard_after_forward", bool(s.effective_reshard_after_forward), "sharding.stage")
     if s.hybrid_shard_size is not None:
-        ctx.put("fully_shard.mesh", mesh_description(s.hybrid_shard_size, MESH_NAMES), "sharding.hybrid_shard_size",
+        ctx.put("fully_shard.mesh", mesh_description(s.hybrid_shard_size, _mesh_names(cfg)), "sharding.hybrid_shard_size",
                 Fidelity.EXACT, "HSDP: dim 0 replicates, dim 1 shards; -1: the remaining ranks")  # fmt: skip
+
+
+def _mesh_names(cfg: TorshConfig) -> tuple[str, str]:
+    """The source file's mesh dimension names when it had a 2-D mesh, else torsh's."""
+    kept = cfg.extensions.get(NAME, {})
+    for key in ("device_mesh.dim_names", "fully_shard.mesh.dim_names", "mesh.dim_names"):
+        names = kept.get(key)
+        if isinstance(names, list) and len(names) == 2:
+            return tuple(names)
+    return MESH_NAMES
 
 
 _ZERO1_REASON = ("FSDP cannot shard only the optimizer state (ZeRO-1); written as ZeRO-2 (also shards gradients "
