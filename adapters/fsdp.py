@@ -607,7 +607,7 @@ def snippet(cfg: TorshConfig) -> str:
         kwargs.append(f"mp_policy=MixedPrecisionPolicy({', '.join(mp)})")
     if o.params == "cpu":
         kwargs.append(f"offload_policy=CPUOffloadPolicy(pin_memory={o.pin_memory})")
-    lines += ["fsdp_kwargs = dict(" + ", ".join(kwargs) + ")", ""]
+    lines += ["fsdp_kwargs = dict(", *(f"    {k}," for k in kwargs), ")", ""]
     if s.sync_module_states:
         lines.append("full_state = model.state_dict() if dist.get_rank() == 0 else {}  # rank 0 loaded the weights")
     if s.wrap.module_classes:
