@@ -287,6 +287,7 @@ def _write_sharding(cfg: TorshConfig, ctx: WriteContext) -> None:
             ctx.put("oss.optim", "torch.optim.SGD", "sharding.stage", Fidelity.APPROXIMATE, zero + "; OSS builds the "
                     "optimizer from its class and the script's is not in the config: SGD, OSS's default, written")
         if layout == "oss+sdp":
+            ctx.put("sdp", {}, "sharding.stage", Fidelity.EXACT, "ShardedDataParallel over the OSS optimizer")
             ctx.put("sdp.broadcast_buffers", cfg.ddp.broadcast_buffers, "ddp.broadcast_buffers")
             ctx.put("sdp.sync_models_at_startup", s.sync_module_states, "sharding.sync_module_states")
             if cfg.compression.method == "fp16":

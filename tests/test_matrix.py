@@ -172,3 +172,12 @@ def test_deepspeed_nvme_offload_is_unsupported_in_fsdp():
         assert "offload" not in str(written.result)
         note = next(n for n in written.notes if n.source_path == "offload.params")
         assert note.fidelity.value == U and "NVMe" in note.reason
+
+
+def test_readme_sharding_table_is_the_generated_one():
+    from pathlib import Path
+
+    from torsh.adapters._equivalence import render, table_in
+
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    assert table_in(readme) == render(), "regenerate it: python -m torsh.adapters._equivalence README.md"
