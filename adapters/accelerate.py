@@ -89,7 +89,8 @@ def _read_distributed_type(value: Any, ctx: ReadContext, path: str) -> None:
         from torsh.errors import did_you_mean
 
         known = sorted(_DDP_TYPES | _OTHER_TYPES)
-        ctx.problem(path, value, f"unknown distributed_type; expected one of {', '.join(known)}", did_you_mean(kind, known))
+        ctx.problem(path, value, f"unknown distributed_type; expected one of {', '.join(known)}",
+                    did_you_mean(kind, known))
         return
     ctx.keep(path, kind)
     if kind in ("NO",) or kind in _DDP_TYPES:
@@ -458,7 +459,8 @@ def _fsdp_sync(ctx: ReadContext, state: dict, version: int) -> None:
                  ram[2], "sharding.sync_module_states")  # fmt: skip
     sync = state.get("sharding.sync_module_states")
     if version >= 2:
-        ctx.set("sharding.sync_module_states", ram_flag, ram[1] if ram else "fsdp_config.fsdp_cpu_ram_efficient_loading",
+        source = ram[1] if ram else "fsdp_config.fsdp_cpu_ram_efficient_loading"
+        ctx.set("sharding.sync_module_states", ram_flag, source,
                 Fidelity.EXACT if ram else Fidelity.DEFAULTED, "FSDP2: Accelerate broadcasts rank 0's weights when "
                 "cpu_ram_efficient_loading (launcher default true)", note=not ram)  # fmt: skip
         return

@@ -266,7 +266,8 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
 def _layout(cfg: TorshConfig) -> str:
     s = cfg.sharding
     from_fsdp = any(k.startswith("fsdp.") for k in cfg.extensions.get(NAME, {}))
-    needs_fsdp = cfg.offload.params != "none" or cfg.precision.param_dtype != "fp32" or s.reshard_after_forward is not None
+    needs_fsdp = (cfg.offload.params != "none" or cfg.precision.param_dtype != "fp32"
+                  or s.reshard_after_forward is not None)
     if s.stage == 3 or (s.stage == 2 and (needs_fsdp or from_fsdp)):
         return "fsdp"
     return {0: "none", 1: "oss", 2: "oss+sdp"}.get(s.stage, "fsdp")
@@ -348,7 +349,8 @@ def _write_predivide(cfg: TorshConfig, ctx: WriteContext) -> None:
     if factor != 1.0 and _layout(cfg) == "fsdp":
         ctx.put("fsdp.gradient_predivide_factor", factor, "gradients.predivide_factor")
     elif factor != 1.0:
-        ctx.note("gradients.predivide_factor", Fidelity.UNSUPPORTED, "only FairScale FSDP has a predivide factor", factor)
+        ctx.note("gradients.predivide_factor", Fidelity.UNSUPPORTED, "only FairScale FSDP has a predivide factor",
+                 factor)
 
 
 def _write_scaler(cfg: TorshConfig, ctx: WriteContext) -> None:

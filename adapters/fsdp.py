@@ -100,8 +100,8 @@ def _read_reshard(value: Any, ctx: ReadContext, path: str) -> None:
     elif isinstance(value, int) and value > 1:
         ctx.set("sharding.stage", 3, path, Fidelity.APPROXIMATE, "an int reshards to groups of that size after "
                 "forward (ZeRO++ hpZ)")  # fmt: skip
-        ctx.set("sharding.hybrid_shard_size", value, path, Fidelity.APPROXIMATE, "hpZ keeps gradients and optimizer "
-                "state sharded over all ranks; torsh's hybrid group also shards them only within the group")  # fmt: skip
+        ctx.set("sharding.hybrid_shard_size", value, path, Fidelity.APPROXIMATE, "hpZ keeps gradients and "
+                "optimizer state sharded over all ranks; torsh's hybrid group shards them within the group")
     else:
         to_bool(value, ctx, path)
 
@@ -131,7 +131,8 @@ def _read_cpu_offload(value: Any, ctx: ReadContext, path: str) -> None:
 
 
 def _read_offload_policy(value: Any, ctx: ReadContext, path: str) -> None:
-    """FSDP2 ``offload_policy``: ``CPUOffloadPolicy(pin_memory=...)`` (a mapping or the call), or ``OffloadPolicy()``."""
+    """FSDP2 ``offload_policy``: ``CPUOffloadPolicy(pin_memory=...)`` (a mapping or the call) or ``OffloadPolicy()``.
+    """
     text = str(value).replace(" ", "") if isinstance(value, str) else None
     if value is None or text in ("OffloadPolicy()", "OffloadPolicy"):
         ctx.note(path, Fidelity.EXACT, "no offload", value, "offload")
@@ -166,8 +167,8 @@ def _read_wrap(value: Any, ctx: ReadContext, path: str) -> None:
         classes = [v for v in value if isinstance(v, str) and v.isidentifier() and v[:1].isupper()]
         if len(classes) != len(value):
             ctx.keep(path, value)
-            ctx.note(path, Fidelity.DROPPED, "module paths or expressions, not class names: which modules the script "
-                     "shards is not in the file; torsh wraps each direct child that holds parameters", value)  # fmt: skip
+            ctx.note(path, Fidelity.DROPPED, "module paths or expressions, not class names: which modules the "
+                     "script shards is not in the file; torsh wraps each direct child that holds parameters", value)
             return
         ctx.set("sharding.wrap.module_classes", classes, path)
         return
@@ -178,7 +179,8 @@ def _read_wrap(value: Any, ctx: ReadContext, path: str) -> None:
         return
     for key, item in value.items():
         if key == "min_num_params":
-            ctx.set("sharding.wrap.min_num_params", item, f"{path}.{key}", Fidelity.EXACT, "size_based_auto_wrap_policy")
+            ctx.set("sharding.wrap.min_num_params", item, f"{path}.{key}", Fidelity.EXACT,
+                    "size_based_auto_wrap_policy")
         else:
             ctx.set("sharding.wrap.module_classes", list(item), f"{path}.{key}", Fidelity.EXACT,
                     "transformer_auto_wrap_policy / ModuleWrapPolicy")  # fmt: skip
@@ -391,8 +393,9 @@ def _write_strategy(cfg: TorshConfig, ctx: WriteContext) -> None:
             ctx.notes.append(_note("sharding.hybrid_shard_size", None, AUTO, Fidelity.EXACT,
                                    "HYBRID_SHARD without a mesh shards within each node"))  # fmt: skip
         else:
-            ctx.put("device_mesh", mesh_description(s.hybrid_shard_size, _mesh_names(cfg)), "sharding.hybrid_shard_size",
-                    Fidelity.EXACT, "dim 0 replicates, dim 1 shards; -1: the remaining ranks")  # fmt: skip
+            mesh = mesh_description(s.hybrid_shard_size, _mesh_names(cfg))
+            ctx.put("device_mesh", mesh, "sharding.hybrid_shard_size", Fidelity.EXACT,
+                    "dim 0 replicates, dim 1 shards; -1: the remaining ranks")
     ctx.put("sharding_strategy", name, "sharding.stage", fidelity, reason)
 
 
@@ -407,8 +410,9 @@ def _write_reshard(cfg: TorshConfig, ctx: WriteContext) -> None:
     else:
         ctx.put("fully_shard.reshard_after_forward", bool(s.effective_reshard_after_forward), "sharding.stage")
     if s.hybrid_shard_size is not None:
-        ctx.put("fully_shard.mesh", mesh_description(s.hybrid_shard_size, _mesh_names(cfg)), "sharding.hybrid_shard_size",
-                Fidelity.EXACT, "HSDP: dim 0 replicates, dim 1 shards; -1: the remaining ranks")  # fmt: skip
+        mesh = mesh_description(s.hybrid_shard_size, _mesh_names(cfg))
+        ctx.put("fully_shard.mesh", mesh, "sharding.hybrid_shard_size", Fidelity.EXACT,
+                "HSDP: dim 0 replicates, dim 1 shards; -1: the remaining ranks")
 
 
 def _mesh_names(cfg: TorshConfig) -> tuple[str, str]:
@@ -504,7 +508,7 @@ def _write_cast_v1(cfg: TorshConfig, ctx: WriteContext) -> None:
         ctx.put("mixed_precision.cast_root_forward_inputs", False, "precision.cast_forward_inputs")
 
 
-def _write_state_dict(target: str, cfg: TorshConfig, ctx: WriteContext) -> None:
+def _write_state_dict(cfg: TorshConfig, ctx: WriteContext) -> None:
     ctx.put("state_dict_type", f"{cfg.checkpoint.state_dict_type.upper()}_STATE_DICT", "checkpoint.state_dict_type")
 
 
@@ -515,7 +519,7 @@ _V1_WRITE = FieldMap({
     "auto_wrap_policy": Hook(write=lambda c, x: _write_wrap("fsdp1", c, x), claims=("sharding.wrap",)),
     "backward_prefetch": Hook(write=lambda c, x: _write_backward_prefetch("fsdp1", c, x),
                               claims=("sharding.backward_prefetch",)),
-    "state_dict_type": Hook(write=lambda c, x: _write_state_dict("fsdp1", c, x), claims=("checkpoint.state_dict_type",)),
+    "state_dict_type": Hook(write=_write_state_dict, claims=("checkpoint.state_dict_type",)),
     "mixed_precision.cast_root_forward_inputs": Hook(write=_write_cast_v1, claims=("precision.cast_forward_inputs",)),
     **{k: v for k, v in FSDP1_MAP.items() if isinstance(v, To)},
 })  # fmt: skip
@@ -526,7 +530,7 @@ _V2_WRITE = FieldMap({
     "(runtime calls)": Hook(write=_write_fsdp2_runtime, claims=(
         "sharding.backward_prefetch", "sharding.forward_prefetch", "sharding.sync_module_states",
         "precision.buffer_dtype")),
-    "state_dict_type": Hook(write=lambda c, x: _write_state_dict("fsdp2", c, x), claims=("checkpoint.state_dict_type",)),
+    "state_dict_type": Hook(write=_write_state_dict, claims=("checkpoint.state_dict_type",)),
     **{k: v for k, v in FSDP2_MAP.items() if isinstance(v, To)},
 })  # fmt: skip
 _WRITE_DEFAULTS = {
@@ -595,7 +599,8 @@ def snippet(cfg: TorshConfig) -> str:
                   f"                        mesh_dim_names={MESH_NAMES!r})"]  # fmt: skip
     else:
         lines.append("mesh = init_device_mesh(device_type, (dist.get_world_size(),))")
-    kwargs = ["mesh=mesh", f"reshard_after_forward={bool(s.effective_reshard_after_forward) if s.stage >= 2 else False}"]
+    reshard = bool(s.effective_reshard_after_forward) if s.stage >= 2 else False
+    kwargs = ["mesh=mesh", f"reshard_after_forward={reshard}"]
     mp = []
     if p.param_dtype != "fp32":
         mp.append(f"param_dtype={_TORCH_DTYPES[p.param_dtype]}")

@@ -142,13 +142,42 @@ def test_deepspeed_config_file_cannot_be_mixed_with_inline_keys():
 @pytest.mark.skipif(HAVE_DEEPSPEED, reason="the deepspeed dialect is installed")
 def test_deepspeed_config_file_without_the_deepspeed_dialect_is_a_clear_error(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 1}}))
-    (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n")
+    (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                                       "  deepspeed_config_file: ds.json\n")
     with pytest.raises(ConfigError, match="needs the deepspeed dialect"):
         adapters.load(tmp_path / "acc.yaml")
 
 
-@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="needs the deepspeed dialect")
+def _stub_deepspeed(monkeypatch):
+    """A two-key stand-in for the deepspeed dialect, to test how Accelerate's file reference is followed."""
+    import types
+
+    from torsh.translate import FieldMap, read_mapping
+
+    fmap = FieldMap({"zero_optimization.stage": "sharding.stage", "train_micro_batch_size_per_gpu":
+                     "batch.micro_batch_size"})  # fmt: skip
+    stub = types.SimpleNamespace(read=lambda raw, version=None: read_mapping(raw, dialect="deepspeed", field_map=fmap),
+                                 sniff=lambda raw: 0.0)
+    real_names, real_get = adapters.names, adapters.get
+    monkeypatch.setattr(adapters, "names", lambda: sorted({*real_names(), "deepspeed"}))
+    monkeypatch.setattr(adapters, "get", lambda name: stub if name == "deepspeed" else real_get(name))
+
+
+def test_deepspeed_config_file_notes_are_prefixed_and_errors_located(tmp_path, monkeypatch):
+    if not HAVE_DEEPSPEED:
+        _stub_deepspeed(monkeypatch)
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3, "stag": 1}}))
+    (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                                       "  deepspeed_config_file: ds.json\n")
+    with pytest.raises(ConfigError) as exc:
+        adapters.load(tmp_path / "acc.yaml")
+    assert any(p.path.startswith("deepspeed_config.deepspeed_config_file:ds.json.zero_optimization.stag")
+               for p in exc.value.problems)
+
+
 def test_deepspeed_config_file_is_read_relative_to_the_yaml(tmp_path, monkeypatch):
+    if not HAVE_DEEPSPEED:
+        _stub_deepspeed(monkeypatch)
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "ds.json").write_text(json.dumps({
         "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}}))
@@ -196,7 +225,8 @@ def test_writing_reads_back_to_the_same_config_for_every_corpus_yaml():
 
 
 def test_unsupported_sections_are_accounted_for():
-    raw = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}, "dynamo_config": {"dynamo_backend": "INDUCTOR"},
+    raw = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2},
+           "dynamo_config": {"dynamo_backend": "INDUCTOR"},
            "ipex_config": {"ipex": True}, "tpu_env": [], "megatron_lm_config": {}}
     t = adapters.read(raw, "accelerate")
     assert_accounted(raw, t)
