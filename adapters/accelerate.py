@@ -9,7 +9,8 @@ FULL_SHARD) - the writer emits both keys so the file means the same to every Acc
 
 ``write(cfg, version=...)``: ``"fsdp2"``, ``"fsdp1"``, ``"deepspeed"`` (inline ``deepspeed_config``) or ``"ddp"``
 (``MULTI_GPU``); by default the backend follows the stage (0: ddp, 1: deepspeed - FSDP has no ZeRO-1 -, 2/3: FSDP
-in the generation the config came from, else fsdp2; NVMe or optimizer-only offload: deepspeed).
+in the generation the config came from, else fsdp2; NVMe or optimizer-only offload, or a config read from
+DeepSpeed: deepspeed).
 """
 
 from __future__ import annotations
@@ -592,8 +593,8 @@ def _backend(cfg: TorshConfig, version: str | None) -> str:
         return "ddp"
     if s.stage == 1 or "nvme" in (o.params, o.optimizer) or (o.optimizer != "none" and o.params == "none"):
         return "deepspeed"  # the only Accelerate backend with ZeRO-1 and these offloads
-    if kept.get("distributed_type") == "DEEPSPEED":
-        return "deepspeed"
+    if kept.get("distributed_type") == "DEEPSPEED" or "deepspeed" in cfg.extensions:
+        return "deepspeed"  # a DeepSpeed job stays on Accelerate's DeepSpeed backend
     return "fsdp1" if str(kept.get("fsdp_config.fsdp_version", 2)) == "1" else "fsdp2"
 
 

@@ -262,3 +262,20 @@ def test_snippet_runs_on_one_cpu_rank():
            "OMP_NUM_THREADS": "1"}  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", _RUN_SNIPPET], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dialect", ["fsdp", "fsdp1", "fsdp2", "fairscale", "accelerate"])
+def test_dialect_schemas_are_valid_and_served(dialect, capsys):
+    import jsonschema
+
+    from torsh import schemas
+    from torsh.cli import main
+
+    jsonschema.Draft202012Validator.check_schema(schemas.load(dialect))
+    assert main(["schema", dialect]) == 0 and dialect in capsys.readouterr().out
+
+
+def test_schema_errors_point_at_the_key():
+    with pytest.raises(ConfigError) as exc:
+        adapters.read({"fully_shard": {"mesh": {"shape": [1, 2, 3]}}}, "fsdp")
+    assert exc.value.problems[0].path == "fully_shard.mesh.shape"
