@@ -32,7 +32,7 @@ OTHER = sorted(name for name, kind in KINDS.items() if kind not in ("FSDP1", "FS
 
 def test_every_file_has_its_source_and_enough_are_call_arguments():
     assert {p.name for p in (CORPUS / "fsdp").glob("*.json")} == set(KINDS)
-    assert len(KWARGS) >= 9
+    assert len(KWARGS) >= 10
 
 
 @pytest.mark.parametrize("name", KWARGS)
