@@ -16,6 +16,7 @@ Values that are Python expressions of the training script are reported and kept,
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from torsh import schemas
@@ -285,7 +286,10 @@ FSDP2_MAP = {
     "apply_to": Hook(read=_read_wrap),
 }
 _SHARED = {"state_dict_type": Hook(read=_read_state_dict_type)}
-FIELD_MAP = {**FSDP1_MAP, **FSDP2_MAP, **_SHARED}
+#: Both generations (what is read). In this union FSDP2's entries are not part of the derived reverse map, so that
+#: it stays one-to-one; each generation is written with its own map (``_V1_WRITE`` / ``_V2_WRITE``).
+FIELD_MAP = {**FSDP1_MAP, **{k: replace(v, write=False) if isinstance(v, To) else v for k, v in FSDP2_MAP.items()},
+             **_SHARED}
 VALUE_MAPS = {k: _PARAM_DTYPE_MAP if k.endswith("param_dtype") else _DTYPE_MAP
               for k in FIELD_MAP if k.endswith(("param_dtype", "reduce_dtype", "buffer_dtype"))}
 ALIASES: dict[str, str] = {}

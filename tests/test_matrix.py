@@ -184,3 +184,23 @@ def test_readme_sharding_table_is_the_generated_one():
 
     readme = Path(__file__).resolve().parent.parent / "README.md"
     assert table_in(readme) == render(), "regenerate it: python -m torsh.adapters._equivalence README.md"
+
+
+@pytest.mark.parametrize("dialect", ["fsdp", "fsdp1", "fsdp2", "fairscale", "accelerate"])
+def test_field_maps_have_the_dialect_shape_and_a_one_to_one_reverse(dialect):
+    from torsh.translate import FieldMap
+
+    module = adapters.get(dialect)
+    for attribute in adapters.REQUIRED_ATTRIBUTES:
+        assert hasattr(module, attribute), attribute
+    reverse = FieldMap(module.FIELD_MAP, module.ALIASES).reverse()  # raises on two writers of one core path
+    assert reverse and all(path.split(".")[0] in TorshConfig.model_fields for path in reverse)
+
+
+def test_each_written_layout_has_a_one_to_one_reverse():
+    from torsh.adapters import accelerate, fairscale, fsdp
+
+    maps = [fsdp._V1_WRITE, fsdp._V2_WRITE, fairscale._WRITE_MAP]
+    maps += [accelerate._write_map(backend) for backend in accelerate.VERSIONS]
+    for field_map in maps:
+        field_map.reverse()
