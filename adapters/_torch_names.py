@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torsh.deferred import AUTO, is_deferred
-from torsh.translate import Fidelity, FieldMap, Hook, Note, ReadContext, Status, WriteContext
+from torsh.translate import Fidelity, FieldMap, Note, ReadContext, Status, WriteContext
 
 #: ``ShardingStrategy`` members in declaration order: their ``auto()`` values 1..5 are the integer spellings.
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
@@ -243,11 +243,3 @@ def _delete(data: dict, path: str) -> None:
     for node, part in list(zip(reversed(chain[:-1]), reversed(parts[:-1]), strict=True))[:-1]:
         if node[part] == {}:
             del node[part]
-
-
-def filtered_map(field_map: Mapping[str, Any], keep) -> FieldMap:
-    """A FieldMap of the entries whose source path satisfies ``keep`` (one layout of a multi-layout dialect)."""
-    return FieldMap({k: v for k, v in field_map.items() if keep(k)})
-
-
-__all__ = ["Hook"]

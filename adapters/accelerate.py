@@ -39,7 +39,7 @@ from torsh.translate import (
     write_mapping,
 )
 
-from ._torch_names import SHARDING_STRATEGIES, STRATEGY_ALIASES, STRATEGY_TO_CORE, enum_name, filtered_map, to_bool
+from ._torch_names import SHARDING_STRATEGIES, STRATEGY_ALIASES, STRATEGY_TO_CORE, enum_name, to_bool
 
 NAME = "accelerate"
 VERSIONS = ("fsdp2", "fsdp1", "deepspeed", "ddp")

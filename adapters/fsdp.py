@@ -24,7 +24,7 @@ from torsh.config import AUTO, TorshConfig, get_path
 from torsh.errors import ConfigError, Problem
 from torsh.translate import (
     NOTHING,
-    Dropped,
+    Note,
     Fidelity,
     FieldMap,
     Hook,
@@ -394,7 +394,7 @@ def _write_strategy(cfg: TorshConfig, ctx: WriteContext) -> None:
     if s.hybrid_shard_size is not None:
         name = "HYBRID_SHARD" if name == "FULL_SHARD" else "_HYBRID_SHARD_ZERO2"
         if s.hybrid_shard_size is AUTO:
-            ctx.notes.append(_note("sharding.hybrid_shard_size", None, AUTO, Fidelity.EXACT,
+            ctx.notes.append(Note("sharding.hybrid_shard_size", None, AUTO, Fidelity.EXACT,
                                    "HYBRID_SHARD without a mesh shards within each node"))  # fmt: skip
         else:
             mesh = mesh_description(s.hybrid_shard_size, _mesh_names(cfg))
@@ -431,12 +431,6 @@ def _mesh_names(cfg: TorshConfig) -> tuple[str, str]:
 
 _ZERO1_REASON = ("FSDP cannot shard only the optimizer state (ZeRO-1); written as ZeRO-2 (also shards gradients "
                  "and, between steps, parameters): same numerics, less memory, different communication")
-
-
-def _note(*args):
-    from torsh.translate import Note
-
-    return Note(*args)
 
 
 def _write_offload(target: str, cfg: TorshConfig, ctx: WriteContext) -> None:
@@ -553,7 +547,7 @@ def _finalize_write(version: str):
             # Without a param_dtype, cast_forward_inputs casts to nothing: leave mp_policy at its default.
             del ctx.out["fully_shard"]["mp_policy"]
             ctx.notes[:] = [n if n.target_path != "fully_shard.mp_policy.cast_forward_inputs" else
-                            _note(n.source_path, None, n.value, Fidelity.EXACT, "no effect without a param_dtype")
+                            Note(n.source_path, None, n.value, Fidelity.EXACT, "no effect without a param_dtype")
                             for n in ctx.notes]  # fmt: skip
 
     return finalize
@@ -578,7 +572,7 @@ def _drop_other_generation(translation: Translation[dict], version: str) -> None
         translation.notes[:] = [n for n in translation.notes if not (n.target_path or "").startswith(top)]
         reason = (f"an {'FSDP2' if version == 'fsdp1' else 'FSDP1'} argument with no {version.upper()} counterpart"
                   + ("; FSDP2 removed it" if version == "fsdp2" and top in _REMOVED_IN_FSDP2 else ""))
-        translation.notes.append(_note(f"extensions.fsdp.{top}", None, value, Fidelity.DROPPED, reason))
+        translation.notes.append(Note(f"extensions.fsdp.{top}", None, value, Fidelity.DROPPED, reason))
 
 
 _REMOVED_IN_FSDP2 = {"limit_all_gathers", "use_orig_params", "param_init_fn", "device_id"}
