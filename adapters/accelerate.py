@@ -136,6 +136,11 @@ def _strategy(value: Any, ctx: ReadContext, path: str) -> str | None:
 def _read_reshard(value: Any, ctx: ReadContext, path: str) -> Any:
     if _fsdp_version(ctx) >= 2:
         return to_bool(value, ctx, path)
+    if isinstance(value, bool) or str(value).lower() in ("true", "false"):
+        ctx.keep(path, value)
+        ctx.note(path, Fidelity.DROPPED, "a bool is what FSDP2 reads; Accelerate's FSDP1 plugin does not read this "
+                 "key (fsdp_sharding_strategy decides): set fsdp_version: 2 if the file is meant for FSDP2", value)
+        return None
     return _strategy(value, ctx, path)
 
 

@@ -46,6 +46,12 @@ def test_fsdp1_strategy_only_under_reshard_after_forward_is_read_with_a_warning_
     assert note.fidelity is Fidelity.APPROXIMATE and "runs FULL_SHARD" in note.reason
 
 
+def test_fsdp1_with_a_bool_reshard_key_is_not_an_error_and_says_why_it_is_ignored():
+    t = adapters.read(_fsdp({"fsdp_reshard_after_forward": False}), "accelerate")
+    assert t.result.sharding.stage == 3  # the FSDP1 plugin's default FULL_SHARD
+    assert "fsdp_version: 2" in _note(t, "fsdp_config.fsdp_reshard_after_forward").reason
+
+
 def test_fsdp1_sharding_strategy_wins_over_a_different_reshard_key():
     raw = _fsdp({"fsdp_sharding_strategy": "FULL_SHARD", "fsdp_reshard_after_forward": "SHARD_GRAD_OP"})
     t = adapters.read(raw, "accelerate")
