@@ -483,47 +483,44 @@ def _set_or_default(ctx: ReadContext, core_path: str, found, source: str, defaul
         ctx.set(core_path, default, source, Fidelity.DEFAULTED, reason)
 
 
+def _precision_contract(backend: str, dtype: str, stage: int) -> dict[str, Any]:
+    """What ``mixed_precision: <dtype>`` means on each Accelerate backend, as core values (read sets them, write
+    checks a config against them)."""
+    if dtype == "fp32":
+        return {}
+    if backend == "ddp":  # fp32 parameters, forward under autocast
+        out: dict[str, Any] = {"precision.autocast": True}
+    elif backend == "deepspeed":  # parameters cast; DeepSpeed reduces in the same dtype by default
+        out = {"precision.reduce_dtype": dtype, "precision.cast_forward_inputs": False}
+    else:  # FSDP's MixedPrecision(Policy) with every dtype the same; v1 casts buffers too
+        out = {"precision.reduce_dtype": dtype, "precision.cast_forward_inputs": True}
+        if backend == "fsdp1":
+            out["precision.buffer_dtype"] = dtype
+    if dtype == "fp16" and backend == "deepspeed":
+        out.update({"precision.loss_scaling.mode": "dynamic", "precision.loss_scaling.growth_interval": 1000,
+                    "precision.loss_scaling.semantics": "deepspeed_zero" if stage else "deepspeed_stage0"})
+    elif dtype == "fp16":  # torch GradScaler with its defaults
+        out.update({"precision.loss_scaling.mode": "dynamic", "precision.loss_scaling.growth_interval": 2000,
+                    "precision.loss_scaling.semantics": "torch_grad_scaler"})
+    return out
+
+
 def _finalize_precision(ctx: ReadContext, state: dict, kind: str) -> None:
     found = state.get("mixed_precision")
     if found is None:
         return
     text, path, value = found
-    dtype = _PRECISION[text]
     if kind == "DEEPSPEED" and "ds_file" in state:
         ctx.note(path, Fidelity.APPROXIMATE, "with deepspeed_config_file, it fills only the file's \"auto\" fp16/bf16 "
                  "sections; the file decides", value)  # fmt: skip
         return
     reason = "fp8 runs as bf16 under FSDP/DeepSpeed (Accelerate's own fallback)" if text == "fp8" else ""
-    fidelity = Fidelity.APPROXIMATE if text == "fp8" else Fidelity.EXACT
-    ctx.set("precision.param_dtype", dtype, path, fidelity, reason)
-    if dtype == "fp32":
-        return
-    if kind == "FSDP":
-        ctx.set("precision.reduce_dtype", dtype, path, Fidelity.EXACT, "Accelerate's policy reduces in the same dtype",
-                note=False)  # fmt: skip
-        if _fsdp_version(ctx) == 1:
-            ctx.set("precision.buffer_dtype", dtype, path, note=False)
-        ctx.set("precision.cast_forward_inputs", True, path, note=False)
-    elif kind == "DEEPSPEED":
-        ctx.set("precision.reduce_dtype", dtype, path, note=False)  # DeepSpeed's communication_data_type default
-        ctx.set("precision.cast_forward_inputs", False, path, note=False)
-    else:
-        ctx.set("precision.autocast", True, path, Fidelity.EXACT, "DDP: fp32 parameters, forward under autocast",
-                note=False)  # fmt: skip
-    if dtype == "fp16":
-        _loss_scaling(ctx, path, kind)
-
-
-def _loss_scaling(ctx: ReadContext, path: str, kind: str) -> None:
-    if kind == "DEEPSPEED":
-        stage = get_path(ctx.core, "sharding.stage", 2)
-        scaling = {"mode": "dynamic", "semantics": "deepspeed_zero" if stage else "deepspeed_stage0",
-                   "initial_scale": 65536.0, "growth_interval": 1000, "hysteresis": 2, "min_scale": 1.0}
-    else:
-        scaling = {"mode": "dynamic", "semantics": "torch_grad_scaler", "initial_scale": 65536.0,
-                   "growth_interval": 2000}
-    for key, item in scaling.items():
-        ctx.set(f"precision.loss_scaling.{key}", item, path, note=False)
+    ctx.set("precision.param_dtype", _PRECISION[text], path, Fidelity.APPROXIMATE if text == "fp8" else
+            Fidelity.EXACT, reason)  # fmt: skip
+    backend = {"FSDP": f"fsdp{_fsdp_version(ctx)}", "DEEPSPEED": "deepspeed"}.get(kind, "ddp")
+    for core_path, item in _precision_contract(backend, _PRECISION[text], get_path(ctx.core, "sharding.stage", 0)
+                                               ).items():  # fmt: skip
+        ctx.set(core_path, item, path, note=False)
 
 
 # ---- reading ------------------------------------------------------------------------------------------
@@ -728,33 +725,18 @@ def _write_precision(backend: str):
         p = cfg.precision
         name = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[p.param_dtype]
         ctx.put("mixed_precision", name, "precision.param_dtype")
-        if p.param_dtype == "fp32":
-            return
-        expected = _expected_precision(backend, p.param_dtype, cfg.sharding.stage)
-        for path, want in expected.items():
-            have = get_path(cfg, path)
-            if have != want and not (path.endswith("reduce_dtype") and have is None and want == p.param_dtype):
+        contract = _precision_contract(backend, p.param_dtype, cfg.sharding.stage)
+        defaults = TorshConfig().model_dump()
+        for path in _PRECISION_CLAIMS[1:]:
+            want, have = contract.get(path, get_path(defaults, path)), get_path(cfg, path)
+            if path == "precision.reduce_dtype":
+                want, have = want or p.param_dtype, have or p.param_dtype
+            if have != want:
                 ctx.note(path, Fidelity.APPROXIMATE, f"Accelerate's {backend} mixed_precision={name} gives {want!r}; "
                          "set it in the script's plugin (FullyShardedDataParallelPlugin / DeepSpeedPlugin / "
                          "GradScalerKwargs) to keep it", have)  # fmt: skip
 
     return hook
-
-
-def _expected_precision(backend: str, dtype: str, stage: int) -> dict[str, Any]:
-    if backend == "ddp":
-        out = {"precision.autocast": True}
-    elif backend == "deepspeed":
-        out = {"precision.reduce_dtype": dtype, "precision.cast_forward_inputs": False}
-    else:
-        out = {"precision.reduce_dtype": dtype, "precision.cast_forward_inputs": True}
-        if backend == "fsdp1":
-            out["precision.buffer_dtype"] = dtype
-    if dtype == "fp16":
-        semantics = "torch_grad_scaler" if backend != "deepspeed" else "deepspeed_zero" if stage else "deepspeed_stage0"
-        out.update({"precision.loss_scaling.mode": "dynamic", "precision.loss_scaling.semantics": semantics,
-                    "precision.loss_scaling.growth_interval": 2000 if backend != "deepspeed" else 1000})
-    return out
 
 
 def _write_num_processes(cfg: TorshConfig, ctx: WriteContext) -> None:
@@ -770,8 +752,9 @@ def _write_num_processes(cfg: TorshConfig, ctx: WriteContext) -> None:
 
 
 _PRECISION_CLAIMS = ("precision.param_dtype", "precision.reduce_dtype", "precision.buffer_dtype", "precision.autocast",
-                     "precision.cast_forward_inputs", "precision.loss_scaling.mode", "precision.loss_scaling.semantics",
-                     "precision.loss_scaling.growth_interval")  # fmt: skip
+                     "precision.cast_forward_inputs", *(f"precision.loss_scaling.{k}" for k in (
+                         "mode", "semantics", "static_scale", "initial_scale", "growth_interval", "growth_factor",
+                         "backoff_factor", "hysteresis", "consecutive_hysteresis", "min_scale")))
 _SHARDING_CLAIMS = ("sharding.stage", "sharding.reshard_after_forward", "sharding.hybrid_shard_size")
 
 

@@ -237,3 +237,10 @@ def test_unsupported_sections_are_accounted_for():
     t = adapters.read(raw, "accelerate")
     assert_accounted(raw, t)
     assert _note(t, "dynamo_config").fidelity is Fidelity.UNSUPPORTED
+
+
+def test_fsdp1_to_fsdp2_reports_the_buffer_dtype_fsdp2_does_not_cast():
+    cfg = adapters.read(_fsdp({"fsdp_sharding_strategy": "FULL_SHARD"}), "accelerate").result
+    written = adapters.write(cfg, "accelerate", version="fsdp2")
+    assert _note(written, "precision.buffer_dtype").fidelity is Fidelity.APPROXIMATE
+    assert not adapters.write(cfg, "accelerate", version="fsdp1").lossy
