@@ -444,6 +444,7 @@ def _fsdp_wrap(ctx: ReadContext, state: dict) -> None:
         ctx.set("sharding.wrap.min_num_params", size[0] if size else 100_000_000, size[1] if size else wrap[1],
                 Fidelity.EXACT if size else Fidelity.DEFAULTED, "" if size else "launcher default 1e8")  # fmt: skip
     else:
+        ctx.keep("fsdp_config.fsdp_auto_wrap_policy", "NO_WRAP")
         ctx.note(wrap[1] if wrap else "fsdp_config.fsdp_auto_wrap_policy", Fidelity.APPROXIMATE, "NO_WRAP: the whole "
                  "model is one FSDP unit; torsh wraps each direct child (same numerics, lower peak memory)",
                  policy)  # fmt: skip
@@ -666,9 +667,11 @@ def _write_fsdp_rest(version: int):
         elif s.wrap.min_num_params:
             ctx.put("fsdp_config.fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "sharding.wrap.min_num_params")
             ctx.put("fsdp_config.fsdp_min_num_params", s.wrap.min_num_params, "sharding.wrap.min_num_params")
-        elif cfg.extensions.get(NAME, {}).get("fsdp_config.fsdp_auto_wrap_policy") == "TRANSFORMER_BASED_WRAP":
-            ctx.put("fsdp_config.fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "sharding.wrap", Fidelity.EXACT,
-                    "the model's _no_split_modules, as in the source file")  # fmt: skip
+        elif cfg.extensions.get(NAME, {}).get("fsdp_config.fsdp_auto_wrap_policy") in ("TRANSFORMER_BASED_WRAP",
+                                                                                         "NO_WRAP"):
+            policy = cfg.extensions[NAME]["fsdp_config.fsdp_auto_wrap_policy"]
+            ctx.put("fsdp_config.fsdp_auto_wrap_policy", policy, "sharding.wrap", Fidelity.EXACT,
+                    f"{policy}, as in the source file")  # fmt: skip
         else:
             ctx.put("fsdp_config.fsdp_auto_wrap_policy", "NO_WRAP", "sharding.wrap", Fidelity.APPROXIMATE, "torsh's "
                     "default wraps each direct child; NO_WRAP makes the whole model one unit (same numerics)")
