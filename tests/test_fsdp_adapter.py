@@ -279,3 +279,77 @@ def test_schema_errors_point_at_the_key():
     with pytest.raises(ConfigError) as exc:
         adapters.read({"fully_shard": {"mesh": {"shape": [1, 2, 3]}}}, "fsdp")
     assert exc.value.problems[0].path == "fully_shard.mesh.shape"
+
+
+# ---- written FSDP1 kwargs are torch's own API --------------------------------------------------------------
+
+_BUILD_FSDP1 = r"""
+import functools, json, os, sys, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+from torch.distributed import fsdp
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+    def forward(self, x):
+        return self.lin(x)
+
+def dtype(name):
+    return getattr(torch, name.split(".")[-1]) if name else None
+
+def materialise(kw):  # the JSON spellings -> the objects FullyShardedDataParallel takes
+    kw = dict(kw)
+    kw["sharding_strategy"] = fsdp.ShardingStrategy[kw["sharding_strategy"]]
+    if "mixed_precision" in kw:
+        kw["mixed_precision"] = fsdp.MixedPrecision(**{k: dtype(v) if k.endswith("dtype") else v
+                                                       for k, v in kw["mixed_precision"].items()})
+    if "cpu_offload" in kw:
+        kw["cpu_offload"] = fsdp.CPUOffload(**kw["cpu_offload"])
+    if "backward_prefetch" in kw:
+        kw["backward_prefetch"] = kw["backward_prefetch"] and fsdp.BackwardPrefetch[kw["backward_prefetch"]]
+    policy = kw.pop("auto_wrap_policy", {})
+    if "transformer_layer_cls" in policy:
+        kw["auto_wrap_policy"] = ModuleWrapPolicy({globals()[c] for c in policy["transformer_layer_cls"]})
+    elif "min_num_params" in policy:
+        kw["auto_wrap_policy"] = functools.partial(size_based_auto_wrap_policy, min_num_params=policy["min_num_params"])
+    state_dict_type = fsdp.StateDictType[kw.pop("state_dict_type", "FULL_STATE_DICT")]
+    return kw, state_dict_type
+
+for payload in json.loads(sys.stdin.read()):
+    kwargs, state_dict_type = materialise(payload)
+    model = fsdp.FullyShardedDataParallel(torch.nn.Sequential(Block(), Block()), device_id=torch.device("cpu"),
+                                          **kwargs)
+    if not payload.get("cpu_offload"):  # FSDP1 offload needs an accelerator at the first forward
+        model(torch.randn(2, 4)).float().sum().backward()
+        with fsdp.FullyShardedDataParallel.state_dict_type(model, state_dict_type):
+            model.state_dict()
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_written_fsdp1_kwargs_build_torch_fsdp():
+    import json
+    import socket
+
+    pytest.importorskip("torch", reason="checks the written kwargs against torch's FullyShardedDataParallel")
+    cores = [  # sync_module_states needs a GPU in FSDP1: off here
+        {"sharding": {"stage": 2, "sync_module_states": False, "wrap": {"module_classes": ["Block"]},
+                      "backward_prefetch": "backward_post"},
+         "precision": {"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "bf16",
+                       "cast_forward_inputs": True}},
+        {"sharding": {"stage": 3, "sync_module_states": False, "wrap": {"min_num_params": 10},
+                      "forward_prefetch": True, "backward_prefetch": "none"},
+         "offload": {"params": "cpu", "optimizer": "cpu"}, "checkpoint": {"state_dict_type": "sharded"}},
+    ]  # fmt: skip
+    payloads = [adapters.write(TorshConfig.from_dict(c), "fsdp1").result for c in cores]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    proc = subprocess.run([sys.executable, "-c", _BUILD_FSDP1], input=json.dumps(payloads), capture_output=True,
+                          text=True, env={"PORT": port, "PATH": "", "OMP_NUM_THREADS": "1"}, timeout=180)  # fmt: skip
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
