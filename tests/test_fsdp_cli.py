@@ -71,3 +71,19 @@ def test_converting_and_diffing_never_import_torch(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_diff_of_an_accelerate_yaml_and_the_deepspeed_json_written_from_it(tmp_path, capsys):
+    import pytest
+
+    from torsh import adapters
+
+    if "deepspeed" not in adapters.names():
+        pytest.skip("needs the deepspeed dialect")
+    source = EXAMPLES / "accelerate" / "deepspeed_zero3_to_fsdp2.yaml"
+    assert main(["convert", str(source), "--to", "deepspeed", "-o", str(tmp_path / "ds.json")]) == 0
+    capsys.readouterr()
+    code = main(["diff", str(source), str(tmp_path / "ds.json"), "--ignore", "launch", "--report", "json"])
+    assert code in (0, 1)
+    paths = {d["path"] for d in json.loads(capsys.readouterr().out)["differences"]}
+    assert not paths & {"sharding.stage", "offload.params", "offload.optimizer", "precision.param_dtype"}
