@@ -787,8 +787,32 @@ def _write_map(backend: str) -> FieldMap:
     return FieldMap({**common, **hooks, **section})
 
 
+_SCRIPT_SIDE = {  # core sections an accelerate config leaves to the training script, and where they go there
+    "batch": "batch sizes come from the script's DataLoader and gradient_accumulation_steps argument",
+    "optimizer": "Accelerate prepares the optimizer the script builds",
+    "scheduler": "Accelerate prepares the scheduler the script builds",
+    "gradients": "the script calls accelerator.clip_grad_norm_",
+    "data": "the script builds the DataLoader",
+}
+
+
+def _explain_unsupported(ctx: WriteContext, backend: str) -> None:
+    """Say where an unsupported setting goes instead, rather than only that Accelerate's file has no key for it."""
+    notes = []
+    for note in ctx.notes:
+        section = note.source_path.split(".")[0]
+        if note.fidelity is Fidelity.UNSUPPORTED and note.reason.endswith("has no setting for this"):
+            where = _SCRIPT_SIDE.get(section, "no accelerate config key")
+            if backend == "deepspeed":
+                where += "; or write the DeepSpeed JSON (--to deepspeed) and name it in deepspeed_config_file"
+            note = Note(note.source_path, note.target_path, note.value, note.fidelity, where)
+        notes.append(note)
+    ctx.notes[:] = notes
+
+
 def _finalize_write(backend: str):
     def finalize(ctx: WriteContext) -> None:
+        _explain_unsupported(ctx, backend)
         if backend == "deepspeed":
             # "auto" is what Accelerate's plugin uses for these anyway: leave them out, as `accelerate config` does.
             for key in ("gradient_accumulation_steps", "gradient_clipping"):
