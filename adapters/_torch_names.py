@@ -243,3 +243,32 @@ def _delete(data: dict, path: str) -> None:
     for node, part in list(zip(reversed(chain[:-1]), reversed(parts[:-1]), strict=True))[:-1]:
         if node[part] == {}:
             del node[part]
+
+
+#: Core sections that PyTorch-style configs leave to the training script, and what the script uses instead.
+SCRIPT_SIDE = {
+    "batch": "batch sizes belong to the script's DataLoader",
+    "optimizer": "the script builds the optimizer (after sharding)",
+    "scheduler": "the script builds the LR scheduler",
+    "gradients": "the script clips (torch.nn.utils.clip_grad_norm_) and reduces gradients",
+    "precision.loss_scaling": "the script creates the (Sharded)GradScaler",
+    "activation_checkpointing": "the script applies activation checkpointing (checkpoint_wrapper)",
+    "compression": "gradient compression is a communication hook the script registers",
+    "ddp": "DistributedDataParallel arguments",
+    "launch": "the launcher's settings (torchrun)",
+    "data": "the script builds the DataLoader",
+}
+
+
+def explain_unsupported(ctx: WriteContext, where: Mapping[str, str], also: str = "") -> None:
+    """Replace the driver's generic "has no setting" reason by where the setting goes instead."""
+    notes = []
+    for note in ctx.notes:
+        if note.fidelity is Fidelity.UNSUPPORTED and note.reason.endswith("has no setting for this"):
+            key = next((k for k in sorted(where, key=len, reverse=True)
+                        if note.source_path == k or note.source_path.startswith(k + ".")), None)
+            if key is not None or also:
+                reason = f"no {ctx.dialect} key: " + (where[key] if key else "nothing to write it to") + also
+                note = Note(note.source_path, note.target_path, note.value, note.fidelity, reason)
+        notes.append(note)
+    ctx.notes[:] = notes

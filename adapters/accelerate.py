@@ -39,7 +39,15 @@ from torsh.translate import (
     write_mapping,
 )
 
-from ._torch_names import SHARDING_STRATEGIES, STRATEGY_ALIASES, STRATEGY_TO_CORE, enum_name, to_bool
+from ._torch_names import (
+    SHARDING_STRATEGIES,
+    STRATEGY_ALIASES,
+    SCRIPT_SIDE,
+    STRATEGY_TO_CORE,
+    enum_name,
+    explain_unsupported,
+    to_bool,
+)
 
 NAME = "accelerate"
 VERSIONS = ("fsdp2", "fsdp1", "deepspeed", "ddp")
@@ -788,6 +796,7 @@ def _write_map(backend: str) -> FieldMap:
 
 
 _SCRIPT_SIDE = {  # core sections an accelerate config leaves to the training script, and where they go there
+    **SCRIPT_SIDE,
     "batch": "batch sizes come from the script's DataLoader and gradient_accumulation_steps argument",
     "optimizer": "Accelerate prepares the optimizer the script builds",
     "scheduler": "Accelerate prepares the scheduler the script builds",
@@ -796,23 +805,10 @@ _SCRIPT_SIDE = {  # core sections an accelerate config leaves to the training sc
 }
 
 
-def _explain_unsupported(ctx: WriteContext, backend: str) -> None:
-    """Say where an unsupported setting goes instead, rather than only that Accelerate's file has no key for it."""
-    notes = []
-    for note in ctx.notes:
-        section = note.source_path.split(".")[0]
-        if note.fidelity is Fidelity.UNSUPPORTED and note.reason.endswith("has no setting for this"):
-            where = _SCRIPT_SIDE.get(section, "no accelerate config key")
-            if backend == "deepspeed":
-                where += "; or write the DeepSpeed JSON (--to deepspeed) and name it in deepspeed_config_file"
-            note = Note(note.source_path, note.target_path, note.value, note.fidelity, where)
-        notes.append(note)
-    ctx.notes[:] = notes
-
-
 def _finalize_write(backend: str):
     def finalize(ctx: WriteContext) -> None:
-        _explain_unsupported(ctx, backend)
+        also = "; or write the DeepSpeed JSON (--to deepspeed) and name it in deepspeed_config_file"
+        explain_unsupported(ctx, _SCRIPT_SIDE, also if backend == "deepspeed" else "")
         if backend == "deepspeed":
             # "auto" is what Accelerate's plugin uses for these anyway: leave them out, as `accelerate config` does.
             for key in ("gradient_accumulation_steps", "gradient_clipping"):

@@ -31,7 +31,15 @@ from torsh.translate import (
     write_mapping,
 )
 
-from ._torch_names import dtype, merge_expressions, prune_defaults, split_expressions, to_bool
+from ._torch_names import (
+    SCRIPT_SIDE,
+    dtype,
+    explain_unsupported,
+    merge_expressions,
+    prune_defaults,
+    split_expressions,
+    to_bool,
+)
 
 NAME = "fairscale"
 VERSIONS = ("0.4.13",)
@@ -406,7 +414,11 @@ _WRITE_DEFAULTS = {"sdp.broadcast_buffers": True, "sdp.sync_models_at_startup": 
 def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
     """Write FairScale kwargs: OSS (stage 1), OSS + ShardedDataParallel (stage 2) or FSDP (stage 3)."""
     check_version(NAME, version, VERSIONS)
-    return write_mapping(cfg, dialect=NAME, field_map=_WRITE_MAP,
-                         finalize=lambda ctx: prune_defaults(ctx, _WRITE_DEFAULTS))
+    return write_mapping(cfg, dialect=NAME, field_map=_WRITE_MAP, finalize=_finalize_write)
+
+
+def _finalize_write(ctx: WriteContext) -> None:
+    prune_defaults(ctx, _WRITE_DEFAULTS)
+    explain_unsupported(ctx, SCRIPT_SIDE)
 
 

@@ -44,8 +44,10 @@ from ._torch_names import (
     NO_SHARD_REASON,
     SHARDING_STRATEGIES,
     STRATEGY_ALIASES,
+    SCRIPT_SIDE,
     STRATEGY_TO_CORE,
     enum_name,
+    explain_unsupported,
     mesh_description,
     mesh_shard_size,
     merge_expressions,
@@ -542,6 +544,7 @@ _WRITE_VALUES = {k: {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.f
 def _finalize_write(version: str):
     def finalize(ctx: WriteContext) -> None:
         prune_defaults(ctx, _WRITE_DEFAULTS[version])
+        explain_unsupported(ctx, SCRIPT_SIDE)
         mp = get_path(ctx.out, "fully_shard.mp_policy")
         if isinstance(mp, dict) and set(mp) == {"cast_forward_inputs"}:
             # Without a param_dtype, cast_forward_inputs casts to nothing: leave mp_policy at its default.
