@@ -46,3 +46,9 @@ def test_reads_with_every_key_accounted_for(path):
         assert stage >= 2
     elif kind in ("NO", "MULTI_GPU", "MULTI_CPU"):
         assert stage == 0
+
+
+def test_the_deepspeed_file_named_by_a_corpus_yaml_is_there():
+    raw, _ = load_file(CORPUS / "accelerate" / "huggingface__accelerate__deepspeed.yaml")
+    named = (CORPUS / "accelerate" / raw["deepspeed_config"]["deepspeed_config_file"]).resolve()
+    assert named.is_file() and named.name in _sources_rows("deepspeed_config_templates")
