@@ -87,3 +87,15 @@ def test_diff_of_an_accelerate_yaml_and_the_deepspeed_json_written_from_it(tmp_p
     assert code in (0, 1)
     paths = {d["path"] for d in json.loads(capsys.readouterr().out)["differences"]}
     assert not paths & {"sharding.stage", "offload.params", "offload.optimizer", "precision.param_dtype"}
+
+
+def test_convert_version_picks_the_accelerate_backend(tmp_path):
+    import yaml
+
+    source = EXAMPLES / "accelerate" / "fsdp1_to_fsdp2.yaml"
+    assert main(["convert", str(source), "--to", "accelerate", "-o", str(tmp_path / "same.yaml")]) == 0
+    assert yaml.safe_load((tmp_path / "same.yaml").read_text())["fsdp_config"]["fsdp_version"] == 1
+    v2 = tmp_path / "v2.yaml"
+    assert main(["convert", str(source), "--to", "accelerate", "--version", "fsdp2", "-o", str(v2)]) == 0
+    assert v2.read_text() == (EXAMPLES / "accelerate" / "fsdp1_to_fsdp2.expected.yaml").read_text()
+    assert main(["convert", str(source), "--to", "accelerate", "--version", "fsdp3"]) == 2
