@@ -9,7 +9,9 @@ Two layouts are read, told apart by content:
 
 Enums may be spelt ``"FULL_SHARD"``, ``"ShardingStrategy.FULL_SHARD"`` or by their integer value; dtypes
 ``"bfloat16"`` or ``"torch.bfloat16"``; a device mesh is ``{"shape": [replicate, shard], "dim_names": [...]}``.
-Values that are Python expressions of the training script are reported and kept, never guessed.
+Values that are Python expressions of the training script are reported and kept, never guessed. The FSDP settings
+of trainer frameworks (HF ``TrainingArguments``, torchtune recipes, torchtitan job configs) are read too, through
+the maps in ``_fsdp_frameworks``.
 ``write(cfg, version="fsdp1" | "fsdp2")`` writes either generation (default FSDP2; also the dialects ``fsdp1`` and
 ``fsdp2``); :func:`snippet` prints the ``fully_shard`` calls a user pastes into a training script.
 """
@@ -39,6 +41,7 @@ from torsh.translate import (
     write_mapping,
 )
 
+from . import _fsdp_frameworks as frameworks
 from ._torch_names import (
     DTYPES,
     NO_SHARD_REASON,
@@ -345,6 +348,8 @@ def sniff(raw: Any) -> float:
         return 0.0
     if isinstance(raw.get("fully_shard"), dict):
         return 1.0
+    if frameworks.layout(raw):
+        return 0.95  # above the native seed layout, which also has a "training" section
     top = {k.split(".")[0] for k in FSDP1_MAP} | {"state_dict_type"}
     # Accelerate also has a top-level mixed_precision, but as one of its strings.
     if set(raw) <= top and str(raw.get("mixed_precision")).lower() not in ("no", "fp16", "bf16", "fp8"):
@@ -353,8 +358,13 @@ def sniff(raw: Any) -> float:
 
 
 def layout(raw: Any) -> str:
-    """``fsdp2`` when the mapping holds ``fully_shard`` (or ``apply_to``), else ``fsdp1``."""
-    return "fsdp2" if isinstance(raw, dict) and ({"fully_shard", "apply_to"} & set(raw)) else "fsdp1"
+    """``fsdp2`` when the mapping holds ``fully_shard`` (or ``apply_to``), a trainer framework's name when it uses
+    that framework's vocabulary (``hf_trainer``, ``torchtune``, ``torchtitan``), else ``fsdp1``."""
+    if not isinstance(raw, dict):
+        return "fsdp1"
+    if {"fully_shard", "apply_to"} & set(raw):
+        return "fsdp2"
+    return frameworks.layout(raw) or "fsdp1"
 
 
 def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
@@ -373,10 +383,13 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
         if fsdp1:
             raise ConfigError([Problem(k, raw[k], "an FSDP1 FullyShardedDataParallel argument next to FSDP2 "
                                        "fully_shard: give one generation") for k in fsdp1], source=NAME)  # fmt: skip
-    fmap = _READ_MAPS[found]
-    clean, notes, kept = split_expressions(raw, fmap, NAME, _KNOWN)
-    translation = read_mapping(clean, dialect=NAME, field_map=fmap, value_maps=VALUE_MAPS,
-                               finalize=_finalize_read(found))  # fmt: skip
+    if found in frameworks.LAYOUTS:  # a framework's config file: literal values, no run-time expressions
+        fmap, finalize = frameworks.field_map(found), frameworks.LAYOUTS[found][1]
+        clean, notes, kept = raw, [], {}
+    else:
+        fmap, finalize = _READ_MAPS[found], _finalize_read(found)
+        clean, notes, kept = split_expressions(raw, fmap, NAME, _KNOWN)
+    translation = read_mapping(clean, dialect=NAME, field_map=fmap, value_maps=VALUE_MAPS, finalize=finalize)
     return merge_expressions(translation, notes, kept, NAME)
 
 
@@ -567,13 +580,12 @@ def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
 
 
 def _drop_other_generation(translation: Translation[dict], version: str) -> None:
-    """Kept keys of the other generation were restored as-is: turn them into notes instead."""
-    other = FSDP2_MAP if version == "fsdp1" else FSDP1_MAP
-    tops = {k.split(".")[0] for k in other} - {"state_dict_type"}
-    for top in sorted(tops & set(translation.result)):
+    """Kept keys of the other generation (or of a trainer framework) were restored as-is: notes instead."""
+    own = {k.split(".")[0] for k in (FSDP1_MAP if version == "fsdp1" else FSDP2_MAP)} | {"state_dict_type"}
+    for top in sorted(set(translation.result) - own):
         value = translation.result.pop(top)
         translation.notes[:] = [n for n in translation.notes if not (n.target_path or "").startswith(top)]
-        reason = (f"an {'FSDP2' if version == 'fsdp1' else 'FSDP1'} argument with no {version.upper()} counterpart"
+        reason = (f"a setting with no {version.upper()} argument"
                   + ("; FSDP2 removed it" if version == "fsdp2" and top in _REMOVED_IN_FSDP2 else ""))
         translation.notes.append(Note(f"extensions.fsdp.{top}", None, value, Fidelity.DROPPED, reason))
 

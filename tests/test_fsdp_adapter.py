@@ -353,3 +353,26 @@ def test_written_fsdp1_kwargs_build_torch_fsdp():
     proc = subprocess.run([sys.executable, "-c", _BUILD_FSDP1], input=json.dumps(payloads), capture_output=True,
                           text=True, env={"PORT": port, "PATH": "", "OMP_NUM_THREADS": "1"}, timeout=180)  # fmt: skip
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+# ---- trainer frameworks' spellings (read only) -----------------------------------------------------------------
+
+
+def test_hf_trainer_fsdp_options():
+    raw = {"fsdp": "hybrid_shard offload auto_wrap", "fsdp_config": {"min_num_params": 1000000,
+                                                                     "backward_prefetch": "backward_post"}, "bf16": True}
+    t = adapters.read(raw, "fsdp")
+    assert_accounted(raw, t)
+    cfg = t.result
+    assert (cfg.sharding.stage, cfg.sharding.hybrid_shard_size, cfg.sharding.wrap.min_num_params) == (3, AUTO, 1000000)
+    assert (cfg.offload.params, cfg.sharding.backward_prefetch, cfg.precision.param_dtype) == ("cpu", "backward_post",
+                                                                                             "bf16")
+
+
+def test_framework_settings_are_not_written_as_fsdp_arguments():
+    raw = {"fsdp_cpu_offload": True, "compile": True, "custom_sharded_layers": ["output"], "dtype": "bf16"}
+    cfg = adapters.read(raw, "fsdp").result
+    written = adapters.write(cfg, "fsdp", version="fsdp2")
+    assert set(written.result) == {"fully_shard"}
+    assert {n.source_path for n in written.notes if n.fidelity is Fidelity.DROPPED} >= {
+        "extensions.fsdp.compile", "extensions.fsdp.custom_sharded_layers"}

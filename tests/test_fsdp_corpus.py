@@ -1,4 +1,4 @@
-"""FSDP argument sets transcribed from public code: the FSDP1 / FSDP2 ones read with every key accounted for."""
+"""FSDP argument sets transcribed from public code: each reads with every key accounted for."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ def _kinds() -> dict[str, str]:
 
 KINDS = _kinds()
 KWARGS = sorted(name for name, kind in KINDS.items() if kind in ("FSDP1", "FSDP2"))
+#: the vocabulary of each other kind (a trainer framework's config), as the fsdp dialect's layout names it
+FRAMEWORK_KINDS = {"FSDP1 (HF Trainer)": "hf_trainer", "FSDP2 config (TOML)": "torchtitan",
+                   "FSDP2 config (YAML)": "torchtune"}
 OTHER = sorted(name for name, kind in KINDS.items() if kind not in ("FSDP1", "FSDP2"))
 
 
@@ -49,12 +52,19 @@ def test_call_arguments_read_with_every_key_accounted_for(name):
 
 
 @pytest.mark.parametrize("name", OTHER)
-def test_other_frameworks_config_files_are_refused_with_a_message(name):
-    """HF Trainer arguments, torchtitan TOML, torchtune YAML: their own vocabularies, not FSDP call arguments."""
+def test_trainer_framework_configs_read_with_every_key_accounted_for(name):
+    """HF Trainer arguments, a torchtitan TOML, a torchtune YAML: their FSDP settings in their own vocabularies."""
     raw = json.loads((CORPUS / "fsdp" / name).read_text(encoding="utf-8"))
+    assert adapters.sniff(raw) == "fsdp" and layout(raw) == FRAMEWORK_KINDS[KINDS[name]]
+    translation = adapters.read(raw, "fsdp")
+    assert_accounted(raw, translation)
+    assert translation.result.sharding.stage == 3
+
+
+def test_a_framework_config_with_an_unknown_key_is_refused_with_a_suggestion():
     with pytest.raises(ConfigError) as exc:
-        adapters.read(raw, "fsdp")
-    assert "unknown key" in str(exc.value)
+        adapters.read({"fsdp": "full_shard", "fsdp_min_num_param": 100}, "fsdp")
+    assert exc.value.problems[0].suggestion == "fsdp_min_num_params"
 
 
 def test_corpus_transcriptions_translate_key_facts():
@@ -68,3 +78,9 @@ def test_corpus_transcriptions_translate_key_facts():
     assert open_lm.sharding.hybrid_shard_size is not None
     torchtune = read("pytorch__torchtune__shard_model.json")
     assert (torchtune.sharding.stage, torchtune.offload.params) == (3, "cpu")
+    fastchat = read("lm-sys__FastChat__train_vicuna_7b_trainer_fsdp.json")
+    assert fastchat.sharding.wrap.module_classes == ["LlamaDecoderLayer"] and fastchat.precision.param_dtype == "fp16"
+    titan = read("pytorch__torchtitan__llama3_70b_toml_parallelism.json")
+    assert titan.activation_checkpointing.enabled and titan.gradients.clip_max_norm == 1.0
+    recipe = read("pytorch__torchtune__llama3_1_70B_full.json")
+    assert (recipe.precision.master_dtype, recipe.offload.optimizer) == ("bf16", "cpu")
