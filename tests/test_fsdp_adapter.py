@@ -359,8 +359,8 @@ def test_written_fsdp1_kwargs_build_torch_fsdp():
 
 
 def test_hf_trainer_fsdp_options():
-    raw = {"fsdp": "hybrid_shard offload auto_wrap", "fsdp_config": {"min_num_params": 1000000,
-                                                                     "backward_prefetch": "backward_post"}, "bf16": True}
+    raw = {"fsdp": "hybrid_shard offload auto_wrap", "bf16": True,
+           "fsdp_config": {"min_num_params": 1000000, "backward_prefetch": "backward_post"}}
     t = adapters.read(raw, "fsdp")
     assert_accounted(raw, t)
     cfg = t.result
