@@ -4,6 +4,8 @@ A dialect is a module in this package (its file name is its name; files starting
 helpers) or an entry point in the ``torsh.adapters`` group. Every dialect module has the same shape:
 ``NAME``, ``FIELD_MAP``, ``VALUE_MAPS``, ``ALIASES``, ``read(raw, *, version=None)``,
 ``write(cfg, *, version=None)`` and ``sniff(raw) -> float`` (0: not this dialect, 1: certainly this one).
+A dialect whose files name other files sets ``READS_RELATIVE_PATHS = True``; ``load`` then passes
+``base_dir`` (the config's folder) to its ``read``.
 """
 
 from __future__ import annotations
@@ -83,6 +85,10 @@ def load(source: str | os.PathLike[str] | dict | TorshConfig, dialect: str | Non
         return read(source, dialect, version=version)
     data, _ = load_file(source)
     try:
-        return read(data, dialect, version=version)
+        adapter = get(dialect or sniff(data))
+        if getattr(adapter, "READS_RELATIVE_PATHS", False):
+            # The config names other files (Accelerate's deepspeed_config_file): relative to the config's folder.
+            return adapter.read(data, version=version, base_dir=Path(source).parent)
+        return adapter.read(data, version=version)
     except ConfigError as exc:
         raise exc.with_source(str(Path(source))) from None

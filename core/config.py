@@ -175,8 +175,9 @@ class ShardingConfig(Section):
     """0: replicate (DDP); 1: + optimizer state (ZeRO-1); 2: + gradients (ZeRO-2); 3: + parameters (ZeRO-3)."""
     reshard_after_forward: bool | None = None
     """Free gathered parameters after forward. None: as the stage implies (3 → True, 2 → False)."""
-    hybrid_shard_size: PositiveInt | None = None
-    """Shard within groups of this many ranks and replicate across groups (HSDP, ZeRO++ hpZ). None: shard over all."""
+    hybrid_shard_size: PositiveInt | MaybeAuto | None = None
+    """Shard within groups of this many ranks and replicate across groups (HSDP, ZeRO++ hpZ). None: shard over all.
+    "auto": the ranks of one node (FSDP1 ``HYBRID_SHARD`` without a device mesh), resolved at start-up."""
     wrap: WrapPolicy = WrapPolicy()
     """Sharding units. Empty: each direct child that holds parameters, then the root."""
     backward_prefetch: Literal["backward_pre", "backward_post", "none"] | None = None

@@ -489,7 +489,7 @@ def write_mapping(cfg: TorshConfig, *, dialect: str, field_map: FieldMap,
             if _equal(value, default) and (rule.default is NOTHING or _equal(rule.default, value)):
                 continue
             ctx.put(source, _unmap(value_maps or {}, source, value), core_path, rule.fidelity, rule.reason)
-        elif not _equal(value, default) and not (value is None and default is NOTHING):
+        elif not _equal(value, default) and not (value in (None, {}, []) and default is NOTHING):
             ctx.note(core_path, Fidelity.UNSUPPORTED, f"{dialect} has no setting for this", value)
     _restore_extensions(cfg, ctx)
     if finalize is not None:

@@ -16,6 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "with -o, else to stderr.")  # fmt: skip
     parser.add_argument("file", help="config file (JSON, hjson, YAML or TOML)")
     parser.add_argument("--to", required=True, metavar="DIALECT", help="target dialect (e.g. torsh, deepspeed)")
+    parser.add_argument("--version", dest="target_version", metavar="VERSION", help="variant of the target dialect "
+                        "to write (e.g. --to accelerate --version fsdp2; --to fsdp --version fsdp1)")
     parser.add_argument("--format", choices=FORMATS, help="output format (default: from -o, else the dialect's own)")
     parser.add_argument("-o", "--output", metavar="OUT", help="output file (default: stdout)")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
@@ -31,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
 
     adapter = adapters.get(args.to)
     read = adapters.load(args.file, args.dialect)
-    written = adapter.write(read.result)
+    written = adapter.write(read.result, version=args.target_version)
     report_stream = sys.stdout if args.output and args.output != "-" else sys.stderr
     print_report(read, args.report, report_stream, title=f"read {args.file} ({read.source})")
     print_report(written, args.report, report_stream, title=f"write {args.to}")

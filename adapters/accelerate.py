@@ -1,0 +1,846 @@
+"""Hugging Face Accelerate: the ``accelerate config`` YAML (``distributed_type``, ``fsdp_config`` v1/v2,
+``deepspeed_config`` inline or through ``deepspeed_config_file``), as ``accelerate launch`` (1.15) reads it.
+
+Defaults are the launcher's, because a YAML is consumed by ``accelerate launch`` (its defaults differ from a bare
+``FullyShardedDataParallelPlugin()``: ``sync_module_states``, ``use_orig_params``, ``cpu_ram_efficient_loading``
+are true, ``min_num_params`` is 1e8). Known quirk: for FSDP1, ``accelerate config`` writes the sharding strategy
+under ``fsdp_reshard_after_forward`` while the FSDP1 plugin reads only ``FSDP_SHARDING_STRATEGY`` (default
+FULL_SHARD) - the writer emits both keys so the file means the same to every Accelerate version.
+
+``write(cfg, version=...)``: ``"fsdp2"``, ``"fsdp1"``, ``"deepspeed"`` (inline ``deepspeed_config``) or ``"ddp"``
+(``MULTI_GPU``); by default the backend follows the stage (0: ddp, 1: deepspeed - FSDP has no ZeRO-1 -, 2/3: FSDP
+in the generation the config came from, else fsdp2; NVMe or optimizer-only offload, or a config read from
+DeepSpeed: deepspeed).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from torsh import schemas
+from torsh.config import AUTO, TorshConfig, get_path
+from torsh.errors import ConfigError, Problem
+from torsh.translate import (
+    NOTHING,
+    Alias,
+    Fidelity,
+    FieldMap,
+    Hook,
+    Ignored,
+    Note,
+    ReadContext,
+    To,
+    Translation,
+    Unsupported,
+    WriteContext,
+    read_mapping,
+    write_mapping,
+)
+
+from ._torch_names import (
+    SHARDING_STRATEGIES,
+    STRATEGY_ALIASES,
+    SCRIPT_SIDE,
+    STRATEGY_TO_CORE,
+    enum_name,
+    explain_unsupported,
+    to_bool,
+)
+
+NAME = "accelerate"
+VERSIONS = ("fsdp2", "fsdp1", "deepspeed", "ddp")
+DEFAULT_FORMAT = "yaml"
+READS_RELATIVE_PATHS = True
+_DDP_TYPES = {"MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_HPU",
+              "MULTI_NEURON"}  # fmt: skip
+_OTHER_TYPES = {"NO", "FSDP", "DEEPSPEED", "MEGATRON_LM", "TP", "XLA"}
+_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+_PREFETCH = {"BACKWARD_PRE": "backward_pre", "BACKWARD_POST": "backward_post", "NO_PREFETCH": "none"}
+_STATE_DICTS = ("FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT")
+_PRECISION = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "bf16"}
+# Keys Accelerate refuses next to deepspeed_config_file (ACCELERATE_CONFIG_DS_FIELDS, dataclasses.py:1507-1532).
+_DS_FILE_EXCLUSIVE = ("zero_stage", "gradient_accumulation_steps", "gradient_clipping", "offload_optimizer_device",
+                      "offload_param_device", "offload_optimizer_nvme_path", "offload_param_nvme_path",
+                      "zero3_save_16bit_model")  # fmt: skip
+
+
+def _kind(ctx: Any) -> str:
+    return str(ctx.raw.get("distributed_type", "NO")).upper()
+
+
+def _fsdp_version(ctx: Any) -> int:
+    return int(str((ctx.raw.get("fsdp_config") or {}).get("fsdp_version", 1)))
+
+
+def _state(ctx: Any) -> dict[str, Any]:
+    return ctx.__dict__.setdefault("_accelerate", {})
+
+
+def _remember(key: str, convert=lambda v, ctx, path: v):
+    """A hook that only records the value (the finalizer combines keys that decide one core field together)."""
+
+    def hook(value: Any, ctx: ReadContext, path: str) -> None:
+        converted = convert(value, ctx, path)
+        if converted is not None:
+            _state(ctx)[key] = (converted, path, value)
+
+    return hook
+
+
+# ---- reading hooks ---------------------------------------------------------------------------------
+
+
+def _read_distributed_type(value: Any, ctx: ReadContext, path: str) -> None:
+    kind = str(value).upper()
+    if kind not in _DDP_TYPES | _OTHER_TYPES:
+        from torsh.errors import did_you_mean
+
+        known = sorted(_DDP_TYPES | _OTHER_TYPES)
+        ctx.problem(path, value, f"unknown distributed_type; expected one of {', '.join(known)}",
+                    did_you_mean(kind, known))
+        return
+    ctx.keep(path, kind)
+    if kind in ("NO",) or kind in _DDP_TYPES:
+        ctx.set("sharding.stage", 0, path, Fidelity.EXACT, "DDP" if kind != "NO" else "a single process")
+    elif kind in ("MEGATRON_LM", "TP", "XLA"):
+        ctx.note(path, Fidelity.UNSUPPORTED, f"{kind}: tensor/model parallel or TPU training; torsh runs data "
+                 "parallel jobs", value)  # fmt: skip
+    else:
+        ctx.note(path, Fidelity.EXACT, f"{kind}: read from {kind.lower()}_config", value)
+
+
+def _read_num_processes(value: Any, ctx: ReadContext, path: str) -> None:
+    if isinstance(value, int) and value > 0:
+        ctx.set("launch.world_size", value, path, Fidelity.EXACT, "processes over all machines")
+    else:
+        ctx.note(path, Fidelity.EXACT, "every visible accelerator (decided at launch)", value)
+
+
+def _read_nullable(core_path: str):
+    def hook(value: Any, ctx: ReadContext, path: str) -> None:
+        if value is None:
+            ctx.note(path, Fidelity.EXACT, "not set", None)
+        else:
+            ctx.set(core_path, value, path)
+
+    return hook
+
+
+def _read_dynamo(value: Any, ctx: ReadContext, path: str) -> None:
+    if value in (None, {}, "NO", "no") or (isinstance(value, dict) and str(value.get("dynamo_backend", "NO")).upper()
+                                           == "NO" and set(value) <= {"dynamo_backend"}):  # fmt: skip
+        ctx.note(path, Fidelity.EXACT, "no torch.compile", value)
+        return
+    ctx.keep(path, value)
+    ctx.note(path, Fidelity.UNSUPPORTED, "torch.compile settings; torsh does not compile the model", value)
+
+
+def _strategy(value: Any, ctx: ReadContext, path: str) -> str | None:
+    return enum_name(value, SHARDING_STRATEGIES, "ShardingStrategy", ctx, path, STRATEGY_ALIASES)
+
+
+def _read_reshard(value: Any, ctx: ReadContext, path: str) -> Any:
+    if _fsdp_version(ctx) >= 2:
+        return to_bool(value, ctx, path)
+    if isinstance(value, bool) or str(value).lower() in ("true", "false"):
+        ctx.keep(path, value)
+        ctx.note(path, Fidelity.DROPPED, "a bool is what FSDP2 reads; Accelerate's FSDP1 plugin does not read this "
+                 "key (fsdp_sharding_strategy decides): set fsdp_version: 2 if the file is meant for FSDP2", value)
+        return None
+    return _strategy(value, ctx, path)
+
+
+def _read_wrap_policy(value: Any, ctx: ReadContext, path: str) -> Any:
+    return enum_name(value, _WRAP_POLICIES, "fsdp_auto_wrap_policy", ctx, path)
+
+
+def _read_classes(value: Any, ctx: ReadContext, path: str) -> Any:
+    if isinstance(value, str):
+        return [c.strip() for c in value.split(",") if c.strip()]
+    if isinstance(value, list) and all(isinstance(c, str) for c in value):
+        return value
+    ctx.problem(path, value, "expected class names, comma-separated or as a list")
+    return None
+
+
+def _read_prefetch(value: Any, ctx: ReadContext, path: str) -> Any:
+    if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+        value = tuple(_PREFETCH)[int(value) - 1] if 1 <= int(value) <= 3 else value
+    name = str(value).upper()
+    if name not in _PREFETCH:
+        ctx.problem(path, value, f"expected one of {', '.join(_PREFETCH)}")
+        return None
+    return _PREFETCH[name]
+
+
+def _read_state_dict(value: Any, ctx: ReadContext, path: str) -> Any:
+    return enum_name(value, _STATE_DICTS, "StateDictType", ctx, path)
+
+
+def _read_deepspeed_file(value: Any, ctx: ReadContext, path: str, base_dir: Any) -> None:
+    """Read the DeepSpeed JSON the YAML points at through the deepspeed dialect; its notes are prefixed."""
+    from torsh import adapters
+    from torsh.formats import load_file
+
+    if "deepspeed" not in adapters.names():
+        ctx.problem(path, value, "reading a DeepSpeed config file needs the deepspeed dialect, which is not "
+                    "installed in this torsh; inline the settings under deepspeed_config instead")  # fmt: skip
+        return
+    base = base_dir if base_dir is not None else Path(os.getcwd())
+    file = Path(base) / str(value)
+    if not file.is_file():
+        ctx.problem(path, value, f"no such DeepSpeed config file ({file}); the path is relative to the YAML file")
+        return
+    data, _ = load_file(file)
+    try:
+        inner = adapters.get("deepspeed").read(data)
+    except ConfigError as exc:
+        ctx.problems.extend(exc.with_prefix(f"{path}:{value}").problems)
+        return
+    ctx.note(path, Fidelity.EXACT, "read through the deepspeed dialect; its keys follow", value)
+    dump = inner.result.model_dump(exclude_unset=True, exclude={"extensions"})
+    from torsh.config import iter_leaves
+
+    for core_path, item in iter_leaves(dump):
+        ctx.set(core_path, item, f"{value}:{core_path}", note=False)
+    for dialect, keys in inner.result.extensions.items():
+        ctx.core.setdefault("extensions", {}).setdefault(dialect, {}).update(keys)
+    ctx.notes.extend(Note(f"{value}:{n.source_path}", n.target_path, n.value, n.fidelity, n.reason)
+                     for n in inner.notes)  # fmt: skip
+
+
+def _read_parallelism(value: Any, ctx: ReadContext, path: str) -> None:
+    key = path.rsplit(".", 1)[-1].removeprefix("parallelism_config_")
+    if key in ("dp_replicate_size", "dp_shard_size"):
+        _state(ctx)[key] = (value, path, value)
+        return
+    if key.endswith("_size") and value in (None, 1):
+        ctx.note(path, Fidelity.EXACT, "1: no such parallelism", value)
+    else:
+        ctx.keep(path, value)
+        ctx.note(path, Fidelity.UNSUPPORTED, "tensor / context / sequence parallelism; torsh runs data parallel "
+                 "jobs", value)  # fmt: skip
+
+
+def _ignored_when_v2(core_path: str, what: str):
+    def hook(value: Any, ctx: ReadContext, path: str) -> None:
+        flag = to_bool(value, ctx, path)
+        if flag is None:
+            return
+        if _fsdp_version(ctx) >= 2:
+            ctx.keep(path, value)
+            ctx.note(path, Fidelity.DROPPED, f"FSDP2 has no {what}; Accelerate ignores this key with fsdp_version 2",
+                     value)  # fmt: skip
+        else:
+            _state(ctx)[core_path] = (flag, path, value)
+
+    return hook
+
+
+def _read_forward_prefetch(value: Any, ctx: ReadContext, path: str) -> None:
+    flag = to_bool(value, ctx, path)
+    if flag and _fsdp_version(ctx) >= 2:
+        ctx.problem(path, value, "Accelerate raises for forward prefetch with fsdp_version 2; remove the key")
+    elif flag is not None:
+        _state(ctx)["sharding.forward_prefetch"] = (flag, path, value)
+
+
+# ---- the map --------------------------------------------------------------------------------------
+
+_LAUNCHER = "a launcher or environment setting, not a training setting"
+TOP_MAP = {
+    "compute_environment": Ignored("where the job runs (LOCAL_MACHINE, AMAZON_SAGEMAKER)"),
+    "distributed_type": Hook(read=_read_distributed_type),
+    "mixed_precision": Hook(read=_remember("mixed_precision", lambda v, c, p: _mixed(v, c, p))),
+    "use_cpu": Ignored("runs on CPU: a device choice (torsh picks gloo without CUDA)"),
+    "debug": Ignored("Accelerate's collective shape checks (ACCELERATE_DEBUG_MODE)"),
+    "downcast_bf16": Ignored("TPU only"),
+    "enable_cpu_affinity": Ignored(_LAUNCHER),
+    "main_training_function": Ignored("the function notebook_launcher calls"),
+    "num_processes": Hook(read=_read_num_processes),
+    "num_machines": To("launch.nnodes"),
+    "machine_rank": To("launch.node_rank"),
+    "main_process_ip": Hook(read=_read_nullable("launch.master_addr")),
+    "main_process_port": Hook(read=_read_nullable("launch.master_port")),
+    "rdzv_backend": To("launch.rdzv_backend"),
+    "same_network": Ignored("torchrun --master_addr when true, --rdzv_endpoint when false: same rendezvous"),
+    "max_restarts": To("launch.max_restarts"),
+    "monitor_interval": Ignored(_LAUNCHER),
+    "num_cpu_threads_per_process": Ignored("OMP_NUM_THREADS of each process: " + _LAUNCHER),
+    "gpu_ids": Ignored("CUDA_VISIBLE_DEVICES: " + _LAUNCHER),
+    "dynamo_backend": Hook(read=_read_dynamo),
+    "dynamo_config": Hook(read=_read_dynamo),
+    "ipex_config.*": Ignored("Intel Extension for PyTorch: a kernel choice"),
+    "mpirun_config.*": Ignored("mpirun launcher settings: " + _LAUNCHER),
+    "megatron_lm_config.*": Unsupported("Megatron-LM tensor/pipeline parallelism; torsh runs data parallel jobs"),
+    "fp8_config.*": Unsupported("fp8 training recipes (Transformer Engine / torchao); torsh computes in bf16/fp16"),
+    "parallelism_config.*": Hook(read=_read_parallelism),
+    **{f"tpu_{k}": Ignored("TPU only") for k in ("env", "use_cluster", "use_sudo", "name", "zone")},
+    "commands": Ignored("TPU only"),
+    "command_file": Ignored("TPU only"),
+}
+FSDP_MAP = {
+    "fsdp_config.fsdp_version": Hook(read=lambda v, c, p: (c.keep(p, v), c.note(p, Fidelity.EXACT, "the FSDP "
+                                     "generation; kept to write it back (the torsh engine runs FSDP2 for both)", v))),
+    "fsdp_config.fsdp_sharding_strategy": Hook(read=_remember("strategy", _strategy)),
+    "fsdp_config.fsdp_reshard_after_forward": Hook(read=_remember("reshard", _read_reshard)),
+    "fsdp_config.fsdp_offload_params": Hook(read=_remember("offload", to_bool)),
+    "fsdp_config.fsdp_auto_wrap_policy": Hook(read=_remember("wrap", _read_wrap_policy)),
+    "fsdp_config.fsdp_transformer_layer_cls_to_wrap": Hook(read=_remember("classes", _read_classes)),
+    "fsdp_config.fsdp_min_num_params": Hook(read=_remember("min_num_params")),
+    "fsdp_config.fsdp_backward_prefetch": Hook(read=_remember("prefetch", _read_prefetch)),
+    "fsdp_config.fsdp_state_dict_type": Hook(read=_remember("state_dict", _read_state_dict)),
+    "fsdp_config.fsdp_forward_prefetch": Hook(read=_read_forward_prefetch),
+    "fsdp_config.fsdp_use_orig_params": Ignored("exposes the original parameters (torch.compile, per-parameter "
+                                                "optimizer groups); FSDP2 always does"),
+    "fsdp_config.fsdp_cpu_ram_efficient_loading": Hook(read=_remember("ram_efficient", to_bool)),
+    "fsdp_config.fsdp_sync_module_states": Hook(read=_ignored_when_v2("sharding.sync_module_states",
+                                                                      "sync_module_states")),
+    "fsdp_config.fsdp_activation_checkpointing": To("activation_checkpointing.enabled"),
+    "fsdp_config.fsdp_ignored_modules": Unsupported("these modules' parameters stay unsharded; torsh shards every "
+                                                    "parameter"),
+}
+_NVME_REASON = ("accelerate launch does not pass this key on to the DeepSpeed plugin (no launcher exports "
+                "ACCELERATE_DEEPSPEED_OFFLOAD_*_NVME_PATH); read as the file means it")
+DS_MAP = {
+    "deepspeed_config.deepspeed_config_file": Hook(read=_remember("ds_file")),
+    "deepspeed_config.zero_stage": To("sharding.stage"),
+    "deepspeed_config.offload_optimizer_device": To("offload.optimizer"),
+    "deepspeed_config.offload_param_device": To("offload.params"),
+    "deepspeed_config.offload_optimizer_nvme_path": To("offload.nvme_path", Fidelity.APPROXIMATE, _NVME_REASON),
+    "deepspeed_config.offload_param_nvme_path": To("offload.nvme_path", Fidelity.APPROXIMATE, _NVME_REASON,
+                                                   write=False),
+    "deepspeed_config.gradient_accumulation_steps": To("batch.gradient_accumulation_steps"),
+    "deepspeed_config.gradient_clipping": To("gradients.clip_max_norm"),
+    "deepspeed_config.zero3_save_16bit_model": To("checkpoint.save_full_weights"),
+    "deepspeed_config.zero3_init_flag": Ignored("deepspeed.zero.Init while the script builds the model: memory at "
+                                                "start-up, not the training"),
+    "deepspeed_config.deepspeed_moe_layer_cls_names": Unsupported("DeepSpeed MoE leaf modules; torsh has no MoE "
+                                                                  "support"),
+    "deepspeed_config.deepspeed_multinode_launcher": Ignored("pdsh / openmpi / ... : " + _LAUNCHER),
+    "deepspeed_config.deepspeed_hostfile": Ignored("the hostfile path: " + _LAUNCHER),
+    "deepspeed_config.deepspeed_exclusion_filter": To("launch.exclude"),
+    "deepspeed_config.deepspeed_inclusion_filter": To("launch.include"),
+}
+FIELD_MAP = {**TOP_MAP, **FSDP_MAP, **DS_MAP}
+VALUE_MAPS: dict[str, dict] = {}
+#: ``accelerate launch`` adds the ``fsdp_`` prefix to fsdp_config keys that lack it (commands/launch.py:1257-1272).
+ALIASES = {f"fsdp_config.{k.split('.', 1)[1].removeprefix('fsdp_')}": Alias(k, "accelerate launch adds the fsdp_ "
+                                                                             "prefix") for k in FSDP_MAP}
+_FIELD_MAP = FieldMap(FIELD_MAP, ALIASES)
+
+
+def _mixed(value: Any, ctx: ReadContext, path: str) -> str | None:
+    text = str(value).lower()
+    if text not in _PRECISION:
+        ctx.problem(path, value, "expected one of no, fp16, bf16, fp8")
+        return None
+    return text
+
+
+# ---- finalizing a read: the keys that decide one core field together -----------------------------------------
+
+
+_DS_DEFAULTS = {  # what Accelerate's DeepSpeed plugin uses when the YAML leaves a key out (dataclasses.py:1226-1320)
+    "sharding.stage": ("deepspeed_config.zero_stage", 2, "Accelerate's default zero_stage"),
+    "batch.gradient_accumulation_steps": ("deepspeed_config.gradient_accumulation_steps", AUTO, "Accelerate's "
+                                          "default: the training arguments'"),
+    "gradients.clip_max_norm": ("deepspeed_config.gradient_clipping", AUTO, "Accelerate's default: the training "
+                                "arguments'"),
+    "batch.micro_batch_size": ("deepspeed_config", AUTO, "Accelerate writes \"auto\": the dataloader's"),
+    "batch.global_batch_size": ("deepspeed_config", AUTO, "Accelerate writes \"auto\": the dataloader's"),
+}
+
+
+def _finalize(ctx: ReadContext, base_dir: Any) -> None:
+    kind, state = _kind(ctx), _state(ctx)
+    if kind == "FSDP":
+        _finalize_fsdp(ctx, state, _fsdp_version(ctx))
+    elif kind == "DEEPSPEED" and "ds_file" in state:
+        _read_deepspeed_file(state["ds_file"][0], ctx, state["ds_file"][1], base_dir)
+    elif kind == "DEEPSPEED":
+        for core_path, (source, value, reason) in _DS_DEFAULTS.items():
+            if get_path(ctx.core, core_path, NOTHING) is NOTHING:
+                ctx.set(core_path, value, source, Fidelity.DEFAULTED, reason)
+    _finalize_precision(ctx, state, kind)
+
+
+def _finalize_fsdp(ctx: ReadContext, state: dict, version: int) -> None:
+    if "fsdp_version" not in (ctx.raw.get("fsdp_config") or {}):
+        ctx.keep("fsdp_config.fsdp_version", 1)  # the launcher's default; kept so the file is written back as FSDP1
+    _fsdp_stage(ctx, state, version)
+    _fsdp_wrap(ctx, state)
+    if "offload" in state:
+        flag, path, value = state["offload"]
+        if flag:
+            ctx.set("offload.params", "cpu", path, Fidelity.EXACT, "parameters and gradients on the CPU")
+            ctx.set("offload.optimizer", "cpu", path, Fidelity.EXACT, "the optimizer step runs on the CPU")
+        else:
+            ctx.note(path, Fidelity.EXACT, "no offload", value, "offload")
+    prefetch = state.get("prefetch")
+    if prefetch and version >= 2:
+        ctx.keep(prefetch[1], prefetch[2])
+        ctx.note(prefetch[1], Fidelity.DROPPED, "removed in FSDP2 (always prefetches like BACKWARD_PRE); Accelerate "
+                 "ignores it with fsdp_version 2", prefetch[2])  # fmt: skip
+        prefetch = None
+    _set_or_default(ctx, "sharding.backward_prefetch", prefetch, "fsdp_config.fsdp_backward_prefetch",
+                    "none" if version == 1 else "backward_pre", "Accelerate's default NO_PREFETCH (torch's is "
+                    "BACKWARD_PRE)" if version == 1 else "FSDP2 prefetches like BACKWARD_PRE")  # fmt: skip
+    sd = state.get("state_dict")
+    if sd and sd[0] == "LOCAL_STATE_DICT":
+        ctx.set("checkpoint.state_dict_type", "sharded", sd[1], Fidelity.APPROXIMATE, "LOCAL_STATE_DICT (flat local "
+                "shards) is not supported by torch.distributed.checkpoint; read as sharded")  # fmt: skip
+    else:
+        _set_or_default(ctx, "checkpoint.state_dict_type", (sd[0].split("_")[0].lower(), sd[1], sd[2]) if sd else None,
+                        "fsdp_config.fsdp_state_dict_type", "full" if version == 1 else "sharded",
+                        f"Accelerate's FSDP{version} default")  # fmt: skip
+    _set_or_default(ctx, "sharding.forward_prefetch", state.get("sharding.forward_prefetch"),
+                    "fsdp_config.fsdp_forward_prefetch", False, "Accelerate's default")
+    _fsdp_sync(ctx, state, version)
+
+
+def _fsdp_stage(ctx: ReadContext, state: dict, version: int) -> None:
+    strategy, reshard = state.get("strategy"), state.get("reshard")
+    source, fidelity, reason = "fsdp_config.fsdp_sharding_strategy", Fidelity.DEFAULTED, "launcher default FULL_SHARD"
+    name = "FULL_SHARD"
+    if version >= 2 and reshard is not None:
+        name, source, fidelity, reason = ("FULL_SHARD" if reshard[0] else "SHARD_GRAD_OP"), reshard[1], \
+            Fidelity.EXACT, f"reshard_after_forward={reshard[0]}: ZeRO-{3 if reshard[0] else 2}"
+    elif version >= 2:
+        source, reason = "fsdp_config.fsdp_reshard_after_forward", "launcher default true"
+    if strategy is not None:
+        name, source, fidelity = strategy[0], strategy[1], Fidelity.EXACT
+        reason = "" if version == 1 else ("FSDP2 reads fsdp_reshard_after_forward; accelerate to-fsdp2 converts "
+                                          "this strategy")  # fmt: skip
+        if version >= 2:
+            fidelity = Fidelity.APPROXIMATE
+    if reshard is not None and version == 1:
+        if strategy is None:
+            name, source, fidelity = reshard[0], reshard[1], Fidelity.APPROXIMATE
+            reason = ("Accelerate's FSDP1 plugin reads fsdp_sharding_strategy, not this key, so accelerate launch "
+                      "runs FULL_SHARD; read as the strategy named here, which `accelerate config` meant")
+        elif reshard[0] != strategy[0]:
+            ctx.note(reshard[1], Fidelity.DROPPED, f"FSDP1 reads fsdp_sharding_strategy ({strategy[0]})", reshard[2])
+        else:
+            ctx.note(reshard[1], Fidelity.EXACT, "the same strategy (the key `accelerate config` writes)", reshard[2])
+    stage, hybrid = STRATEGY_TO_CORE[name]
+    if name == "NO_SHARD":
+        fidelity, reason = Fidelity.APPROXIMATE, "NO_SHARD: DDP-like replication; torsh runs DDP"
+    ctx.set("sharding.stage", stage, source, fidelity, reason)
+    replicate, shard = state.get("dp_replicate_size"), state.get("dp_shard_size")
+    for item in (replicate, shard):
+        if item is not None:
+            ctx.note(item[1], Fidelity.EXACT, "data-parallel mesh size", item[2])
+    if hybrid and version == 1:
+        ctx.set("sharding.hybrid_shard_size", AUTO, source, Fidelity.DEFERRED, "HYBRID_SHARD shards within each node")
+    elif replicate and isinstance(replicate[0], int) and replicate[0] > 1 and shard and isinstance(shard[0], int):
+        ctx.set("sharding.hybrid_shard_size", shard[0], shard[1], Fidelity.EXACT, "HSDP: dp_replicate_size > 1")
+
+
+def _fsdp_wrap(ctx: ReadContext, state: dict) -> None:
+    wrap, classes, size = state.get("wrap"), state.get("classes"), state.get("min_num_params")
+    policy = wrap[0] if wrap else "NO_WRAP"
+    if policy == "TRANSFORMER_BASED_WRAP" and classes:
+        ctx.set("sharding.wrap.module_classes", classes[0], classes[1])
+    elif policy == "TRANSFORMER_BASED_WRAP":
+        ctx.keep(wrap[1], wrap[2])
+        ctx.note(wrap[1], Fidelity.APPROXIMATE, "wraps the model's _no_split_modules (known only with the model); "
+                 "torsh wraps each direct child that holds parameters", wrap[2])  # fmt: skip
+    elif policy == "SIZE_BASED_WRAP":
+        ctx.set("sharding.wrap.min_num_params", size[0] if size else 100_000_000, size[1] if size else wrap[1],
+                Fidelity.EXACT if size else Fidelity.DEFAULTED, "" if size else "launcher default 1e8")  # fmt: skip
+    else:
+        ctx.keep("fsdp_config.fsdp_auto_wrap_policy", "NO_WRAP")
+        ctx.note(wrap[1] if wrap else "fsdp_config.fsdp_auto_wrap_policy", Fidelity.APPROXIMATE, "NO_WRAP: the whole "
+                 "model is one FSDP unit; torsh wraps each direct child (same numerics, lower peak memory)",
+                 policy)  # fmt: skip
+    if wrap and ((policy == "TRANSFORMER_BASED_WRAP" and classes) or policy == "SIZE_BASED_WRAP"):
+        ctx.note(wrap[1], Fidelity.EXACT, "", wrap[2], "sharding.wrap")
+    for item, used in ((classes, policy == "TRANSFORMER_BASED_WRAP"), (size, policy == "SIZE_BASED_WRAP")):
+        if item is not None and not used:
+            ctx.keep(item[1], item[2])
+            ctx.note(item[1], Fidelity.IGNORED, f"read only with another fsdp_auto_wrap_policy (this one is {policy})",
+                     item[2])  # fmt: skip
+
+
+def _fsdp_sync(ctx: ReadContext, state: dict, version: int) -> None:
+    ram = state.get("ram_efficient")
+    ram_flag = ram[0] if ram else True
+    if ram:
+        ctx.keep(ram[1], ram[2])
+        ctx.note(ram[1], Fidelity.EXACT, "rank 0 loads the weights, the others start empty and receive them",
+                 ram[2], "sharding.sync_module_states")  # fmt: skip
+    sync = state.get("sharding.sync_module_states")
+    if version >= 2:
+        source = ram[1] if ram else "fsdp_config.fsdp_cpu_ram_efficient_loading"
+        ctx.set("sharding.sync_module_states", ram_flag, source,
+                Fidelity.EXACT if ram else Fidelity.DEFAULTED, "FSDP2: Accelerate broadcasts rank 0's weights when "
+                "cpu_ram_efficient_loading (launcher default true)", note=not ram)  # fmt: skip
+        return
+    flag = (sync[0] if sync else True) or ram_flag
+    reason = "cpu_ram_efficient_loading forces it on (FSDP1)" if ram_flag and sync and not sync[0] else ""
+    ctx.set("sharding.sync_module_states", flag, sync[1] if sync else "fsdp_config.fsdp_sync_module_states",
+            Fidelity.EXACT if sync else Fidelity.DEFAULTED, reason or ("" if sync else "launcher default true"))
+
+
+def _set_or_default(ctx: ReadContext, core_path: str, found, source: str, default: Any, reason: str) -> None:
+    if found is not None:
+        ctx.set(core_path, found[0], found[1])
+    elif get_path(ctx.core, core_path, NOTHING) is NOTHING:
+        ctx.set(core_path, default, source, Fidelity.DEFAULTED, reason)
+
+
+def _precision_contract(backend: str, dtype: str, stage: int) -> dict[str, Any]:
+    """What ``mixed_precision: <dtype>`` means on each Accelerate backend, as core values (read sets them, write
+    checks a config against them)."""
+    if dtype == "fp32":
+        return {}
+    if backend == "ddp":  # fp32 parameters, forward under autocast
+        out: dict[str, Any] = {"precision.autocast": True}
+    elif backend == "deepspeed":  # parameters cast; DeepSpeed reduces in the same dtype by default
+        out = {"precision.reduce_dtype": dtype, "precision.cast_forward_inputs": False}
+    else:  # FSDP's MixedPrecision(Policy) with every dtype the same; v1 casts buffers too
+        out = {"precision.reduce_dtype": dtype, "precision.cast_forward_inputs": True}
+        if backend == "fsdp1":
+            out["precision.buffer_dtype"] = dtype
+    if dtype == "fp16" and backend == "deepspeed":
+        out.update({"precision.loss_scaling.mode": "dynamic", "precision.loss_scaling.growth_interval": 1000,
+                    "precision.loss_scaling.semantics": "deepspeed_zero" if stage else "deepspeed_stage0"})
+    elif dtype == "fp16":  # torch GradScaler with its defaults
+        out.update({"precision.loss_scaling.mode": "dynamic", "precision.loss_scaling.growth_interval": 2000,
+                    "precision.loss_scaling.semantics": "torch_grad_scaler"})
+    return out
+
+
+def _finalize_precision(ctx: ReadContext, state: dict, kind: str) -> None:
+    found = state.get("mixed_precision")
+    if found is None:
+        return
+    text, path, value = found
+    if kind == "DEEPSPEED" and "ds_file" in state:
+        ctx.note(path, Fidelity.APPROXIMATE, "with deepspeed_config_file, it fills only the file's \"auto\" fp16/bf16 "
+                 "sections; the file decides", value)  # fmt: skip
+        return
+    reason = "fp8 runs as bf16 under FSDP/DeepSpeed (Accelerate's own fallback)" if text == "fp8" else ""
+    ctx.set("precision.param_dtype", _PRECISION[text], path, Fidelity.APPROXIMATE if text == "fp8" else
+            Fidelity.EXACT, reason)  # fmt: skip
+    backend = {"FSDP": f"fsdp{_fsdp_version(ctx)}", "DEEPSPEED": "deepspeed"}.get(kind, "ddp")
+    for core_path, item in _precision_contract(backend, _PRECISION[text], get_path(ctx.core, "sharding.stage", 0)
+                                               ).items():  # fmt: skip
+        ctx.set(core_path, item, path, note=False)
+
+
+# ---- reading ------------------------------------------------------------------------------------------
+
+
+def sniff(raw: Any) -> float:
+    """An accelerate config: ``distributed_type`` or its ``*_config`` sections next to the launch keys."""
+    if not isinstance(raw, dict):
+        return 0.0
+    if "distributed_type" in raw or "compute_environment" in raw:
+        return 1.0
+    return 0.8 if {"fsdp_config", "deepspeed_config"} & set(raw) and "num_processes" in raw else 0.0
+
+
+def read(raw: Any, *, version: str | None = None, base_dir: str | os.PathLike[str] | None = None
+         ) -> Translation[TorshConfig]:  # fmt: skip
+    """Read an ``accelerate config`` YAML (parsed); ``base_dir`` resolves ``deepspeed_config_file``."""
+    problems = schemas.check(raw, NAME)
+    if problems:
+        raise ConfigError(problems, source=NAME)
+    if not isinstance(raw, dict):
+        raise ConfigError([Problem("", raw, "an accelerate config must be a mapping")], source=NAME)
+    _check_ds_file_exclusive(raw)
+    clean, notes, kept = _inactive_sections(raw)
+    translation = read_mapping(clean, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS,
+                               finalize=lambda ctx: _finalize(ctx, base_dir))
+    from ._torch_names import merge_expressions
+
+    return merge_expressions(translation, notes, kept, NAME)
+
+
+def _check_ds_file_exclusive(raw: dict) -> None:
+    ds = raw.get("deepspeed_config") or {}
+    if str(raw.get("distributed_type", "")).upper() == "DEEPSPEED" and "deepspeed_config_file" in ds:
+        mixed = [k for k in _DS_FILE_EXCLUSIVE if k in ds]
+        if mixed:
+            raise ConfigError([Problem(f"deepspeed_config.{k}", ds[k], "Accelerate refuses this key next to "
+                                       "deepspeed_config_file: set it in the DeepSpeed file") for k in mixed],
+                              source=NAME)  # fmt: skip
+
+
+def _inactive_sections(raw: dict) -> tuple[dict, list[Note], dict]:
+    """Sections Accelerate does not read for this distributed_type, and empty ones: noted, kept, not mapped."""
+    kind = str(raw.get("distributed_type", "NO")).upper()
+    active = {"fsdp_config": kind == "FSDP", "deepspeed_config": kind == "DEEPSPEED"}
+    clean, notes, kept = {}, [], {}
+    for key, value in raw.items():
+        if isinstance(value, dict) and not value:
+            notes.append(Note(key, None, value, Fidelity.EXACT, "empty: nothing set"))
+        elif key in active and not active[key] and isinstance(value, dict):
+            from torsh.config import iter_leaves
+
+            for path, item in iter_leaves(value, key):
+                notes.append(Note(path, None, item, Fidelity.IGNORED, f"Accelerate reads {key} only with "
+                                  f"distributed_type {key.split('_')[0].upper()} (this is {kind})"))  # fmt: skip
+                kept[path] = item
+        else:
+            clean[key] = value
+    return clean, notes, kept
+
+
+# ---- writing --------------------------------------------------------------------------------------------
+
+
+def _backend(cfg: TorshConfig, version: str | None) -> str:
+    """The Accelerate backend to write: asked for, else what the stage and offload need, else the source's."""
+    if version is not None:
+        return version
+    s, o = cfg.sharding, cfg.offload
+    kept = cfg.extensions.get(NAME, {})
+    if s.stage == 0:
+        return "ddp"
+    if s.stage == 1 or "nvme" in (o.params, o.optimizer) or (o.optimizer != "none" and o.params == "none"):
+        return "deepspeed"  # the only Accelerate backend with ZeRO-1 and these offloads
+    if kept.get("distributed_type") == "DEEPSPEED" or "deepspeed" in cfg.extensions:
+        return "deepspeed"  # a DeepSpeed job stays on Accelerate's DeepSpeed backend
+    return "fsdp1" if str(kept.get("fsdp_config.fsdp_version", 2)) == "1" else "fsdp2"
+
+
+def _write_kind(backend: str):
+    def hook(cfg: TorshConfig, ctx: WriteContext) -> None:
+        stage = cfg.sharding.stage
+        kept = cfg.extensions.get(NAME, {}).get("distributed_type")
+        ddp_kind = kept if kept in _DDP_TYPES or (kept == "NO" and stage == 0) else "MULTI_GPU"
+        kind = {"ddp": ddp_kind, "deepspeed": "DEEPSPEED"}.get(backend, "FSDP")
+        if backend == "ddp" and stage > 0:
+            ctx.put("distributed_type", kind, "sharding.stage", Fidelity.UNSUPPORTED, f"DDP replicates: ZeRO-{stage} "
+                    "sharding is lost (write --to accelerate with the fsdp2 or deepspeed version)")  # fmt: skip
+        elif backend.startswith("fsdp") and stage < 2:
+            ctx.put("distributed_type", kind, "sharding.stage", Fidelity.APPROXIMATE, "FSDP cannot shard only the "
+                    "optimizer state (ZeRO-1); written as ZeRO-2" if stage == 1 else "FSDP NO_SHARD (DDP-like)")
+        else:
+            ctx.put("distributed_type", kind, "sharding.stage", Fidelity.EXACT,
+                    "" if backend != "deepspeed" else "zero_stage follows")  # fmt: skip
+        if backend.startswith("fsdp"):
+            ctx.put("fsdp_config.fsdp_version", int(backend[-1]), "sharding.stage")
+            _write_fsdp_sharding(cfg, ctx, int(backend[-1]))
+        elif backend == "deepspeed":
+            ctx.put("deepspeed_config.zero_stage", stage, "sharding.stage")
+            if cfg.sharding.hybrid_shard_size is not None:
+                ctx.note("sharding.hybrid_shard_size", Fidelity.UNSUPPORTED, "the inline deepspeed_config has no "
+                         "ZeRO++ keys: use deepspeed_config_file", cfg.sharding.hybrid_shard_size)  # fmt: skip
+
+    return hook
+
+
+def _write_fsdp_sharding(cfg: TorshConfig, ctx: WriteContext, version: int) -> None:
+    s = cfg.sharding
+    reshard = bool(s.effective_reshard_after_forward) if s.stage >= 2 else s.stage == 0
+    name = ("FULL_SHARD" if reshard else "SHARD_GRAD_OP") if s.stage else "NO_SHARD"
+    if s.hybrid_shard_size is not None and version == 1:
+        name = "HYBRID_SHARD" if reshard else "HYBRID_SHARD_ZERO2"
+        if s.hybrid_shard_size is not AUTO:
+            ctx.note("sharding.hybrid_shard_size", Fidelity.APPROXIMATE, "Accelerate's FSDP1 HYBRID_SHARD shards "
+                     "within each node; a group of another size needs a device mesh", s.hybrid_shard_size)
+    if version == 1:
+        ctx.put("fsdp_config.fsdp_sharding_strategy", name, "sharding.stage", Fidelity.EXACT, "what the FSDP1 plugin "
+                "reads (FSDP_SHARDING_STRATEGY)")  # fmt: skip
+        ctx.put("fsdp_config.fsdp_reshard_after_forward", name, "sharding.stage", Fidelity.EXACT, "the same strategy "
+                "under the key `accelerate config` writes for FSDP1: both keys, so every Accelerate version runs it")
+        return
+    ctx.put("fsdp_config.fsdp_reshard_after_forward", reshard, "sharding.stage")
+    size, world = s.hybrid_shard_size, cfg.launch.world_size
+    if size is None:
+        return
+    if size is AUTO or world is None or world % size:
+        ctx.note("sharding.hybrid_shard_size", Fidelity.UNSUPPORTED, "FSDP2 hybrid sharding in Accelerate is "
+                 "parallelism_config dp_replicate_size x dp_shard_size: needs a known group size dividing "
+                 "num_processes", size)  # fmt: skip
+        return
+    ctx.put("parallelism_config.parallelism_config_dp_replicate_size", world // size, "sharding.hybrid_shard_size")
+    ctx.put("parallelism_config.parallelism_config_dp_shard_size", size, "sharding.hybrid_shard_size")
+
+
+def _write_fsdp_rest(version: int):
+    def hook(cfg: TorshConfig, ctx: WriteContext) -> None:
+        s = cfg.sharding
+        _write_offload(cfg, ctx, "fsdp_config.fsdp_offload_params")
+        if s.wrap.module_classes:
+            ctx.put("fsdp_config.fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "sharding.wrap.module_classes")
+            ctx.put("fsdp_config.fsdp_transformer_layer_cls_to_wrap", ",".join(s.wrap.module_classes),
+                    "sharding.wrap.module_classes")  # fmt: skip
+        elif s.wrap.min_num_params:
+            ctx.put("fsdp_config.fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "sharding.wrap.min_num_params")
+            ctx.put("fsdp_config.fsdp_min_num_params", s.wrap.min_num_params, "sharding.wrap.min_num_params")
+        elif cfg.extensions.get(NAME, {}).get("fsdp_config.fsdp_auto_wrap_policy") in ("TRANSFORMER_BASED_WRAP",
+                                                                                         "NO_WRAP"):
+            policy = cfg.extensions[NAME]["fsdp_config.fsdp_auto_wrap_policy"]
+            ctx.put("fsdp_config.fsdp_auto_wrap_policy", policy, "sharding.wrap", Fidelity.EXACT,
+                    f"{policy}, as in the source file")  # fmt: skip
+        else:
+            ctx.put("fsdp_config.fsdp_auto_wrap_policy", "NO_WRAP", "sharding.wrap", Fidelity.APPROXIMATE, "torsh's "
+                    "default wraps each direct child; NO_WRAP makes the whole model one unit (same numerics)")
+        prefetch = s.backward_prefetch
+        if version == 1:
+            name = {v: k for k, v in _PREFETCH.items()}[prefetch or "none"]
+            ctx.put("fsdp_config.fsdp_backward_prefetch", name, "sharding.backward_prefetch")
+            ctx.put("fsdp_config.fsdp_forward_prefetch", s.forward_prefetch, "sharding.forward_prefetch")
+            ctx.put("fsdp_config.fsdp_sync_module_states", s.sync_module_states, "sharding.sync_module_states")
+            ctx.put("fsdp_config.fsdp_cpu_ram_efficient_loading", s.sync_module_states, "sharding.sync_module_states",
+                    Fidelity.EXACT, "on FSDP1 true forces sync_module_states")  # fmt: skip
+        else:
+            if prefetch in ("backward_post", "none"):
+                ctx.note("sharding.backward_prefetch", Fidelity.APPROXIMATE, "FSDP2 always prefetches like "
+                         "BACKWARD_PRE", prefetch)  # fmt: skip
+            if s.forward_prefetch:
+                ctx.note("sharding.forward_prefetch", Fidelity.UNSUPPORTED, "Accelerate raises for forward prefetch "
+                         "with FSDP2", True)  # fmt: skip
+            ctx.put("fsdp_config.fsdp_cpu_ram_efficient_loading", s.sync_module_states, "sharding.sync_module_states",
+                    Fidelity.EXACT, "FSDP2: rank 0 loads, the weights are broadcast")  # fmt: skip
+        ctx.put("fsdp_config.fsdp_state_dict_type", f"{cfg.checkpoint.state_dict_type.upper()}_STATE_DICT",
+                "checkpoint.state_dict_type")  # fmt: skip
+
+    return hook
+
+
+def _write_offload(cfg: TorshConfig, ctx: WriteContext, key: str) -> None:
+    o = cfg.offload
+    if o.params == "none" and o.optimizer == "none":
+        ctx.put(key, False, "offload.params")
+    elif o.params == "cpu" and o.optimizer in ("cpu", "none"):
+        ctx.put(key, True, "offload.params", Fidelity.EXACT if o.optimizer == "cpu" else Fidelity.APPROXIMATE,
+                "" if o.optimizer == "cpu" else "FSDP offload also moves the optimizer step to the CPU")
+    else:
+        ctx.note("offload", Fidelity.UNSUPPORTED, "FSDP offloads parameters, gradients and optimizer to CPU memory "
+                 "together; NVMe or optimizer-only offload needs DeepSpeed", f"{o.params}/{o.optimizer}")
+
+
+def _write_deepspeed_rest(cfg: TorshConfig, ctx: WriteContext) -> None:
+    o = cfg.offload
+    ctx.put("deepspeed_config.offload_optimizer_device", o.optimizer, "offload.optimizer")
+    ctx.put("deepspeed_config.offload_param_device", o.params, "offload.params")
+    if o.nvme_path:
+        for which in ("optimizer", "param"):
+            if getattr(o, "params" if which == "param" else "optimizer") == "nvme":
+                ctx.put(f"deepspeed_config.offload_{which}_nvme_path", o.nvme_path, "offload.nvme_path",
+                        Fidelity.APPROXIMATE, _NVME_REASON)  # fmt: skip
+    if not o.pin_memory and "none" not in (o.params, o.optimizer):
+        ctx.note("offload.pin_memory", Fidelity.UNSUPPORTED, "the inline deepspeed_config pins offloaded memory", False)
+
+
+def _write_precision(backend: str):
+    def hook(cfg: TorshConfig, ctx: WriteContext) -> None:
+        p = cfg.precision
+        name = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[p.param_dtype]
+        ctx.put("mixed_precision", name, "precision.param_dtype")
+        contract = _precision_contract(backend, p.param_dtype, cfg.sharding.stage)
+        defaults = TorshConfig().model_dump()
+        for path in _PRECISION_CLAIMS[1:]:
+            want, have = contract.get(path, get_path(defaults, path)), get_path(cfg, path)
+            if path == "precision.reduce_dtype":
+                want, have = want or p.param_dtype, have or p.param_dtype
+            if have != want:
+                ctx.note(path, Fidelity.APPROXIMATE, f"Accelerate's {backend} mixed_precision={name} gives {want!r}; "
+                         "set it in the script's plugin (FullyShardedDataParallelPlugin / DeepSpeedPlugin / "
+                         "GradScalerKwargs) to keep it", have)  # fmt: skip
+
+    return hook
+
+
+def _write_num_processes(cfg: TorshConfig, ctx: WriteContext) -> None:
+    launch = cfg.launch
+    if launch.world_size is not None:
+        ctx.put("num_processes", launch.world_size, "launch.world_size")
+    elif launch.nnodes and isinstance(launch.nproc_per_node, int):
+        ctx.put("num_processes", launch.nnodes * launch.nproc_per_node, "launch.nproc_per_node", Fidelity.EXACT,
+                "Accelerate counts the processes of all machines")  # fmt: skip
+    elif launch.nproc_per_node is not None:
+        ctx.note("launch.nproc_per_node", Fidelity.APPROXIMATE, "every visible accelerator (num_processes left out)",
+                 launch.nproc_per_node)  # fmt: skip
+
+
+_PRECISION_CLAIMS = ("precision.param_dtype", "precision.reduce_dtype", "precision.buffer_dtype", "precision.autocast",
+                     "precision.cast_forward_inputs", *(f"precision.loss_scaling.{k}" for k in (
+                         "mode", "semantics", "static_scale", "initial_scale", "growth_interval", "growth_factor",
+                         "backoff_factor", "hysteresis", "consecutive_hysteresis", "min_scale")))
+_SHARDING_CLAIMS = ("sharding.stage", "sharding.reshard_after_forward", "sharding.hybrid_shard_size")
+
+
+def _write_map(backend: str) -> FieldMap:
+    common = {k: v for k, v in TOP_MAP.items() if isinstance(v, To)}
+    hooks = {
+        "distributed_type": Hook(write=_write_kind(backend), claims=_SHARDING_CLAIMS),
+        "mixed_precision": Hook(write=_write_precision(backend), claims=_PRECISION_CLAIMS),
+        "num_processes": Hook(write=_write_num_processes, claims=("launch.world_size", "launch.nproc_per_node")),
+        "main_process_ip": Hook(write=lambda c, x: c.launch.master_addr and x.put(
+            "main_process_ip", c.launch.master_addr, "launch.master_addr"), claims=("launch.master_addr",)),
+        "main_process_port": Hook(write=lambda c, x: c.launch.master_port is not None and x.put(
+            "main_process_port", c.launch.master_port, "launch.master_port"), claims=("launch.master_port",)),
+    }
+    if backend.startswith("fsdp"):
+        version = int(backend[-1])
+        section = {"fsdp_config.fsdp_activation_checkpointing": FSDP_MAP["fsdp_config.fsdp_activation_checkpointing"],
+                   "fsdp_config.(rest)": Hook(write=_write_fsdp_rest(version), claims=(
+                       "offload", "sharding.wrap", "sharding.backward_prefetch", "sharding.forward_prefetch",
+                       "sharding.sync_module_states", "checkpoint.state_dict_type"))}  # fmt: skip
+    elif backend == "deepspeed":
+        section = {k: v for k, v in DS_MAP.items() if isinstance(v, To) and v.path.split(".")[0] not in ("offload",
+                                                                                                         "sharding")}
+        section["deepspeed_config.(offload)"] = Hook(write=_write_deepspeed_rest, claims=("offload",))
+    else:
+        section = {}
+    return FieldMap({**common, **hooks, **section})
+
+
+_SCRIPT_SIDE = {  # core sections an accelerate config leaves to the training script, and where they go there
+    **SCRIPT_SIDE,
+    "batch": "batch sizes come from the script's DataLoader and gradient_accumulation_steps argument",
+    "optimizer": "Accelerate prepares the optimizer the script builds",
+    "scheduler": "Accelerate prepares the scheduler the script builds",
+    "gradients": "the script calls accelerator.clip_grad_norm_",
+    "data": "the script builds the DataLoader",
+}
+
+
+def _finalize_write(backend: str):
+    def finalize(ctx: WriteContext) -> None:
+        also = "; or write the DeepSpeed JSON (--to deepspeed) and name it in deepspeed_config_file"
+        explain_unsupported(ctx, _SCRIPT_SIDE, also if backend == "deepspeed" else "")
+        if backend == "deepspeed":
+            # "auto" is what Accelerate's plugin uses for these anyway: leave them out, as `accelerate config` does.
+            for key in ("gradient_accumulation_steps", "gradient_clipping"):
+                if ctx.out.get("deepspeed_config", {}).get(key) == "auto":
+                    del ctx.out["deepspeed_config"][key]
+            ctx.notes[:] = [n for n in ctx.notes if not (n.source_path.startswith("batch.") and
+                                                        n.fidelity is Fidelity.UNSUPPORTED and n.value is AUTO)]
+        # kept keys of another backend's section (e.g. fsdp_config when writing DeepSpeed) do not belong here
+        other = {"fsdp_config", "deepspeed_config", "parallelism_config"} - {
+            "fsdp_config" if backend.startswith("fsdp") else "deepspeed_config" if backend == "deepspeed" else "",
+            "parallelism_config" if backend == "fsdp2" else ""}
+        for key in sorted(other & set(ctx.out)):
+            value = ctx.out.pop(key)
+            ctx.notes[:] = [n for n in ctx.notes if not (n.target_path or "").startswith(key + ".")]
+            ctx.notes.append(Note(f"extensions.{NAME}.{key}", None, value, Fidelity.DROPPED,
+                                  f"a {key} setting; this file is written for {backend}"))  # fmt: skip
+        if backend == "fsdp2":
+            fc = ctx.out.get("fsdp_config", {})
+            for key in ("fsdp_sharding_strategy", "fsdp_backward_prefetch", "fsdp_forward_prefetch",
+                        "fsdp_use_orig_params", "fsdp_sync_module_states"):
+                if key in fc:
+                    ctx.notes.append(Note(f"extensions.{NAME}.fsdp_config.{key}", None, fc.pop(key), Fidelity.DROPPED,
+                                          "an FSDP1 key; Accelerate ignores it with fsdp_version 2"))  # fmt: skip
+
+    return finalize
+
+
+def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
+    """Write an ``accelerate config`` YAML (as data) for the backend ``version`` names or the stage implies."""
+    if version is not None and version not in VERSIONS:
+        raise ConfigError([Problem("version", version, f"expected one of {', '.join(VERSIONS)}")], source=NAME)
+    backend = _backend(cfg, version)
+    translation = write_mapping(cfg, dialect=NAME, field_map=_write_map(backend), finalize=_finalize_write(backend))
+    translation.result = {"compute_environment": "LOCAL_MACHINE", **translation.result}
+    return translation

@@ -1,0 +1,29 @@
+"""``fsdp1``: the ``fsdp`` dialect written as FSDP1 ``FullyShardedDataParallel`` kwargs (``--to fsdp1``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torsh.config import TorshConfig
+from torsh.translate import Translation
+
+from . import fsdp
+from .fsdp import ALIASES, FIELD_MAP, VALUE_MAPS  # noqa: F401 - the dialect shape
+
+NAME = "fsdp1"
+DEFAULT_FORMAT = "json"
+
+
+def sniff(raw: Any) -> float:
+    """Never detected by content: the input is the ``fsdp`` dialect; this name selects what is written."""
+    return 0.0
+
+
+def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
+    """Read FSDP1 kwargs (FSDP2 ones are an error)."""
+    return fsdp.read(raw, version=version or "fsdp1")
+
+
+def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
+    """Write FSDP1 kwargs."""
+    return fsdp.write(cfg, version=version or "fsdp1")

@@ -1,0 +1,246 @@
+"""The accelerate dialect: `accelerate config` YAMLs (DDP, FSDP v1/v2, DeepSpeed inline and through a file)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from adapter_validator import assert_accounted
+
+from torsh import adapters
+from torsh.config import AUTO, TorshConfig
+from torsh.errors import ConfigError
+from torsh.translate import Fidelity
+
+HAVE_DEEPSPEED = "deepspeed" in adapters.names()
+CORPUS = Path(__file__).resolve().parent / "fixtures" / "corpus"
+
+
+def _note(translation, path: str):
+    return next(n for n in translation.notes if n.source_path == path)
+
+
+def _fsdp(fsdp_config: dict, **top) -> dict:
+    return {"distributed_type": "FSDP", "mixed_precision": "bf16", "num_processes": 8, **top,
+            "fsdp_config": fsdp_config}
+
+
+# ---- the FSDP1 strategy quirk ------------------------------------------------------------------------
+
+
+def test_fsdp1_is_written_with_both_strategy_keys():
+    cfg = TorshConfig.from_dict({"sharding": {"stage": 2}})
+    written = adapters.write(cfg, "accelerate", version="fsdp1")
+    fc = written.result["fsdp_config"]
+    assert fc["fsdp_sharding_strategy"] == fc["fsdp_reshard_after_forward"] == "SHARD_GRAD_OP"
+    assert fc["fsdp_version"] == 1
+    note = next(n for n in written.notes if n.target_path == "fsdp_config.fsdp_reshard_after_forward")
+    assert "every Accelerate version" in note.reason
+
+
+def test_fsdp1_strategy_only_under_reshard_after_forward_is_read_with_a_warning_note():
+    t = adapters.read(_fsdp({"fsdp_version": 1, "fsdp_reshard_after_forward": "SHARD_GRAD_OP"}), "accelerate")
+    assert t.result.sharding.stage == 2
+    note = _note(t, "fsdp_config.fsdp_reshard_after_forward")
+    assert note.fidelity is Fidelity.APPROXIMATE and "runs FULL_SHARD" in note.reason
+
+
+def test_fsdp1_with_a_bool_reshard_key_is_not_an_error_and_says_why_it_is_ignored():
+    t = adapters.read(_fsdp({"fsdp_reshard_after_forward": False}), "accelerate")
+    assert t.result.sharding.stage == 3  # the FSDP1 plugin's default FULL_SHARD
+    assert "fsdp_version: 2" in _note(t, "fsdp_config.fsdp_reshard_after_forward").reason
+
+
+def test_fsdp1_sharding_strategy_wins_over_a_different_reshard_key():
+    raw = _fsdp({"fsdp_sharding_strategy": "FULL_SHARD", "fsdp_reshard_after_forward": "SHARD_GRAD_OP"})
+    t = adapters.read(raw, "accelerate")
+    assert t.result.sharding.stage == 3
+    assert _note(t, "fsdp_config.fsdp_reshard_after_forward").fidelity is Fidelity.DROPPED
+
+
+@pytest.mark.parametrize("spelling", ["SHARD_GRAD_OP", "shard_grad_op", 2, "2", "ShardingStrategy.SHARD_GRAD_OP"])
+def test_accelerate_strategy_spellings(spelling):
+    assert adapters.read(_fsdp({"fsdp_sharding_strategy": spelling}), "accelerate").result.sharding.stage == 2
+
+
+def test_keys_without_the_fsdp_prefix_are_legacy_spellings():
+    t = adapters.read(_fsdp({"sharding_strategy": "SHARD_GRAD_OP", "offload_params": True}), "accelerate")
+    assert (t.result.sharding.stage, t.result.offload.params) == (2, "cpu")
+
+
+# ---- FSDP semantics -----------------------------------------------------------------------------------
+
+
+def test_fsdp2_reads_reshard_as_a_bool_and_defaults_of_the_launcher():
+    t = adapters.read(_fsdp({"fsdp_version": 2, "fsdp_reshard_after_forward": False,
+                             "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"}), "accelerate")  # fmt: skip
+    cfg = t.result
+    assert (cfg.sharding.stage, cfg.sharding.wrap.min_num_params) == (2, 100_000_000)
+    assert cfg.checkpoint.state_dict_type == "sharded" and cfg.sharding.sync_module_states is True
+    assert (cfg.precision.param_dtype, cfg.precision.reduce_dtype, cfg.precision.buffer_dtype) == ("bf16", "bf16", None)
+
+
+def test_fsdp1_precision_and_prefetch_defaults():
+    cfg = adapters.read(_fsdp({"fsdp_sharding_strategy": "FULL_SHARD"}), "accelerate").result
+    assert cfg.precision.buffer_dtype == "bf16" and cfg.precision.cast_forward_inputs
+    assert cfg.sharding.backward_prefetch == "none"  # Accelerate's default, unlike torch's BACKWARD_PRE
+    assert cfg.checkpoint.state_dict_type == "full"
+
+
+def test_fsdp2_rejects_forward_prefetch_as_accelerate_does():
+    with pytest.raises(ConfigError, match="forward prefetch"):
+        adapters.read(_fsdp({"fsdp_version": 2, "fsdp_forward_prefetch": True}), "accelerate")
+
+
+def test_hsdp_from_parallelism_config():
+    raw = _fsdp({"fsdp_version": 2}, parallelism_config={"parallelism_config_dp_replicate_size": 2,
+                                                         "parallelism_config_dp_shard_size": 4,
+                                                         "parallelism_config_tp_size": 1})  # fmt: skip
+    assert adapters.read(raw, "accelerate").result.sharding.hybrid_shard_size == 4
+    with_tp = _fsdp({"fsdp_version": 2}, parallelism_config={"parallelism_config_tp_size": 2})
+    assert _note(adapters.read(with_tp, "accelerate"), "parallelism_config.parallelism_config_tp_size").fidelity \
+        is Fidelity.UNSUPPORTED
+
+
+def test_unread_sections_are_noted_not_mapped():
+    raw = {"distributed_type": "MULTI_GPU", "fsdp_config": {"fsdp_offload_params": True}, "num_processes": 2}
+    t = adapters.read(raw, "accelerate")
+    assert t.result.offload.params == "none" and t.result.sharding.stage == 0
+    assert _note(t, "fsdp_config.fsdp_offload_params").fidelity is Fidelity.IGNORED
+
+
+def test_unknown_keys_and_values_are_errors_with_suggestions():
+    with pytest.raises(ConfigError) as exc:
+        adapters.read(_fsdp({"fsdp_ofload_params": True}), "accelerate")
+    assert exc.value.problems[0].suggestion == "fsdp_offload_params"
+    with pytest.raises(ConfigError) as exc:
+        adapters.read({"distributed_type": "FDSP"}, "accelerate")
+    assert exc.value.problems[0].suggestion == "FSDP"
+
+
+# ---- DDP and DeepSpeed ---------------------------------------------------------------------------------
+
+
+def test_multi_gpu_fp16_is_autocast_with_a_grad_scaler():
+    cfg = adapters.read({"distributed_type": "MULTI_GPU", "mixed_precision": "fp16"}, "accelerate").result
+    p = cfg.precision
+    assert (cfg.sharding.stage, p.param_dtype, p.autocast) == (0, "fp16", True)
+    assert (p.loss_scaling.mode, p.loss_scaling.semantics, p.loss_scaling.growth_interval) == \
+        ("dynamic", "torch_grad_scaler", 2000)
+
+
+def test_inline_deepspeed_defaults_are_deferred_like_accelerate():
+    t = adapters.read({"distributed_type": "DEEPSPEED", "mixed_precision": "bf16",
+                       "deepspeed_config": {"offload_optimizer_device": "cpu"}}, "accelerate")  # fmt: skip
+    cfg = t.result
+    assert cfg.sharding.stage == 2 and cfg.offload.optimizer == "cpu"
+    assert cfg.batch.micro_batch_size is AUTO and cfg.gradients.clip_max_norm is AUTO
+    assert (cfg.precision.param_dtype, cfg.precision.reduce_dtype) == ("bf16", "bf16")
+
+
+def test_deepspeed_config_file_cannot_be_mixed_with_inline_keys():
+    raw = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": "ds.json", "zero_stage": 3}}
+    with pytest.raises(ConfigError, match="deepspeed_config.zero_stage: Accelerate refuses"):
+        adapters.read(raw, "accelerate")
+
+
+@pytest.mark.skipif(HAVE_DEEPSPEED, reason="the deepspeed dialect is installed")
+def test_deepspeed_config_file_without_the_deepspeed_dialect_is_a_clear_error(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                                       "  deepspeed_config_file: ds.json\n")
+    with pytest.raises(ConfigError, match="needs the deepspeed dialect"):
+        adapters.load(tmp_path / "acc.yaml")
+
+
+def _stub_deepspeed(monkeypatch):
+    """A two-key stand-in for the deepspeed dialect, to test how Accelerate's file reference is followed."""
+    import types
+
+    from torsh.translate import FieldMap, read_mapping
+
+    fmap = FieldMap({"zero_optimization.stage": "sharding.stage", "train_micro_batch_size_per_gpu":
+                     "batch.micro_batch_size"})  # fmt: skip
+    stub = types.SimpleNamespace(read=lambda raw, version=None: read_mapping(raw, dialect="deepspeed", field_map=fmap),
+                                 sniff=lambda raw: 0.0)
+    real_names, real_get = adapters.names, adapters.get
+    monkeypatch.setattr(adapters, "names", lambda: sorted({*real_names(), "deepspeed"}))
+    monkeypatch.setattr(adapters, "get", lambda name: stub if name == "deepspeed" else real_get(name))
+
+
+def test_deepspeed_config_file_notes_are_prefixed_and_errors_located(tmp_path, monkeypatch):
+    if not HAVE_DEEPSPEED:
+        _stub_deepspeed(monkeypatch)
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3, "stag": 1}}))
+    (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                                       "  deepspeed_config_file: ds.json\n")
+    with pytest.raises(ConfigError) as exc:
+        adapters.load(tmp_path / "acc.yaml")
+    assert any(p.path.startswith("deepspeed_config.deepspeed_config_file:ds.json.zero_optimization.stag")
+               for p in exc.value.problems)
+
+
+def test_deepspeed_config_file_is_read_relative_to_the_yaml(tmp_path, monkeypatch):
+    if not HAVE_DEEPSPEED:
+        _stub_deepspeed(monkeypatch)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "ds.json").write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}}))
+    (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n"
+                                       "  deepspeed_config_file: configs/ds.json\n")  # fmt: skip
+    monkeypatch.chdir("/")
+    t = adapters.load(tmp_path / "acc.yaml")
+    assert (t.result.sharding.stage, t.result.batch.micro_batch_size, t.result.launch.world_size) == (1, 4, 2)
+    assert any(n.source_path.startswith("configs/ds.json:") for n in t.notes)
+
+
+# ---- writing ------------------------------------------------------------------------------------------
+
+
+def test_backend_follows_the_stage_and_offload():
+    def kind(core, version=None):
+        return adapters.write(TorshConfig.from_dict(core), "accelerate", version=version).result["distributed_type"]
+
+    assert kind({}) == "MULTI_GPU"
+    assert kind({"sharding": {"stage": 1}}) == "DEEPSPEED"
+    assert kind({"sharding": {"stage": 3}}) == "FSDP"
+    assert kind({"sharding": {"stage": 2}, "offload": {"optimizer": "cpu"}}) == "DEEPSPEED"
+    assert kind({"sharding": {"stage": 3}}, "deepspeed") == "DEEPSPEED"
+
+
+def test_fp32_reduce_is_approximate_in_accelerate_mixed_precision():
+    cfg = TorshConfig.from_dict({"sharding": {"stage": 3}, "precision": {"param_dtype": "bf16", "reduce_dtype": "fp32",
+                                                                         "cast_forward_inputs": True}})
+    written = adapters.write(cfg, "accelerate")
+    assert written.result["mixed_precision"] == "bf16"
+    assert _note(written, "precision.reduce_dtype").fidelity is Fidelity.APPROXIMATE
+
+
+def test_writing_reads_back_to_the_same_config_for_every_corpus_yaml():
+    for path in sorted((CORPUS / "accelerate").glob("*.yaml")):
+        try:
+            first = adapters.load(path)
+        except ConfigError:
+            assert not HAVE_DEEPSPEED, path
+            continue
+        written = adapters.write(first.result, "accelerate")
+        assert not written.lossy, (path.name, [str(n) for n in written.lossy])
+        again = adapters.read(written.result, "accelerate").result
+        assert again.model_dump(exclude={"extensions"}) == first.result.model_dump(exclude={"extensions"}), path.name
+
+
+def test_unsupported_sections_are_accounted_for():
+    raw = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2},
+           "dynamo_config": {"dynamo_backend": "INDUCTOR"},
+           "ipex_config": {"ipex": True}, "tpu_env": [], "megatron_lm_config": {}}
+    t = adapters.read(raw, "accelerate")
+    assert_accounted(raw, t)
+    assert _note(t, "dynamo_config").fidelity is Fidelity.UNSUPPORTED
+
+
+def test_fsdp1_to_fsdp2_reports_the_buffer_dtype_fsdp2_does_not_cast():
+    cfg = adapters.read(_fsdp({"fsdp_sharding_strategy": "FULL_SHARD"}), "accelerate").result
+    written = adapters.write(cfg, "accelerate", version="fsdp2")
+    assert _note(written, "precision.buffer_dtype").fidelity is Fidelity.APPROXIMATE
+    assert not adapters.write(cfg, "accelerate", version="fsdp1").lossy

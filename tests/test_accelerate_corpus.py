@@ -1,0 +1,54 @@
+"""Real `accelerate config` YAMLs from public repositories: each reads with every key accounted for."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from adapter_validator import assert_accounted
+
+from torsh import adapters
+from torsh.errors import ConfigError
+from torsh.formats import load_file
+
+CORPUS = Path(__file__).resolve().parent / "fixtures" / "corpus"
+FILES = sorted((CORPUS / "accelerate").glob("*.yaml"))
+HAVE_DEEPSPEED = "deepspeed" in adapters.names()
+
+
+def _sources_rows(section: str) -> dict[str, list[str]]:
+    text = (CORPUS / "SOURCES.md").read_text(encoding="utf-8")
+    body = re.search(rf"^## {re.escape(section)}/\n(.*?)(?=^## |\Z)", text, re.S | re.M).group(1)
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()
+            if line.startswith("| ") and not line.startswith("| file") and not line.startswith("| ---")]
+    return {row[0]: row for row in rows}
+
+
+def test_corpus_is_large_enough_and_every_file_has_its_source():
+    assert len(FILES) >= 10
+    assert {p.name for p in FILES} == set(_sources_rows("accelerate"))
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_reads_with_every_key_accounted_for(path):
+    raw, _ = load_file(path)
+    assert adapters.sniff(raw) == "accelerate"
+    if "deepspeed_config_file" in str(raw.get("deepspeed_config")) and not HAVE_DEEPSPEED:
+        with pytest.raises(ConfigError, match="needs the deepspeed dialect"):
+            adapters.load(path)
+        return
+    translation = adapters.load(path)
+    assert_accounted(raw, translation)
+    kind = raw.get("distributed_type", "NO")
+    stage = translation.result.sharding.stage
+    if kind == "FSDP":
+        assert stage >= 2
+    elif kind in ("NO", "MULTI_GPU", "MULTI_CPU"):
+        assert stage == 0
+
+
+def test_the_deepspeed_file_named_by_a_corpus_yaml_is_there():
+    raw, _ = load_file(CORPUS / "accelerate" / "huggingface__accelerate__deepspeed.yaml")
+    named = (CORPUS / "accelerate" / raw["deepspeed_config"]["deepspeed_config_file"]).resolve()
+    assert named.is_file() and named.name in _sources_rows("deepspeed_config_templates")
