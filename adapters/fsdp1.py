@@ -11,6 +11,8 @@ from . import fsdp
 from .fsdp import ALIASES, FIELD_MAP, VALUE_MAPS  # noqa: F401 - the dialect shape
 
 NAME = "fsdp1"
+ALIAS_OF = "fsdp"
+"""A name for one generation of the fsdp dialect: its schema, tests and examples are the fsdp dialect's."""
 DEFAULT_FORMAT = "json"
 
 
