@@ -63,6 +63,8 @@ class StepBytes:
     """Bytes this rank actually passed to collectives (values, indices, scales, factors)."""
     compressed: bool
     """Whether the round was compressed (False in warm-up and between periods)."""
+    buckets: int | None
+    """Gradient buckets reduced in the round (None for method none, where DDP's built-in reduction runs)."""
 
     @property
     def ratio(self) -> float:
@@ -86,6 +88,7 @@ class CompressionStats:
     """The last :data:`HISTORY` rounds."""
     _dense: int = 0
     _sent: int = 0
+    _buckets: int = 0
 
     @property
     def ratio(self) -> float:
@@ -98,13 +101,13 @@ class CompressionStats:
         return self.history[-1] if self.history else None
 
     def add(self, dense_bytes: int, sent_bytes: int) -> None:
-        """Count one bucket of the current round."""
+        """Count bytes of the current round."""
         self._dense += dense_bytes
         self._sent += sent_bytes
 
-    def end_step(self, compressed: bool) -> None:
+    def end_step(self, compressed: bool, buckets: int | None) -> None:
         """Close the current round."""
-        self.history.append(StepBytes(self.steps, self._dense, self._sent, compressed))
+        self.history.append(StepBytes(self.steps, self._dense, self._sent, compressed, buckets))
         self.dense_bytes_total += self._dense
         self.sent_bytes_total += self._sent
         self.steps += 1
@@ -166,7 +169,7 @@ class CompressionState:
             fut = _dense_allreduce(self, bucket.buffer())
             self._codec.on_dense_round(bucket)
         if bucket.is_last():
-            self.stats.end_step(compressed)
+            self.stats.end_step(compressed, bucket.index() + 1)
             self.step += 1
         return fut
 
@@ -423,7 +426,7 @@ def apply_compression(ddp_model: Any, cfg: CompressionConfig, *, process_group: 
             # The same condition DDP's forward uses to prepare a reducing backward.
             if torch.is_grad_enabled() and module.require_backward_grad_sync:
                 state.stats.add(dense, dense)
-                state.stats.end_step(False)
+                state.stats.end_step(False, None)
                 state.step += 1
 
         ddp_model.register_forward_pre_hook(count_round)
