@@ -86,9 +86,8 @@ class CompressionStats:
     """Sum of ``sent_bytes`` over every round."""
     history: deque[StepBytes] = field(default_factory=lambda: deque(maxlen=HISTORY))
     """The last :data:`HISTORY` rounds."""
-    _dense: int = 0
-    _sent: int = 0
-    _buckets: int = 0
+    _dense: int = field(default=0, repr=False)  # the round in progress
+    _sent: int = field(default=0, repr=False)
 
     @property
     def ratio(self) -> float:
@@ -240,6 +239,10 @@ class _PowerSGD(_Codec):
             # Only its logger reads this; we report through CompressionStats instead.
             compression_stats_logging_frequency=2**62,
         )
+        # torch's hook blocks inside its future callbacks (``.wait()`` on the next allreduce). gloo runs those
+        # callbacks on its worker threads (two by default), so two buckets in flight block both workers and
+        # the allreduces they wait for never run. One bucket at a time keeps a worker free.
+        self._one_bucket_at_a_time = dist.get_backend(state.process_group) == "gloo"
 
     def reduce(self, bucket):
         buffer = bucket.buffer()
@@ -249,6 +252,8 @@ class _PowerSGD(_Codec):
         # The hook adds, synchronously, the element counts of the P and Q factors and of the tensors it sends
         # uncompressed (vectors, or matrices too small to gain): exactly the tensors it allreduces.
         self.state.stats.add(dense, (self.psgd.total_numel_after_compression - before) * element)
+        if self._one_bucket_at_a_time:
+            fut.wait()
         return fut
 
     def on_dense_round(self, bucket):
