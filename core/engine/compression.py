@@ -394,9 +394,9 @@ class _Quantize(_Codec):
         if self.residuals is not None:
             residual = self.residuals.get(bucket)
             x += residual
-        low, high = x.min(), x.max()
+        low, high = torch.aminmax(x)
         scale = torch.where(high > low, (high - low) / levels, torch.ones_like(high))
-        position = (x - low) / scale
+        position = torch.sub(x, low).div_(scale)
         if self.residuals is not None:
             codes = position.round_()
         else:
@@ -413,9 +413,10 @@ class _Quantize(_Codec):
 
         def decode(fut: torch.futures.Future) -> torch.Tensor:
             rows = gathered.view(world, -1)
-            headers = rows[:, : self.HEADER].contiguous().view(torch.float32)  # (world, 2)
+            headers = rows[:, : self.HEADER].contiguous().view(torch.float32)  # (world, 2): offset, scale
             codes = _unpack(rows[:, self.HEADER :], self.bits, n).float()  # (world, n)
-            mean = (headers[:, :1] + codes * headers[:, 1:]).sum(0).div_(world)
+            # sum_r (offset_r + code_r * scale_r) / world, as one matrix-vector product over the codes
+            mean = torch.mv(codes.t(), headers[:, 1] / world).add_(headers[:, 0].sum() / world)
             return buffer.copy_(mean)
 
         return work.get_future().then(decode)
