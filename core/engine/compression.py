@@ -280,8 +280,12 @@ class _Residuals:
             return entry[1]
         buffer = bucket.buffer()
         flat = torch.zeros_like(buffer)
+        packed = 0  # DDP lays the gradients out back to back; their views into the buffer say so exactly
         for param, grad in zip(params, bucket.gradients(), strict=True):
             offset = (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()
+            if not 0 <= offset <= buffer.numel() - grad.numel():
+                offset = packed
+            packed = offset + grad.numel()
             view = flat[offset : offset + grad.numel()]
             old = self._by_param.get(id(param))
             if old is not None and old.numel() == view.numel():
