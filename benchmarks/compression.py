@@ -160,7 +160,8 @@ def _slow_link(rate: str) -> Iterator[list[tuple[str, str]]]:
         yield [(ns, dev) for ns, dev, _ in ends]
     finally:
         for ns, _, _ in ends:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            # Deleting a namespace also deletes its end of the veth pair, and with it the other end.
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
 def _launch_namespaced(settings: dict, tmp: str, rate: str) -> None:
@@ -201,8 +202,10 @@ def _markdown(summary: dict) -> str:
     params = s["layers"] * (s["width"] * s["width"] + s["width"])
     link = f"veth pair shaped to {s['slow_link']}" if s["slow_link"] else "loopback"
     lines = [
-        f"{params / 1e6:.1f}M parameters, batch {s['batch']} per rank, 2 ranks (gloo, CPU, {link}); "
-        f"medians of {s['rounds']} interleaved rounds of {s['steps']} steps",
+        (
+            f"{params / 1e6:.1f}M parameters, batch {s['batch']} per rank, 2 ranks (gloo, CPU, {link}); "
+            f"medians of {s['rounds']} interleaved rounds of {s['steps']} steps"
+        ),
         "",
         "| method | median step (ms) | step time / none | MB sent per step | sent / dense |",
         "|---|---:|---:|---:|---:|",

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the engine needs torch")
 
-from torsh.engine.compression import _pack, _top_k_indices, _unpack  # noqa: E402
+from torsh.engine.compression import _pack, _top_k_indices, _unpack
 
 
 @pytest.mark.parametrize("n,k", [(300, 30), (131_584, 1316), (400_000, 4000), (400_000, 1)])

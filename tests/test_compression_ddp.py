@@ -25,11 +25,11 @@ import traceback
 import pytest
 
 torch = pytest.importorskip("torch", reason="the engine needs torch")
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from torch import nn  # noqa: E402
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
 
-from torsh.config import CompressionConfig  # noqa: E402
+from torsh.config import CompressionConfig
 
 pytestmark = pytest.mark.slow
 
@@ -278,7 +278,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
         try:
             results[case.__name__] = case(rank)
             results["seconds"][case.__name__] = time.perf_counter() - started
-        except Exception:  # one broken case must not hide the others' results
+        except Exception:  # noqa: BLE001 - one broken case must not hide the others' results
             results[case.__name__] = {"error": traceback.format_exc()}
             break  # the ranks may now disagree on which collective comes next
     dist.destroy_process_group()
