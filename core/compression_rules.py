@@ -90,6 +90,14 @@ def compression_notes_for_stage(cfg: CompressionConfig, stage: int) -> list[Note
     return notes
 
 
+def fsdp_reduce_dtype(cfg: CompressionConfig, reduce_dtype: str | None) -> str | None:
+    """The gradient reduce dtype FSDP2 should use: the fp16/bf16 compression method, else ``reduce_dtype``.
+
+    Call it after :func:`fsdp_compression_problems` found nothing (then the two cannot disagree).
+    """
+    return cfg.method if cfg.method in CAST_METHODS else reduce_dtype
+
+
 def fsdp_compression_problems(cfg: CompressionConfig, reduce_dtype: str | None) -> list[Problem]:
     """Why ``cfg`` cannot run under FSDP2 with the given explicit ``precision.reduce_dtype`` (empty when it can).
 

@@ -12,6 +12,7 @@ from torsh.compression_rules import (
     compression_notes_for_stage,
     effective_error_feedback,
     effective_start_step,
+    fsdp_reduce_dtype,
 )
 from torsh.config import CompressionConfig
 from torsh.errors import ConfigError
@@ -62,7 +63,9 @@ def test_fp16_under_fsdp_is_the_reduce_dtype(reduce_dtype):
     from torsh.engine.compression import check_fsdp_compression
 
     check_fsdp_compression(cfg(method="fp16"), reduce_dtype)  # returns: the engine reduces in fp16
+    assert fsdp_reduce_dtype(cfg(method="fp16"), reduce_dtype) == "fp16"
     check_fsdp_compression(cfg(), "fp32")  # no compression: nothing to check
+    assert fsdp_reduce_dtype(cfg(), reduce_dtype) == reduce_dtype
 
 
 def test_conflicting_reduce_dtype_under_fsdp_is_an_error_that_says_what_to_change():
