@@ -1,0 +1,221 @@
+"""Multi-process harness for engine tests: one 2-rank gloo launch runs a list of scenarios.
+
+Each scenario is a DeepSpeed-style training loop (``engine(x)``, ``engine.backward(loss)``, ``engine.step()``
+every micro-batch) on a tiny language model with deterministic per-rank data; the per-rank records
+(losses, grad norms, lrs, counters) come back as JSON for the test to compare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+VOCAB, HIDDEN, SEQ = 32, 16, 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(scenarios: list[dict], world_size: int = 2) -> list[dict[str, dict]]:
+    """Run ``scenarios`` on ``world_size`` gloo ranks; returns, per rank, ``{scenario name: record}``."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_worker, args=(world_size, free_port(), scenarios, out), nprocs=world_size, join=True)
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def build_model(seed: int = 0):
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(HIDDEN, 2 * HIDDEN)
+            self.down = nn.Linear(2 * HIDDEN, HIDDEN)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+    class TinyLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, HIDDEN)
+            self.blocks = nn.Sequential(Block(), Block())
+            self.norm = nn.LayerNorm(HIDDEN)
+            self.head = nn.Linear(HIDDEN, VOCAB)
+
+        def forward(self, tokens):
+            return self.head(self.norm(self.blocks(self.embed(tokens))))
+
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def batch(step: int, rank: int, micro_batch: int):
+    """Deterministic tokens for (micro-step, rank): any process can rebuild any rank's batch."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, VOCAB, (micro_batch, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(logits, targets):
+    import torch
+
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def base_config(**overrides: Any) -> dict:
+    """A native torsh config dict for the scenarios (micro batch 2, AdamW, no clipping)."""
+    cfg: dict[str, Any] = {
+        "batch": {"micro_batch_size": 2, "gradient_accumulation_steps": 1},
+        "optimizer": {"name": "AdamW", "lr": 1e-2, "weight_decay": 0.0},
+    }
+    for path, value in overrides.items():
+        node = cfg
+        parts = path.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return cfg
+
+
+def _worker(rank: int, world_size: int, port: int, scenarios: list[dict], out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    import torch
+    import torch.distributed as dist
+
+    import _engine_fallbacks
+
+    _engine_fallbacks.install()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    results: dict[str, dict] = {}
+    try:
+        for scenario in scenarios:
+            try:
+                results[scenario["name"]] = SCENARIOS[scenario.get("kind", "loop")](rank, world_size, scenario)
+            except Exception as exc:  # reported per scenario so one failure does not hide the others
+                results[scenario["name"]] = {"error": f"{type(exc).__name__}: {exc}",
+                                             "traceback": traceback.format_exc()}  # fmt: skip
+            dist.barrier()
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def loop(rank: int, world_size: int, scenario: dict) -> dict:
+    """The unchanged DeepSpeed loop; records loss per micro-step and per-boundary metrics."""
+    import torch
+
+    import torsh as deepspeed
+
+    model = build_model(scenario.get("seed", 0))
+    optimizer = None
+    if scenario.get("client_optimizer"):
+        optimizer = torch.optim.AdamW(model.parameters(), **scenario["client_optimizer"])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine, opt, _, sched = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                 model_parameters=model.parameters(), config=scenario["config"])
+    mbs = engine.train_micro_batch_size_per_gpu()
+    rec: dict[str, Any] = {"losses": [], "norms": [], "lrs": [], "boundaries": [], "returned": [],
+                           "optimizer": type(opt).__name__, "scheduler": type(sched).__name__}  # fmt: skip
+    for step in range(scenario.get("micro_steps", 4)):
+        x, y = batch(step, rank, mbs)
+        loss = lm_loss(engine(x), y)
+        rec["boundaries"].append(engine.is_gradient_accumulation_boundary())
+        rec["returned"].append(float(engine.backward(loss)))
+        engine.step()
+        rec["losses"].append(loss.item())
+        if rec["boundaries"][-1]:
+            rec["norms"].append(engine.get_global_grad_norm())
+            rec["lrs"].append(engine.get_lr()[0])
+    rec.update(global_steps=engine.global_steps, global_samples=engine.global_samples, micro_steps=engine.micro_steps,
+               skipped_steps=engine.skipped_steps, applied=engine.was_step_applied(),
+               stage=engine.zero_optimization_stage(), bf16=engine.bfloat16_enabled(), fp16=engine.fp16_enabled(),
+               gas=engine.gradient_accumulation_steps(), train_batch_size=engine.train_batch_size(),
+               world_size=engine.world_size, global_rank=engine.global_rank, local_rank=engine.local_rank,
+               device=str(engine.device), train_returns=engine.train(), eval_returns=engine.eval())  # fmt: skip
+    full = _full_params(engine)
+    rec["changed"] = max(float((full[n].float() - before[n].float()).abs().max()) for n in before)
+    rec["param_dtypes"] = sorted({str(p.dtype) for p in engine.module.parameters()})
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps the local optimizer in .optim
+    rec["state_dtypes"] = sorted({str(v.dtype) for st in inner.state.values() for k, v in st.items()
+                                  if torch.is_tensor(v) and k != "step"})  # fmt: skip
+    rec["loss_scale"] = engine.loss_scale()
+    return rec
+
+
+def _full_params(engine) -> dict:
+    out = {}
+    for n, p in engine.module.named_parameters():
+        out[n] = p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach()
+    return out
+
+
+def first_norm(rank: int, world_size: int, scenario: dict) -> dict:
+    """The engine's first global grad norm, and the norm of the same gradient computed without any sharding."""
+    import torch
+
+    import torsh
+
+    model = build_model(0)
+    reference = build_model(0)
+    engine, *_ = torsh.initialize(model=model, config=scenario["config"])
+    mbs = engine.train_micro_batch_size_per_gpu()
+    x, y = batch(0, rank, mbs)
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    # unsharded: the mean of every rank's loss on one full model
+    total = sum(lm_loss(reference(batch(0, r, mbs)[0]), batch(0, r, mbs)[1]) for r in range(world_size)) / world_size
+    total.backward()
+    ref = torch.sqrt(sum(p.grad.pow(2).sum() for p in reference.parameters()))
+    return {"engine": engine.get_global_grad_norm(), "reference": float(ref)}
+
+
+def dataloader(rank: int, world_size: int, scenario: dict) -> dict:
+    """``training_data`` becomes a DataLoader of the micro batch over a DistributedSampler."""
+    import torch
+
+    import torsh
+
+    data = torch.utils.data.TensorDataset(torch.arange(21).float().unsqueeze(1))
+    engine, _, loader, _ = torsh.initialize(model=build_model(0), training_data=data, config=scenario["config"])
+    firsts = [[float(v) for v in b[0].flatten()] for b in loader]
+    return {"len": len(loader), "batches": firsts, "sampler": type(loader.sampler).__name__,
+            "again": [[float(v) for v in b[0].flatten()] for b in loader]}  # fmt: skip
+
+
+def accelerate_order(rank: int, world_size: int, scenario: dict) -> dict:
+    """Accelerate's calling order: the boundary is set after forward, before backward; step only on sync."""
+    import torsh
+
+    model = build_model(0)
+    engine, *_ = torsh.initialize(model=model, config=scenario["config"])
+    gas = scenario["gas"]
+    losses = []
+    for step in range(2 * gas):
+        x, y = batch(step, rank, engine.train_micro_batch_size_per_gpu())
+        loss = lm_loss(engine(x), y)
+        sync = (step + 1) % gas == 0
+        engine.set_gradient_accumulation_boundary(sync)
+        engine.backward(loss)
+        if sync:
+            engine.step()
+        losses.append(float(loss))
+    return {"losses": losses, "global_steps": engine.global_steps, "norm": engine.get_global_grad_norm()}
+
+
+SCENARIOS = {"loop": loop, "first_norm": first_norm, "dataloader": dataloader, "accelerate": accelerate_order}
