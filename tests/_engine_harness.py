@@ -219,3 +219,76 @@ def accelerate_order(rank: int, world_size: int, scenario: dict) -> dict:
 
 
 SCENARIOS = {"loop": loop, "first_norm": first_norm, "dataloader": dataloader, "accelerate": accelerate_order}
+
+
+def api(rank: int, world_size: int, scenario: dict) -> dict:
+    """initialize()'s return rules and argument handling, one check per key."""
+    import argparse
+
+    import torch
+
+    import torsh
+    from torsh.errors import ConfigError
+
+    out: dict[str, Any] = {}
+    cfg0 = {"batch": {"micro_batch_size": 2}}
+
+    engine, opt, loader, sched = torsh.initialize(model=build_model(), config=cfg0)
+    out["no_optimizer"] = [opt is None, loader is None, sched is None]
+    out["fallthrough"] = type(engine.embed).__name__  # DeepSpeedEngine.__getattr__ -> module
+    try:
+        torsh.initialize(model=build_model(), config={**cfg0, "sharding": {"stage": 1}})
+        out["stage1_without_optimizer"] = "no error"
+    except ConfigError as exc:
+        out["stage1_without_optimizer"] = str(exc)
+    _, opt, _, _ = torsh.initialize(model=build_model(), config={**cfg0, "sharding": {"stage": 3}})
+    out["stage3_without_optimizer"] = opt is None
+
+    # a scheduler built on the script's optimizer follows the rebuilt one
+    model = build_model()
+    client = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    client_sched = torch.optim.lr_scheduler.StepLR(client, step_size=1, gamma=0.5)
+    engine, opt, _, sched = torsh.initialize(model=model, optimizer=client, lr_scheduler=client_sched,
+                                             config={**cfg0, "sharding": {"stage": 3}})  # fmt: skip
+    x, y = batch(0, rank, 2)
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    out["rebuilt"] = [opt is not client, sched is client_sched, sched.optimizer is opt, opt.param_groups[0]["lr"],
+                      opt.defaults["momentum"], all(p.grad is None for p in client.param_groups[0]["params"])]
+
+    # callables: optimizer(params) and scheduler(optimizer), param groups from model_parameters
+    model = build_model()
+    groups = [{"params": list(model.head.parameters()), "lr": 0.5}, {"params": list(model.embed.parameters())}]
+    engine, opt, _, sched = torsh.initialize(
+        model=model, model_parameters=groups, optimizer=lambda p: torch.optim.Adam(p, lr=0.01),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0), config=cfg0)  # fmt: skip
+    out["callables"] = [type(opt).__name__, [g["lr"] for g in opt.param_groups],
+                        sum(len(g["params"]) for g in opt.param_groups), type(sched).__name__]  # fmt: skip
+
+    # args: --deepspeed_config and args.local_rank (overwritten with the launcher's LOCAL_RANK)
+    parser = torsh.add_config_arguments(argparse.ArgumentParser())
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", scenario["config_path"], "--local_rank", "0"])
+    model = build_model()
+    engine, opt, _, _ = torsh.initialize(args=args, model=model, model_parameters=model.parameters())
+    out["args"] = [args.local_rank, engine.train_micro_batch_size_per_gpu(), type(opt).__name__]
+    try:
+        torsh.initialize(args=args, model=build_model(), config=cfg0)
+        out["both_configs"] = "no error"
+    except ConfigError as exc:
+        out["both_configs"] = str(exc)
+
+    # DeepSpeed JSON through the adapter, when it is installed
+    from torsh import adapters
+
+    if "deepspeed" in adapters.names():
+        ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+              "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}  # fmt: skip
+        engine, opt, _, _ = torsh.initialize(model=build_model(), config=ds)
+        out["deepspeed"] = [engine.zero_optimization_stage(), engine.bfloat16_enabled(), engine.gradient_clipping(),
+                            type(opt).__name__, opt.defaults["weight_decay"], engine.train_batch_size()]  # fmt: skip
+    return out
+
+
+SCENARIOS["api"] = api

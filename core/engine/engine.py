@@ -50,10 +50,21 @@ class Engine(nn.Module):
         self._in_no_sync = False
         self._step_applied = False
         self._global_grad_norm: float | None = None
+        self._master_module: nn.Module | None = None
         self._forward_synced = True
         self._clip = float(config.gradients.clip_max_norm or 0.0)
         self._scaling = loss_scaler is not None and config.precision.loss_scaling.mode != "none"
         self._check_overflow = self._scaling or config.precision.skip_step_on_nonfinite
+
+    def __getattr__(self, name: str):
+        # DeepSpeedEngine falls through to the wrapped module for attributes it does not have.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            shard = self.__dict__.get("_shard")
+            if shard is None:
+                raise
+            return getattr(shard.module, name)
 
     # ---- attributes DeepSpeed scripts read ----------------------------------------------------
 
@@ -314,7 +325,7 @@ class Engine(nn.Module):
         if exclude_frozen_parameters:
             log.info("save_checkpoint(exclude_frozen_parameters=True): frozen parameters are saved too")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        return save_checkpoint(save_dir, tag, model=self.module, optimizer=self.optimizer,
+        return save_checkpoint(save_dir, tag, model=self._checkpoint_module(), optimizer=self.optimizer,
                                lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler,
                                engine_state=self._engine_state(), client_state=dict(client_state or {}),
                                save_latest=save_latest)  # fmt: skip
@@ -328,7 +339,7 @@ class Engine(nn.Module):
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by the torsh engine")
         path, client_state, state = load_checkpoint(
-            load_dir, tag, model=self.module, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            load_dir, tag, model=self._checkpoint_module(), optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             loss_scaler=self.loss_scaler, load_module_strict=load_module_strict,
             load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only)  # fmt: skip
@@ -340,11 +351,23 @@ class Engine(nn.Module):
             self.micro_steps = state.get("micro_steps", self.global_steps * self.gradient_accumulation_steps())
             self.skipped_steps = state.get("skipped_steps", 0)
         if self._precision.masters is not None:
-            # the loaded weights are the compute parameters: refresh the masters from them
-            with torch.no_grad():
-                for name, p in self._precision.masters.params.items():
-                    self._precision.masters.masters[name].copy_(p)
+            self._precision.masters.master_to_params()  # the checkpoint holds the fp32 masters
         return path, client_state
+
+    def _checkpoint_module(self) -> nn.Module:
+        """The module whose state is saved: the user's module, or - with master weights - the same names
+        holding the fp32 masters (the tensors the optimizer state belongs to) and the module's buffers."""
+        masters = self._precision.masters
+        if masters is None:
+            return self.module
+        if self._master_module is None:
+            root = nn.Module()
+            for name, tensor in masters.masters.items():
+                _attach(root, name, tensor, parameter=True)
+            for name, buf in self.module.named_buffers():
+                _attach(root, name, buf, parameter=False)
+            self.__dict__["_master_module"] = root  # not a submodule: engine.parameters() stays the model's
+        return self._master_module
 
 
 def _global_norm(grads: list[torch.Tensor]) -> float:
@@ -355,3 +378,16 @@ def _global_norm(grads: list[torch.Tensor]) -> float:
     if hasattr(total, "full_tensor"):
         total = total.full_tensor()
     return float(total)
+
+
+def _attach(root: nn.Module, dotted: str, tensor: torch.Tensor, *, parameter: bool) -> None:
+    *parents, leaf = dotted.split(".")
+    node = root
+    for part in parents:
+        if part not in node._modules:
+            node.add_module(part, nn.Module())
+        node = node._modules[part]
+    if parameter:
+        node.register_parameter(leaf, tensor)
+    else:
+        node.register_buffer(leaf, tensor)
