@@ -1,4 +1,4 @@
-"""Stand-ins for ``torsh.engine.schedulers`` / ``loss_scaler`` while those modules are not in this checkout.
+"""Stand-ins for ``torsh.engine.schedulers`` / ``loss_scaler`` / ``optim`` while they are not in this checkout.
 
 Installed only when the real module cannot be imported, so engine tests run in either state; the engine
 itself only ever calls the real names.
@@ -13,7 +13,7 @@ import types
 
 
 def install() -> None:
-    for name, build in (("schedulers", _schedulers), ("loss_scaler", _loss_scaler)):
+    for name, build in (("schedulers", _schedulers), ("loss_scaler", _loss_scaler), ("optim", _optim)):
         full = f"torsh.engine.{name}"
         try:
             importlib.import_module(full)
@@ -96,4 +96,17 @@ def _loss_scaler() -> types.ModuleType:
     module = types.ModuleType("torsh.engine.loss_scaler")
     module.build_loss_scaler = LossScaler
     module.LossScaler = LossScaler
+    return module
+
+
+def _optim() -> types.ModuleType:
+    import torch
+
+    def build_optimizer(cfg, params, *, offload):
+        kwargs = {k: getattr(cfg, k) for k in ("lr", "weight_decay", "betas", "eps", "momentum")
+                  if getattr(cfg, k) is not None}
+        return getattr(torch.optim, cfg.name)(params, **kwargs, **cfg.kwargs)
+
+    module = types.ModuleType("torsh.engine.optim")
+    module.build_optimizer = build_optimizer
     return module

@@ -22,7 +22,7 @@ from .data import build_dataloader
 from .distributed import DistInfo
 from .distributed import init_distributed as start_process_group
 from .engine import Engine
-from .optim import build_optimizer, named_groups, rebind_scheduler
+from .rebuild import build_optimizer, named_groups, rebind_scheduler
 from .precision import apply_precision
 from .sharding import apply_sharding, sync_module_states
 
@@ -75,8 +75,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
 
     step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
     optimizer = build_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
-                                by_name=step_params,
-                                zero_stage1=cfg.sharding.stage == 1)  # fmt: skip
+                                by_name=step_params, zero_stage1=cfg.sharding.stage == 1,
+                                offload="cpu" in (cfg.offload.params, cfg.offload.optimizer))  # fmt: skip
     if optimizer is None and cfg.sharding.stage in (1, 2):
         raise ConfigError([Problem("sharding.stage", cfg.sharding.stage, f"zero stage {cfg.sharding.stage} "
                                    "requires an optimizer: pass one to initialize or configure one")])  # fmt: skip
