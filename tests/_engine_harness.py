@@ -292,3 +292,57 @@ def api(rank: int, world_size: int, scenario: dict) -> dict:
 
 
 SCENARIOS["api"] = api
+
+
+def overflow(rank: int, world_size: int, scenario: dict) -> dict:
+    """A non-finite loss at the micro-step ``scenario['bad']``: the step is skipped (weights and scheduler
+    untouched, skipped_steps and global_steps counted) and the loss scale reacts."""
+    import torsh
+
+    engine, opt, _, sched = torsh.initialize(model=build_model(), config=scenario["config"])
+    rec: dict[str, Any] = {"applied": [], "lrs": [], "scales": [], "unchanged": [], "skipped": []}
+    for step in range(4):
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        x, y = batch(step, rank, engine.train_micro_batch_size_per_gpu())
+        loss = lm_loss(engine(x), y)
+        if step == scenario["bad"]:
+            loss = loss * float("inf")
+        engine.backward(loss)
+        engine.step()
+        rec["applied"].append(engine.was_step_applied())
+        rec["lrs"].append(engine.get_lr()[0])
+        rec["scales"].append(engine.loss_scale())
+        rec["skipped"].append(engine.skipped_steps)
+        rec["unchanged"].append(all(bool((a == b.detach()).all()) for a, b in zip(before, engine.module.parameters())))
+    rec["global_steps"] = engine.global_steps
+    return rec
+
+
+def checkpoint(rank: int, world_size: int, scenario: dict) -> dict:
+    """Save after 2 steps, train 2 more; a fresh engine loading the checkpoint repeats those 2 losses."""
+    import torsh
+
+    def losses(engine, start):
+        out = []
+        for step in range(start, start + 2):
+            x, y = batch(step, rank, engine.train_micro_batch_size_per_gpu())
+            loss = lm_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    engine, *_ = torsh.initialize(model=build_model(0), config=scenario["config"])
+    losses(engine, 0)
+    assert engine.save_checkpoint(scenario["dir"], client_state={"epoch": 3}) is True
+    uninterrupted = losses(engine, 2)
+    fresh, *_ = torsh.initialize(model=build_model(1), config=scenario["config"])  # other weights on purpose
+    missing = fresh.load_checkpoint(scenario["dir"] + "/nowhere")
+    path, client = fresh.load_checkpoint(scenario["dir"])
+    resumed = losses(fresh, 2)
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "missing": list(missing), "path": str(path),
+            "epoch": (client or {}).get("epoch"), "global_steps": fresh.global_steps}  # fmt: skip
+
+
+SCENARIOS["overflow"] = overflow
+SCENARIOS["checkpoint"] = checkpoint

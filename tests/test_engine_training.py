@@ -63,6 +63,22 @@ SCENARIOS += [
      "config": h.base_config(**{"sharding.stage": 3, "batch.gradient_accumulation_steps": 4})},
     {"name": "data", "kind": "dataloader", "config": h.base_config(**{"data.drop_last": True})},
 ]
+STEPLR = {"name": "StepLR", "kwargs": {"step_size": 1, "gamma": 0.5}}
+SCENARIOS += [
+    # fp16: the overflow at micro-step 1 skips that step and halves the scale (stage-0 rule: no hysteresis)
+    {"name": "fp16_overflow_s0", "kind": "overflow", "bad": 1, "config": h.base_config(**{
+        "precision.param_dtype": "fp16", "precision.loss_scaling.mode": "dynamic",
+        "precision.loss_scaling.initial_scale": 1024.0, "precision.loss_scaling.semantics": "deepspeed_stage0",
+        "scheduler": STEPLR})},
+    {"name": "fp16_overflow_s3", "kind": "overflow", "bad": 1, "config": h.base_config(**{
+        "sharding.stage": 3, "precision.param_dtype": "fp16", "precision.loss_scaling.mode": "dynamic",
+        "precision.loss_scaling.initial_scale": 1024.0, "precision.loss_scaling.semantics": "deepspeed_stage0",
+        "scheduler": STEPLR})},
+    # bf16: DeepSpeed's check_grad_overflow skips the step on a non-finite gradient norm
+    {"name": "bf16_nonfinite_s2", "kind": "overflow", "bad": 2, "config": h.base_config(**{
+        "sharding.stage": 2, "precision.param_dtype": "bf16", "precision.skip_step_on_nonfinite": True,
+        "scheduler": STEPLR})},
+]
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +186,20 @@ def test_training_data_becomes_a_distributed_dataloader(runs):
     assert r0["batches"] == r0["again"]  # never set_epoch: the same order every epoch, as DeepSpeed
     seen = {v for b in r0["batches"] + r1["batches"] for v in b}
     assert len(seen) == 20
+
+
+@pytest.mark.parametrize("name", ["fp16_overflow_s0", "fp16_overflow_s3"])
+def test_fp16_overflow_skips_the_step_and_backs_off(runs, name):
+    rec = _rec(runs, name)
+    assert rec["applied"] == [True, False, True, True]
+    assert rec["unchanged"] == [False, True, False, False]  # the skipped step leaves the weights alone
+    assert rec["skipped"] == [0, 1, 1, 1] and rec["global_steps"] == 4  # counted, as DeepSpeed counts it
+    assert rec["scales"] == [1024.0, 512.0, 512.0, 512.0]
+    assert rec["lrs"] == pytest.approx([0.005, 0.005, 0.0025, 0.00125])  # no scheduler step on the skip
+
+
+def test_bf16_nonfinite_gradient_skips_the_step(runs):
+    rec = _rec(runs, "bf16_nonfinite_s2")
+    assert rec["applied"] == [True, True, False, True] and rec["unchanged"][2]
+    assert rec["skipped"][-1] == 1 and rec["scales"] == [1.0] * 4
+    assert rec["lrs"] == pytest.approx([0.005, 0.0025, 0.0025, 0.00125])

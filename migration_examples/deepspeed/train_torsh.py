@@ -6,6 +6,7 @@
 """
 
 import argparse
+import json
 import os
 
 import torch
@@ -52,6 +53,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    parser.add_argument("--loss-log", help="write rank 0's per-step losses to this JSON file (to compare runs)")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     if args.deepspeed_config is None:
@@ -87,6 +89,9 @@ def main():
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {engine.global_steps} steps "
               f"(stage {engine.zero_optimization_stage()}, world size {engine.world_size}, "
               f"lr {engine.get_lr()[0]:.4g})")
+        if args.loss_log:
+            with open(args.loss_log, "w") as f:
+                json.dump(losses, f)
 
 
 if __name__ == "__main__":

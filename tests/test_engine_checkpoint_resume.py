@@ -1,0 +1,37 @@
+"""``Engine.save_checkpoint`` / ``load_checkpoint`` with DeepSpeed's signatures: resume gives the same losses."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("torsh.engine.checkpoint", reason="the checkpoint module is not in this checkout")
+
+import _engine_harness as h  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = {
+    "s0": h.base_config(),
+    "s1": h.base_config(**{"sharding.stage": 1}),
+    "s3": h.base_config(**{"sharding.stage": 3}),
+    "bf16_s0": h.base_config(**{"precision.param_dtype": "bf16"}),  # fp32 master weights are what is saved
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    scenarios = [{"name": n, "kind": "checkpoint", "config": c, "dir": str(root / n)} for n, c in CONFIGS.items()]
+    return h.run(scenarios)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_resume_repeats_the_uninterrupted_losses(runs, name):
+    for rank in (0, 1):
+        rec = runs[rank][name]
+        assert "error" not in rec, rec.get("traceback")
+        assert rec["resumed"] == pytest.approx(rec["uninterrupted"], rel=1e-6)
+        assert rec["missing"] == [None, None]
+        assert rec["path"].endswith("global_step2") or "global_step2" in rec["path"]
+        assert rec["epoch"] == 3 and rec["global_steps"] == 4
