@@ -346,3 +346,32 @@ def checkpoint(rank: int, world_size: int, scenario: dict) -> dict:
 
 SCENARIOS["overflow"] = overflow
 SCENARIOS["checkpoint"] = checkpoint
+
+
+def nosync(rank: int, world_size: int, scenario: dict) -> dict:
+    """The non-boundary micro-batches run inside ``engine.no_sync()``; ``step()`` inside it is refused."""
+    import torsh
+
+    engine, *_ = torsh.initialize(model=build_model(0), config=scenario["config"])
+    losses, refused = [], None
+    for step in range(8):
+        x, y = batch(step, rank, engine.train_micro_batch_size_per_gpu())
+        if engine.is_gradient_accumulation_boundary():
+            loss = lm_loss(engine(x), y)
+            engine.backward(loss)
+        else:
+            with engine.no_sync():
+                loss = lm_loss(engine(x), y)
+                engine.backward(loss)
+                if refused is None:
+                    try:
+                        engine.step()
+                        refused = False
+                    except RuntimeError:
+                        refused = True
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, "refused": refused, "global_steps": engine.global_steps}
+
+
+SCENARIOS["nosync"] = nosync

@@ -22,6 +22,8 @@ FP32 = {
     "s0_gas4": {"batch.gradient_accumulation_steps": 4}, "s2_gas4": {"sharding.stage": 2,
                                                                     "batch.gradient_accumulation_steps": 4},
     "s3_gas4": {"sharding.stage": 3, "batch.gradient_accumulation_steps": 4},
+    "s0_sum": {"gradients.reduce_op": "sum"}, "s3_sum": {"sharding.stage": 3, "gradients.reduce_op": "sum"},
+    "s0_predivide": {"gradients.predivide_factor": 2.0}, "s0_prescale": {"gradients.prescale": True},
 }  # fmt: skip
 BF16 = {
     f"bf16_s{stage}": {"sharding.stage": stage, "precision.param_dtype": "bf16",
@@ -61,6 +63,9 @@ SCENARIOS += [
      "config": h.base_config(**{"batch.gradient_accumulation_steps": 4})},
     {"name": "accelerate_s3", "kind": "accelerate", "gas": 4,
      "config": h.base_config(**{"sharding.stage": 3, "batch.gradient_accumulation_steps": 4})},
+    {"name": "nosync_s0", "kind": "nosync", "config": h.base_config(**{"batch.gradient_accumulation_steps": 4})},
+    {"name": "nosync_s2", "kind": "nosync", "config": h.base_config(**{"sharding.stage": 2,
+                                                                       "batch.gradient_accumulation_steps": 4})},
     {"name": "data", "kind": "dataloader", "config": h.base_config(**{"data.drop_last": True})},
 ]
 STEPLR = {"name": "StepLR", "kwargs": {"step_size": 1, "gamma": 0.5}}
@@ -116,7 +121,8 @@ def test_deepspeed_loop_trains(runs, name):
         assert rec["world_size"] == 2 and rec["global_rank"] == rank == rec["local_rank"]
 
 
-@pytest.mark.parametrize("name", ["s1", "s2", "s3", "s3_offload", "hsdp", "s3_ac", "s3_client", "s1_client"])
+@pytest.mark.parametrize("name", ["s1", "s2", "s3", "s3_offload", "hsdp", "s3_ac", "s3_client", "s1_client",
+                                  "s0_predivide", "s0_prescale"])
 def test_stages_match_stage0_in_fp32(runs, name):
     for rank in (0, 1):
         _close(_rec(runs, name, rank)["losses"], _rec(runs, "s0", rank)["losses"], 1e-5)
@@ -203,3 +209,17 @@ def test_bf16_nonfinite_gradient_skips_the_step(runs):
     assert rec["applied"] == [True, True, False, True] and rec["unchanged"][2]
     assert rec["skipped"][-1] == 1 and rec["scales"] == [1.0] * 4
     assert rec["lrs"] == pytest.approx([0.005, 0.0025, 0.0025, 0.00125])
+
+
+def test_reduce_op_sum_adds_the_ranks_gradients(runs):
+    # world size 2: the summed gradient is twice the mean, so its norm is too (first step, same weights)
+    for name in ("s0_sum", "s3_sum"):
+        assert _rec(runs, name)["norms"][0] == pytest.approx(2 * _rec(runs, "s0")["norms"][0], rel=1e-5)
+        assert _rec(runs, name)["losses"][0] == _rec(runs, "s0")["losses"][0]
+
+
+def test_no_sync_accumulates_like_the_counter(runs):
+    for stage in (0, 2):
+        rec = _rec(runs, f"nosync_s{stage}")
+        assert rec["refused"] is True and rec["global_steps"] == 2
+        _close(rec["losses"], _rec(runs, f"s{stage}_gas4")["losses"], 1e-5)

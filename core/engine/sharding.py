@@ -184,8 +184,10 @@ def _apply_fsdp(model, sharding: ShardingConfig, offload: OffloadConfig, gradien
     fully_shard(model, **kwargs)
     if gradients.reduce_op == "sum":
         for unit in model.modules():
-            if hasattr(unit, "set_gradient_divide_factor"):  # per unit: the setter does not recurse
+            if hasattr(unit, "set_gradient_divide_factor"):  # per unit: the setters do not recurse
                 unit.set_gradient_divide_factor(1.0)
+                # a plain SUM collective (gloo has no PREMUL_SUM, which a divide factor otherwise selects)
+                unit.set_force_sum_reduction_for_comms(True)
     if gradients.predivide_factor != 1.0 or gradients.prescale:
         log.info("gradients.predivide_factor/prescale: FSDP2 divides once for the mean; the result is the same "
                  "mean (DeepSpeed requires predivide 1.0 with ZeRO-2/3 reduce-scatter)")  # fmt: skip
