@@ -3,6 +3,7 @@ gradient accumulation and clipping setting trains, and the stages agree with eac
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -68,6 +69,14 @@ SCENARIOS += [
                                                                        "batch.gradient_accumulation_steps": 4})},
     {"name": "data", "kind": "dataloader", "config": h.base_config(**{"data.drop_last": True})},
 ]
+HAS_COMPRESSION = importlib.util.find_spec("torsh.engine.compression") is not None
+if HAS_COMPRESSION:
+    SCENARIOS += [
+        {"name": "compress_fp16_s0", "config": h.base_config(**{"compression.method": "fp16"})},
+        {"name": "compress_powersgd_s1", "config": h.base_config(**{"sharding.stage": 1,
+                                                                    "compression.method": "powersgd"})},
+        {"name": "compress_bf16_s3", "config": h.base_config(**{"sharding.stage": 3, "compression.method": "bf16"})},
+    ]
 STEPLR = {"name": "StepLR", "kwargs": {"step_size": 1, "gamma": 0.5}}
 SCENARIOS += [
     # fp16: the overflow at micro-step 1 skips that step and halves the scale (stage-0 rule: no hysteresis)
@@ -223,3 +232,12 @@ def test_no_sync_accumulates_like_the_counter(runs):
         rec = _rec(runs, f"nosync_s{stage}")
         assert rec["refused"] is True and rec["global_steps"] == 2
         _close(rec["losses"], _rec(runs, f"s{stage}_gas4")["losses"], 1e-5)
+
+
+@pytest.mark.skipif(not HAS_COMPRESSION, reason="torsh.engine.compression is not in this checkout")
+def test_compressed_reduction_trains_close_to_dense(runs):
+    for name in ("compress_fp16_s0", "compress_powersgd_s1", "compress_bf16_s3"):
+        rec = _rec(runs, name)
+        assert rec["changed"] > 0
+        assert rec["losses"][0] == _rec(runs, "s0")["losses"][0]  # same start; the updates then differ slightly
+        _close(rec["losses"], _rec(runs, "s0")["losses"], 5e-2)

@@ -71,7 +71,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                 master_device=torch.device("cpu") if offload_to_cpu else None)  # fmt: skip
     shard = apply_sharding(model, cfg.sharding, cfg.ddp, cfg.offload, cfg.gradients, precision, info,
                            reduce_hook=cfg.compression.method == "none")  # fmt: skip
-    apply_compression(shard, cfg, precision)
+    compression_state = apply_compression(shard, cfg)
 
     step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
     optimizer = build_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
@@ -88,6 +88,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                       rank=info.rank, world_size=info.world_size, collate_fn=collate_fn)  # fmt: skip
     engine = Engine(config=cfg, batch=batch, info=info, shard=shard, precision=precision, optimizer=optimizer,
                     lr_scheduler=lr_scheduler, loss_scaler=loss_scaler, training_dataloader=dataloader)  # fmt: skip
+    engine.compression_state = compression_state  # byte counts of the compressed reduction (None: dense)
     if info.rank == 0:
         log.info("torsh engine: stage %d (%s), %s compute, world size %d, batch %d = %d x %d x %d",
                  cfg.sharding.stage, shard.kind, cfg.precision.param_dtype, info.world_size,
@@ -120,15 +121,16 @@ def load_config(args: Any, config: Any, config_params: Any) -> TorshConfig:
     return translation.result
 
 
-def apply_compression(shard, cfg: TorshConfig, precision) -> object | None:
-    """Gradient compression on the data-parallel reduction (DDP comm hooks; FSDP2: its reduce dtype only)."""
+def apply_compression(shard, cfg: TorshConfig) -> object | None:
+    """Gradient compression on the data-parallel reduction: a DDP comm hook (stages 0/1); under FSDP2 only
+    fp16/bf16, as its reduce dtype (``apply_precision`` set it), anything else is refused."""
     if cfg.compression.method == "none":
         return None
     from . import compression
 
     if shard.kind == "ddp":
         return compression.apply_compression(shard.model, cfg.compression, process_group=None)
-    compression.check_fsdp_compression(cfg.compression, precision.reduce_dtype)
+    compression.check_fsdp_compression(cfg.compression, cfg.precision.reduce_dtype)
     return None
 
 
