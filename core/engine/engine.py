@@ -232,10 +232,14 @@ class Engine(nn.Module):
         step is skipped for a non-finite gradient) and update the counters."""
         if self._in_no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): leave the context before stepping")
-        if self.is_gradient_accumulation_boundary():
+        if self.is_gradient_accumulation_boundary() and self.optimizer is not None:
             self._take_optimizer_step(lr_kwargs)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            every = self._config.monitoring.steps_per_print
+            if every and self.global_steps % every == 0 and self.global_rank == 0:
+                log.info("step=%d, skipped=%d, lr=%s, grad_norm=%s", self.global_steps, self.skipped_steps,
+                         self.get_lr(), self._global_grad_norm)  # fmt: skip
         self.micro_steps += 1
 
     def _step_params(self) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from torsh.config import TorshConfig
+from torsh.deferred import is_deferred
 from torsh.errors import ConfigError, Problem
 
 from .activations import apply_activation_checkpointing
@@ -50,10 +51,14 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                    "model/sequence parallelism is not supported by the torsh engine; "
                                    "data parallelism and sharding only")])  # fmt: skip
     cfg = load_config(args, config, config_params)
+    if cfg.pipeline.stages not in (None, 1) and not is_deferred(cfg.pipeline.stages):
+        raise ConfigError([Problem("pipeline.stages", cfg.pipeline.stages, "pipeline parallelism is not executed "
+                                   "by the torsh engine; remove it or use torch.distributed.pipelining")])  # fmt: skip
     info = start_process_group(cfg.communication, dist_init_required=dist_init_required,
                             distributed_port=distributed_port)  # fmt: skip
     _setup_logging(info.rank)
     _check_local_rank(args, info)
+    _warn_not_executed(cfg, info.rank)
 
     # "auto" needs the world size, the model, the passed optimizer and the data.
     cfg, batch, resolved = resolve_auto(cfg, model=model, optimizer=optimizer if _is_optimizer(optimizer) else None,
@@ -152,6 +157,26 @@ def _build_loss_scaler(cfg: TorshConfig) -> Any:
     from .loss_scaler import build_loss_scaler
 
     return build_loss_scaler(cfg.precision.loss_scaling)
+
+
+#: Settings the engine carries but does not act on; each is named once at start-up (never silently dropped).
+NOT_EXECUTED = {
+    "monitoring.tensorboard.enabled": "TensorBoard events", "monitoring.csv.enabled": "CSV metrics",
+    "monitoring.wandb.enabled": "wandb logging", "monitoring.profiler.enabled": "the FLOPs profiler",
+    "monitoring.wall_clock_breakdown": "the wall-clock breakdown",
+    "checkpoint.interval_steps": "periodic checkpoints (call engine.save_checkpoint)",
+    "checkpoint.keep_last": "checkpoint rotation",
+}  # fmt: skip
+
+
+def _warn_not_executed(cfg: TorshConfig, rank: int) -> None:
+    if rank != 0:
+        return
+    from torsh.config import get_path
+
+    for path, what in NOT_EXECUTED.items():
+        if get_path(cfg, path):
+            log.warning("%s is set: %s is not provided by the torsh engine; the setting has no effect", path, what)
 
 
 def _is_optimizer(obj: Any) -> bool:

@@ -96,18 +96,18 @@ def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, *, stage
         plan.autocast_dtype, plan.param_dtype = param_dtype, master_dtype
         plan.reduce_dtype = DTYPES[precision.reduce_dtype] if precision.reduce_dtype else master_dtype
         return plan
-    if param_dtype == torch.float32:
-        return plan
     if stage >= 2:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        _cast_params(model, master_dtype)
-        plan.fsdp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                                cast_forward_inputs=precision.cast_forward_inputs)  # fmt: skip
-        plan.cast_forward_inputs = False  # the policy does it
+        _cast_params(model, master_dtype)  # the shards are the master weights, also for a bf16-loaded model
+        if param_dtype != master_dtype or reduce_dtype != param_dtype:
+            plan.fsdp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                                    cast_forward_inputs=precision.cast_forward_inputs)  # fmt: skip
+            plan.cast_forward_inputs = False  # the policy does it
         return plan
-    # stages 0/1: compute parameters in low precision, masters beside them.
-    if master_dtype == param_dtype:
+    # stages 0/1: compute parameters in param_dtype; separate masters when their dtype or device differs.
+    offloaded = master_device is not None and any(p.device != master_device for p in model.parameters())
+    if master_dtype == param_dtype and not offloaded:
         _cast_params(model, param_dtype)
         return plan
     params = {n: p for n, p in model.named_parameters()}
