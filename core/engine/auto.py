@@ -75,7 +75,8 @@ def resolve_auto(cfg: TorshConfig, *, model: torch.nn.Module, optimizer: Any, tr
     if "ddp.bucket_cap_mb" in deferred:
         size, source = hidden_size(model)
         grad_bytes = torch.tensor([], dtype=_first_float_dtype(model)).element_size()
-        fill("ddp.bucket_cap_mb", size * size * grad_bytes / 2**20, f"hidden_size**2 elements, hidden_size from {source}")
+        fill("ddp.bucket_cap_mb", size * size * grad_bytes / 2**20,
+             f"hidden_size**2 elements, hidden_size from {source}")
 
     # optimizer: a passed optimizer overrides the section; its values fill the section's "auto"s.
     defaults = dict(getattr(optimizer, "defaults", {}) or {})

@@ -205,7 +205,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
     group.add_argument("--deepspeed", default=False, action="store_true",
                        help="a flag for the script's own use (the engine does not read it)")
-    group.add_argument("--deepspeed_config", default=None, type=str, help="the config file (DeepSpeed JSON or any dialect torsh reads)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="the config file (DeepSpeed JSON or any dialect torsh reads)")
     group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
     group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
     return parser

@@ -69,8 +69,8 @@ class PrecisionPlan:
     notes: list[str] = field(default_factory=list)
 
 
-def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, *, stage: int,
-                    compression: CompressionConfig, master_device: torch.device | None = None) -> PrecisionPlan:  # fmt: skip
+def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, *, stage: int, compression: CompressionConfig,
+                    master_device: torch.device | None = None) -> PrecisionPlan:
     """Cast ``model`` per the precision contract and return the plan; ``master_device`` places master copies
     (the CPU under optimizer offload)."""
     param_dtype = DTYPES[precision.param_dtype]

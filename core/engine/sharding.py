@@ -116,7 +116,8 @@ def _needs_reduce_hook(gradients: GradientsConfig, precision: PrecisionPlan, wor
     # W is a power of two, so the (slower) Python hook is registered only when the math would differ.
     power_of_two = world_size & (world_size - 1) == 0
     return (gradients.reduce_op != "mean" or gradients.predivide_factor != 1.0
-            or precision.reduce_dtype != precision.param_dtype or (not gradients.prescale and not power_of_two))  # fmt: skip
+            or precision.reduce_dtype != precision.param_dtype
+            or (not gradients.prescale and not power_of_two))
 
 
 @dataclass
