@@ -334,6 +334,7 @@ def checkpoint(rank: int, world_size: int, scenario: dict) -> dict:
 
     engine, *_ = torsh.initialize(model=build_model(0), config=scenario["config"])
     losses(engine, 0)
+    checksum = _checksum(engine)
     assert engine.save_checkpoint(scenario["dir"], client_state={"epoch": 3}) is True
     uninterrupted = losses(engine, 2)
     fresh, *_ = torsh.initialize(model=build_model(1), config=scenario["config"])  # other weights on purpose
@@ -341,7 +342,26 @@ def checkpoint(rank: int, world_size: int, scenario: dict) -> dict:
     path, client = fresh.load_checkpoint(scenario["dir"])
     resumed = losses(fresh, 2)
     return {"uninterrupted": uninterrupted, "resumed": resumed, "missing": list(missing), "path": str(path),
-            "epoch": (client or {}).get("epoch"), "global_steps": fresh.global_steps}  # fmt: skip
+            "epoch": (client or {}).get("epoch"), "global_steps": fresh.global_steps, "checksum": checksum}  # fmt: skip
+
+
+def _checksum(engine) -> float:
+    return float(sum(p.double().sum() for p in _full_params(engine).values()))
+
+
+def load_only(rank: int, world_size: int, scenario: dict) -> dict:
+    """Load a checkpoint written at another world size (and stage); the weights and counters come back, and
+    training continues from them."""
+    import torsh
+
+    engine, *_ = torsh.initialize(model=build_model(1), config=scenario["config"])
+    path, client = engine.load_checkpoint(scenario["dir"], tag="global_step2")
+    checksum = _checksum(engine)
+    x, y = batch(0, rank, engine.train_micro_batch_size_per_gpu())
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()  # the loaded optimizer state steps
+    return {"path": str(path), "checksum": checksum, "global_steps": engine.global_steps,
+            "epoch": (client or {}).get("epoch"), "applied": engine.was_step_applied()}
 
 
 SCENARIOS["overflow"] = overflow
@@ -375,3 +395,5 @@ def nosync(rank: int, world_size: int, scenario: dict) -> dict:
 
 
 SCENARIOS["nosync"] = nosync
+
+SCENARIOS["load_only"] = load_only
