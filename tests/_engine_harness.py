@@ -288,6 +288,25 @@ def api(rank: int, world_size: int, scenario: dict) -> dict:
         engine, opt, _, _ = torsh.initialize(model=build_model(), config=ds)
         out["deepspeed"] = [engine.zero_optimization_stage(), engine.bfloat16_enabled(), engine.gradient_clipping(),
                             type(opt).__name__, opt.defaults["weight_decay"], engine.train_batch_size()]  # fmt: skip
+        # the Hugging Face "auto" convention, resolved from the dataloader and the optimizer passed in
+        hf = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}  # fmt: skip
+        model = build_model()
+        passed = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), batch_size=2)
+        engine, opt, dl, _ = torsh.initialize(model=model, optimizer=passed, training_data=loader, config=hf)
+        out["deepspeed_auto"] = [engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+                                 engine.train_batch_size(), engine.gradient_clipping(), opt.defaults["lr"],
+                                 opt.defaults["weight_decay"], dl is loader]  # fmt: skip
+        fp16 = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+                "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 100}}  # fmt: skip
+        engine, *_ = torsh.initialize(model=build_model(), config=fp16)
+        out["deepspeed_fp16"] = [engine.fp16_enabled(), engine.loss_scale(),
+                                 engine.loss_scaler.semantics if hasattr(engine.loss_scaler, "semantics") else None,
+                                 sorted({str(p.dtype) for p in engine.module.parameters()})]  # fmt: skip
     return out
 
 

@@ -47,10 +47,10 @@ def test_config_sources(tmp_path):
     native = {"batch": {"micro_batch_size": 4}, "sharding": {"stage": 3}}
     path = tmp_path / "job.json"
     path.write_text(json.dumps(native))
-    assert load_config(None, None, native).sharding.stage == 3  # config_params
-    assert load_config(argparse.Namespace(deepspeed_config=str(path)), None, None).batch.micro_batch_size == 4
+    assert load_config(None, None, native)[0].sharding.stage == 3  # config_params
+    assert load_config(argparse.Namespace(deepspeed_config=str(path)), None, None)[0].batch.micro_batch_size == 4
     cfg = TorshConfig.from_dict(native)
-    assert load_config(None, cfg, None) is cfg
+    assert load_config(None, cfg, None) == (cfg, None)
     with pytest.raises(ConfigError, match="give the config once"):
         load_config(argparse.Namespace(deepspeed_config=str(path)), native, None)
     with pytest.raises(ConfigError, match="needs a config"):
@@ -152,4 +152,6 @@ def test_deepspeed_json_config(api):
 
     if "deepspeed" not in adapters.names():
         pytest.skip("the DeepSpeed adapter is not in this checkout")
-    assert api["deepspeed"] == [2, True, 1.0, "AdamW", 0.0, 4]
+    assert api["deepspeed"] == [2, True, 1.0, "AdamW", 0.0, 4]  # DeepSpeed's Adam is AdamW with decay 0
+    assert api["deepspeed_auto"] == [2, 1, 2, 1.0, 0.02, 0.1, True]
+    assert api["deepspeed_fp16"] == [True, 256.0, "deepspeed_zero", ["torch.float32"]]

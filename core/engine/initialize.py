@@ -16,6 +16,7 @@ import torch
 from torsh.config import TorshConfig
 from torsh.deferred import is_deferred
 from torsh.errors import ConfigError, Problem
+from torsh.translate import Translation
 
 from .activations import apply_activation_checkpointing
 from .auto import log_resolved, resolve_auto
@@ -50,7 +51,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raise ConfigError([Problem("mpu" if mpu is not None else "mesh_param", type(mpu or mesh_param).__name__,
                                    "model/sequence parallelism is not supported by the torsh engine; "
                                    "data parallelism and sharding only")])  # fmt: skip
-    cfg = load_config(args, config, config_params)
+    cfg, translation = load_config(args, config, config_params)
     if cfg.pipeline.stages not in (None, 1) and not is_deferred(cfg.pipeline.stages):
         raise ConfigError([Problem("pipeline.stages", cfg.pipeline.stages, "pipeline parallelism is not executed "
                                    "by the torsh engine; remove it or use torch.distributed.pipelining")])  # fmt: skip
@@ -58,6 +59,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                             distributed_port=distributed_port)  # fmt: skip
     _setup_logging(info.rank)
     _check_local_rank(args, info)
+    _log_translation(translation, info.rank)
     _warn_not_executed(cfg, info.rank)
 
     # "auto" needs the world size, the model, the passed optimizer and the data.
@@ -102,8 +104,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def load_config(args: Any, config: Any, config_params: Any) -> TorshConfig:
-    """The config from ``config``, ``config_params`` or ``args.deepspeed_config`` (DeepSpeed's precedence)."""
+def load_config(args: Any, config: Any, config_params: Any) -> tuple[TorshConfig, Translation | None]:
+    """The config from ``config``, ``config_params`` or ``args.deepspeed_config`` (DeepSpeed's precedence),
+    and the translation that produced it (None for a TorshConfig)."""
     if config is None and config_params is not None:
         config = config_params
     from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
@@ -115,15 +118,21 @@ def load_config(args: Any, config: Any, config_params: Any) -> TorshConfig:
         raise ConfigError([Problem("config", None, "initialize needs a config: pass config=<dict, path or "
                                    "TorshConfig> or --deepspeed_config PATH")])  # fmt: skip
     if isinstance(config, TorshConfig):
-        return config
+        return config, None
     from torsh import adapters
 
     translation = adapters.load(config)
-    lossy = translation.lossy
-    if lossy:
-        for note in lossy:
-            log.debug("config: %s", note)
-    return translation.result
+    return translation.result, translation
+
+
+def _log_translation(translation: Translation | None, rank: int) -> None:
+    """The translation report, once on rank 0: the counts, and every key that is not carried exactly."""
+    if translation is None or rank != 0:
+        return
+    counts = ", ".join(f"{n} {k}" for k, n in translation.counts().items() if n)
+    log.info("config (%s): %s", translation.source, counts or "empty")
+    for note in translation.lossy:
+        log.warning("config: %s", note)
 
 
 def apply_compression(shard, cfg: TorshConfig) -> object | None:
