@@ -34,6 +34,8 @@ BF16["bf16_s3_gas4_clip"] = {**BF16["bf16_s3"], "batch.gradient_accumulation_ste
 BF16["bf16_s0_gas4_clip"] = {**BF16["bf16_s0"], "batch.gradient_accumulation_steps": 4, "gradients.clip_max_norm": 0.5}
 BF16["bf16_s0_accum_fp32"] = {**BF16["bf16_s0_gas4_clip"], "precision.grad_accum_dtype": "fp32",
                               "precision.reduce_dtype": "fp32"}  # fmt: skip
+BF16["bf16_s2_gas4_accum_fp32"] = {**BF16["bf16_s2"], "batch.gradient_accumulation_steps": 4,
+                                  "precision.grad_accum_dtype": "fp32"}  # fmt: skip
 FP16 = {
     f"fp16_s{stage}": {"sharding.stage": stage, "precision.param_dtype": "fp16",
                        "precision.loss_scaling.mode": "dynamic", "precision.loss_scaling.initial_scale": 1024.0}

@@ -164,12 +164,10 @@ class Engine(nn.Module):
 
     def _sync_now(self) -> bool:
         # Gradients are reduced on the boundary micro-batch only; stage 3 reduces every micro-batch so that
-        # unsharded gradients are never held (its memory contract), and so does accumulation in the masters.
+        # unsharded gradients are never held (its memory contract), and so does accumulation in a wider dtype.
         if self._in_no_sync:
             return False
-        if self.zero_optimization_stage() == 3:
-            return True
-        if self._precision.masters is not None and self._precision.masters.accumulate_in_master:
+        if self.zero_optimization_stage() == 3 or self._precision.reduce_every_micro_step:
             return True
         return self.is_gradient_accumulation_boundary()
 

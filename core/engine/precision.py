@@ -11,7 +11,7 @@ and ``MixedPrecisionPolicy`` casts them for compute. Buffers keep their dtype un
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -66,7 +66,10 @@ class PrecisionPlan:
     """Master weights (stages 0/1 with low-precision parameters)."""
     fsdp_policy: object | None = None
     """``MixedPrecisionPolicy`` for stages 2/3."""
-    notes: list[str] = field(default_factory=list)
+    reduce_every_micro_step: bool = False
+    """Gradients accumulate in a wider dtype than the compute dtype (``grad_accum_dtype``), so each
+    micro-batch's gradient is reduced and added to the wide (master / fp32 shard) gradient, as DeepSpeed
+    ZeRO does, instead of accumulating low-precision gradients locally until the boundary."""
 
 
 def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, *, stage: int, compression: CompressionConfig,
@@ -96,6 +99,7 @@ def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, *, stage
         plan.autocast_dtype, plan.param_dtype = param_dtype, master_dtype
         plan.reduce_dtype = DTYPES[precision.reduce_dtype] if precision.reduce_dtype else master_dtype
         return plan
+    plan.reduce_every_micro_step = DTYPES[precision.effective_grad_accum_dtype] != param_dtype
     if stage >= 2:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -114,8 +118,7 @@ def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, *, stage
     masters = {n: torch.nn.Parameter(p.detach().to(device=master_device or p.device, dtype=master_dtype).clone(),
                                      requires_grad=p.requires_grad) for n, p in params.items()}  # fmt: skip
     _cast_params(model, param_dtype)
-    accum = DTYPES[precision.effective_grad_accum_dtype] != param_dtype
-    plan.masters = MasterWeights(params, masters, accumulate_in_master=accum)
+    plan.masters = MasterWeights(params, masters, accumulate_in_master=plan.reduce_every_micro_step)
     return plan
 
 
