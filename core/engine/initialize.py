@@ -56,7 +56,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raise ConfigError([Problem("pipeline.stages", cfg.pipeline.stages, "pipeline parallelism is not executed "
                                    "by the torsh engine; remove it or use torch.distributed.pipelining")])  # fmt: skip
     info = start_process_group(cfg.communication, dist_init_required=dist_init_required,
-                            distributed_port=distributed_port)  # fmt: skip
+                               distributed_port=distributed_port)  # fmt: skip
     _setup_logging(info.rank)
     _check_local_rank(args, info)
     _log_translation(translation, info.rank)
@@ -80,6 +80,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                            reduce_hook=cfg.compression.method == "none")  # fmt: skip
     compression_state = apply_compression(shard, cfg)
 
+    if optimizer is not None and cfg.optimizer is not None and cfg.optimizer.name and info.rank == 0:
+        log.warning("optimizer.name=%s is not built: the optimizer passed to initialize is used (as DeepSpeed "
+                    "does); its \"auto\" values were filled from it", cfg.optimizer.name)  # fmt: skip
     step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
     optimizer = build_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
                                 by_name=step_params, zero_stage1=cfg.sharding.stage == 1,
