@@ -80,22 +80,27 @@ class Engine(nn.Module):
 
     @property
     def local_rank(self) -> int:
+        """Rank on this node (the launcher's LOCAL_RANK)."""
         return self._info.local_rank
 
     @property
     def global_rank(self) -> int:
+        """Rank in the job."""
         return self._info.rank
 
     @property
     def world_size(self) -> int:
+        """Number of processes in the job."""
         return self._info.world_size
 
     @property
     def dp_world_size(self) -> int:
+        """Data-parallel world size (all ranks: no model parallelism)."""
         return self._info.world_size
 
     @property
     def device(self) -> torch.device:
+        """The device this rank computes on."""
         return self._info.device
 
     @property
@@ -104,27 +109,35 @@ class Engine(nn.Module):
         return self._config
 
     def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks."""
         return self._batch.global_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per rank per forward/backward."""
         return self._batch.micro_batch_size
 
     def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
         return self._batch.gradient_accumulation_steps
 
     def fp16_enabled(self) -> bool:
+        """Whether compute runs in fp16."""
         return self._config.precision.param_dtype == "fp16"
 
     def bfloat16_enabled(self) -> bool:
+        """Whether compute runs in bf16."""
         return self._config.precision.param_dtype == "bf16"
 
     def zero_optimization_stage(self) -> int:
+        """The ZeRO stage (0-3) the engine runs."""
         return self._config.sharding.stage
 
     def zero_optimization(self) -> bool:
+        """Whether a ZeRO stage above 0 runs."""
         return self._config.sharding.stage > 0
 
     def gradient_clipping(self) -> float:
+        """The max global gradient norm (0: no clipping)."""
         return self._clip
 
     def loss_scale(self) -> float:
