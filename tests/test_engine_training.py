@@ -79,6 +79,18 @@ if HAS_COMPRESSION:
                                                                     "compression.method": "powersgd"})},
         {"name": "compress_bf16_s3", "config": h.base_config(**{"sharding.stage": 3, "compression.method": "bf16"})},
     ]
+HAS_SCHEDULERS = importlib.util.find_spec("torsh.engine.schedulers") is not None
+DEEPSPEED_SCHEDULERS = {
+    "WarmupLR": {"warmup_max_lr": 0.01, "warmup_num_steps": 3},
+    "WarmupDecayLR": {"total_num_steps": 4, "warmup_max_lr": 0.01, "warmup_num_steps": 2},
+    "WarmupCosineLR": {"total_num_steps": 4, "warmup_num_steps": 2},
+    "OneCycle": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01, "cycle_first_step_size": 2},
+    "LRRangeTest": {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 1},
+}
+if HAS_SCHEDULERS:
+    SCENARIOS += [{"name": f"sched_{n}", "micro_steps": 8, "config": h.base_config(**{
+        "sharding.stage": 3, "batch.gradient_accumulation_steps": 2, "scheduler": {"name": n, **params}})}
+        for n, params in DEEPSPEED_SCHEDULERS.items()]  # fmt: skip
 STEPLR = {"name": "StepLR", "kwargs": {"step_size": 1, "gamma": 0.5}}
 SCENARIOS += [
     # fp16: the overflow at micro-step 1 skips that step and halves the scale (stage-0 rule: no hysteresis)
@@ -244,3 +256,24 @@ def test_compressed_reduction_trains_close_to_dense(runs):
         assert rec["changed"] > 0
         assert rec["losses"][0] == _rec(runs, "s0")["losses"][0]  # same start; the updates then differ slightly
         _close(rec["losses"], _rec(runs, "s0")["losses"], 5e-2)
+
+
+@pytest.mark.skipif(not HAS_SCHEDULERS, reason="torsh.engine.schedulers is not in this checkout")
+@pytest.mark.parametrize("name", list(DEEPSPEED_SCHEDULERS))
+def test_every_deepspeed_scheduler_steps_once_per_optimizer_step(runs, name):
+    """The engine's lr after each optimizer step is the schedule's value after as many scheduler steps."""
+    import torch
+
+    from torsh.config import TorshConfig
+    from torsh.engine.schedulers import build_scheduler
+
+    cfg = TorshConfig.from_dict(h.base_config(scheduler={"name": name, **DEEPSPEED_SCHEDULERS[name]}))
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optimizer.lr)
+    schedule = build_scheduler(cfg.scheduler, opt)
+    expected = []
+    for _ in range(4):
+        schedule.step()
+        expected.append(opt.param_groups[0]["lr"])
+    rec = _rec(runs, f"sched_{name}")
+    assert rec["lrs"] == pytest.approx(expected)
+    assert rec["changed"] > 0 and rec["global_steps"] == 4
