@@ -319,11 +319,12 @@ class Engine(nn.Module):
 
     def train(self, mode: bool = True) -> None:  # type: ignore[override]
         """Set training mode; returns None like DeepSpeed (not the module)."""
+        self.training = mode
         self.wrapped.train(mode)
 
     def eval(self) -> None:  # type: ignore[override]
         """Set evaluation mode; returns None like DeepSpeed."""
-        self.wrapped.train(False)
+        self.train(False)
 
     # ---- checkpoints ---------------------------------------------------------------------------
 
