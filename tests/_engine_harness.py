@@ -148,6 +148,7 @@ def loop(rank: int, world_size: int, scenario: dict) -> dict:
                gas=engine.gradient_accumulation_steps(), train_batch_size=engine.train_batch_size(),
                world_size=engine.world_size, global_rank=engine.global_rank, local_rank=engine.local_rank,
                device=str(engine.device), train_returns=engine.train(), eval_returns=engine.eval())  # fmt: skip
+    rec["eval_mode"] = not engine.module.training and not engine.training
     full = _full_params(engine)
     rec["changed"] = max(float((full[n].float() - before[n].float()).abs().max()) for n in before)
     rec["param_dtypes"] = sorted({str(p.dtype) for p in engine.module.parameters()})

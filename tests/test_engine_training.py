@@ -141,7 +141,7 @@ def test_deepspeed_loop_trains(runs, name):
         assert rec["global_samples"] == rec["global_steps"] * rec["train_batch_size"]
         assert rec["boundaries"] == [(i + 1) % gas == 0 for i in range(len(rec["losses"]))]
         _close(rec["returned"], [x / gas for x in rec["losses"]], 1e-6)  # backward returns loss / gas
-        assert rec["train_returns"] is None and rec["eval_returns"] is None
+        assert rec["train_returns"] is None and rec["eval_returns"] is None and rec["eval_mode"]
         assert rec["world_size"] == 2 and rec["global_rank"] == rank == rec["local_rank"]
 
 
