@@ -315,17 +315,18 @@ SCENARIOS["api"] = api
 
 
 def overflow(rank: int, world_size: int, scenario: dict) -> dict:
-    """A non-finite loss at the micro-step ``scenario['bad']``: the step is skipped (weights and scheduler
+    """A non-finite loss at the micro-step(s) ``scenario['bad']``: the step is skipped (weights and scheduler
     untouched, skipped_steps and global_steps counted) and the loss scale reacts."""
     import torsh
 
     engine, opt, _, sched = torsh.initialize(model=build_model(), config=scenario["config"])
     rec: dict[str, Any] = {"applied": [], "lrs": [], "scales": [], "unchanged": [], "skipped": []}
-    for step in range(4):
+    bad = scenario["bad"] if isinstance(scenario["bad"], list) else [scenario["bad"]]
+    for step in range(scenario.get("steps", 4)):
         before = [p.detach().clone() for p in engine.module.parameters()]
         x, y = batch(step, rank, engine.train_micro_batch_size_per_gpu())
         loss = lm_loss(engine(x), y)
-        if step == scenario["bad"]:
+        if step in bad:
             loss = loss * float("inf")
         engine.backward(loss)
         engine.step()

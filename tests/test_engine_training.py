@@ -80,6 +80,17 @@ if HAS_COMPRESSION:
         {"name": "compress_bf16_s3", "config": h.base_config(**{"sharding.stage": 3, "compression.method": "bf16"})},
     ]
 HAS_SCHEDULERS = importlib.util.find_spec("torsh.engine.schedulers") is not None
+HAS_LOSS_SCALER = importlib.util.find_spec("torsh.engine.loss_scaler") is not None
+# The worked trace of the reference (DeepSpeed's ZeRO scaler, window 3, hysteresis 2), overflows at 7-9 and 14.
+ZERO_TRACE = [65536, 65536, 65536, 131072, 131072, 131072, 262144, 262144, 131072, 65536, 65536, 65536, 65536,
+              131072, 131072]  # fmt: skip
+if HAS_LOSS_SCALER:
+    SCENARIOS += [{"name": f"fp16_trace_s{stage}", "kind": "overflow", "bad": [7, 8, 9, 14], "steps": 15,
+                   "config": h.base_config(**{
+                       "sharding.stage": stage, "precision.param_dtype": "fp16",
+                       "precision.loss_scaling": {"mode": "dynamic", "initial_scale": 65536.0, "growth_interval": 3,
+                                                  "hysteresis": 2, "semantics": "deepspeed_zero"}})}
+                  for stage in (1, 3)]  # fmt: skip
 DEEPSPEED_SCHEDULERS = {
     "WarmupLR": {"warmup_max_lr": 0.01, "warmup_num_steps": 3},
     "WarmupDecayLR": {"total_num_steps": 4, "warmup_max_lr": 0.01, "warmup_num_steps": 2},
@@ -277,3 +288,12 @@ def test_every_deepspeed_scheduler_steps_once_per_optimizer_step(runs, name):
     rec = _rec(runs, f"sched_{name}")
     assert rec["lrs"] == pytest.approx(expected)
     assert rec["changed"] > 0 and rec["global_steps"] == 4
+
+
+@pytest.mark.skipif(not HAS_LOSS_SCALER, reason="torsh.engine.loss_scaler is not in this checkout")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp16_loss_scale_follows_deepspeeds_trace(runs, stage):
+    rec = _rec(runs, f"fp16_trace_s{stage}")
+    assert rec["scales"] == ZERO_TRACE
+    assert [not a for a in rec["applied"]] == [i in (7, 8, 9, 14) for i in range(15)]
+    assert rec["skipped"][-1] == 4 and rec["global_steps"] == 15
