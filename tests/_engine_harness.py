@@ -42,8 +42,10 @@ def build_model(seed: int = 0):
             super().__init__()
             self.up = nn.Linear(HIDDEN, 2 * HIDDEN)
             self.down = nn.Linear(2 * HIDDEN, HIDDEN)
+            self.calls = 0  # forward executions, recomputation included (activation checkpointing)
 
         def forward(self, x):
+            self.calls += 1
             return x + self.down(torch.nn.functional.gelu(self.up(x)))
 
     class TinyLM(nn.Module):
@@ -53,9 +55,11 @@ def build_model(seed: int = 0):
             self.blocks = nn.Sequential(Block(), Block())
             self.norm = nn.LayerNorm(HIDDEN)
             self.head = nn.Linear(HIDDEN, VOCAB)
+            self.register_buffer("gain", torch.ones(HIDDEN))  # a buffer, like RoPE's inv_freq: kept in fp32
 
         def forward(self, tokens):
-            return self.head(self.norm(self.blocks(self.embed(tokens))))
+            x = self.embed(tokens)
+            return self.head(self.norm(self.blocks(x * self.gain.to(x.dtype))))
 
     torch.manual_seed(seed)
     return TinyLM()
@@ -149,9 +153,11 @@ def loop(rank: int, world_size: int, scenario: dict) -> dict:
                world_size=engine.world_size, global_rank=engine.global_rank, local_rank=engine.local_rank,
                device=str(engine.device), train_returns=engine.train(), eval_returns=engine.eval())  # fmt: skip
     rec["eval_mode"] = not engine.module.training and not engine.training
+    rec["block_calls"] = sum(b.calls for b in engine.module.blocks)
     full = _full_params(engine)
     rec["changed"] = max(float((full[n].float() - before[n].float()).abs().max()) for n in before)
     rec["param_dtypes"] = sorted({str(p.dtype) for p in engine.module.parameters()})
+    rec["buffer_dtypes"] = sorted({str(b.dtype) for b in engine.module.buffers()})
     inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps the local optimizer in .optim
     rec["state_dtypes"] = sorted({str(v.dtype) for st in inner.state.values() for k, v in st.items()
                                   if torch.is_tensor(v) and k != "step"})  # fmt: skip

@@ -19,6 +19,9 @@ FP32 = {
     "s3_offload": {"sharding.stage": 3, "offload.params": "cpu", "offload.optimizer": "cpu"},
     "hsdp": {"sharding.stage": 3, "sharding.hybrid_shard_size": 1},
     "s3_ac": {"sharding.stage": 3, "activation_checkpointing.enabled": True},
+    "s2_ac_blocks": {"sharding.stage": 2, "activation_checkpointing.enabled": True,
+                     "activation_checkpointing.modules": ["Block"], "sharding.wrap.module_classes": ["Block"]},
+    "s0_ac_cpu": {"activation_checkpointing.enabled": True, "activation_checkpointing.cpu_offload": True},
     "s0_clip": {"gradients.clip_max_norm": 0.5}, "s3_clip": {"sharding.stage": 3, "gradients.clip_max_norm": 0.5},
     "s0_gas4": {"batch.gradient_accumulation_steps": 4}, "s2_gas4": {"sharding.stage": 2,
                                                                     "batch.gradient_accumulation_steps": 4},
@@ -156,8 +159,8 @@ def test_deepspeed_loop_trains(runs, name):
         assert rec["world_size"] == 2 and rec["global_rank"] == rank == rec["local_rank"]
 
 
-@pytest.mark.parametrize("name", ["s1", "s2", "s3", "s3_offload", "hsdp", "s3_ac", "s3_client", "s1_client",
-                                  "s0_predivide", "s0_prescale"])
+@pytest.mark.parametrize("name", ["s1", "s2", "s3", "s3_offload", "hsdp", "s3_ac", "s2_ac_blocks", "s0_ac_cpu",
+                                  "s3_client", "s1_client", "s0_predivide", "s0_prescale"])
 def test_stages_match_stage0_in_fp32(runs, name):
     for rank in (0, 1):
         _close(_rec(runs, name, rank)["losses"], _rec(runs, "s0", rank)["losses"], 1e-5)
@@ -182,6 +185,7 @@ def test_bf16_keeps_fp32_master_weights_and_optimizer_state(runs):
         assert rec["state_dtypes"] == ["torch.float32"], rec["state_dtypes"]
         # DeepSpeed casts the module's parameters at stages 0/1; FSDP2 shards fp32 and casts for compute
         assert rec["param_dtypes"] == (["torch.bfloat16"] if stage < 2 else ["torch.float32"])
+        assert rec["buffer_dtypes"] == ["torch.float32"]  # buffers are not cast with the parameters
         _close(rec["losses"], _rec(runs, "s0")["losses"], 2e-2)
 
 
@@ -297,3 +301,10 @@ def test_fp16_loss_scale_follows_deepspeeds_trace(runs, stage):
     assert rec["scales"] == ZERO_TRACE
     assert [not a for a in rec["applied"]] == [i in (7, 8, 9, 14) for i in range(15)]
     assert rec["skipped"][-1] == 4 and rec["global_steps"] == 15
+
+
+def test_activation_checkpointing_recomputes_the_blocks(runs):
+    plain = _rec(runs, "s3")["block_calls"]
+    assert plain == 2 * 4  # two blocks, four micro-steps
+    for name in ("s3_ac", "s2_ac_blocks", "s0_ac_cpu"):
+        assert _rec(runs, name)["block_calls"] == 2 * plain, name  # forward, and again in backward
