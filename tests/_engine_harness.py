@@ -153,6 +153,13 @@ def loop(rank: int, world_size: int, scenario: dict) -> dict:
                world_size=engine.world_size, global_rank=engine.global_rank, local_rank=engine.local_rank,
                device=str(engine.device), train_returns=engine.train(), eval_returns=engine.eval())  # fmt: skip
     rec["eval_mode"] = not engine.module.training and not engine.training
+    if scenario.get("save_16bit"):
+        assert engine.save_16bit_model(scenario["save_16bit"]) is True
+        saved = torch.load(os.path.join(scenario["save_16bit"], "pytorch_model.bin"), weights_only=True)
+        rec["saved_16bit"] = {k: [list(v.shape), str(v.dtype)] for k, v in saved.items()}
+        rec["expected_16bit"] = {k: [list(v.shape), str(v.dtype)] for k, v in build_model().state_dict().items()}
+    loader = engine.deepspeed_io(torch.utils.data.TensorDataset(torch.arange(10)))
+    rec["io"] = [len(loader), type(loader.sampler).__name__]
     rec["block_calls"] = sum(b.calls for b in engine.module.blocks)
     full = _full_params(engine)
     rec["changed"] = max(float((full[n].float() - before[n].float()).abs().max()) for n in before)

@@ -47,6 +47,7 @@ FP16 = {
 
 SCENARIOS = [{"name": n, "config": h.base_config(**o), "micro_steps": 8 if "gas4" in n else 4}
              for n, o in {**FP32, **BF16, **FP16}.items()]  # fmt: skip
+SAVE_16BIT = ("s3", "bf16_s3", "bf16_s0")
 SCENARIOS += [
     # an optimizer built on the model before initialize (before fully_shard) is rebuilt and trains
     {"name": "s3_client", "config": {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 3}},
@@ -124,8 +125,10 @@ SCENARIOS += [
 
 
 @pytest.fixture(scope="module")
-def runs():
-    ranks = h.run(SCENARIOS)
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("16bit")
+    scenarios = [{**s, "save_16bit": str(out / s["name"])} if s["name"] in SAVE_16BIT else s for s in SCENARIOS]
+    ranks = h.run(scenarios)
     errors = {name: rec["traceback"] for r in ranks for name, rec in r.items() if "error" in rec}
     return ranks, errors
 
@@ -308,3 +311,16 @@ def test_activation_checkpointing_recomputes_the_blocks(runs):
     assert plain == 2 * 4  # two blocks, four micro-steps
     for name in ("s3_ac", "s2_ac_blocks", "s0_ac_cpu"):
         assert _rec(runs, name)["block_calls"] == 2 * plain, name  # forward, and again in backward
+
+
+@pytest.mark.parametrize("name,dtype", [("s3", "torch.float32"), ("bf16_s3", "torch.bfloat16"),
+                                        ("bf16_s0", "torch.bfloat16")])
+def test_save_16bit_model_writes_full_weights(runs, name, dtype):
+    # ZeRO-3 users got empty weights without stage3_gather_16bit_weights_on_model_save; here they are full
+    rec = _rec(runs, name)
+    expected = {k: [shape, dtype if k != "gain" else "torch.float32"] for k, (shape, _) in rec["expected_16bit"].items()}
+    assert rec["saved_16bit"] == expected
+
+
+def test_deepspeed_io_builds_a_distributed_loader(runs):
+    assert _rec(runs, "s0")["io"] == [3, "DistributedSampler"]  # 10 samples, 5 per rank, micro batch 2

@@ -326,7 +326,49 @@ class Engine(nn.Module):
         """Set evaluation mode; returns None like DeepSpeed."""
         self.train(False)
 
+    def deepspeed_io(self, dataset, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
+                     data_sampler=None, collate_fn=None, num_local_io_workers: int | None = None):  # fmt: skip
+        """A DataLoader over a DistributedSampler of this job (DeepSpeed's ``deepspeed_io``)."""
+        from .data import build_dataloader
+
+        data = self._config.data
+        if num_local_io_workers is not None:
+            data = data.model_copy(update={"num_workers": num_local_io_workers})
+        if data_sampler is not None:
+            return torch.utils.data.DataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                                               sampler=data_sampler, collate_fn=collate_fn,
+                                               drop_last=data.drop_last)  # fmt: skip
+        return build_dataloader(dataset, micro_batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                                data=data, rank=self.global_rank, world_size=self.world_size, collate_fn=collate_fn,
+                                pin_memory=pin_memory and torch.cuda.is_available())  # fmt: skip
+
     # ---- checkpoints ---------------------------------------------------------------------------
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
+        """Write the full (gathered, also under stage 3) model state dict in the compute dtype to
+        ``save_dir/save_filename`` on rank 0; every rank must call it. Returns True."""
+        import os
+
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if self.global_rank == 0:
+            dtype = self._precision.param_dtype
+            names = {n for n, _ in self.module.named_parameters()}
+            state = {k: v.to(dtype) if k in names and v.is_floating_point() else v for k, v in state.items()}
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)  # never a half-written file under the final name
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        return True
+
+    save_fp16_model = save_16bit_model
 
     def _engine_state(self) -> dict:
         return {"global_steps": self.global_steps, "global_samples": self.global_samples,
