@@ -1,11 +1,17 @@
-"""The main job (``make run``): convert every config in ``migration_examples/`` and print its report.
+"""The main job (``make run``): convert every config in ``migration_examples/`` and print its report, then
+convert a DeepSpeed config and train a small built-in model with it on two CPU processes.
 
-Run from a checkout: ``python -m torsh.demo [DIR]``.
+Run from a checkout: ``python -m torsh.demo [DIR]`` (with DIR: only the conversions).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from torsh import adapters
@@ -33,9 +39,53 @@ def convert_examples(root: Path = EXAMPLES) -> int:
     return failures
 
 
+TRAIN_SCRIPT = EXAMPLES / "deepspeed" / "train_torsh.py"
+TRAIN_CONFIG = EXAMPLES / "deepspeed" / "train_config.json"
+
+
+def train(config: Path = TRAIN_CONFIG, *, steps: int = 30, nproc: int = 2, stream=sys.stdout) -> int:
+    """Convert ``config`` to the native dialect, then train the example script on ``nproc`` CPU processes
+    with the converted file; prints the conversion report and the loss-curve summary. Returns the exit code."""
+    from torsh.cli._common import print_report
+
+    translation = adapters.load(config)
+    print_report(translation, "table", stream, title=f"{config.name} ({translation.source}) -> torsh")
+    native = translation.result.model_dump(mode="json", exclude_defaults=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        converted = Path(tmp, "train_config.torsh.json")
+        converted.write_text(json.dumps(native, indent=2))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                   f"--master-port={port}", str(TRAIN_SCRIPT), "--deepspeed_config", str(converted),
+                   "--steps", str(steps)]  # fmt: skip
+        print(f"\ntraining with the converted config: {' '.join(command[2:5])} train_torsh.py "
+              f"--steps {steps}", file=stream)  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+    summary = [line for line in done.stdout.splitlines() if line.startswith("loss")]
+    for line in summary:
+        print(line, file=stream)
+    if done.returncode or not summary:
+        print(f"training failed (exit code {done.returncode}):\n{done.stderr[-3000:]}", file=stream)
+        return done.returncode or 1
+    return 0
+
+
 def main() -> int:
-    root = Path(sys.argv[1]) if len(sys.argv) > 1 else EXAMPLES
-    return 1 if convert_examples(root) else 0
+    if len(sys.argv) > 1:
+        return 1 if convert_examples(Path(sys.argv[1])) else 0
+    failures = convert_examples(EXAMPLES)
+    if "deepspeed" not in adapters.names():
+        print("\nthe DeepSpeed adapter is not installed: skipping the training run")
+        return 1
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("\ntraining needs torch (pip install 'torsh-distributed[engine]'): skipping the training run")
+        return 1
+    return 1 if train() or failures else 0
 
 
 if __name__ == "__main__":

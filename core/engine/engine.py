@@ -1,0 +1,451 @@
+"""``Engine``: DeepSpeedEngine's contracts on native PyTorch, so a DeepSpeed training loop runs unchanged.
+
+``backward(loss)`` divides by the gradient-accumulation steps and returns that loss; ``step()`` is called
+every micro-batch and steps the optimizer and scheduler only at the boundary (the scheduler not on a skipped
+step); the counters move exactly as DeepSpeed's (reference: deepspeed.md §2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from torsh.config import ResolvedBatch, TorshConfig
+
+from .distributed import DistInfo
+from .precision import PrecisionPlan
+from .sharding import ShardPlan
+
+log = logging.getLogger("torsh.engine")
+
+
+class Engine(nn.Module):
+    """A running job built by :func:`torsh.initialize`; behaves like ``deepspeed.DeepSpeedEngine``."""
+
+    def __init__(self, *, config: TorshConfig, batch: ResolvedBatch, info: DistInfo, shard: ShardPlan,
+                 precision: PrecisionPlan, optimizer: Any, lr_scheduler: Any, loss_scaler: Any,
+                 training_dataloader: Any = None):  # fmt: skip
+        super().__init__()
+        self._config = config
+        self._batch = batch
+        self._info = info
+        self._shard = shard
+        self._precision = precision
+        # nn.Module attribute rules: keep the model a submodule (state_dict, .train()), the rest plain.
+        self.wrapped = shard.model
+        self.__dict__["optimizer"] = optimizer
+        self.__dict__["lr_scheduler"] = lr_scheduler
+        self.__dict__["loss_scaler"] = loss_scaler
+        self.__dict__["training_dataloader"] = training_dataloader
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._in_no_sync = False
+        self._step_applied = False
+        self._global_grad_norm: float | None = None
+        self._master_module: nn.Module | None = None
+        self._forward_synced = True
+        self._clip = float(config.gradients.clip_max_norm or 0.0)
+        self._scaling = loss_scaler is not None and config.precision.loss_scaling.mode != "none"
+        self._check_overflow = self._scaling or config.precision.skip_step_on_nonfinite
+
+    def __getattr__(self, name: str):
+        # DeepSpeedEngine falls through to the wrapped module for attributes it does not have.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            shard = self.__dict__.get("_shard")
+            if shard is None:
+                raise
+            return getattr(shard.module, name)
+
+    # ---- attributes DeepSpeed scripts read ----------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's model (parameters sharded under stages 2/3)."""
+        return self._shard.module
+
+    @property
+    def basic_optimizer(self) -> Any:
+        """The torch optimizer (DeepSpeed's unwrapped optimizer)."""
+        return self.optimizer
+
+    @property
+    def local_rank(self) -> int:
+        """Rank on this node (the launcher's LOCAL_RANK)."""
+        return self._info.local_rank
+
+    @property
+    def global_rank(self) -> int:
+        """Rank in the job."""
+        return self._info.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the job."""
+        return self._info.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel world size (all ranks: no model parallelism)."""
+        return self._info.world_size
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank computes on."""
+        return self._info.device
+
+    @property
+    def config(self) -> TorshConfig:
+        """The resolved core config the engine runs."""
+        return self._config
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return self._batch.global_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per rank per forward/backward."""
+        return self._batch.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self._batch.gradient_accumulation_steps
+
+    def fp16_enabled(self) -> bool:
+        """Whether compute runs in fp16."""
+        return self._config.precision.param_dtype == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        """Whether compute runs in bf16."""
+        return self._config.precision.param_dtype == "bf16"
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage (0-3) the engine runs."""
+        return self._config.sharding.stage
+
+    def zero_optimization(self) -> bool:
+        """Whether a ZeRO stage above 0 runs."""
+        return self._config.sharding.stage > 0
+
+    def gradient_clipping(self) -> float:
+        """The max global gradient norm (0: no clipping)."""
+        return self._clip
+
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without loss scaling)."""
+        return float(self.loss_scaler.cur_scale) if self._scaling else 1.0
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of every parameter group."""
+        if self.optimizer is None:
+            return []
+        return [g.get("lr", 0.0) for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> list[Any]:
+        """Adam betas (or SGD momentum) of every parameter group."""
+        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm over all parameters of all ranks at the last boundary (unscaled, before clipping);
+        None before the first step. Under FSDP2 it is the full DTensor norm, not this rank's shard."""
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """Whether the last boundary ``step()`` updated the weights (False on an overflow/non-finite skip)."""
+        return self._step_applied
+
+    # ---- training ------------------------------------------------------------------------------
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """The explicit boundary if one was set, else whether this micro-batch completes the accumulation."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the boundary (sticky, as in DeepSpeed; Accelerate sets it before every backward)."""
+        self._boundary_override = bool(is_boundary)
+
+    def _sync_now(self) -> bool:
+        # Gradients are reduced on the boundary micro-batch only; stage 3 reduces every micro-batch so that
+        # unsharded gradients are never held (its memory contract), and so does accumulation in a wider dtype.
+        if self._in_no_sync:
+            return False
+        if self.zero_optimization_stage() == 3 or self._precision.reduce_every_micro_step:
+            return True
+        return self.is_gradient_accumulation_boundary()
+
+    def forward(self, *inputs, **kwargs):
+        """Run the model (under autocast / input casting as configured); returns its output unchanged."""
+        if self._shard.kind == "ddp":
+            # DDP decides at forward time whether the coming backward reduces.
+            self._forward_synced = self._sync_now()
+            self.wrapped.require_backward_grad_sync = self._forward_synced
+        if self._precision.cast_forward_inputs:
+            dtype = self._precision.param_dtype
+            inputs = tuple(x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs)
+            kwargs = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
+        with contextlib.ExitStack() as stack:
+            if self._precision.autocast_dtype is not None:
+                stack.enter_context(torch.autocast(self.device.type, dtype=self._precision.autocast_dtype))
+            if self._config.activation_checkpointing.enabled and self._config.activation_checkpointing.cpu_offload:
+                stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()))
+            return self.wrapped(*inputs, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss / gradient_accumulation_steps()`` (loss-scaled in fp16); returns the divided loss."""
+        if self.optimizer is None:
+            raise RuntimeError("engine.backward needs an optimizer: pass one to initialize or configure one")
+        if loss.dim() != 0:
+            raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            loss = loss / self.gradient_accumulation_steps()
+        sync = self._sync_now()
+        if self._shard.kind == "fsdp":
+            self.wrapped.set_requires_gradient_sync(sync)
+        scaled = self.loss_scaler.scale(loss) if self._scaling else loss
+        scaled.backward(retain_graph=retain_graph)
+        if self._shard.kind == "ddp" and sync and not self._forward_synced:
+            # The boundary was set after the forward (Accelerate's order): reduce now, as DeepSpeed does.
+            self._allreduce_gradients()
+        masters = self._precision.masters
+        if masters is not None and masters.accumulate_in_master:
+            masters.grads_to_master(accumulate=True)
+        return loss.detach()
+
+    @torch.no_grad()
+    def _allreduce_gradients(self) -> None:
+        import torch.distributed as dist
+
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads or self.world_size == 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        if self._config.gradients.reduce_op == "mean":
+            flat.div_(self.world_size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Call every micro-batch: at the boundary, unscale, clip, step the optimizer and scheduler (unless the
+        step is skipped for a non-finite gradient) and update the counters."""
+        if self._in_no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync(): leave the context before stepping")
+        if self.is_gradient_accumulation_boundary() and self.optimizer is not None:
+            self._take_optimizer_step(lr_kwargs)
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            every = self._config.monitoring.steps_per_print
+            if every and self.global_steps % every == 0 and self.global_rank == 0:
+                log.info("step=%d, skipped=%d, lr=%s, grad_norm=%s", self.global_steps, self.skipped_steps,
+                         self.get_lr(), self._global_grad_norm)  # fmt: skip
+        self.micro_steps += 1
+
+    def _step_params(self) -> list[torch.Tensor]:
+        masters = self._precision.masters
+        if masters is not None:
+            return list(masters.masters.values())
+        return [p for p in self.module.parameters()]
+
+    def _take_optimizer_step(self, lr_kwargs: dict | None) -> None:
+        masters = self._precision.masters
+        if masters is not None and not masters.accumulate_in_master:
+            masters.grads_to_master(accumulate=False)
+        params = [p for p in self._step_params() if p.grad is not None]
+        inv_scale = 1.0 / float(self.loss_scaler.cur_scale) if self._scaling else 1.0
+        norm = _global_norm([p.grad for p in params]) * inv_scale
+        self._global_grad_norm = norm
+        overflow = self._check_overflow and not math.isfinite(norm)
+        if overflow:
+            self._step_applied = False
+            self.skipped_steps += 1
+            log.info("step %d skipped: gradient norm %s%s", self.global_steps, norm,
+                     f" at loss scale {self.loss_scaler.cur_scale}" if self._scaling else "")  # fmt: skip
+        else:
+            coef = inv_scale
+            if self._clip > 0:
+                # DeepSpeed's formula, on the unscaled global norm: max_norm / (norm + 1e-6), never above 1.
+                coef *= min(1.0, self._clip / (norm + 1e-6))
+            if coef != 1.0:
+                with torch.no_grad():
+                    for p in params:
+                        p.grad.mul_(coef)
+            self.optimizer.step()
+            if masters is not None:
+                masters.master_to_params()
+            self._step_applied = True
+        if self._scaling:
+            self.loss_scaler.update(overflow)
+        if not overflow and self.lr_scheduler is not None:
+            try:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            except TypeError:
+                self.lr_scheduler.step(self.train_batch_size())  # DeepSpeed's fallback
+        self._zero_all_grads()
+
+    def _zero_all_grads(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+        if self._precision.masters is not None:
+            for m in self._precision.masters.masters.values():
+                m.grad = None
+
+    def zero_grad(self) -> None:
+        """Drop every gradient (DeepSpeed's ``zero_grad`` takes no arguments)."""
+        self._zero_all_grads()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip the gradient reduction inside the context (the gradients accumulate locally)."""
+        if self._in_no_sync:
+            raise RuntimeError("engine.no_sync() is not re-entrant")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    def train(self, mode: bool = True) -> None:  # type: ignore[override]
+        """Set training mode; returns None like DeepSpeed (not the module)."""
+        self.training = mode
+        self.wrapped.train(mode)
+
+    def eval(self) -> None:  # type: ignore[override]
+        """Set evaluation mode; returns None like DeepSpeed."""
+        self.train(False)
+
+    def deepspeed_io(self, dataset, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
+                     data_sampler=None, collate_fn=None, num_local_io_workers: int | None = None):  # fmt: skip
+        """A DataLoader over a DistributedSampler of this job (DeepSpeed's ``deepspeed_io``)."""
+        from .data import build_dataloader
+
+        data = self._config.data
+        if num_local_io_workers is not None:
+            data = data.model_copy(update={"num_workers": num_local_io_workers})
+        if data_sampler is not None:
+            return torch.utils.data.DataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                                               sampler=data_sampler, collate_fn=collate_fn,
+                                               drop_last=data.drop_last)  # fmt: skip
+        return build_dataloader(dataset, micro_batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                                data=data, rank=self.global_rank, world_size=self.world_size, collate_fn=collate_fn,
+                                pin_memory=pin_memory and torch.cuda.is_available())  # fmt: skip
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
+        """Write the full (gathered, also under stage 3) model state dict in the compute dtype to
+        ``save_dir/save_filename`` on rank 0; every rank must call it. Returns True."""
+        import os
+
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if self.global_rank == 0:
+            dtype = self._precision.param_dtype
+            names = {n for n, _ in self.module.named_parameters()}
+            state = {k: v.to(dtype) if k in names and v.is_floating_point() else v for k, v in state.items()}
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)  # never a half-written file under the final name
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        return True
+
+    save_fp16_model = save_16bit_model
+
+    def _engine_state(self) -> dict:
+        return {"global_steps": self.global_steps, "global_samples": self.global_samples,
+                "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps}  # fmt: skip
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
+                        exclude_frozen_parameters=False) -> bool:  # fmt: skip
+        """Save model, optimizer, scheduler, loss scaler, counters and ``client_state`` under
+        ``save_dir/<tag>/`` (tag default ``global_step{N}``) and, if ``save_latest``, ``save_dir/latest``."""
+        from .checkpoint import save_checkpoint
+
+        if exclude_frozen_parameters:
+            log.info("save_checkpoint(exclude_frozen_parameters=True): frozen parameters are saved too")
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        return save_checkpoint(save_dir, tag, model=self._checkpoint_module(), optimizer=self.optimizer,
+                               lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler,
+                               engine_state=self._engine_state(), client_state=dict(client_state or {}),
+                               save_latest=save_latest)  # fmt: skip
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):  # fmt: skip
+        """Load a checkpoint written by :meth:`save_checkpoint` (at any world size); returns
+        ``(load_path, client_state)``, ``(None, None)`` when there is none."""
+        from .checkpoint import load_checkpoint
+
+        if custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by the torsh engine")
+        path, client_state, state = load_checkpoint(
+            load_dir, tag, model=self._checkpoint_module(), optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            loss_scaler=self.loss_scaler, load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only)  # fmt: skip
+        if path is None:
+            return None, None
+        if state and not load_module_only:
+            self.global_steps = state.get("global_steps", self.global_steps)
+            self.global_samples = state.get("global_samples", self.global_steps * self.train_batch_size())
+            self.micro_steps = state.get("micro_steps", self.global_steps * self.gradient_accumulation_steps())
+            self.skipped_steps = state.get("skipped_steps", 0)
+        if self._precision.masters is not None:
+            self._precision.masters.master_to_params()  # the checkpoint holds the fp32 masters
+        return path, client_state
+
+    def _checkpoint_module(self) -> nn.Module:
+        """The module whose state is saved: the user's module, or - with master weights - the same names
+        holding the fp32 masters (the tensors the optimizer state belongs to) and the module's buffers."""
+        masters = self._precision.masters
+        if masters is None:
+            return self.module
+        if self._master_module is None:
+            root = nn.Module()
+            for name, tensor in masters.masters.items():
+                _attach(root, name, tensor, parameter=True)
+            for name, buf in self.module.named_buffers():
+                _attach(root, name, buf, parameter=False)
+            self.__dict__["_master_module"] = root  # not a submodule: engine.parameters() stays the model's
+        return self._master_module
+
+
+def _global_norm(grads: list[torch.Tensor]) -> float:
+    """The 2-norm over every gradient of every rank; DTensor (FSDP2) shards are reduced to the full norm."""
+    if not grads:
+        return 0.0
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    return float(total)
+
+
+def _attach(root: nn.Module, dotted: str, tensor: torch.Tensor, *, parameter: bool) -> None:
+    *parents, leaf = dotted.split(".")
+    node = root
+    for part in parents:
+        if part not in node._modules:
+            node.add_module(part, nn.Module())
+        node = node._modules[part]
+    if parameter:
+        node.register_parameter(leaf, tensor)
+    else:
+        node.register_buffer(leaf, tensor)

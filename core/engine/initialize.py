@@ -1,0 +1,236 @@
+"""``torsh.initialize``: ``deepspeed.initialize``'s signature and return values, any dialect's config, native PyTorch.
+
+Reads top to bottom: load the config, start the process group, resolve batch and "auto", then the ordered
+``apply_*`` steps (the order is the contract: precision before sharding so that FSDP2 shards fp32 masters;
+the optimizer after sharding so that it holds the tensors the step updates), then the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import torch
+
+from torsh.config import TorshConfig
+from torsh.deferred import is_deferred
+from torsh.errors import ConfigError, Problem
+from torsh.translate import Translation
+
+from .activations import apply_activation_checkpointing
+from .auto import log_resolved, resolve_auto
+from .data import build_dataloader
+from .distributed import DistInfo
+from .distributed import init_distributed as start_process_group
+from .engine import Engine
+from .rebuild import build_optimizer, named_groups, rebind_scheduler
+from .precision import apply_precision
+from .sharding import apply_sharding, sync_module_states
+
+log = logging.getLogger("torsh.engine")
+
+
+def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
+               dist_init_required: bool | None = None, collate_fn=None, config=None, mesh_param=None,
+               config_params=None):  # fmt: skip
+    """Build a training engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    The same parameters, positional order and return rules as ``deepspeed.initialize`` (DeepSpeed 0.19.8).
+    ``config`` (or ``config_params``, or ``args.deepspeed_config``) is a DeepSpeed dict or path, a file of any
+    registered dialect, or a :class:`TorshConfig`. ``optimizer`` may be an optimizer built on the model (it
+    is rebuilt over the sharded parameters) or a callable of the parameters; ``lr_scheduler`` a scheduler
+    (re-pointed at the rebuilt optimizer) or a callable of the optimizer. The optimizer is None when there
+    is none to build; the dataloader when no ``training_data``; the scheduler when neither is given or there
+    is no optimizer.
+    """
+    if model is None:
+        raise ConfigError([Problem("model", None, "initialize needs a model")])
+    if mpu is not None or mesh_param is not None:
+        raise ConfigError([Problem("mpu" if mpu is not None else "mesh_param", type(mpu or mesh_param).__name__,
+                                   "model/sequence parallelism is not supported by the torsh engine; "
+                                   "data parallelism and sharding only")])  # fmt: skip
+    cfg, translation = load_config(args, config, config_params)
+    if cfg.pipeline.stages not in (None, 1) and not is_deferred(cfg.pipeline.stages):
+        raise ConfigError([Problem("pipeline.stages", cfg.pipeline.stages, "pipeline parallelism is not executed "
+                                   "by the torsh engine; remove it or use torch.distributed.pipelining")])  # fmt: skip
+    info = start_process_group(cfg.communication, dist_init_required=dist_init_required,
+                               distributed_port=distributed_port)  # fmt: skip
+    _setup_logging(info.rank)
+    _check_local_rank(args, info)
+    _log_translation(translation, info.rank)
+    _warn_not_executed(cfg, info.rank)
+
+    # "auto" needs the world size, the model, the passed optimizer and the data.
+    cfg, batch, resolved = resolve_auto(cfg, model=model, optimizer=optimizer if _is_optimizer(optimizer) else None,
+                                        training_data=training_data, world_size=info.world_size)  # fmt: skip
+    log_resolved(resolved, info.rank)
+
+    # Names are the identity that survives casting and sharding (fully_shard replaces the parameters).
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    groups = named_groups(model_parameters, name_of, list(name_of.values()))
+
+    sync_module_states(model, info.device, cfg.sharding)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.sharding.wrap)
+    offload_to_cpu = cfg.offload.optimizer == "cpu" and cfg.sharding.stage < 2
+    precision = apply_precision(model, cfg.precision, stage=cfg.sharding.stage, compression=cfg.compression,
+                                master_device=torch.device("cpu") if offload_to_cpu else None)  # fmt: skip
+    shard = apply_sharding(model, cfg.sharding, cfg.ddp, cfg.offload, cfg.gradients, precision, info,
+                           reduce_hook=cfg.compression.method == "none")  # fmt: skip
+    compression_state = apply_compression(shard, cfg)
+
+    if optimizer is not None and cfg.optimizer is not None and cfg.optimizer.name and info.rank == 0:
+        log.warning("optimizer.name=%s is not built: the optimizer passed to initialize is used (as DeepSpeed "
+                    "does); its \"auto\" values were filled from it", cfg.optimizer.name)  # fmt: skip
+    step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
+    optimizer = build_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
+                                by_name=step_params, zero_stage1=cfg.sharding.stage == 1,
+                                offload="cpu" in (cfg.offload.params, cfg.offload.optimizer))  # fmt: skip
+    if optimizer is None and cfg.sharding.stage in (1, 2):
+        raise ConfigError([Problem("sharding.stage", cfg.sharding.stage, f"zero stage {cfg.sharding.stage} "
+                                   "requires an optimizer: pass one to initialize or configure one")])  # fmt: skip
+    lr_scheduler = _build_scheduler(cfg, lr_scheduler, optimizer)
+    loss_scaler = _build_loss_scaler(cfg)
+    dataloader = None
+    if training_data is not None:
+        dataloader = build_dataloader(training_data, micro_batch_size=batch.micro_batch_size, data=cfg.data,
+                                      rank=info.rank, world_size=info.world_size, collate_fn=collate_fn)  # fmt: skip
+    engine = Engine(config=cfg, batch=batch, info=info, shard=shard, precision=precision, optimizer=optimizer,
+                    lr_scheduler=lr_scheduler, loss_scaler=loss_scaler, training_dataloader=dataloader)  # fmt: skip
+    engine.compression_state = compression_state  # byte counts of the compressed reduction (None: dense)
+    if info.rank == 0:
+        log.info("torsh engine: stage %d (%s), %s compute, world size %d, batch %d = %d x %d x %d",
+                 cfg.sharding.stage, shard.kind, cfg.precision.param_dtype, info.world_size,
+                 batch.global_batch_size, batch.micro_batch_size, batch.gradient_accumulation_steps,
+                 info.world_size)  # fmt: skip
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def load_config(args: Any, config: Any, config_params: Any) -> tuple[TorshConfig, Translation | None]:
+    """The config from ``config``, ``config_params`` or ``args.deepspeed_config`` (DeepSpeed's precedence),
+    and the translation that produced it (None for a TorshConfig)."""
+    if config is None and config_params is not None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None and config is not None:
+        raise ConfigError([Problem("config", "args.deepspeed_config and config", "give the config once: either "
+                                   "--deepspeed_config or the config argument")])  # fmt: skip
+    config = config if config is not None else from_args
+    if config is None:
+        raise ConfigError([Problem("config", None, "initialize needs a config: pass config=<dict, path or "
+                                   "TorshConfig> or --deepspeed_config PATH")])  # fmt: skip
+    if isinstance(config, TorshConfig):
+        return config, None
+    from torsh import adapters
+
+    translation = adapters.load(config)
+    return translation.result, translation
+
+
+def _log_translation(translation: Translation | None, rank: int) -> None:
+    """The translation report, once on rank 0: the counts, and every key that is not carried exactly."""
+    if translation is None or rank != 0:
+        return
+    counts = ", ".join(f"{n} {k}" for k, n in translation.counts().items() if n)
+    log.info("config (%s): %s", translation.source, counts or "empty")
+    for note in translation.lossy:
+        log.warning("config: %s", note)
+
+
+def apply_compression(shard, cfg: TorshConfig) -> object | None:
+    """Gradient compression on the data-parallel reduction: a DDP comm hook (stages 0/1); under FSDP2 only
+    fp16/bf16, as its reduce dtype (``apply_precision`` set it), anything else is refused."""
+    if cfg.compression.method == "none":
+        return None
+    from . import compression
+
+    if shard.kind == "ddp":
+        return compression.apply_compression(shard.model, cfg.compression, process_group=None)
+    compression.check_fsdp_compression(cfg.compression, cfg.precision.reduce_dtype)
+    return None
+
+
+def _build_scheduler(cfg: TorshConfig, client: Any, optimizer: Any) -> Any:
+    if optimizer is None:
+        return None  # DeepSpeed configures a scheduler only when there is an optimizer
+    if client is not None:
+        if hasattr(client, "step") and hasattr(client, "optimizer"):
+            return rebind_scheduler(client, optimizer)
+        return client(optimizer)
+    if cfg.scheduler is None:
+        return None
+    from .schedulers import build_scheduler
+
+    return build_scheduler(cfg.scheduler, optimizer)
+
+
+def _build_loss_scaler(cfg: TorshConfig) -> Any:
+    from .loss_scaler import build_loss_scaler
+
+    return build_loss_scaler(cfg.precision.loss_scaling)
+
+
+#: Settings the engine carries but does not act on; each is named once at start-up (never silently dropped).
+NOT_EXECUTED = {
+    "monitoring.tensorboard.enabled": "TensorBoard events", "monitoring.csv.enabled": "CSV metrics",
+    "monitoring.wandb.enabled": "wandb logging", "monitoring.profiler.enabled": "the FLOPs profiler",
+    "monitoring.wall_clock_breakdown": "the wall-clock breakdown",
+    "checkpoint.interval_steps": "periodic checkpoints (call engine.save_checkpoint)",
+    "checkpoint.keep_last": "checkpoint rotation",
+}  # fmt: skip
+
+
+def _warn_not_executed(cfg: TorshConfig, rank: int) -> None:
+    if rank != 0:
+        return
+    from torsh.config import get_path
+
+    for path, what in NOT_EXECUTED.items():
+        if get_path(cfg, path):
+            log.warning("%s is set: %s is not provided by the torsh engine; the setting has no effect", path, what)
+
+
+def _is_optimizer(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.Optimizer)
+
+
+def _check_local_rank(args: Any, info: DistInfo) -> None:
+    # DeepSpeed overwrites args.local_rank with the launcher's LOCAL_RANK.
+    if args is not None and hasattr(args, "local_rank"):
+        try:
+            args.local_rank = info.local_rank
+        except AttributeError:
+            pass
+
+
+def _setup_logging(rank: int) -> None:
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[torsh] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's ``--deepspeed``, ``--deepspeed_config`` (and deprecated ``--deepscale*``) options."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="a flag for the script's own use (the engine does not read it)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="the config file (DeepSpeed JSON or any dialect torsh reads)")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
+                     verbose: bool = True, timeout=None, init_method: str | None = None,
+                     dist_init_required: bool | None = None, config=None, rank: int = -1,
+                     world_size: int = -1) -> None:  # fmt: skip
+    """``deepspeed.init_distributed``: start the default process group unless one exists (gloo on CPU)."""
+    from torsh.config import CommunicationConfig
+
+    comm = CommunicationConfig(backend=dist_backend or "auto", init_method=init_method,
+                               timeout_s=timeout.total_seconds() if timeout is not None else None)  # fmt: skip
+    start_process_group(comm, dist_init_required=dist_init_required, distributed_port=distributed_port)

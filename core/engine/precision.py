@@ -1,0 +1,129 @@
+"""The precision contract, as DeepSpeed builds it: low-precision compute, fp32 master weights and optimizer state.
+
+Under data parallelism (stages 0 and 1) the parameters are cast in place to the compute dtype, as DeepSpeed
+does, and the optimizer updates fp32 copies ("master weights") whose values are copied back after each step.
+Under FSDP2 (stages 2 and 3) the sharded parameters *are* the master weights, kept in fp32 even when the model
+was loaded in bf16 (user pain 1: an FSDP port whose optimizer stepped bf16 weights silently did not converge),
+and ``MixedPrecisionPolicy`` casts them for compute. Buffers keep their dtype unless ``buffer_dtype`` is set
+(user pain 5: a blanket downcast changed RoPE buffers).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from torsh.config import CompressionConfig, PrecisionConfig
+
+log = logging.getLogger("torsh.engine")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class MasterWeights:
+    """fp32 copies of low-precision parameters, by name; the optimizer steps these (stages 0 and 1)."""
+
+    params: dict[str, torch.nn.Parameter]
+    """Model parameter (low precision) by name."""
+    masters: dict[str, torch.nn.Parameter]
+    """Its master copy (``master_dtype``) by name."""
+    accumulate_in_master: bool = False
+    """Move each micro-batch's gradient into the master gradient (``grad_accum_dtype`` wider than compute)."""
+
+    def grads_to_master(self, *, accumulate: bool) -> None:
+        """Move model gradients into the master gradients (added when ``accumulate``), freeing the former."""
+        for name, p in self.params.items():
+            if p.grad is None:
+                continue
+            m = self.masters[name]
+            g = p.grad.to(m.dtype)
+            m.grad = g if (m.grad is None or not accumulate) else m.grad.add_(g)
+            p.grad = None
+
+    @torch.no_grad()
+    def master_to_params(self) -> None:
+        """Copy the updated master weights into the compute parameters."""
+        for name, p in self.params.items():
+            p.copy_(self.masters[name])
+
+
+@dataclass
+class PrecisionPlan:
+    """What the later steps need to know about precision."""
+
+    param_dtype: torch.dtype
+    """Compute dtype of parameters."""
+    reduce_dtype: torch.dtype
+    """Dtype of the gradient reduction."""
+    autocast_dtype: torch.dtype | None = None
+    """Run forward under ``torch.autocast`` with this dtype (parameters stay in the master dtype)."""
+    cast_forward_inputs: bool = False
+    """Cast floating inputs to ``param_dtype`` (DeepSpeed ``fp16.auto_cast``)."""
+    masters: MasterWeights | None = None
+    """Master weights (stages 0/1 with low-precision parameters)."""
+    fsdp_policy: object | None = None
+    """``MixedPrecisionPolicy`` for stages 2/3."""
+    reduce_every_micro_step: bool = False
+    """Gradients accumulate in a wider dtype than the compute dtype (``grad_accum_dtype``), so each
+    micro-batch's gradient is reduced and added to the wide (master / fp32 shard) gradient, as DeepSpeed
+    ZeRO does, instead of accumulating low-precision gradients locally until the boundary."""
+
+
+def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, *, stage: int, compression: CompressionConfig,
+                    master_device: torch.device | None = None) -> PrecisionPlan:
+    """Cast ``model`` per the precision contract and return the plan; ``master_device`` places master copies
+    (the CPU under optimizer offload)."""
+    param_dtype = DTYPES[precision.param_dtype]
+    master_dtype = DTYPES[precision.master_dtype]
+    reduce_dtype = DTYPES[precision.effective_reduce_dtype]
+    if stage >= 2 and compression.method in ("fp16", "bf16"):
+        # FSDP2 has no comm hook: a low-precision "compression" is its reduce dtype.
+        reduce_dtype = DTYPES[compression.method]
+    if precision.buffer_dtype is not None:
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.data = b.data.to(DTYPES[precision.buffer_dtype])
+    if DTYPES[precision.optimizer_state_dtype] != master_dtype:
+        log.warning("precision.optimizer_state_dtype=%s: torch optimizers keep their state in the master dtype "
+                    "(%s); the state follows the master weights", precision.optimizer_state_dtype,
+                    precision.master_dtype)  # fmt: skip
+    plan = PrecisionPlan(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                         cast_forward_inputs=precision.cast_forward_inputs)  # fmt: skip
+
+    if precision.autocast:
+        # torch_autocast: parameters stay in the master dtype; op-level autocast chooses compute dtypes.
+        _cast_params(model, master_dtype)
+        plan.autocast_dtype, plan.param_dtype = param_dtype, master_dtype
+        plan.reduce_dtype = DTYPES[precision.reduce_dtype] if precision.reduce_dtype else master_dtype
+        return plan
+    plan.reduce_every_micro_step = DTYPES[precision.effective_grad_accum_dtype] != param_dtype
+    if stage >= 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        _cast_params(model, master_dtype)  # the shards are the master weights, also for a bf16-loaded model
+        if param_dtype != master_dtype or reduce_dtype != param_dtype:
+            plan.fsdp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                                    cast_forward_inputs=precision.cast_forward_inputs)  # fmt: skip
+            plan.cast_forward_inputs = False  # the policy does it
+        return plan
+    # stages 0/1: compute parameters in param_dtype; separate masters when their dtype or device differs.
+    offloaded = master_device is not None and any(p.device != master_device for p in model.parameters())
+    if master_dtype == param_dtype and not offloaded:
+        _cast_params(model, param_dtype)
+        return plan
+    params = {n: p for n, p in model.named_parameters()}
+    masters = {n: torch.nn.Parameter(p.detach().to(device=master_device or p.device, dtype=master_dtype).clone(),
+                                     requires_grad=p.requires_grad) for n, p in params.items()}  # fmt: skip
+    _cast_params(model, param_dtype)
+    plan.masters = MasterWeights(params, masters, accumulate_in_master=plan.reduce_every_micro_step)
+    return plan
+
+
+def _cast_params(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    # In place on .data so that the Parameter objects (and the user's references to them) survive.
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)

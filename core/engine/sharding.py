@@ -1,0 +1,198 @@
+"""Data parallelism and sharding: stage 0 DDP, 1 DDP (+ ZeroRedundancyOptimizer, built later), 2/3 FSDP2, HSDP.
+
+Also the two things that must happen around it: every rank starts from rank 0's weights, and DDP reduces
+gradients with DeepSpeed's operation (post-scale by default, ``gradient_predivide_factor``, sum or mean, the
+communication dtype).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torsh.config import DdpConfig, GradientsConfig, OffloadConfig, ShardingConfig, WrapPolicy
+from torsh.errors import ConfigError, Problem
+
+from .distributed import DistInfo
+from .precision import PrecisionPlan
+
+log = logging.getLogger("torsh.engine")
+
+
+@dataclass
+class ShardPlan:
+    """The wrapped model and how to control its gradient synchronisation."""
+
+    model: nn.Module
+    """What forward is called on (DDP wrapper, or the FSDP2 root module)."""
+    module: nn.Module
+    """The user's module (``engine.module``), whose parameter names are the checkpoint keys."""
+    kind: str
+    """``"ddp"`` or ``"fsdp"``."""
+    mesh: object | None = None
+    """The FSDP2 device mesh."""
+
+
+@torch.no_grad()
+def sync_module_states(model: nn.Module, device: torch.device, sharding: ShardingConfig) -> None:
+    """Move the model to ``device`` and, unless disabled, give every rank rank 0's parameters and buffers."""
+    model.to(device)
+    if sharding.sync_module_states and dist.get_world_size() > 1:
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+
+
+def wrap_targets(model: nn.Module, wrap: WrapPolicy) -> list[nn.Module]:
+    """The submodules that become their own FSDP2 unit, innermost first (the root is wrapped after them).
+
+    ``module_classes``: every module of those classes; ``min_num_params``: every module holding at least that
+    many parameters not already in a smaller unit; neither: each direct child that holds parameters.
+    """
+    if wrap.module_classes:
+        known = {type(m).__name__ for m in model.modules()}
+        missing = [c for c in wrap.module_classes if c not in known]
+        if missing:
+            raise ConfigError([Problem("sharding.wrap.module_classes", missing, "no module of these classes in the "
+                                       f"model; its classes are {sorted(known)}")])  # fmt: skip
+        return [m for m in model.modules() if m is not model and type(m).__name__ in wrap.module_classes]
+    if wrap.min_num_params:
+        targets, covered = [], set()
+        for m in _post_order(model):
+            if m is model:
+                continue
+            own = [p for p in m.parameters() if id(p) not in covered]
+            if sum(p.numel() for p in own) >= wrap.min_num_params:
+                targets.append(m)
+                covered.update(id(p) for p in own)
+        return targets
+    return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def _post_order(module: nn.Module):
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+def apply_sharding(model: nn.Module, sharding: ShardingConfig, ddp: DdpConfig, offload: OffloadConfig,
+                   gradients: GradientsConfig, precision: PrecisionPlan, info: DistInfo, *,
+                   reduce_hook: bool = True) -> ShardPlan:  # fmt: skip
+    """Wrap ``model`` for its stage. ``reduce_hook`` False leaves DDP's reduction to a compression hook."""
+    if gradients.reduce_op == "adasum":
+        raise ConfigError([Problem("gradients.reduce_op", "adasum", "Adasum is Horovod-only and has no native "
+                                   "PyTorch equivalent; use 'mean' or 'sum'")])  # fmt: skip
+    if sharding.stage <= 1:
+        return _apply_ddp(model, ddp, gradients, precision, info, reduce_hook)
+    return _apply_fsdp(model, sharding, offload, gradients, precision, info)
+
+
+def _apply_ddp(model, ddp: DdpConfig, gradients: GradientsConfig, precision: PrecisionPlan, info: DistInfo,
+               reduce_hook: bool) -> ShardPlan:  # fmt: skip
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = DistributedDataParallel(
+        model,
+        device_ids=[info.device.index] if info.device.type == "cuda" else None,
+        init_sync=False,  # sync_module_states did it before the master weights were copied
+        bucket_cap_mb=float(ddp.bucket_cap_mb),
+        find_unused_parameters=ddp.find_unused_parameters,
+        static_graph=ddp.static_graph,
+        gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+        forward_sync_buffers=ddp.broadcast_buffers,
+    )
+    if reduce_hook and _needs_reduce_hook(gradients, precision, info.world_size):
+        state = _ReduceState(gradients.reduce_op, gradients.prescale, gradients.predivide_factor,
+                             precision.reduce_dtype, info.world_size)  # fmt: skip
+        wrapped.register_comm_hook(state, _deepspeed_reduce)
+    return ShardPlan(wrapped, model, "ddp")
+
+
+def _needs_reduce_hook(gradients: GradientsConfig, precision: PrecisionPlan, world_size: int) -> bool:
+    # DDP's built-in reduction divides by W before a sum; that equals DeepSpeed's post-scale bit for bit when
+    # W is a power of two, so the (slower) Python hook is registered only when the math would differ.
+    power_of_two = world_size & (world_size - 1) == 0
+    return (gradients.reduce_op != "mean" or gradients.predivide_factor != 1.0
+            or precision.reduce_dtype != precision.param_dtype
+            or (not gradients.prescale and not power_of_two))
+
+
+@dataclass
+class _ReduceState:
+    op: str
+    prescale: bool
+    factor: float
+    dtype: torch.dtype
+    world_size: int
+
+
+def _deepspeed_reduce(state: _ReduceState, bucket):
+    """DDP comm hook reducing like DeepSpeed stage 0: in the communication dtype, pre-divided by
+    ``predivide_factor`` and multiplied by ``factor / W`` afterwards (post-scale), or a plain sum."""
+    buffer = bucket.buffer()
+    work = buffer.to(state.dtype) if buffer.dtype != state.dtype else buffer
+    mean = state.op == "mean"
+    if mean and state.prescale:
+        work.div_(state.world_size)
+    elif mean and state.factor != 1.0:
+        work.div_(state.factor)
+    future = dist.all_reduce(work, async_op=True).get_future()
+
+    def finish(fut):
+        reduced = fut.value()[0]
+        if mean and not state.prescale:
+            reduced.mul_(state.factor / state.world_size)
+        if reduced is not buffer:
+            buffer.copy_(reduced)
+        return buffer
+
+    return future.then(finish)
+
+
+def _apply_fsdp(model, sharding: ShardingConfig, offload: OffloadConfig, gradients: GradientsConfig,
+                precision: PrecisionPlan, info: DistInfo) -> ShardPlan:  # fmt: skip
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if "nvme" in (offload.params, offload.optimizer):
+        raise ConfigError([Problem("offload", "nvme", "NVMe offload has no native PyTorch equivalent; use 'cpu' "
+                                   "or 'none'")])  # fmt: skip
+    if offload.optimizer == "cpu" and offload.params == "none":
+        log.info("offload.optimizer=cpu under FSDP2: CPUOffloadPolicy offloads parameters and gradients too "
+                 "and steps the optimizer on the CPU")  # fmt: skip
+    world = info.world_size
+    device_type = info.device.type
+    if sharding.hybrid_shard_size and sharding.hybrid_shard_size != world:
+        shard = sharding.hybrid_shard_size
+        if world % shard:
+            raise ConfigError([Problem("sharding.hybrid_shard_size", shard, f"must divide the world size {world}")])
+        mesh = init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    offloaded = "cpu" in (offload.params, offload.optimizer)
+    kwargs = dict(
+        mesh=mesh,
+        reshard_after_forward=sharding.effective_reshard_after_forward,
+        mp_policy=precision.fsdp_policy or MixedPrecisionPolicy(),
+        offload_policy=CPUOffloadPolicy(pin_memory=offload.pin_memory and torch.cuda.is_available())
+        if offloaded else OffloadPolicy(),
+    )  # fmt: skip
+    for target in wrap_targets(model, sharding.wrap):
+        fully_shard(target, **kwargs)
+    fully_shard(model, **kwargs)
+    if gradients.reduce_op == "sum":
+        for unit in model.modules():
+            if hasattr(unit, "set_gradient_divide_factor"):  # per unit: the setters do not recurse
+                unit.set_gradient_divide_factor(1.0)
+                # a plain SUM collective (gloo has no PREMUL_SUM, which a divide factor otherwise selects)
+                unit.set_force_sum_reduction_for_comms(True)
+    if gradients.predivide_factor != 1.0 or gradients.prescale:
+        log.info("gradients.predivide_factor/prescale: FSDP2 divides once for the mean; the result is the same "
+                 "mean (DeepSpeed requires predivide 1.0 with ZeRO-2/3 reduce-scatter)")  # fmt: skip
+    for name in ("backward_prefetch", "forward_prefetch"):
+        if getattr(sharding, name):
+            log.info("sharding.%s: FSDP2 prefetches implicitly; the setting has no effect", name)
+    return ShardPlan(model, model, "fsdp", mesh)
