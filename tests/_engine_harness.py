@@ -101,9 +101,6 @@ def _worker(rank: int, world_size: int, port: int, scenarios: list[dict], out: s
     import torch
     import torch.distributed as dist
 
-    import _engine_fallbacks
-
-    _engine_fallbacks.install()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     results: dict[str, dict] = {}
