@@ -15,7 +15,7 @@ from collections.abc import Sequence
 EXIT_OK, EXIT_LOSSY, EXIT_BAD_INPUT = 0, 1, 2
 
 #: Sub-command modules, in the order ``--help`` lists them.
-COMMANDS = ["convert", "validate", "schema"]
+COMMANDS = ["convert", "validate", "explain", "schema"]
 
 
 def build_parser() -> argparse.ArgumentParser:

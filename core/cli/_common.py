@@ -64,7 +64,7 @@ def write_output(text: str, out: str | None, force: bool) -> None:
 
 
 def _short(value: Any, limit: int = 40) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else value
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value  # str(AUTO) == "auto"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
