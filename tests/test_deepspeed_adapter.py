@@ -259,3 +259,21 @@ def test_exact_core_config_writes_without_loss_and_reads_back():
         write={"deepspeed": Lossy({"offload.optimizer": "approximate"},
                                   payload={"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}})},
     )
+
+
+# ---- the schema describes the same surface as the map ----------------------------------------------------
+
+
+def test_schema_is_valid_and_knows_every_top_level_key_of_the_map():
+    import jsonschema
+
+    from torsh import schemas
+    from torsh.adapters import deepspeed
+
+    schema = schemas.load("deepspeed")
+    jsonschema.Draft202012Validator.check_schema(schema)
+    top = {k.split(".")[0] for k in deepspeed.FIELD_MAP} | {k.split(".")[0] for k in deepspeed.ALIASES}
+    assert top <= set(schema["properties"]), top - set(schema["properties"])
+    zero = {k.split(".")[1] for k in list(deepspeed.FIELD_MAP) + list(deepspeed.ALIASES)
+            if k.startswith("zero_optimization.")}  # fmt: skip
+    assert zero <= set(schema["properties"]["zero_optimization"]["properties"])
