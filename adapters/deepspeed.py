@@ -262,4 +262,3 @@ def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
 
 # The write side: the derived reverse map, plus one hook per concept that spans several DeepSpeed keys.
 _WRITE_MAP = FieldMap({**FIELD_MAP, **rules.WRITE_HOOKS}, ALIASES)
-assert all(isinstance(h, Hook) for h in rules.WRITE_HOOKS.values())
