@@ -282,13 +282,25 @@ def finalize(ctx: ReadContext) -> None:
     stage = get_path(ctx.core, "sharding.stage", 0)
     _precision(seen, stage)
     _offload(seen, stage)
+    _hierarchical_partitioning(seen, stage)
     _optimizer(seen)
     _scheduler(seen)
     for key in [] if ctx.problems else list(seen.items):  # a recorded key nobody claimed is a defect here
         raise AssertionError(f"deepspeed adapter: recorded key {key} was not handled")
 
 
+#: Keys outside DeepSpeed's pydantic sections: DeepSpeed passes "auto" through raw and fails on it later.
+_AUTO_FAILS = ("communication_data_type", "torch_autocast.enabled", "torch_autocast.dtype", "data_types.param_dtype",
+               "data_types.grad_accum_dtype", "data_types.buffer_dtype")  # fmt: skip
+
+
 def _precision(seen: _Seen, stage: int) -> None:
+    for key in _AUTO_FAILS:
+        if seen.has(key) and is_deferred(seen.items[key][1]):
+            seen.ctx.problem(seen.items[key][0], "auto", "DeepSpeed does not accept \"auto\" here (it fails when it "
+                             "uses the value) and no trainer fills it; give a value or remove the key")
+    if seen.ctx.problems:
+        return
     fp16_on, bf16_on = seen.items.get("fp16.enabled", (0, False))[1], seen.items.get("bf16.enabled", (0, False))[1]
     autocast_on = seen.value("torch_autocast.enabled", False)
     if fp16_on is True and bf16_on is True:
@@ -418,56 +430,60 @@ def _grad_scaler_defaults(seen: _Seen) -> None:
     seen.ctx.set("precision.skip_step_on_nonfinite", True, "torch_autocast.dtype", note=False)
 
 
+_OFFLOAD_PARTS = (("optimizer", "offload.optimizer", "zero_optimization.cpu_offload"),
+                  ("param", "offload.params", "zero_optimization.cpu_offload_param"))  # fmt: skip
+_LEGACY_OFFLOAD = "deprecated spelling of offload_optimizer/offload_param {device: cpu}"
+
+
 def _offload(seen: _Seen, stage: int) -> None:
-    legacy = "deprecated spelling of offload_optimizer/offload_param {device: cpu}"
-    devices = {}
-    for part, legacy_key in (("optimizer", "zero_optimization.cpu_offload"),
-                             ("param", "zero_optimization.cpu_offload_param")):  # fmt: skip
-        device = seen.value(f"zero_optimization.offload_{part}.device", "none")
-        if seen.has(legacy_key) and not seen.has(f"zero_optimization.offload_{part}.device"):
-            device = "cpu" if seen.value(legacy_key) else "none"
-        devices[part] = device
-    pin = seen.value("zero_optimization.cpu_offload_use_pin_memory")
-    active = {"optimizer": devices["optimizer"] != "none" and stage >= 1,
-              "param": devices["param"] != "none" and stage == 3}
-    core = {"optimizer": "offload.optimizer", "param": "offload.params"}
-    for part in ("optimizer", "param"):
-        key = f"zero_optimization.offload_{part}.device"
-        legacy_key = "zero_optimization.cpu_offload" if part == "optimizer" else "zero_optimization.cpu_offload_param"
-        if active[part]:
-            reason = "" if part == "param" else (
-                "DeepSpeed steps DeepSpeedCPUAdam on the CPU; torsh offloads with FSDP2's CPUOffloadPolicy (which "
-                "also offloads parameters and gradients)")
-            fidelity = EXACT if part == "param" else APPROXIMATE
-            if seen.has(key):
-                seen.set(key, core[part], devices[part], fidelity, reason)
-                seen.drop(legacy_key, f"{legacy}; overridden by offload_{part}", IGNORED)
-            else:
-                seen.set(legacy_key, core[part], devices[part], fidelity, f"{legacy}; {reason}".strip("; "))
-            for sub in ("nvme_path", "pin_memory"):
-                sub_key = f"zero_optimization.offload_{part}.{sub}"
-                if sub == "pin_memory" and seen.has(sub_key):
-                    pin = seen.value(sub_key, True) if pin is None else pin
-                    seen.drop(sub_key, "-> offload.pin_memory", EXACT)
-                elif sub == "nvme_path" and seen.has(sub_key):
-                    if devices[part] == "nvme":
-                        seen.set(sub_key, "offload.nvme_path", seen.value(sub_key))
-                    else:
-                        seen.inert(sub_key, f"offload device is {devices[part]}; nvme_path is unused")
+    active = []
+    for part, core, legacy_key in _OFFLOAD_PARTS:
+        prefix = f"zero_optimization.offload_{part}"
+        if seen.has(f"{prefix}.device"):
+            source, device = f"{prefix}.device", seen.value(f"{prefix}.device", "none")
+            seen.drop(legacy_key, f"{_LEGACY_OFFLOAD}; offload_{part} takes precedence", IGNORED)
         else:
-            why = ("DeepSpeed offloads parameters only at ZeRO stage 3" if part == "param" and devices[part] != "none"
-                   else "DeepSpeed offloads only under ZeRO (stage >= 1)" if devices[part] != "none"
-                   else "no offload")  # fmt: skip
-            for sub in ("device", "nvme_path", "pin_memory"):
-                seen.inert(f"zero_optimization.offload_{part}.{sub}", why)
-            seen.inert(legacy_key, f"{legacy}; {why}")
-    if any(active.values()):
-        if seen.has("zero_optimization.cpu_offload_use_pin_memory"):
-            seen.set("zero_optimization.cpu_offload_use_pin_memory", "offload.pin_memory", bool(pin))
-        else:
-            seen.ctx.set("offload.pin_memory", True if pin is None else bool(pin), "zero_optimization", note=False)
-    else:
+            source, device = legacy_key, "cpu" if seen.value(legacy_key) else "none"
+        applies = stage == 3 if part == "param" else stage >= 1
+        if device == "none" or not applies:
+            why = ("no offload" if device == "none" else "DeepSpeed offloads parameters only at ZeRO stage 3"
+                   if part == "param" else "DeepSpeed offloads only under ZeRO (stage >= 1)")  # fmt: skip
+            for key in (f"{prefix}.device", f"{prefix}.nvme_path", f"{prefix}.pin_memory", legacy_key):
+                seen.inert(key, why)
+            continue
+        reason = "" if part == "param" else (
+            "DeepSpeed steps DeepSpeedCPUAdam on the offloaded state; torsh offloads with FSDP2's CPUOffloadPolicy "
+            "(which also offloads parameters and gradients)")  # fmt: skip
+        seen.set(source, core, device, EXACT if part == "param" else APPROXIMATE,
+                 f"{_LEGACY_OFFLOAD}; {reason}".rstrip("; ") if source == legacy_key else reason)
+        active.append(prefix)
+        if device != "nvme":
+            seen.inert(f"{prefix}.nvme_path", f"offload device is {device}; nvme_path is unused")
+    # One core pin_memory / nvme_path for both offload sections: the first active section's value wins, and a
+    # second section that disagrees is kept for DeepSpeed and reported as approximate.
+    if not active:
         seen.inert("zero_optimization.cpu_offload_use_pin_memory", "no offload")
+        return
+    first_pin = "zero_optimization.cpu_offload_use_pin_memory"
+    candidates = [first_pin] + [f"{prefix}.pin_memory" for prefix in active]
+    for sub, core, default in (("pin_memory", "offload.pin_memory", True), ("nvme_path", "offload.nvme_path", None)):
+        keys = [k for k in (candidates if sub == "pin_memory" else [f"{p}.nvme_path" for p in active]) if seen.has(k)]
+        if not keys:
+            if default is not None:
+                seen.ctx.set(core, default, "zero_optimization", note=False)
+            continue
+        chosen = seen.value(keys[0])
+        seen.set(keys[0], core, chosen)
+        for key in keys[1:]:
+            if seen.value(key) == chosen:
+                seen.drop(key, f"-> {core} (same value as {keys[0]})", EXACT)
+            else:
+                path, raw = seen.items.pop(key)
+                seen.ctx.keep(key, raw)
+                seen.ctx.note(path, APPROXIMATE, f"torsh has one {core}; {keys[0]}={chosen!r} is used", raw)
+
+
+def _hierarchical_partitioning(seen: _Seen, stage: int) -> None:
     hpz = seen.value("zero_optimization.zero_hpz_partition_size", 1)
     if hpz and hpz > 1 and stage == 3:
         seen.set("zero_optimization.zero_hpz_partition_size", "sharding.hybrid_shard_size", hpz, APPROXIMATE,
@@ -701,14 +717,17 @@ def _write_sharding(cfg: TorshConfig, ctx: WriteContext) -> None:
             continue
         core = "offload.optimizer" if part == "optimizer" else "offload.params"
         if s.stage == 0 or (part == "param" and s.stage < 3):
-            ctx.note(core, UNSUPPORTED, f"DeepSpeed offloads {'parameters only at stage 3' if part == 'param' else 'only under ZeRO'}", device)  # noqa: E501
+            where = "parameters only at stage 3" if part == "param" else "only under ZeRO (stage >= 1)"
+            ctx.note(core, UNSUPPORTED, f"DeepSpeed offloads {where}", device)
             continue
         ctx.put(f"zero_optimization.offload_{part}.device", device, core,
                 APPROXIMATE if part == "optimizer" else EXACT,
                 "DeepSpeed steps DeepSpeedCPUAdam on the offloaded state" if part == "optimizer" else "")
-        ctx.put(f"zero_optimization.offload_{part}.pin_memory", o.pin_memory, "offload.pin_memory")
-        if device == "nvme":
-            ctx.put(f"zero_optimization.offload_{part}.nvme_path", o.nvme_path, "offload.nvme_path")
+        kept = cfg.extensions.get("deepspeed", {})  # a second section's own value, when it differed on reading
+        for sub, value in (("pin_memory", o.pin_memory), ("nvme_path", o.nvme_path)):
+            if sub == "pin_memory" or device == "nvme":
+                key = f"zero_optimization.offload_{part}.{sub}"
+                ctx.put(key, kept.get(key, value), f"offload.{sub}")
     if s.hybrid_shard_size is not None:
         if s.stage == 3:
             ctx.put("zero_optimization.zero_hpz_partition_size", s.hybrid_shard_size, "sharding.hybrid_shard_size",

@@ -27,7 +27,6 @@ from torsh.translate import (
     Alias,
     Dropped,
     FieldMap,
-    Hook,
     Ignored,
     To,
     Translation,

@@ -66,7 +66,8 @@ def test_fp16_and_bf16_together_are_rejected_like_deepspeed():
         read({**BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}})
 
 
-@pytest.mark.parametrize(("stage", "semantics"), [(0, "deepspeed_stage0"), (1, "deepspeed_zero"), (3, "deepspeed_zero")])
+@pytest.mark.parametrize(("stage", "semantics"),
+                         [(0, "deepspeed_stage0"), (1, "deepspeed_zero"), (3, "deepspeed_zero")])
 def test_fp16_loss_scaling_names_whose_rules_apply(stage, semantics):
     ls = read({**BASE, "fp16": {"enabled": True, "initial_scale_power": 12, "hysteresis": 3},
                "zero_optimization": {"stage": stage}}).result.precision.loss_scaling  # fmt: skip
@@ -152,6 +153,12 @@ def test_auto_is_deferred_and_says_where_it_comes_from():
     assert out["train_batch_size"] == "auto" and out["zero_optimization"]["stage3_prefetch_bucket_size"] == "auto"
 
 
+@pytest.mark.parametrize("raw", [{"communication_data_type": "auto"}, {"torch_autocast": {"enabled": "auto"}}])
+def test_auto_where_deepspeed_fails_on_it_is_an_error(raw):
+    with pytest.raises(ConfigError, match="does not accept"):
+        read({**BASE, **raw})
+
+
 def test_auto_precision_flags_stay_auto():
     t = read({**BASE, "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}})
     assert t.result.precision.param_dtype is AUTO
@@ -213,6 +220,19 @@ def test_offload_param_below_stage_3_is_inert_as_in_deepspeed():
     assert "stage 3" in note(t, "zero_optimization.offload_param.device").reason
 
 
+def test_two_offload_sections_with_different_pin_memory_are_reported():
+    t = read({**BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+              "offload_param": {"device": "cpu", "pin_memory": False}}})  # fmt: skip
+    assert t.result.offload.pin_memory is True
+    assert note(t, "zero_optimization.offload_param.pin_memory").fidelity is Fidelity.APPROXIMATE
+    assert write(t.result)["zero_optimization"]["offload_param"]["pin_memory"] is False  # kept for DeepSpeed
+
+
+def test_hierarchical_partitioning_without_offload():
+    t = read({**BASE, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}})
+    assert t.result.sharding.hybrid_shard_size == 8
+
+
 def test_legacy_cpu_offload_and_boolean_zero():
     assert read({**BASE, "zero_optimization": {"stage": 2, "cpu_offload": True}}).result.offload.optimizer == "cpu"
     assert read({**BASE, "zero_optimization": True}).result.sharding.stage == 1
@@ -241,9 +261,9 @@ def test_sniff_detects_deepspeed_by_content():
 
 def test_cross_dialect_lossy_cells_are_reported():
     validate_all(
-        {"batch": {"micro_batch_size": 2}, "precision": {"param_dtype": "fp16", "loss_scaling": {
-            "mode": "dynamic", "semantics": "torch_grad_scaler"}}, "sharding": {"stage": 0, "sync_module_states": False},
-         "launch": {"nnodes": 2}},  # fmt: skip
+        {"batch": {"micro_batch_size": 2},
+         "precision": {"param_dtype": "fp16", "loss_scaling": {"mode": "dynamic", "semantics": "torch_grad_scaler"}},
+         "sharding": {"stage": 0, "sync_module_states": False}, "launch": {"nnodes": 2}},  # fmt: skip
         write={"deepspeed": Lossy({"precision.loss_scaling.semantics": "approximate",
                                    "sharding.sync_module_states": "unsupported", "launch.nnodes": "unsupported"},
                                   payload={"fp16": {"enabled": True, "loss_scale": 0}})},  # fmt: skip
