@@ -13,7 +13,8 @@ hysteresis vs stage 0's), warm-up shape ``log``. Every key ends in one note:
 * unknown keys -> dropped with a did-you-mean. DeepSpeed ignores unknown top-level keys silently (a misspelt
   ``gradient_clippping`` would leave clipping at 1.0); here they are lossy notes, so ``--strict`` fails on them.
 
-The cross-key rules (precision, optimizer, scheduler, offload) live in ``adapters/_deepspeed_rules.py``.
+The cross-key rules (precision, optimizer, scheduler, offload) live in ``adapters/_deepspeed_rules.py`` (reading)
+and ``adapters/_deepspeed_write.py`` (writing).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torsh.translate import (
 )
 
 from . import _deepspeed_rules as rules
+from ._deepspeed_write import WRITE_HOOKS
 
 NAME = "deepspeed"
 VERSIONS = ("0.19.8",)
@@ -260,4 +262,4 @@ def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
 
 
 # The write side: the derived reverse map, plus one hook per concept that spans several DeepSpeed keys.
-_WRITE_MAP = FieldMap({**FIELD_MAP, **rules.WRITE_HOOKS}, ALIASES)
+_WRITE_MAP = FieldMap({**FIELD_MAP, **WRITE_HOOKS}, ALIASES)

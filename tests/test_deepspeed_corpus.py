@@ -58,8 +58,9 @@ def test_removed_and_unknown_keys_in_the_corpus_are_reported_not_fatal():
 
 #: Values a trainer would fill for "auto" (DeepSpeed itself cannot parse "auto" batch sizes or optimizer args).
 FILLED = {"optimizer.lr": 1e-4, "optimizer.betas": (0.9, 0.999), "optimizer.eps": 1e-8,
-          "optimizer.weight_decay": 0.0, "gradients.clip_max_norm": 1.0, "scheduler.warmup_min_lr": 0.0, "scheduler.warmup_max_lr": 1e-4,
-          "scheduler.warmup_num_steps": 10, "scheduler.total_num_steps": 100, "precision.param_dtype": "bf16"}  # fmt: skip
+          "optimizer.weight_decay": 0.0, "gradients.clip_max_norm": 1.0, "scheduler.warmup_min_lr": 0.0,
+          "scheduler.warmup_max_lr": 1e-4, "scheduler.warmup_num_steps": 10, "scheduler.total_num_steps": 100,
+          "precision.param_dtype": "bf16"}  # fmt: skip
 
 
 def resolved(cfg: TorshConfig) -> TorshConfig:
