@@ -62,12 +62,24 @@ def _write_precision(cfg: TorshConfig, ctx: WriteContext) -> None:
         ctx.put("communication_data_type", reduce, "precision.reduce_dtype")
     if p.buffer_dtype is not None:
         ctx.put("data_types.buffer_dtype", p.buffer_dtype, "precision.buffer_dtype")
+    _write_compression(cfg, ctx, written_reduce=reduce is not None and reduce != follows)
     if param == "bf16" and not p.autocast:
         if not p.skip_step_on_nonfinite:
             ctx.put("bf16.check_grad_overflow", False, "precision.skip_step_on_nonfinite")
     elif param == "fp32" and p.skip_step_on_nonfinite:
         ctx.note("precision.skip_step_on_nonfinite", UNSUPPORTED, "DeepSpeed checks for overflow only in fp16/bf16",
                  True)  # fmt: skip
+
+
+def _write_compression(cfg: TorshConfig, ctx: WriteContext, *, written_reduce: bool) -> None:
+    """fp16/bf16 compression of the reduction is DeepSpeed's communication_data_type; nothing else has a key."""
+    c = cfg.compression
+    if c.method in ("fp16", "bf16") and not written_reduce:
+        ctx.put("communication_data_type", c.method, "compression.method", APPROXIMATE,
+                "DeepSpeed reduces in this dtype (no compression hook, no period or warm-up)")  # fmt: skip
+    elif c.method != "none":
+        ctx.note("compression", UNSUPPORTED, f"DeepSpeed 0.19.8 has no {c.method} gradient compression (its 1-bit "
+                 "optimizers were removed)", c.model_dump(mode="json", exclude_defaults=True))  # fmt: skip
 
 
 def _write_loss_scaling(cfg: TorshConfig, ctx: WriteContext) -> None:
@@ -195,7 +207,7 @@ def _write_pipeline_stages(cfg: TorshConfig, ctx: WriteContext) -> None:
 
 #: One write hook per concept that spans several DeepSpeed keys (keyed by a name, not a DeepSpeed path).
 WRITE_HOOKS = {
-    "<precision>": Hook(write=_write_precision, claims=("precision",)),
+    "<precision>": Hook(write=_write_precision, claims=("precision", "compression")),
     "<sharding>": Hook(write=_write_sharding, claims=("offload", "sharding.hybrid_shard_size",
                        "sharding.reshard_after_forward", "sharding.wrap", "sharding.backward_prefetch",
                        "sharding.forward_prefetch", "sharding.sync_module_states")),  # fmt: skip

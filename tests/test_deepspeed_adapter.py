@@ -297,3 +297,11 @@ def test_schema_is_valid_and_knows_every_top_level_key_of_the_map():
     zero = {k.split(".")[1] for k in list(deepspeed.FIELD_MAP) + list(deepspeed.ALIASES)
             if k.startswith("zero_optimization.")}  # fmt: skip
     assert zero <= set(schema["properties"]["zero_optimization"]["properties"])
+
+
+def test_fp16_compression_from_another_dialect_becomes_communication_data_type():
+    validate_all({"batch": {"micro_batch_size": 2}, "compression": {"method": "fp16"}},
+                 write={"deepspeed": Lossy({"compression.method": "approximate"},
+                                           payload={"communication_data_type": "fp16"})})  # fmt: skip
+    validate_all({"batch": {"micro_batch_size": 2}, "compression": {"method": "powersgd", "rank": 2}},
+                 write={"deepspeed": Lossy({"compression": "unsupported"})})
