@@ -68,6 +68,7 @@ _DEEPSPEED_OWN_AUTO = ("pipeline.stages", "data_types.keep_in_fp32_modules", "ze
 
 
 def _scratch(ctx: ReadContext) -> dict[str, tuple[str, Any]]:
+    # ReadContext has no per-dialect state; the recorded keys of this read live on the context instance.
     return ctx.__dict__.setdefault("deepspeed_seen", {})
 
 
@@ -319,7 +320,7 @@ def _precision(seen: _Seen, stage: int) -> None:
     fp16_possible = param == "fp16" or (param is AUTO and is_deferred(fp16_on))
     bf16_possible = param == "bf16" or (param is AUTO and is_deferred(bf16_on))
     # enabled flags: one core value (param_dtype); an "auto" flag stays "auto" in the DeepSpeed export
-    for key, flag in (("fp16.enabled", fp16_on), ("bf16.enabled", bf16_on)):
+    for key in ("fp16.enabled", "bf16.enabled"):
         if not seen.has(key):
             continue
         path, raw = seen.items.pop(key)
