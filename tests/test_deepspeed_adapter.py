@@ -305,3 +305,17 @@ def test_fp16_compression_from_another_dialect_becomes_communication_data_type()
                                            payload={"communication_data_type": "fp16"})})  # fmt: skip
     validate_all({"batch": {"micro_batch_size": 2}, "compression": {"method": "powersgd", "rank": 2}},
                  write={"deepspeed": Lossy({"compression": "unsupported"})})
+
+
+@pytest.mark.slow
+def test_checked_in_schema_matches_the_installed_deepspeed():
+    import json
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is needed to regenerate its schema")
+    from torsh import schemas
+    from torsh.schemas._generate_deepspeed import build
+
+    assert json.loads(json.dumps(build())) == schemas.load("deepspeed"), (
+        "schemas/deepspeed.schema.json is stale: DS_ACCELERATOR=cpu python -m torsh.schemas._generate_deepspeed")
