@@ -74,6 +74,7 @@ def _removed(instead: str) -> dict:
 
 
 def zero_schema() -> dict:
+    """``zero_optimization``: DeepSpeed's strict section, plus the legacy boolean form and removed keys."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from deepspeed.runtime.zero.offload_config import (
         DeepSpeedZeroOffloadOptimizerConfig,
@@ -97,6 +98,7 @@ def zero_schema() -> dict:
 
 
 def top_level() -> dict:
+    """Every top-level key DeepSpeed 0.19.8 reads (or rejects as removed)."""
     from deepspeed.comm.config import CommsLoggerConfig
     from deepspeed.compile.config import CompileConfig
     from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
