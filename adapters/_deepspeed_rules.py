@@ -533,8 +533,9 @@ def _optimizer(seen: _Seen) -> None:
         name = _DEEPSPEED_ONLY_OPTIMIZERS[lower]
         seen.set("optimizer.type", "optimizer.name", name, UNSUPPORTED,
                  f"{name} is DeepSpeed-only: the torsh engine cannot build it (DeepSpeed export keeps it)")
-    elif given in _TORCH_OPTIMIZERS:
-        seen.set("optimizer.type", "optimizer.name", given, EXACT, "built as torch.optim." + given)
+    elif given in _TORCH_OPTIMIZERS or lower == "adagrad":  # DeepSpeed matches its own names case-insensitively
+        name = "Adagrad" if lower == "adagrad" else given
+        seen.set("optimizer.type", "optimizer.name", name, EXACT, "built as torch.optim." + name)
     else:
         hint = did_you_mean(str(given), _TORCH_OPTIMIZERS + tuple(_DEEPSPEED_ONLY_OPTIMIZERS.values()))
         seen.ctx.problem(path, given, "not a DeepSpeed optimizer or a torch.optim class (DeepSpeed asserts)", hint)

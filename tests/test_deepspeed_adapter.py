@@ -132,6 +132,16 @@ def test_unknown_scheduler_argument_gets_a_suggestion():
     assert n.fidelity is Fidelity.DROPPED and "warmup_num_steps" in n.reason
 
 
+@pytest.mark.parametrize(("given", "name"), [("adagrad", "Adagrad"), ("SGD", "SGD"), ("lamb", "Lamb")])
+def test_optimizer_names_follow_deepspeed_s_matching(given, name):
+    assert read({**BASE, "optimizer": {"type": given, "params": {"lr": 0.1}}}).result.optimizer.name == name
+
+
+def test_unknown_optimizer_is_an_error_with_a_suggestion():
+    with pytest.raises(ConfigError, match="did you mean 'AdamW'"):
+        read({**BASE, "optimizer": {"type": "AdamWW"}})
+
+
 def test_torch_scheduler_passes_through():
     t = read({**BASE, "scheduler": {"type": "StepLR", "params": {"step_size": 10}}})
     assert t.result.scheduler.kwargs == {"step_size": 10}
