@@ -74,8 +74,9 @@ def precision_contract(precision: PrecisionConfig, sharding: ShardingConfig, off
         ContractRow("buffers", _dtype(p.buffer_dtype) if p.buffer_dtype else "as loaded",
                     "cast to this dtype" if p.buffer_dtype else "not cast with the parameters (e.g. RoPE inv_freq "
                     "keeps its precision)"),  # fmt: skip
-        ContractRow("checkpoint", f"weights {param}, master {_dtype(p.master_dtype)}",
-                    f"model weights are saved in the compute dtype, master weights and optimizer state "
+        ContractRow("checkpoint", f"weights {'fp32' if p.autocast else param}, master {_dtype(p.master_dtype)}",
+                    "model weights are saved as held (in the compute dtype unless autocast), master weights and "
+                    "optimizer state "
                     f"({_dtype(p.optimizer_state_dtype)}) in the optimizer state"
                     + ("; consolidated 16-bit weights are also saved" if checkpoint.save_full_weights else "")),
     ]

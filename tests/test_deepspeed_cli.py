@@ -120,3 +120,12 @@ def test_convert_and_explain_never_import_torch():
             "sys.stderr.write('TORCH_LOADED' if 'torch' in sys.modules else 'NO_TORCH')")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stderr.endswith("NO_TORCH")
+
+
+def test_torch_autocast_contract_keeps_fp32_parameters():
+    cfg = adapters.read({"train_batch_size": 8, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+                        "deepspeed").result  # fmt: skip
+    rows = {r.tensor: r.dtype for r in precision_contract(cfg.precision, cfg.sharding, cfg.offload, cfg.checkpoint)}
+    assert rows["parameters in compute"] == "fp32" and rows["checkpoint"].startswith("weights fp32")
+    assert rows["gradient reduction"] == "fp32"  # DeepSpeed's default when neither fp16 nor bf16 is enabled
+    assert any("torch.autocast(bf16)" in step for step in engine_plan(cfg))
