@@ -163,3 +163,13 @@ def test_deepspeed_parses_original_and_export_to_the_same_settings(path, ds_conf
         pytest.skip("DeepSpeed 0.19.8 parses this file but its engine rejects the removed 1-bit optimizer")
     exported = ds_config_class(adapters.write(cfg, "deepspeed").result)
     assert effective(exported) == effective(original)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("removed", [{"amp": {"enabled": True, "opt_level": "O1"}}, {"elasticity": {"enabled": False}},
+                                     {"progressive_layer_drop": {"enabled": True}}, {"sparse_gradients": True}])
+def test_configs_with_removed_keys_export_to_something_deepspeed_accepts(removed, ds_config_class):
+    raw = {"train_batch_size": 8, "zero_optimization": {"stage": 2, "mics_shard_size": 4}, **removed}
+    with pytest.raises(Exception, match="removed"):
+        ds_config_class(raw)
+    ds_config_class(adapters.write(adapters.read(raw, "deepspeed").result, "deepspeed").result)
