@@ -261,8 +261,9 @@ class LossScalingConfig(Section):
 class PrecisionConfig(Section):
     """The precision contract: the dtype of every tensor class in training."""
 
-    param_dtype: DType = "fp32"
-    """Parameters in forward/backward compute (DeepSpeed casts the model to it; FSDP2 ``param_dtype``)."""
+    param_dtype: DType | MaybeAuto = "fp32"
+    """Parameters in forward/backward compute (DeepSpeed casts the model to it; FSDP2 ``param_dtype``).
+    ``"auto"``: chosen at start-up from the training arguments (Hugging Face's ``fp16/bf16.enabled: "auto"``)."""
     reduce_dtype: DType | None = None
     """Gradient reduction across ranks. None: same as ``param_dtype``."""
     buffer_dtype: DType | None = None
@@ -291,11 +292,13 @@ class PrecisionConfig(Section):
         return self
 
     @property
-    def effective_reduce_dtype(self) -> str:
+    def effective_reduce_dtype(self) -> str | Deferred:
+        """The gradient reduction dtype (AUTO while ``param_dtype`` is deferred and no explicit value is set)."""
         return self.reduce_dtype or self.param_dtype
 
     @property
-    def effective_grad_accum_dtype(self) -> str:
+    def effective_grad_accum_dtype(self) -> str | Deferred:
+        """The gradient accumulation dtype (AUTO while ``param_dtype`` is deferred and no explicit value is set)."""
         return self.grad_accum_dtype or self.param_dtype
 
 

@@ -54,5 +54,7 @@ def check(data: Any, dialect: str) -> list[Problem]:
     problems = []
     for err in sorted(validator.iter_errors(data), key=lambda e: list(map(str, e.absolute_path))):
         path = ".".join(str(p) for p in err.absolute_path)
-        problems.append(Problem(path, err.instance if err.validator != "additionalProperties" else None, err.message))
+        # For "one of these shapes" (anyOf) the closest branch says what is wrong better than "not valid under any".
+        message = jsonschema.exceptions.best_match(err.context).message if err.context else err.message
+        problems.append(Problem(path, err.instance if err.validator != "additionalProperties" else None, message))
     return problems

@@ -1,0 +1,58 @@
+"""``torsh-migrate explain FILE [--world-size N]``: what a config of any dialect means at run time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("explain", help="batch math, precision contract, loss scaling and engine plan",
+                            description="Read a config of any dialect and print what it means at run time: the "
+                            "resolved batch sizes, the dtype of every tensor class (the precision contract), the "
+                            "loss-scaling rule and what torsh.initialize would build.")  # fmt: skip
+    parser.add_argument("file", help="config file (JSON, hjson, YAML or TOML)")
+    parser.add_argument("--world-size", type=int, default=1, metavar="N",
+                        help="data-parallel ranks to resolve the batch sizes for (default: 1)")
+    parser.add_argument("--from", dest="dialect", metavar="DIALECT",
+                        help="dialect of the input (default: detected from the content)")
+    parser.add_argument("--format", choices=["table", "json"], default="table", help="output format")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from torsh import adapters
+    from torsh.contract import explain
+    from torsh.errors import ConfigError, Problem
+
+    if args.world_size < 1:
+        raise ConfigError([Problem("--world-size", args.world_size, "must be at least 1")])
+    translation = adapters.load(args.file, args.dialect)
+    data = explain(translation.result, args.world_size)
+    if args.format == "json":
+        data["precision_contract"] = [asdict(r) for r in data["precision_contract"]]
+        json.dump({"file": args.file, "dialect": translation.source, **data}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=sys.stdout, width=120, highlight=False)
+    console.print(f"[bold]{args.file}[/bold] ({translation.source})")
+    console.print(f"\n[bold]Batch[/bold] ({args.world_size} data-parallel rank(s)): {data['batch']}")
+    table = Table(title="Precision contract", title_justify="left")
+    for column in ("tensor", "dtype", "detail"):
+        table.add_column(column, overflow="fold")
+    for row in data["precision_contract"]:
+        table.add_row(row.tensor, row.dtype, row.detail)
+    console.print(table)
+    console.print(f"[bold]Loss scaling[/bold]: {data['loss_scaling']}")
+    console.print("\n[bold]Engine[/bold]:")
+    for i, step in enumerate(data["engine"], 1):
+        console.print(f"  {i}. {step}")
+    if data["deferred"]:
+        console.print(f"\n[bold]Deferred (\"auto\")[/bold]: {', '.join(data['deferred'])}")
+    return 0

@@ -1,0 +1,180 @@
+"""What a config means at run time, in words: batch math, the precision contract, loss scaling, the engine plan.
+
+Pure functions of the core model (no torch): ``torsh-migrate explain`` prints them for a config of any dialect,
+and the engine shows the same contract when it starts, so what a user reads before a run is what runs.
+
+The precision contract is the table users rebuilt by hand when a DeepSpeed job was ported to FSDP and stopped
+converging: the dtype of every tensor class, from model load to checkpoint. DeepSpeed keeps fp32 master
+weights and optimizer state, reduces in the compute dtype and accumulates gradients in it unless told
+otherwise; a port that silently changes any one of these cells changes the training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import BatchConfig, CheckpointConfig, OffloadConfig, PrecisionConfig, ShardingConfig, TorshConfig
+from .deferred import Deferred
+from .errors import ConfigError
+
+AUTO_TEXT = "auto (chosen at start-up)"
+
+
+@dataclass(frozen=True)
+class ContractRow:
+    """One tensor class of the precision contract."""
+
+    tensor: str
+    """What is held (model load, parameters in compute, master weights, ...)."""
+    dtype: str
+    """Its dtype (fp32 / bf16 / fp16), or a short phrase when it depends on the script."""
+    detail: str
+    """Where it lives and why, in a sentence."""
+
+
+def _dtype(value: object) -> str:
+    return AUTO_TEXT if isinstance(value, Deferred) else str(value)
+
+
+def precision_contract(precision: PrecisionConfig, sharding: ShardingConfig, offload: OffloadConfig,
+                       checkpoint: CheckpointConfig, reduce_op: str = "mean") -> list[ContractRow]:  # fmt: skip
+    """The dtype of every tensor class in training, in the order a step touches them."""
+    p = precision
+    param = _dtype(p.param_dtype)
+    low = p.param_dtype != "fp32"
+    where_master = "sharded across data-parallel ranks" if sharding.stage >= 1 else "replicated on every rank"
+    if offload.optimizer != "none":
+        where_master += f", offloaded to {offload.optimizer}"
+    if p.autocast:
+        compute = ContractRow("parameters in compute", "fp32",
+                              f"parameters stay fp32; forward runs under torch.autocast({param}), which keeps "
+                              "some ops in fp32")  # fmt: skip
+        load = ContractRow("model load", "as built (fp32 expected)", "no cast: autocast works on fp32 parameters")
+    else:
+        compute = ContractRow("parameters in compute", param,
+                              "parameters are cast to it (the whole forward and backward run in it)" if low
+                              else "full precision")  # fmt: skip
+        load = ContractRow("model load", "as built by the script",
+                           f"cast to {param} for compute; the {_dtype(p.master_dtype)} master copy is made from "
+                           "the loaded values (loading in bf16 loses the low bits before training starts)"
+                           if low else "used as is (load in fp32 for an fp32 run)")  # fmt: skip
+    reduce_detail = {"mean": "averaged", "sum": "summed", "adasum": "combined with Adasum"}[reduce_op]
+    return [
+        load,
+        compute,
+        ContractRow("master weights", _dtype(p.master_dtype), f"the copy the optimizer updates; {where_master}"),
+        ContractRow("gradient reduction", _dtype(p.effective_reduce_dtype),
+                    f"gradients are {reduce_detail} across ranks in this dtype"
+                    + ("" if p.reduce_dtype is not None else " (follows the compute dtype)")),  # fmt: skip
+        ContractRow("gradient accumulation", _dtype(p.effective_grad_accum_dtype),
+                    "micro-batch gradients are summed in this dtype until the optimizer step"
+                    + ("" if p.grad_accum_dtype is not None else " (follows the compute dtype)")),  # fmt: skip
+        ContractRow("optimizer state", _dtype(p.optimizer_state_dtype),
+                    "Adam moments; " + ("on " + offload.optimizer if offload.optimizer != "none" else where_master)),
+        ContractRow("buffers", _dtype(p.buffer_dtype) if p.buffer_dtype else "as loaded",
+                    "cast to this dtype" if p.buffer_dtype else "not cast with the parameters (e.g. RoPE inv_freq "
+                    "keeps its precision)"),  # fmt: skip
+        ContractRow("checkpoint", f"weights {'fp32' if p.autocast else param}, master {_dtype(p.master_dtype)}",
+                    "model weights are saved as held (in the compute dtype unless autocast), master weights and "
+                    "optimizer state "
+                    f"({_dtype(p.optimizer_state_dtype)}) in the optimizer state"
+                    + ("; consolidated 16-bit weights are also saved" if checkpoint.save_full_weights else "")),
+    ]
+
+
+def loss_scaling_rule(precision: PrecisionConfig) -> str:
+    """How the loss is scaled and when a step is skipped, in one paragraph."""
+    ls = precision.loss_scaling
+    skip = ("steps with a non-finite gradient norm skip the optimizer and LR-scheduler step"
+            if precision.skip_step_on_nonfinite else "steps are never skipped")  # fmt: skip
+    if ls.mode == "none":
+        return f"No loss scaling; {skip}."
+    if ls.mode == "static":
+        return f"Static loss scale {ls.static_scale:g}; {skip}."
+    start = f"{ls.initial_scale:g}"
+    if ls.semantics == "torch_grad_scaler":
+        rule = (f"torch GradScaler rules: start at {start}, multiply by {ls.backoff_factor:g} on every overflow "
+                f"(no floor), by {ls.growth_factor:g} after exactly {ls.growth_interval} clean steps")
+    elif ls.semantics == "deepspeed_stage0":
+        rule = (f"DeepSpeed stage-0 rules: start at {start}, halve on every overflow (hysteresis is ignored) down "
+                f"to {ls.min_scale:g}, double after {ls.growth_interval + 1} clean steps and then every "
+                f"{ls.growth_interval}")  # fmt: skip
+    else:
+        rule = (f"DeepSpeed ZeRO rules: start at {start}; an overflow halves the scale only after {ls.hysteresis} "
+                f"overflow(s) (hysteresis{', refilled by every clean step' if ls.consecutive_hysteresis else ''}); "
+                f"the floor is {ls.min_scale:g} and an overflow at the floor is an error; double after "
+                f"{ls.growth_interval + 1} clean steps and then every {ls.growth_interval}")  # fmt: skip
+    return f"Dynamic loss scaling, {rule}; {skip}."
+
+
+def engine_plan(cfg: TorshConfig) -> list[str]:
+    """What ``torsh.initialize`` builds for this config, in build order."""
+    s, o, p = cfg.sharding, cfg.offload, cfg.precision
+    steps = []
+    if cfg.activation_checkpointing.enabled:
+        which = ", ".join(cfg.activation_checkpointing.modules) or "each sharding unit"
+        steps.append(f"activation checkpointing of {which}"
+                     + (" (saved activations on the CPU)" if cfg.activation_checkpointing.cpu_offload else ""))
+    if s.stage == 0:
+        steps.append("DDP (DistributedDataParallel): parameters, gradients and optimizer state replicated")
+    elif s.stage == 1:
+        steps.append("ZeRO-1: DDP + ZeroRedundancyOptimizer (optimizer state sharded, parameters replicated)")
+    else:
+        reshard = s.effective_reshard_after_forward
+        mesh = (f"HSDP on a 2-D mesh (shard within groups of {s.hybrid_shard_size}, replicate across groups)"
+                if s.hybrid_shard_size else "sharded over all data-parallel ranks")  # fmt: skip
+        steps.append(f"FSDP2 fully_shard(reshard_after_forward={reshard}) - ZeRO-{s.stage}-like, {mesh}")
+    if p.param_dtype != "fp32" and not p.autocast:
+        if s.stage >= 2:
+            steps.append(f"MixedPrecisionPolicy(param_dtype={_dtype(p.param_dtype)}, "
+                         f"reduce_dtype={_dtype(p.effective_reduce_dtype)}) with fp32 sharded parameters")
+        else:
+            steps.append(f"parameters cast to {_dtype(p.param_dtype)} for compute, "
+                         f"{_dtype(p.master_dtype)} master weights in the optimizer")  # fmt: skip
+    elif p.autocast:
+        steps.append(f"torch.autocast({_dtype(p.param_dtype)}) around forward")
+    if o.params != "none" or o.optimizer != "none":
+        parts = [f"parameters -> {o.params}" if o.params != "none" else "", f"optimizer -> {o.optimizer}"
+                 if o.optimizer != "none" else ""]  # fmt: skip
+        how = "CPUOffloadPolicy(pin_memory=%s)" % o.pin_memory if "nvme" not in (o.params, o.optimizer) else (
+            "NVMe offload is not supported by the engine")
+        steps.append(f"offload ({', '.join(x for x in parts if x)}): {how}")
+    if cfg.compression.method != "none":
+        steps.append(f"gradient compression: {cfg.compression.method} communication hook")
+    opt = cfg.optimizer
+    if opt is not None and opt.name:
+        steps.append(f"optimizer {opt.name} built after sharding")
+    if cfg.scheduler is not None:
+        steps.append(f"LR scheduler {cfg.scheduler.name}")
+    if p.loss_scaling.mode != "none" and (p.param_dtype == "fp16" or isinstance(p.param_dtype, Deferred)):
+        steps.append(f"loss scaler ({p.loss_scaling.mode}, {p.loss_scaling.semantics} rules)")
+    clip = cfg.gradients.clip_max_norm
+    steps.append(f"gradient clipping at global norm {clip}" if clip and not isinstance(clip, Deferred)
+                 else "gradient clipping: " + ("auto" if isinstance(clip, Deferred) else "off"))
+    return steps
+
+
+def batch_math(batch: BatchConfig, world_size: int) -> str:
+    """The resolved batch sizes for ``world_size`` data-parallel ranks, or why they cannot be resolved yet."""
+    deferred = [k for k, v in batch if isinstance(v, Deferred)]
+    if deferred:
+        return f"not resolved yet: {', '.join(deferred)} are \"auto\" (torsh.initialize fills them from the " \
+               "dataloader and the world size)"
+    try:
+        r = batch.resolve(world_size)
+    except ConfigError as exc:
+        return f"cannot resolve for {world_size} rank(s): " + "; ".join(p.reason for p in exc.problems)
+    return (f"global batch {r.global_batch_size} = micro batch {r.micro_batch_size} x gradient accumulation "
+            f"{r.gradient_accumulation_steps} x {r.world_size} data-parallel rank(s)")
+
+
+def explain(cfg: TorshConfig, world_size: int = 1) -> dict:
+    """Everything ``torsh-migrate explain`` prints, as data."""
+    return {
+        "batch": batch_math(cfg.batch, world_size),
+        "precision_contract": precision_contract(cfg.precision, cfg.sharding, cfg.offload, cfg.checkpoint,
+                                                 cfg.gradients.reduce_op),
+        "loss_scaling": loss_scaling_rule(cfg.precision),
+        "engine": engine_plan(cfg),
+        "deferred": cfg.deferred_paths(),
+    }

@@ -1,0 +1,190 @@
+"""Regenerate ``deepspeed.schema.json`` from DeepSpeed's own config field types and allowed values.
+
+A maintenance tool for a DeepSpeed version bump; it needs the pinned DeepSpeed installed:
+``DS_ACCELERATOR=cpu python -m torsh.schemas._generate_deepspeed [OUT]`` (default: next to this file).
+Only field names, types and enum values are taken from DeepSpeed's pydantic sections; the sections DeepSpeed
+reads with plain ``dict.get`` are described by hand below. ``"auto"`` (the Hugging Face convention) is
+allowed on scalars, and unknown top-level keys are allowed because DeepSpeed ignores them (the adapter
+reports them); DeepSpeed's strict sections forbid unknown keys.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+AUTO = {"const": "auto"}
+NUMBER = {"anyOf": [{"type": "number"}, AUTO]}
+POSITIVE_INT = {"anyOf": [{"type": "integer", "minimum": 1}, AUTO]}
+BOOLEAN = {"anyOf": [{"type": "boolean"}, AUTO]}
+OBJECT = {"type": "object"}
+DTYPE = {"anyOf": [{"enum": ["fp16", "bf16", "fp32", "float16", "bfloat16", "float32", "half", "float", "FP16",
+                             "BF16", "FP32", "torch.float16", "torch.bfloat16", "torch.float32"]},
+                   AUTO, {"type": "null"}]}  # fmt: skip
+
+
+def field_schema(annotation: Any) -> dict:
+    """The JSON Schema of one pydantic field annotation of a DeepSpeed config section."""
+    from pydantic import BaseModel
+
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union:
+        members = [field_schema(a) for a in typing.get_args(annotation) if a is not type(None)]
+        inner = members[0] if len(members) == 1 else {"anyOf": members}
+        return {"anyOf": [inner, {"type": "null"}]}
+    if origin is typing.Literal:
+        return {"enum": list(typing.get_args(annotation))}
+    if origin in (list, typing.List):  # noqa: UP006 - DeepSpeed annotates with typing.List
+        return {"type": "array"}
+    if origin in (dict, typing.Dict):  # noqa: UP006
+        return {"type": "object"}
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return {"enum": [m.value[0] if isinstance(m.value, tuple) else m.value for m in annotation]}
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return model_schema(annotation)
+    simple = {bool: "boolean", int: "number", float: "number", str: "string"}  # 5e8-style numbers are common
+    if annotation in simple:
+        return {"type": simple[annotation]}
+    return {"type": "string"} if str(annotation).endswith("Path'>") else {}
+
+
+def _with_auto(schema: dict) -> dict:
+    if schema.get("type") == "object" and "properties" in schema:
+        return schema
+    return {"anyOf": [schema, AUTO]} if schema else {}
+
+
+def model_schema(model: Any) -> dict:
+    """A strict object schema for a DeepSpeed pydantic section (field names and aliases both accepted)."""
+    properties = {}
+    for name, field in model.model_fields.items():
+        properties[name] = _with_auto(field_schema(field.annotation))
+        if field.alias:
+            properties[field.alias] = properties[name]
+    return {"type": "object", "properties": properties, "additionalProperties": False}
+
+
+def _removed(instead: str) -> dict:
+    return {"description": f"Removed in DeepSpeed 0.19.8 (DeepSpeedConfig raises): {instead}"}
+
+
+def zero_schema() -> dict:
+    """``zero_optimization``: DeepSpeed's strict section, plus the legacy boolean form and removed keys."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
+
+    zero = model_schema(DeepSpeedZeroConfig)
+    props = zero["properties"]
+    props["offload_param"] = {**model_schema(DeepSpeedZeroOffloadParamConfig), "type": ["object", "null"]}
+    props["offload_optimizer"] = {**model_schema(DeepSpeedZeroOffloadOptimizerConfig), "type": ["object", "null"]}
+    zero["type"] = ["object", "boolean"]
+    zero["description"] = "ZeRO settings; the legacy form true/false means stage 1/0."
+    props["stage"] = {"anyOf": [{"enum": [0, 1, 2, 3]}, AUTO]}
+    props["reduce_bucket_size"] = {"anyOf": [{"type": "number", "minimum": 0}, AUTO], "description": (
+        "Elements per reduction bucket; DeepSpeed 0.19.8 requires > 0 (0 is reported and dropped).")}
+    props["zenflow"] = {"type": ["object", "null"]}
+    props["leaf_module"] = {"type": "object"}
+    for key in ("mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param"):
+        props[key] = {"description": "Removed in DeepSpeed 0.19.8 (DeepSpeedConfig raises)."}
+    return zero
+
+
+def top_level() -> dict:
+    """Every top-level key DeepSpeed 0.19.8 reads (or rejects as removed)."""
+    from deepspeed.comm.config import CommsLoggerConfig
+    from deepspeed.compile.config import CompileConfig
+    from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+
+    bf16 = model_schema(DeepSpeedBF16Config)
+    nullable = {"type": ["string", "null"]}
+    return {
+        "train_batch_size": POSITIVE_INT, "train_micro_batch_size_per_gpu": POSITIVE_INT,
+        "gradient_accumulation_steps": POSITIVE_INT, "managed_gradient_accumulation": BOOLEAN,
+        "steps_per_print": {"anyOf": [{"type": "number", "minimum": 1}, {"type": "null"}, AUTO]},
+        "dump_state": BOOLEAN, "disable_python_gc": BOOLEAN, "disable_allgather": BOOLEAN,
+        "communication_data_type": DTYPE, "seq_parallel_communication_data_type": DTYPE,
+        "prescale_gradients": BOOLEAN,
+        "gradient_predivide_factor": {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, AUTO]},
+        "gradient_allreduce_op": {"anyOf": [{"enum": ["mean", "sum", "MEAN", "SUM"]}, AUTO]},
+        "gradient_clipping": {"anyOf": [{"type": "number", "minimum": 0}, AUTO]},
+        "zero_allow_untested_optimizer": BOOLEAN, "zero_force_ds_cpu_optimizer": BOOLEAN,
+        "wall_clock_breakdown": BOOLEAN, "memory_breakdown": BOOLEAN, "dataloader_drop_last": BOOLEAN,
+        "log_level": nullable, "vocabulary_size": {"type": ["integer", "null"]},
+        "use_data_before_expert_parallelism": BOOLEAN, "sequence_parallel_size": {"type": "integer"},
+        "data_parallel_size": {"type": "integer"}, "weight_quantization": OBJECT, "expert_parallel": OBJECT,
+        "fp16": model_schema(DeepSpeedFP16Config), "bf16": bf16, "bfloat16": bf16,
+        "torch_autocast": {"type": "object", "properties": {
+            "enabled": BOOLEAN, "dtype": DTYPE,
+            "lower_precision_safe_modules": {"type": "array", "items": {"type": "string"}}},
+            "additionalProperties": True},
+        "data_types": {"type": "object", "properties": {
+            "grad_accum_dtype": DTYPE, "param_dtype": DTYPE, "buffer_dtype": DTYPE,
+            "keep_in_fp32_modules": {"anyOf": [AUTO, {"type": "array", "items": {"type": "string"}}]}},
+            "additionalProperties": True},
+        "zero_optimization": zero_schema(),
+        "allgather_size": NUMBER,
+        "optimizer": {"type": "object", "properties": {"type": {"type": "string"}, "params": OBJECT,
+                                                       "legacy_fusion": BOOLEAN},
+                      "required": ["type"], "additionalProperties": True},
+        "scheduler": {"type": "object", "properties": {"type": {"type": "string"}, "params": OBJECT},
+                      "required": ["type"], "additionalProperties": True},
+        "activation_checkpointing": {"type": "object", "properties": {
+            **{k: BOOLEAN for k in ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                                    "synchronize_checkpoint_boundary", "profile")},
+            "number_checkpoints": {"type": ["integer", "null"]}}, "additionalProperties": True},
+        "tensorboard": model_schema(TensorBoardConfig), "wandb": model_schema(WandbConfig),
+        "csv_monitor": model_schema(CSVConfig), "comet": model_schema(CometConfig),
+        "comms_logger": model_schema(CommsLoggerConfig),
+        "flops_profiler": {"type": "object", "properties": {
+            "enabled": BOOLEAN, "recompute_fwd_factor": NUMBER, "profile_step": POSITIVE_INT,
+            "module_depth": {"type": "integer"}, "top_modules": POSITIVE_INT, "detailed": BOOLEAN,
+            "output_file": nullable}, "additionalProperties": True},
+        "checkpoint": {"type": "object", "properties": {
+            "tag_validation": {"type": "string", "pattern": "^(?i:warn|ignore|fail)$"}, "load_universal": BOOLEAN,
+            "use_node_local_storage": BOOLEAN, "parallel_write": OBJECT, "checkpoint_serialization": BOOLEAN,
+            "writer": {"type": ["object", "null"]}}, "additionalProperties": True},
+        "datastates_ckpt": OBJECT, "timers": OBJECT, "autotuning": OBJECT, "data_efficiency": OBJECT,
+        "hybrid_engine": OBJECT, "compile": model_schema(CompileConfig), "tensor_parallel": OBJECT,
+        "pipeline": OBJECT,
+        "aio": {"type": "object", "properties": {
+            "block_size": NUMBER, "queue_depth": NUMBER, "intra_op_parallelism": NUMBER,
+            "single_submit": BOOLEAN, "overlap_events": BOOLEAN, "use_gds": BOOLEAN}, "additionalProperties": True},
+        "amp": _removed("use bf16, fp16 or torch_autocast"), "elasticity": _removed("set the batch keys directly"),
+        "compression_training": _removed("the compression library is gone"),
+        "quantize_training": _removed("MoQ is gone"), "eigenvalue": _removed("MoQ is gone"),
+        "sparse_gradients": _removed("sparse embeddings need no flag"),
+        "sparse_attention": _removed("use scaled_dot_product_attention"), "nebula": _removed("use checkpoint"),
+        "graph_harvesting": _removed("no replacement"), "curriculum_learning": _removed("use data_efficiency"),
+        "progressive_layer_drop": _removed("no replacement"),
+    }  # fmt: skip
+
+
+def build() -> dict:
+    """The whole schema."""
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "deepspeed.schema.json",
+        "title": "DeepSpeed 0.19.8 config",
+        "description": "The DeepSpeed 0.19.8 config surface (types and allowed values). Unknown top-level keys are "
+        "allowed, as DeepSpeed ignores them (the torsh adapter reports them); sections that DeepSpeed validates "
+        "strictly forbid unknown keys. \"auto\" (the Hugging Face convention) is accepted on scalar values.",
+        "type": "object",
+        "properties": top_level(),
+        "additionalProperties": True,
+    }
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).with_name("deepspeed.schema.json")
+    out.write_text(json.dumps(build(), indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {out}")
