@@ -172,12 +172,12 @@ def _stub_deepspeed(monkeypatch):
 def test_deepspeed_config_file_notes_are_prefixed_and_errors_located(tmp_path, monkeypatch):
     if not HAVE_DEEPSPEED:
         _stub_deepspeed(monkeypatch)
-    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3, "stag": 1}}))
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 5}}))
     (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
                                        "  deepspeed_config_file: ds.json\n")
     with pytest.raises(ConfigError) as exc:
         adapters.load(tmp_path / "acc.yaml")
-    assert any(p.path.startswith("deepspeed_config.deepspeed_config_file:ds.json.zero_optimization.stag")
+    assert any(p.path.startswith("deepspeed_config.deepspeed_config_file:ds.json.zero_optimization.stage")
                for p in exc.value.problems)
 
 
