@@ -540,9 +540,9 @@ def _command_launcher(cfg: TorshConfig, target: str) -> tuple[_Writer, list[str]
     names = "HOROVOD_RANK, HOROVOD_LOCAL_RANK, HOROVOD_SIZE" if target == "horovodrun" else "OMPI_COMM_WORLD_*"
     source = _launcher_of(w.ext)
     if source != target and (source, target) != ("horovodrun", "mpirun"):  # hvd.init() also works under mpirun
-        w.notes.append(Note("launch", None, ["RANK", "LOCAL_RANK", "WORLD_SIZE"], Fidelity.APPROXIMATE, f"{target} sets no RANK, LOCAL_RANK or "
-                            f"WORLD_SIZE (only {names}): a script reading them must use torsh.ranks.discover()"
-                            + (" or hvd.init()" if target == "horovodrun" else "")))  # fmt: skip
+        reason = (f"{target} sets no RANK, LOCAL_RANK or WORLD_SIZE (only {names}): a script reading them must use "
+                  "torsh.ranks.discover()" + (" or hvd.init()" if target == "horovodrun" else ""))
+        w.notes.append(Note("launch", None, ["RANK", "LOCAL_RANK", "WORLD_SIZE"], Fidelity.APPROXIMATE, reason))
     return w, args, env
 
 
