@@ -133,7 +133,7 @@ def tokenize(raw: str | Sequence[str]) -> list[str]:
     """A command as argv: a string is split like a POSIX shell (quotes, ``\\`` line continuations)."""
     if isinstance(raw, str):
         try:
-            tokens = shlex.split(raw.replace("\\\n", " "), posix=True)
+            tokens = [t.replace(_SPACE, " ") for t in shlex.split(_protect_substitutions(raw.replace("\\\n", " ")))]
         except ValueError as exc:
             raise ConfigError([Problem("command", raw, f"cannot split it like a shell: {exc}")]) from None
     else:
@@ -141,6 +141,28 @@ def tokenize(raw: str | Sequence[str]) -> list[str]:
     if not tokens:
         raise ConfigError([Problem("command", raw, "the command is empty")])
     return tokens
+
+
+_SPACE = "\x00"
+
+
+def _protect_substitutions(text: str) -> str:
+    """Keep ``$(...)`` / ``$((...))`` one word, as the shell does (``--master_port=$((RANDOM + 10000))``)."""
+    out, depth, i = [], 0, 0
+    while i < len(text):
+        if text.startswith("$(", i):
+            depth += 1
+            out.append("$(")
+            i += 2
+            continue
+        ch = text[i]
+        if depth and ch == "(":
+            depth += 1
+        elif depth and ch == ")":
+            depth -= 1
+        out.append(_SPACE if depth and ch.isspace() else ch)
+        i += 1
+    return "".join(out)
 
 
 def quote(token: str) -> str:

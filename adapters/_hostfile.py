@@ -134,8 +134,10 @@ def resolve_nodes(hosts: list[tuple[str, int | None]], *, include: str | None = 
         items = items[:num_nodes]
     nodes = []
     remaining = world_size
+    # Hosts without slots share -np evenly (Open MPI gives a bare -H entry one slot; -np N over N hosts).
+    even = world_size // len(items) if world_size and items and world_size % len(items) == 0 else None
     for host, slots in items:
-        count = nproc_per_node if nproc_per_node is not None else (len(slots) if slots is not None else None)
+        count = nproc_per_node if nproc_per_node is not None else (len(slots) if slots is not None else even)
         if remaining is not None:
             count = remaining if count is None else min(count, remaining)
             remaining -= count

@@ -405,13 +405,19 @@ def write_deepspeed(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
             w.notes.append(Note("launch.hosts", "--hostfile", [h.name for h in L.hosts], Fidelity.EXACT,
                                 f"listed in {L.hostfile}"))
     elif multi or hosts:
-        named = hosts or [(n.host or f"<host-{i}>", n.nproc) for i, n in enumerate(nodes or [])]
+        if nodes and hosts and any(slots is None for _, slots in hosts):  # deepspeed requires slots=N
+            named = [(n.host, n.nproc) for n in nodes]
+        else:
+            named = hosts or [(n.host or f"<host-{i}>", n.nproc) for i, n in enumerate(nodes or [])]
         if not named:
             count = p.nnodes if isinstance(p.nnodes, int) else 2
             named = [(f"<host-{i}>", p.nproc if isinstance(p.nproc, int) else None) for i in range(count)]
         files["hostfile"] = format_hostfile(named)
         argv.append("--hostfile=hostfile")
-        if hosts:
+        if any(slots is None for _, slots in named):
+            w.notes.append(Note("launch.hosts", "hostfile", [h.name for h in L.hosts], Fidelity.APPROXIMATE,
+                                "deepspeed's hostfile needs slots=N on every line: fill them in"))
+        elif hosts:
             w.notes.append(Note("launch.hosts", "hostfile", [h.name for h in L.hosts], Fidelity.EXACT,
                                 "written to the hostfile"))
         else:
@@ -540,9 +546,9 @@ def _command_launcher(cfg: TorshConfig, target: str) -> tuple[_Writer, list[str]
     names = "HOROVOD_RANK, HOROVOD_LOCAL_RANK, HOROVOD_SIZE" if target == "horovodrun" else "OMPI_COMM_WORLD_*"
     source = _launcher_of(w.ext)
     if source != target and (source, target) != ("horovodrun", "mpirun"):  # hvd.init() also works under mpirun
-        w.notes.append(Note("launch", None, ["RANK", "LOCAL_RANK", "WORLD_SIZE"], Fidelity.APPROXIMATE, f"{target} sets no RANK, LOCAL_RANK or "
-                            f"WORLD_SIZE (only {names}): a script reading them must use torsh.ranks.discover()"
-                            + (" or hvd.init()" if target == "horovodrun" else "")))  # fmt: skip
+        reason = (f"{target} sets no RANK, LOCAL_RANK or WORLD_SIZE (only {names}): a script reading them must use "
+                  "torsh.ranks.discover()" + (" or hvd.init()" if target == "horovodrun" else ""))
+        w.notes.append(Note("launch", None, ["RANK", "LOCAL_RANK", "WORLD_SIZE"], Fidelity.APPROXIMATE, reason))
     return w, args, env
 
 

@@ -284,6 +284,10 @@ ALIASES: dict[str, str] = {}  # option spellings are resolved by the parser tabl
 
 _FIELD_MAP = FieldMap(FIELD_MAP, ALIASES)
 
+#: Where the local rank is when the launcher appends no argument.
+_LOCAL_RANK_VARIABLE = {"torchrun": "LOCAL_RANK", "accelerate": "LOCAL_RANK", "deepspeed": "LOCAL_RANK",
+                        "horovodrun": "HOROVOD_LOCAL_RANK (hvd.local_rank() or torsh.ranks.discover())",
+                        "mpirun": "OMPI_COMM_WORLD_LOCAL_RANK (torsh.ranks.discover())"}  # fmt: skip
 #: The local-rank argument each launcher appends to the script's arguments by default.
 _DEFAULT_LOCAL_RANK_ARGV = {"deepspeed": "--local_rank", "python -m torch.distributed.launch": "--local-rank"}
 
@@ -329,6 +333,9 @@ def read(raw: str | Sequence[str], *, version: str | None = None,
         if flag and not options.get("no_local_rank") and not options.get("use_env"):
             ctx.set("launch.local_rank_argv", flag, program, reason=f"{program} appends {flag}=N to the script's "
                     "arguments: the script must accept it (torsh.launch_args.add_local_rank_argument)")
+        elif not flag:
+            ctx.note(program, Fidelity.EXACT, f"{program} passes no local-rank argument: the script reads "
+                     f"{_LOCAL_RANK_VARIABLE[launcher]}", None, "launch.local_rank_argv")
 
     return read_mapping(parsed, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS, finalize=finalize)
 

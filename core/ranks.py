@@ -316,6 +316,8 @@ def _check_consistent(values: dict, sources: dict, launcher: str) -> None:
          or v["node_rank"] < v["num_nodes"], "node rank must be smaller than the number of nodes"),
         ("num_nodes", "world_size", lambda v: v["num_nodes"] is None or 1 <= v["num_nodes"] <= v["world_size"],
          "number of nodes must be between 1 and the world size"),
+        ("master_port", None, lambda v: v["master_port"] is None or v["master_port"] <= 65535,
+         "a port is at most 65535"),
     ]  # fmt: skip
     problems = []
     for a, b, ok, reason in checks:

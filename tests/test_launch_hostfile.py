@@ -65,10 +65,12 @@ HOSTS = [("w0", 4), ("w1", 4), ("w2", 4)]
         ({"exclude": "w0:0"}, [Node("w0", 3, (1, 2, 3)), Node("w1", 4), Node("w2", 4)]),
         ({"num_nodes": 2, "nproc_per_node": 2}, [Node("w0", 2), Node("w1", 2)]),
         ({"world_size": 6}, [Node("w0", 4), Node("w1", 2)]),
+        ({"world_size": 4, "hosts": [("a", None), ("b", None)]}, [Node("a", 2), Node("b", 2)]),
     ],
 )
 def test_resolution_follows_deepspeed_and_horovod_rules(kwargs, expected):
-    assert resolve_nodes(HOSTS, **kwargs) == expected
+    hosts = kwargs.pop("hosts", HOSTS)
+    assert resolve_nodes(hosts, **kwargs) == expected
 
 
 @pytest.mark.parametrize(

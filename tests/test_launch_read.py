@@ -172,3 +172,11 @@ def test_local_rank_helper_falls_back_to_other_launchers():
     parser = argparse.ArgumentParser()
     add_local_rank_argument(parser, environ={})
     assert parser.parse_args([]).local_rank == 0
+
+
+def test_command_substitutions_stay_one_word_like_in_the_shell():
+    t = launch.read('torchrun --nproc_per_node=$NGPUS --master_port=$((RANDOM + 10000)) train.py --tag "$(date +%F)"')
+    assert t.result.launch.master_port == "$((RANDOM + 10000))"
+    assert t.result.launch.script_args == ["--tag", "$(date +%F)"]
+    again = launch.read(str(launch.write(t.result, version="torchrun").result)).result
+    assert again.launch == t.result.launch

@@ -100,6 +100,7 @@ def test_malformed_values_are_named():
         ({**DEEPSPEED, "LOCAL_RANK": "4"}, ("LOCAL_RANK", "LOCAL_SIZE")),
         ({**HOROVOD, "HOROVOD_CROSS_RANK": "2"}, ("HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")),
         ({**SLURM, "SLURM_NNODES": "9"}, ("SLURM_NNODES", "SLURM_NTASKS")),
+        ({**TORCHRUN, "MASTER_PORT": "70000"}, ("MASTER_PORT",)),
     ],
 )
 def test_contradictory_values_name_both_variables(environ, names):
