@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test venv schemas bench clean
+.PHONY: run test venv schemas bench goldens clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,3 +33,7 @@ clean:
 ## Benchmarks: torsh against hand-written PyTorch and DeepSpeed (ratios measured in one run).
 bench: $(STAMP)
 	$(PY) -m benchmarks --update-readme
+
+## Regenerate the golden files of migration_examples/ after an intended change (review the diff).
+goldens: $(STAMP)
+	TORSH_UPDATE_GOLDENS=1 $(PY) -m pytest -q -p no:randomly tests/test_deepspeed_cli.py tests/test_horovod_adapter.py tests/test_fsdp_migration_examples.py -k "golden"

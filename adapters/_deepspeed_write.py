@@ -28,6 +28,7 @@ def _write_precision(cfg: TorshConfig, ctx: WriteContext) -> None:
     elif p.autocast:
         ctx.put("torch_autocast.enabled", True, "precision.autocast")
         ctx.put("torch_autocast.dtype", {"bf16": "bfloat16", "fp16": "float16"}[param], "precision.param_dtype")
+        _note_autocast_loss_scaling(cfg, ctx)
     elif param in ("fp16", "bf16"):
         ctx.put(f"{param}.enabled", True, "precision.param_dtype", EXACT,
                 "DeepSpeed casts the parameters to it and keeps fp32 master weights")
@@ -69,6 +70,29 @@ def _write_precision(cfg: TorshConfig, ctx: WriteContext) -> None:
     elif param == "fp32" and p.skip_step_on_nonfinite:
         ctx.note("precision.skip_step_on_nonfinite", UNSUPPORTED, "DeepSpeed checks for overflow only in fp16/bf16",
                  True)  # fmt: skip
+
+
+#: torch.amp.GradScaler() defaults: what DeepSpeed's torch_autocast builds for fp16 at stage 0.
+_GRAD_SCALER_DEFAULTS = {"mode": "dynamic", "semantics": "torch_grad_scaler", "initial_scale": 65536.0,
+                         "growth_interval": 2000, "growth_factor": 2.0, "backoff_factor": 0.5}  # fmt: skip
+
+
+def _note_autocast_loss_scaling(cfg: TorshConfig, ctx: WriteContext) -> None:
+    """Under torch_autocast DeepSpeed scales fp16 losses with GradScaler() defaults at stage 0, and not at all under
+    ZeRO; the fp16 section's scaling keys do not apply there."""
+    ls = cfg.precision.loss_scaling
+    if ls.mode == "none" and cfg.precision.param_dtype != "fp16":
+        return
+    value = ls.model_dump(mode="json", include=set(_GRAD_SCALER_DEFAULTS))
+    if cfg.sharding.stage == 0 and cfg.precision.param_dtype == "fp16" and value == _GRAD_SCALER_DEFAULTS:
+        ctx.note("precision.loss_scaling", EXACT, "DeepSpeed's torch_autocast scales fp16 losses with "
+                 "torch.amp.GradScaler() defaults at stage 0", value)  # fmt: skip
+    elif cfg.sharding.stage == 0 and cfg.precision.param_dtype == "fp16":
+        ctx.note("precision.loss_scaling", APPROXIMATE, "DeepSpeed's torch_autocast uses torch.amp.GradScaler() "
+                 "with its defaults (init 65536, growth interval 2000); these settings are not carried", value)
+    else:
+        ctx.note("precision.loss_scaling", UNSUPPORTED, "DeepSpeed scales losses under torch_autocast only for fp16 "
+                 "at stage 0", value)  # fmt: skip
 
 
 def _write_compression(cfg: TorshConfig, ctx: WriteContext, *, written_reduce: bool) -> None:

@@ -226,15 +226,18 @@ VALUE_MAPS = {
 _FIELD_MAP = FieldMap(FIELD_MAP, ALIASES)
 
 #: Keys whose presence marks DeepSpeed JSON when sniffing.
-_MARKERS = {"train_batch_size", "train_micro_batch_size_per_gpu", "zero_optimization", "fp16", "bf16",
-            "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer"}
+_MARKERS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_clipping", "steps_per_print",
+            "wall_clock_breakdown", "zero_allow_untested_optimizer"}
+#: DeepSpeed's precision and ZeRO keys are sections; HF Trainer arguments use the same names as booleans.
+_SECTION_MARKERS = ("zero_optimization", "fp16", "bf16", "bfloat16")
 
 
 def sniff(raw: Any) -> float:
-    """0.95 when the top level holds DeepSpeed's own keys, else 0."""
+    """0.95 when the top level holds DeepSpeed's own keys (its sections as objects), else 0."""
     if not isinstance(raw, dict) or not raw:
         return 0.0
-    return 0.95 if _MARKERS & set(raw) else 0.0
+    sections = any(isinstance(raw.get(k), dict) for k in _SECTION_MARKERS) or raw.get("zero_optimization") is True
+    return 0.95 if sections or _MARKERS & set(raw) else 0.0
 
 
 def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:

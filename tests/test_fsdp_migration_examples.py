@@ -1,22 +1,21 @@
 """migration_examples/{fsdp,accelerate,fairscale}: each input converted again and compared with its golden file.
 
-Regenerate the goldens after an intended change with ``TORSH_REGENERATE_GOLDENS=1 pytest tests/<this file>``
+Regenerate the goldens after an intended change with ``make goldens``
 and review the diff.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+from golden import check_golden
 
 from torsh import adapters
 from torsh.adapters.fsdp import snippet
 from torsh.formats import dump_text, load_file
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "migration_examples"
-REGENERATE = os.environ.get("TORSH_REGENERATE_GOLDENS") == "1"
 HAVE_DEEPSPEED = "deepspeed" in adapters.names()
 
 #: (input, target dialect, version, golden); a golden ending in .py is the FSDP2 snippet.
@@ -55,11 +54,7 @@ def test_conversion_matches_its_golden_file(source, target, version, golden):
     if _needs_deepspeed(source, target) and not HAVE_DEEPSPEED:
         pytest.skip("needs the deepspeed dialect")
     text = _convert(source, target, version, golden)
-    path = EXAMPLES / golden
-    if REGENERATE:
-        path.write_text(text, encoding="utf-8")
-    assert path.exists(), f"{golden} is missing: run with TORSH_REGENERATE_GOLDENS=1"
-    assert text == path.read_text(encoding="utf-8"), f"{golden} differs: regenerate and review the diff"
+    check_golden(EXAMPLES / golden, text)
 
 
 def test_every_example_input_has_a_golden_and_every_golden_an_input():

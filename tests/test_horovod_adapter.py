@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from golden import check_golden
 from adapter_validator import Lossy, assert_accounted, validate_all, validate_identity
 
 from torsh import adapters
@@ -212,13 +213,11 @@ def test_the_adapter_never_reads_the_process_environment(monkeypatch):
 
 
 def test_golden_native_conversion(examples):
-    """The config-file example converted to the native TOML (regenerate with TORSH_REGEN_GOLDEN=1)."""
+    """The config-file example converted to the native TOML (regenerate with `make goldens`)."""
     source = examples / "horovod" / "horovodrun_config.yaml"
     golden = source.with_suffix(".expected.toml")
     text = dump_text(adapters.write(adapters.load(source).result, "torsh").result, "toml")
-    if os.environ.get("TORSH_REGEN_GOLDEN"):
-        golden.write_text(text)
-    assert golden.read_text() == text
+    check_golden(golden, text)
     assert adapters.load(golden).result == adapters.load(source).result
 
 

@@ -53,7 +53,7 @@ MATRIX = {
         "accelerate": {"distributed_type": "FSDP", "mixed_precision": "bf16", "fsdp_config": {
             "fsdp_version": 2, "fsdp_reshard_after_forward": True, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_transformer_layer_cls_to_wrap": "Block", "fsdp_state_dict_type": "SHARDED_STATE_DICT"}},
-        "deepspeed": Lossy({"sharding.wrap.module_classes": U}, payload={"zero_optimization": {"stage": 3}}),
+        "deepspeed": Lossy({"sharding.wrap": "ignored"}, payload={"zero_optimization": {"stage": 3}}),
     },
     # SHARD_GRAD_OP <-> ZeRO-2 <-> reshard_after_forward=False <-> FairScale OSS + ShardedDataParallel
     "zero2": {
@@ -61,7 +61,7 @@ MATRIX = {
         "fsdp2": {"fully_shard": {"reshard_after_forward": False}},
         "fairscale": Lossy({"sharding.wrap": U}, payload={"oss": {"optim": "torch.optim.SGD"}, "sdp": {}}),
         "accelerate": {"distributed_type": "FSDP", "fsdp_config": {"fsdp_reshard_after_forward": False}},
-        "deepspeed": Lossy({"sharding.wrap.module_classes": U}, payload={"zero_optimization": {"stage": 2}}),
+        "deepspeed": Lossy({"sharding.wrap": "ignored"}, payload={"zero_optimization": {"stage": 2}}),
     },
     # ZeRO-1: optimizer-state-only sharding has no FSDP equivalent; Accelerate reaches it through DeepSpeed.
     "zero1": {
@@ -89,7 +89,7 @@ MATRIX = {
         "fsdp2": {"fully_shard": {"offload_policy": {"pin_memory": True}}},
         "fairscale": Lossy({"sharding.wrap": U}, payload={"fsdp": {"move_params_to_cpu": True}}),
         "accelerate": {"fsdp_config": {"fsdp_offload_params": True}},
-        "deepspeed": Lossy({"sharding.wrap.module_classes": U}, payload={"zero_optimization": {
+        "deepspeed": Lossy({"sharding.wrap": "ignored"}, payload={"zero_optimization": {
             "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}),
     },
     # DeepSpeed NVMe offload -> FSDP / FairScale unsupported; Accelerate keeps it through its DeepSpeed backend.
@@ -110,7 +110,8 @@ MATRIX = {
         "fsdp2": Lossy({"sharding.stage": U, "precision.loss_scaling.mode": U}),
         "fairscale": Lossy({"sharding.stage": U, "precision.param_dtype": U}, payload={"scaler": {}}),
         "accelerate": {"distributed_type": "MULTI_GPU", "mixed_precision": "fp16"},
-        "deepspeed": Lossy({"precision.loss_scaling.semantics": A}, payload={"fp16": {"enabled": True}}),
+        "deepspeed": Lossy({"precision.loss_scaling": "exact"},
+                           payload={"torch_autocast": {"enabled": True, "dtype": "float16"}}),
     },
 }
 
