@@ -29,10 +29,15 @@ METRICS = ("loss", "grad_norm", "lr", "loss_scale")
 
 #: fp32 needs no calibration: the same math in the same order agrees to rounding.
 FP32_TOLERANCE = {"loss": 1e-5, "grad_norm": 1e-4, "lr": 1e-9, "loss_scale": 0.0}
-#: The smallest band a calibrated low-precision tolerance may have (bf16 has 8 bits of mantissa).
-LOW_PRECISION_FLOOR = {"loss": 2e-3, "grad_norm": 1e-2, "lr": 1e-9, "loss_scale": 0.0}
-#: Calibrated tolerance = this factor x DeepSpeed's own stage-to-stage spread (at least the floor).
-CALIBRATION_FACTOR = 3.0
+#: One unit in the last place of bf16 (8 bits of significand), relative.
+BF16_ULP = 2.0**-8
+#: The smallest band a calibrated low-precision tolerance may have. DeepSpeed's ZeRO stages 1-3 are often
+#: bit-identical to each other in bf16, so their spread can be 0; two implementations that round in different
+#: places still drift by a few bf16 ulps over a run (measured: up to 0.36% in the loss after 20 steps).
+LOW_PRECISION_FLOOR = {"loss": 2.5 * BF16_ULP, "grad_norm": 4 * BF16_ULP, "lr": 1e-9, "loss_scale": 0.0}
+#: Calibrated tolerance = this factor x DeepSpeed's own stage-to-stage spread (at least the floor): a migration
+#: may differ from one DeepSpeed code path as much as DeepSpeed's other path does, with half of that as margin.
+CALIBRATION_FACTOR = 1.5
 
 
 class ParityUnavailable(RuntimeError):
@@ -133,12 +138,15 @@ def precision_of(config: Mapping[str, Any]) -> str:
     return "fp32"
 
 
-#: The ZeRO stage DeepSpeed is compared with itself at, for calibration: the neighbouring stage.
-CALIBRATION_STAGE = {0: 1, 1: 2, 2: 3, 3: 2}
+#: The ZeRO stage DeepSpeed is compared with itself at, for calibration. DeepSpeed has two low-precision code
+#: paths - stage 0 (FP16/BF16 optimizer wrappers) and ZeRO 1-3 (partitioned fp32 masters) - and stages 1-3 are
+#: usually bit-identical to each other, so the spread that says how much DeepSpeed varies with its own
+#: implementation is between stage 0 and ZeRO.
+CALIBRATION_STAGE = {0: 1, 1: 0, 2: 0, 3: 0}
 
 
 def calibration_variant(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The same DeepSpeed config at the neighbouring ZeRO stage, for the calibration run.
+    """The same DeepSpeed config under DeepSpeed's other low-precision code path, for the calibration run.
 
     Offload keys are dropped when the variant's stage cannot hold them (parameter offload needs stage 3).
     """
