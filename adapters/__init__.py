@@ -67,8 +67,17 @@ def sniff(raw: Any) -> str:
 
 
 def read(raw: Any, dialect: str | None = None, *, version: str | None = None) -> Translation[TorshConfig]:
-    """Read parsed config data of any dialect (sniffed when not given) into the core model."""
-    return get(dialect or sniff(raw)).read(raw, version=version)
+    """Read parsed config data of any dialect (sniffed when not given) into the core model.
+
+    The report also says what the engine cannot honour whatever the dialect (gradient compression methods that
+    need DDP's dense buckets at the FSDP2 stages), so a translation warns before ``initialize`` refuses.
+    """
+    from torsh.compression_rules import compression_notes_for_stage
+
+    translation = get(dialect or sniff(raw)).read(raw, version=version)
+    cfg = translation.result
+    translation.notes.extend(compression_notes_for_stage(cfg.compression, cfg.sharding.stage))
+    return translation
 
 
 def write(cfg: TorshConfig, dialect: str, *, version: str | None = None) -> Translation[Any]:

@@ -59,3 +59,12 @@ def test_unknown_dialect_suggests():
     with pytest.raises(ConfigError) as exc:
         adapters.get("torch")
     assert exc.value.problems[0].suggestion == "torsh"
+
+
+def test_reading_reports_compression_the_engine_cannot_run_at_fsdp_stages():
+    """Every dialect's read carries the engine's compression rules (the same rules initialize enforces)."""
+    for stage, expected in ((1, None), (3, "unsupported")):
+        read = adapters.read({"sharding": {"stage": stage}, "compression": {"method": "topk", "ratio": 0.01}},
+                             "torsh")  # fmt: skip
+        found = [n for n in read.notes if n.source_path == "compression.method" and n.lossy]
+        assert (found[0].fidelity.value if found else None) == expected

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-pytest.importorskip("torsh.engine.checkpoint", reason="the checkpoint module is not in this checkout")
 
 import _engine_harness as h  # noqa: E402
 

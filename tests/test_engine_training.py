@@ -3,7 +3,6 @@ gradient accumulation and clipping setting trains, and the stages agree with eac
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
@@ -75,26 +74,21 @@ SCENARIOS += [
                                                                        "batch.gradient_accumulation_steps": 4})},
     {"name": "data", "kind": "dataloader", "config": h.base_config(**{"data.drop_last": True})},
 ]
-HAS_COMPRESSION = importlib.util.find_spec("torsh.engine.compression") is not None
-if HAS_COMPRESSION:
-    SCENARIOS += [
-        {"name": "compress_fp16_s0", "config": h.base_config(**{"compression.method": "fp16"})},
-        {"name": "compress_powersgd_s1", "config": h.base_config(**{"sharding.stage": 1,
-                                                                    "compression.method": "powersgd"})},
-        {"name": "compress_bf16_s3", "config": h.base_config(**{"sharding.stage": 3, "compression.method": "bf16"})},
-    ]
-HAS_SCHEDULERS = importlib.util.find_spec("torsh.engine.schedulers") is not None
-HAS_LOSS_SCALER = importlib.util.find_spec("torsh.engine.loss_scaler") is not None
+SCENARIOS += [
+    {"name": "compress_fp16_s0", "config": h.base_config(**{"compression.method": "fp16"})},
+    {"name": "compress_powersgd_s1", "config": h.base_config(**{"sharding.stage": 1,
+                                                                "compression.method": "powersgd"})},
+    {"name": "compress_bf16_s3", "config": h.base_config(**{"sharding.stage": 3, "compression.method": "bf16"})},
+]
 # The worked trace of the reference (DeepSpeed's ZeRO scaler, window 3, hysteresis 2), overflows at 7-9 and 14.
 ZERO_TRACE = [65536, 65536, 65536, 131072, 131072, 131072, 262144, 262144, 131072, 65536, 65536, 65536, 65536,
               131072, 131072]  # fmt: skip
-if HAS_LOSS_SCALER:
-    SCENARIOS += [{"name": f"fp16_trace_s{stage}", "kind": "overflow", "bad": [7, 8, 9, 14], "steps": 15,
-                   "config": h.base_config(**{
-                       "sharding.stage": stage, "precision.param_dtype": "fp16",
-                       "precision.loss_scaling": {"mode": "dynamic", "initial_scale": 65536.0, "growth_interval": 3,
-                                                  "hysteresis": 2, "semantics": "deepspeed_zero"}})}
-                  for stage in (1, 3)]  # fmt: skip
+SCENARIOS += [{"name": f"fp16_trace_s{stage}", "kind": "overflow", "bad": [7, 8, 9, 14], "steps": 15,
+               "config": h.base_config(**{
+                   "sharding.stage": stage, "precision.param_dtype": "fp16",
+                   "precision.loss_scaling": {"mode": "dynamic", "initial_scale": 65536.0, "growth_interval": 3,
+                                              "hysteresis": 2, "semantics": "deepspeed_zero"}})}
+              for stage in (1, 3)]  # fmt: skip
 DEEPSPEED_SCHEDULERS = {
     "WarmupLR": {"warmup_max_lr": 0.01, "warmup_num_steps": 3},
     "WarmupDecayLR": {"total_num_steps": 4, "warmup_max_lr": 0.01, "warmup_num_steps": 2},
@@ -102,10 +96,9 @@ DEEPSPEED_SCHEDULERS = {
     "OneCycle": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01, "cycle_first_step_size": 2},
     "LRRangeTest": {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 1},
 }
-if HAS_SCHEDULERS:
-    SCENARIOS += [{"name": f"sched_{n}", "micro_steps": 8, "config": h.base_config(**{
-        "sharding.stage": 3, "batch.gradient_accumulation_steps": 2, "scheduler": {"name": n, **params}})}
-        for n, params in DEEPSPEED_SCHEDULERS.items()]  # fmt: skip
+SCENARIOS += [{"name": f"sched_{n}", "micro_steps": 8, "config": h.base_config(**{
+    "sharding.stage": 3, "batch.gradient_accumulation_steps": 2, "scheduler": {"name": n, **params}})}
+    for n, params in DEEPSPEED_SCHEDULERS.items()]  # fmt: skip
 STEPLR = {"name": "StepLR", "kwargs": {"step_size": 1, "gamma": 0.5}}
 SCENARIOS += [
     # fp16: the overflow at micro-step 1 skips that step and halves the scale (stage-0 rule: no hysteresis)
@@ -267,7 +260,6 @@ def test_no_sync_accumulates_like_the_counter(runs):
         _close(rec["losses"], _rec(runs, f"s{stage}_gas4")["losses"], 1e-5)
 
 
-@pytest.mark.skipif(not HAS_COMPRESSION, reason="torsh.engine.compression is not in this checkout")
 def test_compressed_reduction_trains_close_to_dense(runs):
     for name in ("compress_fp16_s0", "compress_powersgd_s1", "compress_bf16_s3"):
         rec = _rec(runs, name)
@@ -276,7 +268,6 @@ def test_compressed_reduction_trains_close_to_dense(runs):
         _close(rec["losses"], _rec(runs, "s0")["losses"], 5e-2)
 
 
-@pytest.mark.skipif(not HAS_SCHEDULERS, reason="torsh.engine.schedulers is not in this checkout")
 @pytest.mark.parametrize("name", list(DEEPSPEED_SCHEDULERS))
 def test_every_deepspeed_scheduler_steps_once_per_optimizer_step(runs, name):
     """The engine's lr after each optimizer step is the schedule's value after as many scheduler steps."""
@@ -297,7 +288,6 @@ def test_every_deepspeed_scheduler_steps_once_per_optimizer_step(runs, name):
     assert rec["changed"] > 0 and rec["global_steps"] == 4
 
 
-@pytest.mark.skipif(not HAS_LOSS_SCALER, reason="torsh.engine.loss_scaler is not in this checkout")
 @pytest.mark.parametrize("stage", [1, 3])
 def test_fp16_loss_scale_follows_deepspeeds_trace(runs, stage):
     rec = _rec(runs, f"fp16_trace_s{stage}")

@@ -16,7 +16,6 @@ from torsh.adapters.fsdp import snippet
 from torsh.formats import dump_text, load_file
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "migration_examples"
-HAVE_DEEPSPEED = "deepspeed" in adapters.names()
 
 #: (input, target dialect, version, golden); a golden ending in .py is the FSDP2 snippet.
 CONVERSIONS = [
@@ -45,14 +44,8 @@ def _convert(source: str, target: str, version: str | None, golden: str) -> str:
     return dump_text(written.result, fmt)
 
 
-def _needs_deepspeed(source: str, target: str) -> bool:
-    return target == "deepspeed" or "deepspeed.expected" in source
-
-
 @pytest.mark.parametrize("source, target, version, golden", CONVERSIONS, ids=[c[3] for c in CONVERSIONS])
 def test_conversion_matches_its_golden_file(source, target, version, golden):
-    if _needs_deepspeed(source, target) and not HAVE_DEEPSPEED:
-        pytest.skip("needs the deepspeed dialect")
     text = _convert(source, target, version, golden)
     check_golden(EXAMPLES / golden, text)
 
@@ -63,7 +56,7 @@ def test_every_example_input_has_a_golden_and_every_golden_an_input():
     goldens = {p.relative_to(EXAMPLES).as_posix() for d in ("fsdp", "accelerate", "fairscale")
                for p in (EXAMPLES / d).iterdir() if ".expected" in p.name}  # fmt: skip
     assert inputs == {c[0] for c in CONVERSIONS if ".expected" not in c[0]}
-    listed = {c[3] for c in CONVERSIONS if HAVE_DEEPSPEED or not _needs_deepspeed(c[0], c[1])}
+    listed = {c[3] for c in CONVERSIONS}
     assert listed <= goldens
 
 
