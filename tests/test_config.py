@@ -190,8 +190,8 @@ def test_deferred_is_kept_and_resolvable():
 
 
 def test_auto_is_only_accepted_where_deferrable():
-    found = problems({"sharding": {"stage": "auto"}, "precision": {"param_dtype": "auto"}})
-    assert set(found) == {"sharding.stage", "precision.param_dtype"}
+    found = problems({"sharding": {"stage": "auto"}, "offload": {"params": "auto"}})
+    assert set(found) == {"sharding.stage", "offload.params"}
 
 
 def test_torch_scheduler_passthrough_and_effective_reshard():

@@ -38,7 +38,11 @@ def run(args: argparse.Namespace) -> int:
         print("error: DeepSpeed is not installed, so there is no reference to compare against.\n"
               "Install the extra: pip install 'torsh-distributed[parity]'", file=sys.stderr)  # fmt: skip
         return 2
-    report = _run_with_progress(parity, args)
+    try:
+        report = _run_with_progress(parity, args)
+    except (parity.ParityRunError, parity.ParityUnavailable) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     _print_summary(report)
     if args.report_file:
         Path(args.report_file).write_text(json.dumps(report.to_dict(), indent=2, default=str))

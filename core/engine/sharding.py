@@ -50,7 +50,9 @@ def wrap_targets(model: nn.Module, wrap: WrapPolicy) -> list[nn.Module]:
     """The submodules that become their own FSDP2 unit, innermost first (the root is wrapped after them).
 
     ``module_classes``: every module of those classes; ``min_num_params``: every module holding at least that
-    many parameters not already in a smaller unit; neither: each direct child that holds parameters.
+    many parameters not already in a smaller unit; neither: each direct child that holds parameters. Containers
+    without a forward of their own (``ModuleList``, ``ModuleDict``: a model's ``layers``) are never a unit; their
+    children are considered in their place.
     """
     if wrap.module_classes:
         known = {type(m).__name__ for m in model.modules()}
@@ -62,14 +64,27 @@ def wrap_targets(model: nn.Module, wrap: WrapPolicy) -> list[nn.Module]:
     if wrap.min_num_params:
         targets, covered = [], set()
         for m in _post_order(model):
-            if m is model:
+            if m is model or _is_container(m):
                 continue
             own = [p for p in m.parameters() if id(p) not in covered]
             if sum(p.numel() for p in own) >= wrap.min_num_params:
                 targets.append(m)
                 covered.update(id(p) for p in own)
         return targets
-    return [child for child in model.children() if any(True for _ in child.parameters())]
+    return [child for child in _children(model) if any(True for _ in child.parameters())]
+
+
+def _is_container(module: nn.Module) -> bool:
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict))
+
+
+def _children(module: nn.Module):
+    """Direct children, looking through forward-less containers."""
+    for child in module.children():
+        if _is_container(child):
+            yield from _children(child)
+        else:
+            yield child
 
 
 def _post_order(module: nn.Module):

@@ -332,7 +332,7 @@ def plot(report: ParityReport, path: str | os.PathLike[str]) -> None:
         diffs = [max(rel_diff(r[metric], c[metric]), 1e-16) for r, c in zip(ref, cand, strict=False)]
         axes[2].semilogy(steps[: len(diffs)], diffs, style, markersize=3, label=f"{metric} rel. diff")
         axes[2].axhline(max(report.comparison.tolerance[metric], 1e-16), linestyle=":", linewidth=1,
-                        color="C0" if metric == "loss" else "C1")  # fmt: skip
+                        color="C0" if metric == "loss" else "C1", label=f"{metric} tolerance")  # fmt: skip
     div = report.comparison.first_divergence
     if div is not None:
         for ax in axes:
