@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# DeepSpeed JIT-compiles a small C++ op on its first CPU run; keep the build with this environment so that other
+# environments sharing the default cache do not rebuild it back and forth.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: run test venv schemas bench goldens clean
 
