@@ -554,7 +554,7 @@ def _command_launcher(cfg: TorshConfig, target: str) -> tuple[_Writer, list[str]
 
 def write_horovodrun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
     w, args, env = _command_launcher(cfg, "horovodrun")
-    L, C = cfg.launch, cfg.communication
+    C = cfg.communication
     for key in ("master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf"):
         if w.set(f"launch.{key}"):
             w.note(f"launch.{key}", Fidelity.DROPPED, "horovodrun runs its own rendezvous server "

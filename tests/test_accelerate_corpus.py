@@ -9,7 +9,6 @@ import pytest
 from adapter_validator import assert_accounted
 
 from torsh import adapters
-from torsh.errors import ConfigError
 from torsh.formats import load_file
 
 CORPUS = Path(__file__).resolve().parent / "fixtures" / "corpus"

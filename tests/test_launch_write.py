@@ -29,7 +29,7 @@ def test_deepspeed_hostfile_job_becomes_one_torchrun_per_node():
     out = launch.write(cfg, version="torchrun")
     assert [c.host for c in out.result.commands] == ["worker-0", "worker-1"]
     assert [list(c.argv) for c in out.result.commands] == [
-        ["torchrun", f"--nnodes=2", "--nproc-per-node=4", f"--node-rank={i}", "--master-addr=worker-0",
+        ["torchrun", "--nnodes=2", "--nproc-per-node=4", f"--node-rank={i}", "--master-addr=worker-0",
          "--master-port=29600", "train.py", "--deepspeed_config", "ds.json"] for i in range(2)]  # fmt: skip
     assert Fidelity.APPROXIMATE in fidelity(out, "launch.local_rank_argv")  # the script lost --local_rank
     assert "torsh.launch_args" in next(n.reason for n in out.notes if n.source_path == "launch.local_rank_argv")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from adapter_validator import assert_accounted, validate_identity
+from adapter_validator import assert_accounted
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

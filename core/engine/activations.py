@@ -5,9 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from torsh.config import ActivationCheckpointingConfig, WrapPolicy
-from torsh.errors import ConfigError, Problem
 
-from .sharding import wrap_targets
+from .sharding import modules_of_classes, wrap_targets
 
 
 def apply_activation_checkpointing(model: nn.Module, ac: ActivationCheckpointingConfig, wrap: WrapPolicy) -> int:
@@ -21,12 +20,7 @@ def apply_activation_checkpointing(model: nn.Module, ac: ActivationCheckpointing
     from torch.distributed._composable import checkpoint
 
     if ac.modules:
-        known = {type(m).__name__ for m in model.modules()}
-        missing = [c for c in ac.modules if c not in known]
-        if missing:
-            raise ConfigError([Problem("activation_checkpointing.modules", missing, "no module of these classes "
-                                       f"in the model; its classes are {sorted(known)}")])  # fmt: skip
-        targets = [m for m in model.modules() if type(m).__name__ in ac.modules]
+        targets = modules_of_classes(model, ac.modules, "activation_checkpointing.modules")
     else:
         targets = wrap_targets(model, wrap)
     for module in targets:

@@ -61,7 +61,6 @@ def resolve_auto(cfg: TorshConfig, *, model: torch.nn.Module, optimizer: Any, tr
             problems.append(Problem(path, "auto", reason))
 
     # batch: the micro batch is the one number only the data can give; the other two are derived from it.
-    batch = cfg.batch
     loader_bs = getattr(training_data, "batch_size", None) if isinstance(training_data, torch.utils.data.DataLoader) \
         else None
     if loader_bs:

@@ -55,12 +55,7 @@ def wrap_targets(model: nn.Module, wrap: WrapPolicy) -> list[nn.Module]:
     children are considered in their place.
     """
     if wrap.module_classes:
-        known = {type(m).__name__ for m in model.modules()}
-        missing = [c for c in wrap.module_classes if c not in known]
-        if missing:
-            raise ConfigError([Problem("sharding.wrap.module_classes", missing, "no module of these classes in the "
-                                       f"model; its classes are {sorted(known)}")])  # fmt: skip
-        return [m for m in model.modules() if m is not model and type(m).__name__ in wrap.module_classes]
+        return modules_of_classes(model, wrap.module_classes, "sharding.wrap.module_classes")
     if wrap.min_num_params:
         targets, covered = [], set()
         for m in _post_order(model):
@@ -72,6 +67,16 @@ def wrap_targets(model: nn.Module, wrap: WrapPolicy) -> list[nn.Module]:
                 covered.update(id(p) for p in own)
         return targets
     return [child for child in _children(model) if any(True for _ in child.parameters())]
+
+
+def modules_of_classes(model: nn.Module, classes: list[str], key: str) -> list[nn.Module]:
+    """The submodules (not the root) whose class name is listed; a name no module has is an error naming ``key``."""
+    known = {type(m).__name__ for m in model.modules()}
+    missing = [c for c in classes if c not in known]
+    if missing:
+        raise ConfigError([Problem(key, missing, f"no module of these classes in the model; its classes are "
+                                   f"{sorted(known)}")])  # fmt: skip
+    return [m for m in model.modules() if m is not model and type(m).__name__ in classes]
 
 
 def _is_container(module: nn.Module) -> bool:
