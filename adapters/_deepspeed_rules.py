@@ -206,6 +206,41 @@ def split_unknown(raw: Mapping[str, Any], fmap: FieldMap, actual: str = "",
     return known, notes
 
 
+def unknown_in_whole_sections(raw: Mapping[str, Any], fmap: FieldMap, schema: Mapping[str, Any]) -> tuple[dict, list[Note]]:
+    """Sections kept whole (no core meaning: ``autotuning``, ``compile``, ...) are still checked against DeepSpeed's
+    schema: a key DeepSpeed does not know inside one becomes a DROPPED note with a did-you-mean, and is not kept
+    (DeepSpeed's strict section models would refuse it)."""
+    import copy
+
+    import jsonschema
+
+    out, notes = copy.deepcopy(dict(raw)), []
+    for err in jsonschema.Draft202012Validator(schema).iter_errors(raw):
+        path = [str(p) for p in err.absolute_path]
+        if err.validator != "additionalProperties" or not path or not isinstance(_rule_above(path, fmap), (Status, Hook)):
+            continue
+        known = list(err.schema.get("properties", {}))
+        node = out
+        for part in path:
+            node = node[part]
+        for key in [k for k in err.instance if k not in known]:
+            del node[key]
+            suggestion = did_you_mean(key, known)
+            hint = f"; did you mean '{suggestion}'?" if suggestion else ""
+            notes.append(Note(".".join([*path, key]), None, err.instance[key], DROPPED,
+                              f"unknown key: DeepSpeed 0.19.8 would refuse it in this section; dropped{hint}"))
+    return out, notes
+
+
+def _rule_above(path: list[str], fmap: FieldMap) -> Any:
+    """The map rule of the nearest enclosing key of ``path`` that has one (None when none has)."""
+    for end in range(1, len(path) + 1):
+        rule = fmap.lookup(".".join(path[:end]))
+        if rule is not None:
+            return rule
+    return None
+
+
 def mark_auto(notes: list[Note]) -> list[Note]:
     """Notes for ``"auto"`` values kept in extensions become DEFERRED, saying who resolves them."""
     out = []

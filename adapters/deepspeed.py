@@ -249,7 +249,9 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
     if problems:
         raise ConfigError(problems, source=NAME)
     raw, early_notes = rules.legacy_forms(raw)
+    raw, nested_notes = rules.unknown_in_whole_sections(raw, _FIELD_MAP, schemas.load(NAME))
     known, unknown_notes = rules.split_unknown(raw, _FIELD_MAP)
+    unknown_notes += nested_notes
     translation = read_mapping(known, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS,
                                deferred_sources=rules.DEFERRED_SOURCES, finalize=rules.finalize)
     translation.notes[:0] = early_notes

@@ -329,3 +329,12 @@ def test_checked_in_schema_matches_the_installed_deepspeed():
 
     assert json.loads(json.dumps(build())) == schemas.load("deepspeed"), (
         "schemas/deepspeed.schema.json is stale: DS_ACCELERATOR=cpu python -m torsh.schemas._generate_deepspeed")
+
+
+def test_unknown_key_inside_a_section_kept_whole_is_reported_and_not_kept():
+    """Sections with no core meaning are kept for round trips, but a key DeepSpeed's strict section models would
+    refuse (here a misspelt ``deepcompile``) is reported with a suggestion and not written back."""
+    t = adapters.read({"train_batch_size": 8, "compile": {"deepcompil": True}}, "deepspeed")
+    note = next(n for n in t.notes if n.source_path == "compile.deepcompil")
+    assert note.fidelity is Fidelity.DROPPED and "did you mean 'deepcompile'" in note.reason
+    assert "deepcompil" not in str(adapters.write(t.result, "deepspeed").result)
