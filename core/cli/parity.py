@@ -20,6 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", choices=["tiny-mlp", "tiny-transformer"], default="tiny-mlp")
     parser.add_argument("--candidate", metavar="CONFIG2",
                         help="run this config under torsh instead of CONFIG (e.g. its FSDP translation)")
+    parser.add_argument("--reference", choices=["deepspeed", "torsh"], default="deepspeed",
+                        help="engine that runs CONFIG: real DeepSpeed (default) or torsh (with --candidate)")
     parser.add_argument("--plot", metavar="PNG", help="write loss / grad-norm curves and their difference")
     parser.add_argument("--report-file", metavar="JSON", help="write the full report as JSON")
     parser.set_defaults(run=run)
@@ -34,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
     for path in filter(None, (args.config, args.candidate)):
         if not Path(path).is_file():
             raise ConfigError([Problem("", path, "no such file; check the path")], source=path)
-    if not parity.deepspeed_available():
+    if args.reference == "torsh" and not args.candidate:
+        raise ConfigError([Problem("--reference", "torsh", "comparing torsh with itself needs --candidate CONFIG2")])
+    if args.reference == "deepspeed" and not parity.deepspeed_available():
         print("error: DeepSpeed is not installed, so there is no reference to compare against.\n"
               "Install the extra: pip install 'torsh-distributed[parity]'", file=sys.stderr)  # fmt: skip
         return 2
@@ -53,32 +57,33 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_with_progress(parity, args: argparse.Namespace):
+    """The runs with one progress bar per scenario (reference, calibration, candidate) on stderr."""
+    from rich.console import Console
     from rich.progress import Progress
 
-    with Progress(transient=True, console=None) as progress:
+    with Progress(transient=True, console=Console(stderr=True)) as progress:
         tasks: dict[str, int] = {}
-        engine = iter(["deepspeed", "deepspeed (calibration)", "torsh"])
-        current = {"name": None}
 
         def on_progress(name: str, done: int, total: int) -> None:
-            if done == 1 and current["name"] != name or name not in tasks:
-                label = next(engine, name)
-                tasks[name] = progress.add_task(label, total=total)
-                current["name"] = name
+            if name not in tasks:
+                tasks[name] = progress.add_task(name, total=total)
             progress.update(tasks[name], completed=done)
 
         return parity.check_config(args.config, steps=args.steps, nproc=args.nproc, model=args.model,
-                                   candidate_config=args.candidate, on_progress=on_progress)  # fmt: skip
+                                   candidate_config=args.candidate, reference_engine=args.reference,
+                                   on_progress=on_progress)  # fmt: skip
 
 
 def _print_summary(report) -> None:
     comparison = report.comparison
     verdict = "PASS" if report.passed else "FAIL"
-    print(f"{verdict}: torsh vs DeepSpeed 0.19.8, {report.precision}, {len(report.reference_records)} steps")
+    print(f"{verdict}: {report.candidate} vs {report.reference}, {report.precision}, "
+          f"{len(report.reference_records)} steps")
     for metric, diff in comparison.max_rel_diff.items():
         print(f"  {metric:<10} max rel. diff {diff:.3g} (tolerance {comparison.tolerance[metric]:.3g})")
     if comparison.first_divergence is not None:
         d = comparison.first_divergence
-        print(f"  first divergence: step {d.step}, {d.metric}: DeepSpeed {d.reference:.6g} vs torsh {d.candidate:.6g}")
+        print(f"  first divergence: step {d.step}, {d.metric}: reference {d.reference:.6g} vs candidate "
+              f"{d.candidate:.6g}")
     for note in comparison.notes:
         print(f"  note: {note}")

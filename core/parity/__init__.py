@@ -260,33 +260,54 @@ def deepspeed_config_for(config: Any) -> dict[str, Any]:
 
 
 def check_config(config: Any, *, steps: int = 20, nproc: int = 2, model: str = "tiny-mlp",
-                 candidate_config: Any = None, workdir: Path | None = None,
+                 candidate_config: Any = None, reference_engine: str = "deepspeed", workdir: Path | None = None,
                  on_progress: Callable[[str, int, int], None] | None = None) -> ParityReport:  # fmt: skip
-    """Run ``config`` under real DeepSpeed and under torsh (or ``candidate_config`` under torsh) and compare."""
+    """Run ``config`` under the reference engine and ``candidate_config`` (default: ``config``) under torsh; compare.
+
+    ``reference_engine`` is ``"deepspeed"`` (real DeepSpeed runs ``config``) or ``"torsh"`` (torsh runs both, e.g.
+    a DeepSpeed JSON against its FSDP translation). In low precision the band is calibrated from DeepSpeed when it
+    is installed, else it is the floor.
+    """
+    if reference_engine not in ("deepspeed", "torsh"):
+        raise ValueError(f"reference_engine must be 'deepspeed' or 'torsh', not {reference_engine!r}")
     ds_config = deepspeed_config_for(config)
     precision = precision_of(ds_config)
-    reference = Scenario("reference", ds_config, model=model, steps=steps)
-    ds_scenarios = [reference]
-    if precision != "fp32":
-        ds_scenarios.append(Scenario("calibration", calibration_variant(ds_config), model=model, steps=steps))
-    candidate = Scenario("reference", _plain_config(candidate_config if candidate_config is not None else config),
+    candidate = Scenario("candidate", _plain_config(candidate_config if candidate_config is not None else config),
                          model=model, steps=steps)  # fmt: skip
+    torsh_scenarios = [candidate]
+    ds_scenarios = []
+    if reference_engine == "deepspeed":
+        ds_scenarios.append(Scenario("reference", ds_config, model=model, steps=steps))
+    else:
+        torsh_scenarios.append(Scenario("reference", _plain_config(config), model=model, steps=steps))
+    calibrating = precision != "fp32" and (reference_engine == "deepspeed" or deepspeed_available())
+    if calibrating:
+        if reference_engine == "torsh":
+            ds_scenarios.append(Scenario("calibration-base", ds_config, model=model, steps=steps))
+        ds_scenarios.append(Scenario("calibration", calibration_variant(ds_config), model=model, steps=steps))
     with tempfile.TemporaryDirectory(prefix="torsh-parity-") as tmp:
         work = workdir or Path(tmp)
-        ds = run(ds_scenarios, "deepspeed", nproc=nproc, workdir=work, on_progress=on_progress)
-        ts = run([candidate], "torsh", nproc=nproc, workdir=work, on_progress=on_progress)
-    ref_records = _records(ds, "reference", "deepspeed")
-    cand_records = _records(ts, "reference", "torsh")
+        ds = run(ds_scenarios, "deepspeed", nproc=nproc, workdir=work, on_progress=on_progress) if ds_scenarios \
+            else None  # fmt: skip
+        ts = run(torsh_scenarios, "torsh", nproc=nproc, workdir=work, on_progress=on_progress)
+    reference_records = _records(ds if reference_engine == "deepspeed" else ts, "reference", reference_engine)
+    candidate_records = _records(ts, "candidate", "torsh")
     calibration = None
     if precision == "fp32":
         tolerance = dict(FP32_TOLERANCE)
-    else:
-        tolerance = calibrate(ref_records, _records(ds, "calibration", "deepspeed"))
-        calibration = {"against_stage": ds_scenarios[1].config["zero_optimization"]["stage"],
+    elif calibrating:
+        base = "reference" if reference_engine == "deepspeed" else "calibration-base"
+        tolerance = calibrate(_records(ds, base, "deepspeed"), _records(ds, "calibration", "deepspeed"))
+        calibration = {"against_stage": ds_scenarios[-1].config["zero_optimization"]["stage"],
                        "factor": CALIBRATION_FACTOR, "floor": LOW_PRECISION_FLOOR}  # fmt: skip
-    comparison = compare(ref_records, cand_records, tolerance)
-    return ParityReport("reference", precision, "deepspeed 0.19.8", "torsh", comparison, ref_records, cand_records,
-                        calibration)  # fmt: skip
+    else:
+        tolerance = dict(LOW_PRECISION_FLOOR)
+        calibration = {"note": "DeepSpeed is not installed: the band is the floor, not calibrated"}
+    comparison = compare(reference_records, candidate_records, tolerance)
+    reference_name = "deepspeed 0.19.8" if reference_engine == "deepspeed" else "torsh (reference config)"
+    candidate_name = "torsh" if candidate_config is None else "torsh (candidate config)"
+    return ParityReport("reference", precision, reference_name, candidate_name, comparison, reference_records,
+                        candidate_records, calibration)  # fmt: skip
 
 
 def _plain_config(config: Any) -> Any:
