@@ -93,6 +93,20 @@ def test_auto_bucket_lr_and_clipping():
     assert resolved.deferred_paths() == []
 
 
+def test_auto_hybrid_shard_size_is_the_node_and_unresolvable_auto_is_named(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    resolved, _, values = _resolve({"batch": {"micro_batch_size": 1},
+                                    "sharding": {"stage": 3, "hybrid_shard_size": "auto"}})  # fmt: skip
+    assert resolved.sharding.hybrid_shard_size == 2 and "one node" in values["sharding.hybrid_shard_size"][1]
+    with pytest.raises(ConfigError) as exc:
+        _resolve({"batch": {"micro_batch_size": 1}, "precision": {"param_dtype": "auto"},
+                  "pipeline": {"stages": "auto"}})  # fmt: skip
+    assert {p.path for p in exc.value.problems} == {"precision.param_dtype"}  # pipeline "auto": no pipeline
+
+
 # ---- wrapping -----------------------------------------------------------------------------------
 
 def test_wrap_targets():

@@ -109,6 +109,25 @@ def resolve_auto(cfg: TorshConfig, *, model: torch.nn.Module, optimizer: Any, tr
 
     fill("gradients.clip_max_norm", DEFAULT_CLIP, "DeepSpeed 0.19.8's and the HF Trainer's default")
 
+    # hybrid sharding without a mesh (FSDP1 HYBRID_SHARD): shard within a node, replicate across nodes.
+    if "sharding.hybrid_shard_size" in deferred:
+        from torsh.ranks import discover
+
+        local = discover().local_world_size
+        if local:
+            fill("sharding.hybrid_shard_size", local, "the processes on one node (the launcher's local world size)")
+        else:
+            fail("sharding.hybrid_shard_size", "the launcher does not say how many processes share a node; give a "
+                 "number")  # fmt: skip
+    fill("pipeline.stages", None, "no pipeline: DeepSpeed's \"auto\" takes the stages of a PipelineModule, and "
+         "the torsh engine runs data parallelism only")  # fmt: skip
+    fail("precision.param_dtype", "has no source here (the HF Trainer fills it from --bf16/--fp16): give fp32, "
+         "bf16 or fp16")  # fmt: skip
+
+    # Whatever is still "auto" has no rule: a clear error naming it, never a value guessed later.
+    handled = set(values) | {p.path for p in problems}
+    problems += [Problem(path, "auto", "torsh.initialize has no rule to resolve it; give a value")
+                 for path in sorted(deferred - handled)]  # fmt: skip
     if problems:
         raise ConfigError(problems)
     resolved = cfg.resolve_deferred({path: value for path, (value, _) in values.items()}) if values else cfg

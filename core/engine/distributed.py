@@ -25,27 +25,19 @@ class DistInfo:
 
 
 def _discover() -> tuple[int, int, int, str, str]:
-    """``(rank, local_rank, world_size, master_addr, master_port)`` from the launcher's environment.
+    """``(rank, local_rank, world_size, master_addr, master_port)`` from any launcher's environment.
 
-    ``torsh.ranks.discover`` (every launcher's variables: torchrun, deepspeed, horovodrun, MPI, Slurm) when
-    it is installed; otherwise the torchrun names. A process started without a launcher is rank 0 of 1.
+    ``torsh.ranks.discover`` reads torchrun, deepspeed, horovodrun, MPI and Slurm variables; a process started
+    without a launcher is rank 0 of 1.
     """
-    try:
-        from torsh.ranks import discover
-    except ImportError:
-        pass
-    else:
-        found = discover()
-        # horovodrun's rendezvous server is not a TCPStore address: then only MASTER_* from the environment
-        usable = not getattr(found, "master_is_horovod_rendezvous", False)
-        addr = (found.master_addr if usable else None) or os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = (found.master_port if usable else None) or os.environ.get("MASTER_PORT", "29500")
-        return found.rank, found.local_rank, found.world_size, addr, str(port)
-    env = os.environ
-    rank = int(env.get("RANK", "0"))
-    world_size = int(env.get("WORLD_SIZE", "1"))
-    local_rank = int(env.get("LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK", str(rank))))
-    return rank, local_rank, world_size, env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT", "29500")
+    from torsh.ranks import discover
+
+    found = discover()
+    # horovodrun's rendezvous server is not a TCPStore address: then only MASTER_* from the environment
+    usable = not found.master_is_horovod_rendezvous
+    addr = (found.master_addr if usable else None) or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = (found.master_port if usable else None) or os.environ.get("MASTER_PORT", "29500")
+    return found.rank, found.local_rank, found.world_size, addr, str(port)
 
 
 def _backend(requested: str) -> str:
