@@ -66,6 +66,8 @@ def cold_start(repeats: int) -> dict[str, list[float]]:
         commands["import deepspeed"] = [sys.executable, "-c", "import deepspeed"]
     times: dict[str, list[float]] = {name: [] for name in commands}
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    for command in commands.values():  # discarded: writes bytecode caches and warms the page cache
+        subprocess.run(command, capture_output=True, env=env, check=True)
     for _ in range(repeats):
         for name, command in commands.items():
             started = time.perf_counter()
@@ -181,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for repeat in range(args.repeats):
         for shape, stage, precision in cases:
-            for impl in impls:  # interleaved: A B C A B C ...
+            # interleaved (A B C A B C ...), the order rotated each repeat so that no implementation always
+            # runs right after the same one (page cache, CPU frequency, other load)
+            for impl in impls[repeat % len(impls):] + impls[:repeat % len(impls)]:
                 r = run_case(impl, stage, precision, shape, args.steps, args.warmup, args.nproc)
                 status = r.get("error", "").splitlines()[-1:] if "error" in r else f"{r['step_s'] * 1e3:.1f} ms"
                 print(f"[{repeat + 1}/{args.repeats}] {shape:<7} stage {stage:<9} {precision} {impl:<9} {status}",
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     report.update({
         "date": time.strftime("%Y-%m-%d"), "repeats": args.repeats, "steps": args.steps,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "command": "python -m benchmarks" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)]),
         "errors": [r for r in results if "error" in r],
     })  # fmt: skip
     report["targets"] = check_targets(report)

@@ -37,6 +37,8 @@ def main(spec: dict) -> None:
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(shape.batch, shape.width, generator=g).to(device)
+    if precision == "bf16":  # every implementation gets bf16 inputs (torsh and DeepSpeed need them at stages 0/1)
+        x = x.to(torch.bfloat16)
     y = torch.randn(shape.batch, 1, generator=g).to(device)
     model = build(shape)
     rss_before = _rss_mib()
@@ -47,10 +49,9 @@ def main(spec: dict) -> None:
     else:
         engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(),
                                         config=deepspeed_config(stage, precision, shape))  # fmt: skip
-        xin = x.to(torch.bfloat16) if precision == "bf16" else x
 
         def step(_x, _y):
-            loss = torch.nn.functional.mse_loss(engine(xin).float(), _y)
+            loss = torch.nn.functional.mse_loss(engine(_x).float(), _y)
             engine.backward(loss)
             engine.step()
             return loss.detach()
