@@ -39,12 +39,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _env() -> dict[str, str]:
+    """The environment of every measured process: CPU DeepSpeed, and bytecode caches used as for an installed
+    package (torch's and DeepSpeed's were compiled at install time; with PYTHONDONTWRITEBYTECODE set, only
+    torsh would be compiled from source in every process, inside the measured time)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def compile_sources() -> None:
+    """Write the bytecode caches of this checkout's packages once, before anything is measured."""
+    import compileall
+
+    for folder in ("core", "adapters", "schemas", "benchmarks"):
+        compileall.compile_dir(ROOT / folder, quiet=2)
+
+
 def run_case(impl: str, stage: str, precision: str, shape: str, steps: int, warmup: int, nproc: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = handle.name
     spec = {"impl": impl, "stage": stage, "precision": precision, "shape": shape, "steps": steps,
             "warmup": warmup, "out": out}  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    env = {**_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                f"--master-port={_free_port()}", "-m", "benchmarks.worker", json.dumps(spec)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -65,7 +82,7 @@ def cold_start(repeats: int) -> dict[str, list[float]]:
     if importlib.util.find_spec("deepspeed"):
         commands["import deepspeed"] = [sys.executable, "-c", "import deepspeed"]
     times: dict[str, list[float]] = {name: [] for name in commands}
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    env = _env()
     for command in commands.values():  # discarded: writes bytecode caches and warms the page cache
         subprocess.run(command, capture_output=True, env=env, check=True)
     for _ in range(repeats):
@@ -109,13 +126,16 @@ def aggregate(results: list[dict]) -> dict:
 def markdown(report: dict) -> str:
     lines = [f"Measured {report['date']} on {report['machine']} with `{report['command']}` "
              f"({report['repeats']} interleaved repeats, {report['steps']} timed steps each, 2 ranks, gloo).", "",
-             "| shape | stage | precision | step native / torsh / DeepSpeed (ms) | torsh/native | torsh/DeepSpeed "
+             "| shape | stage | precision | step native / torsh / DeepSpeed (ms, median (min–max)) | torsh/native | torsh/DeepSpeed "
              "| peak RSS torsh/native | init torsh − native (s) |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
 
     def ms(row, impl):
         cell = row.get(f"{impl}.step_s")
-        return f"{cell['median'] * 1e3:.1f}" if cell else "–"
+        if not cell:
+            return "–"
+        spread = f" ({cell['min'] * 1e3:.1f}–{cell['max'] * 1e3:.1f})" if cell["n"] > 1 else ""
+        return f"{cell['median'] * 1e3:.1f}{spread}"
 
     def ratio(row, key, fmt="{:.2f}"):
         return fmt.format(row[key]) if key in row else "–"
@@ -149,12 +169,12 @@ def check_targets(report: dict) -> list[str]:
     return out
 
 
-def update_readme(table: str) -> None:
-    readme = ROOT / "README.md"
+def update_readme(table: str, readme: Path = ROOT / "README.md") -> None:
+    """Replace the table between the benchmark markers; add a ``## Benchmarks`` section with them if missing."""
     text = readme.read_text()
     start, end = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
     if start not in text or end not in text:
-        raise SystemExit("README.md has no benchmark markers")
+        text = text.rstrip("\n") + f"\n\n## Benchmarks\n\n{start}\n{end}\n"
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     readme.write_text(f"{head}{start}\n{table}{end}{tail}")
@@ -179,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if "deepspeed" in impls and not importlib.util.find_spec("deepspeed"):
         print("DeepSpeed is not installed: skipping it (pip install 'torsh-distributed[parity]')")
         impls.remove("deepspeed")
+    compile_sources()
     cases = list(itertools.product(args.shapes.split(","), args.stages.split(","), args.precisions.split(",")))
     results = []
     for repeat in range(args.repeats):

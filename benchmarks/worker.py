@@ -41,6 +41,14 @@ def main(spec: dict) -> None:
         x = x.to(torch.bfloat16)
     y = torch.randn(shape.batch, 1, generator=g).to(device)
     model = build(shape)
+    # torch's own distributed modules (and torch._dynamo, which DDP and FSDP2 import lazily, 1-3 s on a
+    # loaded machine) are imported before the clock starts for every implementation: a training script has
+    # them loaded anyway, and their import time would otherwise drown the set-up difference being measured.
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.optim  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+
     rss_before = _rss_mib()
     started = time.perf_counter()
     if impl == "native":
