@@ -72,6 +72,11 @@ def run_case(impl: str, stage: str, precision: str, shape: str, steps: int, warm
     return result
 
 
+def _last_error_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if "Error" in line or "error" in line]
+    return (lines or text.splitlines() or ["failed"])[-1].strip()[:200]
+
+
 def cold_start(repeats: int) -> dict[str, list[float]]:
     """Wall time of ``torsh-migrate convert`` against ``import deepspeed`` and ``import torch``, interleaved."""
     example = ROOT / "migration_examples" / "torsh" / "torsh_config.toml"
@@ -208,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             # runs right after the same one (page cache, CPU frequency, other load)
             for impl in impls[repeat % len(impls):] + impls[:repeat % len(impls)]:
                 r = run_case(impl, stage, precision, shape, args.steps, args.warmup, args.nproc)
-                status = r.get("error", "").splitlines()[-1:] if "error" in r else f"{r['step_s'] * 1e3:.1f} ms"
+                status = _last_error_line(r["error"]) if "error" in r else f"{r['step_s'] * 1e3:.1f} ms"
                 print(f"[{repeat + 1}/{args.repeats}] {shape:<7} stage {stage:<9} {precision} {impl:<9} {status}",
                       flush=True)  # fmt: skip
                 results.append(r)
