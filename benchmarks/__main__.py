@@ -98,6 +98,28 @@ def cold_start(repeats: int) -> dict[str, list[float]]:
     return times
 
 
+def _machine() -> str:
+    """CPU model, cores, memory, Python, torch and DeepSpeed versions (what the ratios were measured on)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        memory = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
+                          if line.startswith("MemTotal"))) / 2**20  # fmt: skip
+        cpu = f"{cpu} ({os.cpu_count()} CPUs), {memory:.0f} GiB"
+    except (OSError, StopIteration, ValueError):
+        cpu = f"{cpu} ({os.cpu_count()} CPUs)"
+    versions = []
+    for name in ("torch", "deepspeed"):
+        try:
+            from importlib.metadata import version
+
+            versions.append(f"{name} {version(name)}")
+        except Exception:  # noqa: BLE001 (not installed: leave it out)
+            pass
+    return ", ".join([cpu, f"Python {platform.python_version()}", *versions])
+
+
 def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
@@ -221,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     report["cold_start"] = {k: _summary(v) for k, v in cold_start(max(3, args.repeats * 2)).items()}
     report.update({
         "date": time.strftime("%Y-%m-%d"), "repeats": args.repeats, "steps": args.steps,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "machine": _machine(),
         "command": " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)]),
         "errors": [r for r in results if "error" in r],
     })  # fmt: skip
