@@ -39,12 +39,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _env() -> dict[str, str]:
+    """The environment of every measured process: CPU DeepSpeed, and bytecode caches used as for an installed
+    package (torch's and DeepSpeed's were compiled at install time; with PYTHONDONTWRITEBYTECODE set, only
+    torsh would be compiled from source in every process, inside the measured time)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def compile_sources() -> None:
+    """Write the bytecode caches of this checkout's packages once, before anything is measured."""
+    import compileall
+
+    for folder in ("core", "adapters", "schemas", "benchmarks"):
+        compileall.compile_dir(ROOT / folder, quiet=2)
+
+
 def run_case(impl: str, stage: str, precision: str, shape: str, steps: int, warmup: int, nproc: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = handle.name
     spec = {"impl": impl, "stage": stage, "precision": precision, "shape": shape, "steps": steps,
             "warmup": warmup, "out": out}  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    env = {**_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                f"--master-port={_free_port()}", "-m", "benchmarks.worker", json.dumps(spec)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -53,6 +70,11 @@ def run_case(impl: str, stage: str, precision: str, shape: str, steps: int, warm
     result = json.loads(Path(out).read_text())
     Path(out).unlink(missing_ok=True)
     return result
+
+
+def _last_error_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if "Error" in line or "error" in line]
+    return (lines or text.splitlines() or ["failed"])[-1].strip()[:200]
 
 
 def cold_start(repeats: int) -> dict[str, list[float]]:
@@ -65,13 +87,37 @@ def cold_start(repeats: int) -> dict[str, list[float]]:
     if importlib.util.find_spec("deepspeed"):
         commands["import deepspeed"] = [sys.executable, "-c", "import deepspeed"]
     times: dict[str, list[float]] = {name: [] for name in commands}
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    env = _env()
+    for command in commands.values():  # discarded: writes bytecode caches and warms the page cache
+        subprocess.run(command, capture_output=True, env=env, check=True)
     for _ in range(repeats):
         for name, command in commands.items():
             started = time.perf_counter()
             subprocess.run(command, capture_output=True, env=env, check=True)
             times[name].append(time.perf_counter() - started)
     return times
+
+
+def _machine() -> str:
+    """CPU model, cores, memory, Python, torch and DeepSpeed versions (what the ratios were measured on)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        memory = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
+                          if line.startswith("MemTotal"))) / 2**20  # fmt: skip
+        cpu = f"{cpu} ({os.cpu_count()} CPUs), {memory:.0f} GiB"
+    except (OSError, StopIteration, ValueError):
+        cpu = f"{cpu} ({os.cpu_count()} CPUs)"
+    versions = []
+    for name in ("torch", "deepspeed"):
+        try:
+            from importlib.metadata import version
+
+            versions.append(f"{name} {version(name)}")
+        except Exception:  # noqa: BLE001 (not installed: leave it out)
+            pass
+    return ", ".join([cpu, f"Python {platform.python_version()}", *versions])
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -107,13 +153,16 @@ def aggregate(results: list[dict]) -> dict:
 def markdown(report: dict) -> str:
     lines = [f"Measured {report['date']} on {report['machine']} with `{report['command']}` "
              f"({report['repeats']} interleaved repeats, {report['steps']} timed steps each, 2 ranks, gloo).", "",
-             "| shape | stage | precision | step native / torsh / DeepSpeed (ms) | torsh/native | torsh/DeepSpeed "
+             "| shape | stage | precision | step native / torsh / DeepSpeed (ms, median (min–max)) | torsh/native | torsh/DeepSpeed "
              "| peak RSS torsh/native | init torsh − native (s) |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
 
     def ms(row, impl):
         cell = row.get(f"{impl}.step_s")
-        return f"{cell['median'] * 1e3:.1f}" if cell else "–"
+        if not cell:
+            return "–"
+        spread = f" ({cell['min'] * 1e3:.1f}–{cell['max'] * 1e3:.1f})" if cell["n"] > 1 else ""
+        return f"{cell['median'] * 1e3:.1f}{spread}"
 
     def ratio(row, key, fmt="{:.2f}"):
         return fmt.format(row[key]) if key in row else "–"
@@ -147,12 +196,12 @@ def check_targets(report: dict) -> list[str]:
     return out
 
 
-def update_readme(table: str) -> None:
-    readme = ROOT / "README.md"
+def update_readme(table: str, readme: Path = ROOT / "README.md") -> None:
+    """Replace the table between the benchmark markers; add a ``## Benchmarks`` section with them if missing."""
     text = readme.read_text()
     start, end = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
     if start not in text or end not in text:
-        raise SystemExit("README.md has no benchmark markers")
+        text = text.rstrip("\n") + f"\n\n## Benchmarks\n\n{start}\n{end}\n"
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     readme.write_text(f"{head}{start}\n{table}{end}{tail}")
@@ -177,13 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     if "deepspeed" in impls and not importlib.util.find_spec("deepspeed"):
         print("DeepSpeed is not installed: skipping it (pip install 'torsh-distributed[parity]')")
         impls.remove("deepspeed")
+    compile_sources()
     cases = list(itertools.product(args.shapes.split(","), args.stages.split(","), args.precisions.split(",")))
     results = []
     for repeat in range(args.repeats):
         for shape, stage, precision in cases:
-            for impl in impls:  # interleaved: A B C A B C ...
+            # interleaved (A B C A B C ...), the order rotated each repeat so that no implementation always
+            # runs right after the same one (page cache, CPU frequency, other load)
+            for impl in impls[repeat % len(impls):] + impls[:repeat % len(impls)]:
                 r = run_case(impl, stage, precision, shape, args.steps, args.warmup, args.nproc)
-                status = r.get("error", "").splitlines()[-1:] if "error" in r else f"{r['step_s'] * 1e3:.1f} ms"
+                status = _last_error_line(r["error"]) if "error" in r else f"{r['step_s'] * 1e3:.1f} ms"
                 print(f"[{repeat + 1}/{args.repeats}] {shape:<7} stage {stage:<9} {precision} {impl:<9} {status}",
                       flush=True)  # fmt: skip
                 results.append(r)
@@ -191,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     report["cold_start"] = {k: _summary(v) for k, v in cold_start(max(3, args.repeats * 2)).items()}
     report.update({
         "date": time.strftime("%Y-%m-%d"), "repeats": args.repeats, "steps": args.steps,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "command": "python -m benchmarks" + (" --quick" if args.quick else ""),
+        "machine": _machine(),
+        "command": " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)]),
         "errors": [r for r in results if "error" in r],
     })  # fmt: skip
     report["targets"] = check_targets(report)

@@ -77,7 +77,15 @@ def deepspeed_config(stage: str, precision: str, shape: Shape) -> dict:
 
 
 class NativeJob:
-    """What a PyTorch user writes by hand for the same job: DDP, DDP + ZeroRedundancyOptimizer, or FSDP2."""
+    """What a PyTorch user writes by hand for the same job: DDP, DDP + ZeroRedundancyOptimizer, or FSDP2.
+
+    The precision semantics are those torsh and DeepSpeed build for ``bf16.enabled`` (not ``torch.autocast``,
+    which would compute different ops in a different dtype): at stages 0/1 the model's parameters are cast to
+    bf16, gradients are reduced in bf16 and the optimizer steps fp32 master copies, which are copied back; at
+    stages 2/3 FSDP2's ``MixedPrecisionPolicy`` casts fp32 shards to bf16 for compute and reduction. The
+    gradient norm is clipped to 1.0 over the (master) gradients, and every ``Layer`` is its own FSDP2 unit,
+    as torsh wraps it.
+    """
 
     def __init__(self, model: nn.Module, stage: str, precision: str, device: torch.device):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -87,6 +95,8 @@ class NativeJob:
         self.bf16 = precision == "bf16"
         level = int(stage[0])
         model = model.to(device)
+        self.params: list[nn.Parameter] = []
+        self.masters: list[nn.Parameter] = []
         if level >= 2:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if self.bf16 \
                 else MixedPrecisionPolicy()  # fmt: skip
@@ -98,21 +108,35 @@ class NativeJob:
                 fully_shard(layer, **kwargs)
             fully_shard(model, **kwargs)
             self.model = model
-            self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+            step_params = list(model.parameters())
+            self.optimizer = torch.optim.AdamW(step_params, lr=1e-4, weight_decay=0.0)
         else:
+            if self.bf16:
+                # fp32 masters first, then the model's own parameters in bf16 (DDP then reduces bf16).
+                self.params = list(model.parameters())
+                self.masters = [nn.Parameter(p.detach().float().clone()) for p in self.params]
+                model = model.to(torch.bfloat16)
             self.model = DistributedDataParallel(model)
+            step_params = self.masters or list(model.parameters())
             if level == 1:
-                self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                self.optimizer = ZeroRedundancyOptimizer(step_params, optimizer_class=torch.optim.AdamW,
                                                          lr=1e-4, weight_decay=0.0)  # fmt: skip
             else:
-                self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-        self.fsdp = level >= 2
+                self.optimizer = torch.optim.AdamW(step_params, lr=1e-4, weight_decay=0.0)
+        self.step_params = step_params
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16 and not self.fsdp):
-            loss = nn.functional.mse_loss(self.model(x).float(), y)
+        """One step; ``x`` is already in the compute dtype."""
+        loss = nn.functional.mse_loss(self.model(x).float(), y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        for p, m in zip(self.params, self.masters):
+            m.grad = p.grad.float()
+            p.grad = None
+        torch.nn.utils.clip_grad_norm_(self.step_params, 1.0)
         self.optimizer.step()
+        if self.masters:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.masters):
+                    p.copy_(m)
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()

@@ -2,6 +2,10 @@
 
 Times ``initialize`` (or the hand-written set-up) and each training step, and records the peak RSS of every
 rank. Rank 0 writes the result to ``spec["out"]``.
+
+torch's own distributed modules (and ``torch._dynamo``, which DDP and FSDP2 import lazily, 1-3 s on a loaded
+machine) are imported up front for every implementation: a training script has them loaded anyway, and their
+import time would otherwise drown the set-up difference being measured.
 """
 
 from __future__ import annotations
@@ -14,7 +18,11 @@ import sys
 import time
 
 import torch
+import torch._dynamo  # noqa: F401
 import torch.distributed as dist
+import torch.distributed.fsdp  # noqa: F401
+import torch.distributed.optim  # noqa: F401
+import torch.nn.parallel  # noqa: F401
 
 from benchmarks.cases import SHAPES, NativeJob, build, deepspeed_config
 
@@ -37,6 +45,8 @@ def main(spec: dict) -> None:
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(shape.batch, shape.width, generator=g).to(device)
+    if precision == "bf16":  # every implementation gets bf16 inputs (torsh and DeepSpeed need them at stages 0/1)
+        x = x.to(torch.bfloat16)
     y = torch.randn(shape.batch, 1, generator=g).to(device)
     model = build(shape)
     rss_before = _rss_mib()
@@ -45,12 +55,19 @@ def main(spec: dict) -> None:
         job = NativeJob(model, stage, precision, device)
         step = job.train_step
     else:
-        engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(),
-                                        config=deepspeed_config(stage, precision, shape))  # fmt: skip
-        xin = x.to(torch.bfloat16) if precision == "bf16" else x
+        config = deepspeed_config(stage, precision, shape)
+        if impl == "torsh":
+            # The DeepSpeed config read as torsh reads it, with one addition: every ``Layer`` is its own
+            # FSDP2 unit, as the hand-written job wraps it (torsh's default would make the whole
+            # ``layers`` Sequential one unit, a direct child of the model). DeepSpeed gathers per module.
+            from torsh import adapters
+
+            config = adapters.load(config).result
+            config.sharding.wrap.module_classes = ["Layer"]
+        engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=config)
 
         def step(_x, _y):
-            loss = torch.nn.functional.mse_loss(engine(xin).float(), _y)
+            loss = torch.nn.functional.mse_loss(engine(_x).float(), _y)
             engine.backward(loss)
             engine.step()
             return loss.detach()

@@ -56,6 +56,48 @@ from pydantic import (
 from .deferred import AUTO, Deferred, is_deferred
 from .errors import ConfigError, Problem
 
+
+def _install_docstring_reader() -> Any:
+    """Make pydantic read this module's attribute docstrings from one parse of the file.
+
+    ``use_attribute_docstrings`` makes pydantic (before Python 3.13) walk the stack and re-tokenize the
+    source of every model class, about a third of this module's import time, which every ``torsh-migrate``
+    call pays. The docstrings are the same when the file is parsed once; classes of other modules, or a
+    pydantic without this internal, keep pydantic's own path. Returns what :func:`_restore_docstring_reader`
+    needs (None when nothing was installed).
+    """
+    import ast
+
+    try:
+        from pydantic._internal import _docs_extraction, _fields
+        original = _fields.extract_docstrings_from_cls
+        tree = ast.parse(open(__file__, encoding="utf-8").read())  # noqa: SIM115 (closed by the GC at once)
+    except (ImportError, AttributeError, OSError, SyntaxError):
+        return None
+    docs: dict[str, dict[str, str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            visitor = _docs_extraction.DocstringVisitor()
+            visitor.visit(node)
+            docs[node.name] = visitor.attrs
+
+    def extract(cls: type, use_inspect: bool = False) -> dict[str, str]:
+        if cls.__module__ == __name__ and cls.__qualname__ in docs:
+            return docs[cls.__qualname__]
+        return original(cls, use_inspect=use_inspect)
+
+    _fields.extract_docstrings_from_cls = extract
+    return _fields, original
+
+
+def _restore_docstring_reader(installed: Any) -> None:
+    if installed is not None:
+        module, original = installed
+        module.extract_docstrings_from_cls = original
+
+
+_DOCSTRING_READER = _install_docstring_reader()
+
 # --------------------------------------------------------------------------------------------------
 # Shared types
 
@@ -957,3 +999,6 @@ def _reason(err: dict) -> str:
     if msg == 'expected "auto"':
         return 'the string "auto"'
     return msg
+
+
+_restore_docstring_reader(_DOCSTRING_READER)  # every model class of this module is built

@@ -27,11 +27,19 @@ def print_report(translation: Translation[Any], style: str, stream: IO[str], *, 
         json.dump(translation.to_dict(), stream, indent=2)
         stream.write("\n")
         return
+    counts = ", ".join(f"{n} {k}" for k, n in translation.counts().items() if n)
+    summary = f"{len(translation.notes)} keys: {counts or 'none'}"
+    title = title or f"{translation.source} -> {translation.target}"
+    if not _is_terminal(stream):
+        # Piped or redirected (scripts, CI logs): a plain table; rich (about a sixth of a cold
+        # ``torsh-migrate`` run) is imported only for a terminal, where its colours help.
+        stream.write(_plain_table(title, translation) + summary + "\n")
+        return
     from rich.console import Console
     from rich.table import Table
 
     console = Console(file=stream, width=max(100, _width(stream)), highlight=False, soft_wrap=False)
-    table = Table(title=title or f"{translation.source} -> {translation.target}", show_lines=False)
+    table = Table(title=title, show_lines=False)
     for column in ("source key", "target", "value", "fidelity", "reason"):
         table.add_column(column, overflow="fold")
     for note in translation.notes:
@@ -39,8 +47,30 @@ def print_report(translation: Translation[Any], style: str, stream: IO[str], *, 
         table.add_row(note.source_path, note.target_path or "-", _short(note.value), note.fidelity.value,
                       note.reason, style=style_)
     console.print(table)
-    counts = ", ".join(f"{n} {k}" for k, n in translation.counts().items() if n)
-    console.print(f"{len(translation.notes)} keys: {counts or 'none'}")
+    console.print(summary)
+
+
+_COLUMNS = ("source key", "target", "value", "fidelity", "reason")
+
+
+def _plain_table(title: str, translation: Translation[Any]) -> str:
+    """The report as aligned plain-text columns (the reason column last and never cut)."""
+    rows = [_COLUMNS] + [(n.source_path, n.target_path or "-", _short(n.value), n.fidelity.value, n.reason)
+                         for n in translation.notes]  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS) - 1)]
+    lines = [title]
+    for k, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths) + "  " + "-" * len(_COLUMNS[-1]))
+    return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _is_terminal(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def write_output(text: str, out: str | None, force: bool) -> None:

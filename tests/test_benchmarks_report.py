@@ -1,0 +1,83 @@
+"""The benchmark's arithmetic on synthetic results: medians, ratios, targets, the table and the README block.
+
+Nothing here is timed: the numbers are made up so that each target's verdict is known in advance.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+bench = pytest.importorskip("benchmarks.__main__", reason="the benchmarks package sits at the repository root")
+
+
+def result(impl: str, step_ms: float, *, init_s: float = 1.0, rss: float = 1000.0, stage: str = "0") -> dict:
+    return {"impl": impl, "stage": stage, "precision": "fp32", "shape": "comm", "step_s": step_ms / 1e3,
+            "init_s": init_s, "peak_rss_mib": rss}  # fmt: skip
+
+
+def report_of(results: list[dict], cold_convert: list[float] | None = None) -> dict:
+    report = bench.aggregate(results)
+    if cold_convert is not None:
+        report["cold_start"] = {"torsh-migrate convert": bench._summary(cold_convert)}
+    report.update(date="2026-01-01", machine="test machine", command="python -m benchmarks --quick", repeats=3,
+                  steps=10)  # fmt: skip
+    report["targets"] = bench.check_targets(report)
+    return report
+
+
+def test_ratios_are_taken_between_medians_of_the_repeats():
+    results = [result("native", ms) for ms in (100, 110, 400)] + [result("torsh", ms) for ms in (101, 99, 102)] \
+        + [result("deepspeed", ms) for ms in (200, 500, 150)]  # fmt: skip
+    (row,) = bench.aggregate(results)["rows"]
+    assert row["native.step_s"]["median"] == pytest.approx(0.110)  # one slow outlier does not move a median
+    assert row["native.step_s"]["min"] == pytest.approx(0.100) and row["native.step_s"]["max"] == pytest.approx(0.4)
+    assert row["step torsh/native"] == pytest.approx(101 / 110)
+    assert row["step torsh/deepspeed"] == pytest.approx(101 / 200)
+
+
+def test_failed_runs_are_left_out_of_the_medians():
+    results = [result("native", 100), result("torsh", 100), {**result("torsh", 1), "error": "rank 1 died"}]
+    (row,) = bench.aggregate(results)["rows"]
+    assert row["torsh.step_s"]["n"] == 1 and row["step torsh/native"] == pytest.approx(1.0)
+
+
+def test_each_target_is_judged_on_its_worst_case():
+    results = [result("native", 100, init_s=1.0, rss=1000), result("torsh", 101, init_s=1.2, rss=1020),
+               result("deepspeed", 200),
+               result("native", 100, stage="3", init_s=1.0, rss=1000),
+               result("torsh", 105, stage="3", init_s=1.5, rss=1040),
+               result("deepspeed", 110, stage="3")]  # fmt: skip
+    verdicts = dict(line.split(":", 1) for line in report_of(results, [0.25, 0.28, 0.40])["targets"])
+    assert verdicts["step torsh/native ≤ 1.02"].startswith(" MISSED (worst 1.050)")  # stage 3
+    assert verdicts["step torsh/deepspeed ≤ 0.9"].startswith(" MISSED (worst 0.955)")  # stage 3: 105/110
+    assert verdicts["peak memory torsh/native ≤ 1.03"].startswith(" MISSED (worst 1.040)")
+    assert verdicts["initialize torsh - native (s) ≤ 0.3"].startswith(" MISSED (worst 0.500)")
+    assert verdicts["convert cold start (s) ≤ 0.3"].startswith(" holds (worst 0.280)")  # the median of three
+
+
+def test_targets_that_hold_and_targets_not_measured_are_said_so():
+    results = [result("native", 100), result("torsh", 101, init_s=1.1, rss=1010)]
+    verdicts = report_of(results)["targets"]
+    assert "step torsh/native ≤ 1.02: holds (worst 1.010)" in verdicts
+    assert "step torsh/deepspeed ≤ 0.9: not measured" in verdicts  # DeepSpeed not installed
+    assert "convert cold start (s) ≤ 0.3: not measured" in verdicts
+
+
+def test_markdown_table_names_the_run_and_every_case():
+    results = [result("native", ms) for ms in (100, 120)] + [result("torsh", ms) for ms in (101, 103)]
+    text = bench.markdown(report_of(results, [0.2, 0.3]))
+    assert "Measured 2026-01-01 on test machine with `python -m benchmarks --quick`" in text
+    assert "| comm | 0 | fp32 | 110.0 (100.0–120.0) / 102.0 (101.0–103.0) / – | 0.93 | – |" in text
+    assert "| `torsh-migrate convert` | 0.250 | 0.200–0.300 |" in text
+    assert "- convert cold start (s) ≤ 0.3: holds (worst 0.250)" in text
+
+
+def test_readme_block_is_replaced_and_the_rest_kept(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# torsh\n\nintro\n")
+    bench.update_readme("| old |\n", readme)  # no markers yet: a Benchmarks section is added
+    bench.update_readme("| new |\n", readme)
+    text = readme.read_text()
+    assert text.startswith("# torsh\n\nintro\n\n## Benchmarks\n")
+    assert "<!-- benchmarks:start -->\n| new |\n<!-- benchmarks:end -->" in text and "| old |" not in text
+    assert text.count("## Benchmarks") == 1
