@@ -81,10 +81,10 @@ def _install_docstring_reader() -> Any:
             visitor.visit(node)
             docs[node.name] = visitor.attrs
 
-    def extract(cls: type, use_inspect: bool = False) -> dict[str, str]:
+    def extract(cls: type, *args: Any, **kwargs: Any) -> dict[str, str]:
         if cls.__module__ == __name__ and cls.__qualname__ in docs:
             return docs[cls.__qualname__]
-        return original(cls, use_inspect=use_inspect)
+        return original(cls, *args, **kwargs)
 
     _fields.extract_docstrings_from_cls = extract
     return _fields, original
