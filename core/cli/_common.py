@@ -14,9 +14,15 @@ from torsh.errors import ConfigError, Problem
 from torsh.translate import Translation
 
 
-def add_input_options(parser: argparse.ArgumentParser) -> None:
+def add_from_option(parser: argparse.ArgumentParser) -> None:
+    """``--from DIALECT``: the input's dialect when its content is not enough to tell."""
     parser.add_argument("--from", dest="dialect", metavar="DIALECT",
                         help="dialect of the input (default: detected from the content)")
+
+
+def add_input_options(parser: argparse.ArgumentParser) -> None:
+    """``--from`` and ``--report table|json``."""
+    add_from_option(parser)
     parser.add_argument("--report", choices=["table", "json"], default="table",
                         help="report format (default: table)")
 

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from torsh.cli._common import add_from_option
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("explain", help="batch math, precision contract, loss scaling and engine plan",
@@ -15,8 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("file", help="config file (JSON, hjson, YAML or TOML)")
     parser.add_argument("--world-size", type=int, default=1, metavar="N",
                         help="data-parallel ranks to resolve the batch sizes for (default: 1)")
-    parser.add_argument("--from", dest="dialect", metavar="DIALECT",
-                        help="dialect of the input (default: detected from the content)")
+    add_from_option(parser)
     parser.add_argument("--format", choices=["table", "json"], default="table", help="output format")
     parser.set_defaults(run=run)
 

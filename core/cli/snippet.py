@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from torsh.cli._common import add_from_option
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("snippet", help="print the FSDP2 fully_shard code for a config of any dialect",
                             description="Read a config of any dialect and print Python that builds the device "
                             "mesh and policies and applies fully_shard to `model` (the FSDP2 equivalent).")
     parser.add_argument("file", help="config file (JSON, hjson, YAML or TOML)")
-    parser.add_argument("--from", dest="dialect", metavar="DIALECT", help="dialect of the input (default: detected)")
-    parser.set_defaults(run=run)  # fmt: skip
+    add_from_option(parser)
+    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

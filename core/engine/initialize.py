@@ -24,7 +24,7 @@ from .data import build_dataloader
 from .distributed import DistInfo
 from .distributed import init_distributed as start_process_group
 from .engine import Engine
-from .rebuild import build_optimizer, named_groups, rebind_scheduler
+from .rebuild import build_step_optimizer, named_groups, rebind_scheduler
 from .precision import apply_precision
 from .sharding import apply_sharding, sync_module_states
 
@@ -84,7 +84,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         log.warning("optimizer.name=%s is not built: the optimizer passed to initialize is used (as DeepSpeed "
                     "does); its \"auto\" values were filled from it", cfg.optimizer.name)  # fmt: skip
     step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
-    optimizer = build_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
+    optimizer = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
                                 by_name=step_params, zero_stage1=cfg.sharding.stage == 1,
                                 offload="cpu" in (cfg.offload.params, cfg.offload.optimizer))  # fmt: skip
     if optimizer is None and cfg.sharding.stage in (1, 2):

@@ -76,7 +76,7 @@ def _accepted(cls: type, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def build_optimizer(*, section: OptimizerConfig | None, client: Any, groups: list[dict],
+def build_step_optimizer(*, section: OptimizerConfig | None, client: Any, groups: list[dict],
                     name_of: dict[int, str], by_name: dict[str, torch.Tensor], zero_stage1: bool,
                     offload: bool) -> torch.optim.Optimizer | None:  # fmt: skip
     """The optimizer over ``by_name`` (the tensors the step updates), or None when there is none.
