@@ -1,7 +1,12 @@
-"""One benchmark case on N ranks: ``python -m torch.distributed.run ... -m benchmarks.worker SPEC_JSON``.
+"""One benchmark launch on N ranks: ``python -m torch.distributed.run ... -m benchmarks.worker SPEC_JSON``.
 
-Times ``initialize`` (or the hand-written set-up) and each training step, and records the peak RSS of every
-rank. Rank 0 writes the result to ``spec["out"]``.
+``spec["impls"]`` names what the launch runs. One implementation: ``initialize`` (or the hand-written set-up)
+and every training step are timed and the peak RSS of every rank recorded, so the process holds that case
+alone. Several (``native`` and ``torsh``, both plain PyTorch): each builds its job on its own copy of the
+model and their steps alternate (A B A B ..., the order rotated every step), so that the step-time ratio is
+taken under the same machine load, memory layout and process, not between launches that a shared machine
+slows by different amounts. DeepSpeed always runs alone: its ZeRO-3 engine replaces
+``torch.nn.functional.linear`` for the whole process. Rank 0 writes the result to ``spec["out"]``.
 
 torch's own distributed modules (and ``torch._dynamo``, which DDP and FSDP2 import lazily, 1-3 s on a loaded
 machine) are imported up front for every implementation: a training script has them loaded anyway, and their
@@ -10,12 +15,14 @@ import time would otherwise drown the set-up difference being measured.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch._dynamo  # noqa: F401
@@ -24,74 +31,104 @@ import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.optim  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
-from benchmarks.cases import SHAPES, NativeJob, build, deepspeed_config
+from benchmarks.cases import SHAPES, NativeJob, Shape, build, deepspeed_config
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def main(spec: dict) -> None:
-    impl, stage, precision = spec["impl"], spec["stage"], spec["precision"]
-    shape = SHAPES[spec["shape"]]
+def build_step(impl: str, stage: str, precision: str, shape: Shape, device: torch.device) -> Step:
+    """Set up one implementation's job on a fresh model (same seed for every implementation); its step."""
+    model = build(shape)
+    if impl == "native":
+        return NativeJob(model, stage, precision, device).train_step
+    config = deepspeed_config(stage, precision, shape)
     if impl == "deepspeed":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed as backend
-    elif impl == "torsh":
+    else:
+        # The DeepSpeed config read as torsh reads it, with one addition: every ``Layer`` is its own FSDP2 unit,
+        # as the hand-written job wraps it (torsh's default would make the whole ``layers`` Sequential one unit,
+        # a direct child of the model). DeepSpeed gathers per module.
         import torsh as backend
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
-        else torch.device("cpu")  # fmt: skip
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank = dist.get_rank()
+        from torsh import adapters
+
+        config = adapters.load(config).result
+        config.sharding.wrap.module_classes = ["Layer"]
+    engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return step
+
+
+def _timed(step: Step, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> float:
+    started = time.perf_counter()
+    step(x, y)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def run(spec: dict, device: torch.device, rank: int) -> dict:
+    impls, stage, precision = spec["impls"], spec["stage"], spec["precision"]
+    shape = SHAPES[spec["shape"]]
+    if "deepspeed" in impls:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed  # noqa: F401 (imported before the clock starts, as torch is)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(shape.batch, shape.width, generator=g).to(device)
     if precision == "bf16":  # every implementation gets bf16 inputs (torsh and DeepSpeed need them at stages 0/1)
         x = x.to(torch.bfloat16)
     y = torch.randn(shape.batch, 1, generator=g).to(device)
-    model = build(shape)
     rss_before = _rss_mib()
-    started = time.perf_counter()
-    if impl == "native":
-        job = NativeJob(model, stage, precision, device)
-        step = job.train_step
-    else:
-        config = deepspeed_config(stage, precision, shape)
-        if impl == "torsh":
-            # The DeepSpeed config read as torsh reads it, with one addition: every ``Layer`` is its own
-            # FSDP2 unit, as the hand-written job wraps it (torsh's default would make the whole
-            # ``layers`` Sequential one unit, a direct child of the model). DeepSpeed gathers per module.
-            from torsh import adapters
-
-            config = adapters.load(config).result
-            config.sharding.wrap.module_classes = ["Layer"]
-        engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=config)
-
-        def step(_x, _y):
-            loss = torch.nn.functional.mse_loss(engine(_x).float(), _y)
-            engine.backward(loss)
-            engine.step()
-            return loss.detach()
-
-    init_seconds = time.perf_counter() - started
-    times = []
+    steps, init_s = {}, {}
+    for impl in impls:
+        started = time.perf_counter()
+        steps[impl] = build_step(impl, stage, precision, shape, device)
+        init_s[impl] = time.perf_counter() - started
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
     for i in range(spec["warmup"] + spec["steps"]):
-        t = time.perf_counter()
-        step(x, y)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= spec["warmup"]:
-            times.append(time.perf_counter() - t)
-    stats = torch.tensor([statistics.median(times), init_seconds, _rss_mib(), _rss_mib() - rss_before],
-                         dtype=torch.float64)  # fmt: skip
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank and the largest footprint
+        for impl in impls[i % len(impls):] + impls[:i % len(impls)]:
+            elapsed = _timed(steps[impl], x, y, device)
+            if i >= spec["warmup"]:
+                times[impl].append(elapsed)
+    # The slowest rank and the largest footprint: step medians, set-up times, peak RSS and its growth.
+    names = [f"{impl}.{metric}" for impl in impls for metric in ("step_s", "init_s")] + ["peak", "delta"]
+    values = [v for impl in impls for v in (statistics.median(times[impl]), init_s[impl])]
+    stats = torch.tensor(values + [_rss_mib(), _rss_mib() - rss_before], dtype=torch.float64)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    measured = dict(zip(names, stats.tolist()))
+    if len(impls) > 1:
+        return {**spec, "paired": {impl: {"step_s": measured[f"{impl}.step_s"], "step_times": times[impl]}
+                                   for impl in impls}}  # fmt: skip
+    (impl,) = impls
+    result = {**spec, "impl": impl, "step_s": measured[f"{impl}.step_s"], "init_s": measured[f"{impl}.init_s"],
+              "peak_rss_mib": measured["peak"], "rss_delta_mib": measured["delta"], "step_times": times[impl]}
+    if device.type == "cuda":
+        result["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return result
+
+
+def main(spec: dict) -> None:
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
+        else torch.device("cpu")  # fmt: skip
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank()
+    result = run(spec, device, rank)
     if rank == 0:
-        step_s, init_s, peak, delta = stats.tolist()
-        result = {**spec, "step_s": step_s, "init_s": init_s, "peak_rss_mib": peak, "rss_delta_mib": delta,
-                  "step_times": times}  # fmt: skip
-        if device.type == "cuda":
-            result["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
         with open(spec["out"], "w") as handle:
             json.dump(result, handle)
+    # Every engine (and the DDP reducer inside it) is freed while the process group still exists: a reducer
+    # that outlives destroy_process_group() tears the gloo group down under the GIL from its destructor, which
+    # can deadlock against gloo's worker thread releasing a finished collective's tensors.
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 

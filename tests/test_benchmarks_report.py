@@ -35,6 +35,22 @@ def test_ratios_are_taken_between_medians_of_the_repeats():
     assert row["step torsh/deepspeed"] == pytest.approx(101 / 200)
 
 
+def paired(native_ms: float, torsh_ms: float) -> dict:
+    return {"stage": "0", "precision": "fp32", "shape": "comm",
+            "paired": {"native": {"step_s": native_ms / 1e3}, "torsh": {"step_s": torsh_ms / 1e3}}}  # fmt: skip
+
+
+def test_torsh_over_native_comes_from_the_launches_running_both_when_there_are_any():
+    # Separate launches disagree by 20% (a busy machine); the launches alternating both jobs' steps agree.
+    results = [result("native", 100), result("torsh", 120), result("deepspeed", 150),
+               paired(100, 101), paired(80, 80), paired(90, 91)]  # fmt: skip
+    (row,) = bench.aggregate(results)["rows"]
+    assert row["step torsh/native"] == pytest.approx(101 / 100)  # the median of the per-launch ratios
+    assert row["step torsh/deepspeed"] == pytest.approx(120 / 150)  # torsh's own launch against DeepSpeed's
+    assert row["native (paired).step_s"]["median"] == pytest.approx(0.090)
+    assert row["peak memory torsh/native"] == pytest.approx(1.0)  # memory only from the single launches
+
+
 def test_failed_runs_are_left_out_of_the_medians():
     results = [result("native", 100), result("torsh", 100), {**result("torsh", 1), "error": "rank 1 died"}]
     (row,) = bench.aggregate(results)["rows"]
@@ -67,7 +83,7 @@ def test_markdown_table_names_the_run_and_every_case():
     results = [result("native", ms) for ms in (100, 120)] + [result("torsh", ms) for ms in (101, 103)]
     text = bench.markdown(report_of(results, [0.2, 0.3]))
     assert "Measured 2026-01-01 on test machine with `python -m benchmarks --quick`" in text
-    assert "| comm | 0 | fp32 | 110.0 (100.0–120.0) / 102.0 (101.0–103.0) / – | 0.93 | – |" in text
+    assert "| comm | 0 | fp32 | – / – | 0.93 | 102.0 (101.0–103.0) / – | – | 1.00 | +0.00 |" in text
     assert "| `torsh-migrate convert` | 0.250 | 0.200–0.300 |" in text
     assert "- convert cold start (s) ≤ 0.3: holds (worst 0.250)" in text
 
