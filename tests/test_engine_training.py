@@ -18,6 +18,7 @@ FP32 = {
     "s3_offload": {"sharding.stage": 3, "offload.params": "cpu", "offload.optimizer": "cpu"},
     "hsdp": {"sharding.stage": 3, "sharding.hybrid_shard_size": 1},
     "s3_ac": {"sharding.stage": 3, "activation_checkpointing.enabled": True},
+    "s3_prefetch": {"sharding.stage": 3, "sharding.forward_prefetch": True, "sharding.wrap.module_classes": ["Block"]},
     "s2_ac_blocks": {"sharding.stage": 2, "activation_checkpointing.enabled": True,
                      "activation_checkpointing.modules": ["Block"], "sharding.wrap.module_classes": ["Block"]},
     "s0_ac_cpu": {"activation_checkpointing.enabled": True, "activation_checkpointing.cpu_offload": True},
@@ -155,7 +156,7 @@ def test_deepspeed_loop_trains(runs, name):
         assert rec["world_size"] == 2 and rec["global_rank"] == rank == rec["local_rank"]
 
 
-@pytest.mark.parametrize("name", ["s1", "s2", "s3", "s3_offload", "hsdp", "s3_ac", "s2_ac_blocks", "s0_ac_cpu",
+@pytest.mark.parametrize("name", ["s1", "s2", "s3", "s3_offload", "hsdp", "s3_ac", "s3_prefetch", "s2_ac_blocks", "s0_ac_cpu",
                                   "s3_client", "s1_client", "s0_predivide", "s0_prescale"])
 def test_stages_match_stage0_in_fp32(runs, name):
     for rank in (0, 1):
@@ -166,6 +167,12 @@ def test_stages_match_stage0_in_fp32(runs, name):
 @pytest.mark.parametrize("a,b", [("s3_clip", "s0_clip"), ("s3_gas4", "s0_gas4"), ("s2_gas4", "s0_gas4")])
 def test_clipping_and_accumulation_match_across_stages(runs, a, b):
     _close(_rec(runs, a)["losses"], _rec(runs, b)["losses"], 1e-5)
+
+
+def test_forward_prefetch_makes_each_unit_gather_the_next(runs):
+    # every Block but the last issues the next Block's all-gather; without the setting no unit prefetches
+    assert _rec(runs, "s3_prefetch")["forward_prefetch"] == [["Block"]]
+    assert _rec(runs, "s3")["forward_prefetch"] == []
 
 
 def test_clipping_changes_the_update(runs):

@@ -200,9 +200,17 @@ def _apply_fsdp(model, sharding: ShardingConfig, offload: OffloadConfig, gradien
         offload_policy=CPUOffloadPolicy(pin_memory=offload.pin_memory and torch.cuda.is_available())
         if offloaded else OffloadPolicy(),
     )  # fmt: skip
-    for target in wrap_targets(model, sharding.wrap):
+    targets = wrap_targets(model, sharding.wrap)
+    for target in targets:
         fully_shard(target, **kwargs)
     fully_shard(model, **kwargs)
+    if sharding.forward_prefetch:
+        # Each unit issues the next one's all-gather as soon as its own is copied out, so that the transfer
+        # overlaps this unit's forward. Without it, a unit's all-gather starts only when its forward does: on
+        # a GPU a separate stream still overlaps it, on the CPU nothing does. Units are in registration order,
+        # which is the execution order of a stack of blocks.
+        for current, following in zip(targets, targets[1:]):
+            current.set_modules_to_forward_prefetch([following])
     if gradients.reduce_op == "sum":
         for unit in model.modules():
             if hasattr(unit, "set_gradient_divide_factor"):  # per unit: the setters do not recurse
@@ -212,7 +220,7 @@ def _apply_fsdp(model, sharding: ShardingConfig, offload: OffloadConfig, gradien
     if gradients.predivide_factor != 1.0 or gradients.prescale:
         log.info("gradients.predivide_factor/prescale: FSDP2 divides once for the mean; the result is the same "
                  "mean (DeepSpeed requires predivide 1.0 with ZeRO-2/3 reduce-scatter)")  # fmt: skip
-    for name in ("backward_prefetch", "forward_prefetch"):
-        if getattr(sharding, name):
-            log.info("sharding.%s: FSDP2 prefetches implicitly; the setting has no effect", name)
+    if sharding.backward_prefetch:
+        log.info("sharding.backward_prefetch: FSDP2 prefetches the next unit in backward implicitly; the setting "
+                 "has no effect")  # fmt: skip
     return ShardPlan(model, model, "fsdp", mesh)
