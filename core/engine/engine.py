@@ -280,8 +280,8 @@ class Engine(nn.Module):
                 coef *= min(1.0, self._clip / (norm + 1e-6))
             if coef != 1.0:
                 with torch.no_grad():
-                    for p in params:
-                        p.grad.mul_(coef)
+                    # one foreach op over the list: under FSDP2 a DTensor dispatch per step, not per parameter
+                    torch._foreach_mul_([p.grad for p in params], coef)
             self.optimizer.step()
             if masters is not None:
                 masters.master_to_params()

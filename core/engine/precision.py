@@ -46,8 +46,7 @@ class MasterWeights:
     @torch.no_grad()
     def master_to_params(self) -> None:
         """Copy the updated master weights into the compute parameters."""
-        for name, p in self.params.items():
-            p.copy_(self.masters[name])
+        torch._foreach_copy_(list(self.params.values()), [self.masters[name] for name in self.params])
 
 
 @dataclass
