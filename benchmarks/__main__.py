@@ -133,6 +133,14 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def _paired_ratio(torsh: dict, native: dict) -> float:
+    """torsh/native from one launch: the median over rounds of the ratio of the two steps run back to back in
+    each round (a disturbance lasting a few steps moves both), or of the step medians without per-step times."""
+    if torsh.get("step_times") and native.get("step_times"):
+        return statistics.median(t / n for t, n in zip(torsh["step_times"], native["step_times"]))
+    return torsh["step_s"] / native["step_s"]
+
+
 def aggregate(results: list[dict]) -> dict:
     grouped: dict[tuple, dict[str, dict[str, list[float]]]] = {}
     paired: dict[tuple, list[float]] = {}
@@ -142,7 +150,7 @@ def aggregate(results: list[dict]) -> dict:
         key = (r["shape"], r["stage"], r["precision"])
         if "paired" in r:
             both = r["paired"]
-            paired.setdefault(key, []).append(both["torsh"]["step_s"] / both["native"]["step_s"])
+            paired.setdefault(key, []).append(_paired_ratio(both["torsh"], both["native"]))
             for impl, measured in both.items():
                 grouped.setdefault(key, {}).setdefault(f"{impl} (paired)", {}).setdefault("step_s", []).append(
                     measured["step_s"])

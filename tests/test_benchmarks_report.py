@@ -51,6 +51,16 @@ def test_torsh_over_native_comes_from_the_launches_running_both_when_there_are_a
     assert row["peak memory torsh/native"] == pytest.approx(1.0)  # memory only from the single launches
 
 
+def test_a_launch_running_both_jobs_compares_them_round_by_round():
+    # the machine slows down for good in round 2, between native's step and torsh's: the step medians differ
+    # twofold (0.1 against 0.2) while three rounds of five compare equal steps
+    both = paired(100, 200)
+    both["paired"]["native"]["step_times"] = [0.1, 0.1, 0.1, 0.2, 0.2]
+    both["paired"]["torsh"]["step_times"] = [0.1, 0.2, 0.2, 0.2, 0.2]
+    (row,) = bench.aggregate([both])["rows"]
+    assert row["step torsh/native"] == pytest.approx(1.0)
+
+
 def test_failed_runs_are_left_out_of_the_medians():
     results = [result("native", 100), result("torsh", 100), {**result("torsh", 1), "error": "rank 1 died"}]
     (row,) = bench.aggregate(results)["rows"]
