@@ -431,3 +431,23 @@ def nosync(rank: int, world_size: int, scenario: dict) -> dict:
 SCENARIOS["nosync"] = nosync
 
 SCENARIOS["load_only"] = load_only
+
+
+def synced(rank: int, world_size: int, scenario: dict) -> dict:
+    """Every rank builds the model from its own seed (``head`` in float64: two dtypes to broadcast); after
+    ``initialize`` each rank reports its full weights, and rank 0's model as built."""
+    import torch
+
+    import torsh
+    from torsh.engine import sharding
+
+    sharding.SYNC_BUCKET_BYTES = scenario.get("bucket_bytes", sharding.SYNC_BUCKET_BYTES)
+    model = build_model(seed=rank)
+    model.head.to(torch.float64)
+    engine, *_ = torsh.initialize(model=model, config=scenario["config"])
+    reference = build_model(seed=0)
+    return {"weights": {n: p.float().sum().item() for n, p in _full_params(engine).items()},
+            "rank0_built": {n: p.float().sum().item() for n, p in reference.named_parameters()}}
+
+
+SCENARIOS["synced"] = synced

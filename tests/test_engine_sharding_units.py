@@ -19,3 +19,19 @@ def test_module_lists_are_looked_through():
     assert [type(u).__name__ for u in units] == ["Embedding", "Block", "Block", "LayerNorm", "Linear"]
     by_size = wrap_targets(model, WrapPolicy(min_num_params=1000))
     assert by_size and not any(isinstance(u, torch.nn.ModuleList) for u in by_size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,bucket_bytes", [(0, 250 * 2**20), (3, 250 * 2**20), (3, 4096)])
+def test_every_rank_starts_from_rank_0s_weights(stage, bucket_bytes):
+    """sync_module_states broadcasts flattened buckets per dtype: every tensor arrives whole, whatever the bucket
+    size (4 KiB: a bucket per tensor or two) and the stage."""
+    import _engine_harness as h
+
+    config = {"batch": {"micro_batch_size": 2}, "sharding": {"stage": stage},
+              "optimizer": {"name": "AdamW", "lr": 1e-3}}  # fmt: skip
+    runs = h.run([{"name": "sync", "kind": "synced", "config": config, "bucket_bytes": bucket_bytes}])
+    rank0, rank1 = (r["sync"] for r in runs)
+    assert "error" not in rank0 and "error" not in rank1, rank0.get("traceback") or rank1.get("traceback")
+    assert rank0["weights"] == rank1["weights"]
+    assert rank0["weights"] == pytest.approx(rank0["rank0_built"], rel=1e-6)  # fp32 compute: the head cast once

@@ -37,13 +37,31 @@ class ShardPlan:
     """The FSDP2 device mesh."""
 
 
+#: The most bytes one start-up broadcast carries (DDP's own parameter sync uses 250 MiB buckets).
+SYNC_BUCKET_BYTES = 250 * 2**20
+
+
 @torch.no_grad()
 def sync_module_states(model: nn.Module, device: torch.device, sharding: ShardingConfig) -> None:
-    """Move the model to ``device`` and, unless disabled, give every rank rank 0's parameters and buffers."""
+    """Move the model to ``device`` and, unless disabled, give every rank rank 0's parameters and buffers.
+
+    The tensors travel flattened, one broadcast per bucket of one dtype, not one per tensor: a collective's
+    latency, not its bytes, dominates for the many small tensors of a model.
+    """
     model.to(device)
-    if sharding.sync_module_states and dist.get_world_size() > 1:
-        for t in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(t.data, src=0)
+    if not sharding.sync_module_states or dist.get_world_size() == 1:
+        return
+    buckets: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        same_dtype = buckets.setdefault(t.dtype, [[]])
+        if same_dtype[-1] and sum(x.numel() for x in same_dtype[-1]) * t.element_size() + t.nbytes > SYNC_BUCKET_BYTES:
+            same_dtype.append([])
+        same_dtype[-1].append(t.data)
+    for bucket in (b for same_dtype in buckets.values() for b in same_dtype):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.broadcast(flat, src=0)
+        for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+            t.copy_(part.view_as(t))
 
 
 def wrap_targets(model: nn.Module, wrap: WrapPolicy) -> list[nn.Module]:
