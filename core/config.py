@@ -31,7 +31,9 @@ Refinements of the sketch in DESIGN.md, and why:
 Every field has an attribute docstring; they become the descriptions of ``schemas/torsh.schema.json``.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` in this module: with it, pydantic compiles and evaluates the ~190 field
+# annotations from strings when the classes are built (~4 ms of every torsh-migrate call); as real objects they
+# come from the module's cached bytecode. Annotations naming their own class are quoted.
 
 import copy
 import re
@@ -230,7 +232,7 @@ class ShardingConfig(Section):
     """Broadcast parameters and buffers from rank 0 at start-up, so every rank starts from the same weights."""
 
     @model_validator(mode="after")
-    def _reshard_needs_sharded_params(self) -> ShardingConfig:
+    def _reshard_needs_sharded_params(self) -> "ShardingConfig":
         if self.reshard_after_forward is not None and self.stage < 2:
             raise ValueError(f"sharding.reshard_after_forward={self.reshard_after_forward} needs sharding.stage 2 "
                              f"or 3 (stage is {self.stage})")  # fmt: skip
@@ -294,7 +296,7 @@ class LossScalingConfig(Section):
     (no hysteresis), or torch ``GradScaler`` (halve on every overflow, grow after exactly growth_interval)."""
 
     @model_validator(mode="after")
-    def _static_needs_scale(self) -> LossScalingConfig:
+    def _static_needs_scale(self) -> "LossScalingConfig":
         if self.mode == "static" and self.static_scale is None:
             raise ValueError("precision.loss_scaling.static_scale is required when mode is 'static'")
         return self
@@ -328,7 +330,7 @@ class PrecisionConfig(Section):
     ``check_grad_overflow``; always on with dynamic loss scaling)."""
 
     @model_validator(mode="after")
-    def _autocast_needs_low_precision(self) -> PrecisionConfig:
+    def _autocast_needs_low_precision(self) -> "PrecisionConfig":
         if self.autocast and self.param_dtype == "fp32":
             raise ValueError("precision.autocast needs precision.param_dtype bf16 or fp16 (the autocast dtype)")
         return self
@@ -363,7 +365,7 @@ class OffloadConfig(Section):
     """Directory for NVMe offload."""
 
     @model_validator(mode="after")
-    def _nvme_needs_path(self) -> OffloadConfig:
+    def _nvme_needs_path(self) -> "OffloadConfig":
         if "nvme" in (self.params, self.optimizer) and not self.nvme_path:
             raise ValueError("offload.nvme_path is required when offloading to nvme")
         return self
@@ -550,7 +552,7 @@ class CompressionConfig(Section):
     """Uncompressed warm-up steps before compression starts (PowerSGD ``start_powerSGD_iter``)."""
 
     @model_validator(mode="after")
-    def _fields_match_method(self) -> CompressionConfig:
+    def _fields_match_method(self) -> "CompressionConfig":
         owners = {"rank": "powersgd", "warm_start": "powersgd", "ratio": "topk", "bits": "quantize"}
         for field, method in owners.items():
             if getattr(self, field) is not None and self.method != method:
@@ -667,7 +669,7 @@ class LaunchConfig(Section):
     """Variables forwarded to every worker with their value in the launching shell (``mpirun -x NAME``)."""
 
     @model_validator(mode="after")
-    def _elastic_range(self) -> LaunchConfig:
+    def _elastic_range(self) -> "LaunchConfig":
         if isinstance(self.max_nnodes, int) and isinstance(self.nnodes, int) and self.max_nnodes < self.nnodes:
             raise ValueError(f"launch.max_nnodes ({self.max_nnodes}) is smaller than launch.nnodes ({self.nnodes})")
         if self.include and self.exclude:
@@ -847,7 +849,7 @@ class TorshConfig(Section):
     """Per dialect, keys with no core meaning keyed by their dotted source path, kept for lossless round trips."""
 
     @model_validator(mode="after")
-    def _offload_needs_sharding(self) -> TorshConfig:
+    def _offload_needs_sharding(self) -> "TorshConfig":
         if self.offload.params != "none" and self.sharding.stage < 2:
             raise ValueError(f"offload.params='{self.offload.params}' needs sharding.stage 2 or 3 "
                              f"(stage is {self.sharding.stage})")  # fmt: skip
@@ -856,7 +858,7 @@ class TorshConfig(Section):
     # ---- construction and errors -------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, data: Any, *, source: str | None = None) -> TorshConfig:
+    def from_dict(cls, data: Any, *, source: str | None = None) -> "TorshConfig":
         """Validate ``data``; every problem is reported in one :class:`ConfigError`."""
         try:
             return cls.model_validate(data)
@@ -869,7 +871,7 @@ class TorshConfig(Section):
         """Dotted paths of every field still holding ``AUTO``."""
         return [path for path, value in iter_leaves(self.model_dump()) if isinstance(value, Deferred)]
 
-    def resolve_deferred(self, values: dict[str, Any]) -> TorshConfig:
+    def resolve_deferred(self, values: dict[str, Any]) -> "TorshConfig":
         """A copy with the given dotted paths set (typically the deferred ones), validated again."""
         data = self.model_dump()
         for path, value in values.items():
