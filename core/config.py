@@ -60,28 +60,25 @@ from .errors import ConfigError, Problem
 
 
 def _install_docstring_reader() -> Any:
-    """Make pydantic read this module's attribute docstrings from one parse of the file.
+    """Make pydantic read this module's attribute docstrings from one parse of its class definitions.
 
     ``use_attribute_docstrings`` makes pydantic (before Python 3.13) walk the stack and re-tokenize the
     source of every model class, about a third of this module's import time, which every ``torsh-migrate``
-    call pays. The docstrings are the same when the file is parsed once; classes of other modules, or a
-    pydantic without this internal, keep pydantic's own path. Returns what :func:`_restore_docstring_reader`
-    needs (None when nothing was installed).
+    call pays. The docstrings are the same when the file's top-level class blocks are parsed once (the module's
+    functions, a third of its syntax tree, are left out); classes of other modules, or a pydantic without this
+    internal, keep pydantic's own path. Returns what :func:`_restore_docstring_reader` needs (None when nothing
+    was installed).
     """
     import ast
 
     try:
-        from pydantic._internal import _docs_extraction, _fields
+        from pydantic._internal import _fields
         original = _fields.extract_docstrings_from_cls
-        tree = ast.parse(open(__file__, encoding="utf-8").read())  # noqa: SIM115 (closed by the GC at once)
+        with open(__file__, encoding="utf-8") as handle:
+            tree = ast.parse(_class_blocks(handle))
     except (ImportError, AttributeError, OSError, SyntaxError):
         return None
-    docs: dict[str, dict[str, str]] = {}
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef):
-            visitor = _docs_extraction.DocstringVisitor()
-            visitor.visit(node)
-            docs[node.name] = visitor.attrs
+    docs = {node.name: _attribute_docstrings(node) for node in tree.body if isinstance(node, ast.ClassDef)}
 
     def extract(cls: type, *args: Any, **kwargs: Any) -> dict[str, str]:
         if cls.__module__ == __name__ and cls.__qualname__ in docs:
@@ -90,6 +87,31 @@ def _install_docstring_reader() -> Any:
 
     _fields.extract_docstrings_from_cls = extract
     return _fields, original
+
+
+def _class_blocks(lines: Any) -> str:
+    """The top-level ``class`` blocks of a source file: each runs to the next line that starts at column 0."""
+    kept, inside = [], False
+    for line in lines:
+        if line[:1] not in ("", " ", "\t", "\n", "#"):
+            inside = line.startswith("class ")
+        if inside:
+            kept.append(line)
+    return "".join(kept)
+
+
+def _attribute_docstrings(node: Any) -> dict[str, str]:
+    """pydantic's rule: a string statement right after an annotated assignment documents that attribute."""
+    import ast
+    import inspect
+
+    docs = {}
+    for statement, following in zip(node.body, node.body[1:]):
+        if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):  # fmt: skip
+            docs[statement.target.id] = inspect.cleandoc(following.value.value)
+    return docs
 
 
 def _restore_docstring_reader(installed: Any) -> None:
