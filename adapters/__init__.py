@@ -33,9 +33,15 @@ def _entry_points() -> dict[str, str]:
     return {ep.name: ep.value for ep in entry_points(group="torsh.adapters")}
 
 
+@cache
+def _modules() -> frozenset[str]:
+    """The modules of this package (listed once: sniffing asks for every dialect's module)."""
+    return frozenset(m.name for m in pkgutil.iter_modules(__path__))
+
+
 def names() -> list[str]:
     """Every registered dialect name, sorted."""
-    local = [m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
+    local = [name for name in _modules() if not name.startswith("_")]
     return sorted(set(local) | set(_entry_points()))
 
 
@@ -45,7 +51,7 @@ def get(name: str) -> ModuleType:
     if name not in known:
         raise ConfigError([Problem("dialect", name, f"unknown dialect; known: {', '.join(known)}",
                                    did_you_mean(name, known))])  # fmt: skip
-    if name in _entry_points() and name not in {m.name for m in pkgutil.iter_modules(__path__)}:
+    if name in _entry_points() and name not in _modules():
         module_name = _entry_points()[name].split(":")[0]
     else:
         module_name = f"{__name__}.{name}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from torsh import schemas
 from torsh.config import (
     LRRangeTest,
     OneCycle,
@@ -212,9 +213,11 @@ def unknown_in_whole_sections(raw: Mapping[str, Any], fmap: FieldMap, schema: Ma
     (DeepSpeed's strict section models would refuse it)."""
     import copy
 
+    out, notes = copy.deepcopy(dict(raw)), []
+    if schemas.conforms(raw, schema):  # no key outside the schema anywhere: jsonschema is not needed
+        return out, notes
     import jsonschema
 
-    out, notes = copy.deepcopy(dict(raw)), []
     for err in jsonschema.Draft202012Validator(schema).iter_errors(raw):
         path = [str(p) for p in err.absolute_path]
         if err.validator != "additionalProperties" or not path or not isinstance(_rule_above(path, fmap), (Status, Hook)):

@@ -31,7 +31,9 @@ Refinements of the sketch in DESIGN.md, and why:
 Every field has an attribute docstring; they become the descriptions of ``schemas/torsh.schema.json``.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` in this module: with it, pydantic compiles and evaluates the ~190 field
+# annotations from strings when the classes are built (~4 ms of every torsh-migrate call); as real objects they
+# come from the module's cached bytecode. Annotations naming their own class are quoted.
 
 import copy
 import re
@@ -52,42 +54,62 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+from typing_extensions import TypeAliasType
 
 from .deferred import AUTO, Deferred, is_deferred
 from .errors import ConfigError, Problem
 
 
 def _install_docstring_reader() -> Any:
-    """Make pydantic read this module's attribute docstrings from one parse of the file.
+    """Make pydantic read this module's attribute docstrings from one pass over the file.
 
     ``use_attribute_docstrings`` makes pydantic (before Python 3.13) walk the stack and re-tokenize the
     source of every model class, about a third of this module's import time, which every ``torsh-migrate``
-    call pays. The docstrings are the same when the file is parsed once; classes of other modules, or a
-    pydantic without this internal, keep pydantic's own path. Returns what :func:`_restore_docstring_reader`
-    needs (None when nothing was installed).
+    call pays. Every field here is written the same way, a line ``name: annotation = default`` and a docstring in
+    triple double quotes starting on the next line, so one regular-expression pass over the text finds them all
+    (a sixth of the cost of parsing the classes with ``ast``). A class whose documented names are not exactly its
+    annotated attributes, in order (a field written another way), is left to pydantic's own reader, as are
+    classes of other modules and a pydantic without this internal. Returns what
+    :func:`_restore_docstring_reader` needs (None when nothing was installed).
     """
-    import ast
-
     try:
-        from pydantic._internal import _docs_extraction, _fields
+        from pydantic._internal import _fields
         original = _fields.extract_docstrings_from_cls
-        tree = ast.parse(open(__file__, encoding="utf-8").read())  # noqa: SIM115 (closed by the GC at once)
-    except (ImportError, AttributeError, OSError, SyntaxError):
+        with open(__file__, encoding="utf-8") as handle:
+            docs = _attribute_docstrings(handle.read())
+    except (ImportError, AttributeError, OSError):
         return None
-    docs: dict[str, dict[str, str]] = {}
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef):
-            visitor = _docs_extraction.DocstringVisitor()
-            visitor.visit(node)
-            docs[node.name] = visitor.attrs
 
     def extract(cls: type, *args: Any, **kwargs: Any) -> dict[str, str]:
-        if cls.__module__ == __name__ and cls.__qualname__ in docs:
-            return docs[cls.__qualname__]
+        found = docs.get(cls.__qualname__) if cls.__module__ == __name__ else None
+        if found is not None and list(found) == list(cls.__dict__.get("__annotations__", {})):
+            return found
         return original(cls, *args, **kwargs)
 
     _fields.extract_docstrings_from_cls = extract
     return _fields, original
+
+
+_CLASS_OR_DOCUMENTED_FIELD = re.compile(r'^class (\w+)|^    (\w+): [^\n]*\n    """(.*?)"""', re.MULTILINE | re.DOTALL)
+
+
+def _attribute_docstrings(source: str) -> dict[str, dict[str, str]]:
+    """Per top-level class of ``source``, its attributes' docstrings, cleaned as pydantic cleans them."""
+    import inspect
+
+    docs: dict[str, dict[str, str]] = {}
+    current: dict[str, str] = {}
+    for match in _CLASS_OR_DOCUMENTED_FIELD.finditer(source):
+        class_name, field, text = match.groups()
+        if class_name:
+            current = docs[class_name] = {}
+            continue
+        if "\\" in text:  # an escape sequence: the docstring is the literal's value, not its source text
+            import ast
+
+            text = ast.literal_eval(f'"""{text}"""')
+        current[field] = inspect.cleandoc(text)
+    return docs
 
 
 def _restore_docstring_reader(installed: Any) -> None:
@@ -230,7 +252,7 @@ class ShardingConfig(Section):
     """Broadcast parameters and buffers from rank 0 at start-up, so every rank starts from the same weights."""
 
     @model_validator(mode="after")
-    def _reshard_needs_sharded_params(self) -> ShardingConfig:
+    def _reshard_needs_sharded_params(self) -> "ShardingConfig":
         if self.reshard_after_forward is not None and self.stage < 2:
             raise ValueError(f"sharding.reshard_after_forward={self.reshard_after_forward} needs sharding.stage 2 "
                              f"or 3 (stage is {self.stage})")  # fmt: skip
@@ -294,7 +316,7 @@ class LossScalingConfig(Section):
     (no hysteresis), or torch ``GradScaler`` (halve on every overflow, grow after exactly growth_interval)."""
 
     @model_validator(mode="after")
-    def _static_needs_scale(self) -> LossScalingConfig:
+    def _static_needs_scale(self) -> "LossScalingConfig":
         if self.mode == "static" and self.static_scale is None:
             raise ValueError("precision.loss_scaling.static_scale is required when mode is 'static'")
         return self
@@ -328,7 +350,7 @@ class PrecisionConfig(Section):
     ``check_grad_overflow``; always on with dynamic loss scaling)."""
 
     @model_validator(mode="after")
-    def _autocast_needs_low_precision(self) -> PrecisionConfig:
+    def _autocast_needs_low_precision(self) -> "PrecisionConfig":
         if self.autocast and self.param_dtype == "fp32":
             raise ValueError("precision.autocast needs precision.param_dtype bf16 or fp16 (the autocast dtype)")
         return self
@@ -363,7 +385,7 @@ class OffloadConfig(Section):
     """Directory for NVMe offload."""
 
     @model_validator(mode="after")
-    def _nvme_needs_path(self) -> OffloadConfig:
+    def _nvme_needs_path(self) -> "OffloadConfig":
         if "nvme" in (self.params, self.optimizer) and not self.nvme_path:
             raise ValueError("offload.nvme_path is required when offloading to nvme")
         return self
@@ -550,7 +572,7 @@ class CompressionConfig(Section):
     """Uncompressed warm-up steps before compression starts (PowerSGD ``start_powerSGD_iter``)."""
 
     @model_validator(mode="after")
-    def _fields_match_method(self) -> CompressionConfig:
+    def _fields_match_method(self) -> "CompressionConfig":
         owners = {"rank": "powersgd", "warm_start": "powersgd", "ratio": "topk", "bits": "quantize"}
         for field, method in owners.items():
             if getattr(self, field) is not None and self.method != method:
@@ -608,7 +630,11 @@ class Host(Section):
     """Processes (usually accelerators) on this host. None: the launcher decides."""
 
 
-ShellRef = Annotated[str, Field(pattern=r"^(\$\w+|\$\{[^{}]+\}|\$\(\([^()]*\)\)|<[^<>]+>|\{\w+\})$")]
+# A named alias: pydantic builds one validator for it per model and refers to it from each of the seven launch fields
+# that accept it. Inlined, its Unicode pattern was compiled fourteen times (in LaunchConfig's and TorshConfig's
+# validators): ~6 ms of this module's import and ~1.7 MiB of memory. The JSON schema names it once, $defs/ShellRef.
+ShellRef = TypeAliasType(
+    "ShellRef", Annotated[str, Field(pattern=r"^(\$\w+|\$\{[^{}]+\}|\$\(\([^()]*\)\)|<[^<>]+>|\{\w+\})$")])
 """A launch value written as a shell variable (``$NGPU``, ``${NODE_RANK:-0}``, ``$((N * 8))``) or a documentation
 placeholder (``<n>``, ``{num_gpus}``); kept verbatim for the shell that runs the command."""
 
@@ -667,7 +693,7 @@ class LaunchConfig(Section):
     """Variables forwarded to every worker with their value in the launching shell (``mpirun -x NAME``)."""
 
     @model_validator(mode="after")
-    def _elastic_range(self) -> LaunchConfig:
+    def _elastic_range(self) -> "LaunchConfig":
         if isinstance(self.max_nnodes, int) and isinstance(self.nnodes, int) and self.max_nnodes < self.nnodes:
             raise ValueError(f"launch.max_nnodes ({self.max_nnodes}) is smaller than launch.nnodes ({self.nnodes})")
         if self.include and self.exclude:
@@ -847,7 +873,7 @@ class TorshConfig(Section):
     """Per dialect, keys with no core meaning keyed by their dotted source path, kept for lossless round trips."""
 
     @model_validator(mode="after")
-    def _offload_needs_sharding(self) -> TorshConfig:
+    def _offload_needs_sharding(self) -> "TorshConfig":
         if self.offload.params != "none" and self.sharding.stage < 2:
             raise ValueError(f"offload.params='{self.offload.params}' needs sharding.stage 2 or 3 "
                              f"(stage is {self.sharding.stage})")  # fmt: skip
@@ -856,7 +882,7 @@ class TorshConfig(Section):
     # ---- construction and errors -------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, data: Any, *, source: str | None = None) -> TorshConfig:
+    def from_dict(cls, data: Any, *, source: str | None = None) -> "TorshConfig":
         """Validate ``data``; every problem is reported in one :class:`ConfigError`."""
         try:
             return cls.model_validate(data)
@@ -869,7 +895,7 @@ class TorshConfig(Section):
         """Dotted paths of every field still holding ``AUTO``."""
         return [path for path, value in iter_leaves(self.model_dump()) if isinstance(value, Deferred)]
 
-    def resolve_deferred(self, values: dict[str, Any]) -> TorshConfig:
+    def resolve_deferred(self, values: dict[str, Any]) -> "TorshConfig":
         """A copy with the given dotted paths set (typically the deferred ones), validated again."""
         data = self.model_dump()
         for path, value in values.items():

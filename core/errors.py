@@ -7,7 +7,6 @@ fixes a file in one pass instead of one key per run.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +87,8 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:
     lowered = {c.lower(): c for c in candidates}
     if name.lower() in lowered:
         return lowered[name.lower()]
+    import difflib  # here: only a misspelling needs it, and every torsh-migrate call imports this module
+
     matches = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
     return matches[0] if matches else None
 

@@ -14,11 +14,6 @@ from typing import Any
 
 from .errors import ConfigError, Problem
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
 FORMATS = ("json", "yaml", "toml")
 _SUFFIXES = {".json": "json", ".hjson": "json", ".yaml": "yaml", ".yml": "yaml", ".toml": "toml"}
 
@@ -54,7 +49,7 @@ def parse_text(text: str, fmt: str) -> Any:
         if fmt == "yaml":
             return _load_yaml(text)
         if fmt == "toml":
-            return tomllib.loads(text)
+            return _load_toml(text)
     except _DuplicateKey as exc:
         raise ConfigError([Problem(exc.key, exc.value, "duplicate key: the file sets it twice; keep one")]) from None
     except ConfigError:
@@ -133,6 +128,16 @@ def _plain(value: Any) -> Any:
     if isinstance(value, list):
         return [_plain(v) for v in value]
     return value
+
+
+def _load_toml(text: str) -> Any:
+    # Imported here, like yaml and hjson: reading a JSON config or a dict never needs a TOML parser.
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+
+    return tomllib.loads(text)
 
 
 def _load_yaml(text: str) -> Any:

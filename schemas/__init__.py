@@ -8,6 +8,8 @@ before mapping, so problems point at the offending key.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -46,7 +48,7 @@ def render(schema: dict[str, Any]) -> str:
 def check(data: Any, dialect: str) -> list[Problem]:
     """Problems of ``data`` against the dialect's schema (empty when valid or when there is no schema)."""
     schema = load(dialect)
-    if schema is None:
+    if schema is None or conforms(data, schema):
         return []
     import jsonschema
 
@@ -58,3 +60,103 @@ def check(data: Any, dialect: str) -> list[Problem]:
         message = jsonschema.exceptions.best_match(err.context).message if err.context else err.message
         problems.append(Problem(path, err.instance if err.validator != "additionalProperties" else None, message))
     return problems
+
+
+def conforms(data: Any, schema: Mapping[str, Any] | bool) -> bool:
+    """True when ``data`` certainly satisfies ``schema``, decided without jsonschema.
+
+    Most configs are valid, and importing jsonschema (with referencing, rpds and attrs: ~50 ms and ~3 MiB) only
+    to find no error was most of the cost of reading a valid DeepSpeed file. This covers the keywords the dialect
+    schemas use, with jsonschema's Draft 2020-12 semantics. False means "invalid, or not decidable here" (a
+    keyword or a value type not covered): the caller then asks jsonschema, which also words the errors.
+    """
+    if isinstance(schema, bool):
+        return schema
+    for keyword, value in schema.items():
+        rule = _KEYWORDS.get(keyword)
+        if rule is None:
+            if keyword in _ANNOTATIONS:
+                continue
+            return False
+        if not rule(data, value, schema):
+            return False
+    return True
+
+
+#: Keywords that never fail a validation (``format`` only annotates in Draft 2020-12 without a format checker).
+_ANNOTATIONS = frozenset({"$schema", "$id", "$comment", "title", "description", "default", "examples", "format",
+                          "deprecated", "readOnly", "writeOnly"})  # fmt: skip
+_JSON_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+_JSON_SCALARS = (str, int, float, type(None))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_type(value: Any, name: str) -> bool:
+    if name == "number":
+        return _is_number(value)
+    if name == "integer":  # from Draft 6 on, 1.0 is an integer too
+        return _is_number(value) and (isinstance(value, int) or value.is_integer())
+    return name in _JSON_TYPES and isinstance(value, _JSON_TYPES[name])
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """jsonschema's equality of JSON scalars: a boolean equals only a boolean (True is not 1)."""
+    if not (isinstance(a, _JSON_SCALARS) and isinstance(b, _JSON_SCALARS)):
+        return False  # containers: left to jsonschema
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    return a == b
+
+
+def _bound(holds: Any) -> Any:
+    """A numeric bound keyword; it does not apply to strings, booleans, null, arrays or objects."""
+
+    def rule(data: Any, bound: Any, schema: Mapping[str, Any]) -> bool:
+        if _is_number(data):
+            return holds(data, bound)
+        return isinstance(data, (bool, str, list, dict, type(None)))  # another number type (Decimal): undecided
+
+    return rule
+
+
+def _additional_properties(data: Any, extra: Any, schema: Mapping[str, Any]) -> bool:
+    if not isinstance(data, dict):
+        return True
+    if "patternProperties" in schema:
+        return False
+    known = schema.get("properties", {})
+    return all(conforms(value, extra) for key, value in data.items() if key not in known)
+
+
+def _properties(data: Any, properties: Mapping[str, Any], schema: Mapping[str, Any]) -> bool:
+    return not isinstance(data, dict) or all(conforms(data[key], sub) for key, sub in properties.items()
+                                             if key in data)  # fmt: skip
+
+
+def _items(data: Any, sub: Any, schema: Mapping[str, Any]) -> bool:
+    if not isinstance(data, list):
+        return True
+    return "prefixItems" not in schema and all(conforms(item, sub) for item in data)
+
+
+_KEYWORDS = {
+    "type": lambda data, t, _: any(_is_type(data, name) for name in ([t] if isinstance(t, str) else t)),
+    "const": lambda data, value, _: _equal(data, value),
+    "enum": lambda data, values, _: any(_equal(data, value) for value in values),
+    "anyOf": lambda data, options, _: any(conforms(data, option) for option in options),
+    "allOf": lambda data, options, _: all(conforms(data, option) for option in options),
+    "properties": _properties,
+    "additionalProperties": _additional_properties,
+    "required": lambda data, names, _: not isinstance(data, dict) or all(name in data for name in names),
+    "items": _items,
+    "minItems": lambda data, n, _: not isinstance(data, list) or len(data) >= n,
+    "maxItems": lambda data, n, _: not isinstance(data, list) or len(data) <= n,
+    "pattern": lambda data, pattern, _: not isinstance(data, str) or re.search(pattern, data) is not None,
+    "minimum": _bound(lambda x, bound: x >= bound),
+    "maximum": _bound(lambda x, bound: x <= bound),
+    "exclusiveMinimum": _bound(lambda x, bound: x > bound),
+    "exclusiveMaximum": _bound(lambda x, bound: x < bound),
+}

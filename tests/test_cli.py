@@ -110,6 +110,26 @@ def test_convert_never_imports_torch():
     assert done.stdout.strip() == "[]"
 
 
+def test_reading_a_valid_deepspeed_dict_or_a_torsh_file_imports_no_parser_or_validator_it_does_not_need():
+    code = (
+        "import sys, contextlib, io\n"
+        "from torsh import adapters\n"
+        "from torsh.cli import main\n"
+        "def loaded(*names): return sorted(m for m in sys.modules if m.split('.')[0] in names)\n"
+        "adapters.load({'train_micro_batch_size_per_gpu': 2, 'zero_optimization': {'stage': 2, 'overlap_comm': True},"
+        " 'bf16': {'enabled': True}, 'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-4}}})\n"
+        "print(loaded('jsonschema', 'referencing', 'rpds', 'attrs', 'tomllib', 'tomli', 'yaml', 'hjson', 'rich',"
+        " 'tomli_w', 'difflib'))\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        f"    rc = main(['convert', {str(SEED)!r}, '--to', 'torsh'])\n"
+        "assert rc == 0, rc\n"
+        "print(loaded('jsonschema', 'referencing', 'rpds', 'attrs', 'yaml', 'hjson', 'rich', 'tomli_w'))\n"
+    )  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "[]"]
+
+
 def test_main_returns_exit_code(capsys):
     assert main(["validate", str(SEED)]) == 0
     assert main(["validate", "nope.toml"]) == 2

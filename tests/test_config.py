@@ -127,6 +127,23 @@ def test_every_field_is_documented_and_none_defaults_are_none():
             assert info.default is None, path
 
 
+
+def test_field_descriptions_are_the_attribute_docstrings_pydantic_itself_reads():
+    # core/config.py reads its attribute docstrings in one pass over the file at import; pydantic's own reader,
+    # class by class, must find the same text for every model of the module, and the one pass must find it all
+    # (a field it cannot read falls back to pydantic's slow reader: correct, but the import gets slower).
+    import torsh.config
+    from pydantic._internal._docs_extraction import extract_docstrings_from_cls
+
+    fast = torsh.config._attribute_docstrings(open(torsh.config.__file__, encoding="utf-8").read())
+    models = [m for m in vars(torsh.config).values()
+              if isinstance(m, type) and issubclass(m, BaseModel) and m.__module__ == "torsh.config"]  # fmt: skip
+    assert len(models) > 25
+    for model in models:
+        expected = extract_docstrings_from_cls(model, use_inspect=True)
+        assert {name: f.description for name, f in model.model_fields.items()} == expected, model.__name__
+        assert fast[model.__name__] == expected, model.__name__
+
 # ---- batch resolution: DeepSpeed 0.19.8's six cases, floor division, its error texts ---------
 
 @pytest.mark.parametrize("world", [1, 2, 8])
