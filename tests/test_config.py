@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import BaseModel
 
@@ -135,7 +137,7 @@ def test_field_descriptions_are_the_attribute_docstrings_pydantic_itself_reads()
     import torsh.config
     from pydantic._internal._docs_extraction import extract_docstrings_from_cls
 
-    fast = torsh.config._attribute_docstrings(open(torsh.config.__file__, encoding="utf-8").read())
+    fast = torsh.config._attribute_docstrings(Path(torsh.config.__file__).read_text(encoding="utf-8"))
     models = [m for m in vars(torsh.config).values()
               if isinstance(m, type) and issubclass(m, BaseModel) and m.__module__ == "torsh.config"]  # fmt: skip
     assert len(models) > 25
