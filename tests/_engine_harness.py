@@ -158,9 +158,10 @@ def loop(rank: int, world_size: int, scenario: dict) -> dict:
     loader = engine.deepspeed_io(torch.utils.data.TensorDataset(torch.arange(10)))
     rec["io"] = [len(loader), type(loader.sampler).__name__]
     rec["block_calls"] = sum(b.calls for b in engine.module.blocks)
-    rec["forward_prefetch"] = [[type(t._modules[0]).__name__.removeprefix("FSDP") for t in m._get_fsdp_state()._states_to_forward_prefetch]
-                               for m in engine.module.modules() if hasattr(m, "_get_fsdp_state")
-                               and m._get_fsdp_state()._states_to_forward_prefetch]  # fmt: skip
+    prefetching = [m._get_fsdp_state()._states_to_forward_prefetch for m in engine.module.modules()
+                   if hasattr(m, "_get_fsdp_state")]  # fmt: skip
+    rec["forward_prefetch"] = [[type(s._modules[0]).__name__.removeprefix("FSDP") for s in states]
+                               for states in prefetching if states]  # fmt: skip
     full = _full_params(engine)
     rec["changed"] = max(float((full[n].float() - before[n].float()).abs().max()) for n in before)
     rec["param_dtypes"] = sorted({str(p.dtype) for p in engine.module.parameters()})

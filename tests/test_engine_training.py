@@ -156,8 +156,8 @@ def test_deepspeed_loop_trains(runs, name):
         assert rec["world_size"] == 2 and rec["global_rank"] == rank == rec["local_rank"]
 
 
-@pytest.mark.parametrize("name", ["s1", "s2", "s3", "s3_offload", "hsdp", "s3_ac", "s3_prefetch", "s2_ac_blocks", "s0_ac_cpu",
-                                  "s3_client", "s1_client", "s0_predivide", "s0_prescale"])
+@pytest.mark.parametrize("name", ["s1", "s2", "s3", "s3_offload", "hsdp", "s3_ac", "s3_prefetch", "s2_ac_blocks",
+                                  "s0_ac_cpu", "s3_client", "s1_client", "s0_predivide", "s0_prescale"])
 def test_stages_match_stage0_in_fp32(runs, name):
     for rank in (0, 1):
         _close(_rec(runs, name, rank)["losses"], _rec(runs, "s0", rank)["losses"], 1e-5)

@@ -51,13 +51,16 @@ def sync_module_states(model: nn.Module, device: torch.device, sharding: Shardin
     model.to(device)
     if not sharding.sync_module_states or dist.get_world_size() == 1:
         return
-    buckets: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    buckets: list[list[torch.Tensor]] = []
+    filling: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}  # the open bucket of each dtype, its bytes
     for t in [*model.parameters(), *model.buffers()]:
-        same_dtype = buckets.setdefault(t.dtype, [[]])
-        if same_dtype[-1] and sum(x.numel() for x in same_dtype[-1]) * t.element_size() + t.nbytes > SYNC_BUCKET_BYTES:
-            same_dtype.append([])
-        same_dtype[-1].append(t.data)
-    for bucket in (b for same_dtype in buckets.values() for b in same_dtype):
+        bucket, size = filling.get(t.dtype, ([], 0))
+        if not bucket or size + t.nbytes > SYNC_BUCKET_BYTES:
+            bucket, size = [], 0
+            buckets.append(bucket)
+        bucket.append(t.data)
+        filling[t.dtype] = (bucket, size + t.nbytes)
+    for bucket in buckets:
         flat = torch.cat([t.reshape(-1) for t in bucket])
         dist.broadcast(flat, src=0)
         for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
