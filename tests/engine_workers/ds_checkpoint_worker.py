@@ -28,12 +28,15 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import _engine_harness as h  # noqa: E402
 
-STAGES = (0, 1, 2, 3)
+# checkpoint name -> (ZeRO stage, bf16)
+CASES = {"s0": (0, False), "s1": (1, False), "s2": (2, False), "s3": (3, False), "s0_bf16": (0, True),
+         "s2_bf16": (2, True)}  # fmt: skip
 MICRO = 2  # per rank at world size 2
 
 
-def config(stage: int, world: int) -> dict:
+def config(stage: int, world: int, bf16: bool = False) -> dict:
     return {
+        "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": MICRO * 2 // world,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
@@ -69,33 +72,38 @@ def deepspeed_runs(root: Path, world: int) -> dict:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     out = {}
-    for stage in STAGES:
-        engine, *_ = deepspeed.initialize(model=h.build_model(0), config=config(stage, world))
+    for name, (stage, bf16) in CASES.items():
+        engine, *_ = deepspeed.initialize(model=h.build_model(0), config=config(stage, world, bf16))
         train(engine, range(2), world)
-        engine.save_checkpoint(str(root / f"s{stage}"), client_state={"epoch": 3})
+        engine.save_checkpoint(str(root / name), client_state={"epoch": 3})
         if dist.get_rank() == 0:
-            if stage == 0:
-                fp32 = {k: v.float() for k, v in engine.module.state_dict().items()}
+            if stage > 0:
+                fp32 = get_fp32_state_dict_from_zero_checkpoint(str(root / name))
+            elif bf16:  # the fp32 masters DeepSpeed keeps in its optimizer (the module is bf16)
+                saved = torch.load(root / name / "global_step2" / "mp_rank_00_model_states.pt", weights_only=False)
+                masters = [t for group in saved["optimizer"]["fp32_groups"] for t in group]
+                fp32 = {n: t for (n, _), t in zip(engine.module.named_parameters(), masters)}
             else:
-                fp32 = get_fp32_state_dict_from_zero_checkpoint(str(root / f"s{stage}"))
-            torch.save({k: v.detach().clone() for k, v in fp32.items()}, root / f"s{stage}_fp32.pt")
-        out[f"s{stage}"] = {"losses": train(engine, range(2, 4), world)}
+                fp32 = {k: v.float() for k, v in engine.module.state_dict().items()}
+            torch.save({k: v.detach().clone() for k, v in fp32.items()}, root / f"{name}_fp32.pt")
+        out[name] = {"losses": train(engine, range(2, 4), world)}
         engine.destroy()
         dist.barrier()
     return out
 
 
-def torsh_load(root: Path, world: int, saved_stage: int, stage: int, **load_kwargs) -> dict:
-    """torsh at ``stage`` loads DeepSpeed's ``saved_stage`` checkpoint and trains the next two steps."""
+def torsh_load(root: Path, world: int, saved: str, stage: int, **load_kwargs) -> dict:
+    """torsh at ``stage`` (bf16 like the checkpoint) loads DeepSpeed's checkpoint ``saved`` and trains the next
+    two steps. ``weights_diff``: the engine's parameters against DeepSpeed's fp32 weights rounded to their dtype."""
     import torsh
 
     try:
-        engine, *_ = torsh.initialize(model=h.build_model(1), config=config(stage, world))
-        path, client = engine.load_checkpoint(str(root / f"s{saved_stage}"), **load_kwargs)
-        weights = {k: v.detach().float() for k, v in h._full_params(engine).items()}
-        ref = torch.load(root / f"s{saved_stage}_fp32.pt", weights_only=True)
-        rec = {"path": str(path), "client": sorted(client), "epoch": client.get("epoch"),
-               "weights_diff": max(float((weights[k] - ref[k]).abs().max()) for k in weights),
+        engine, *_ = torsh.initialize(model=h.build_model(1), config=config(stage, world, CASES[saved][1]))
+        path, client = engine.load_checkpoint(str(root / saved), **load_kwargs)
+        weights = {k: v.detach() for k, v in h._full_params(engine).items()}
+        ref = torch.load(root / f"{saved}_fp32.pt", weights_only=True)
+        diff = max(float((w.float() - ref[k].to(w.dtype).float()).abs().max()) for k, w in weights.items())
+        rec = {"path": str(path), "client": sorted(client), "epoch": client.get("epoch"), "weights_diff": diff,
                "global_steps": engine.global_steps, "global_samples": engine.global_samples, "lr": engine.get_lr()[0],
                "losses": train(engine, range(2, 4), world)}  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - reported per case
@@ -105,10 +113,13 @@ def torsh_load(root: Path, world: int, saved_stage: int, stage: int, **load_kwar
 
 
 def torsh_runs(root: Path, world: int) -> dict:
-    out = {f"s{stage}": torsh_load(root, world, stage, stage) for stage in STAGES}
-    out["s1_into_s3" if world == 2 else "s3_into_s0"] = torsh_load(root, world, *((1, 3) if world == 2 else (3, 0)))
-    if world == 2:  # control: without the optimizer state the second step differs (the comparison is sensitive)
-        out["s2_weights_only"] = torsh_load(root, world, 2, 2, load_optimizer_states=False)
+    out = {name: torsh_load(root, world, name, stage) for name, (stage, _) in CASES.items()}
+    if world == 2:
+        out["s1_into_s3"] = torsh_load(root, world, "s1", 3)
+        # control: without the optimizer state the second step differs (the loss comparison is sensitive)
+        out["s2_weights_only"] = torsh_load(root, world, "s2", 2, load_optimizer_states=False)
+    else:
+        out["s3_into_s0"] = torsh_load(root, world, "s3", 0)
     return out
 
 
