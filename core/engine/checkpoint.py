@@ -447,6 +447,9 @@ def _publish(root: Path, staging: Path, final: Path, latest_tag: str | None) -> 
 
 def _read_latest(latest: Path) -> str:
     """The tag ``latest`` names; CheckpointError when the file is not a short text holding a valid tag."""
+    if not latest.is_file():  # a directory, a FIFO (which would block), a device
+        raise CheckpointError(f"the checkpoint pointer {latest} is not a regular file; it must hold the tag of the "
+                              f"newest checkpoint (or pass a tag)")  # fmt: skip
     try:
         with open(latest, "rb") as f:
             raw = f.read(4 * MAX_TAG_LENGTH + 1)

@@ -73,11 +73,16 @@ def _load(path: Path) -> dict[str, Any]:
     import torch
     import torch.serialization
 
+    if not path.is_file():  # a FIFO or device would block or never end
+        raise CheckpointError(f"DeepSpeed checkpoint file {path} is missing or not a regular file")
     try:
         with torch.serialization.safe_globals(_STAND_INS):
-            data = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"DeepSpeed checkpoint file {path} is missing") from None
+            try:  # memory-mapped: every rank reads every file, without holding all of them in memory
+                data = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+            except RuntimeError as exc:
+                if "mmap" not in str(exc):
+                    raise
+                data = torch.load(path, weights_only=True, map_location="cpu")  # the legacy (non-zip) format
     except Exception as exc:  # noqa: BLE001 - refused global, truncated zip, ...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointError(f"cannot read DeepSpeed checkpoint file {path} safely (weights_only=True): "
@@ -429,15 +434,20 @@ def _install(restored: _Restored, model: Any, optimizer: Any, *, strict: bool, f
 
 
 def _check_keys(model: Any, weights: dict[str, Any], strict: bool, file: Path) -> None:
+    """With ``strict`` (DeepSpeed's ``load_module_strict``) the checkpoint and the model must hold the same
+    names; otherwise what the model lacks is dropped and what the checkpoint lacks keeps its current value."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     expected = set(get_model_state_dict(model))
-    missing = sorted(expected - set(weights))
-    if strict and missing:
-        raise CheckpointError(f"the DeepSpeed checkpoint {file.parent} has no values for {', '.join(missing[:8])}"
-                              f"{' ...' if len(missing) > 8 else ''} (load_module_strict=False loads the rest)")
-    for name in set(weights) - expected:
-        del weights[name]  # DeepSpeed keeps tied aliases and buffers the model may not register
+    missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    if strict and (missing or unexpected):
+        parts = [f"{label} {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+                 for label, names in (("has no values for", missing), ("has values this model lacks:", unexpected))
+                 if names]  # fmt: skip
+        raise CheckpointError(f"the DeepSpeed checkpoint {file.parent} does not fit this model: it "
+                              f"{' and '.join(parts)} (load_module_strict=False loads what matches)")  # fmt: skip
+    for name in unexpected:
+        del weights[name]
 
 
 def _stage0_to_names(restored: _Restored, ordered: list[str], file: Path) -> None:
