@@ -168,6 +168,10 @@ def test_damaged_deepspeed_checkpoints_are_errors_naming_the_file(results, root,
     (ckpt / "mp_rank_00_model_states.pt").write_bytes(pickle.dumps({"module": {}}))
     with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt"):
         load_checkpoint(tmp_path / "c", None, **_job())
+    ckpt = _copy(results, root, 2, tmp_path / "d")  # plain data, but not the structure DeepSpeed writes
+    torch.save({"module": {}, "buffer_names": [], "param_shapes": 5}, ckpt / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match=f"{ckpt}.*layout DeepSpeed 0.19.8 writes"):
+        load_checkpoint(tmp_path / "d", None, **_job())
 
 
 @pytest.mark.slow
