@@ -27,7 +27,8 @@ from torsh.engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E4
 
 WORKER = Path(__file__).resolve().parent / "engine_workers" / "ds_checkpoint_worker.py"
 STAGES = (0, 1, 2, 3)
-SAVED = ["s0", "s1", "s2", "s3", "s0_bf16", "s2_bf16"]  # fp32 at every ZeRO stage; bf16 (masters, bf16_ files)
+# fp32 at every ZeRO stage; bf16 (masters, bf16_ files); tied embedding / head weights (shared_params)
+SAVED = ["s0", "s1", "s2", "s3", "s0_bf16", "s2_bf16", "s2_tied"]
 
 
 @pytest.fixture(scope="module")
