@@ -68,6 +68,7 @@ def _check_load(results, world: int, case: str, saved: str) -> None:
         rel = BF16_REL if saved.endswith("bf16") else 1e-6
         assert rec["losses"] == pytest.approx(expected, rel=rel, abs=0)  # continues as DeepSpeed continues
         assert rec["global_steps"] == 2 and rec["global_samples"] == 8 and rec["epoch"] == 3
+        assert rec["rng_untouched"]  # like DeepSpeed, loading leaves the RNG states alone
         assert rec["lr"] == pytest.approx(0.01 / 6)  # WarmupLR after 2 of 6 warm-up steps
         model_file = "mp_rank_00_model_states.pt" if saved_stage < 3 else "zero_pp_rank_0_mp_rank_00_model_states.pt"
         assert rec["path"].endswith(f"{saved}/global_step2/{model_file}")  # DeepSpeed's load_path

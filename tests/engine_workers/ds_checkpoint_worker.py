@@ -109,11 +109,16 @@ def torsh_load(root: Path, world: int, saved: str, stage: int, **load_kwargs) ->
 
     try:
         engine, *_ = torsh.initialize(model=model(saved, 1), config=config(stage, world, CASES[saved][1]))
+        torch.manual_seed(123)
+        expected_draw = torch.rand(4)
+        torch.manual_seed(123)
         path, client = engine.load_checkpoint(str(root / saved), **load_kwargs)
+        rng_untouched = torch.equal(torch.rand(4), expected_draw)  # DeepSpeed does not restore RNG states either
         weights = {k: v.detach() for k, v in h._full_params(engine).items()}
         ref = torch.load(root / f"{saved}_fp32.pt", weights_only=True)
         diff = max(float((w.float() - ref[k].to(w.dtype).float()).abs().max()) for k, w in weights.items())
         rec = {"path": str(path), "client": sorted(client), "epoch": client.get("epoch"), "weights_diff": diff,
+               "rng_untouched": rng_untouched,
                "global_steps": engine.global_steps, "global_samples": engine.global_samples, "lr": engine.get_lr()[0],
                "losses": train(engine, range(2, 4), world)}  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - reported per case
