@@ -474,7 +474,8 @@ def _stage0_to_names(restored: _Restored, ordered: list[str], file: Path) -> Non
         if info["masters"]:
             restored.weights[name] = info["masters"][position]
             weight = restored.weights[name]
-        state = dict(info["state"].get(index, {}))
+        # cloned: the optimizer keeps these tensors, which would otherwise stay views of the memory-mapped file
+        state = {k: v.clone() if hasattr(v, "clone") else v for k, v in info["state"].get(index, {}).items()}
         for key, value in state.items():
             if hasattr(value, "dim") and value.dim() > 0 and weight is not None and value.shape != weight.shape:
                 raise CheckpointError(f"{file}: optimizer state '{key}' of parameter #{index} has shape "
