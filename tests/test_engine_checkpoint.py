@@ -60,7 +60,7 @@ def test_round_trip_restores_everything(tmp_path):
     _save(tmp_path, job, client_state={"epoch": 4, "best": torch.tensor([0.5])})
     after_save = torch.rand(3)
     fresh = _job(1)
-    path, client, engine = load_checkpoint(tmp_path, None, **fresh)
+    path, client, engine = load_checkpoint(tmp_path, None, **fresh, load_rng_states=True)
     assert path == str(tmp_path / "global_step2")
     assert client["epoch"] == 4 and torch.equal(client["best"], torch.tensor([0.5]))
     assert engine == {"global_steps": 2, "global_samples": 16}
@@ -72,14 +72,24 @@ def test_round_trip_restores_everything(tmp_path):
     assert state_b["param_groups"][0]["lr"] == pytest.approx(0.025)
     assert fresh["lr_scheduler"].state_dict() == {"last_batch_iteration": 1}
     assert fresh["loss_scaler"].state_dict() == job["loss_scaler"].state_dict()
-    assert torch.equal(torch.rand(3), after_save)  # RNG restored to the moment of the save
+    assert torch.equal(torch.rand(3), after_save)  # RNG restored to the moment of the save (opt-in)
 
 
-def test_missing_checkpoint_returns_nones_with_a_warning(tmp_path, caplog):
+def test_rng_is_not_restored_by_default_as_in_deepspeed(tmp_path):
+    _save(tmp_path, _job(0))
+    fresh = _job(1)
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    assert load_checkpoint(tmp_path, None, **fresh)[0]
+    assert torch.equal(torch.rand(3), expected)  # the load left the RNG where it was
+
+
+def test_no_checkpoint_at_all_returns_nones_with_a_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="torsh.engine.checkpoint"):
         assert load_checkpoint(tmp_path / "absent", None, **_job()) == (None, None, None)
-        assert load_checkpoint(tmp_path, "global_step9", **_job()) == (None, None, None)
-    assert "latest" in caplog.text and "global_step9" in caplog.text
+        assert load_checkpoint(tmp_path, None, **_job()) == (None, None, None)
+    assert "latest" in caplog.text
 
 
 def test_load_module_only_leaves_optimizer_and_counters(tmp_path):

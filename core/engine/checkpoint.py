@@ -8,6 +8,7 @@ Layout::
         .metadata, *.distcp      # DCP: model and optimizer state, sharded; reshards at another world size
         engine_states.pt         # rank 0: scheduler, loss scaler, engine counters, client state
         rng_states/rank<r>.pt    # every rank: python / numpy / torch (and CUDA) RNG states
+        manifest.json            # SHA-256 and size of every other file, verified at load
 
 Model and optimizer state go through ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
 ``set_state_dict`` (keys are parameter names without DDP/FSDP wrapper prefixes), so a checkpoint written by a
@@ -20,6 +21,13 @@ Atomicity: everything is written into ``save_dir/.tmp-<tag>``; after a barrier r
 ``latest`` pointing at a complete earlier checkpoint. Re-saving an existing tag moves the old directory aside
 (``.old-<tag>``) for the instant between the two renames; if a crash hits exactly there, loading reads the
 set-aside copy and the next save moves it back. The next save also deletes staging directories of killed saves.
+
+Loading is safe and verified: no file is unpickled with plain pickle (DCP's metadata and non-tensor items go
+through :mod:`torsh.engine.checkpoint_io`, every ``.pt`` loads with ``weights_only=True``), every file is checked
+against ``manifest.json`` first, and a checkpoint that was asked for (an explicit tag, or the one ``latest`` names)
+but is missing, incomplete, corrupt or unsafe raises :class:`CheckpointError` naming the file, on every rank.
+Only "there is no checkpoint at all" (no ``latest``, no tag) returns ``(None, None, None)`` with a warning, as
+DeepSpeed does. Like DeepSpeed, loading does not restore RNG states unless asked (``load_rng_states=True``).
 
 Every rank calls :func:`save_checkpoint` and :func:`load_checkpoint` (they are collective). The directory must
 be visible to every rank (a shared filesystem), as for DeepSpeed.
@@ -37,15 +45,28 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from .checkpoint_io import (
+    MANIFEST,
+    CheckpointError,
+    hash_share,
+    read_dcp_metadata,
+    read_manifest,
+    safe_dcp_classes,
+    safe_torch_load,
+    verify_files,
+    write_manifest,
+)
+
 log = logging.getLogger(__name__)
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 
 LATEST = "latest"
 ENGINE_STATES = "engine_states.pt"
 RNG_DIR = "rng_states"
 DCP_METADATA = ".metadata"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest.json with checksums
+MAX_TAG_LENGTH = 200
 
 
 # --------------------------------------------------------------------------------------------------
@@ -72,6 +93,29 @@ def _barrier() -> None:
     dist = _dist()
     if dist:
         dist.barrier()
+
+
+def _gather(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    dist = _dist()
+    if not dist:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _on_every_rank(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on each rank; if it raised :class:`CheckpointError` on any rank, every rank raises it (a
+    rank failing alone would leave the others waiting in the next collective)."""
+    try:
+        result, error = fn(*args), None
+    except CheckpointError as exc:
+        result, error = None, str(exc)
+    errors = [e for e in _gather(error) if e]
+    if errors:
+        raise CheckpointError(errors[0]) from None
+    return result
 
 
 def _broadcast(value: Any) -> Any:
@@ -124,16 +168,26 @@ def _torch_bytes(obj: Any, what: str) -> bytes:
     return buffer.getvalue()
 
 
-def _torch_load(path: Path) -> Any:
-    import torch
-
-    return torch.load(path, weights_only=True, map_location="cpu")
+def _tag_problem(tag: str) -> str | None:
+    """Why ``tag`` cannot name a checkpoint directory, or None."""
+    if tag == LATEST:
+        return f"'{LATEST}' is the name of the file that points at the newest checkpoint"
+    if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or os.sep in tag or tag.startswith("."):
+        return "it must be a plain directory name (no '/' or '\\', not starting with '.')"
+    if any(ord(c) < 32 or ord(c) == 127 for c in tag) or tag != tag.strip():
+        return "it must not contain control characters or leading/trailing whitespace"
+    if len(tag.encode("utf-8", "surrogatepass")) > MAX_TAG_LENGTH:
+        return f"it must be at most {MAX_TAG_LENGTH} bytes long"
+    return None
 
 
 def _check_tag(tag: Any) -> str:
+    """``tag`` as a string, or ValueError saying why it cannot name a checkpoint directory."""
     tag = str(tag)
-    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag or tag.startswith("."):
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name (no '/', not starting with '.')")
+    problem = _tag_problem(tag)
+    if problem:
+        raise ValueError(f"checkpoint tag {tag!r} is not allowed: {problem}; pass another tag (or tag=None for "
+                         f"global_step<N>)")  # fmt: skip
     return tag
 
 
@@ -340,7 +394,12 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     _write_bytes(staging / RNG_DIR / f"rank{rank}.pt", rng_bytes)
     _barrier()
 
-    # 3. publish: rename the complete directory into place, then move `latest`
+    # 3. checksums: every rank hashes a share of the files, rank 0 writes the manifest into the staging dir
+    shares = _gather(hash_share(staging, rank, _world_size()))
+    if rank == 0:
+        _write_bytes(staging / MANIFEST, write_manifest(staging, shares))
+
+    # 4. publish: rename the complete directory into place, then move `latest`
     if rank == 0:
         _publish(root, staging, final, tag if save_latest else None)
     _barrier()
@@ -382,15 +441,37 @@ def _publish(root: Path, staging: Path, final: Path, latest_tag: str | None) -> 
 # load
 
 
-def _resolve(load_dir: Path, tag: Any) -> Path | None:
-    """The checkpoint directory to load, or None (with a warning) when there is none."""
+def _read_latest(latest: Path) -> str:
+    """The tag ``latest`` names; CheckpointError when the file is not a short text holding a valid tag."""
+    try:
+        with open(latest, "rb") as f:
+            raw = f.read(4 * MAX_TAG_LENGTH + 1)
+        text = raw.decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"cannot read the checkpoint pointer {latest}: {exc}; it must hold the tag of the "
+                              f"newest checkpoint (or pass a tag)") from None  # fmt: skip
+    problem = _tag_problem(text) if len(raw) <= 4 * MAX_TAG_LENGTH else "it is too long"
+    if problem:
+        raise CheckpointError(f"the checkpoint pointer {latest} holds {text[:80]!r}, which is not a checkpoint tag "
+                              f"({problem}); write the newest tag into it or pass a tag")  # fmt: skip
+    return text
+
+
+def _missing_files(path: Path) -> list[str]:
+    return [name for name in (DCP_METADATA, ENGINE_STATES) if not (path / name).is_file()]
+
+
+def _resolve(load_dir: Path, tag: str | None) -> Path | None:
+    """The checkpoint directory to load; None (with a warning) only when there is no checkpoint at all, i.e. no
+    tag was given and ``latest`` does not exist. A checkpoint that is named but missing or incomplete raises."""
     if tag is None:
         latest = load_dir / LATEST
-        if not latest.is_file():
+        if not latest.exists():
             log.warning("no checkpoint to load: %s does not exist (pass a tag to load a specific one)", latest)
             return None
-        tag = latest.read_text().strip()
-    tag = _check_tag(tag)
+        tag, named_by = _read_latest(latest), f"named by {latest}"
+    else:
+        named_by = "requested"
     path = load_dir / tag
     if _is_complete(path):
         return path
@@ -398,25 +479,74 @@ def _resolve(load_dir: Path, tag: Any) -> Path | None:
     if not path.exists() and _is_complete(aside):  # a re-save of this tag was killed between its two renames
         log.warning("checkpoint %s was being replaced when a save stopped; loading the previous copy %s", path, aside)
         return aside
-    log.warning("no complete checkpoint at %s; nothing loaded", path)
-    return None
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} ({named_by}) does not exist")
+    missing = ", ".join(str(path / name) for name in _missing_files(path))
+    raise CheckpointError(f"checkpoint {path} ({named_by}) is incomplete: {missing} missing")
+
+
+def _resolve_on_rank0(load_dir: Path, tag: str | None) -> Path | None:
+    """:func:`_resolve` on rank 0 (one view of the filesystem), its result or its error on every rank."""
+    if _rank() == 0:
+        try:
+            outcome: tuple[str, Any] = ("ok", _resolve(load_dir, tag))
+        except CheckpointError as exc:
+            outcome = ("error", str(exc))
+    else:
+        outcome = ("ok", None)
+    kind, value = _broadcast(outcome)
+    if kind == "error":
+        raise CheckpointError(value)
+    return value
+
+
+def _verify(path: Path) -> dict[str, Any] | None:
+    """Check every file of ``path`` against its manifest (each rank a share); the manifest, or None if the
+    checkpoint predates checksums."""
+    files = _on_every_rank(read_manifest, path)
+    if files is None:
+        return None
+    problems = [p for share in _gather(verify_files(path, files, _rank(), _world_size())) for p in share]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(problems[:3])}{more}")
+    return files
+
+
+def _read_engine_states(path: Path) -> dict[str, Any]:
+    saved = safe_torch_load(path / ENGINE_STATES)
+    needed = {"world_size", "lr_scheduler", "loss_scaler", "engine", "client_state"}
+    if not isinstance(saved, dict) or not needed <= set(saved):
+        raise CheckpointError(f"checkpoint file {path / ENGINE_STATES} does not hold torsh engine states")
+    return saved
 
 
 def load_checkpoint(load_dir: str | os.PathLike, tag: Any, *, model: Any, optimizer: Any, lr_scheduler: Any,
                     loss_scaler: Any, load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                    ) -> tuple[str | None, dict | None, dict | None]:  # fmt: skip
+                    load_rng_states: bool = False) -> tuple[str | None, dict | None, dict | None]:  # fmt: skip
     """Load a checkpoint written by :func:`save_checkpoint` (at any world size); collective.
 
     ``tag`` None reads ``load_dir/latest``. Returns ``(path, client_state, engine_state)``; ``(None, None, None)``
-    with a warning when there is no checkpoint, as DeepSpeed returns ``(None, None)``. ``load_module_only`` loads
-    the weights only (no optimizer, scheduler, loss scaler, RNG; ``engine_state`` is None so the engine keeps its
-    counters). The loss scaler and RNG states are restored together with the optimizer states.
+    with a warning when there is no checkpoint at all (no ``latest`` and no tag), as DeepSpeed returns
+    ``(None, None)``. A checkpoint that was asked for but is missing, incomplete, corrupt (checksum mismatch) or
+    holds anything but plain data raises :class:`CheckpointError` naming the file, on every rank.
+    ``load_module_only`` loads the weights only (no optimizer, scheduler, loss scaler; ``engine_state`` is None
+    so the engine keeps its counters). The loss scaler is restored together with the optimizer states. RNG
+    states are restored only with ``load_rng_states=True`` (DeepSpeed never restores them).
     """
-    path = _broadcast(_resolve(Path(load_dir), tag) if _rank() == 0 else None)
+    if tag is not None:
+        tag = _check_tag(tag)
+    path = _resolve_on_rank0(Path(load_dir), tag)
     if path is None:
         return None, None, None
-    saved = _torch_load(path / ENGINE_STATES)
+    files = _verify(path)
+    saved = _on_every_rank(_read_engine_states, path)
+    if files is None:
+        if saved.get("format", 1) >= 2:
+            raise CheckpointError(f"checkpoint {path} has no {path / MANIFEST} (it was removed); it cannot be "
+                                  f"verified")  # fmt: skip
+        log.warning("checkpoint %s predates checksums; its files are not verified", path)
 
     with_optimizer = load_optimizer_states and not load_module_only and optimizer is not None
     with _quiet_without_dist():
@@ -427,17 +557,44 @@ def load_checkpoint(load_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
             lr_scheduler.load_state_dict(saved["lr_scheduler"])
         if with_optimizer and loss_scaler is not None and saved["loss_scaler"] is not None:
             loss_scaler.load_state_dict(saved["loss_scaler"])
-        if with_optimizer:
-            _load_rng(path, saved["world_size"])
+    if load_rng_states:
+        _on_every_rank(_load_rng, path, saved["world_size"])
     _barrier()
     engine_state = None if load_module_only else saved["engine"]
     return str(path), saved["client_state"], engine_state
 
 
+def _dcp_load(state: dict[str, Any], path: Path, *, allow_partial_load: bool) -> None:
+    """``dcp.load`` through the safe reader and planner; every failure is a CheckpointError naming the files."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader_cls, planner_cls = safe_dcp_classes()
+    reader = reader_cls(path)
+    planner = planner_cls(reader, allow_partial_load=allow_partial_load)
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner)
+    except CheckpointError:
+        raise
+    except CheckpointException as exc:  # a BaseException: it would pass `except Exception` in user code
+        raise CheckpointError(_failures_text(path, exc)) from None
+    except Exception as exc:  # noqa: BLE001 - named and re-raised
+        raise CheckpointError(f"cannot load checkpoint {path}: {exc}") from None
+
+
+def _failures_text(path: Path, exc: Any) -> str:
+    """One message from DCP's per-rank failures (each a wrapped exception)."""
+    messages: list[str] = []
+    for failure in getattr(exc, "failures", {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        text = str(inner) if isinstance(inner, CheckpointError) else f"{type(inner).__name__}: {inner}"
+        if text not in messages:
+            messages.append(text)
+    return f"cannot load checkpoint {path}: {'; '.join(messages) or exc}"
+
+
 def _load_model_and_optimizer(path: Path, model: Any, optimizer: Any, *, strict: bool) -> None:
     """Read model (and optimizer, unless None) state from the DCP files, resharding to the current layout."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -446,24 +603,25 @@ def _load_model_and_optimizer(path: Path, model: Any, optimizer: Any, *, strict:
         set_state_dict,
     )
 
+    # Read the metadata once up front: a bad file then fails here with one clear message on every rank.
+    metadata = _on_every_rank(read_dcp_metadata, path / DCP_METADATA)
     options = StateDictOptions(strict=strict)
     # Non-strict loading tolerates parameters the checkpoint lacks (DCP refuses them otherwise).
-    planner = DefaultLoadPlanner(allow_partial_load=not strict)
+    partial = not strict
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=path, planner=planner)
+        _dcp_load(state, path, allow_partial_load=partial)
         set_model_state_dict(model, state["model"], options=options)
     elif _is_zero(optimizer):
         names = _param_names(model)
-        metadata = FileSystemReader(path).read_metadata()
         state = {"model": get_model_state_dict(model), "optim": _zero_load_template(optimizer, names, metadata)}
-        dcp.load(state, checkpoint_id=path, planner=planner)
+        _dcp_load(state, path, allow_partial_load=partial)
         set_model_state_dict(model, state["model"], options=options)
         _zero_load(optimizer, names, state["optim"])
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path, planner=planner)
+        _dcp_load(state, path, allow_partial_load=partial)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=options)  # fmt: skip
 
@@ -480,7 +638,11 @@ def _quiet_without_dist():
 def _load_rng(path: Path, saved_world_size: int) -> None:
     rng_file = path / RNG_DIR / f"rank{_rank()}.pt"
     if rng_file.is_file():
-        _set_rng_state(_torch_load(rng_file))
+        state = safe_torch_load(rng_file)
+        try:
+            _set_rng_state(state)
+        except Exception as exc:  # noqa: BLE001 - a well-formed file holding something else
+            raise CheckpointError(f"checkpoint file {rng_file} does not hold RNG states: {exc}") from None
     else:
         log.warning("checkpoint %s was written by %d ranks and has no RNG state for rank %d; RNG not restored",
                     path, saved_world_size, _rank())  # fmt: skip
