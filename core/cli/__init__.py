@@ -16,7 +16,7 @@ EXIT_OK, EXIT_LOSSY, EXIT_BAD_INPUT = 0, 1, 2
 
 #: Sub-command modules, in the order ``--help`` lists them.
 COMMANDS = ["convert", "validate", "explain", "diff", "launch", "snippet", "schema", "parity",
-            "env"]
+            "env", "merge"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,200 @@
+"""``torsh-migrate merge CHECKPOINT -o model.safetensors``: a sharded torsh checkpoint as one state dict.
+
+The checkpoint is the directory ``engine.save_checkpoint(save_dir)`` writes (DeepSpeed's layout: ``save_dir/latest``
+and ``save_dir/<tag>/`` holding ``torch.distributed.checkpoint`` shards), from any world size and ZeRO stage. The
+shards are read in one process with DCP's own loader into full-size tensors, through the safe reader of
+:mod:`torsh.engine.checkpoint_io` (nothing in the checkpoint can run code), after checking the files against their
+checksums. Only the model's weights and buffers are written (the fp32 master weights when the job trained in
+bf16/fp16 with them), as ``.safetensors`` or as a torch ``.pt`` / ``.bin`` file; keys are the module's names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from torsh.errors import MISSING, ConfigError, Problem
+
+FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+#: The prefix of the model's entries in a torsh checkpoint (the optimizer's are under ``optim.``).
+MODEL_PREFIX = "model."
+#: Files that mark a DeepSpeed checkpoint (not merged here; DeepSpeed ships zero_to_fp32.py for those).
+DEEPSPEED_MARKERS = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("merge", help="merge a sharded torsh checkpoint into one .safetensors or .pt file",
+                            description="Consolidate a torsh checkpoint (the directory engine.save_checkpoint "
+                            "writes, from any world size and ZeRO stage) into one state dict of the model's "
+                            "weights (fp32 master weights when the job kept them), written as .safetensors or "
+                            "torch .pt/.bin (by the output's suffix). Reading never unpickles code.")  # fmt: skip
+    parser.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="the save directory (holding 'latest' and one directory per tag) or one tag's directory")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE",
+                        help="output file: .safetensors, or .pt / .pth / .bin for torch.save")
+    parser.add_argument("--tag", help="the checkpoint tag to merge (default: the one 'latest' names)")
+    parser.add_argument("--force", action="store_true", help="overwrite the output file if it exists")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    output = Path(args.output)
+    kind = _output_kind(output, args.force)
+    _require_torch()
+    path = resolve(Path(args.checkpoint), args.tag)
+    state = merge_state_dict(path)
+    write(state, output, kind)
+    count = sum(t.numel() for t in state.values() if hasattr(t, "numel"))
+    print(f"merged {path}: {len(state)} tensors, {count:,} elements -> {output}")
+    return 0
+
+
+def _output_kind(output: Path, force: bool) -> str:
+    kind = FORMATS.get(output.suffix.lower())
+    if kind is None:
+        raise ConfigError([Problem("-o", str(output), f"the output must end in one of {', '.join(FORMATS)} "
+                                   "(.safetensors, or a torch file)")])  # fmt: skip
+    if output.exists() and not force:
+        raise ConfigError([Problem("-o", str(output), "the output file exists; pass --force to overwrite it")])
+    if not output.parent.is_dir():
+        raise ConfigError([Problem("-o", str(output), f"the directory {output.parent} does not exist")])
+    if kind == "safetensors":
+        try:
+            import safetensors  # noqa: F401
+        except ModuleNotFoundError:
+            raise ConfigError([Problem("-o", str(output), "writing .safetensors needs the safetensors package: "
+                                       "pip install 'torsh-distributed[merge]' (or write a .pt file)")]) from None
+    return kind
+
+
+def _require_torch() -> None:
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError:
+        raise ConfigError([Problem("CHECKPOINT", MISSING, "merging a checkpoint needs PyTorch: "
+                                   "pip install 'torsh-distributed[merge]'")]) from None  # fmt: skip
+
+
+def resolve(root: Path, tag: str | None) -> Path:
+    """The tag directory to merge: ``root/<tag>``, ``root/<latest>``, or ``root`` itself when it is one."""
+    from torsh.engine.checkpoint import DCP_METADATA, LATEST
+
+    if not root.is_dir():
+        raise ConfigError([Problem("CHECKPOINT", str(root), "no such directory")])
+    if tag is not None:
+        path = root / tag
+        if not (path / DCP_METADATA).is_file():
+            raise ConfigError([Problem("--tag", tag, f"{path} is not a checkpoint; tags in {root}: "
+                                       f"{_tags(root) or 'none'}")])  # fmt: skip
+        return path
+    if (root / DCP_METADATA).is_file():
+        return root
+    if (root / LATEST).is_file():
+        named = (root / LATEST).read_text(encoding="utf-8", errors="replace").strip()
+        path = root / named
+        if named and "/" not in named and not named.startswith(".") and (path / DCP_METADATA).is_file():
+            return path
+        raise ConfigError([Problem("CHECKPOINT", str(root), f"{root / LATEST} names {named[:80]!r}, which is not a "
+                                   f"checkpoint here; pass --tag (tags: {_tags(root) or 'none'})")])  # fmt: skip
+    if any((p / name).is_file() for p in (root, *_subdirs(root)) for name in DEEPSPEED_MARKERS):
+        raise ConfigError([Problem("CHECKPOINT", str(root), "this is a DeepSpeed checkpoint (mp_rank_*/zero_pp_rank_* "
+                                   "files); merge it with the zero_to_fp32.py script DeepSpeed saves next to it — "
+                                   "this command merges torsh checkpoints")])  # fmt: skip
+    tags = _tags(root)
+    hint = f"pass --tag (tags: {tags})" if tags else "it holds no checkpoint (no .metadata file)"
+    raise ConfigError([Problem("CHECKPOINT", str(root), f"no 'latest' file and not a checkpoint directory; {hint}")])
+
+
+def _subdirs(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _tags(root: Path) -> str:
+    from torsh.engine.checkpoint import DCP_METADATA
+
+    return ", ".join(p.name for p in _subdirs(root) if (p / DCP_METADATA).is_file())
+
+
+def merge_state_dict(path: Path) -> dict[str, Any]:
+    """The model's full (unsharded) state dict from the checkpoint directory ``path``, on the CPU.
+
+    Checks the files against the checkpoint's manifest when it has one, reads the DCP metadata without unpickling
+    code, then lets DCP's loader fill full-size tensors from every rank's shards (the same resharding as loading
+    at world size 1). Raises :class:`ConfigError` naming the file for anything missing, corrupt or unsafe.
+    """
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from torsh.engine.checkpoint import DCP_METADATA
+    from torsh.engine.checkpoint_io import CheckpointError, read_dcp_metadata, read_manifest, verify_files
+
+    try:
+        files = read_manifest(path)
+        if files is not None:
+            problems = verify_files(path, files, 0, 1)
+            if problems:
+                raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(problems[:3])}")
+        metadata = read_dcp_metadata(path / DCP_METADATA)
+        template: dict[str, Any] = {}
+        for key, item in metadata.state_dict_metadata.items():
+            if key.startswith(MODEL_PREFIX):
+                is_tensor = isinstance(item, TensorStorageMetadata)
+                template[key] = torch.empty(item.size, dtype=item.properties.dtype) if is_tensor else None
+        if not template:
+            raise CheckpointError(f"checkpoint {path} has no model entries ('{MODEL_PREFIX}*'); is it a torsh "
+                                  "checkpoint?")  # fmt: skip
+        _dcp_load(template, path)
+    except CheckpointError as exc:
+        raise ConfigError([Problem("CHECKPOINT", str(path), str(exc))]) from None
+    return {key[len(MODEL_PREFIX):]: value for key, value in template.items()}
+
+
+def _dcp_load(state: dict[str, Any], path: Path) -> None:
+    """``dcp.load`` in this one process through the safe reader and planner; failures name the checkpoint."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from torsh.engine.checkpoint_io import CheckpointError, safe_dcp_classes
+
+    reader_cls, planner_cls = safe_dcp_classes()
+    reader = reader_cls(path)
+    try:
+        with warnings.catch_warnings():  # DCP notes that it runs without a process group: that is the point
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, planner=planner_cls(reader), no_dist=True)
+    except CheckpointError:
+        raise
+    except CheckpointException as exc:  # a BaseException
+        raise CheckpointError(f"cannot load checkpoint {path}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - named and re-raised
+        raise CheckpointError(f"cannot load checkpoint {path}: {exc}") from None
+
+
+def write(state: dict[str, Any], output: Path, kind: str) -> None:
+    """Write ``state`` atomically (a temporary file renamed into place) as safetensors or with torch.save."""
+    import torch
+
+    if kind == "safetensors":
+        others = sorted(k for k, v in state.items() if not isinstance(v, torch.Tensor))
+        if others:
+            raise ConfigError([Problem("-o", str(output), f"entries that are not tensors cannot go into a "
+                                       f".safetensors file: {', '.join(others[:5])}; write a .pt file")])  # fmt: skip
+    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        if kind == "safetensors":
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata={"format": "pt"})
+        else:
+            torch.save(state, tmp)
+        os.replace(tmp, output)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
