@@ -124,6 +124,29 @@ def test_wheel_metadata_license_and_extras_as_ranges(dists):
     assert 'torch<2.14,>=2.6; extra == "engine"' in metadata
 
 
+def test_the_tested_versions_satisfy_every_extra(dists):
+    # requirements-dev.txt pins what the suite runs with; each extra's range must admit it, so that installing an
+    # extra next to the tested versions (a CPU torch installed first, say) replaces nothing.
+    from importlib import metadata as md
+
+    from packaging.requirements import Requirement  # a dependency of DeepSpeed and pip
+
+    with zipfile.ZipFile(dists["wheel"]) as z:
+        text = z.read("torsh_distributed-0.1.0.dist-info/METADATA").decode()
+    checked = 0
+    for line in text.splitlines():
+        if not (line.startswith("Requires-Dist:") and "extra ==" in line):
+            continue
+        requirement = Requirement(line.removeprefix("Requires-Dist:").strip())
+        try:
+            installed = md.version(requirement.name)
+        except md.PackageNotFoundError:
+            continue
+        assert requirement.specifier.contains(installed, prereleases=True), (line, installed)
+        checked += 1
+    assert checked >= 8
+
+
 def test_sdist_is_the_whole_source_tree_so_its_tests_run(dists):
     with tarfile.open(dists["sdist"]) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
