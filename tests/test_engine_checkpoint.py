@@ -203,6 +203,11 @@ def test_missing_checkpoint_on_two_ranks(multiprocess_results):
 
 
 @pytest.mark.slow
+def test_a_corrupt_checkpoint_raises_on_every_rank(multiprocess_results):
+    _check(multiprocess_results, "corrupt", (0, 1))
+
+
+@pytest.mark.slow
 def test_ranks_saving_under_different_tags_all_raise(multiprocess_results):
     _check(multiprocess_results, "tag_mismatch", (0, 1))
 

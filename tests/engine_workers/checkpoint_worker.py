@@ -145,6 +145,7 @@ def phase_main2(workdir: Path) -> dict:
         results[f"roundtrip_{kind}"] = _run(_roundtrip, kind, workdir)
         results[f"from_w1_{kind}"] = _run(_load_and_compare, kind, workdir, "w1")
     results["missing"] = _run(_missing, workdir)
+    results["corrupt"] = _run(_corrupt, workdir)
     results["tag_mismatch"] = _run(_tag_mismatch, workdir)
     return results
 
@@ -182,6 +183,51 @@ def _missing(workdir: Path) -> None:
     got = load_checkpoint(workdir / "nothing_here", None, model=model, optimizer=opt, lr_scheduler=sched,
                           loss_scaler=scaler)  # fmt: skip
     assert got == (None, None, None), got
+
+
+def _expect_error_on_every_rank(root: Path, needle: str, **kwargs) -> None:
+    from torsh.engine.checkpoint import CheckpointError
+
+    model, opt, sched, scaler = build("ddp", seed=1)
+    try:
+        load_checkpoint(root, None, model=model, optimizer=opt, lr_scheduler=sched, loss_scaler=scaler, **kwargs)
+    except CheckpointError as exc:
+        assert needle in str(exc), exc
+    else:
+        raise AssertionError(f"loading {root} did not raise (expected an error naming {needle})")
+
+
+def _corrupt(workdir: Path) -> None:
+    """Damage seen by one rank only still makes every rank raise CheckpointError (none waits forever)."""
+    import shutil
+
+    root = workdir / "corrupt"
+    if dist.get_rank() == 0:
+        shutil.copytree(workdir / "w2_ddp", root)
+    dist.barrier()
+    shard = root / TAG / "__1_0.distcp"
+    if dist.get_rank() == 0:  # a flipped byte in the shard of rank 1 (verified by another rank's share)
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    _expect_error_on_every_rank(root, str(shard))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root)
+        shutil.copytree(workdir / "w2_ddp", root)
+        (root / TAG / "rng_states" / "rank1.pt").write_bytes(b"not a torch file")  # read by rank 1 alone
+        from torsh.engine import checkpoint_io
+
+        shares = [checkpoint_io.hash_share(root / TAG, 0, 1)]
+        (root / TAG / "manifest.json").write_bytes(checkpoint_io.write_manifest(root / TAG, shares))
+    dist.barrier()
+    _expect_error_on_every_rank(root, "rank1.pt", load_rng_states=True)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (root / "latest").write_text("global_step7")
+    dist.barrier()
+    _expect_error_on_every_rank(root, "does not exist")
 
 
 def _tag_mismatch(workdir: Path) -> None:
