@@ -137,11 +137,17 @@ def test_missing_checkpoint_wrong_tag_and_no_latest(tmp_path, capsys):
     assert not Path(out).exists()
 
 
-def test_a_deepspeed_checkpoint_is_recognised_and_pointed_at_zero_to_fp32(tmp_path, capsys):
-    tag = tmp_path / "global_step1"
-    tag.mkdir()
-    (tag / "mp_rank_00_model_states.pt").write_bytes(b"")
-    assert "zero_to_fp32.py" in _error(capsys, "merge", str(tmp_path), "-o", str(tmp_path / "m.pt"))
+@pytest.mark.parametrize("names", [
+    ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"],  # ZeRO 1/2
+    ["zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"],  # ZeRO-3, bf16
+])  # fmt: skip
+def test_a_deepspeed_checkpoint_is_recognised_and_pointed_at_zero_to_fp32(tmp_path, capsys, names):
+    tag = tmp_path / "save" / "global_step1"
+    tag.mkdir(parents=True)
+    for name in names:
+        (tag / name).write_bytes(b"")
+    for where in (tag.parent, tag):  # the save directory (no 'latest') or the tag directory
+        assert "zero_to_fp32.py" in _error(capsys, "merge", str(where), "-o", str(tmp_path / "m.pt"))
 
 
 def test_a_corrupt_shard_is_refused_by_its_checksum(tmp_path, capsys):

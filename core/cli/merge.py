@@ -21,8 +21,10 @@ from torsh.errors import MISSING, ConfigError, Problem
 FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
 #: The prefix of the model's entries in a torsh checkpoint (the optimizer's are under ``optim.``).
 MODEL_PREFIX = "model."
-#: Files that mark a DeepSpeed checkpoint (not merged here; DeepSpeed ships zero_to_fp32.py for those).
-DEEPSPEED_MARKERS = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+#: File names that mark a DeepSpeed checkpoint (not merged here; DeepSpeed ships zero_to_fp32.py for those):
+#: ``mp_rank_00_model_states.pt``, ZeRO-3's ``zero_pp_rank_0_mp_rank_00_model_states.pt``, and the optimizer
+#: partitions ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``.
+DEEPSPEED_MARKERS = ("*mp_rank_*_model_states.pt", "*zero_pp_rank_*_optim_states.pt")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -99,7 +101,7 @@ def resolve(root: Path, tag: str | None) -> Path:
             return path
         raise ConfigError([Problem("CHECKPOINT", str(root), f"{root / LATEST} names {named[:80]!r}, which is not a "
                                    f"checkpoint here; pass --tag (tags: {_tags(root) or 'none'})")])  # fmt: skip
-    if any((p / name).is_file() for p in (root, *_subdirs(root)) for name in DEEPSPEED_MARKERS):
+    if any(next(p.glob(pattern), None) for p in (root, *_subdirs(root)) for pattern in DEEPSPEED_MARKERS):
         raise ConfigError([Problem("CHECKPOINT", str(root), "this is a DeepSpeed checkpoint (mp_rank_*/zero_pp_rank_* "
                                    "files); merge it with the zero_to_fp32.py script DeepSpeed saves next to it — "
                                    "this command merges torsh checkpoints")])  # fmt: skip
