@@ -103,8 +103,9 @@ def resolve(root: Path, tag: str | None) -> Path:
                                    f"checkpoint here; pass --tag (tags: {_tags(root) or 'none'})")])  # fmt: skip
     if any(next(p.glob(pattern), None) for p in (root, *_subdirs(root)) for pattern in DEEPSPEED_MARKERS):
         raise ConfigError([Problem("CHECKPOINT", str(root), "this is a DeepSpeed checkpoint (mp_rank_*/zero_pp_rank_* "
-                                   "files); merge it with the zero_to_fp32.py script DeepSpeed saves next to it — "
-                                   "this command merges torsh checkpoints")])  # fmt: skip
+                                   "files); this command merges torsh checkpoints. For a ZeRO checkpoint run the "
+                                   "zero_to_fp32.py script DeepSpeed saved in the save directory; a stage-0 "
+                                   "checkpoint is already whole (the 'module' entry of mp_rank_00_model_states.pt)")])
     tags = _tags(root)
     hint = f"pass --tag (tags: {tags})" if tags else "it holds no checkpoint (no .metadata file)"
     raise ConfigError([Problem("CHECKPOINT", str(root), f"no 'latest' file and not a checkpoint directory; {hint}")])
