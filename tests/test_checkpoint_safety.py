@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import os
 import pickle
 from pathlib import Path
 
@@ -224,6 +225,15 @@ def test_explicit_tag_that_does_not_exist_is_an_error(tmp_path):
     _save(tmp_path)
     with pytest.raises(CheckpointError, match=f"{tmp_path / 'global_step9'}.*does not exist"):
         _load(tmp_path, "global_step9")
+    with pytest.raises(ValueError, match="'latest' is the name of the file"):
+        _load(tmp_path, "latest")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes need a POSIX system")
+def test_latest_that_is_a_fifo_is_an_error_not_a_hang(tmp_path):
+    os.mkfifo(tmp_path / "latest")
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        _load(tmp_path)
 
 
 def test_no_checkpoint_at_all_still_returns_nones(tmp_path, caplog):

@@ -29,6 +29,9 @@ but is missing, incomplete, corrupt or unsafe raises :class:`CheckpointError` na
 Only "there is no checkpoint at all" (no ``latest``, no tag) returns ``(None, None, None)`` with a warning, as
 DeepSpeed does. Like DeepSpeed, loading does not restore RNG states unless asked (``load_rng_states=True``).
 
+A directory written by DeepSpeed itself (``mp_rank_00_model_states.pt``, ``*_optim_states.pt``; ZeRO stages
+0-3) loads too, at any world size and into any stage: see :mod:`torsh.engine.ds_checkpoint`.
+
 Every rank calls :func:`save_checkpoint` and :func:`load_checkpoint` (they are collective). The directory must
 be visible to every rank (a shared filesystem), as for DeepSpeed.
 """
@@ -56,6 +59,7 @@ from .checkpoint_io import (
     verify_files,
     write_manifest,
 )
+from .ds_checkpoint import is_deepspeed_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -443,6 +447,9 @@ def _publish(root: Path, staging: Path, final: Path, latest_tag: str | None) -> 
 
 def _read_latest(latest: Path) -> str:
     """The tag ``latest`` names; CheckpointError when the file is not a short text holding a valid tag."""
+    if not latest.is_file():  # a directory, a FIFO (which would block), a device
+        raise CheckpointError(f"the checkpoint pointer {latest} is not a regular file; it must hold the tag of the "
+                              f"newest checkpoint (or pass a tag)")  # fmt: skip
     try:
         with open(latest, "rb") as f:
             raw = f.read(4 * MAX_TAG_LENGTH + 1)
@@ -473,7 +480,7 @@ def _resolve(load_dir: Path, tag: str | None) -> Path | None:
     else:
         named_by = "requested"
     path = load_dir / tag
-    if _is_complete(path):
+    if _is_complete(path) or is_deepspeed_checkpoint(path):
         return path
     aside = load_dir / f".old-{tag}"
     if not path.exists() and _is_complete(aside):  # a re-save of this tag was killed between its two renames
@@ -540,6 +547,12 @@ def load_checkpoint(load_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     path = _resolve_on_rank0(Path(load_dir), tag)
     if path is None:
         return None, None, None
+    if is_deepspeed_checkpoint(path) and not (path / ENGINE_STATES).exists():
+        return _load_deepspeed(path, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                               loss_scaler=loss_scaler, strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states,
+                               load_module_only=load_module_only)  # fmt: skip
     files = _verify(path)
     saved = _on_every_rank(_read_engine_states, path)
     if files is None:
@@ -562,6 +575,17 @@ def load_checkpoint(load_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     _barrier()
     engine_state = None if load_module_only else saved["engine"]
     return str(path), saved["client_state"], engine_state
+
+
+def _load_deepspeed(path: Path, **kwargs: Any) -> tuple[str, dict, dict | None]:
+    """A checkpoint directory written by DeepSpeed (see :mod:`torsh.engine.ds_checkpoint`)."""
+    from .ds_checkpoint import load_deepspeed_checkpoint
+
+    log.info("loading DeepSpeed checkpoint %s", path)
+    with _quiet_without_dist():
+        result = load_deepspeed_checkpoint(path, **kwargs)
+    _barrier()
+    return result
 
 
 def _dcp_load(state: dict[str, Any], path: Path, *, allow_partial_load: bool) -> None:

@@ -1,0 +1,484 @@
+"""Loading checkpoints written by DeepSpeed 0.19.8 into the torsh engine (ZeRO stages 0-3, any world size).
+
+DeepSpeed's layout (``save_dir/<tag>/``)::
+
+    mp_rank_00_model_states.pt                        # stages 0-2: module, counters, scheduler, client state
+    zero_pp_rank_<r>_mp_rank_00_model_states.pt       # stage 3: the same per rank (weights are placeholders)
+    [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt  # stages 1-3: rank r's flat fp32 partition + its
+                                                        # optimizer state over that partition
+
+Stage 0 keeps the torch optimizer's ``state_dict`` inside the model states. Stages 1/2 flatten each parameter
+group (in ``param_shapes`` order, with ``param_alignment_paddings`` between parameters) and cut the flat vector
+into one contiguous partition per rank. Stage 3 cuts every parameter into ``ceil(numel / W)`` pieces, rank r's
+flat group being the concatenation of its pieces. Both are reassembled here into full tensors keyed by parameter
+name (fp32 masters, and every optimizer state tensor the same way), then installed into the engine's model and
+optimizer with the same calls as a torsh checkpoint, so the current world size and stage do not matter.
+
+Files are read with ``torch.load(weights_only=True)``; the DeepSpeed classes its pickles name (the loss scaler,
+``ZeroStageEnum``, ``fragment_address``) are mapped to inert stand-ins that only keep the saved attributes, so
+reading needs no DeepSpeed install and runs no code from the file. Anything that cannot be read or does not line
+up with the model is a :class:`CheckpointError` naming the file.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from .checkpoint_io import CheckpointError
+
+__all__ = ["is_deepspeed_checkpoint", "load_deepspeed_checkpoint"]
+
+_RANK_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(model|optim)_states\.pt$")
+_MODEL_FILE = "mp_rank_00_model_states.pt"
+# What DeepSpeed's load_checkpoint keeps out of client_state (engine.py, _load_checkpoint).
+_DEEPSPEED_KEYS = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
+                   "random_ltd")  # fmt: skip
+
+
+def is_deepspeed_checkpoint(path: Path) -> bool:
+    """True if ``path`` holds DeepSpeed model-state files (and is therefore not a torsh checkpoint)."""
+    return path.is_dir() and any(path.glob("*model_states.pt"))
+
+
+# --------------------------------------------------------------------------------------------------
+# safe reading
+
+
+class _Saved:
+    """Stands in for a DeepSpeed object inside a checkpoint (loss scaler, fragment address): it keeps the saved
+    attributes and has no behaviour."""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"<saved DeepSpeed object {self.__dict__}>"
+
+
+_STAND_INS: list[tuple[Any, str]] = [
+    (_Saved, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (_Saved, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (_Saved, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (int, "deepspeed.runtime.zero.config.ZeroStageEnum"),  # an int Enum, pickled as ZeroStageEnum(<value>)
+]
+
+
+def _load(path: Path) -> dict[str, Any]:
+    import torch
+    import torch.serialization
+
+    if not path.is_file():  # a FIFO or device would block or never end
+        raise CheckpointError(f"DeepSpeed checkpoint file {path} is missing or not a regular file")
+    try:
+        with torch.serialization.safe_globals(_STAND_INS):
+            try:  # memory-mapped: every rank reads every file, without holding all of them in memory
+                data = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+            except RuntimeError as exc:
+                if "mmap" not in str(exc):
+                    raise
+                data = torch.load(path, weights_only=True, map_location="cpu")  # the legacy (non-zip) format
+    except Exception as exc:  # noqa: BLE001 - refused global, truncated zip, ...
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"cannot read DeepSpeed checkpoint file {path} safely (weights_only=True): "
+                              f"{first}") from None  # fmt: skip
+    if not isinstance(data, dict):
+        raise CheckpointError(f"DeepSpeed checkpoint file {path} holds a {type(data).__name__}, not a dict")
+    return data
+
+
+def _need(data: dict, key: str, path: Path) -> Any:
+    if key not in data:
+        raise CheckpointError(f"DeepSpeed checkpoint file {path} has no '{key}' entry")
+    return data[key]
+
+
+# --------------------------------------------------------------------------------------------------
+# the files of one checkpoint
+
+
+class _Layout:
+    """The files of a DeepSpeed checkpoint directory, by kind and data-parallel rank."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        model: dict[int, Path] = {}
+        optim: dict[int, Path] = {}
+        for file in path.iterdir():
+            match = _RANK_FILE.match(file.name)
+            if match:
+                if match.group(2) != "00":
+                    raise CheckpointError(f"{file} is part of a tensor- or pipeline-parallel DeepSpeed checkpoint "
+                                          f"(mp_rank {match.group(2)}); only data-parallel checkpoints can be loaded")
+                (model if match.group(3) == "model" else optim)[int(match.group(1))] = file
+            elif file.name.endswith("model_states.pt") and file.name != _MODEL_FILE:
+                raise CheckpointError(f"{file} is not a DeepSpeed data-parallel checkpoint file (pipeline or "
+                                      f"tensor-parallel checkpoints cannot be loaded)")  # fmt: skip
+        self.optim_files = [optim[r] for r in sorted(optim)]
+        if sorted(optim) != list(range(len(optim))):
+            raise CheckpointError(f"DeepSpeed checkpoint {path} is incomplete: optimizer files for ranks "
+                                  f"{sorted(optim)} (expected 0..{len(optim) - 1})")  # fmt: skip
+        if (path / _MODEL_FILE).is_file():
+            self.model_files = [path / _MODEL_FILE]
+        elif model:
+            if sorted(model) != list(range(len(model))):
+                raise CheckpointError(f"DeepSpeed checkpoint {path} is incomplete: model files for ranks "
+                                      f"{sorted(model)}")  # fmt: skip
+            self.model_files = [model[r] for r in sorted(model)]
+        else:
+            raise CheckpointError(f"DeepSpeed checkpoint {path} has no {_MODEL_FILE}")
+
+
+# --------------------------------------------------------------------------------------------------
+# reassembling full tensors
+
+
+def _numel(shape: Any) -> int:
+    return int(math.prod(shape))
+
+
+def _split_stage12(flats: list[Any], shapes: dict[str, Any], paddings: list[int] | None, where: str
+                   ) -> dict[str, Any]:  # fmt: skip
+    """Full tensors from one parameter group's per-rank contiguous partitions (ZeRO-1/2)."""
+    import torch
+
+    full = torch.cat([f.reshape(-1) for f in flats])
+    out, offset = {}, 0
+    if paddings is not None and len(paddings) != len(shapes):
+        raise CheckpointError(f"{where}: {len(paddings)} alignment paddings for {len(shapes)} parameters")
+    for i, (name, shape) in enumerate(shapes.items()):
+        n = _numel(shape)
+        if offset + n > full.numel():
+            raise CheckpointError(f"{where}: the flat partitions hold {full.numel()} values, fewer than the "
+                                  f"parameters need (at {name})")  # fmt: skip
+        out[name] = full.narrow(0, offset, n).view(shape)
+        offset += n + (paddings[i] if paddings else 0)
+    return out
+
+
+def _split_stage3(flats: list[Any], shapes: dict[str, Any], where: str) -> dict[str, Any]:
+    """Full tensors from per-rank flat groups in which each parameter has a ceil(numel / W) piece (ZeRO-3)."""
+    import torch
+
+    world = len(flats)
+    out, offset = {}, 0
+    for name, shape in shapes.items():
+        n = _numel(shape)
+        piece = math.ceil(n / world)
+        if offset + piece > flats[0].numel():
+            raise CheckpointError(f"{where}: the flat partitions are too short for the parameters (at {name})")
+        out[name] = torch.cat([f.narrow(0, offset, piece) for f in flats])[:n].view(shape)
+        offset += piece
+    if any(f.numel() != offset for f in flats):
+        raise CheckpointError(f"{where}: the flat partitions hold {flats[0].numel()} values per rank, the parameters "
+                              f"{offset}; the checkpoint does not match its param_shapes")  # fmt: skip
+    return out
+
+
+def _per_param_state(flat_states: list[dict[str, Any]], split: Any, names: list[str], where: str
+                     ) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Per-parameter optimizer state from per-rank states over flat partitions: tensors as long as the
+    partition are cut like the weights, scalars (``step``) are given to every parameter."""
+    import torch
+
+    state: dict[str, dict[str, Any]] = {name: {} for name in names}
+    if not flat_states or not flat_states[0]:
+        return {}
+    for key, value in flat_states[0].items():
+        if torch.is_tensor(value) and value.dim() > 0:
+            pieces = split([s[key] for s in flat_states])
+            for name in names:
+                state[name][key] = pieces[name].clone()
+        else:
+            for name in names:
+                state[name][key] = value.clone() if torch.is_tensor(value) else value
+    return state
+
+
+class _Restored:
+    """A DeepSpeed checkpoint reassembled: full fp32 weights and buffers, per-parameter optimizer state and
+    hyper-parameters keyed by name, and the engine-level states."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, Any] = {}
+        self.optim_state: dict[str, dict[str, Any]] = {}
+        self.hyper: dict[str, dict[str, Any]] = {}  # name -> the hyper-parameters of its DeepSpeed group
+        self.loss_scaler: Any = None
+        self.model_states: dict[str, Any] = {}
+        self.model_file: Path = Path()
+        self.stage0: dict[str, Any] | None = None  # stage 0: the torch optimizer state, indexed by position
+
+
+def _read(layout: _Layout, with_optimizer: bool) -> _Restored:
+    out = _Restored()
+    out.model_file = layout.model_files[0]
+    ms = out.model_states = _load(out.model_file)
+    module = _need(ms, "module", out.model_file)
+    buffers = set(ms.get("buffer_names") or [])
+    out.weights.update({k: v for k, v in module.items() if k in buffers})
+    if not layout.optim_files:  # stage 0: weights and the torch optimizer live in the model states
+        out.weights.update({k: v for k, v in module.items() if k not in buffers})
+        optimizer = ms.get("optimizer")
+        if with_optimizer and optimizer is not None:
+            _read_stage0_optimizer(optimizer, out, out.model_file)
+        return out
+
+    shapes_by_group = _need(ms, "param_shapes", out.model_file)
+    optim = [_need(_load(f), "optimizer_state_dict", f) for f in layout.optim_files]
+    first = layout.optim_files[0]
+    stage = int(_need(optim[0], "zero_stage", first))
+    counts = optim[0].get("partition_count")
+    count = max(counts) if isinstance(counts, list) else counts
+    if count != len(optim):
+        raise CheckpointError(f"DeepSpeed checkpoint {layout.path} was written by {count} ranks but has "
+                              f"{len(optim)} optimizer files")  # fmt: skip
+    if stage in (1, 2):
+        _read_stage12(optim, shapes_by_group, out, with_optimizer, layout)
+    elif stage == 3:
+        _read_stage3(optim, shapes_by_group, out, with_optimizer, layout)
+    else:
+        raise CheckpointError(f"{first}: unknown ZeRO stage {stage}")
+    scaler = optim[0].get("loss_scaler")
+    if isinstance(scaler, _Saved) and getattr(scaler, "dynamic", False):
+        out.loss_scaler = dict(scaler.__dict__)
+    _frozen(ms, layout, out)
+    for alias, source in (ms.get("shared_params") or {}).items():  # tied weights saved once
+        if source in out.weights:
+            out.weights.setdefault(alias, out.weights[source])
+    return out
+
+
+def _read_stage0_optimizer(optimizer: dict[str, Any], out: _Restored, file: Path) -> None:
+    """Stage 0: a torch ``state_dict`` indexed by position (fp32), or DeepSpeed's fp16/bf16 wrapper around one
+    with the fp32 masters in ``fp32_groups``."""
+    inner = optimizer.get("optimizer_state_dict", optimizer)
+    if "state" not in inner or "param_groups" not in inner:
+        raise CheckpointError(f"{file}: the optimizer entry is not a torch optimizer state_dict")
+    order = [i for group in inner["param_groups"] for i in group["params"]]
+    group_of = {i: g for g, group in enumerate(inner["param_groups"]) for i in group["params"]}
+    out.stage0 = {"order": order, "state": inner["state"], "groups": inner["param_groups"], "group_of": group_of,
+                  "masters": [t for group in optimizer.get("fp32_groups") or [] for t in group]}  # fmt: skip
+    if optimizer.get("dynamic_loss_scale"):
+        out.loss_scaler = {k: optimizer[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter")
+                           if k in optimizer}  # fmt: skip
+
+
+def _read_stage12(optim: list[dict], shapes_by_group: list[dict], out: _Restored, with_optimizer: bool,
+                  layout: _Layout) -> None:  # fmt: skip
+    first = layout.optim_files[0]
+    partitions = [_need(o, "single_partition_of_fp32_groups", first) for o in optim]
+    paddings = optim[0].get("param_alignment_paddings")
+    if len(partitions[0]) != len(shapes_by_group):
+        raise CheckpointError(f"{first}: {len(partitions[0])} flat groups for {len(shapes_by_group)} parameter "
+                              f"groups in {layout.model_files[0]}")  # fmt: skip
+    for g, shapes in enumerate(shapes_by_group):
+        where = f"{layout.path} (parameter group {g})"
+        pad = paddings[g] if paddings else None
+
+        def split(flats: list[Any], shapes: dict = shapes, pad: Any = pad, where: str = where) -> dict[str, Any]:
+            return _split_stage12(flats, shapes, pad, where)
+
+        out.weights.update(split([p[g] for p in partitions]))
+        if not with_optimizer:
+            continue
+        base = [_need(o, "base_optimizer_state", first) for o in optim]
+        if isinstance(base[0], dict):  # a torch state_dict over the flat partition, one parameter per group
+            states = [b["state"].get(g, {}) for b in base]
+            hyper = {k: v for k, v in base[0]["param_groups"][g].items() if k != "params"}
+        else:  # elastic: a list of per-group states without padding, the step stored beside it
+            states = [dict(b[g]) for b in base]
+            step = optim[0].get("base_optimizer_state_step")
+            if step is not None:
+                for s in states:
+                    s.setdefault("step", step)
+            hyper = {}
+        names = list(shapes)
+        out.optim_state.update(_per_param_state(states, split, names, where))
+        out.hyper.update({name: hyper for name in names})
+
+
+def _read_stage3(optim: list[dict], shapes_by_group: list[dict], out: _Restored, with_optimizer: bool,
+                 layout: _Layout) -> None:  # fmt: skip
+    import torch
+
+    first = layout.optim_files[0]
+    shapes = {name: shape for group in shapes_by_group for name, shape in group.items()}
+    flats_per_rank = [_need(o, "fp32_flat_groups", first) for o in optim]
+    where = str(layout.path)
+    out.weights.update(_split_stage3([torch.cat([f.reshape(-1) for f in flats]) for flats in flats_per_rank],
+                                     shapes, where))  # fmt: skip
+    if not with_optimizer:
+        return
+    inner = [_need(o, "optimizer_state_dict", first) for o in optim]
+    sub_sizes = [f.numel() for f in flats_per_rank[0]]
+    keys = {k for s in inner[0]["state"].values() for k in s}
+    per_rank: list[dict[str, Any]] = []
+    for rank_sd, flats in zip(inner, flats_per_rank):
+        merged: dict[str, Any] = {}
+        for key in keys:
+            values = [rank_sd["state"].get(i, {}).get(key) for i in range(len(flats))]
+            if all(torch.is_tensor(v) and v.dim() > 0 for v in values):
+                merged[key] = torch.cat([v.reshape(-1) for v in values])
+            else:
+                merged[key] = values[0]
+        per_rank.append(merged)
+    out.optim_state.update(_per_param_state(per_rank, lambda f: _split_stage3(f, shapes, where), list(shapes),
+                                            where))  # fmt: skip
+    # each parameter takes the hyper-parameters of the sub-group its piece lies in
+    groups = inner[0].get("param_groups") or []
+    sub, consumed, world = 0, 0, len(optim)
+    for name, shape in shapes.items():
+        while sub < len(sub_sizes) - 1 and consumed >= sub_sizes[sub]:
+            consumed -= sub_sizes[sub]
+            sub += 1
+        if sub < len(groups):
+            out.hyper[name] = {k: v for k, v in groups[sub].items() if k != "params"}
+        consumed += math.ceil(_numel(shape) / world)
+
+
+def _frozen(ms: dict[str, Any], layout: _Layout, out: _Restored) -> None:
+    """Parameters without gradients: full in ``module`` at stages 1/2, in per-rank fragments at stage 3."""
+    import torch
+
+    frozen = ms.get("frozen_param_shapes") or {}
+    if not frozen:
+        return
+    module = ms["module"]
+    if len(layout.model_files) == 1:
+        out.weights.update({name: module[name] for name in frozen if name in module})
+        return
+    fragments = [_need(_load(f), "frozen_param_fragments", f) for f in layout.model_files]
+    for name, shape in frozen.items():
+        out.weights[name] = torch.cat([f[name].reshape(-1) for f in fragments])[:_numel(shape)].view(shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# installing into the engine
+
+
+def load_deepspeed_checkpoint(path: Path, *, model: Any, optimizer: Any, lr_scheduler: Any, loss_scaler: Any,
+                              strict: bool, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                              load_module_only: bool) -> tuple[str, dict, dict | None]:  # fmt: skip
+    """Load the DeepSpeed checkpoint directory ``path`` (one tag) into the engine's model and optimizer.
+
+    Returns ``(model states file, client_state, engine_state)`` like DeepSpeed's ``load_checkpoint``: the
+    client state is every entry of the model states that DeepSpeed does not consume itself.
+    """
+    from .checkpoint import _on_every_rank, _torch_optimizer
+
+    optimizer = _torch_optimizer(optimizer) if load_optimizer_states and not load_module_only else None
+    # every rank reads the files (a failure on one rank is raised on all, before any collective)
+    restored = _on_every_rank(lambda: _read(_Layout(path), with_optimizer=optimizer is not None))
+    _install(restored, model, optimizer, strict=strict, file=restored.model_file)
+    ms = restored.model_states
+    if not load_module_only:
+        if load_lr_scheduler_states and lr_scheduler is not None and ms.get("lr_scheduler") is not None:
+            try:
+                lr_scheduler.load_state_dict(ms["lr_scheduler"])
+            except Exception as exc:  # noqa: BLE001 - another scheduler than the one saved
+                raise CheckpointError(f"the lr_scheduler state in {restored.model_file} does not fit this job's "
+                                      f"scheduler {type(lr_scheduler).__name__}: {exc}") from None  # fmt: skip
+        if optimizer is not None and loss_scaler is not None and restored.loss_scaler:
+            current = loss_scaler.state_dict()
+            current.update({k: v for k, v in restored.loss_scaler.items() if k in current and v is not None})
+            loss_scaler.load_state_dict(current)
+    # client_state as DeepSpeed returns it: every entry it does not consume itself
+    excluded = {"module"} if load_module_only else set(_DEEPSPEED_KEYS)
+    if load_lr_scheduler_states:
+        excluded.add("lr_scheduler")
+    if load_optimizer_states:
+        excluded.add("optimizer")
+    client_state = {k: v for k, v in ms.items() if k not in excluded}
+    if restored.stage0 is not None and optimizer is not None:
+        client_state["optimizer"] = ms["optimizer"]  # DeepSpeed hands stage 0's optimizer state back too
+    engine_state = None
+    if not load_module_only:
+        engine_state = {k: ms[k] for k in ("global_steps", "global_samples", "skipped_steps") if k in ms}
+    return str(restored.model_file), client_state, engine_state
+
+
+def _install(restored: _Restored, model: Any, optimizer: Any, *, strict: bool, file: Path) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+    from .checkpoint import _is_zero, _param_names, _zero_load, _zero_param_groups
+
+    names = _param_names(model)
+    ordered = list(names.values())
+    if restored.stage0 is not None and optimizer is not None:
+        _stage0_to_names(restored, ordered, file)
+    weights = dict(restored.weights)
+    _check_keys(model, weights, strict, file)
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    try:
+        if optimizer is None:
+            set_model_state_dict(model, weights, options=options)
+            return
+        if _is_zero(optimizer):
+            set_model_state_dict(model, weights, options=options)
+            groups = _with_hyper(_zero_param_groups(optimizer, names), restored)
+            _zero_load(optimizer, names, {"state": restored.optim_state, "param_groups": groups})
+            return
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+                  for g in optimizer.param_groups]  # fmt: skip
+        osd = {"state": restored.optim_state, "param_groups": _with_hyper(groups, restored)}
+        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=osd, options=options)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - shapes or names that do not fit this model
+        raise CheckpointError(f"the DeepSpeed checkpoint {file.parent} does not fit this model: {exc}") from None
+
+
+def _check_keys(model: Any, weights: dict[str, Any], strict: bool, file: Path) -> None:
+    """With ``strict`` (DeepSpeed's ``load_module_strict``) the checkpoint and the model must hold the same
+    names; otherwise what the model lacks is dropped and what the checkpoint lacks keeps its current value."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    expected = set(get_model_state_dict(model))
+    missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    if strict and (missing or unexpected):
+        parts = [f"{label} {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+                 for label, names in (("has no values for", missing), ("has values this model lacks:", unexpected))
+                 if names]  # fmt: skip
+        raise CheckpointError(f"the DeepSpeed checkpoint {file.parent} does not fit this model: it "
+                              f"{' and '.join(parts)} (load_module_strict=False loads what matches)")  # fmt: skip
+    for name in unexpected:
+        del weights[name]
+
+
+def _stage0_to_names(restored: _Restored, ordered: list[str], file: Path) -> None:
+    """Stage 0 optimizer state is indexed by position in DeepSpeed's parameter list: the model's parameters
+    in order. Checked against the shapes so a different order is an error, not silently wrong state."""
+    info = restored.stage0
+    if len(info["order"]) != len(ordered):
+        raise CheckpointError(f"{file}: the optimizer holds {len(info['order'])} parameters, the model "
+                              f"{len(ordered)}; it was saved for another model or parameter grouping")  # fmt: skip
+    for position, index in enumerate(info["order"]):
+        name = ordered[position]
+        weight = restored.weights.get(name)
+        if info["masters"]:
+            restored.weights[name] = info["masters"][position]
+            weight = restored.weights[name]
+        state = dict(info["state"].get(index, {}))
+        for key, value in state.items():
+            if hasattr(value, "dim") and value.dim() > 0 and weight is not None and value.shape != weight.shape:
+                raise CheckpointError(f"{file}: optimizer state '{key}' of parameter #{index} has shape "
+                                      f"{tuple(value.shape)} but {name} is {tuple(weight.shape)}; the order of "
+                                      f"parameters differs from this model's")  # fmt: skip
+        if state:
+            restored.optim_state[name] = state
+        restored.hyper[name] = {k: v for k, v in info["groups"][info["group_of"][index]].items() if k != "params"}
+
+
+def _with_hyper(groups: list[dict[str, Any]], restored: _Restored) -> list[dict[str, Any]]:
+    """The engine's parameter groups with the hyper-parameters DeepSpeed saved for their parameters (only the
+    keys the engine's optimizer has, so another optimizer class keeps its own options)."""
+    out = []
+    for group in groups:
+        saved = restored.hyper.get(group["params"][0], {}) if group["params"] else {}
+        out.append({**group, **{k: v for k, v in saved.items() if k in group and k != "params"}})
+    return out
