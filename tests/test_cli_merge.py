@@ -1,5 +1,6 @@
 """torsh-migrate merge: a sharded torsh checkpoint (2 gloo ranks, ZeRO stage 0 and 3, bf16 with fp32 masters)
-consolidated into one .safetensors / .pt file equal to the engine's full state dict; safe and clear on bad input."""
+consolidated into one .safetensors / .pt file equal to the engine's full state dict; a real DeepSpeed checkpoint
+(ZeRO-2 bf16, ZeRO-3, stage 0 bf16) into what DeepSpeed's zero_to_fp32 gives; safe and clear on bad input."""
 
 from __future__ import annotations
 
@@ -137,17 +138,48 @@ def test_missing_checkpoint_wrong_tag_and_no_latest(tmp_path, capsys):
     assert not Path(out).exists()
 
 
-@pytest.mark.parametrize("names", [
-    ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"],  # ZeRO 1/2
-    ["zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"],  # ZeRO-3, bf16
-])  # fmt: skip
-def test_a_deepspeed_checkpoint_is_recognised_and_pointed_at_zero_to_fp32(tmp_path, capsys, names):
+# ---- DeepSpeed checkpoints ----------------------------------------------------------------------------------
+
+DS_WORKER = Path(__file__).resolve().parent / "engine_workers" / "merge_ds_worker.py"
+DS_CASES = ["ds_s2_bf16", "ds_s3", "ds_s0_bf16"]  # ZeRO-2 bf16 (bf16_ files), ZeRO-3, stage 0 with fp32 masters
+
+
+@pytest.fixture(scope="module")
+def deepspeed_checkpoints(tmp_path_factory) -> Path:
+    pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is installed by requirements-dev.txt in CI")
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("merge_ds")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    run = subprocess.run([sys.executable, str(DS_WORKER), str(root)], capture_output=True, text=True, timeout=600,
+                         env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", DS_CASES)
+def test_a_deepspeed_checkpoint_merges_to_what_zero_to_fp32_gives(deepspeed_checkpoints, tmp_path, case, capsys):
+    out = tmp_path / "model.safetensors"
+    assert main(["merge", str(deepspeed_checkpoints / case), "-o", str(out)]) == 0
+    assert "note:" not in capsys.readouterr().out
+    merged = safetensors_torch.load_file(out)
+    reference = torch.load(deepspeed_checkpoints / f"{case}.reference.pt", weights_only=True)
+    assert sorted(merged) == sorted(reference) and "gain" in merged
+    for key, tensor in reference.items():  # fp32 weights (masters for bf16), bit for bit
+        assert merged[key].dtype == tensor.dtype and torch.equal(merged[key], tensor), key
+    assert reference["embed.weight"].dtype == torch.float32
+
+
+def test_a_broken_deepspeed_file_is_named(tmp_path, capsys):
     tag = tmp_path / "save" / "global_step1"
     tag.mkdir(parents=True)
-    for name in names:
-        (tag / name).write_bytes(b"")
-    for where in (tag.parent, tag):  # the save directory (no 'latest') or the tag directory
-        assert "zero_to_fp32.py" in _error(capsys, "merge", str(where), "-o", str(tmp_path / "m.pt"))
+    (tmp_path / "save" / "latest").write_text("global_step1")
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"not a checkpoint")
+    err = _error(capsys, "merge", str(tmp_path / "save"), "-o", str(tmp_path / "m.pt"))
+    assert "mp_rank_00_model_states.pt" in err
+    assert not (tmp_path / "m.pt").exists()
 
 
 def test_a_corrupt_shard_is_refused_by_its_checksum(tmp_path, capsys):

@@ -1,11 +1,17 @@
-"""``torsh-migrate merge CHECKPOINT -o model.safetensors``: a sharded torsh checkpoint as one state dict.
+"""``torsh-migrate merge CHECKPOINT -o model.safetensors``: a sharded checkpoint as one state dict.
 
-The checkpoint is the directory ``engine.save_checkpoint(save_dir)`` writes (DeepSpeed's layout: ``save_dir/latest``
-and ``save_dir/<tag>/`` holding ``torch.distributed.checkpoint`` shards), from any world size and ZeRO stage. The
-shards are read in one process with DCP's own loader into full-size tensors, through the safe reader of
-:mod:`torsh.engine.checkpoint_io` (nothing in the checkpoint can run code), after checking the files against their
-checksums. Only the model's weights and buffers are written (the fp32 master weights when the job trained in
-bf16/fp16 with them), as ``.safetensors`` or as a torch ``.pt`` / ``.bin`` file; keys are the module's names.
+Two kinds of checkpoint directory, both in DeepSpeed's layout (``save_dir/latest`` naming ``save_dir/<tag>/``):
+
+* torsh's (``engine.save_checkpoint``): ``torch.distributed.checkpoint`` shards from any world size and ZeRO stage.
+  They are read in one process by DCP's own loader into full-size tensors, through the safe reader of
+  :mod:`torsh.engine.checkpoint_io`, after checking the files against their checksums.
+* DeepSpeed's (``mp_rank_00_model_states.pt``, ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``, ZeRO 0-3):
+  reassembled by :mod:`torsh.engine.ds_checkpoint` (what DeepSpeed's ``zero_to_fp32.py`` computes), its pickles
+  read with ``weights_only=True`` and no DeepSpeed install.
+
+Nothing in a checkpoint can run code. Only the model's weights and buffers are written, keyed by the module's
+names: the fp32 master weights when the job kept them (bf16/fp16 training), as ``.safetensors`` or as a torch
+``.pt`` / ``.bin`` file.
 """
 
 from __future__ import annotations
@@ -21,18 +27,15 @@ from torsh.errors import MISSING, ConfigError, Problem
 FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
 #: The prefix of the model's entries in a torsh checkpoint (the optimizer's are under ``optim.``).
 MODEL_PREFIX = "model."
-#: File names that mark a DeepSpeed checkpoint (not merged here; DeepSpeed ships zero_to_fp32.py for those):
-#: ``mp_rank_00_model_states.pt``, ZeRO-3's ``zero_pp_rank_0_mp_rank_00_model_states.pt``, and the optimizer
-#: partitions ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``.
-DEEPSPEED_MARKERS = ("*mp_rank_*_model_states.pt", "*zero_pp_rank_*_optim_states.pt")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("merge", help="merge a sharded torsh checkpoint into one .safetensors or .pt file",
-                            description="Consolidate a torsh checkpoint (the directory engine.save_checkpoint "
-                            "writes, from any world size and ZeRO stage) into one state dict of the model's "
-                            "weights (fp32 master weights when the job kept them), written as .safetensors or "
-                            "torch .pt/.bin (by the output's suffix). Reading never unpickles code.")  # fmt: skip
+    parser = sub.add_parser("merge", help="merge a sharded torsh or DeepSpeed checkpoint into one file",
+                            description="Consolidate a checkpoint written by torsh's engine.save_checkpoint or by "
+                            "DeepSpeed (ZeRO stages 0-3, any world size) into one state dict of the model's weights "
+                            "(fp32 master weights when the job kept them), written as .safetensors or torch "
+                            ".pt/.bin (by the output's suffix). Reading never runs code from the checkpoint.",
+                            )  # fmt: skip
     parser.add_argument("checkpoint", metavar="CHECKPOINT",
                         help="the save directory (holding 'latest' and one directory per tag) or one tag's directory")
     parser.add_argument("-o", "--output", required=True, metavar="FILE",
@@ -47,10 +50,15 @@ def run(args: argparse.Namespace) -> int:
     kind = _output_kind(output, args.force)
     _require_torch()
     path = resolve(Path(args.checkpoint), args.tag)
-    state = merge_state_dict(path)
+    if _is_deepspeed(path):
+        state, note = merge_deepspeed_state_dict(path)
+    else:
+        state, note = merge_state_dict(path), ""
     write(state, output, kind)
     count = sum(t.numel() for t in state.values() if hasattr(t, "numel"))
     print(f"merged {path}: {len(state)} tensors, {count:,} elements -> {output}")
+    if note:
+        print(f"note: {note}")
     return 0
 
 
@@ -82,33 +90,41 @@ def _require_torch() -> None:
 
 def resolve(root: Path, tag: str | None) -> Path:
     """The tag directory to merge: ``root/<tag>``, ``root/<latest>``, or ``root`` itself when it is one."""
-    from torsh.engine.checkpoint import DCP_METADATA, LATEST
+    from torsh.engine.checkpoint import LATEST
 
     if not root.is_dir():
         raise ConfigError([Problem("CHECKPOINT", str(root), "no such directory")])
     if tag is not None:
         path = root / tag
-        if not (path / DCP_METADATA).is_file():
+        if not _is_checkpoint(path):
             raise ConfigError([Problem("--tag", tag, f"{path} is not a checkpoint; tags in {root}: "
                                        f"{_tags(root) or 'none'}")])  # fmt: skip
         return path
-    if (root / DCP_METADATA).is_file():
+    if _is_checkpoint(root):
         return root
     if (root / LATEST).is_file():
         named = (root / LATEST).read_text(encoding="utf-8", errors="replace").strip()
         path = root / named
-        if named and "/" not in named and not named.startswith(".") and (path / DCP_METADATA).is_file():
+        if named and "/" not in named and not named.startswith(".") and _is_checkpoint(path):
             return path
         raise ConfigError([Problem("CHECKPOINT", str(root), f"{root / LATEST} names {named[:80]!r}, which is not a "
                                    f"checkpoint here; pass --tag (tags: {_tags(root) or 'none'})")])  # fmt: skip
-    if any(next(p.glob(pattern), None) for p in (root, *_subdirs(root)) for pattern in DEEPSPEED_MARKERS):
-        raise ConfigError([Problem("CHECKPOINT", str(root), "this is a DeepSpeed checkpoint (mp_rank_*/zero_pp_rank_* "
-                                   "files); this command merges torsh checkpoints. For a ZeRO checkpoint run the "
-                                   "zero_to_fp32.py script DeepSpeed saved in the save directory; a stage-0 "
-                                   "checkpoint is already whole (the 'module' entry of mp_rank_00_model_states.pt)")])
     tags = _tags(root)
-    hint = f"pass --tag (tags: {tags})" if tags else "it holds no checkpoint (no .metadata file)"
+    hint = f"pass --tag (tags: {tags})" if tags else "it holds no torsh or DeepSpeed checkpoint"
     raise ConfigError([Problem("CHECKPOINT", str(root), f"no 'latest' file and not a checkpoint directory; {hint}")])
+
+
+def _is_deepspeed(path: Path) -> bool:
+    from torsh.engine.checkpoint import DCP_METADATA
+    from torsh.engine.ds_checkpoint import is_deepspeed_checkpoint
+
+    return is_deepspeed_checkpoint(path) and not (path / DCP_METADATA).is_file()
+
+
+def _is_checkpoint(path: Path) -> bool:
+    from torsh.engine.checkpoint import DCP_METADATA
+
+    return (path / DCP_METADATA).is_file() or _is_deepspeed(path)
 
 
 def _subdirs(root: Path) -> list[Path]:
@@ -116,9 +132,7 @@ def _subdirs(root: Path) -> list[Path]:
 
 
 def _tags(root: Path) -> str:
-    from torsh.engine.checkpoint import DCP_METADATA
-
-    return ", ".join(p.name for p in _subdirs(root) if (p / DCP_METADATA).is_file())
+    return ", ".join(p.name for p in _subdirs(root) if _is_checkpoint(p))
 
 
 def merge_state_dict(path: Path) -> dict[str, Any]:
@@ -153,6 +167,42 @@ def merge_state_dict(path: Path) -> dict[str, Any]:
     except CheckpointError as exc:
         raise ConfigError([Problem("CHECKPOINT", str(path), str(exc))]) from None
     return {key[len(MODEL_PREFIX):]: value for key, value in template.items()}
+
+
+def merge_deepspeed_state_dict(path: Path) -> tuple[dict[str, Any], str]:
+    """The model's full state dict from the DeepSpeed checkpoint directory ``path``, and a note (or "").
+
+    ZeRO 1-3: the fp32 weights reassembled from every rank's flat partitions (what ``zero_to_fp32.py`` writes),
+    frozen and tied parameters included, buffers as saved. Stage 0 saves whole weights in the model's dtype; with
+    bf16/fp16 its fp32 masters are in the optimizer state, by position in the model's parameter order, and are
+    used when they line up with the parameters shape for shape.
+    """
+    from torsh.engine.checkpoint_io import CheckpointError
+    from torsh.engine.ds_checkpoint import _Layout, _read  # the engine's safe DeepSpeed reader
+
+    try:
+        layout = _Layout(path)
+        restored = _read(layout, with_optimizer=False)
+    except CheckpointError as exc:
+        raise ConfigError([Problem("CHECKPOINT", str(path), str(exc))]) from None
+    weights = dict(restored.weights)
+    if layout.optim_files:
+        return weights, ""
+    return _stage0_masters(weights, restored.model_states)
+
+
+def _stage0_masters(weights: dict[str, Any], model_states: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """Stage 0: replace the parameters by DeepSpeed's fp32 masters (``optimizer.fp32_groups``) when present."""
+    optimizer = model_states.get("optimizer")
+    masters = [t for group in (optimizer or {}).get("fp32_groups") or [] for t in group]
+    if not masters:
+        return weights, ""
+    buffers = set(model_states.get("buffer_names") or [])
+    params = [name for name in weights if name not in buffers]
+    if len(masters) != len(params) or any(tuple(m.shape) != tuple(weights[n].shape) for n, m in zip(params, masters)):
+        return weights, ("stage-0 checkpoint: its fp32 master weights do not line up with the parameters (another "
+                         "parameter order or grouping); wrote the weights in the model's dtype")  # fmt: skip
+    return {**weights, **dict(zip(params, masters))}, ""
 
 
 def _dcp_load(state: dict[str, Any], path: Path) -> None:
