@@ -55,7 +55,7 @@ def test_table_report_says_not_installed_and_lists_the_variables(monkeypatch, ca
             raise metadata.PackageNotFoundError(dist)
         return real(dist)
 
-    monkeypatch.setattr(env_cli.metadata, "version", version)
+    monkeypatch.setattr(metadata, "version", version)
     for name in list(os.environ):
         if name in env_cli.LAUNCHER_NAMES or name.startswith(env_cli.LAUNCHER_PREFIXES):
             monkeypatch.delenv(name)

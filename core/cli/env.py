@@ -10,10 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shutil
 import sys
-from importlib import metadata
 from typing import Any
 
 #: Distributions whose versions are reported, as (label, distribution name).
@@ -52,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
 
 def collect(environ: Any = None) -> dict[str, Any]:
     """The whole report as JSON-ready data; a missing package's version is None."""
+    import platform
+
     from torsh import __version__
 
     environ = os.environ if environ is None else environ
@@ -68,6 +67,8 @@ def collect(environ: Any = None) -> dict[str, Any]:
 
 
 def _version(dist: str) -> str | None:
+    from importlib import metadata  # here, not at import: every torsh-migrate start imports this module
+
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -76,6 +77,8 @@ def _version(dist: str) -> str | None:
 
 def _which(program: str) -> str | None:
     """``program`` on PATH, else next to this interpreter (a virtualenv's scripts when it is not activated)."""
+    import shutil
+
     return shutil.which(program) or shutil.which(program, path=os.path.dirname(sys.executable))
 
 
@@ -113,6 +116,8 @@ def _nccl_version(torch: Any) -> str | None:
 
 def _devices(torch: Any) -> list[dict[str, Any]]:
     """CPU first, then every CUDA (and MPS/XPU) device torch sees."""
+    import platform
+
     devices: list[dict[str, Any]] = [{"type": "cpu", "name": platform.processor() or platform.machine(),
                                       "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()}]  # fmt: skip
     if torch.cuda.is_available():
