@@ -27,7 +27,8 @@ from torsh.engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E4
 
 WORKER = Path(__file__).resolve().parent / "engine_workers" / "ds_checkpoint_worker.py"
 STAGES = (0, 1, 2, 3)
-SAVED = ["s0", "s1", "s2", "s3", "s0_bf16", "s2_bf16"]  # fp32 at every ZeRO stage; bf16 (masters, bf16_ files)
+# fp32 at every ZeRO stage; bf16 (masters, bf16_ files); tied embedding / head weights (shared_params)
+SAVED = ["s0", "s1", "s2", "s3", "s0_bf16", "s2_bf16", "s2_tied"]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +68,7 @@ def _check_load(results, world: int, case: str, saved: str) -> None:
         rel = BF16_REL if saved.endswith("bf16") else 1e-6
         assert rec["losses"] == pytest.approx(expected, rel=rel, abs=0)  # continues as DeepSpeed continues
         assert rec["global_steps"] == 2 and rec["global_samples"] == 8 and rec["epoch"] == 3
+        assert rec["rng_untouched"]  # like DeepSpeed, loading leaves the RNG states alone
         assert rec["lr"] == pytest.approx(0.01 / 6)  # WarmupLR after 2 of 6 warm-up steps
         model_file = "mp_rank_00_model_states.pt" if saved_stage < 3 else "zero_pp_rank_0_mp_rank_00_model_states.pt"
         assert rec["path"].endswith(f"{saved}/global_step2/{model_file}")  # DeepSpeed's load_path
@@ -168,6 +170,10 @@ def test_damaged_deepspeed_checkpoints_are_errors_naming_the_file(results, root,
     (ckpt / "mp_rank_00_model_states.pt").write_bytes(pickle.dumps({"module": {}}))
     with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt"):
         load_checkpoint(tmp_path / "c", None, **_job())
+    ckpt = _copy(results, root, 2, tmp_path / "d")  # plain data, but not the structure DeepSpeed writes
+    torch.save({"module": {}, "buffer_names": [], "param_shapes": 5}, ckpt / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match=f"{ckpt}.*layout DeepSpeed 0.19.8 writes"):
+        load_checkpoint(tmp_path / "d", None, **_job())
 
 
 @pytest.mark.slow

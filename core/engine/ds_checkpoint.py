@@ -253,6 +253,17 @@ def _read(layout: _Layout, with_optimizer: bool) -> _Restored:
     return out
 
 
+def _read_checked(path: Path, with_optimizer: bool) -> _Restored:
+    """:func:`_read`, with any surprise in the files' structure reported as a CheckpointError naming them."""
+    try:
+        return _read(_Layout(path), with_optimizer)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError, RuntimeError) as exc:
+        raise CheckpointError(f"the DeepSpeed checkpoint {path} does not have the layout DeepSpeed 0.19.8 writes "
+                              f"({type(exc).__name__}: {exc})") from None  # fmt: skip
+
+
 def _read_stage0_optimizer(optimizer: dict[str, Any], out: _Restored, file: Path) -> None:
     """Stage 0: a torch ``state_dict`` indexed by position (fp32), or DeepSpeed's fp16/bf16 wrapper around one
     with the fp32 masters in ``fp32_groups``."""
@@ -373,7 +384,7 @@ def load_deepspeed_checkpoint(path: Path, *, model: Any, optimizer: Any, lr_sche
 
     optimizer = _torch_optimizer(optimizer) if load_optimizer_states and not load_module_only else None
     # every rank reads the files (a failure on one rank is raised on all, before any collective)
-    restored = _on_every_rank(lambda: _read(_Layout(path), with_optimizer=optimizer is not None))
+    restored = _on_every_rank(_read_checked, path, optimizer is not None)
     _install(restored, model, optimizer, strict=strict, file=restored.model_file)
     ms = restored.model_states
     if not load_module_only:
@@ -463,7 +474,8 @@ def _stage0_to_names(restored: _Restored, ordered: list[str], file: Path) -> Non
         if info["masters"]:
             restored.weights[name] = info["masters"][position]
             weight = restored.weights[name]
-        state = dict(info["state"].get(index, {}))
+        # cloned: the optimizer keeps these tensors, which would otherwise stay views of the memory-mapped file
+        state = {k: v.clone() if hasattr(v, "clone") else v for k, v in info["state"].get(index, {}).items()}
         for key, value in state.items():
             if hasattr(value, "dim") and value.dim() > 0 and weight is not None and value.shape != weight.shape:
                 raise CheckpointError(f"{file}: optimizer state '{key}' of parameter #{index} has shape "

@@ -30,7 +30,17 @@ import _engine_harness as h  # noqa: E402
 
 # checkpoint name -> (ZeRO stage, bf16)
 CASES = {"s0": (0, False), "s1": (1, False), "s2": (2, False), "s3": (3, False), "s0_bf16": (0, True),
-         "s2_bf16": (2, True)}  # fmt: skip
+         "s2_bf16": (2, True), "s2_tied": (2, False)}  # fmt: skip
+# torsh loads a case at its own stage, except the tied model: torsh stage 1 (FSDP2 units and tied weights are
+# another matter); DeepSpeed saved it at stage 2, with the head's weight recorded as a shared parameter.
+TORSH_STAGE = {"s2_tied": 1}
+
+
+def model(name: str, seed: int):
+    built = h.build_model(seed)
+    if name.endswith("tied"):
+        built.head.weight = built.embed.weight  # as most Hugging Face language models tie lm_head / embeddings
+    return built
 MICRO = 2  # per rank at world size 2
 
 
@@ -73,7 +83,7 @@ def deepspeed_runs(root: Path, world: int) -> dict:
 
     out = {}
     for name, (stage, bf16) in CASES.items():
-        engine, *_ = deepspeed.initialize(model=h.build_model(0), config=config(stage, world, bf16))
+        engine, *_ = deepspeed.initialize(model=model(name, 0), config=config(stage, world, bf16))
         train(engine, range(2), world)
         engine.save_checkpoint(str(root / name), client_state={"epoch": 3})
         if dist.get_rank() == 0:
@@ -98,12 +108,17 @@ def torsh_load(root: Path, world: int, saved: str, stage: int, **load_kwargs) ->
     import torsh
 
     try:
-        engine, *_ = torsh.initialize(model=h.build_model(1), config=config(stage, world, CASES[saved][1]))
+        engine, *_ = torsh.initialize(model=model(saved, 1), config=config(stage, world, CASES[saved][1]))
+        torch.manual_seed(123)
+        expected_draw = torch.rand(4)
+        torch.manual_seed(123)
         path, client = engine.load_checkpoint(str(root / saved), **load_kwargs)
+        rng_untouched = torch.equal(torch.rand(4), expected_draw)  # DeepSpeed does not restore RNG states either
         weights = {k: v.detach() for k, v in h._full_params(engine).items()}
         ref = torch.load(root / f"{saved}_fp32.pt", weights_only=True)
         diff = max(float((w.float() - ref[k].to(w.dtype).float()).abs().max()) for k, w in weights.items())
         rec = {"path": str(path), "client": sorted(client), "epoch": client.get("epoch"), "weights_diff": diff,
+               "rng_untouched": rng_untouched,
                "global_steps": engine.global_steps, "global_samples": engine.global_samples, "lr": engine.get_lr()[0],
                "losses": train(engine, range(2, 4), world)}  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - reported per case
@@ -113,7 +128,7 @@ def torsh_load(root: Path, world: int, saved: str, stage: int, **load_kwargs) ->
 
 
 def torsh_runs(root: Path, world: int) -> dict:
-    out = {name: torsh_load(root, world, name, stage) for name, (stage, _) in CASES.items()}
+    out = {name: torsh_load(root, world, name, TORSH_STAGE.get(name, stage)) for name, (stage, _) in CASES.items()}
     if world == 2:
         out["s1_into_s3"] = torsh_load(root, world, "s1", 3)
         # control: without the optimizer state the second step differs (the loss comparison is sensitive)
