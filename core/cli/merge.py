@@ -178,24 +178,24 @@ def merge_deepspeed_state_dict(path: Path) -> tuple[dict[str, Any], str]:
     used when they line up with the parameters shape for shape.
     """
     from torsh.engine.checkpoint_io import CheckpointError
-    from torsh.engine.ds_checkpoint import _Layout, _read  # the engine's safe DeepSpeed reader
+    from torsh.engine.ds_checkpoint import _read_checked  # the engine's safe DeepSpeed reader
 
     try:
-        layout = _Layout(path)
-        restored = _read(layout, with_optimizer=False)
+        restored = _read_checked(path, with_optimizer=False)
     except CheckpointError as exc:
         raise ConfigError([Problem("CHECKPOINT", str(path), str(exc))]) from None
-    weights = dict(restored.weights)
-    if layout.optim_files:
-        return weights, ""
-    return _stage0_masters(weights, restored.model_states)
+    return _stage0_masters(dict(restored.weights), restored.model_states)
 
 
 def _stage0_masters(weights: dict[str, Any], model_states: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """Stage 0: replace the parameters by DeepSpeed's fp32 masters (``optimizer.fp32_groups``) when present."""
+    """Stage 0: replace the parameters by DeepSpeed's fp32 masters (``optimizer.fp32_groups``) when present
+    (under ZeRO the model states hold no optimizer: the weights are already the fp32 ones)."""
+    import torch
+
     optimizer = model_states.get("optimizer")
-    masters = [t for group in (optimizer or {}).get("fp32_groups") or [] for t in group]
-    if not masters:
+    groups = optimizer.get("fp32_groups") if isinstance(optimizer, dict) else None
+    masters = [t for group in groups for t in group] if isinstance(groups, (list, tuple)) else []
+    if not masters or not all(isinstance(m, torch.Tensor) for m in masters):
         return weights, ""
     buffers = set(model_states.get("buffer_names") or [])
     params = [name for name in weights if name not in buffers]
