@@ -17,11 +17,27 @@ _LAZY = {
 }
 
 
+#: The extra that installs PyTorch (named in the error when it is missing).
+_ENGINE_EXTRA = "pip install 'torsh-distributed[engine]'"
+
+
+def _torch_missing(what: str, exc: ModuleNotFoundError) -> ModuleNotFoundError:
+    """The error for ``what`` needing PyTorch when ``exc`` says torch is not installed (``exc`` itself otherwise)."""
+    if exc.name is None or exc.name.split(".")[0] != "torch":
+        return exc
+    # The README's Install section says how to get a CPU-only build (the default wheel on Linux is a CUDA one).
+    return ModuleNotFoundError(f"{what} needs PyTorch: {_ENGINE_EXTRA}", name=exc.name)
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        try:
+            module = importlib.import_module(_LAZY[name])
+        except ModuleNotFoundError as exc:
+            raise _torch_missing(f"torsh.{name}", exc) from None
+        value = getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'torsh' has no attribute {name!r}")

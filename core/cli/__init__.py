@@ -15,7 +15,8 @@ from collections.abc import Sequence
 EXIT_OK, EXIT_LOSSY, EXIT_BAD_INPUT = 0, 1, 2
 
 #: Sub-command modules, in the order ``--help`` lists them.
-COMMANDS = ["convert", "validate", "explain", "diff", "launch", "snippet", "schema", "parity"]
+COMMANDS = ["convert", "validate", "explain", "diff", "launch", "snippet", "schema", "parity",
+            "env", "merge"]
 
 
 def build_parser() -> argparse.ArgumentParser:

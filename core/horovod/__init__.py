@@ -20,6 +20,13 @@ What is exact, approximate and unsupported (each function's docstring has the de
   the timeline (``start_timeline``), ``hvd.elastic``.
 """
 
+try:  # a clear error naming the extra when PyTorch is missing (the rest of this package needs it)
+    import torch  # noqa: F401
+except ModuleNotFoundError as _exc:
+    from torsh import _torch_missing
+
+    raise _torch_missing("torsh.horovod", _exc) from None
+
 from ._basics import (
     ccl_built,
     cross_rank,
