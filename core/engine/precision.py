@@ -44,6 +44,12 @@ class MasterWeights:
             p.grad = None
 
     @torch.no_grad()
+    def params_to_master(self) -> None:
+        """Copy the compute parameters' values into the master weights (after loading the model's weights)."""
+        for name, p in self.params.items():
+            self.masters[name].copy_(p)
+
+    @torch.no_grad()
     def master_to_params(self) -> None:
         """Copy the updated master weights into the compute parameters."""
         torch._foreach_copy_(list(self.params.values()), [self.masters[name] for name in self.params])
