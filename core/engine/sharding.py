@@ -90,6 +90,33 @@ def wrap_targets(model: nn.Module, wrap: WrapPolicy) -> list[nn.Module]:
     return [child for child in _children(model) if any(True for _ in child.parameters())]
 
 
+def keep_ties_in_one_unit(model: nn.Module, targets: list[nn.Module]) -> list[nn.Module]:
+    """``targets`` without the units that would split a tied parameter from another of its owners.
+
+    A parameter held by several modules (a Hugging Face ``lm_head.weight`` that *is* ``embed_tokens.weight``)
+    must be managed by one FSDP2 unit: a unit is kept only if it contains every owner of each tied parameter
+    it contains; the owners of a dropped unit fall to the smallest enclosing unit (at worst the root).
+    Ties are found by parameter identity.
+    """
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+    tied = [mods for mods in owners.values() if len(mods) > 1]
+    if not tied:
+        return targets
+    kept = []
+    for target in targets:
+        inside = {id(m) for m in target.modules()}
+        split = any(0 < sum(id(m) in inside for m in mods) < len(mods) for mods in tied)
+        if split:
+            log.info("sharding: %s is not its own FSDP2 unit: it shares a tied parameter with a module outside it "
+                     "(the parameter stays in one enclosing unit)", type(target).__name__)  # fmt: skip
+        else:
+            kept.append(target)
+    return kept
+
+
 def modules_of_classes(model: nn.Module, classes: list[str], key: str) -> list[nn.Module]:
     """The submodules (not the root) whose class name is listed; a name no module has is an error naming ``key``."""
     known = {type(m).__name__ for m in model.modules()}
@@ -221,7 +248,7 @@ def _apply_fsdp(model, sharding: ShardingConfig, offload: OffloadConfig, gradien
         offload_policy=CPUOffloadPolicy(pin_memory=offload.pin_memory and torch.cuda.is_available())
         if offloaded else OffloadPolicy(),
     )  # fmt: skip
-    targets = wrap_targets(model, sharding.wrap)
+    targets = keep_ties_in_one_unit(model, wrap_targets(model, sharding.wrap))
     for target in targets:
         fully_shard(target, **kwargs)
     fully_shard(model, **kwargs)

