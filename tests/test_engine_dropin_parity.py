@@ -91,6 +91,57 @@ def tied(rank: int, world_size: int, scenario: dict) -> dict:
             "params": len(list(fresh.module.parameters()))}  # fmt: skip
 
 
+def pooler_model(seed: int):
+    import torch
+    from torch import nn
+
+    class Bertish(nn.Module):
+        """A BERT-style encoder whose pooler is not used by the LM loss; ``extra`` only while ``use_extra``."""
+
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(h.VOCAB, h.HIDDEN)
+            self.encoder = nn.Linear(h.HIDDEN, h.HIDDEN)
+            self.extra = nn.Linear(h.HIDDEN, h.HIDDEN)
+            self.pooler = nn.Linear(h.HIDDEN, h.HIDDEN)
+            self.head = nn.Linear(h.HIDDEN, h.VOCAB)
+            self.use_extra = True
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            x = x + torch.tanh(self.encoder(x))
+            if self.use_extra:
+                x = x + self.extra(x)
+            return self.head(x)
+
+    torch.manual_seed(seed)
+    return Bertish()
+
+
+def _weights(engine) -> dict[str, float]:
+    return {n: float(p.detach().double().sum()) for n, p in engine.module.named_parameters()}
+
+
+def unused(rank: int, world_size: int, scenario: dict) -> dict:
+    """The pooler is never used; ``extra`` is used in the first ``scenario['extra_steps']`` steps only."""
+    backend = _backend(scenario["engine"])
+    model = pooler_model(0)
+    engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=scenario["config"])
+    losses = _train(engine, rank, 0, scenario["extra_steps"])
+    model.use_extra = False
+    losses += _train(engine, rank, scenario["extra_steps"], 4 - scenario["extra_steps"])
+    return {"losses": losses, "weights": _weights(engine)}
+
+
+def raw(rank: int, world_size: int, scenario: dict) -> dict:
+    """The script calls its own model, not the engine, then engine.backward/step."""
+    backend = _backend(scenario["engine"])
+    model = h.build_model(0)
+    engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=scenario["config"])
+    losses = _train(engine, rank, 0, 4, raw=model)
+    return {"losses": losses, "weights": _weights(engine) if engine.zero_optimization_stage() < 2 else None}
+
+
 ENGINES = ("torsh", "deepspeed")
 
 
@@ -100,6 +151,15 @@ def _scenarios(tmp: str) -> list[dict]:
         for stage in (2, 3):
             out.append({"name": f"tied_s{stage}_{engine}", "kind": "call", "target": f"{MODULE}:tied",
                         "engine": engine, "config": ds_config(stage), "dir": f"{tmp}/tied_s{stage}_{engine}"})
+        for stage in (0, 1):
+            for extra_steps in (4, 2):  # pooler unused throughout; extra unused from step 3 on as well
+                out.append({"name": f"unused{extra_steps}_s{stage}_{engine}", "kind": "call", "engine": engine,
+                            "target": f"{MODULE}:unused", "extra_steps": extra_steps,
+                            "config": ds_config(stage, optimizer={"type": "AdamW", "params": {
+                                "lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}})})  # fmt: skip
+        for stage in (0, 1, 2):
+            out.append({"name": f"raw_s{stage}_{engine}", "kind": "call", "target": f"{MODULE}:raw", "engine": engine,
+                        "config": ds_config(stage, gradient_accumulation_steps=2)})  # fmt: skip
     return out
 
 
@@ -126,3 +186,24 @@ def test_tied_weights_train_save_load_like_deepspeed(records, stage):
         assert t["losses"] + t["after"] == pytest.approx(d["losses"] + d["after"], rel=FP32)
         assert t["resumed"] == pytest.approx(t["after"], rel=FP32)
         assert t["tied"] is True and t["params"] == d["params"] == 7  # embed (= head), 2 linears and the norm (w, b)
+
+
+@pytest.mark.parametrize("extra_steps", [4, 2])
+@pytest.mark.parametrize("stage", [0, 1])
+def test_unused_parameters_need_no_flag(records, stage, extra_steps):
+    torsh_ranks, ds_ranks = _both(records, f"unused{extra_steps}_s{stage}")
+    for t, d in zip(torsh_ranks, ds_ranks):
+        assert t["losses"] == pytest.approx(d["losses"], rel=FP32)
+        # weight decay moves the unused pooler as in DeepSpeed (which gives it a zero gradient)
+        assert t["weights"] == pytest.approx(d["weights"], rel=FP32)
+    assert torsh_ranks[0]["weights"] == torsh_ranks[1]["weights"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_raw_model_calls_get_averaged_gradients(records, stage):
+    torsh_ranks, ds_ranks = _both(records, f"raw_s{stage}")
+    for t, d in zip(torsh_ranks, ds_ranks):
+        assert t["losses"] == pytest.approx(d["losses"], rel=FP32)
+        if stage < 2:  # (DeepSpeed's stage-2 partitioned weights are not compared)
+            assert t["weights"] == pytest.approx(d["weights"], rel=FP32)
+    assert torsh_ranks[0]["weights"] == torsh_ranks[1]["weights"]  # the ranks did not diverge

@@ -59,6 +59,15 @@ class Engine(nn.Module):
         self._scaling = loss_scaler is not None and config.precision.loss_scaling.mode != "none"
         self._check_overflow = self._scaling or config.precision.skip_step_on_nonfinite
         self._destroyed = False
+        self._wrapper_forward = False  # engine(...) ran (with grad) since the last backward: DDP will reduce
+        ddp = config.ddp
+        # Stages 0/1: the first optimizer step is reduced outside DDP and shows whether the model has parameters
+        # its forward does not use (DeepSpeed needs no flag for them; DDP without find_unused_parameters fails);
+        # only then is DDP rebuilt with find_unused_parameters, so other models do not pay for it.
+        self._probe_unused = (shard.kind == "ddp" and not ddp.find_unused_parameters and not ddp.static_graph
+                              and config.compression.method == "none")  # fmt: skip
+        self._finds_unused = shard.kind == "ddp" and (ddp.find_unused_parameters or ddp.static_graph)
+        self._zero_fill_unused = False  # give unused parameters zero gradients at the step, as DeepSpeed does
         self.__dict__["tput_timer"] = ThroughputTimer(batch.global_batch_size,
                                                       steps_per_output=config.monitoring.steps_per_print)  # fmt: skip
         self.__dict__["_offloaded"] = None
@@ -232,9 +241,10 @@ class Engine(nn.Module):
         """Run the model (under autocast / input casting as configured); returns its output unchanged."""
         if self.training:
             self.tput_timer.start()
-        if self._shard.kind == "ddp":
-            # DDP decides at forward time whether the coming backward reduces.
-            self._forward_synced = self._sync_now()
+        if self._shard.kind == "ddp" and not self._destroyed:
+            # DDP decides at forward time whether the coming backward reduces (not while probing: see __init__).
+            self._wrapper_forward = torch.is_grad_enabled()
+            self._forward_synced = self._sync_now() and not self._probe_unused
             self.wrapped.require_backward_grad_sync = self._forward_synced
         if self._precision.cast_forward_inputs:
             dtype = self._precision.param_dtype
@@ -261,29 +271,72 @@ class Engine(nn.Module):
             self.wrapped.set_requires_gradient_sync(sync)
         scaled = self.loss_scaler.scale(loss) if self._scaling else loss
         scaled.backward(retain_graph=retain_graph)
-        if self._shard.kind == "ddp" and sync and not self._forward_synced:
-            # The boundary was set after the forward (Accelerate's order): reduce now, as DeepSpeed does.
-            self._allreduce_gradients()
+        if self._shard.kind == "ddp":
+            if sync and not (self._wrapper_forward and self._forward_synced):
+                # DDP did not reduce: the boundary was set after the forward (Accelerate's order), the script
+                # called the model itself instead of engine(...), or the first step probes for unused
+                # parameters. Reduce now, as DeepSpeed (which reduces in backward, whatever ran forward).
+                self._allreduce_gradients()
+                if self._probe_unused:
+                    self._finish_unused_probe()
+            elif sync and self._probe_unused is False and not self._finds_unused:
+                self._check_ddp_finished()
+            self._wrapper_forward = False
         masters = self._precision.masters
         if masters is not None and masters.accumulate_in_master:
             masters.grads_to_master(accumulate=True)
         return loss.detach()
 
-    @torch.no_grad()
     def _allreduce_gradients(self) -> None:
-        import torch.distributed as dist
+        from .sharding import allreduce_gradients
 
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if not grads or self.world_size == 1:
+        allreduce_gradients(grads, self._config.gradients, self._precision, self.world_size)
+
+    def _check_ddp_finished(self) -> None:
+        """A parameter used in earlier steps but not in this one leaves DDP's reduction unfinished (one C++
+        check, no loop): the gradients are still local, so reduce them here and switch to unused-parameter
+        detection, instead of stepping unreduced gradients and failing at the next forward."""
+        try:
+            self.wrapped._check_reducer_finalized()
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        if self._config.gradients.reduce_op == "mean":
-            flat.div_(self.world_size)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        except RuntimeError:
+            pass
+        if self._config.ddp.gradient_as_bucket_view or self._config.compression.method != "none":
+            setting = "gradient_as_bucket_view" if self._config.ddp.gradient_as_bucket_view else "compression"
+            raise RuntimeError(f"a parameter received no gradient in this step, and DDP (with {setting}) has "
+                               "reduced only part of the gradients: set ddp.find_unused_parameters=true in the torsh "
+                               "config so that DDP looks for unused parameters from the first step")  # fmt: skip
+        self._allreduce_gradients()
+        self._switch_to_unused(self._unused_names())
+
+    def _unused_names(self) -> list[str]:
+        return [n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
+
+    def _switch_to_unused(self, unused: list[str]) -> None:
+        from .sharding import rebuild_ddp_for_unused
+
+        if self.global_rank == 0:
+            log.info("the model has parameters its forward does not use (%s%s): DDP runs with "
+                     "find_unused_parameters", ", ".join(unused[:4]), ", ..." if len(unused) > 4 else "")  # fmt: skip
+        cfg = self._config
+        self._shard = rebuild_ddp_for_unused(self._shard, cfg.ddp, cfg.gradients, self._precision, self._info,
+                                             reduce_hook=True)  # fmt: skip
+        self.__dict__["wrapped"] = self._shard.model
+        self._finds_unused = True
+        self._zero_fill_unused = True
+
+    def _finish_unused_probe(self) -> None:
+        """After the first reduced backward: if any rank has a trainable parameter without a gradient, rebuild
+        DDP with ``find_unused_parameters`` (one collective, once)."""
+        import torch.distributed as dist
+
+        self._probe_unused = False
+        unused = self._unused_names()
+        flag = torch.tensor([float(bool(unused))], device=self.device)
+        dist.all_reduce(flag)
+        if float(flag):
+            self._switch_to_unused(unused)
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Call every micro-batch: at the boundary, unscale, clip, step the optimizer and scheduler (unless the
@@ -315,6 +368,12 @@ class Engine(nn.Module):
         masters = self._precision.masters
         if masters is not None and not masters.accumulate_in_master:
             masters.grads_to_master(accumulate=False)
+        if self._zero_fill_unused:
+            # DeepSpeed reduces a zero gradient for a parameter forward did not use, so Adam's moments and
+            # weight decay still move it; a None gradient would make the optimizer skip it.
+            for p in self._step_params():
+                if p.grad is None and p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         params = [p for p in self._step_params() if p.grad is not None]
         inv_scale = 1.0 / float(self.loss_scaler.cur_scale) if self._scaling else 1.0
         norm = _global_norm([p.grad for p in params]) * inv_scale

@@ -201,23 +201,63 @@ def _deepspeed_reduce(state: _ReduceState, bucket):
     """DDP comm hook reducing like DeepSpeed stage 0: in the communication dtype, pre-divided by
     ``predivide_factor`` and multiplied by ``factor / W`` afterwards (post-scale), or a plain sum."""
     buffer = bucket.buffer()
+    work = _before_reduce(state, buffer)
+    future = dist.all_reduce(work, async_op=True).get_future()
+
+    def finish(fut):
+        return _after_reduce(state, fut.value()[0], buffer)
+
+    return future.then(finish)
+
+
+def _before_reduce(state: _ReduceState, buffer: torch.Tensor) -> torch.Tensor:
     work = buffer.to(state.dtype) if buffer.dtype != state.dtype else buffer
     mean = state.op == "mean"
     if mean and state.prescale:
         work.div_(state.world_size)
     elif mean and state.factor != 1.0:
         work.div_(state.factor)
-    future = dist.all_reduce(work, async_op=True).get_future()
+    return work
 
-    def finish(fut):
-        reduced = fut.value()[0]
-        if mean and not state.prescale:
-            reduced.mul_(state.factor / state.world_size)
-        if reduced is not buffer:
-            buffer.copy_(reduced)
-        return buffer
 
-    return future.then(finish)
+def _after_reduce(state: _ReduceState, reduced: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    if state.op == "mean" and not state.prescale:
+        reduced.mul_(state.factor / state.world_size)
+    if reduced is not buffer:
+        buffer.copy_(reduced)
+    return buffer
+
+
+@torch.no_grad()
+def allreduce_gradients(grads: list[torch.Tensor], gradients: GradientsConfig, precision: PrecisionPlan,
+                        world_size: int) -> None:  # fmt: skip
+    """Reduce ``grads`` in place over every rank outside DDP (the script bypassed its forward, or the first step
+    checks for unused parameters), with the math of DDP's reduction above: one flat collective per dtype."""
+    if world_size == 1 or not grads:
+        return
+    state = _ReduceState(gradients.reduce_op, gradients.prescale, gradients.predivide_factor,
+                         precision.reduce_dtype, world_size)  # fmt: skip
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for group in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in group])
+        work = _before_reduce(state, flat)
+        dist.all_reduce(work)
+        _after_reduce(state, work, flat)
+        for g, part in zip(group, flat.split([g.numel() for g in group])):
+            g.copy_(part.view_as(g))
+
+
+def rebuild_ddp_for_unused(shard: ShardPlan, ddp: DdpConfig, gradients: GradientsConfig, precision: PrecisionPlan,
+                           info: DistInfo, reduce_hook: bool) -> ShardPlan:  # fmt: skip
+    """A new DDP wrapper with ``find_unused_parameters`` (the model has parameters its forward does not use);
+    the old wrapper's hooks are removed so that each gradient is reduced once."""
+    remove = getattr(shard.model, "_remove_autograd_hooks", None)
+    if remove is not None:
+        remove()
+    return _apply_ddp(shard.module, ddp.model_copy(update={"find_unused_parameters": True}), gradients, precision,
+                      info, reduce_hook)  # fmt: skip
 
 
 def _apply_fsdp(model, sharding: ShardingConfig, offload: OffloadConfig, gradients: GradientsConfig,
