@@ -120,7 +120,8 @@ def pooler_model(seed: int):
 
 
 def _weights(engine) -> dict[str, float]:
-    return {n: float(p.detach().double().sum()) for n, p in engine.module.named_parameters()}
+    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in engine.module.named_parameters()}
+    return {n: float(p.detach().double().sum()) for n, p in full.items()}
 
 
 def unused(rank: int, world_size: int, scenario: dict) -> dict:
@@ -131,7 +132,7 @@ def unused(rank: int, world_size: int, scenario: dict) -> dict:
     losses = _train(engine, rank, 0, scenario["extra_steps"])
     model.use_extra = False
     losses += _train(engine, rank, scenario["extra_steps"], 4 - scenario["extra_steps"])
-    return {"losses": losses, "weights": _weights(engine)}
+    return {"losses": losses, "weights": _weights(engine) if engine.zero_optimization_stage() < 3 else None}
 
 
 def raw(rank: int, world_size: int, scenario: dict) -> dict:
@@ -179,7 +180,7 @@ def _scenarios(tmp: str) -> list[dict]:
         for stage in (2, 3):
             out.append({"name": f"tied_s{stage}_{engine}", "kind": "call", "target": f"{MODULE}:tied",
                         "engine": engine, "config": ds_config(stage), "dir": f"{tmp}/tied_s{stage}_{engine}"})
-        for stage in (0, 1):
+        for stage in (0, 1, 2, 3):
             for extra_steps in (4, 2):  # pooler unused throughout; extra unused from step 3 on as well
                 out.append({"name": f"unused{extra_steps}_s{stage}_{engine}", "kind": "call", "engine": engine,
                             "target": f"{MODULE}:unused", "extra_steps": extra_steps,
@@ -227,13 +228,14 @@ def test_tied_weights_train_save_load_like_deepspeed(records, stage):
 
 
 @pytest.mark.parametrize("extra_steps", [4, 2])
-@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_unused_parameters_need_no_flag(records, stage, extra_steps):
     torsh_ranks, ds_ranks = _both(records, f"unused{extra_steps}_s{stage}")
     for t, d in zip(torsh_ranks, ds_ranks):
         assert t["losses"] == pytest.approx(d["losses"], rel=FP32)
-        # weight decay moves the unused pooler as in DeepSpeed (which gives it a zero gradient)
-        assert t["weights"] == pytest.approx(d["weights"], rel=FP32)
+        if stage < 3:  # (DeepSpeed's stage-3 weights are partitioned: not compared)
+            # weight decay and Adam's moments move the unused pooler as in DeepSpeed (a zero gradient)
+            assert t["weights"] == pytest.approx(d["weights"], rel=FP32)
     assert torsh_ranks[0]["weights"] == torsh_ranks[1]["weights"]
 
 

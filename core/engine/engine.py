@@ -67,7 +67,6 @@ class Engine(nn.Module):
         self._probe_unused = (shard.kind == "ddp" and not ddp.find_unused_parameters and not ddp.static_graph
                               and config.compression.method == "none")  # fmt: skip
         self._finds_unused = shard.kind == "ddp" and (ddp.find_unused_parameters or ddp.static_graph)
-        self._zero_fill_unused = False  # give unused parameters zero gradients at the step, as DeepSpeed does
         self.__dict__["tput_timer"] = ThroughputTimer(batch.global_batch_size,
                                                       steps_per_output=config.monitoring.steps_per_print)  # fmt: skip
         self.__dict__["_offloaded"] = None
@@ -324,7 +323,6 @@ class Engine(nn.Module):
                                              reduce_hook=True)  # fmt: skip
         self.__dict__["wrapped"] = self._shard.model
         self._finds_unused = True
-        self._zero_fill_unused = True
 
     def _finish_unused_probe(self) -> None:
         """After the first reduced backward: if any rank has a trainable parameter without a gradient, rebuild
@@ -368,13 +366,15 @@ class Engine(nn.Module):
         masters = self._precision.masters
         if masters is not None and not masters.accumulate_in_master:
             masters.grads_to_master(accumulate=False)
-        if self._zero_fill_unused:
-            # DeepSpeed reduces a zero gradient for a parameter forward did not use, so Adam's moments and
-            # weight decay still move it; a None gradient would make the optimizer skip it.
-            for p in self._step_params():
-                if p.grad is None and p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-        params = [p for p in self._step_params() if p.grad is not None]
+        params = []
+        for p in self._step_params():
+            if p.grad is None:
+                if not p.requires_grad:
+                    continue
+                # DeepSpeed steps a parameter forward did not use with a zero gradient (Adam's moments and weight
+                # decay still move it); with None the torch optimizer would skip it.
+                p.grad = torch.zeros_like(p)
+            params.append(p)
         inv_scale = 1.0 / float(self.loss_scaler.cur_scale) if self._scaling else 1.0
         norm = _global_norm([p.grad for p in params]) * inv_scale
         self._global_grad_norm = norm
