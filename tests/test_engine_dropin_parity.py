@@ -107,12 +107,15 @@ def pooler_model(seed: int):
             self.pooler = nn.Linear(h.HIDDEN, h.HIDDEN)
             self.head = nn.Linear(h.HIDDEN, h.VOCAB)
             self.use_extra = True
+            self.use_pooler = False
 
         def forward(self, tokens):
             x = self.embed(tokens)
             x = x + torch.tanh(self.encoder(x))
             if self.use_extra:
                 x = x + self.extra(x)
+            if self.use_pooler:
+                x = x + self.pooler(x)
             return self.head(x)
 
     torch.manual_seed(seed)
@@ -125,9 +128,10 @@ def _weights(engine) -> dict[str, float]:
 
 
 def unused(rank: int, world_size: int, scenario: dict) -> dict:
-    """The pooler is never used; ``extra`` is used in the first ``scenario['extra_steps']`` steps only."""
+    """The pooler is never used (``late``: always used); ``extra`` is used in the first ``extra_steps`` steps only."""
     backend = _backend(scenario["engine"])
     model = pooler_model(0)
+    model.use_pooler = scenario.get("late", False)
     engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=scenario["config"])
     losses = _train(engine, rank, 0, scenario["extra_steps"])
     model.use_extra = False
@@ -181,9 +185,10 @@ def _scenarios(tmp: str) -> list[dict]:
             out.append({"name": f"tied_s{stage}_{engine}", "kind": "call", "target": f"{MODULE}:tied",
                         "engine": engine, "config": ds_config(stage), "dir": f"{tmp}/tied_s{stage}_{engine}"})
         for stage in (0, 1, 2, 3):
-            for extra_steps in (4, 2):  # pooler unused throughout; extra unused from step 3 on as well
-                out.append({"name": f"unused{extra_steps}_s{stage}_{engine}", "kind": "call", "engine": engine,
-                            "target": f"{MODULE}:unused", "extra_steps": extra_steps,
+            # pooler unused throughout; extra unused from step 3 on as well; late: only extra, from step 3 on
+            for extra_steps, late in ((4, False), (2, False), (2, True)):
+                out.append({"name": f"unused{extra_steps}{'late' if late else ''}_s{stage}_{engine}", "kind": "call",
+                            "engine": engine, "target": f"{MODULE}:unused", "extra_steps": extra_steps, "late": late,
                             "config": ds_config(stage, optimizer={"type": "AdamW", "params": {
                                 "lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}})})  # fmt: skip
         for stage in (0, 2):
@@ -227,10 +232,15 @@ def test_tied_weights_train_save_load_like_deepspeed(records, stage):
         assert t["tied"] is True and t["params"] == d["params"] == 7  # embed (= head), 2 linears and the norm (w, b)
 
 
-@pytest.mark.parametrize("extra_steps", [4, 2])
+@pytest.mark.parametrize("case", ["4", "2", "2late"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_unused_parameters_need_no_flag(records, stage, extra_steps):
-    torsh_ranks, ds_ranks = _both(records, f"unused{extra_steps}_s{stage}")
+def test_unused_parameters_need_no_flag(records, stage, case):
+    """``2late``: every parameter is used in the first steps (DDP keeps its fast path), one is not from step 3 on."""
+    torsh_ranks, ds_ranks = _both(records, f"unused{case}_s{stage}")
+    if stage == 3 and case == "2late":
+        # DeepSpeed's ZeRO-3 differs from its own stages 0-2 here (4th loss 3.4793 vs 3.4786): the reference is
+        # its stage 2, which torsh's stage 3 matches like its stages 0-2 do
+        _, ds_ranks = _both(records, f"unused{case}_s2")
     for t, d in zip(torsh_ranks, ds_ranks):
         assert t["losses"] == pytest.approx(d["losses"], rel=FP32)
         if stage < 3:  # (DeepSpeed's stage-3 weights are partitioned: not compared)
