@@ -58,6 +58,11 @@ def members(rank: int, world_size: int, scenario: dict) -> dict:
     rec["module_keys"] = sorted(engine.module_state_dict())
     rec["named"] = sorted(n for n, _ in engine.named_parameters())
     other, *_ = torsh.initialize(model=h.build_model(1), config=scenario["config"])
+    rec["loaded_before"] = [other.loaded_checkpoint_dp_world_size, other.loaded_checkpoint_mp_world_size]
+    engine.save_checkpoint(scenario["dir"], tag="m")
+    other.load_checkpoint(scenario["dir"], tag="m")
+    rec["loaded_after"] = [other.loaded_checkpoint_dp_world_size, other.loaded_checkpoint_mp_world_size]
+    other, *_ = torsh.initialize(model=h.build_model(1), config=scenario["config"])
     other.load_state_dict(state)
     x, y = h.batch(9, rank, 2)
     with torch.no_grad():
@@ -94,10 +99,12 @@ def members(rank: int, world_size: int, scenario: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def records():
+def records(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("members")
     stages = {"s0": {}, "s1": {"sharding.stage": 1}, "s3": {"sharding.stage": 3},
               "bf16_s0": {"precision.param_dtype": "bf16"}}  # fmt: skip
-    scenarios = [{"name": n, "kind": "call", "target": TARGET, "config": h.base_config(**o)} for n, o in stages.items()]
+    scenarios = [{"name": n, "kind": "call", "target": TARGET, "config": h.base_config(**o), "dir": str(tmp / n)}
+                 for n, o in stages.items()]  # fmt: skip
     return h.run(scenarios)
 
 
@@ -116,6 +123,7 @@ def test_engine_members(records, name):
     assert r0["module_keys"] == sorted(k.removeprefix("module.") for k in r0["keys"])
     assert r0["named"] == sorted(k for k in r0["keys"] if k != "module.gain")
     assert r0["same_after_load"] == 0.0
+    assert r0["loaded_before"] == [None, None] and r0["loaded_after"] == [2, 1]  # DeepSpeed's attributes
     assert r0["other_losses"] == pytest.approx(r0["engine_losses"], rel=1e-6)
     assert r0["fallthrough"].endswith("Embedding")  # FSDPEmbedding at stage 3
     assert "'Engine' (torsh's DeepSpeedEngine) has no attribute 'flops_profiler_enabled'" in r0["missing_ds"]

@@ -70,6 +70,8 @@ class Engine(nn.Module):
         self.__dict__["tput_timer"] = ThroughputTimer(batch.global_batch_size,
                                                       steps_per_output=config.monitoring.steps_per_print)  # fmt: skip
         self.__dict__["_offloaded"] = None
+        self.loaded_checkpoint_dp_world_size: int | None = None  # world sizes of the last loaded checkpoint
+        self.loaded_checkpoint_mp_world_size: int | None = None
 
     def __getattr__(self, name: str):
         # DeepSpeedEngine falls through to the wrapped module for attributes it does not have.
@@ -575,7 +577,8 @@ class Engine(nn.Module):
 
     def _engine_state(self) -> dict:
         return {"global_steps": self.global_steps, "global_samples": self.global_samples,
-                "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps}  # fmt: skip
+                "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
+                "dp_world_size": self.world_size, "mp_world_size": 1}  # fmt: skip
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
                         exclude_frozen_parameters=False) -> bool:  # fmt: skip
@@ -611,6 +614,10 @@ class Engine(nn.Module):
             self.global_samples = state.get("global_samples", self.global_steps * self.train_batch_size())
             self.micro_steps = state.get("micro_steps", self.global_steps * self.gradient_accumulation_steps())
             self.skipped_steps = state.get("skipped_steps", 0)
+            self.loaded_checkpoint_mp_world_size = state.get("mp_world_size", 1)
+        if state:
+            # DeepSpeed sets it also when loading the module only
+            self.loaded_checkpoint_dp_world_size = state.get("dp_world_size")
         if self._precision.masters is not None:
             self._precision.masters.master_to_params()  # the checkpoint holds the fp32 masters
         return path, client_state
