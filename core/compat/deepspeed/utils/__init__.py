@@ -97,7 +97,7 @@ safe_get_full_optimizer_state = unsupported_function(
 
 
 def __getattr__(name: str):
-    if name == "zero_to_fp32":
+    if name in ("zero_to_fp32", "logging"):
         import importlib
 
         return importlib.import_module(__name__ + ".zero_to_fp32")

@@ -44,13 +44,17 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations=None, cont
              "synchronize": synchronize, "profile": profile}  # fmt: skip
     for key, value in given.items():
         if value is None:
-            value = section.get("number_checkpoints" if key == "num_checkpoints" else
-                                "synchronize_checkpoint_boundary" if key == "synchronize" else key)  # fmt: skip
+            value = section.get(_CONFIG_KEYS.get(key, key))
         if value is not None:
             _options[key] = value
     if mpu_ is not None:
         log.warning("deepspeed.checkpointing.configure: mpu is ignored (torsh runs data parallelism only)")
     _configured = True
+
+
+#: configure()'s argument -> the key of the config's ``activation_checkpointing`` section (DeepSpeed's names).
+_CONFIG_KEYS = {"num_checkpoints": "number_checkpoints", "synchronize": "synchronize_checkpoint_boundary",
+                "checkpoint_in_cpu": "cpu_checkpointing", "contiguous_checkpointing": "contiguous_memory_optimization"}
 
 
 def _config_section(deepspeed_config) -> dict:
