@@ -57,3 +57,17 @@ def move_to_device(item, device, criterion_func=None):
 
 def noop_decorator(func):
     return func
+
+
+def memory_status(msg, print_rank=-1, reset_max=False) -> None:
+    """Log accelerator memory on ``print_rank`` (-1: every rank), as DeepSpeed's ``memory_status``."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if print_rank != -1 and rank != print_rank:
+        return
+    see_memory_usage(f"rank {rank}: {msg}", force=True)
+    if reset_max:
+        from ..accelerator import get_accelerator
+
+        get_accelerator().reset_max_memory_allocated()
