@@ -452,3 +452,15 @@ def synced(rank: int, world_size: int, scenario: dict) -> dict:
 
 
 SCENARIOS["synced"] = synced
+
+
+def call(rank: int, world_size: int, scenario: dict) -> dict:
+    """A scenario defined in a test module: ``scenario['target']`` is ``"module:function"`` (importable in the
+    workers, as the test modules are), called with ``(rank, world_size, scenario)``."""
+    import importlib
+
+    module, _, function = scenario["target"].partition(":")
+    return getattr(importlib.import_module(module), function)(rank, world_size, scenario)
+
+
+SCENARIOS["call"] = call

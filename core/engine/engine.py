@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from typing import Any
 
 import torch
@@ -36,8 +37,10 @@ class Engine(nn.Module):
         self._info = info
         self._shard = shard
         self._precision = precision
-        # nn.Module attribute rules: keep the model a submodule (state_dict, .train()), the rest plain.
-        self.wrapped = shard.model
+        # nn.Module attribute rules: the user's model is the one submodule, named ``module`` as in DeepSpeed, so
+        # that state_dict()/named_parameters() keys are ``module.*``; the DDP wrapper and the rest stay plain.
+        self.module = shard.module
+        self.__dict__["wrapped"] = shard.model
         self.__dict__["optimizer"] = optimizer
         self.__dict__["lr_scheduler"] = lr_scheduler
         self.__dict__["loss_scaler"] = loss_scaler
@@ -55,6 +58,19 @@ class Engine(nn.Module):
         self._clip = float(config.gradients.clip_max_norm or 0.0)
         self._scaling = loss_scaler is not None and config.precision.loss_scaling.mode != "none"
         self._check_overflow = self._scaling or config.precision.skip_step_on_nonfinite
+        self._destroyed = False
+        self._wrapper_forward = False  # engine(...) ran (with grad) since the last backward: DDP will reduce
+        ddp = config.ddp
+        # Stages 0/1: the first optimizer step is reduced outside DDP and shows whether the model has parameters
+        # its forward does not use (DeepSpeed needs no flag for them; DDP without find_unused_parameters fails);
+        # only then is DDP rebuilt with find_unused_parameters, so other models do not pay for it.
+        self._probe_unused = (shard.kind == "ddp" and not ddp.find_unused_parameters and not ddp.static_graph
+                              and config.compression.method == "none")  # fmt: skip
+        self._finds_unused = shard.kind == "ddp" and (ddp.find_unused_parameters or ddp.static_graph)
+        self._zero_fill_unused = False  # give unused parameters zero gradients at the step, as DeepSpeed does
+        self.__dict__["tput_timer"] = ThroughputTimer(batch.global_batch_size,
+                                                      steps_per_output=config.monitoring.steps_per_print)  # fmt: skip
+        self.__dict__["_offloaded"] = None
 
     def __getattr__(self, name: str):
         # DeepSpeedEngine falls through to the wrapped module for attributes it does not have.
@@ -64,14 +80,19 @@ class Engine(nn.Module):
             shard = self.__dict__.get("_shard")
             if shard is None:
                 raise
+        try:
             return getattr(shard.module, name)
+        except AttributeError:
+            pass
+        # Neither has it: name the engine (not the user's model) and say whether DeepSpeed's engine has it.
+        if name in DEEPSPEED_ENGINE_MEMBERS:
+            detail = "DeepSpeed 0.19.8's DeepSpeedEngine has this member; the torsh engine does not implement it"
+        else:
+            detail = "DeepSpeed 0.19.8's DeepSpeedEngine has no such member either"
+        raise AttributeError(f"'Engine' (torsh's DeepSpeedEngine) has no attribute '{name}', nor has the wrapped "
+                             f"model ({_model_class(shard.module)}): {detail}")
 
     # ---- attributes DeepSpeed scripts read ----------------------------------------------------
-
-    @property
-    def module(self) -> nn.Module:
-        """The user's model (parameters sharded under stages 2/3)."""
-        return self._shard.module
 
     @property
     def basic_optimizer(self) -> Any:
@@ -97,6 +118,38 @@ class Engine(nn.Module):
     def dp_world_size(self) -> int:
         """Data-parallel world size (all ranks: no model parallelism)."""
         return self._info.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        """Model-parallel world size: always 1 (the engine runs data parallelism and sharding only)."""
+        return 1
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The process group gradients are averaged over: every rank (the default group)."""
+        import torch.distributed as dist
+
+        return dist.group.WORLD
+
+    def get_data_parallel_rank(self) -> int:
+        """This rank's index in :attr:`data_parallel_group`."""
+        return self._info.rank
+
+    def get_data_parallel_world_size(self) -> int:
+        """The size of :attr:`data_parallel_group`."""
+        return self._info.world_size
+
+    def get_model_parallel_rank(self) -> int:
+        """Always 0 (no model parallelism)."""
+        return 0
+
+    def get_tensor_parallel_rank(self) -> int:
+        """Always 0 (no tensor parallelism)."""
+        return 0
+
+    def steps_per_print(self) -> int | None:
+        """The logging interval in optimizer steps (None: no periodic log line)."""
+        return self._config.monitoring.steps_per_print
 
     @property
     def device(self) -> torch.device:
@@ -186,9 +239,12 @@ class Engine(nn.Module):
 
     def forward(self, *inputs, **kwargs):
         """Run the model (under autocast / input casting as configured); returns its output unchanged."""
-        if self._shard.kind == "ddp":
-            # DDP decides at forward time whether the coming backward reduces.
-            self._forward_synced = self._sync_now()
+        if self.training:
+            self.tput_timer.start()
+        if self._shard.kind == "ddp" and not self._destroyed:
+            # DDP decides at forward time whether the coming backward reduces (not while probing: see __init__).
+            self._wrapper_forward = torch.is_grad_enabled()
+            self._forward_synced = self._sync_now() and not self._probe_unused
             self.wrapped.require_backward_grad_sync = self._forward_synced
         if self._precision.cast_forward_inputs:
             dtype = self._precision.param_dtype
@@ -205,6 +261,7 @@ class Engine(nn.Module):
         """Backward of ``loss / gradient_accumulation_steps()`` (loss-scaled in fp16); returns the divided loss."""
         if self.optimizer is None:
             raise RuntimeError("engine.backward needs an optimizer: pass one to initialize or configure one")
+        self._check_alive("backward")
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
@@ -214,43 +271,91 @@ class Engine(nn.Module):
             self.wrapped.set_requires_gradient_sync(sync)
         scaled = self.loss_scaler.scale(loss) if self._scaling else loss
         scaled.backward(retain_graph=retain_graph)
-        if self._shard.kind == "ddp" and sync and not self._forward_synced:
-            # The boundary was set after the forward (Accelerate's order): reduce now, as DeepSpeed does.
-            self._allreduce_gradients()
+        if self._shard.kind == "ddp":
+            if sync and not (self._wrapper_forward and self._forward_synced):
+                # DDP did not reduce: the boundary was set after the forward (Accelerate's order), the script
+                # called the model itself instead of engine(...), or the first step probes for unused
+                # parameters. Reduce now, as DeepSpeed (which reduces in backward, whatever ran forward).
+                self._allreduce_gradients()
+                if self._probe_unused:
+                    self._finish_unused_probe()
+            elif sync and self._probe_unused is False and not self._finds_unused:
+                self._check_ddp_finished()
+            self._wrapper_forward = False
         masters = self._precision.masters
         if masters is not None and masters.accumulate_in_master:
             masters.grads_to_master(accumulate=True)
         return loss.detach()
 
-    @torch.no_grad()
     def _allreduce_gradients(self) -> None:
-        import torch.distributed as dist
+        from .sharding import allreduce_gradients
 
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if not grads or self.world_size == 1:
+        allreduce_gradients(grads, self._config.gradients, self._precision, self.world_size)
+
+    def _check_ddp_finished(self) -> None:
+        """A parameter used in earlier steps but not in this one leaves DDP's reduction unfinished (one C++
+        check, no loop): the gradients are still local, so reduce them here and switch to unused-parameter
+        detection, instead of stepping unreduced gradients and failing at the next forward."""
+        try:
+            self.wrapped._check_reducer_finalized()
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        if self._config.gradients.reduce_op == "mean":
-            flat.div_(self.world_size)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        except RuntimeError:
+            pass
+        if self._config.ddp.gradient_as_bucket_view or self._config.compression.method != "none":
+            setting = "gradient_as_bucket_view" if self._config.ddp.gradient_as_bucket_view else "compression"
+            raise RuntimeError(f"a parameter received no gradient in this step, and DDP (with {setting}) has "
+                               "reduced only part of the gradients: set ddp.find_unused_parameters=true in the torsh "
+                               "config so that DDP looks for unused parameters from the first step")  # fmt: skip
+        self._allreduce_gradients()
+        self._switch_to_unused(self._unused_names())
+
+    def _unused_names(self) -> list[str]:
+        return [n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
+
+    def _switch_to_unused(self, unused: list[str]) -> None:
+        from .sharding import rebuild_ddp_for_unused
+
+        if self.global_rank == 0:
+            log.info("the model has parameters its forward does not use (%s%s): DDP runs with "
+                     "find_unused_parameters", ", ".join(unused[:4]), ", ..." if len(unused) > 4 else "")  # fmt: skip
+        cfg = self._config
+        self._shard = rebuild_ddp_for_unused(self._shard, cfg.ddp, cfg.gradients, self._precision, self._info,
+                                             reduce_hook=True)  # fmt: skip
+        self.__dict__["wrapped"] = self._shard.model
+        self._finds_unused = True
+        self._zero_fill_unused = True
+
+    def _finish_unused_probe(self) -> None:
+        """After the first reduced backward: if any rank has a trainable parameter without a gradient, rebuild
+        DDP with ``find_unused_parameters`` (one collective, once)."""
+        import torch.distributed as dist
+
+        self._probe_unused = False
+        unused = self._unused_names()
+        flag = torch.tensor([float(bool(unused))], device=self.device)
+        dist.all_reduce(flag)
+        if float(flag):
+            self._switch_to_unused(unused)
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Call every micro-batch: at the boundary, unscale, clip, step the optimizer and scheduler (unless the
         step is skipped for a non-finite gradient) and update the counters."""
         if self._in_no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): leave the context before stepping")
-        if self.is_gradient_accumulation_boundary() and self.optimizer is not None:
+        self._check_alive("step")
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary and self.optimizer is not None:
             self._take_optimizer_step(lr_kwargs)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+        self.tput_timer.stop(global_step=boundary)
+        if boundary and self.optimizer is not None:
             every = self._config.monitoring.steps_per_print
             if every and self.global_steps % every == 0 and self.global_rank == 0:
-                log.info("step=%d, skipped=%d, lr=%s, grad_norm=%s", self.global_steps, self.skipped_steps,
-                         self.get_lr(), self._global_grad_norm)  # fmt: skip
+                log.info("step=%d, skipped=%d, lr=%s, grad_norm=%s, samples/s=%.2f", self.global_steps,
+                         self.skipped_steps, self.get_lr(), self._global_grad_norm,
+                         self.tput_timer.avg_samples_per_sec())  # fmt: skip
         self.micro_steps += 1
 
     def _step_params(self) -> list[torch.Tensor]:
@@ -263,6 +368,12 @@ class Engine(nn.Module):
         masters = self._precision.masters
         if masters is not None and not masters.accumulate_in_master:
             masters.grads_to_master(accumulate=False)
+        if self._zero_fill_unused:
+            # DeepSpeed reduces a zero gradient for a parameter forward did not use, so Adam's moments and
+            # weight decay still move it; a None gradient would make the optimizer skip it.
+            for p in self._step_params():
+                if p.grad is None and p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         params = [p for p in self._step_params() if p.grad is not None]
         inv_scale = 1.0 / float(self.loss_scaler.cur_scale) if self._scaling else 1.0
         norm = _global_norm([p.grad for p in params]) * inv_scale
@@ -316,6 +427,98 @@ class Engine(nn.Module):
             yield
         finally:
             self._in_no_sync = False
+
+    # ---- lifecycle and state -------------------------------------------------------------------
+
+    def destroy(self) -> None:
+        """Release what the engine hooked into the model (DDP's gradient hooks) so that the process can exit
+        and the model be used on its own; safe to call twice. Forward still runs (directly on the model);
+        ``backward``/``step`` afterwards raise. The process group stays up, as with DeepSpeed."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._shard.kind == "ddp":
+            remove = getattr(self.wrapped, "_remove_autograd_hooks", None)
+            if remove is not None:
+                remove()
+            self.__dict__["wrapped"] = self.module  # the DDP wrapper (and its reducer) is dropped
+        self.reload_states()  # never leave optimizer state stranded on the CPU
+        self.__dict__["_master_module"] = None
+
+    def _check_alive(self, what: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"engine.{what}() after engine.destroy(): the engine no longer reduces gradients; "
+                               "build a new engine with initialize() to train again")
+
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """Move the optimizer state (``optim_states``) and fp32 master weights (``hp_params``) to the CPU until
+        :meth:`reload_states` (DeepSpeed's ``offload_states``; ``include`` takes its state names or enum).
+        Tensors already on the CPU stay where they are, so on a CPU-only run this changes nothing."""
+        device = str(getattr(device, "value", device))
+        if device == "none":
+            log.warning("offload_states(device=none): nothing is offloaded")
+            return
+        if device != "cpu":
+            raise ValueError(f"offload_states(device={device!r}): only 'cpu' is supported (as in DeepSpeed)")
+        if self.optimizer is None:
+            raise RuntimeError("engine.offload_states() needs an optimizer: there is no optimizer state to move")
+        kinds = {str(getattr(k, "value", k)) for k in include} if include is not None else set(OFFLOADABLE)
+        unknown = kinds - set(OFFLOADABLE) - {"lp_params", "lp_grads", "contiguous_grad_buffer"}
+        if unknown:
+            raise ValueError(f"offload_states(include=...): unknown state(s) {sorted(unknown)}; DeepSpeed's are "
+                             f"{sorted(OFFLOADABLE) + ['contiguous_grad_buffer', 'lp_grads', 'lp_params']}")
+        pin = pin_memory and torch.cuda.is_available()
+        moved = self._offloaded if self._offloaded is not None else []
+        cpu = torch.device("cpu")
+
+        def move(tensor):
+            out = tensor.to(cpu, non_blocking=non_blocking)
+            return out.pin_memory() if pin else out
+
+        if "optim_states" in kinds:
+            inner = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer's local optimizer
+            for state in inner.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.device != cpu and not hasattr(value, "device_mesh"):
+                        moved.append((state, key, value.device))
+                        state[key] = move(value)
+        masters = self._precision.masters
+        if "hp_params" in kinds and masters is not None:
+            for m in masters.masters.values():
+                if m.device != cpu:
+                    moved.append((m, None, m.device))
+                    m.data = move(m.data)
+        self.__dict__["_offloaded"] = moved
+        if moved and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Move what :meth:`offload_states` moved back to its device (a no-op when nothing was moved)."""
+        moved = self._offloaded or []
+        for holder, key, device in moved:
+            if key is None:
+                holder.data = holder.data.to(device, non_blocking=non_blocking)
+            else:
+                holder[key] = holder[key].to(device, non_blocking=non_blocking)
+        self.__dict__["_offloaded"] = None
+
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict:  # fmt: skip
+        """The model's own state dict (no ``module.`` prefix), as DeepSpeed's ``module_state_dict``."""
+        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    state.pop(prefix + name, None)
+        return state
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
+        """Load ``module.*`` keys (the engine's own ``state_dict()``) into the model; fp32 master weights, when
+        there are any, are refreshed from the loaded values so the next step starts from them."""
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if self._precision.masters is not None:
+            self._precision.masters.params_to_master()
+        return result
 
     def train(self, mode: bool = True) -> None:  # type: ignore[override]
         """Set training mode; returns None like DeepSpeed (not the module)."""
@@ -428,6 +631,16 @@ class Engine(nn.Module):
         return self._master_module
 
 
+def _model_class(module: nn.Module) -> str:
+    """The user's class name; FSDP2 replaces a sharded module's class by ``FSDP<Name>(FSDPModule, <Name>)``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    if issubclass(cls, FSDPModule) and len(cls.__bases__) > 1:
+        cls = cls.__bases__[1]
+    return cls.__name__
+
+
 def _global_norm(grads: list[torch.Tensor]) -> float:
     """The 2-norm over every gradient of every rank; DTensor (FSDP2) shards are reduced to the full norm."""
     if not grads:
@@ -449,3 +662,118 @@ def _attach(root: nn.Module, dotted: str, tensor: torch.Tensor, *, parameter: bo
         node.register_parameter(leaf, tensor)
     else:
         node.register_buffer(leaf, tensor)
+
+
+#: The state names ``offload_states`` moves (DeepSpeed's ``OffloadStateTypeEnum`` values it can act on here).
+OFFLOADABLE = ("optim_states", "hp_params")
+
+
+class ThroughputTimer:
+    """DeepSpeed's ``engine.tput_timer``: started by ``engine(...)``, stopped by ``engine.step()``; the first
+    ``start_step`` optimizer steps (warm-up) are not timed. Wall-clock host time (no device synchronisation)."""
+
+    def __init__(self, batch_size: int, start_step: int = 2, steps_per_output: int | None = None):
+        self.batch_size = 1 if batch_size is None else batch_size
+        self.start_step = start_step
+        self.steps_per_output = steps_per_output
+        self.start_time = 0.0
+        self.end_time = 0.0
+        self.started = False
+        self.initialized = False
+        self.epoch_count = 0
+        self.micro_step_count = 0
+        self.global_step_count = 0
+        self.total_elapsed_time = 0.0
+        self.step_elapsed_time = 0.0
+
+    def update_epoch_count(self) -> None:
+        """Count an epoch and restart the micro-step count."""
+        self.epoch_count += 1
+        self.micro_step_count = 0
+
+    def start(self) -> None:
+        """Start timing a micro-step (from the ``start_step``-th optimizer step on)."""
+        self.initialized = True
+        self.started = True
+        if self.global_step_count >= self.start_step:
+            self.start_time = time.time()
+
+    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        """End the micro-step; ``global_step`` when it completed an optimizer step."""
+        if not self.started:
+            return
+        self.started = False
+        self.micro_step_count += 1
+        if global_step:
+            self.global_step_count += 1
+        if self.start_time > 0:
+            self.end_time = time.time()
+            duration = self.end_time - self.start_time
+            self.total_elapsed_time += duration
+            self.step_elapsed_time += duration
+            if global_step:
+                self.step_elapsed_time = 0.0
+
+    def avg_samples_per_sec(self) -> float:
+        """Samples per second over the timed steps (``-inf`` before the first optimizer step, as DeepSpeed)."""
+        if self.global_step_count > 0:
+            timed_steps = self.global_step_count - self.start_step
+            if timed_steps <= 0 or self.total_elapsed_time <= 0:
+                return 0.0
+            return self.batch_size / (self.total_elapsed_time / timed_steps)
+        return float("-inf")
+
+
+#: Public members of DeepSpeed 0.19.8's ``DeepSpeedEngine`` (methods and attributes), for the error that names
+#: a member the torsh engine lacks.
+DEEPSPEED_ENGINE_MEMBERS = frozenset("""
+aio_config all_gather_scalar all_to_all_group allreduce_and_copy allreduce_bucket allreduce_gradients
+allreduce_no_retain autotp_size autotuning_enabled autotuning_end_profile_step autotuning_metric
+autotuning_metric_path autotuning_model_info autotuning_model_info_path autotuning_profile_model_info
+autotuning_start_profile_step backward basic_optimizer bf16_master_weights_and_gradients bf16_optimizer_states
+bfloat16_enabled buffered_allreduce_fallback checkpoint_engine checkpoint_mp_rank checkpoint_serialization_enabled
+checkpoint_tag_validation_enabled checkpoint_tag_validation_fail checkpoint_writer_enabled client_lr_scheduler
+client_optimizer clip_fp32_gradients coalesce_grad_reduction collate_fn collect_python_gc communication_data_type
+compile compile_autosp compile_autotp compile_zero_optimization_stage config cpuadam_cores_perc
+curriculum_learning_config curriculum_learning_enabled data_efficiency_config data_efficiency_enabled
+data_parallel_group data_sampling_config data_sampling_enabled dataloader_drop_last deepspeed_io destroy device
+dist_backend dont_change_device dp_world_size dump_state dynamic_loss_scale dynamic_loss_scale_args
+empty_partition_cache enable_backward_allreduce engine_timers engine_timers_cache eval expert_data_parallel_group
+expert_parallel_group first_dataloader_check flatten flops flops_profiler flops_profiler_detailed
+flops_profiler_enabled flops_profiler_module_depth flops_profiler_output_file flops_profiler_profile_step
+flops_profiler_recompute_fwd_factor flops_profiler_top_modules forward fp16_auto_cast fp16_enabled
+fp16_master_weights_and_gradients fwd_duration gate_modules get_autosp_backend get_autotp_backend get_batch_info
+get_compile_time get_data_parallel_rank get_data_types get_deepcompile_backend get_deepspeed_compile_backend
+get_global_grad_norm get_lr get_model_parallel_rank get_mom get_optimizer_configuration get_sequence_parallel_group
+get_tensor_parallel_rank get_type get_wall_clock_timers global_rank global_samples global_steps
+gradient_accumulation_steps gradient_average gradient_clipping gradient_predivide_factor has_moe_layers
+initial_dynamic_scale inside_no_sync_ctxt is_compiled is_deepcompile_active is_deepcompile_enabled
+is_first_weights_partition_group is_gradient_accumulation_boundary is_iterable_style_dataset is_map_style_dataset
+is_sanity_checks_enabled load_checkpoint load_module_state_dict load_moe_state_dict load_universal_checkpoint
+loaded_checkpoint_dp_world_size loaded_checkpoint_mp_world_size local_all_to_all_group local_rank log_level
+loss_scale losses lr_scheduler managed_gradient_accumulation memory_breakdown mesh_device micro_steps
+module_forward_post_hook module_forward_pre_hook module_state_dict moe_layers monitor mp_world_size mpu no_sync
+num_experts offload_states optimized_linear_base_weight_sharding optimized_linear_lora_enabled optimizer
+optimizer_legacy_fusion optimizer_name optimizer_params param_names pipeline_parallelism postscale_gradients
+print_forward_breakdown random_ltd_config random_ltd_enabled random_ltd_initialize random_ltd_scheduler
+register_compile_pass reload_states save_16bit_model save_checkpoint save_fp16_model save_non_zero_checkpoint
+save_zero_checkpoint scale scale_wrt_gas scheduler_name scheduler_params seq_data_parallel_group seq_dp_world_size
+seq_parallel_group sequence_parallel_size set_custom_curriculum_learning_schedule set_data_post_process_func
+set_gradient_accumulation_boundary set_train_batch_size set_train_micro_batch_size skipped_steps sparse_all_gather
+sparse_allreduce sparse_allreduce_bucket sparse_allreduce_no_retain step steps_per_print summary_events
+super_offload swap_tensor_config tensor_parallel_config timers torch_autocast_dtype torch_autocast_enabled
+torch_autocast_lower_precision_safe_modules torch_autocast_z0_gradscaler tput_timer train train_batch_size
+train_micro_batch_size_per_gpu training_data training_dataloader unflatten update_interval use_ds_comm
+use_node_local_storage uses_parallelization_pass_only wall_clock_breakdown warn_unscaled_loss was_step_applied
+world_size zenflow_config zero_allgather_bucket_size zero_allgather_partitions zero_allgather_sequential
+zero_allow_untested_optimizer zero_compute_grad_norm zero_contiguous_gradients zero_cpu_offload
+zero_elastic_checkpoint zero_force_ds_cpu_optimizer zero_gather_16bit_weights_on_model_save zero_grad
+zero_hpz_partition_size zero_ignore_unused_parameters zero_legacy_stage1 zero_load_from_fp32_weights
+zero_log_trace_cache_warnings zero_max_live_parameters zero_max_reuse_distance zero_model_persistence_threshold
+zero_module_granularity_threshold zero_multi_rank_bucket_allreduce zero_nvme_offload_optimizer
+zero_offload_optimizer zero_offload_param zero_optimization zero_optimization_partition_gradients
+zero_optimization_partition_weights zero_optimization_stage zero_overlap_comm zero_param_persistence_threshold
+zero_parameter_alignment zero_partial_offload zero_prefetch_bucket_size zero_quantized_gradients
+zero_quantized_nontrainable_weights zero_quantized_weights zero_reduce_bucket_size zero_reduce_scatter
+zero_round_robin_gradients zero_save_muon_momentum_buffer_in_memory zero_sub_group_size zero_use_cpu_optimizer
+""".split())

@@ -44,6 +44,12 @@ class MasterWeights:
             p.grad = None
 
     @torch.no_grad()
+    def params_to_master(self) -> None:
+        """Copy the compute parameters' values into the master weights (after loading the model's weights)."""
+        for name, p in self.params.items():
+            self.masters[name].copy_(p)
+
+    @torch.no_grad()
     def master_to_params(self) -> None:
         """Copy the updated master weights into the compute parameters."""
         torch._foreach_copy_(list(self.params.values()), [self.masters[name] for name in self.params])
@@ -85,6 +91,8 @@ def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, *, stage
         for b in model.buffers():
             if b.is_floating_point():
                 b.data = b.data.to(DTYPES[precision.buffer_dtype])
+    elif not precision.autocast and param_dtype != torch.float32:
+        _cast_norm_statistics(model, param_dtype)
     if DTYPES[precision.optimizer_state_dtype] != master_dtype:
         log.warning("precision.optimizer_state_dtype=%s: torch optimizers keep their state in the master dtype "
                     "(%s); the state follows the master weights", precision.optimizer_state_dtype,
@@ -119,6 +127,24 @@ def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, *, stage
     _cast_params(model, param_dtype)
     plan.masters = MasterWeights(params, masters, accumulate_in_master=plan.reduce_every_micro_step)
     return plan
+
+
+def _cast_norm_statistics(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Running statistics of BatchNorm-style layers in the compute dtype: their kernels take one dtype for
+    input, weight and statistics (fp16 weights with fp32 running_mean fail with "expected scalar type Half but
+    found Float"). DeepSpeed's ``module.half()`` cast them (with every buffer); DeepSpeed 0.19.8 casts buffers
+    only with ``data_types.buffer_dtype`` and otherwise fails the same way. Other buffers keep their dtype."""
+    cast = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.batchnorm._NormBase):
+            for b in module.buffers(recurse=False):
+                if b.is_floating_point() and b.dtype != dtype:
+                    b.data = b.data.to(dtype)
+                    cast.append(name)
+    if cast:
+        log.info("precision: running statistics of %d normalization layer(s) (%s%s) are kept in %s, the compute "
+                 "dtype", len(set(cast)), ", ".join(sorted(set(cast))[:3]), ", ..." if len(set(cast)) > 3 else "",
+                 dtype)  # fmt: skip
 
 
 def _cast_params(model: torch.nn.Module, dtype: torch.dtype) -> None:

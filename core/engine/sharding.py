@@ -90,6 +90,33 @@ def wrap_targets(model: nn.Module, wrap: WrapPolicy) -> list[nn.Module]:
     return [child for child in _children(model) if any(True for _ in child.parameters())]
 
 
+def keep_ties_in_one_unit(model: nn.Module, targets: list[nn.Module]) -> list[nn.Module]:
+    """``targets`` without the units that would split a tied parameter from another of its owners.
+
+    A parameter held by several modules (a Hugging Face ``lm_head.weight`` that *is* ``embed_tokens.weight``)
+    must be managed by one FSDP2 unit: a unit is kept only if it contains every owner of each tied parameter
+    it contains; the owners of a dropped unit fall to the smallest enclosing unit (at worst the root).
+    Ties are found by parameter identity.
+    """
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+    tied = [mods for mods in owners.values() if len(mods) > 1]
+    if not tied:
+        return targets
+    kept = []
+    for target in targets:
+        inside = {id(m) for m in target.modules()}
+        split = any(0 < sum(id(m) in inside for m in mods) < len(mods) for mods in tied)
+        if split:
+            log.info("sharding: %s is not its own FSDP2 unit: it shares a tied parameter with a module outside it "
+                     "(the parameter stays in one enclosing unit)", type(target).__name__)  # fmt: skip
+        else:
+            kept.append(target)
+    return kept
+
+
 def modules_of_classes(model: nn.Module, classes: list[str], key: str) -> list[nn.Module]:
     """The submodules (not the root) whose class name is listed; a name no module has is an error naming ``key``."""
     known = {type(m).__name__ for m in model.modules()}
@@ -174,23 +201,63 @@ def _deepspeed_reduce(state: _ReduceState, bucket):
     """DDP comm hook reducing like DeepSpeed stage 0: in the communication dtype, pre-divided by
     ``predivide_factor`` and multiplied by ``factor / W`` afterwards (post-scale), or a plain sum."""
     buffer = bucket.buffer()
+    work = _before_reduce(state, buffer)
+    future = dist.all_reduce(work, async_op=True).get_future()
+
+    def finish(fut):
+        return _after_reduce(state, fut.value()[0], buffer)
+
+    return future.then(finish)
+
+
+def _before_reduce(state: _ReduceState, buffer: torch.Tensor) -> torch.Tensor:
     work = buffer.to(state.dtype) if buffer.dtype != state.dtype else buffer
     mean = state.op == "mean"
     if mean and state.prescale:
         work.div_(state.world_size)
     elif mean and state.factor != 1.0:
         work.div_(state.factor)
-    future = dist.all_reduce(work, async_op=True).get_future()
+    return work
 
-    def finish(fut):
-        reduced = fut.value()[0]
-        if mean and not state.prescale:
-            reduced.mul_(state.factor / state.world_size)
-        if reduced is not buffer:
-            buffer.copy_(reduced)
-        return buffer
 
-    return future.then(finish)
+def _after_reduce(state: _ReduceState, reduced: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    if state.op == "mean" and not state.prescale:
+        reduced.mul_(state.factor / state.world_size)
+    if reduced is not buffer:
+        buffer.copy_(reduced)
+    return buffer
+
+
+@torch.no_grad()
+def allreduce_gradients(grads: list[torch.Tensor], gradients: GradientsConfig, precision: PrecisionPlan,
+                        world_size: int) -> None:  # fmt: skip
+    """Reduce ``grads`` in place over every rank outside DDP (the script bypassed its forward, or the first step
+    checks for unused parameters), with the math of DDP's reduction above: one flat collective per dtype."""
+    if world_size == 1 or not grads:
+        return
+    state = _ReduceState(gradients.reduce_op, gradients.prescale, gradients.predivide_factor,
+                         precision.reduce_dtype, world_size)  # fmt: skip
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for group in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in group])
+        work = _before_reduce(state, flat)
+        dist.all_reduce(work)
+        _after_reduce(state, work, flat)
+        for g, part in zip(group, flat.split([g.numel() for g in group])):
+            g.copy_(part.view_as(g))
+
+
+def rebuild_ddp_for_unused(shard: ShardPlan, ddp: DdpConfig, gradients: GradientsConfig, precision: PrecisionPlan,
+                           info: DistInfo, reduce_hook: bool) -> ShardPlan:  # fmt: skip
+    """A new DDP wrapper with ``find_unused_parameters`` (the model has parameters its forward does not use);
+    the old wrapper's hooks are removed so that each gradient is reduced once."""
+    remove = getattr(shard.model, "_remove_autograd_hooks", None)
+    if remove is not None:
+        remove()
+    return _apply_ddp(shard.module, ddp.model_copy(update={"find_unused_parameters": True}), gradients, precision,
+                      info, reduce_hook)  # fmt: skip
 
 
 def _apply_fsdp(model, sharding: ShardingConfig, offload: OffloadConfig, gradients: GradientsConfig,
@@ -221,7 +288,7 @@ def _apply_fsdp(model, sharding: ShardingConfig, offload: OffloadConfig, gradien
         offload_policy=CPUOffloadPolicy(pin_memory=offload.pin_memory and torch.cuda.is_available())
         if offloaded else OffloadPolicy(),
     )  # fmt: skip
-    targets = wrap_targets(model, sharding.wrap)
+    targets = keep_ties_in_one_unit(model, wrap_targets(model, sharding.wrap))
     for target in targets:
         fully_shard(target, **kwargs)
     fully_shard(model, **kwargs)
