@@ -22,14 +22,20 @@ SCRIPTS = Path(__file__).parent / "dropin_scripts"
 CIFAR_CONFIG = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
                 "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
                 "zero_optimization": {"stage": 0}}  # fmt: skip
+#: fp16 with dynamic loss scaling, on the conv + BatchNorm model: DeepSpeed casts the whole module (buffers too).
+CIFAR_FP16_CONFIG = {**CIFAR_CONFIG, "fp16": {"enabled": True, "initial_scale_power": 8}}
 
-#: script -> (extra arguments, precision); "{tmp}" is the test's directory.
+#: case -> (script, extra arguments, precision, config written to {tmp}/ds_config.json); "{tmp}": the test's dir.
 CASES = {
-    "cifar_style": (["--deepspeed_config", "{tmp}/ds_config.json"], "fp32"),
-    "comm_checkpoint_style": (["--ckpt_dir", "{tmp}/checkpoints"], "fp32"),
-    "bert_unused_raw_style": ([], "fp32"),
-    "hf_causal_lm_style": ([], "bf16"),
+    "cifar_style": ("cifar_style", ["--deepspeed_config", "{tmp}/ds_config.json"], "fp32", CIFAR_CONFIG),
+    "cifar_style_fp16": ("cifar_style", ["--deepspeed_config", "{tmp}/ds_config.json"], "fp16", CIFAR_FP16_CONFIG),
+    "comm_checkpoint_style": ("comm_checkpoint_style", ["--ckpt_dir", "{tmp}/checkpoints"], "fp32", None),
+    "bert_unused_raw_style": ("bert_unused_raw_style", [], "fp32", None),
+    "hf_causal_lm_style": ("hf_causal_lm_style", [], "bf16", None),
 }
+#: Cases real DeepSpeed 0.19.8 cannot run on the CPU, and why (they run on torsh only).
+DEEPSPEED_CANNOT = {"cifar_style_fp16": "DeepSpeed 0.19.8 on the CPU accelerator fails in BatchNorm with fp16 "
+                                        "('expected scalar type Half but found Float')"}
 TOLERANCE = {"fp32": parity.FP32_TOLERANCE["loss"], "bf16": parity.LOW_PRECISION_FLOOR["loss"]}
 
 BLOCKER = 'raise ImportError("real DeepSpeed was imported in a torsh run job")\n'
@@ -47,12 +53,15 @@ def _env(extra_path: str | None = None) -> dict:
 
 def _launch(launcher: list[str], name: str, tmp: Path, env: dict) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "ds_config.json").write_text(json.dumps(CIFAR_CONFIG))
+    script, args, _, config = CASES[name]
+    if config is not None:
+        (tmp / "ds_config.json").write_text(json.dumps(config))
     out = tmp / "result.json"
-    args = [a.format(tmp=tmp) for a in CASES[name][0]]
-    cmd = [*launcher, "--nproc-per-node", "2", str(SCRIPTS / f"{name}.py"), *args, "--out", str(out)]
+    args = [a.format(tmp=tmp) for a in args]
+    cmd = [*launcher, "--nproc-per-node", "2", str(SCRIPTS / f"{script}.py"), *args, "--out", str(out)]
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and out.exists(), f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0 and out.exists(), \
+        f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
 
 
@@ -78,6 +87,8 @@ def test_script_runs_unchanged_on_torsh_without_deepspeed(name, tmp_path):
     assert result["deepspeed_file"].startswith(str(Path(__import__("torsh").__file__).parent))
     assert result["deepspeed_version"] == "0.19.8+torsh" and result["real_deepspeed_modules"] == 0
     assert all(l == l and l < 1e4 for l in result["losses"])  # finite
+    if name == "cifar_style_fp16":
+        assert result["losses"][-1] < result["losses"][0]  # trains with the BatchNorm buffers cast
     if name == "comm_checkpoint_style":
         assert result["resumed_steps"] == 5 and result["consumed"] == 6 and result["loaded"]
         assert result["losses"][-4:] == pytest.approx(result["after_save"], rel=1e-6)  # resume continues exactly
@@ -88,15 +99,16 @@ def test_script_runs_unchanged_on_torsh_without_deepspeed(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(set(CASES) - set(DEEPSPEED_CANNOT)))
 def test_script_losses_match_real_deepspeed(name, tmp_path):
     pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is installed by requirements-dev.txt")
     theirs = _launch([sys.executable, "-m", "torch.distributed.run"], name, tmp_path / "deepspeed", _env())
     ours = run_on_torsh(name, tmp_path)
     assert theirs["real_deepspeed_modules"] > 0 and len(ours["losses"]) == len(theirs["losses"])
-    tolerance = TOLERANCE[CASES[name][1]]
+    tolerance = TOLERANCE[CASES[name][2]]
     worst = max(_relative(a, b) for a, b in zip(ours["losses"], theirs["losses"]))
     assert worst <= tolerance, f"{name}: losses differ by {worst:.3g} relative (> {tolerance:g}):\n" \
                                f"torsh     {ours['losses']}\ndeepspeed {theirs['losses']}"
+    print(f"{name}: {len(ours['losses'])} steps, worst relative loss difference {worst:.2e}")
     if name == "hf_causal_lm_style":
         assert _relative(ours["checksum"], theirs["checksum"]) <= 1e-2  # the full weights read back agree

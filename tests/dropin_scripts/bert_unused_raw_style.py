@@ -1,8 +1,9 @@
 """Masked-LM training of a small BERT-like encoder in the shape of DeepSpeed's HelloDeepSpeed
 ``train_bert_ds.py`` and bing_bert: a pooler the MLM loss never uses (so one parameter gets no gradient), the
 encoder layers run through ``deepspeed.checkpointing.checkpoint`` after ``deepspeed.checkpointing.configure``,
-and on two micro-batches (one an accumulation boundary) the loss computed by calling the model object the script built (not the
-engine) before ``engine.backward`` / ``engine.step``, as scripts that keep a handle on their model do."""
+and on two micro-batches (one an accumulation boundary) the loss computed by calling the model object the
+script built (not the engine) before ``engine.backward`` / ``engine.step``, as scripts that keep a handle on
+their model do. ZeRO-1 (``--zero_stage`` changes it)."""
 
 import argparse
 
