@@ -199,6 +199,7 @@ if dist.get_rank() == 0:
         json.dump({"argv": sys.argv[1:], "name": __name__, "avg": t.item(), "gathered": [o.item() for o in out],
                    "local_rank": dist.get_local_rank(), "world": dist.get_world_size(), "file": deepspeed.__file__,
                    "path0": sys.path[0]}, f)
+dist.destroy_process_group()
 """
 
 
