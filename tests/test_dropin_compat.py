@@ -55,6 +55,8 @@ def test_alias_resolves_every_deepspeed_import_to_the_compatibility_package():
         from deepspeed.moe.layer import MoE
         assert dist is comm is sys.modules["deepspeed.comm"] and dist.__name__ == "torsh.compat.deepspeed.comm"
         assert deepspeed.__version__ == "0.19.8+torsh" and logger is logger2
+        import importlib.metadata
+        assert importlib.metadata.version("deepspeed") == "0.19.8+torsh"  # what Accelerate/Transformers check
         assert zero.GatheredParameters is deepspeed.runtime.zero.GatheredParameters
         real = [m for m in sys.modules if m.split(".")[0] == "deepspeed"
                 and "site-packages" in str(getattr(sys.modules[m], "__file__", ""))]
@@ -82,6 +84,15 @@ def test_alias_resolves_every_deepspeed_import_to_the_compatibility_package():
 def test_what_torsh_does_not_run_imports_and_fails_clearly_when_used(build, expected):
     with pytest.raises(_unsupported.NotSupportedByTorsh, match=expected.replace(".", r"\.")):
         build()
+
+
+def test_initialize_takes_accelerates_infinite_steps_per_print():
+    from torsh.compat.deepspeed._toplevel import _finite_steps_per_print
+
+    given = {"steps_per_print": float("inf"), "train_micro_batch_size_per_gpu": 2}
+    assert _finite_steps_per_print(given) == {"train_micro_batch_size_per_gpu": 2}
+    assert given["steps_per_print"] == float("inf")  # the caller's dict is not changed
+    assert _finite_steps_per_print({"steps_per_print": 10}) == {"steps_per_print": 10}
 
 
 def _trained(optimizer_cls, steps=3, **kwargs):

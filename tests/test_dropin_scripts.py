@@ -32,7 +32,10 @@ CASES = {
     "comm_checkpoint_style": ("comm_checkpoint_style", ["--ckpt_dir", "{tmp}/checkpoints"], "fp32", None),
     "bert_unused_raw_style": ("bert_unused_raw_style", [], "fp32", None),
     "hf_causal_lm_style": ("hf_causal_lm_style", [], "bf16", None),
+    "hf_trainer_style": ("hf_trainer_style", [], "fp32", None),
 }
+#: Cases whose script needs packages beyond the engine's (skipped, with the reason, when they are missing).
+NEEDS = {"hf_trainer_style": ("transformers", "accelerate")}
 #: Cases real DeepSpeed 0.19.8 cannot run on the CPU, and why (they run on torsh only).
 DEEPSPEED_CANNOT = {"cifar_style_fp16": "DeepSpeed 0.19.8 on the CPU accelerator fails in BatchNorm with fp16 "
                                         "('expected scalar type Half but found Float')"}
@@ -65,8 +68,14 @@ def _launch(launcher: list[str], name: str, tmp: Path, env: dict) -> dict:
     return json.loads(out.read_text())
 
 
+def _skip_without_needs(name: str) -> None:
+    for package in NEEDS.get(name, ()):
+        pytest.importorskip(package, reason=f"{name} needs {package} (requirements-dev.txt installs it)")
+
+
 def run_on_torsh(name: str, tmp: Path) -> dict:
     """The script under ``torsh run``, with an importable ``deepspeed`` on PYTHONPATH that raises."""
+    _skip_without_needs(name)
     if name not in _torsh_results:
         blocker = tmp / "blocker" / "deepspeed"
         blocker.mkdir(parents=True, exist_ok=True)
@@ -94,6 +103,8 @@ def test_script_runs_unchanged_on_torsh_without_deepspeed(name, tmp_path):
         assert result["losses"][-4:] == pytest.approx(result["after_save"], rel=1e-6)  # resume continues exactly
     if name == "bert_unused_raw_style":
         assert result["ranks_agree"] and result["pooler_grad_is_none"]
+    if name == "hf_trainer_style":
+        assert result["metadata_version"] == "0.19.8+torsh"  # Accelerate/Trainer see the package metadata
     if name == "hf_causal_lm_style":
         assert result["tied"] and result["shapes"]["lm_head.weight"] == [64, 32]
 
@@ -102,6 +113,7 @@ def test_script_runs_unchanged_on_torsh_without_deepspeed(name, tmp_path):
 @pytest.mark.parametrize("name", sorted(set(CASES) - set(DEEPSPEED_CANNOT)))
 def test_script_losses_match_real_deepspeed(name, tmp_path):
     pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is installed by requirements-dev.txt")
+    _skip_without_needs(name)
     theirs = _launch([sys.executable, "-m", "torch.distributed.run"], name, tmp_path / "deepspeed", _env())
     ours = run_on_torsh(name, tmp_path)
     assert theirs["real_deepspeed_modules"] > 0 and len(ours["losses"]) == len(theirs["losses"])

@@ -11,11 +11,15 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import sys
 
 ALIAS = "deepspeed"
 TARGET = "torsh.compat.deepspeed"
+#: The version libraries read from the package metadata (``importlib.metadata.version("deepspeed")``), as
+#: ``deepspeed.__version__``: the DeepSpeed API version mirrored, labelled as torsh's.
+VERSION = "0.19.8+torsh"
 
 
 def _is_aliased(fullname: str) -> bool:
@@ -56,6 +60,28 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
                 name=fullname) from None  # fmt: skip
         return importlib.util.spec_from_loader(fullname, _AliasLoader(module),
                                                is_package=hasattr(module, "__path__"))  # fmt: skip
+
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        """The ``deepspeed`` distribution (searched before any installed one: this finder is first)."""
+        name = getattr(context, "name", None)
+        if name is not None and name.lower().replace("_", "-") == ALIAS:
+            return iter([_Distribution()])
+        return iter(())
+
+
+class _Distribution(importlib.metadata.Distribution):
+    """Package metadata for ``deepspeed``: libraries that check it before importing DeepSpeed (Accelerate and the
+    Hugging Face Trainer) find the compatibility package, also when DeepSpeed is not installed."""
+
+    def read_text(self, filename):
+        if filename == "METADATA":
+            return f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {VERSION}\nSummary: torsh.compat.deepspeed\n"
+        return None
+
+    def locate_file(self, path):
+        import pathlib
+
+        return pathlib.Path(importlib.util.find_spec(TARGET).origin).parent / path
 
 
 def install_deepspeed_alias() -> DeepSpeedAliasFinder:

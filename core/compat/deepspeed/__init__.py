@@ -23,7 +23,7 @@ _SUBMODULES = {"comm", "accelerator", "runtime", "utils", "ops", "moe", "pipe", 
 
 #: name -> (module, attribute); attribute None: the module itself.
 _LAZY = {
-    "initialize": ("torsh.engine.initialize", "initialize"),
+    "initialize": (__name__ + "._toplevel", "initialize"),
     "add_config_arguments": ("torsh.engine.initialize", "add_config_arguments"),
     "init_distributed": (__name__ + ".comm", "init_distributed"),
     "DeepSpeedEngine": ("torsh.engine.engine", "Engine"),
