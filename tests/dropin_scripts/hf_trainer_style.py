@@ -1,38 +1,28 @@
 """The Hugging Face ``Trainer`` with ``TrainingArguments(deepspeed="ds_config.json")`` and "auto" values in the
 config (Accelerate drives ``deepspeed.init_distributed`` / ``deepspeed.initialize`` and the engine's
-``backward`` / ``step``), as the fine-tuning repositories built on the Trainer run DeepSpeed. ZeRO-2."""
+``backward`` / ``step``), as the fine-tuning repositories built on the Trainer run DeepSpeed, on a small
+``GPT2LMHeadModel`` built from a config (tied embeddings; nothing downloaded). ZeRO-2 in fp32 by default
+(``--zero_stage``, ``--bf16``)."""
 
 import argparse
 import json
 import os
 
 import torch
-from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from _common import write_result
 
-DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-             "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
+DS_CONFIG = {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
+             "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                           "warmup_num_steps": "auto"}}}
 
 
-class TinyLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.head = nn.Linear(16, 32)
-
-    def forward(self, input_ids=None, labels=None):
-        logits = self.head(torch.tanh(self.embed(input_ids)))
-        return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
-
-
 class Tokens(torch.utils.data.Dataset):
     def __init__(self):
-        self.ids = torch.randint(0, 32, (64, 8), generator=torch.Generator().manual_seed(0))
+        self.ids = torch.randint(0, 64, (64, 12), generator=torch.Generator().manual_seed(0))
 
     def __len__(self):
         return len(self.ids)
@@ -44,16 +34,19 @@ class Tokens(torch.utils.data.Dataset):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--zero_stage", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true")
     args = parser.parse_args()
     config_path = os.path.join(os.path.dirname(args.out), "hf_ds_config.json")
     with open(config_path, "w") as f:
-        json.dump(DS_CONFIG, f)
+        json.dump({**DS_CONFIG, "zero_optimization": {"stage": args.zero_stage}}, f)
     torch.manual_seed(0)
     training_args = TrainingArguments(output_dir=os.path.dirname(args.out) + "/trainer", max_steps=4,
-                                      per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                      per_device_train_batch_size=2, gradient_accumulation_steps=2,
                                       learning_rate=5e-3, warmup_steps=2, logging_steps=1, save_strategy="no",
-                                      report_to=[], use_cpu=True, deepspeed=config_path)
-    trainer = Trainer(model=TinyLM(), args=training_args, train_dataset=Tokens())
+                                      report_to=[], use_cpu=True, bf16=args.bf16, deepspeed=config_path)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    trainer = Trainer(model=model, args=training_args, train_dataset=Tokens())
     trainer.train()
     import importlib.metadata
 
