@@ -14,7 +14,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from _common import write_result
 
 DS_CONFIG = {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
-             "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
+             "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto",
+             "zero_optimization": {"stage": 2},
              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                           "warmup_num_steps": "auto"}}}
