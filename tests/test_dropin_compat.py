@@ -294,3 +294,17 @@ def test_gathered_parameters_under_zero_init_and_fsdp2(tmp_path):
     for record in records:
         assert record == {"init_broadcast": True, "full_shape_inside": [3, 4], "state_dict_full": [3, 4],
                           "written_back": True, "discarded": True, "shard_restored": True, "trains": True}
+
+
+def test_deepspeed_config_reads_back_what_scripts_ask(tmp_path):
+    from torsh.compat.deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+
+    raw = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}
+    cfg = DeepSpeedConfig(raw)
+    assert cfg._param_dict is raw and cfg.zero_optimization_stage == 2 and cfg.zero_enabled
+    assert cfg.bfloat16_enabled and not cfg.fp16_enabled and cfg.gradient_clipping == 0.5
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (16, 4, 4)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(DeepSpeedConfigError, match="bad.json"):
+        DeepSpeedConfig(str(tmp_path / "bad.json"))
