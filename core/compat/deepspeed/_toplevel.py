@@ -1,0 +1,44 @@
+"""Top-level DeepSpeed names that are not a submodule: what torsh does not run, and small helpers."""
+
+from __future__ import annotations
+
+from ._unsupported import unsupported_function
+
+init_inference = unsupported_function("init_inference", "torsh runs training; for inference call the model "
+                                      "(model.eval(), torch.no_grad()), or torch.compile it")
+tp_model_init = unsupported_function("tp_model_init", "tensor parallelism is not run by the torsh engine; "
+                                     "use data parallelism with ZeRO stages 2/3 (FSDP2)")
+
+
+def add_tuning_arguments(parser):
+    """DeepSpeed's autotuning options (``--autotuning``): accepted and not acted on (no autotuner in torsh)."""
+    group = parser.add_argument_group("Autotuning", "DeepSpeed autotuning (not run by torsh)")
+    group.add_argument("--autotuning", type=str, default="", choices=["", "tune", "run"],
+                       help="accepted; torsh has no autotuner")  # fmt: skip
+    return parser
+
+
+class DeepSpeedOptimizer:
+    """DeepSpeed's marker base class of its optimizer wrappers (``isinstance`` checks see no torsh optimizer)."""
+
+
+def _finite_steps_per_print(config):
+    """Accelerate (and so the Hugging Face Trainer) sets ``steps_per_print`` to ``inf`` to silence DeepSpeed's
+    progress lines; torsh prints none, so the key is dropped instead of failing validation."""
+    if isinstance(config, dict) and config.get("steps_per_print") == float("inf"):
+        config = {k: v for k, v in config.items() if k != "steps_per_print"}
+    return config
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               distributed_port=29500, mpu=None, dist_init_required=None, collate_fn=None, config=None,
+               mesh_param=None, config_params=None):  # fmt: skip
+    """:func:`torsh.initialize` (``deepspeed.initialize``'s signature), taking the configs DeepSpeed takes from
+    the libraries that drive it (``steps_per_print: inf`` from Accelerate)."""
+    from torsh.engine.initialize import initialize as torsh_initialize
+
+    return torsh_initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                            training_data=training_data, lr_scheduler=lr_scheduler,
+                            distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
+                            collate_fn=collate_fn, config=_finite_steps_per_print(config), mesh_param=mesh_param,
+                            config_params=_finite_steps_per_print(config_params))  # fmt: skip

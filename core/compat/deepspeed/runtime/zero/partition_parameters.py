@@ -1,0 +1,206 @@
+"""``deepspeed.zero.Init`` and ``deepspeed.zero.GatheredParameters`` over the torsh engine's sharding.
+
+torsh shards at ``initialize`` (FSDP2 at stages 2/3), not while the model is built, so ``zero.Init`` builds the
+model normally (full parameters on every rank); it only marks the parameters it saw created, so that
+``GatheredParameters(..., modifier_rank=r)`` on them broadcasts rank ``r``'s values, as DeepSpeed's partitioned
+parameters do. After ``initialize`` at stages 2/3 the parameters are DTensor shards: ``GatheredParameters``
+puts full parameters on their modules inside the context and, with a ``modifier_rank``, writes that rank's
+values back into every rank's shard on exit. Plain (DDP) parameters are left alone, as DeepSpeed leaves
+parameters ZeRO did not partition.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_ZERO_INIT_MARK = "_torsh_zero_init"
+
+
+class ZeroParamStatus(Enum):
+    """Where a ZeRO-3 parameter's data is (DeepSpeed's enum; torsh parameters carry no ``ds_status``)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+class ZeroParamType(Enum):
+    NORMAL = 1
+    PARTITIONED = 2
+    REMOTE = 3
+
+
+_init_lock = threading.Lock()
+_init_depth = 0
+_original_register_parameter = nn.Module.register_parameter
+
+
+def _marking_register_parameter(self, name, param):
+    if param is not None:
+        setattr(param, _ZERO_INIT_MARK, True)
+    return _original_register_parameter(self, name, param)
+
+
+class Init:
+    """DeepSpeed's ZeRO-3 construction context: here the model is built normally and sharded at ``initialize``.
+
+    Every argument of DeepSpeed 0.19.8 is accepted. ``module=`` (converting a built model) and ``enabled=False``
+    change nothing. Usable as a context manager or a decorator.
+    """
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
+                 pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
+                 zero_param_parallel_group=None, zero_quantized_weights=False,
+                 zero_quantized_nontrainable_weights=False, sequence_data_parallel_group=None, param_swapper=None,
+                 tensor_overrides=None):  # fmt: skip
+        self.enabled = enabled
+        if module is not None and enabled:
+            for p in module.parameters():
+                setattr(p, _ZERO_INIT_MARK, True)
+
+    def __enter__(self):
+        global _init_depth
+        if self.enabled:
+            with _init_lock:
+                _init_depth += 1
+                nn.Module.register_parameter = _marking_register_parameter
+        return self
+
+    def __exit__(self, *exc):
+        global _init_depth
+        if self.enabled:
+            with _init_lock:
+                _init_depth -= 1
+                if _init_depth == 0:
+                    nn.Module.register_parameter = _original_register_parameter
+        return False
+
+    def __call__(self, fn):
+        def wrapped(*args, **kwargs):
+            with self:
+                return fn(*args, **kwargs)
+
+        return wrapped
+
+
+def _as_list(params) -> list:
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, Iterable):
+        unique = {}
+        for p in params:
+            if isinstance(p, torch.Tensor):
+                unique.setdefault(id(p), p)
+        return list(unique.values())
+    return []  # DeepSpeed silently ignores anything else
+
+
+def _is_sharded(p) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
+
+
+def _owners(params: list, fwd_module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """For each sharded parameter, every (module, attribute name) that holds it (tied weights: several)."""
+    from torch.distributed import _composable_state  # fully_shard registers each module it shards here
+
+    roots = list(_composable_state._module_state_mapping.keys())
+    if fwd_module is not None:
+        roots.append(fwd_module)
+    wanted = {id(p) for p in params}
+    found: dict[int, list[tuple[nn.Module, str]]] = {i: [] for i in wanted}
+    seen: set[int] = set()
+    for root in roots:
+        for module in root.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for name, q in module._parameters.items():
+                if q is not None and id(q) in wanted:
+                    found[id(q)].append((module, name))
+    missing = [tuple(p.shape) for p in params if not found[id(p)]]
+    if missing:
+        raise RuntimeError(f"deepspeed.zero.GatheredParameters: sharded parameters of shapes {missing} belong to "
+                           "no sharded module torsh knows; pass fwd_module=<the module holding them>")  # fmt: skip
+    return found
+
+
+class GatheredParameters:
+    """Full parameters inside the context (DeepSpeed's ``GatheredParameters``, same arguments).
+
+    Under FSDP2 (stages 2/3 after ``initialize``) each sharded parameter is gathered and a full ``nn.Parameter``
+    is put on its modules for the duration of the context (read ``module.weight``, ``module.state_dict()``;
+    do not run the model's forward inside). On exit, with ``modifier_rank`` set, that rank's full values are
+    broadcast and written into every rank's shard (what a rank changed otherwise is discarded, as in
+    DeepSpeed). Parameters built under :class:`Init` and not yet sharded are broadcast from ``modifier_rank``
+    on exit. Other parameters (DDP, stages 0/1): a no-op. Every rank must enter the context, as in DeepSpeed.
+    """
+
+    def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
+        self.enabled = enabled
+        self.modifier_rank = modifier_rank
+        self.fwd_module = fwd_module
+        params = _as_list(params) if enabled else []
+        self._sharded = [p for p in params if _is_sharded(p)]
+        self._built_in_init = [p for p in params if not _is_sharded(p) and getattr(p, _ZERO_INIT_MARK, False)]
+        self._full: list[nn.Parameter] = []
+        self._owners: dict[int, list[tuple[nn.Module, str]]] = {}
+
+    @torch.no_grad()
+    def __enter__(self):
+        if not self._sharded:
+            return None
+        self._owners = _owners(self._sharded, self.fwd_module)
+        for p in self._sharded:
+            full = nn.Parameter(p.full_tensor().detach().clone(), requires_grad=p.requires_grad)
+            self._full.append(full)
+            for module, name in self._owners[id(p)]:
+                module._parameters[name] = full
+        return None
+
+    @torch.no_grad()
+    def __exit__(self, *exc):
+        try:
+            if self._sharded and self.modifier_rank is not None:
+                self._write_back()
+            if self._built_in_init and self.modifier_rank is not None and _multi_process():
+                for p in self._built_in_init:
+                    dist.broadcast(p.data, src=self.modifier_rank)
+        finally:
+            for p in self._sharded:
+                for module, name in self._owners.get(id(p), ()):
+                    module._parameters[name] = p
+            self._full = []
+        return False
+
+    def _write_back(self) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        for p, full in zip(self._sharded, self._full):
+            dist.broadcast(full.data, src=self.modifier_rank)
+            shard = distribute_tensor(full.data.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(shard.to_local())
+
+
+def _multi_process() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def register_external_parameter(module, parameter) -> None:
+    """DeepSpeed's hint that ``module``'s forward uses another module's parameter: nothing to do under FSDP2."""
+
+
+def unregister_external_parameter(module, parameter) -> None:
+    """See :func:`register_external_parameter`."""
+
+
+def is_zero_param(parameter) -> bool:
+    """Whether ``parameter`` is sharded (DeepSpeed: has ZeRO-3 attributes)."""
+    return _is_sharded(parameter)

@@ -1,0 +1,105 @@
+"""``deepspeed.utils``: logging helpers, ``RepeatingLoader``, and the ZeRO parameter accessors scripts call."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..runtime.dataloader import RepeatingLoader  # noqa: F401
+from .._unsupported import unsupported_function
+
+logger = logging.getLogger("DeepSpeed")
+if not logger.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d] %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+
+
+def log_dist(message, ranks=None, level=logging.INFO) -> None:
+    """Log ``message`` on the listed ranks (all ranks when ``ranks`` holds -1; every process before the process
+    group exists)."""
+    rank = _rank()
+    if rank == -1 or ranks is None or -1 in ranks or rank in ranks:
+        logger.log(level, f"[Rank {rank}] {message}")
+
+
+_logged_once: set = set()
+
+
+def log_dist_once(message, ranks=None, level=logging.INFO) -> None:
+    if message not in _logged_once:
+        _logged_once.add(message)
+        log_dist(message, ranks=ranks, level=level)
+
+
+def set_log_level_from_string(log_level_str, custom_logger=None) -> None:
+    (custom_logger or logger).setLevel(getattr(logging, str(log_level_str).upper()))
+
+
+def _full(param) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.full_tensor() if isinstance(param, DTensor) else param.detach()
+
+
+def safe_get_full_fp32_param(param) -> torch.Tensor:
+    """The full fp32 value of ``param`` (gathered when sharded); collective under sharding: call on every rank."""
+    return _full(param).float().clone()
+
+
+def safe_get_full_grad(param) -> torch.Tensor | None:
+    """The full gradient of ``param`` (gathered when sharded), or None; collective under sharding."""
+    return None if param.grad is None else _full(param.grad).clone()
+
+
+def safe_get_local_fp32_param(param) -> torch.Tensor:
+    """This rank's part of ``param`` in fp32 (its shard when sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    return (param.to_local() if isinstance(param, DTensor) else param.detach()).float()
+
+
+class OnDevice:
+    """Build a model on ``device`` with ``dtype`` as the default (``device="meta"``: without memory)."""
+
+    def __init__(self, dtype, device="meta", enabled=True):
+        self.dtype, self.device, self.enabled = dtype, device, enabled
+        self._ctx = None
+        self._dtype = None
+
+    def __enter__(self):
+        if self.enabled:
+            self._dtype = torch.get_default_dtype()
+            if self.dtype is not None and self.dtype.is_floating_point:
+                torch.set_default_dtype(self.dtype)
+            self._ctx = torch.device(self.device)
+            self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self._ctx.__exit__(*exc)
+            torch.set_default_dtype(self._dtype)
+        return False
+
+
+safe_get_full_optimizer_state = unsupported_function(
+    "utils.safe_get_full_optimizer_state", "read engine.optimizer.state[param] (a DTensor under stages 2/3)")
+
+
+def __getattr__(name: str):
+    if name in ("zero_to_fp32", "logging"):
+        import importlib
+
+        return importlib.import_module(__name__ + ".zero_to_fp32")
+    raise AttributeError(f"module 'deepspeed.utils' (torsh's DeepSpeed compatibility package) has no attribute "
+                         f"{name!r}")  # fmt: skip
