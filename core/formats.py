@@ -328,7 +328,21 @@ def _load_yaml(text: str) -> Any:
             _check_yaml_graph(node)  # before anything is constructed from it
         return node
 
+    depth = [0]
+
+    def compose_node(loader: yaml.SafeLoader, parent: Any, index: Any) -> Any:
+        # Stop composing a runaway nesting early: PyYAML's scanner slows quadratically with the flow depth and
+        # its composer recurses per level. The exact depth is checked on the composed graph.
+        depth[0] += 1
+        try:
+            if depth[0] > MAX_DEPTH + 1:
+                raise _too_deep()
+            return yaml.SafeLoader.compose_node(loader, parent, index)
+        finally:
+            depth[0] -= 1
+
     UniqueKeyLoader.get_single_node = get_single_node  # type: ignore[method-assign]
+    UniqueKeyLoader.compose_node = compose_node  # type: ignore[method-assign]
     UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 

@@ -209,3 +209,71 @@ def test_hjson_only_json_is_accepted_with_a_note(tmp_path):
     plain = tmp_path / "plain.json"
     plain.write_text('{"train_batch_size": 8}')
     assert load_document(plain).notes == []
+
+
+# ---- numbers in the core model: finite and within each field's meaningful range
+
+from torsh.config import MAX_LOSS_SCALE, MAX_PROCESSES, TorshConfig  # noqa: E402
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("data, path", [
+    ({"optimizer": {"lr": INF}}, "optimizer.lr"),
+    ({"optimizer": {"lr": NAN}}, "optimizer.lr"),
+    ({"optimizer": {"eps": INF}}, "optimizer.eps"),
+    ({"optimizer": {"weight_decay": INF}}, "optimizer.weight_decay"),
+    ({"optimizer": {"momentum": NAN}}, "optimizer.momentum"),
+    ({"optimizer": {"betas": [NAN, 0.999]}}, "optimizer.betas.0"),
+    ({"optimizer": {"betas": [0.9, -3]}}, "optimizer.betas.1"),
+    ({"optimizer": {"betas": [0.9, 1.0]}}, "optimizer.betas.1"),
+    ({"optimizer": {"betas": [1.5, 0.9]}}, "optimizer.betas.0"),
+    ({"ddp": {"bucket_cap_mb": INF}}, "ddp.bucket_cap_mb"),
+    ({"ddp": {"bucket_cap_mb": 1e300}}, "ddp.bucket_cap_mb"),
+    ({"gradients": {"clip_max_norm": INF}}, "gradients.clip_max_norm"),
+    ({"gradients": {"predivide_factor": NAN}}, "gradients.predivide_factor"),
+    ({"communication": {"timeout_s": INF}}, "communication.timeout_s"),
+    ({"communication": {"timeout_s": 1e300}}, "communication.timeout_s"),
+    ({"communication": {"cycle_time_ms": NAN}}, "communication.cycle_time_ms"),
+    ({"communication": {"fusion_threshold_bytes": 2**80}}, "communication.fusion_threshold_bytes"),
+    ({"precision": {"loss_scaling": {"initial_scale": INF}}}, "precision.loss_scaling.initial_scale"),
+    ({"precision": {"loss_scaling": {"initial_scale": 2.0**200}}}, "precision.loss_scaling.initial_scale"),
+    ({"precision": {"loss_scaling": {"min_scale": NAN}}}, "precision.loss_scaling.min_scale"),
+    ({"precision": {"loss_scaling": {"growth_factor": INF}}}, "precision.loss_scaling.growth_factor"),
+    ({"scheduler": {"name": "WarmupLR", "warmup_max_lr": INF}}, "scheduler.warmup_max_lr"),
+    ({"scheduler": {"name": "OneCycle", "cycle_min_lr": 0, "cycle_max_lr": 1, "cycle_max_mom": 1.2}},
+     "scheduler.cycle_max_mom"),
+    ({"sharding": {"stage": 3, "hybrid_shard_size": NAN}}, "sharding.hybrid_shard_size"),
+    ({"sharding": {"stage": 3, "hybrid_shard_size": 0}}, "sharding.hybrid_shard_size"),
+    ({"sharding": {"stage": 3, "hybrid_shard_size": -5}}, "sharding.hybrid_shard_size"),
+    ({"launch": {"nproc_per_node": 0}}, "launch.nproc_per_node"),
+    ({"launch": {"nproc_per_node": -1}}, "launch.nproc_per_node"),
+    ({"launch": {"nproc_per_node": 10**6}}, "launch.nproc_per_node"),
+    ({"launch": {"world_size": 10**8}}, "launch.world_size"),
+    ({"launch": {"nnodes": 1e200}}, "launch.nnodes"),
+    ({"launch": {"nnodes": 0}}, "launch.nnodes"),
+    ({"launch": {"hosts": [{"name": "a", "slots": 1e30}]}}, "launch.hosts.0.slots"),
+    ({"data": {"seed": 2**70}}, "data.seed"),
+    ({"monitoring": {"profiler": {"module_depth": -5}}}, "monitoring.profiler.module_depth"),
+])  # fmt: skip
+def test_model_refuses_meaningless_numbers_naming_the_path(data, path):
+    with pytest.raises(ConfigError) as info:
+        TorshConfig.from_dict(data)
+    assert path in [p.path for p in info.value.problems], str(info.value)
+
+
+@pytest.mark.parametrize("data", [
+    {"optimizer": {"betas": [0.0, 0.999], "lr": 0.0}},
+    {"precision": {"loss_scaling": {"initial_scale": MAX_LOSS_SCALE}}},
+    {"launch": {"world_size": MAX_PROCESSES, "nproc_per_node": 8, "nnodes": 2}},
+    {"communication": {"timeout_s": 1800.0, "fusion_threshold_bytes": 64 * 2**20}},
+    {"ddp": {"bucket_cap_mb": "auto"}, "optimizer": {"lr": "auto", "betas": "auto"}},
+])  # fmt: skip
+def test_model_accepts_the_edges_of_each_range(data):
+    TorshConfig.from_dict(data)
+
+
+@pytest.mark.parametrize("value", [NAN, INF, [1.0, -INF], {"x": NAN}])
+def test_kept_keys_cannot_hold_non_finite_numbers(value):
+    with pytest.raises(ConfigError, match="finite"):
+        TorshConfig.from_dict({"extensions": {"deepspeed": {"some.key": value}}})
