@@ -371,7 +371,8 @@ def _typed_errors() -> tuple[type[BaseException], ...]:
 
 def _where(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
-    inside = [f for f in frames if str(ROOT) in f.filename and "/tests/" not in f.filename]
+    inside = [f for f in frames if str(ROOT) in f.filename and not any(
+        part in f.filename for part in ("/tests/", "/.venv/", "site-packages"))]
     frame = (inside or frames or [None])[-1]
     if frame is None:
         return "?"
@@ -446,8 +447,35 @@ def check_text(fmt: str, text: str) -> list[Crash]:
 # regression fixtures
 
 
+def encode(value: Any) -> Any:
+    """Input data as JSON: a mapping with keys that are not strings becomes ``{"__pairs__": [[key, value], ...]}``."""
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {k: encode(v) for k, v in value.items()}
+        return {"__pairs__": [[encode(k), encode(v)] for k, v in value.items()]}
+    if isinstance(value, (list, tuple)):
+        return [encode(v) for v in value]
+    return value
+
+
+def decode(value: Any) -> Any:
+    """The inverse of :func:`encode`."""
+    if isinstance(value, dict):
+        if set(value) == {"__pairs__"}:
+            return {_hashable(decode(k)): decode(v) for k, v in value["__pairs__"]}
+        return {k: decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    return value
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(key) if isinstance(key, list) else key
+
+
 def fixture_name(crash: Crash) -> str:
-    digest = hashlib.sha256(json.dumps([crash.stage, crash.input], sort_keys=True, default=repr).encode()).hexdigest()
+    text = json.dumps([crash.stage, encode(crash.input)], default=repr)
+    digest = hashlib.sha256(text.encode()).hexdigest()
     return f"{crash.stage.replace(':', '-')}-{crash.exception}-{digest[:10]}.json"
 
 
@@ -456,14 +484,15 @@ def save_fixture(crash: Crash, folder: Path = REGRESSIONS) -> Path:
     path = folder / crash.dialect / fixture_name(crash)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
-        path.write_text(json.dumps(asdict(crash), indent=1, default=repr) + "\n")
+        path.write_text(json.dumps({**asdict(crash), "input": encode(crash.input)}, indent=1, default=repr) + "\n")
     return path
 
 
 def load_fixtures(folder: Path = REGRESSIONS) -> list[Crash]:
     out = []
     for path in sorted(folder.glob("*/*.json")):
-        out.append(Crash(**json.loads(path.read_text())))
+        data = json.loads(path.read_text())
+        out.append(Crash(**{**data, "input": decode(data["input"])}))
     return out
 
 
@@ -568,7 +597,10 @@ def long_run(dialects: list[str], inputs: int, timeout: float, seed: int, save: 
                         print(f"  new: {crash.dialect} {crash.stage} {crash.exception} at {crash.where}: "
                               f"{crash.message[:120]}", flush=True)  # fmt: skip
                     if save is not None:
-                        save_fixture(crash, save)
+                        try:
+                            save_fixture(crash, save)
+                        except (TypeError, ValueError, OSError) as exc:  # keep fuzzing; say what was not kept
+                            print(f"  not saved ({exc}): {crash.input!r:.200}", flush=True)
             counts["classes"] = len(classes)
             results[name] = counts
             print(f"{name:<12} inputs {counts['inputs']:>7}  crashes {counts['crashes']:>6}  hangs {counts['hangs']:>4}"
