@@ -59,33 +59,62 @@ def render_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str
 
     ``width`` None (a pipe or a file) never wraps, so every row stays on one line for grep and diff. When the other
     columns leave less than a readable last column, each row becomes a block: its first cell, then ``column: cell``
-    lines; keys are never cut or folded.
+    lines. Words are never cut; a dotted key or a path longer than the line is broken after a ``.`` or ``/``.
     """
-    import textwrap
-
     rows = [tuple(str(c) for c in row) for row in rows]
     table = [tuple(columns), *rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(columns) - 1)]
     indent = sum(widths) + 2 * len(widths)
-    lines = [title] if title else []
+    lines = fit(title, width) if title else []
     if width is not None and width - indent < _MIN_LAST:
         for row in rows:
-            lines.append(row[0])
+            lines += fit(row[0], width)
             for name, cell in zip(columns[1:], row[1:]):
-                wrapped = textwrap.wrap(cell, max(_MIN_LAST, width - len(name) - 6), break_long_words=False,
-                                        break_on_hyphens=False) or [""]  # fmt: skip
-                lines.append(f"    {name}: {wrapped[0]}")
-                lines += [" " * (len(name) + 6) + more for more in wrapped[1:]]
+                label = f"    {name}: "
+                wrapped = fit(cell, width - len(label))
+                if max(map(len, wrapped)) > width - len(label):  # a long key: on its own lines under the label
+                    lines.append(label.rstrip())
+                    lines += ["      " + part for part in fit(cell, width - 6)]
+                    continue
+                lines.append(label + wrapped[0])
+                lines += [" " * len(label) + more for more in wrapped[1:]]
         return "\n".join(line.rstrip() for line in lines) + "\n"
     for k, row in enumerate(table):
         head = "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  "
-        last = [row[-1]] if width is None else textwrap.wrap(row[-1], width - indent, break_long_words=False,
-                                                             break_on_hyphens=False) or [""]  # fmt: skip
+        last = [row[-1]] if width is None else fit(row[-1], width - indent)
         lines.append(head + last[0])
         lines += [" " * indent + more for more in last[1:]]
         if k == 0:
             lines.append("  ".join("-" * w for w in widths) + "  " + "-" * len(columns[-1]))
     return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def fit(text: str, width: int | None) -> list[str]:
+    """``text`` as lines of at most ``width`` characters (None: one line), broken at spaces, then after ``.``/``/``
+    inside a word too long for a line; never inside a name."""
+    import re
+    import textwrap
+
+    if width is None or len(text) <= width:
+        return [text]
+    width = max(width, 8)
+    out: list[str] = []
+    for line in textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False) or [""]:
+        while len(line) > width:
+            cuts = [m.end() for m in re.finditer(r"[./]", line[: width + 1]) if m.end() <= width]
+            cut = cuts[-1] if cuts else width
+            out.append(line[:cut])
+            line = line[cut:]
+        out.append(line)
+    return out
+
+
+def echo(text: str, stream: IO[str] | None = None, *, indent: str = "") -> None:
+    """Print prose: wrapped to the terminal's width on a terminal (continuation lines indented), as is elsewhere."""
+    stream = stream or sys.stdout
+    width = terminal_width(stream)
+    lines = fit(text, None if width is None else width - len(indent))
+    stream.write("\n".join([lines[0], *(indent + line for line in lines[1:])]) + "\n")
 
 
 def terminal_width(stream: IO[str]) -> int | None:
@@ -140,12 +169,14 @@ def write_output(text: str, out: str | None, force: bool) -> None:
     if not parent.is_dir():
         raise ConfigError([Problem("-o", out, f"the directory {parent} does not exist")])
     mode = stat.S_IMODE(info.st_mode) if info is not None else 0o666 & ~_umask()
-    try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise ConfigError([Problem("-o", out, f"cannot create a file in {parent} ({exc.strerror}); choose a "
-                                   "writable directory")]) from None  # fmt: skip
-    with _removed_on_signal(tmp):
+    with _removed_on_signal() as pending:
+        with _signals_blocked():  # a signal between creating the file and registering it is delivered after
+            try:
+                fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+            except OSError as exc:
+                raise ConfigError([Problem("-o", out, f"cannot create a file in {parent} ({exc.strerror}); "
+                                           "choose a writable directory")]) from None  # fmt: skip
+            pending.append(tmp)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
                 handle.write(text)
@@ -177,12 +208,32 @@ _CLEANUP_SIGNALS = ("SIGTERM", "SIGHUP")
 
 
 @contextlib.contextmanager
-def _removed_on_signal(tmp: str):
-    """While the block runs, SIGTERM/SIGHUP first remove ``tmp``, then end the process as the signal would."""
+def _signals_blocked():
+    """Hold SIGTERM/SIGHUP until the block ends (where signal masks exist)."""
     import signal
 
+    numbers = {getattr(signal, name) for name in _CLEANUP_SIGNALS if hasattr(signal, name)}
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
+def _removed_on_signal():
+    """While the block runs, SIGTERM/SIGHUP first remove the files added to the yielded list, then end the process
+    as the signal would have."""
+    import signal
+
+    pending: list[str] = []
+
     def handler(signum: int, frame: Any) -> None:
-        Path(tmp).unlink(missing_ok=True)
+        for tmp in pending:
+            Path(tmp).unlink(missing_ok=True)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
@@ -195,7 +246,7 @@ def _removed_on_signal(tmp: str):
     except ValueError:  # not the main thread: signals cannot be handled here
         pass
     try:
-        yield
+        yield pending
     finally:
         for number, old in previous.items():
             signal.signal(number, old if old is not None else signal.SIG_DFL)

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     adapter = adapters.get(args.to)
     read = adapters.load(args.file, args.dialect)
     written = adapter.write(read.result, version=args.target_version)
-    report_stream = sys.stdout if args.output and args.output != "-" else sys.stderr
+    report_stream = sys.stderr if _is_stdout(args.output) else sys.stdout
     if args.report == "json":
         json.dump({"file": args.file, "output": args.output or "-", "read": read.to_dict(),
                    "write": written.to_dict()}, report_stream, indent=2)  # fmt: skip
@@ -56,3 +56,16 @@ def run(args: argparse.Namespace) -> int:
         text = dump_text(payload, fmt)
     write_output(text, args.output, args.force)
     return 0
+
+
+def _is_stdout(output: str | None) -> bool:
+    """True when the converted config goes to stdout (no -o, ``-o -``, or -o naming stdout, e.g. /dev/stdout)."""
+    if output in (None, "-"):
+        return True
+    import os
+
+    try:
+        a, b = os.stat(output), os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from torsh.cli._common import _short, render_table, terminal_width
+from torsh.cli._common import _short, echo, render_table, terminal_width
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
 def _print_table(args: argparse.Namespace, a, b, differences: list[Difference]) -> None:
     """Plain text (no box drawing): aligned in a pipe, wrapped to the terminal's width on a terminal."""
     if not differences:
-        print(f"same meaning: {args.a} ({a.source}) and {args.b} ({b.source})")
+        echo(f"same meaning: {args.a} ({a.source}) and {args.b} ({b.source})", indent="  ")
         return
     rows = [(d.path, _short(d.a), ", ".join(d.a_sources) or "(default)", _short(d.b),
              ", ".join(d.b_sources) or "(default)") for d in differences]  # fmt: skip

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from torsh.cli._common import add_from_option, render_table, terminal_width
+from torsh.cli._common import add_from_option, echo, render_table, terminal_width
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,15 +38,15 @@ def run(args: argparse.Namespace) -> int:
         json.dump({"file": args.file, "dialect": translation.source, **data}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    print(f"{args.file} ({translation.source})")
-    print(f"\nBatch ({args.world_size} data-parallel rank(s)): {data['batch']}\n")
+    echo(f"{args.file} ({translation.source})")
+    echo(f"\nBatch ({args.world_size} data-parallel rank(s)): {data['batch']}\n", indent="  ")
     rows = [(row.tensor, row.dtype, row.detail) for row in data["precision_contract"]]
     sys.stdout.write(render_table("Precision contract", ("tensor", "dtype", "detail"), rows,
                                   terminal_width(sys.stdout)))  # fmt: skip
-    print(f"\nLoss scaling: {data['loss_scaling']}")
+    echo(f"\nLoss scaling: {data['loss_scaling']}", indent="  ")
     print("\nEngine:")
     for i, step in enumerate(data["engine"], 1):
-        print(f"  {i}. {step}")
+        echo(f"  {i}. {step}", indent="     ")
     if data["deferred"]:
-        print(f"\nDeferred (\"auto\"): {', '.join(data['deferred'])}")
+        echo(f"\nDeferred (\"auto\"): {', '.join(data['deferred'])}", indent="  ")
     return 0

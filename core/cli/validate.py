@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from torsh.cli._common import add_input_options, print_report
+from torsh.cli._common import add_input_options, echo, print_report
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -70,7 +70,7 @@ def _validate(path: str, args: argparse.Namespace) -> dict[str, Any]:
         if result["lossy"]:
             print(f"error: {result['lossy']}\n(--strict: some keys are not read as written)", file=sys.stderr)
         verdict = "OK" if result["exit_code"] == 0 else "NOT OK (--strict)"
-        print(f"{verdict}: {path} is a valid {translation.source} config")
+        echo(f"{verdict}: {path} is a valid {translation.source} config", indent="  ")
     return result
 
 
