@@ -317,6 +317,11 @@ def _load_yaml(text: str) -> Any:
         written = sum(1 for key, _ in node.value if key.tag != "tag:yaml.org,2002:merge")
         loader.flatten_mapping(node)
         pairs = [(loader.construct_object(k, deep=deep), loader.construct_object(v, deep=deep)) for k, v in node.value]
+        for (key, _), (key_node, _) in zip(pairs, node.value):
+            if not isinstance(key, str):  # every dialect's keys are names; YAML reads `1:`, `yes:` or `~:` otherwise
+                line = key_node.start_mark.line + 1
+                raise ConfigError([Problem(str(key), key, f"line {line}: a key must be text, not a "
+                                           f"{type(key).__name__}; quote it if it is meant as a name")])  # fmt: skip
         split = len(pairs) - written
         merged = dict(pairs[:split])
         own = _no_duplicates(pairs[split:])

@@ -12,9 +12,9 @@ tests (``tests/test_fuzz_*.py``) run a few hundred inputs through Hypothesis; ``
     python tests/fuzz_long.py --inputs 100000 [--timeout 10] [--dialect deepspeed ...] [--save DIR]
 
 which reads each input in a worker process with a per-input timeout (a hang is an input that takes longer; the
-worker is replaced), prints per reader the inputs, crashes and hangs, and saves every crashing or hanging input
-as a regression fixture (``tests/fixtures/fuzz_regressions/<dialect>/``), replayed by the suite. Exit code 1
-when anything crashed or hung.
+worker is replaced), prints per reader the inputs, crashes and hangs, and saves crashing and hanging inputs as
+regression fixtures (``tests/fixtures/fuzz_regressions/<dialect>/``, the smallest few of each crash class: the
+same exception at the same place), replayed by the suite. Exit code 1 when anything crashed or hung.
 """
 
 from __future__ import annotations
@@ -488,6 +488,26 @@ def save_fixture(crash: Crash, folder: Path = REGRESSIONS) -> Path:
     return path
 
 
+#: Fixtures kept per crash class (dialect, stage, exception, place): the smallest inputs. One class is one bug;
+#: thousands of inputs hitting the same line add replay time, not coverage.
+KEEP_PER_CLASS = 3
+
+
+def prune_fixtures(folder: Path = REGRESSIONS, keep: int = KEEP_PER_CLASS) -> int:
+    """Keep the ``keep`` smallest fixtures of each crash class; returns how many files were removed."""
+    classes: dict[tuple, list[Path]] = {}
+    for path in folder.glob("*/*.json"):
+        data = json.loads(path.read_text())
+        key = (data["dialect"], data["stage"], data["exception"], data["where"])
+        classes.setdefault(key, []).append(path)
+    removed = 0
+    for paths in classes.values():
+        for path in sorted(paths, key=lambda p: (p.stat().st_size, p.name))[keep:]:
+            path.unlink()
+            removed += 1
+    return removed
+
+
 def load_fixtures(folder: Path = REGRESSIONS) -> list[Crash]:
     out = []
     for path in sorted(folder.glob("*/*.json")):
@@ -623,6 +643,8 @@ def main(argv: list[str] | None = None) -> int:
     dialects = args.dialect or readers()
     results = long_run(dialects, args.inputs, args.timeout, args.seed, None if args.no_save else args.save,
                        parsers=not args.no_parsers)  # fmt: skip
+    if not args.no_save:
+        prune_fixtures(args.save)
     total = {k: sum(r[k] for r in results.values()) for k in ("inputs", "crashes", "hangs")}
     print(f"total        inputs {total['inputs']:>7}  crashes {total['crashes']:>6}  hangs {total['hangs']:>4}")
     return 1 if total["crashes"] or total["hangs"] else 0

@@ -277,3 +277,13 @@ def test_model_accepts_the_edges_of_each_range(data):
 def test_kept_keys_cannot_hold_non_finite_numbers(value):
     with pytest.raises(ConfigError, match="finite"):
         TorshConfig.from_dict({"extensions": {"deepspeed": {"some.key": value}}})
+
+
+@pytest.mark.parametrize("text", ["1: x\n", "a: {2: y}\n", "yes: 1\n", "~: 1\n", "[1, 2]: 3\n"])
+def test_yaml_keys_must_be_text(text):
+    with pytest.raises(ConfigError, match="a key must be text"):
+        parse_text(text, "yaml")
+
+
+def test_quoted_yaml_keys_are_names():
+    assert parse_text("'1': x\n'yes': 2\n", "yaml") == {"1": "x", "yes": 2}
