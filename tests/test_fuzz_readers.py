@@ -90,15 +90,13 @@ def test_parsers_raise_only_config_errors_on_any_text(fmt, text):
 
 def test_generated_inputs_use_the_dialects_keys():
     """The generator is structured: most inputs keep real keys, and a fair share of them read successfully."""
-    from torsh.errors import ConfigError
-
     rnd = random.Random(0)
     ok = 0
     for _ in range(100):
         try:
             fuzz_long.read_input("deepspeed", generate("deepspeed", rnd))
             ok += 1
-        except ConfigError:
+        except Exception:  # noqa: BLE001 - only the share of successful reads is measured here
             pass
     assert ok >= 10, ok
     assert len(fuzz_long.schema_keys("deepspeed")) > 100
