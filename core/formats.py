@@ -126,7 +126,7 @@ def _check_regular(info: os.stat_result, fail: Any, what: str) -> None:
                        "is this the right file?")  # fmt: skip
         return
     kind = next((name for test, name in _FILE_KINDS if test(info.st_mode)), "not a regular file")
-    hint = "; give a config file" if kind == "a directory" else f"; only regular files are read as a {what}"
+    hint = f"; give a {what}" if kind == "a directory" else f"; only regular files are read as a {what}"
     raise fail(f"is {kind}{hint}")
 
 
