@@ -299,7 +299,8 @@ def generate_launch(rnd: random.Random) -> dict:
             lines = (hostfile or "node1 slots=8\n").splitlines() or ["node1"]
             lines[rnd.randrange(len(lines))] = rnd.choice([
                 "node1 slots=1e30", "node2 slots=-1", "node3 slots=abc", "slots=4", "node4 slots=0",
-                "node5 max_slots=2", "node6:1e30", "# c", "", "node7 slots=2 slots=3", "\x00", "node8 slots=" + "9" * 40,
+                "node5 max_slots=2", "node6:1e30", "# c", "", "node7 slots=2 slots=3", "\x00",
+                "node8 slots=" + "9" * 40,
             ])  # fmt: skip
             hostfile = "\n".join(lines) + "\n"
     command: Any = tokens if rnd.random() < 0.3 else " ".join(shlex.quote(t) for t in tokens)
