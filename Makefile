@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # environments sharing the default cache do not rebuild it back and forth.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: run test venv schemas bench goldens clean
+.PHONY: run test venv schemas bench goldens clean fuzz
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,3 +40,10 @@ bench: $(STAMP)
 ## Regenerate the golden files of migration_examples/ after an intended change (review the diff).
 goldens: $(STAMP)
 	TORSH_UPDATE_GOLDENS=1 $(PY) -m pytest -q -p no:randomly tests/test_deepspeed_cli.py tests/test_horovod_adapter.py tests/test_fsdp_migration_examples.py -k "golden"
+
+## Long fuzzing run: FUZZ_INPUTS inputs per reader and per file parser, each with a FUZZ_TIMEOUT-second limit; prints
+## per reader the inputs, crashes and hangs, keeps crashing inputs in tests/fixtures/fuzz_regressions/ (exit 1 if any).
+FUZZ_INPUTS ?= 100000
+FUZZ_TIMEOUT ?= 10
+fuzz: $(STAMP)
+	$(PY) tests/fuzz_long.py --inputs $(FUZZ_INPUTS) --timeout $(FUZZ_TIMEOUT)

@@ -22,10 +22,11 @@ and the optimizer arguments; :func:`command_line` turns the ``horovodrun`` secti
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from torsh.config import TorshConfig, get_path
+from torsh.config import MAX_BYTES_SIZE, TorshConfig, get_path
 from torsh.errors import ConfigError, Problem
 from torsh.translate import (
     NOTHING,
@@ -49,6 +50,7 @@ VERSIONS = ("0.28.1",)
 SECTIONS = ("horovodrun", "config_file", "env", "distributed_optimizer")
 CONFIG_FILE_SECTIONS = ("controller", "params", "autotune", "timeline", "stall_check", "library_options", "logging")
 _MIB = 1024 * 1024
+_INT64 = 2**63
 _NO_TORCH = "no effect under torch.distributed (a Horovod runtime knob); kept for a Horovod round trip"
 
 
@@ -118,33 +120,43 @@ _PRECEDENCE = "a horovodrun flag beats --config-file, which beats the environmen
 
 def _parse(value: Any, t: Tunable, form: str, ctx: ReadContext, path: str) -> Any:
     """The value in the flag's units and type, or NOTHING after recording a problem."""
+    original = value
     if form == "env":
         text = str(value).strip()
         if t.kind in ("bool", "int", "mb"):
             if not text.lstrip("-").isdigit():  # Horovod parses these with strtol: "true" would silently mean 0
-                ctx.problem(path, value, "Horovod reads this variable as an integer (strtol); write 1 or 0"
+                ctx.problem(path, original, "Horovod reads this variable as an integer (strtol); write 1 or 0"
                             if t.kind == "bool" else "expected an integer")  # fmt: skip
                 return NOTHING
             number = int(text)
-            return number > 0 if t.kind == "bool" else number / _MIB if t.kind == "mb" else number
-        if t.kind == "float":
+            if t.kind == "bool":
+                return number > 0
+            value = number / _MIB if t.kind == "mb" else number
+        elif t.kind == "float":
             try:
-                return float(text)
+                value = float(text)
             except ValueError:
-                ctx.problem(path, value, "expected a number")
+                ctx.problem(path, original, "expected a number")
                 return NOTHING
-        value = text
+        else:
+            value = text
     if t.kind == "level":
         if str(value).upper() not in _LOG_LEVELS:
-            ctx.problem(path, value, f"unknown log level; expected one of {', '.join(_LOG_LEVELS)}")
+            ctx.problem(path, original, f"unknown log level; expected one of {', '.join(_LOG_LEVELS)}")
             return NOTHING
         return str(value).upper()
     if t.kind in ("int", "mb", "float") and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                             or value < 0):  # fmt: skip
-        ctx.problem(path, value, "must be a number >= 0 (horovodrun validates it)")
+                                             or not math.isfinite(value) or value < 0):  # fmt: skip
+        ctx.problem(path, original, "must be a finite number >= 0 (horovodrun validates it)")
+        return NOTHING
+    if t.kind == "int" and (value != int(value) or value >= _INT64):
+        ctx.problem(path, original, "must be a whole number below 2**63 (Horovod reads a 64-bit integer)")
+        return NOTHING
+    if t.kind == "mb" and value * _MIB > MAX_BYTES_SIZE:
+        ctx.problem(path, original, f"a fusion buffer over {MAX_BYTES_SIZE // _MIB} MB (1 TiB) is not a real setting")
         return NOTHING
     if t.flag == "autotune_gaussian_process_noise" and not 0 <= value <= 1:
-        ctx.problem(path, value, "must be in [0, 1] (horovodrun validates it)")
+        ctx.problem(path, original, "must be in [0, 1] (horovodrun validates it)")
         return NOTHING
     return value
 
@@ -362,10 +374,13 @@ def _normalise(raw: Any) -> tuple[dict, list, str]:
         raw = {wrapped: raw} if wrapped else raw
     if not isinstance(raw, dict):
         raise ConfigError([Problem("", raw, "a horovod config must be a mapping")], source=NAME)
+    for section in SECTIONS:
+        if section in raw and not isinstance(raw[section], (dict, type(None))):
+            raise ConfigError([Problem(section, raw[section], f"the {section} section must be a mapping")], source=NAME)
     notes, env = [], dict(raw.get("env") or {})
     for key in list(env):
-        if not key.startswith("HOROVOD_") or key.startswith(_BUILD_TIME):
-            why = ("read when Horovod is built, not at run time" if key.startswith("HOROVOD_")
+        if not isinstance(key, str) or not key.startswith("HOROVOD_") or key.startswith(_BUILD_TIME):
+            why = ("read when Horovod is built, not at run time" if str(key).startswith("HOROVOD_")
                    else "not a Horovod variable")  # fmt: skip
             notes.append(Note(f"env.{key}", None, env.pop(key), Fidelity.IGNORED, why))
     ordered = {k: raw[k] for k in SECTIONS if k in raw} | {k: v for k, v in raw.items() if k not in SECTIONS}
@@ -414,10 +429,7 @@ def _write_kept_tunable(t: Tunable, kept: dict, ctx: WriteContext) -> None:
     for form, path in (("flag", f"horovodrun.{t.flag}"), ("yaml", f"config_file.{t.yaml}"), ("env", f"env.{t.env}")):
         if path not in kept:
             continue
-        value = kept[path]
-        if form == "env":
-            value = str(value) if t.kind in ("str", "level") else (
-                int(value) > 0 if t.kind == "bool" else float(value) if t.kind == "float" else int(value))
+        value = _kept_value(t, form, path, kept[path])
         flag_value = (not value) if t.inverted == form else value
         for out_form, out_path in (("flag", f"horovodrun.{t.flag}"), ("yaml", f"config_file.{t.yaml}"),
                                    ("env", f"env.{t.env}")):  # fmt: skip
@@ -425,6 +437,18 @@ def _write_kept_tunable(t: Tunable, kept: dict, ctx: WriteContext) -> None:
             ctx.put(out_path, _env_text(out) if out_form == "env" else out, f"extensions.horovod.{path}",
                     Fidelity.EXACT, "kept from the source" if out_path == path else f"same setting as {path}")
         return
+
+
+def _kept_value(t: Tunable, form: str, path: str, value: Any) -> Any:
+    """A kept knob's value in the flag's type, checked as the reader checks it (the extensions of a torsh file are
+    written by hand, so a kept value may never have been read from Horovod)."""
+    ctx = ReadContext(raw={}, dialect=NAME)
+    parsed = _parse(value, t, form, ctx, f"extensions.horovod.{path}")
+    if ctx.problems:
+        raise ConfigError(ctx.problems, source=NAME)
+    if t.kind in ("str", "level"):
+        return str(parsed)
+    return parsed * _MIB if t.kind == "mb" else parsed
 
 
 def _write_tunables(cfg: TorshConfig, ctx: WriteContext) -> None:

@@ -142,14 +142,33 @@ DType = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(_normalise_dt
 MaybeAuto = Deferred  # readability in annotations: ``int | MaybeAuto``
 
 
+# Bounds of counts and sizes: beyond them a value is a typo or hostile input (10**8 processes, a 2**2000 loss scale),
+# and downstream arithmetic (timedelta, fp32 scales, per-process lists) would overflow or exhaust memory.
+MAX_PROCESSES = 1 << 20
+"""Most processes (world size, nodes, a shard group) a job may have."""
+MAX_PROCESSES_PER_NODE = 4096
+"""Most processes on one node (nproc_per_node, hostfile slots)."""
+MAX_LOSS_SCALE = float(2**64)
+"""Largest loss scale (DeepSpeed ``initial_scale_power`` 64); fp32 overflows at 2**128 and a gradient scaled by more
+than 2**64 is inf for any loss above 2**64."""
+MAX_TIMEOUT_S = 1e9
+"""Longest timeout in seconds (about 31 years; ``datetime.timedelta`` overflows near 8.6e13)."""
+MAX_BYTES_SIZE = 1 << 40
+"""Largest buffer or bucket size in bytes (1 TiB)."""
+
+Probability = Annotated[float, Field(ge=0.0, lt=1.0)]
+"""A coefficient in [0, 1): Adam betas, momentum cycled into beta1."""
+
+
 class Section(BaseModel):
-    """Base of every section: unknown keys are errors, every field is documented."""
+    """Base of every section: unknown keys are errors, every field is documented, every float is finite."""
 
     model_config = ConfigDict(
         extra="forbid",
         use_attribute_docstrings=True,
         validate_assignment=True,
         validate_default=True,
+        allow_inf_nan=False,
     )
 
 
@@ -239,7 +258,7 @@ class ShardingConfig(Section):
     """0: replicate (DDP); 1: + optimizer state (ZeRO-1); 2: + gradients (ZeRO-2); 3: + parameters (ZeRO-3)."""
     reshard_after_forward: bool | None = None
     """Free gathered parameters after forward. None: as the stage implies (3 → True, 2 → False)."""
-    hybrid_shard_size: PositiveInt | MaybeAuto | None = None
+    hybrid_shard_size: Annotated[int, Field(gt=0, le=MAX_PROCESSES)] | MaybeAuto | None = None
     """Shard within groups of this many ranks and replicate across groups (HSDP, ZeRO++ hpZ). None: shard over all.
     "auto": the ranks of one node (FSDP1 ``HYBRID_SHARD`` without a device mesh), resolved at start-up."""
     wrap: WrapPolicy = WrapPolicy()
@@ -272,7 +291,7 @@ class ShardingConfig(Section):
 class DdpConfig(Section):
     """``DistributedDataParallel`` settings (stages 0 and 1)."""
 
-    bucket_cap_mb: PositiveFloat | MaybeAuto = 25.0
+    bucket_cap_mb: Annotated[float, Field(gt=0.0, le=MAX_BYTES_SIZE / (1 << 20))] | MaybeAuto = 25.0
     """Gradient bucket size in MiB."""
     overlap_comm: bool = True
     """Overlap gradient reduction with backward computation."""
@@ -295,13 +314,13 @@ class LossScalingConfig(Section):
 
     mode: Literal["none", "static", "dynamic"] = "none"
     """none: no scaling; static: a fixed scale; dynamic: grow and back off with overflows."""
-    static_scale: PositiveFloat | None = None
+    static_scale: Annotated[float, Field(gt=0.0, le=MAX_LOSS_SCALE)] | None = None
     """The scale when ``mode`` is static."""
-    initial_scale: PositiveFloat = 65536.0
+    initial_scale: Annotated[float, Field(gt=0.0, le=MAX_LOSS_SCALE)] = 65536.0
     """Starting scale when dynamic (DeepSpeed ``2**initial_scale_power``, GradScaler ``init_scale``)."""
     growth_interval: PositiveInt = 1000
     """Clean steps between growths (DeepSpeed ``loss_scale_window``, GradScaler ``growth_interval``)."""
-    growth_factor: float = Field(default=2.0, gt=1.0)
+    growth_factor: float = Field(default=2.0, gt=1.0, le=MAX_LOSS_SCALE)
     """Multiplier on growth."""
     backoff_factor: float = Field(default=0.5, gt=0.0, lt=1.0)
     """Multiplier on overflow."""
@@ -309,7 +328,7 @@ class LossScalingConfig(Section):
     """Overflows tolerated before the scale drops (DeepSpeed ZeRO rule only)."""
     consecutive_hysteresis: bool = False
     """Refill hysteresis on every clean step rather than only at growth (DeepSpeed)."""
-    min_scale: PositiveFloat = 1.0
+    min_scale: Annotated[float, Field(gt=0.0, le=MAX_LOSS_SCALE)] = 1.0
     """Lower bound of the scale (DeepSpeed ``min_loss_scale``)."""
     semantics: Literal["deepspeed_zero", "deepspeed_stage0", "torch_grad_scaler"] = "torch_grad_scaler"
     """Whose rules: DeepSpeed ZeRO's scaler (hysteresis, growth after window+1 clean steps), DeepSpeed stage 0's
@@ -402,8 +421,8 @@ class OptimizerConfig(Section):
     """Learning rate."""
     weight_decay: NonNegativeFloat | MaybeAuto | None = None
     """Weight decay. None: the optimizer class's own default (torch AdamW: 0.01; DeepSpeed's Adam/AdamW: 0)."""
-    betas: tuple[float, float] | MaybeAuto | None = None
-    """Adam-family coefficients. None: the class default."""
+    betas: tuple[Probability, Probability] | MaybeAuto | None = None
+    """Adam-family coefficients, each in [0, 1). None: the class default."""
     eps: PositiveFloat | MaybeAuto | None = None
     """Adam-family epsilon. None: the class default."""
     momentum: NonNegativeFloat | MaybeAuto | None = None
@@ -487,9 +506,9 @@ class OneCycle(Section):
     """Steps per decay interval after the cycle."""
     cycle_momentum: bool = True
     """Cycle momentum (Adam beta1) inversely to the lr; forces beta2 to 0.99 as DeepSpeed does."""
-    cycle_min_mom: float = 0.8
+    cycle_min_mom: Probability = 0.8
     """Lowest momentum."""
-    cycle_max_mom: float = 0.9
+    cycle_max_mom: Probability = 0.9
     """Highest momentum."""
     decay_mom_rate: NonNegativeFloat = 0.0
     """Momentum decay rate after the cycle."""
@@ -609,16 +628,22 @@ class CommunicationConfig(Section):
     """torch.distributed backend. auto: nccl with CUDA, gloo otherwise."""
     init_method: str | None = None
     """Process-group init method (``env://``, ``tcp://host:port``, ``file://...``). None: ``env://``."""
-    timeout_s: PositiveFloat | None = None
+    timeout_s: Annotated[float, Field(gt=0.0, le=MAX_TIMEOUT_S)] | None = None
     """Collective timeout in seconds. None: torch's default."""
     hierarchical_allreduce: bool = False
     """Reduce within nodes, then across nodes (Horovod)."""
     hierarchical_allgather: bool = False
     """Gather within nodes, then across nodes (Horovod)."""
-    fusion_threshold_bytes: NonNegativeInt | None = None
+    fusion_threshold_bytes: Annotated[int, Field(ge=0, le=MAX_BYTES_SIZE)] | None = None
     """Tensor-fusion buffer size in bytes (Horovod); 0 disables fusion."""
-    cycle_time_ms: NonNegativeFloat | None = None
+    cycle_time_ms: Annotated[float, Field(ge=0.0, le=MAX_TIMEOUT_S * 1000)] | None = None
     """Fusion cycle time in milliseconds (Horovod)."""
+
+
+ProcessCount = Annotated[int, Field(gt=0, le=MAX_PROCESSES)]
+"""A number of processes or nodes: at least 1, at most :data:`MAX_PROCESSES`."""
+PerNodeCount = Annotated[int, Field(gt=0, le=MAX_PROCESSES_PER_NODE)]
+"""Processes on one node: at least 1, at most :data:`MAX_PROCESSES_PER_NODE`."""
 
 
 class Host(Section):
@@ -626,7 +651,7 @@ class Host(Section):
 
     name: str
     """Host name or address."""
-    slots: PositiveInt | None = None
+    slots: PerNodeCount | None = None
     """Processes (usually accelerators) on this host. None: the launcher decides."""
 
 
@@ -642,15 +667,15 @@ placeholder (``<n>``, ``{num_gpus}``); kept verbatim for the shell that runs the
 class LaunchConfig(Section):
     """How the processes of the job are started (torchrun, deepspeed, horovodrun, mpirun)."""
 
-    nnodes: PositiveInt | ShellRef | None = None
+    nnodes: ProcessCount | ShellRef | None = None
     """Number of nodes (the minimum when elastic)."""
-    max_nnodes: PositiveInt | ShellRef | None = None
+    max_nnodes: ProcessCount | ShellRef | None = None
     """Maximum number of nodes for an elastic job. None: fixed size."""
-    nproc_per_node: PositiveInt | Literal["auto", "gpu", "cpu"] | ShellRef | None = None
+    nproc_per_node: PerNodeCount | Literal["auto", "gpu", "cpu"] | ShellRef | None = None
     """Processes per node."""
-    world_size: PositiveInt | ShellRef | None = None
+    world_size: ProcessCount | ShellRef | None = None
     """Total processes, when given without a topology (e.g. ``horovodrun -np``)."""
-    node_rank: NonNegativeInt | ShellRef | None = None
+    node_rank: Annotated[int, Field(ge=0, lt=MAX_PROCESSES)] | ShellRef | None = None
     """This node's index (static rendezvous)."""
     master_addr: str | None = None
     """Address of rank 0 (static rendezvous)."""
@@ -754,7 +779,7 @@ class ProfilerConfig(Section):
     """Profile."""
     profile_step: PositiveInt = 1
     """Step to profile."""
-    module_depth: int = -1
+    module_depth: int = Field(default=-1, ge=-1)
     """Depth of the module tree in the report (-1: all)."""
     top_modules: PositiveInt = 1
     """Modules listed per level."""
@@ -816,9 +841,9 @@ class DataConfig(Section):
     """Drop the last incomplete batch (DeepSpeed ``dataloader_drop_last``)."""
     shuffle: bool = True
     """Shuffle with a ``DistributedSampler``."""
-    seed: int = 0
+    seed: int = Field(default=0, ge=-(2**63), lt=2**64)
     """Sampler seed."""
-    num_workers: NonNegativeInt = 0
+    num_workers: Annotated[int, Field(ge=0, le=MAX_PROCESSES_PER_NODE)] = 0
     """Dataloader worker processes."""
     epochs: PositiveInt | None = None
     """Passes over the data (used to resolve "auto" total step counts)."""
@@ -871,6 +896,24 @@ class TorshConfig(Section):
     """Training dataloader."""
     extensions: dict[str, dict[str, Any]] = {}
     """Per dialect, keys with no core meaning keyed by their dotted source path, kept for lossless round trips."""
+
+    @model_validator(mode="after")
+    def _extensions_finite(self) -> "TorshConfig":
+        # Kept keys are written back verbatim: NaN or infinity means nothing in any dialect and no file format but
+        # YAML and TOML can even hold it, so it is refused here rather than written into a config that fails later.
+        import math
+
+        for dialect, keys in self.extensions.items():
+            for key, value in keys.items():
+                for path, leaf in iter_leaves({"v": value}):
+                    if isinstance(leaf, float) and not math.isfinite(leaf):
+                        where = f"extensions.{dialect}.{key}" + path[1:]
+                        raise ValueError(f"kept setting {where} is {leaf}: it must be a finite number")
+                    for item in leaf if isinstance(leaf, list) else ():
+                        if isinstance(item, float) and not math.isfinite(item):
+                            raise ValueError(f"kept setting extensions.{dialect}.{key}{path[1:]} holds {item}: it "
+                                             "must be a finite number")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _offload_needs_sharding(self) -> "TorshConfig":

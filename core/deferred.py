@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler
 from pydantic.json_schema import JsonSchemaValue
-from pydantic_core import core_schema
+from pydantic_core import SchemaSerializer, core_schema
 
 AUTO_TEXT = "auto"
 
@@ -51,6 +51,12 @@ class Deferred:
     ) -> JsonSchemaValue:
         return {"const": AUTO_TEXT, "description": "Resolved later by torsh.initialize (the \"auto\" convention)."}
 
+
+# Where AUTO sits in a field typed ``Any`` (a torch scheduler's kwargs, kept extension keys), pydantic infers the
+# serializer from the object: this one writes "auto" in JSON mode instead of failing on an unknown type.
+Deferred.__pydantic_serializer__ = SchemaSerializer(  # type: ignore[attr-defined]
+    core_schema.any_schema(serialization=core_schema.plain_serializer_function_ser_schema(
+        lambda _: AUTO_TEXT, when_used="json")))
 
 AUTO = Deferred()
 

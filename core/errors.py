@@ -83,7 +83,8 @@ class ConfigError(ValueError):
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:
     """The closest candidate to a misspelt ``name``, or None when nothing is close."""
-    candidates = list(candidates)
+    candidates = [str(c) for c in candidates]  # keys of a YAML file may be numbers
+    name = str(name)
     lowered = {c.lower(): c for c in candidates}
     if name.lower() in lowered:
         return lowered[name.lower()]
@@ -95,7 +96,7 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:
 
 def unknown_key(path: str, value: Any, known: Iterable[str], what: str = "key") -> Problem:
     """The problem for a key nobody reads, with a did-you-mean when one is close."""
-    leaf = path.rsplit(".", 1)[-1]
+    leaf = str(path).rsplit(".", 1)[-1]
     return Problem(
         path,
         value,

@@ -43,8 +43,7 @@ def test_convert_json_report_and_yaml_output(tmp_path):
     done = run_cli("convert", str(SEED), "--to", "torsh", "--format", "yaml", "--report", "json")
     assert done.returncode == 0
     assert "micro_batch_size: 32" in done.stdout
-    reports = done.stderr.strip().split("\n}\n")
-    first = json.loads(reports[0] + "\n}")
+    first = json.loads(done.stderr)["read"]  # one JSON document: the read and the write report
     assert first["source"] == "torsh" and first["counts"]["ignored"] == 1
 
 

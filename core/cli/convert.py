@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from torsh.cli._common import add_input_options, print_report, write_output
@@ -13,7 +14,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("convert", help="translate a config to another dialect",
                             description="Read a config of any dialect into the core model and write it in "
                             "another. The converted config goes to -o (or stdout); the report to stdout "
-                            "with -o, else to stderr.")  # fmt: skip
+                            "with -o, else to stderr, so each stream carries one document (with --report json, "
+                            "one JSON object with the read and write reports).")  # fmt: skip
     parser.add_argument("file", help="config file (JSON, hjson, YAML or TOML)")
     parser.add_argument("--to", required=True, metavar="DIALECT", help="target dialect (e.g. torsh, deepspeed)")
     parser.add_argument("--version", dest="target_version", metavar="VERSION", help="variant of the target dialect "
@@ -34,9 +36,14 @@ def run(args: argparse.Namespace) -> int:
     adapter = adapters.get(args.to)
     read = adapters.load(args.file, args.dialect)
     written = adapter.write(read.result, version=args.target_version)
-    report_stream = sys.stdout if args.output and args.output != "-" else sys.stderr
-    print_report(read, args.report, report_stream, title=f"read {args.file} ({read.source})")
-    print_report(written, args.report, report_stream, title=f"write {args.to}")
+    report_stream = sys.stderr if _is_stdout(args.output) else sys.stdout
+    if args.report == "json":
+        json.dump({"file": args.file, "output": args.output or "-", "read": read.to_dict(),
+                   "write": written.to_dict()}, report_stream, indent=2)  # fmt: skip
+        report_stream.write("\n")
+    else:
+        print_report(read, args.report, report_stream, title=f"read {args.file} ({read.source})")
+        print_report(written, args.report, report_stream, title=f"write {args.to}")
     if args.strict:
         read.check(ErrorLevel.RAISE)
         written.check(ErrorLevel.RAISE)
@@ -49,3 +56,16 @@ def run(args: argparse.Namespace) -> int:
         text = dump_text(payload, fmt)
     write_output(text, args.output, args.force)
     return 0
+
+
+def _is_stdout(output: str | None) -> bool:
+    """True when the converted config goes to stdout (no -o, ``-o -``, or -o naming stdout, e.g. /dev/stdout)."""
+    if output in (None, "-"):
+        return True
+    import os
+
+    try:
+        a, b = os.stat(output), os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from torsh.cli._common import _short
+from torsh.cli._common import _short, echo, render_table, terminal_width
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -105,18 +105,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(args: argparse.Namespace, a, b, differences: list[Difference]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(file=sys.stdout, width=160, highlight=False, soft_wrap=False)
+    """Plain text (no box drawing): aligned in a pipe, wrapped to the terminal's width on a terminal."""
     if not differences:
-        console.print(f"same meaning: {args.a} ({a.source}) and {args.b} ({b.source})")
+        echo(f"same meaning: {args.a} ({a.source}) and {args.b} ({b.source})", indent="  ")
         return
-    table = Table(title=f"{args.a} ({a.source})  vs  {args.b} ({b.source})")
-    for column in ("core path", "A", "A keys", "B", "B keys"):
-        table.add_column(column, overflow="fold")
-    for d in differences:
-        table.add_row(d.path, _short(d.a), ", ".join(d.a_sources) or "(default)", _short(d.b),
-                      ", ".join(d.b_sources) or "(default)")  # fmt: skip
-    console.print(table)
-    console.print(f"{len(differences)} difference(s)")
+    rows = [(d.path, _short(d.a), ", ".join(d.a_sources) or "(default)", _short(d.b),
+             ", ".join(d.b_sources) or "(default)") for d in differences]  # fmt: skip
+    title = f"{args.a} ({a.source})  vs  {args.b} ({b.source})"
+    sys.stdout.write(render_table(title, ("core path", "A", "A keys", "B", "B keys"), rows,
+                                  terminal_width(sys.stdout)))  # fmt: skip
+    print(f"{len(differences)} difference(s)")

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from torsh.cli._common import add_from_option
+from torsh.cli._common import add_from_option, echo, render_table, terminal_width
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,22 +38,15 @@ def run(args: argparse.Namespace) -> int:
         json.dump({"file": args.file, "dialect": translation.source, **data}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(file=sys.stdout, width=120, highlight=False)
-    console.print(f"[bold]{args.file}[/bold] ({translation.source})")
-    console.print(f"\n[bold]Batch[/bold] ({args.world_size} data-parallel rank(s)): {data['batch']}")
-    table = Table(title="Precision contract", title_justify="left")
-    for column in ("tensor", "dtype", "detail"):
-        table.add_column(column, overflow="fold")
-    for row in data["precision_contract"]:
-        table.add_row(row.tensor, row.dtype, row.detail)
-    console.print(table)
-    console.print(f"[bold]Loss scaling[/bold]: {data['loss_scaling']}")
-    console.print("\n[bold]Engine[/bold]:")
+    echo(f"{args.file} ({translation.source})")
+    echo(f"\nBatch ({args.world_size} data-parallel rank(s)): {data['batch']}\n", indent="  ")
+    rows = [(row.tensor, row.dtype, row.detail) for row in data["precision_contract"]]
+    sys.stdout.write(render_table("Precision contract", ("tensor", "dtype", "detail"), rows,
+                                  terminal_width(sys.stdout)))  # fmt: skip
+    echo(f"\nLoss scaling: {data['loss_scaling']}", indent="  ")
+    print("\nEngine:")
     for i, step in enumerate(data["engine"], 1):
-        console.print(f"  {i}. {step}")
+        echo(f"  {i}. {step}", indent="     ")
     if data["deferred"]:
-        console.print(f"\n[bold]Deferred (\"auto\")[/bold]: {', '.join(data['deferred'])}")
+        echo(f"\nDeferred (\"auto\"): {', '.join(data['deferred'])}", indent="  ")
     return 0

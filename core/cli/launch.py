@@ -25,8 +25,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from torsh.adapters import launch
     from torsh.cli._common import print_report
     from torsh.errors import ConfigError, Problem, did_you_mean
@@ -38,10 +36,12 @@ def run(args: argparse.Namespace) -> int:
                                    did_you_mean(args.to, launch.VERSIONS))])  # fmt: skip
     hostfile = None
     if args.hostfile:
-        path = Path(args.hostfile)
-        if not path.is_file():
-            raise ConfigError([Problem("--hostfile", args.hostfile, "no such file")])
-        hostfile = path.read_text(encoding="utf-8")
+        from torsh.formats import read_text
+
+        try:
+            hostfile = read_text(args.hostfile, what="hostfile")
+        except ConfigError as exc:
+            raise ConfigError([Problem("--hostfile", args.hostfile, p.reason) for p in exc.problems]) from None
     command = args.command[0] if len(args.command) == 1 else args.command
     read = launch.read(command, hostfile=hostfile)
     written = {t: launch.write(read.result, version=t) for t in targets}
@@ -50,15 +50,18 @@ def run(args: argparse.Namespace) -> int:
                   sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print_report(read, "table", sys.stdout, title=f"read ({read.result.launch.script})")
-        for target, translation in written.items():
-            print(f"\n# ---- {target}")
-            print(translation.result)
+        # stdout is a shell script (``launch ... > run.sh``): commands, the files they need as here-documents, and
+        # comments; the reports go to stderr.
+        print_report(read, "table", sys.stderr, title=f"read ({read.result.launch.script})")
+        for k, (target, translation) in enumerate(written.items()):
+            print(f"{'' if k == 0 else chr(10)}# ---- {target}")
             for name, text in translation.result.files.items():
-                print(f"# ---- file {name}:\n{text}", end="" if text.endswith("\n") else "\n")
+                print(f"# ---- file {name}:")
+                print(_here_document(name, text), end="")
+            print(translation.result)
             if args.show_env:
                 _print_env(launch, read.result, target)
-            print_report(translation, "table", sys.stdout, title=f"write {target}")
+            print_report(translation, "table", sys.stderr, title=f"write {target}")
     if args.strict:
         read.check(ErrorLevel.RAISE)
         for translation in written.values():
@@ -66,11 +69,38 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _here_document(name: str, text: str) -> str:
+    """Shell lines that write ``text`` to the file ``name`` (a quoted here-document: nothing is expanded)."""
+    import shlex
+
+    delimiter = "TORSH_EOF"
+    while delimiter in text.splitlines():
+        delimiter += "_"
+    body = text if text.endswith("\n") or not text else text + "\n"
+    return f"cat > {shlex.quote(name)} <<'{delimiter}'\n{body}{delimiter}\n"
+
+
+#: Most workers whose environments are listed (each is a dict of ~10 variables; 2**20 of them would take gigabytes).
+MAX_LISTED_WORKERS = 4096
+
+
+def _too_many_workers(cfg) -> str | None:
+    """Why the worker environments are not listed (too many processes), or None."""
+    launch = cfg.launch
+    sizes = [launch.world_size, sum(h.slots or 1 for h in launch.hosts)]
+    if isinstance(launch.nnodes, int) and isinstance(launch.nproc_per_node, int):
+        sizes.append(launch.nnodes * launch.nproc_per_node)
+    largest = max((n for n in sizes if isinstance(n, int)), default=0)
+    if largest > MAX_LISTED_WORKERS:
+        return f"{largest} workers: environments are listed for at most {MAX_LISTED_WORKERS}"
+    return None
+
+
 def _payload(launch, cfg, translation) -> dict:
     from torsh.errors import ConfigError
 
     try:
-        env = launch.worker_environments(cfg, translation.target)
+        env = _too_many_workers(cfg) or launch.worker_environments(cfg, translation.target)
     except ConfigError as exc:
         env = str(exc)
     return {"command": str(translation.result), "argv": [list(c.argv) for c in translation.result.commands],
@@ -80,6 +110,10 @@ def _payload(launch, cfg, translation) -> dict:
 def _print_env(launch, cfg, target: str) -> None:
     from torsh.errors import ConfigError
 
+    too_many = _too_many_workers(cfg)
+    if too_many:
+        print(f"# worker environment: {too_many}")
+        return
     try:
         envs = launch.worker_environments(cfg, target)
     except ConfigError as exc:
