@@ -34,7 +34,7 @@ def _run(cmd: list[str], env: dict[str, str] | None = None, **kwargs) -> subproc
 
 
 # stage 3 (FSDP2) as the reported abort, in each way a script ends; stage 0 (a DDP reducer) left alive at exit.
-CASES = [("none", 3), ("global", 3), ("destroy", 3), ("barrier", 3), ("global", 0)]
+CASES = [("none", 3), ("global", 3), ("destroy", 3), ("global", 0)]
 
 
 @pytest.mark.parametrize(("teardown", "stage"), CASES)
@@ -78,7 +78,6 @@ def test_exit_destroys_the_process_group_after_the_engines(tmp_path):
 
 
 def test_shutdown_is_idempotent_and_safe_without_a_group():
-    from torsh.engine.distributed import shutdown
-
-    shutdown()
-    shutdown()
+    code = "from torsh.engine.distributed import shutdown; shutdown(); shutdown(); print('ok')"
+    proc = _run([sys.executable, "-c", code])
+    assert (proc.returncode, proc.stdout.strip(), proc.stderr) == (0, "ok", "")
