@@ -77,6 +77,17 @@ def test_exit_destroys_the_process_group_after_the_engines(tmp_path):
     assert proc.stdout.splitlines() == ["engine destroyed, group still up: True", "initialized at exit: False"]
 
 
+def test_a_failed_script_leaves_the_group_to_the_launcher(tmp_path):
+    """After an uncaught exception a rank may have queued collectives its peers never join; destroying the group
+    would wait for them, so it is left as torch leaves it (the exit status is non-zero anyway)."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT.replace("sys.exit(0)", "raise RuntimeError('training failed')"))
+    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = _run([sys.executable, str(script)], env=env, cwd=tmp_path)
+    assert proc.returncode == 1 and "training failed" in proc.stderr
+    assert proc.stdout.splitlines() == ["engine destroyed, group still up: True", "initialized at exit: True"]
+
+
 def test_shutdown_is_idempotent_and_safe_without_a_group():
     code = "from torsh.engine.distributed import shutdown; shutdown(); shutdown(); print('ok')"
     proc = _run([sys.executable, "-c", code])

@@ -8,6 +8,7 @@ import datetime
 import gc
 import logging
 import os
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,17 +136,18 @@ def on_shutdown(callback: Callable[[], object]) -> None:
     _teardowns.append(ref)
 
 
-def shutdown() -> None:
+def shutdown(*, destroy_group: bool = True) -> None:
     """Tear down torch.distributed state in a safe order; idempotent, never raises, needs no other rank.
 
     1. the callbacks given to :func:`on_shutdown` (engines release DDP reducers, FSDP states, hooks);
     2. a garbage collection, so that modules nobody references any more drop their process-group references;
-    3. ``destroy_process_group()`` (local: no barrier, no collective) and another collection, so that gloo's
-       worker threads are joined now, while the interpreter is whole.
+    3. unless ``destroy_group`` is False: ``destroy_process_group()`` (local: no barrier, no collective) and
+       another collection, so that gloo's worker threads are joined now, while the interpreter is whole.
 
     Registered with :mod:`atexit` by :func:`init_distributed`. Left to interpreter finalisation instead, the
-    process group's C++ destructor may never run, or run after the threads' owners are gone: the process then
-    dies with ``terminate called without an active exception`` (SIGABRT) although training finished.
+    process group's C++ destructor may never run, or a gloo thread may drop the last reference to a Python-owned
+    tensor while the interpreter is being torn down: the process then dies with ``terminate called without an
+    active exception`` (SIGABRT) although training finished.
     """
     while _teardowns:
         callback = _teardowns.pop()()
@@ -157,7 +159,7 @@ def shutdown() -> None:
             log.warning("shutdown: %s failed: %s: %s", getattr(callback, "__qualname__", callback),
                         type(exc).__name__, exc)  # fmt: skip
     gc.collect()
-    if dist.is_available() and dist.is_initialized():
+    if destroy_group and dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001
@@ -165,8 +167,16 @@ def shutdown() -> None:
     gc.collect()
 
 
+def _shutdown_at_exit() -> None:
+    # A script that died of an uncaught exception may have queued collectives its peers will never join: a
+    # destroy would wait for them. The process group is then left as torch leaves it, and the launcher's failure
+    # handling takes over (the exit status is non-zero anyway).
+    failed = getattr(sys, "last_value", None) is not None
+    shutdown(destroy_group=not failed)
+
+
 def _register_exit_handler() -> None:
     global _exit_handler_registered
     if not _exit_handler_registered:
-        atexit.register(shutdown)
+        atexit.register(_shutdown_at_exit)
         _exit_handler_registered = True
