@@ -82,7 +82,7 @@ def init_distributed(communication: CommunicationConfig | None = None, *, dist_i
         else:
             dist.init_process_group(backend=backend, init_method=communication.init_method or "env://", rank=rank,
                                     world_size=world_size, **kwargs)  # fmt: skip
-    _register_exit_handler()
+    register_exit_handler()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     _, local_rank, _, _, _ = _discover()
     backend = dist.get_backend()
@@ -175,7 +175,8 @@ def _shutdown_at_exit() -> None:
     shutdown(destroy_group=not failed)
 
 
-def _register_exit_handler() -> None:
+def register_exit_handler() -> None:
+    """Run :func:`shutdown` at interpreter exit (once, however often called); for code that creates its own group."""
     global _exit_handler_registered
     if not _exit_handler_registered:
         atexit.register(_shutdown_at_exit)

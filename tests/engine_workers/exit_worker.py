@@ -7,6 +7,8 @@ with TEARDOWN:
 - ``none``: nothing torn down; engines, hooks and the process group are left for interpreter exit;
 - ``global``: as ``none``, and the engine, optimizer and dataloader stay referenced from a module global (a script
   written at top level) until interpreter finalisation;
+- ``async``: a last metric all-reduce issued with ``async_op=True`` and never waited for (fire and forget), so
+  that gloo's worker thread holds the last reference to a Python tensor when the script returns;
 - ``destroy``: the script calls ``torch.distributed.destroy_process_group()`` itself (the engine still alive);
 - ``barrier``: a last ``torch.distributed.barrier()``, nothing destroyed.
 
@@ -46,6 +48,8 @@ def main() -> None:
     (out / f"done{engine.global_rank}").write_text(f"{loss.item():.6f}\n")
     if teardown == "global":
         KEEP.extend([engine, loader, model, loss])
+    elif teardown == "async":
+        dist.all_reduce(torch.full((1 << 16,), loss.item()), async_op=True)
     elif teardown == "destroy":
         dist.destroy_process_group()
     elif teardown == "barrier":
