@@ -1,9 +1,16 @@
-"""Process-group start-up: CUDA + NCCL when a GPU is present, CPU + gloo otherwise; reuse an existing group."""
+"""Process-group lifecycle: start-up (CUDA + NCCL when a GPU is present, CPU + gloo otherwise; reuse an existing
+group; a fresh rendezvous namespace per torchrun restart) and shutdown at interpreter exit in a safe order."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
+import logging
 import os
+import sys
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +18,8 @@ import torch.distributed as dist
 
 from torsh.config import CommunicationConfig
 from torsh.errors import ConfigError, Problem
+
+log = logging.getLogger("torsh.engine")
 
 
 @dataclass(frozen=True)
@@ -65,8 +74,15 @@ def init_distributed(communication: CommunicationConfig | None = None, *, dist_i
         kwargs = {}
         if communication.timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=communication.timeout_s)
-        dist.init_process_group(backend=backend, init_method=communication.init_method or "env://", rank=rank,
-                                world_size=world_size, **kwargs)  # fmt: skip
+        store = None
+        if communication.init_method in (None, "env://"):
+            store = elastic_store(world_size, kwargs.get("timeout"))
+        if store is not None:
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, **kwargs)
+        else:
+            dist.init_process_group(backend=backend, init_method=communication.init_method or "env://", rank=rank,
+                                    world_size=world_size, **kwargs)  # fmt: skip
+    register_exit_handler()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     _, local_rank, _, _, _ = _discover()
     backend = dist.get_backend()
@@ -76,3 +92,92 @@ def init_distributed(communication: CommunicationConfig | None = None, *, dist_i
     else:
         device = torch.device("cpu")
     return DistInfo(rank, local_rank, world_size, device, str(backend))
+
+
+# --- torchrun restarts --------------------------------------------------------------------------------------------
+
+
+def elastic_store(world_size: int, timeout: datetime.timedelta | None = None) -> dist.Store | None:
+    """Under torchrun: the agent's store, seen through a namespace of this restart attempt; None elsewhere.
+
+    torchrun (static and c10d rendezvous alike) hosts one TCPStore in its agent for the whole job and tells the
+    workers to use it (``TORCHELASTIC_USE_AGENT_STORE=True``, the same ``MASTER_PORT`` in every attempt). torch's
+    ``env://`` rendezvous connects to it with no per-attempt prefix, so after a restart the keys the killed attempt
+    wrote are still there: gloo reads the listening address of a dead process and either fails at once
+    (``connectFullMesh failed ... Connection refused``) or both ranks wait for each other until the process-group
+    timeout (30 minutes by default). Keys under ``torsh/<run id>/attempt<N>/`` are new in every attempt.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None  # no launcher store (or each attempt's rank 0 hosts a new one): env:// is right
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    from torch.distributed.constants import default_pg_timeout
+
+    client = dist.TCPStore(addr, int(port), world_size, is_master=False, timeout=timeout or default_pg_timeout)
+    return dist.PrefixStore(f"torsh/{run_id}/attempt{attempt}/", client)
+
+
+# --- shutdown at exit ---------------------------------------------------------------------------------------------
+
+_teardowns: list[weakref.ReferenceType] = []
+_exit_handler_registered = False
+
+
+def on_shutdown(callback: Callable[[], object]) -> None:
+    """Run ``callback`` (an engine's ``destroy``) at :func:`shutdown`, before the process group goes.
+
+    Held weakly (a bound method through ``weakref.WeakMethod``): registering never keeps an engine alive.
+    Callbacks run newest first.
+    """
+    ref = weakref.WeakMethod(callback) if hasattr(callback, "__self__") else weakref.ref(callback)
+    _teardowns.append(ref)
+
+
+def shutdown(*, destroy_group: bool = True) -> None:
+    """Tear down torch.distributed state in a safe order; idempotent, never raises, needs no other rank.
+
+    1. the callbacks given to :func:`on_shutdown` (engines release DDP reducers, FSDP states, hooks);
+    2. a garbage collection, so that modules nobody references any more drop their process-group references;
+    3. unless ``destroy_group`` is False: ``destroy_process_group()`` (local: no barrier, no collective) and
+       another collection, so that gloo's worker threads are joined now, while the interpreter is whole.
+
+    Registered with :mod:`atexit` by :func:`init_distributed`. Left to interpreter finalisation instead, the
+    process group's C++ destructor may never run, or a gloo thread may drop the last reference to a Python-owned
+    tensor while the interpreter is being torn down: the process then dies with ``terminate called without an
+    active exception`` (SIGABRT) although training finished.
+    """
+    while _teardowns:
+        callback = _teardowns.pop()()
+        if callback is None:
+            continue
+        try:
+            callback()
+        except Exception as exc:  # noqa: BLE001 - at exit: report and go on tearing down
+            log.warning("shutdown: %s failed: %s: %s", getattr(callback, "__qualname__", callback),
+                        type(exc).__name__, exc)  # fmt: skip
+    gc.collect()
+    if destroy_group and dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("shutdown: destroy_process_group failed: %s: %s", type(exc).__name__, exc)
+    gc.collect()
+
+
+def _shutdown_at_exit() -> None:
+    # A script that died of an uncaught exception may have queued collectives its peers will never join: a
+    # destroy would wait for them. The process group is then left as torch leaves it, and the launcher's failure
+    # handling takes over (the exit status is non-zero anyway).
+    failed = getattr(sys, "last_value", None) is not None
+    shutdown(destroy_group=not failed)
+
+
+def register_exit_handler() -> None:
+    """Run :func:`shutdown` at interpreter exit (once, however often called); for code that creates its own group."""
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        atexit.register(_shutdown_at_exit)
+        _exit_handler_registered = True
