@@ -93,3 +93,28 @@ def test_shutdown_is_idempotent_and_safe_without_a_group():
     code = "from torsh.engine.distributed import shutdown; shutdown(); shutdown(); print('ok')"
     proc = _run([sys.executable, "-c", code])
     assert (proc.returncode, proc.stdout.strip(), proc.stderr) == (0, "ok", "")
+
+
+ENGINE_SCRIPT = textwrap.dedent("""
+    import atexit, sys, torch
+    # registered before torsh's handler, so it runs after it (atexit is last in, first out)
+    atexit.register(lambda: print("destroyed at exit:", engine._destroyed, flush=True))
+    import torsh
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    engine, *_ = torsh.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    print("destroyed before exit:", engine._destroyed, flush=True)
+""")
+
+
+def test_an_engine_releases_its_reducer_at_exit(tmp_path):
+    """``torsh.initialize`` registers the engine's ``destroy`` with the exit handler: the DDP reducer is let go
+    before the process group is destroyed, without the script calling anything."""
+    script = tmp_path / "job.py"
+    script.write_text(ENGINE_SCRIPT)
+    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = _run([sys.executable, str(script)], env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["destroyed before exit: False", "destroyed at exit: True"]

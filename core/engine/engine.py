@@ -18,7 +18,7 @@ from torch import nn
 
 from torsh.config import ResolvedBatch, TorshConfig
 
-from .distributed import DistInfo
+from .distributed import DistInfo, on_shutdown
 from .precision import PrecisionPlan
 from .sharding import ShardPlan
 
@@ -72,6 +72,9 @@ class Engine(nn.Module):
         self.__dict__["_offloaded"] = None
         self.loaded_checkpoint_dp_world_size: int | None = None  # world sizes of the last loaded checkpoint
         self.loaded_checkpoint_mp_world_size: int | None = None
+        # At interpreter exit the engine lets go of DDP's reducer before the process group is destroyed (a
+        # reducer outliving the group can freeze or abort a finished job); held weakly, so no engine is kept alive.
+        on_shutdown(self.destroy)
 
     def __getattr__(self, name: str):
         # DeepSpeedEngine falls through to the wrapped module for attributes it does not have.

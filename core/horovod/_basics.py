@@ -30,6 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torsh.engine.distributed import elastic_store, register_exit_handler
 from torsh.ranks import RankInfo, discover
 
 _KV_SCOPE = "torsh"
@@ -99,10 +100,14 @@ def _init_process_group(info: RankInfo) -> None:
                                        "processes but gave no rendezvous address; export MASTER_ADDR and MASTER_PORT "
                                        "(rank 0's host and a free port) or launch with torchrun")],
                               source="torsh.horovod.init")  # fmt: skip
-        # Under torchrun the agent already serves the store at MASTER_PORT (as torch's env:// handler knows).
-        hosts_store = info.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, hosts_store, timeout=_timeout())
+        # Under torchrun the agent serves one store for the whole job: meet under this restart attempt's namespace,
+        # or a restarted job reads the addresses of the killed attempt's processes.
+        store = elastic_store(info.world_size, _timeout())
+        if store is None:
+            store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, info.rank == 0,
+                                  timeout=_timeout())  # fmt: skip
     dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size, timeout=_timeout())
+    register_exit_handler()
 
 
 def _store_via_horovod_rendezvous(info: RankInfo) -> dist.Store:
