@@ -32,7 +32,8 @@ def validate(path: Path, *options: str) -> tuple[int, dict | str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(["validate", "--report", "json", *options, str(path)])
-    return code, json.loads(out.getvalue()) if code == 0 else err.getvalue()
+    (result,) = json.loads(out.getvalue())["files"]
+    return code, result["report"] if code == 0 else "\n".join(e["message"] for e in result["errors"])
 
 
 def schema_error_paths(data: object, dialect: str) -> set[str]:
