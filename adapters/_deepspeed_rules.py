@@ -21,6 +21,7 @@ from torsh.config import (
     WarmupDecayLR,
     WarmupLR,
     get_path,
+    set_path,
 )
 from torsh.deferred import AUTO, is_deferred
 from torsh.errors import did_you_mean
@@ -316,6 +317,7 @@ def _deferrable(core_path: str) -> bool:
 def finalize(ctx: ReadContext) -> None:
     """Set the core values that depend on several DeepSpeed keys, with DeepSpeed's defaults explicit."""
     seen = _Seen(ctx)
+    _stage_auto(ctx)
     stage = get_path(ctx.core, "sharding.stage", 0)
     _precision(seen, stage)
     _offload(seen, stage)
@@ -324,6 +326,23 @@ def finalize(ctx: ReadContext) -> None:
     _scheduler(seen)
     for key in [] if ctx.problems else list(seen.items):  # a recorded key nobody claimed is a defect here
         raise AssertionError(f"deepspeed adapter: recorded key {key} was not handled")
+
+
+#: The ZeRO stage Accelerate's DeepSpeed plugin puts in place of "auto" (ACCELERATE_DEEPSPEED_ZERO_STAGE's default;
+#: the HF Trainer builds the same plugin). DeepSpeed alone rejects "auto" here.
+ACCELERATE_DEFAULT_STAGE = 2
+
+
+def _stage_auto(ctx: ReadContext) -> None:
+    """``"zero_optimization.stage": "auto"``: read as the stage Accelerate fills in, with a note saying so."""
+    if get_path(ctx.core, "sharding.stage", 0) is not AUTO:
+        return
+    set_path(ctx.core, "sharding.stage", ACCELERATE_DEFAULT_STAGE)
+    ctx.notes[:] = [n for n in ctx.notes if n.target_path != "sharding.stage"]
+    ctx.note("zero_optimization.stage", APPROXIMATE, f"\"auto\": Accelerate's DeepSpeed plugin (also under the HF "
+             f"Trainer) fills it with its zero_stage, {ACCELERATE_DEFAULT_STAGE} unless ACCELERATE_DEEPSPEED_ZERO_STAGE "
+             "says otherwise; DeepSpeed alone rejects \"auto\" here. Read as "
+             f"{ACCELERATE_DEFAULT_STAGE}", "auto", "sharding.stage")  # fmt: skip
 
 
 #: Keys outside DeepSpeed's pydantic sections: DeepSpeed passes "auto" through raw and fails on it later.

@@ -36,10 +36,12 @@ from torsh.translate import (
     Unsupported,
     WriteContext,
     read_mapping,
+    settle_auto,
     write_mapping,
 )
 
 from ._torch_names import (
+    AUTO_SETTERS,
     SHARDING_STRATEGIES,
     STRATEGY_ALIASES,
     SCRIPT_SIDE,
@@ -734,6 +736,11 @@ def _write_deepspeed_rest(cfg: TorshConfig, ctx: WriteContext) -> None:
 def _write_precision(backend: str):
     def hook(cfg: TorshConfig, ctx: WriteContext) -> None:
         p = cfg.precision
+        if p.param_dtype is AUTO:
+            ctx.note("precision.param_dtype", Fidelity.DEFERRED, "\"auto\": mixed_precision left out (Accelerate "
+                     "then runs fp32); pass accelerate launch --mixed_precision bf16|fp16, or the HF Trainer's "
+                     "--bf16 / --fp16", AUTO)  # fmt: skip
+            return
         name = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[p.param_dtype]
         ctx.put("mixed_precision", name, "precision.param_dtype")
         contract = _precision_contract(backend, p.param_dtype, cfg.sharding.stage)
@@ -751,15 +758,24 @@ def _write_precision(backend: str):
 
 
 def _write_num_processes(cfg: TorshConfig, ctx: WriteContext) -> None:
+    """num_processes (and num_machines) whenever the config says how many; else a note naming the flag to pass.
+
+    ``accelerate launch`` refuses a config file without num_processes ("You need to manually pass in
+    --num_processes") unless the flag is given, so a file that cannot state it says so in its report.
+    """
+    from torsh.contract import config_world_size
+
     launch = cfg.launch
-    if launch.world_size is not None:
-        ctx.put("num_processes", launch.world_size, "launch.world_size")
-    elif launch.nnodes and isinstance(launch.nproc_per_node, int):
-        ctx.put("num_processes", launch.nnodes * launch.nproc_per_node, "launch.nproc_per_node", Fidelity.EXACT,
-                "Accelerate counts the processes of all machines")  # fmt: skip
-    elif launch.nproc_per_node is not None:
-        ctx.note("launch.nproc_per_node", Fidelity.APPROXIMATE, "every visible accelerator (num_processes left out)",
-                 launch.nproc_per_node)  # fmt: skip
+    stated = config_world_size(cfg)
+    if stated is not None:
+        source = "launch.world_size" if launch.world_size is not None else (
+            "launch.nproc_per_node" if isinstance(launch.nproc_per_node, int) else "batch.global_batch_size")
+        ctx.put("num_processes", stated[0], source, Fidelity.EXACT, f"{stated[1]}; Accelerate counts the processes "
+                "of all machines")  # fmt: skip
+    else:
+        ctx.note("launch.world_size", Fidelity.DEFERRED, "the config does not say how many processes: num_processes "
+                 "not written; pass accelerate launch --num_processes N (it refuses the file otherwise)", None)
+    # num_machines: written from launch.nnodes when the config says; absent, Accelerate runs on one machine.
 
 
 _PRECISION_CLAIMS = ("precision.param_dtype", "precision.reduce_dtype", "precision.buffer_dtype", "precision.autocast",
@@ -807,6 +823,8 @@ _SCRIPT_SIDE = {  # core sections an accelerate config leaves to the training sc
 
 def _finalize_write(backend: str):
     def finalize(ctx: WriteContext) -> None:
+        settle_auto(ctx, AUTO_SETTERS, keep=("deepspeed_config.gradient_accumulation_steps",
+                                             "deepspeed_config.gradient_clipping"))
         also = "; or write the DeepSpeed JSON (--to deepspeed) and name it in deepspeed_config_file"
         explain_unsupported(ctx, _SCRIPT_SIDE, also if backend == "deepspeed" else "")
         if backend == "deepspeed":

@@ -38,11 +38,13 @@ from torsh.translate import (
     WriteContext,
     check_version,
     read_mapping,
+    settle_auto,
     write_mapping,
 )
 
 from . import _fsdp_frameworks as frameworks
 from ._torch_names import (
+    AUTO_SETTERS,
     DTYPES,
     NO_SHARD_REASON,
     SHARDING_STRATEGIES,
@@ -428,10 +430,22 @@ def _write_reshard(cfg: TorshConfig, ctx: WriteContext) -> None:
         ctx.put("fully_shard.reshard_after_forward", False, "sharding.stage", Fidelity.APPROXIMATE, _ZERO1_REASON)
     else:
         ctx.put("fully_shard.reshard_after_forward", bool(s.effective_reshard_after_forward), "sharding.stage")
-    if s.hybrid_shard_size is not None:
-        mesh = mesh_description(s.hybrid_shard_size, _mesh_names(cfg))
+    size = node_shard_size(cfg)
+    if size is not None:
+        mesh = mesh_description(size, _mesh_names(cfg))
         ctx.put("fully_shard.mesh", mesh, "sharding.hybrid_shard_size", Fidelity.EXACT,
-                "HSDP: dim 0 replicates, dim 1 shards; -1: the remaining ranks")
+                "HSDP: dim 0 replicates, dim 1 shards; -1: the remaining ranks" + (
+                    f"; \"auto\" (each node) resolved to the {size} processes per node" if
+                    s.hybrid_shard_size is AUTO and size is not AUTO else ""))  # fmt: skip
+
+
+def node_shard_size(cfg: TorshConfig) -> Any:
+    """The hybrid shard group size to write: the number, or for "auto" (each node) the processes per node when the
+    config knows them, else AUTO; None without hybrid sharding."""
+    size, per_node = cfg.sharding.hybrid_shard_size, cfg.launch.nproc_per_node
+    if size is AUTO and isinstance(per_node, int) and not isinstance(per_node, bool):
+        return per_node
+    return size
 
 
 def _mesh_names(cfg: TorshConfig) -> tuple[str, str]:
@@ -556,6 +570,7 @@ _WRITE_VALUES = {k: {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.f
 
 def _finalize_write(version: str):
     def finalize(ctx: WriteContext) -> None:
+        settle_auto(ctx, AUTO_SETTERS)
         prune_defaults(ctx, _WRITE_DEFAULTS[version])
         explain_unsupported(ctx, SCRIPT_SIDE)
         mp = get_path(ctx.out, "fully_shard.mp_policy")
@@ -606,7 +621,10 @@ def snippet(cfg: TorshConfig) -> str:
              "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard", "",
              'device_type = "cuda" if torch.cuda.is_available() else "cpu"']  # fmt: skip
     if s.hybrid_shard_size is not None:
-        size = "torch.cuda.device_count() or 1" if s.hybrid_shard_size is AUTO else str(s.hybrid_shard_size)
+        size = node_shard_size(cfg)
+        if size is AUTO:
+            lines.insert(0, "import os")
+        size = 'int(os.environ.get("LOCAL_WORLD_SIZE", 1))' if size is AUTO else str(size)
         lines += [f"shard_size = {size}  # ranks that shard together; the groups replicate",
                   "mesh = init_device_mesh(device_type, (dist.get_world_size() // shard_size, shard_size),",
                   f"                        mesh_dim_names={MESH_NAMES!r})"]  # fmt: skip
@@ -615,7 +633,9 @@ def snippet(cfg: TorshConfig) -> str:
     reshard = bool(s.effective_reshard_after_forward) if s.stage >= 2 else False
     kwargs = ["mesh=mesh", f"reshard_after_forward={reshard}"]
     mp = []
-    if p.param_dtype != "fp32":
+    if p.param_dtype is AUTO:
+        lines.append('# precision "auto": add mp_policy=MixedPrecisionPolicy(param_dtype=...) for the training dtype')
+    elif p.param_dtype != "fp32":
         mp.append(f"param_dtype={_TORCH_DTYPES[p.param_dtype]}")
     if p.reduce_dtype is not None and p.reduce_dtype != p.param_dtype:
         mp.append(f"reduce_dtype={_TORCH_DTYPES[p.reduce_dtype]}")
