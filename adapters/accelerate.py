@@ -25,6 +25,7 @@ from torsh.errors import ConfigError, Problem
 from torsh.translate import (
     NOTHING,
     Alias,
+    Dropped,
     Fidelity,
     FieldMap,
     Hook,
@@ -274,7 +275,8 @@ TOP_MAP = {
     "gpu_ids": Ignored("CUDA_VISIBLE_DEVICES: " + _LAUNCHER),
     "dynamo_backend": Hook(read=_read_dynamo),
     "dynamo_config": Hook(read=_read_dynamo),
-    "ipex_config.*": Ignored("Intel Extension for PyTorch: a kernel choice"),
+    "ipex_config.*": Dropped("removed from Accelerate (IPEX is used when installed): accelerate launch 1.15 refuses a "
+                             "config file with this key (\"unknown keys\"); delete it"),
     "mpirun_config.*": Ignored("mpirun launcher settings: " + _LAUNCHER),
     "megatron_lm_config.*": Unsupported("Megatron-LM tensor/pipeline parallelism; torsh runs data parallel jobs"),
     "fp8_config.*": Unsupported("fp8 training recipes (Transformer Engine / torchao); torsh computes in bf16/fp16"),
@@ -682,12 +684,20 @@ def _write_fsdp_rest(version: int):
             policy = cfg.extensions[NAME]["fsdp_config.fsdp_auto_wrap_policy"]
             ctx.put("fsdp_config.fsdp_auto_wrap_policy", policy, "sharding.wrap", Fidelity.EXACT,
                     f"{policy}, as in the source file")  # fmt: skip
+        elif s.stage >= 2:
+            # Per-layer units are what keeps ZeRO-3's memory behaviour (one gathered layer at a time); NO_WRAP would
+            # gather the whole model at once.
+            ctx.put("fsdp_config.fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "sharding.wrap",
+                    Fidelity.APPROXIMATE, "the layer classes are not in the config: Accelerate wraps the model's "
+                    "_no_split_modules (Hugging Face models); for other models set "
+                    "fsdp_transformer_layer_cls_to_wrap to the block class")  # fmt: skip
         else:
-            ctx.put("fsdp_config.fsdp_auto_wrap_policy", "NO_WRAP", "sharding.wrap", Fidelity.APPROXIMATE, "torsh's "
-                    "default wraps each direct child; NO_WRAP makes the whole model one unit (same numerics)")
+            ctx.put("fsdp_config.fsdp_auto_wrap_policy", "NO_WRAP", "sharding.wrap", Fidelity.EXACT, "ZeRO-0/1 keep "
+                    "whole parameters: one unit")  # fmt: skip
         prefetch = s.backward_prefetch
         if version == 1:
-            name = {v: k for k, v in _PREFETCH.items()}[prefetch or "none"]
+            # Unset (e.g. from DeepSpeed, which prefetches the next parameters): torch's default BACKWARD_PRE.
+            name = {v: k for k, v in _PREFETCH.items()}[prefetch or "backward_pre"]
             ctx.put("fsdp_config.fsdp_backward_prefetch", name, "sharding.backward_prefetch")
             ctx.put("fsdp_config.fsdp_forward_prefetch", s.forward_prefetch, "sharding.forward_prefetch")
             ctx.put("fsdp_config.fsdp_sync_module_states", s.sync_module_states, "sharding.sync_module_states")
