@@ -24,7 +24,7 @@ from torsh.config import (
     set_path,
 )
 from torsh.deferred import AUTO, is_deferred
-from torsh.errors import did_you_mean
+from torsh.errors import Problem, did_you_mean
 from torsh.translate import Fidelity, FieldMap, Hook, Note, ReadContext, Status, To, WriteContext
 
 EXACT, APPROXIMATE, DEFAULTED = Fidelity.EXACT, Fidelity.APPROXIMATE, Fidelity.DEFAULTED
@@ -234,6 +234,27 @@ def unknown_in_whole_sections(raw: Mapping[str, Any], fmap: FieldMap, schema: Ma
             notes.append(Note(".".join([*path, key]), None, err.instance[key], DROPPED,
                               f"unknown key: DeepSpeed 0.19.8 would refuse it in this section; dropped{hint}"))
     return out, notes
+
+
+#: Sections DeepSpeed 0.19.8 parses with pydantic models that forbid extra keys (DeepSpeedConfigModel,
+#: ``extra="forbid"``): an unknown key inside one makes ``DeepSpeedConfig`` raise a ValidationError at start-up.
+#: Checked against DeepSpeed 0.19.8 itself (tests/test_consumer_deepspeed_validate.py).
+STRICT_SECTIONS = ("zero_optimization", "fp16", "bf16", "bfloat16", "tensorboard", "wandb", "csv_monitor", "comet",
+                   "compile", "hybrid_engine", "tensor_parallel", "comms_logger", "weight_quantization")
+
+
+def refused_unknown_keys(notes: list[Note]) -> list[Problem]:
+    """The unknown-key notes DeepSpeed would refuse (inside a strict section), as problems naming the key."""
+    problems = []
+    for note in notes:
+        top = note.source_path.split(".", 1)[0]
+        if top in STRICT_SECTIONS and "." in note.source_path and note.reason.startswith("unknown key"):
+            hint = note.reason.rsplit("did you mean '", 1)
+            suggestion = hint[1].rstrip("'?") if len(hint) == 2 else None
+            problems.append(Problem(note.source_path, note.value, f"unknown key: DeepSpeed 0.19.8 refuses the whole "
+                                    f"config for it (its {top} section forbids extra keys); fix its spelling or "
+                                    "remove it", suggestion))  # fmt: skip
+    return problems
 
 
 def _rule_above(path: list[str], fmap: FieldMap) -> Any:

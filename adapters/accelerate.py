@@ -185,18 +185,21 @@ def _read_state_dict(value: Any, ctx: ReadContext, path: str) -> Any:
 def _read_deepspeed_file(value: Any, ctx: ReadContext, path: str, base_dir: Any) -> None:
     """Read the DeepSpeed JSON the YAML points at through the deepspeed dialect; its notes are prefixed."""
     from torsh import adapters
-    from torsh.formats import load_file
 
     if "deepspeed" not in adapters.names():
         ctx.problem(path, value, "reading a DeepSpeed config file needs the deepspeed dialect, which is not "
                     "installed in this torsh; inline the settings under deepspeed_config instead")  # fmt: skip
         return
-    base = base_dir if base_dir is not None else Path(os.getcwd())
-    file = Path(base) / str(value)
-    if not file.is_file():
-        ctx.problem(path, value, f"no such DeepSpeed config file ({file}); the path is relative to the YAML file")
+    file, where = _locate_deepspeed_file(str(value), base_dir)
+    if file is None:
+        ctx.problem(path, value, f"no such file: accelerate launch opens deepspeed_config_file relative to the "
+                    f"working directory ({Path.cwd()}); give a path from there or an absolute one")  # fmt: skip
         return
-    data, _ = load_file(file)
+    data = _deepspeed_json(file, ctx, path, value)
+    if data is None:
+        return
+    if where:
+        ctx.note(path, Fidelity.APPROXIMATE, where, value)
     try:
         inner = adapters.get("deepspeed").read(data)
     except ConfigError as exc:
@@ -212,6 +215,43 @@ def _read_deepspeed_file(value: Any, ctx: ReadContext, path: str, base_dir: Any)
         ctx.core.setdefault("extensions", {}).setdefault(dialect, {}).update(keys)
     ctx.notes.extend(Note(f"{value}:{n.source_path}", n.target_path, n.value, n.fidelity, n.reason)
                      for n in inner.notes)  # fmt: skip
+
+
+def _locate_deepspeed_file(value: str, base_dir: Any) -> tuple[Path | None, str]:
+    """The file Accelerate opens (relative to the working directory), and a note when it is only found next to
+    the YAML (read from there so the YAML can still be converted; accelerate launch would not find it)."""
+    file = Path(value).expanduser()
+    if file.is_file():
+        return file, ""
+    if not file.is_absolute() and base_dir is not None and (Path(base_dir) / file).is_file():
+        return Path(base_dir) / file, (f"accelerate launch opens this path relative to the working directory "
+                                       f"({Path.cwd()}), where it does not exist; read from the YAML's folder: run "
+                                       "accelerate launch from there or give an absolute path")  # fmt: skip
+    return None, ""
+
+
+def _deepspeed_json(file: Path, ctx: ReadContext, path: str, value: Any) -> dict | None:
+    """The referenced file parsed as Accelerate parses it (``json.load``), or a problem that never quotes its
+    content: the path may name any file (``/etc/passwd``), which must not be echoed key by key."""
+    import json
+
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        ctx.problem(path, value, f"cannot be read as a text file ({type(exc).__name__})")
+        return None
+    except json.JSONDecodeError as exc:
+        ctx.problem(path, value, f"not a DeepSpeed JSON config: Accelerate reads it with json.load, which fails at "
+                    f"line {exc.lineno} column {exc.colno} ({exc.msg}; comments and trailing commas are not JSON)")
+        return None
+    from torsh import adapters
+
+    if not isinstance(data, dict) or adapters.get("deepspeed").sniff(data) <= 0:
+        what = "a JSON object" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+        ctx.problem(path, value, f"not a DeepSpeed config: the file holds {what} without DeepSpeed's keys "
+                    "(train_batch_size, zero_optimization, fp16/bf16, ...)")  # fmt: skip
+        return None
+    return data
 
 
 def _read_parallelism(value: Any, ctx: ReadContext, path: str) -> None:

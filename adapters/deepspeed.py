@@ -254,6 +254,9 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
     raw, nested_notes = rules.unknown_in_whole_sections(raw, _FIELD_MAP, schemas.load(NAME))
     known, unknown_notes = rules.split_unknown(raw, _FIELD_MAP)
     unknown_notes += nested_notes
+    refused = rules.refused_unknown_keys(unknown_notes)
+    if refused:
+        raise ConfigError(refused, source=NAME)
     translation = read_mapping(known, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS,
                                deferred_sources=rules.DEFERRED_SOURCES, finalize=rules.finalize)
     translation.notes[:0] = early_notes
@@ -266,7 +269,8 @@ def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
     """Write the core model as DeepSpeed 0.19.8 JSON; what DeepSpeed cannot express becomes a note."""
     check_version(NAME, version, VERSIONS)
     translation = write_mapping(cfg, dialect=NAME, field_map=_WRITE_MAP, value_maps=VALUE_MAPS)
-    _batch_for_deepspeed(translation)
+    if NAME not in cfg.extensions:  # a DeepSpeed source is written back with the batch keys it had
+        _batch_for_deepspeed(translation)
     return translation
 
 

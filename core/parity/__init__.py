@@ -363,6 +363,8 @@ def _resolve_batch(out: dict[str, Any], nproc: int, fill: Callable[..., None]) -
     keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     given = {k: out.get(k) for k in keys}
     auto = [k for k in keys if _is_auto(given[k])]
+    if given["train_batch_size"] is None and given["train_micro_batch_size_per_gpu"] is None:
+        auto.append("train_micro_batch_size_per_gpu")  # no batch at all: Accelerate fills it as for "auto"
     if not auto:
         return
     known = {k: v for k, v in given.items() if isinstance(v, int) and not isinstance(v, bool)}
