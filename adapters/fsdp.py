@@ -410,13 +410,21 @@ def _write_strategy(cfg: TorshConfig, ctx: WriteContext) -> None:
             Fidelity.EXACT, ""
     if s.hybrid_shard_size is not None:
         name = "HYBRID_SHARD" if name == "FULL_SHARD" else "_HYBRID_SHARD_ZERO2"
-        if s.hybrid_shard_size is AUTO:
+        size = node_shard_size(cfg)
+        if size is AUTO and (s.wrap.module_classes or s.wrap.min_num_params):
             ctx.notes.append(Note("sharding.hybrid_shard_size", None, AUTO, Fidelity.EXACT,
                                    "HYBRID_SHARD without a mesh shards within each node"))  # fmt: skip
+        elif size is AUTO:
+            ctx.notes.append(Note("sharding.hybrid_shard_size", None, AUTO, Fidelity.APPROXIMATE, "HYBRID_SHARD "
+                                  "without a mesh: FSDP1 builds the node-local groups only with an auto_wrap_policy "
+                                  "and refuses it otherwise; pass device_mesh=init_device_mesh(device, (world size "
+                                  "// LOCAL_WORLD_SIZE, LOCAL_WORLD_SIZE)) in the script"))  # fmt: skip
         else:
-            mesh = mesh_description(s.hybrid_shard_size, _mesh_names(cfg))
+            mesh = mesh_description(size, _mesh_names(cfg))
             ctx.put("device_mesh", mesh, "sharding.hybrid_shard_size", Fidelity.EXACT,
-                    "dim 0 replicates, dim 1 shards; -1: the remaining ranks")
+                    "dim 0 replicates, dim 1 shards; -1: the remaining ranks" + (
+                        f"; \"auto\" (each node) resolved to the {size} processes per node"
+                        if s.hybrid_shard_size is AUTO else ""))  # fmt: skip
     ctx.put("sharding_strategy", name, "sharding.stage", fidelity, reason)
 
 
@@ -648,19 +656,28 @@ def snippet(cfg: TorshConfig) -> str:
     lines += ["fsdp_kwargs = dict(", *(f"    {k}," for k in kwargs), ")", ""]
     if s.sync_module_states:
         lines.append("full_state = model.state_dict() if dist.get_rank() == 0 else {}  # rank 0 loaded the weights")
+    # fully_shard refuses containers without a forward (ModuleList / ModuleDict, a model's ``layers``): like the
+    # engine, the snippet never makes one a unit and looks through them to their children.
+    containers = "(torch.nn.ModuleList, torch.nn.ModuleDict)"
     if s.wrap.module_classes:
         lines += [f"shard_classes = {set(s.wrap.module_classes)!r}",
-                  "blocks = [m for m in model.modules() if type(m).__name__ in shard_classes]"]  # fmt: skip
+                  "blocks = [m for m in model.modules() if m is not model and type(m).__name__ in shard_classes]"]
     elif s.wrap.min_num_params:
         lines += [f"min_num_params = {s.wrap.min_num_params}",
                   "blocks, taken = [], set()",
                   "for m in reversed(list(model.modules())):  # children before parents, like size_based_auto_wrap",
+                  f"    if m is model or isinstance(m, {containers}):",
+                  "        continue",
                   "    own = [q for q in m.parameters() if id(q) not in taken]",
-                  "    if m is not model and sum(q.numel() for q in own) >= min_num_params:",
+                  "    if sum(q.numel() for q in own) >= min_num_params:",
                   "        blocks.append(m)",
                   "        taken.update(id(q) for q in own)"]  # fmt: skip
     else:
-        lines.append("blocks = [m for m in model.children() if any(True for _ in m.parameters())]")
+        lines += ["def children(module):  # direct children, looking through ModuleList / ModuleDict",
+                  "    for child in module.children():",
+                  f"        yield from children(child) if isinstance(child, {containers}) else [child]",
+                  "",
+                  "blocks = [m for m in children(model) if any(True for _ in m.parameters())]"]  # fmt: skip
     lines += ["for block in blocks:", "    fully_shard(block, **fsdp_kwargs)", "fully_shard(model, **fsdp_kwargs)"]
     if s.forward_prefetch:
         lines += ["for block, following in zip(blocks, blocks[1:]):  # forward_prefetch",
