@@ -30,9 +30,9 @@ EXIT_CODES = (0, 1, 2)
 #: the dialect each folder holds, by preference; the first one torsh has is passed with --from (else sniffed)
 FOLDER_DIALECTS = {
     "deepspeed": ("deepspeed",), "deepspeed_config_templates": ("deepspeed",), "accelerate": ("accelerate",),
-    "accelerate_variants": ("accelerate",), "fsdp": ("fsdp",), "horovod": ("horovod",),
-    "torchtitan": ("torchtitan",), "torchtune": ("torchtune",), "fsdp_plugin_json": ("fsdp_plugin", "fsdp"),
-    "refused": (),
+    "accelerate_variants": ("accelerate",), "fsdp": ("fsdp",), "fairscale": ("fairscale",),
+    "horovod": ("horovod",), "torchtitan": ("torchtitan",), "torchtune": ("torchtune",),
+    "fsdp_plugin_json": ("fsdp_plugin", "fsdp"), "lightning": ("lightning",), "refused": (),
 }  # fmt: skip
 LAUNCHERS = ("torchrun", "deepspeed", "horovodrun", "mpirun", "all")
 #: config files: everything in the folders above but the source records
