@@ -32,7 +32,7 @@ FOLDER_DIALECTS = {
     "deepspeed": ("deepspeed",), "deepspeed_config_templates": ("deepspeed",), "accelerate": ("accelerate",),
     "accelerate_variants": ("accelerate",), "fsdp": ("fsdp",), "fairscale": ("fairscale",),
     "horovod": ("horovod",), "torchtitan": ("torchtitan",), "torchtune": ("torchtune",),
-    "fsdp_plugin_json": ("fsdp_plugin", "fsdp"), "lightning": ("lightning",), "refused": (),
+    "fsdp_plugin_json": ("fsdp_plugin", "fsdp"), "lightning": ("lightning",), "trainer_yaml": (), "refused": (),
 }  # fmt: skip
 LAUNCHERS = ("torchrun", "deepspeed", "horovodrun", "mpirun", "all")
 #: config files: everything in the folders above but the source records
