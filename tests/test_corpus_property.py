@@ -2,8 +2,9 @@
 
 The property: whatever a real public config holds, `torsh-migrate` answers with an exit code - 0 (done), 1 (lossy
 or different) or 2 (refused, with a message) - and never with a traceback. Each file is run through `validate`,
-`explain`, `convert --to` every dialect, `snippet` and `diff` against a sibling; each real launch line through
-`launch --to` every launcher. One test per file collects every failing command, so one run lists them all.
+`explain`, `convert --to` every dialect, `snippet` and `diff` against a sibling; each real launch line (and a job on
+each real hostfile) through `launch --to` every launcher. One test per file collects every failing command, so one
+run lists them all.
 
 The input dialect is sniffed, or given with `--from` where the folder names a dialect torsh has. Commands run
 in-process (`torsh.cli.main`) in the file's folder, where relative paths inside a config (an Accelerate YAML's
@@ -109,6 +110,17 @@ def test_every_launcher_answers_a_real_launch_line_with_an_exit_code(line, monke
     assert not failures, f"{line['id']}: {len(failures)} command(s) raised:\n" + "\n".join(failures)
 
 
+HOSTFILES = sorted(p for p in (CORPUS / "launch").iterdir() if p.name.endswith("hostfile"))
+
+
+@pytest.mark.parametrize("hostfile", HOSTFILES, ids=lambda p: p.name)
+def test_every_launcher_answers_a_job_on_a_real_hostfile_with_an_exit_code(hostfile, monkeypatch):
+    monkeypatch.chdir(hostfile.parent)
+    job = f"deepspeed --hostfile {hostfile.name} train.py"
+    failures = _failures([["launch", "--to", target, "--hostfile", hostfile.name, "--", job] for target in LAUNCHERS])
+    assert not failures, f"{hostfile.name}: {len(failures)} command(s) raised:\n" + "\n".join(failures)
+
+
 # ---- the corpus itself -----------------------------------------------------------------------------------
 
 _SOURCES = ("SOURCES.md", "deepspeed/SOURCES.md", "launch/SOURCES.md")
@@ -143,9 +155,9 @@ def test_every_corpus_file_and_line_has_a_source_commit_and_licence():
 
 
 def test_the_corpus_looks_like_the_world():
-    """At least 250 real files and launch lines from at least 30 repositories, across every dialect folder."""
-    repos = {row["repository"] for row in _rows()}
-    hostfiles = [p for p in (CORPUS / "launch").iterdir() if p.name.endswith("hostfile")]
-    assert len(FILES) + len(hostfiles) >= 250, len(FILES)
+    """At least 250 real config files from at least 30 repositories, across every dialect folder (launch lines
+    come on top)."""
+    repos = {row["repository"] for row in _rows() if "file" in row}
+    assert len(FILES) + len(HOSTFILES) >= 250, len(FILES)
     assert len(repos) >= 30, sorted(repos)
     assert all(any(p.parent.name == folder for p in FILES) for folder in FOLDER_DIALECTS)
