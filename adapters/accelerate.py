@@ -877,6 +877,13 @@ def _finalize_write(backend: str):
                                              "deepspeed_config.gradient_clipping"))
         also = "; or write the DeepSpeed JSON (--to deepspeed) and name it in deepspeed_config_file"
         explain_unsupported(ctx, _SCRIPT_SIDE, also if backend == "deepspeed" else "")
+        if backend == "deepspeed" and "deepspeed_config_file" in ctx.out.get("deepspeed_config", {}):
+            # written inline: Accelerate refuses a deepspeed_config_file next to zero_stage & co.
+            value = ctx.out["deepspeed_config"].pop("deepspeed_config_file")
+            ctx.notes[:] = [n for n in ctx.notes if n.target_path != "deepspeed_config.deepspeed_config_file"]
+            ctx.notes.append(Note(f"extensions.{NAME}.deepspeed_config.deepspeed_config_file", None, value,
+                                  Fidelity.DROPPED, "the settings are written inline, and Accelerate refuses a "
+                                  "deepspeed_config_file next to them"))  # fmt: skip
         if backend == "deepspeed":
             # "auto" is what Accelerate's plugin uses for these anyway: leave them out, as `accelerate config` does.
             for key in ("gradient_accumulation_steps", "gradient_clipping"):

@@ -47,7 +47,9 @@ def field_schema(annotation: Any) -> dict:
         return {"enum": [m.value[0] if isinstance(m.value, tuple) else m.value for m in annotation]}
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return model_schema(annotation)
-    simple = {bool: "boolean", int: "number", float: "number", str: "string"}  # 5e8-style numbers are common
+    # int: "integer", which JSON Schema also grants 5e8-style floats with no fraction (as pydantic does); a fractional
+    # value (min_loss_scale 1e-10) is refused, as DeepSpeed refuses it
+    simple = {bool: "boolean", int: "integer", float: "number", str: "string"}
     if annotation in simple:
         return {"type": simple[annotation]}
     return {"type": "string"} if str(annotation).endswith("Path'>") else {}

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_accelerate_corpus import REFUSED
 from adapter_validator import assert_accounted
 
 from torsh import adapters
@@ -217,6 +218,8 @@ def test_fp32_reduce_is_approximate_in_accelerate_mixed_precision():
 
 def test_writing_reads_back_to_the_same_config_for_every_corpus_yaml():
     for path in sorted((CORPUS / "accelerate").glob("*.yaml")):
+        if path.name in REFUSED:  # refused with a ConfigError naming the key (tests/test_accelerate_corpus.py)
+            continue
         first = adapters.load(path)
         written = adapters.write(first.result, "accelerate")
         if "deepspeed_config_file" in path.read_text():

@@ -22,9 +22,11 @@ HERE = Path(__file__).parent
 AUTO_DIR = HERE / "fixtures" / "consumer" / "auto"
 AUTO_FILES = sorted(AUTO_DIR.iterdir())
 ROOT = HERE.parent
-#: Every config the project ships: the corpus and the migration examples.
-ALL_FILES = sorted(p for base in (HERE / "fixtures" / "corpus", ROOT / "migration_examples") for p in base.rglob("*")
-                   if p.suffix in (".json", ".yaml", ".yml", ".toml", ".conf"))  # fmt: skip
+_SUFFIXES = (".json", ".yaml", ".yml", ".toml", ".conf")
+#: The migration examples (the corpus goes through every command in tests/test_corpus_property.py; here only
+#: through parity, which that test leaves out).
+ALL_FILES = sorted(p for p in (ROOT / "migration_examples").rglob("*") if p.suffix in _SUFFIXES)
+CORPUS_FILES = sorted(p for p in (HERE / "fixtures" / "corpus").rglob("*") if p.suffix in _SUFFIXES)
 #: (dialect, version) of every writer whose consumer has no "auto".
 NO_AUTO_TARGETS = [("fsdp", "fsdp1"), ("fsdp", "fsdp2"), ("fairscale", None), ("accelerate", "fsdp1"),
                    ("accelerate", "fsdp2"), ("accelerate", "ddp")]  # fmt: skip
@@ -75,6 +77,14 @@ def test_every_command_and_target_ends_in_a_result_or_a_config_error(path, tmp_p
 def test_auto_files_are_read(path):
     translation = adapters.load(path)
     assert translation.result.deferred_paths() or any(n.fidelity is Fidelity.DEFERRED for n in translation.notes)
+
+
+@pytest.mark.parametrize("path", CORPUS_FILES, ids=lambda p: str(p.relative_to(HERE)))
+def test_parity_setup_ends_in_a_result_or_a_config_error_for_every_corpus_file(path, no_launch, monkeypatch):
+    monkeypatch.chdir(path.parent)
+    code, _, err = run_cli(["parity", path.name, "--steps", "1"])
+    assert code in (0, 2), (path, code, err)
+    assert code == 0 or ("error:" in err and "Traceback" not in err), err
 
 
 @pytest.mark.parametrize("target", NO_AUTO_TARGETS, ids=lambda t: "-".join(filter(None, t)))
