@@ -162,3 +162,11 @@ def test_parity_resolution_follows_deepspeed_batch_rule():
 def test_explain_json_with_auto_is_json():
     code, out, _ = run_cli(["explain", str(AUTO_DIR / "deepspeed_every_auto.json"), "--format", "json"])
     assert code == 0 and json.loads(out)["deferred"]
+
+
+@pytest.mark.slow
+def test_parity_runs_a_config_of_auto_values_under_real_deepspeed_and_torsh(tmp_path):
+    pytest.importorskip("deepspeed", reason="the reference run is real DeepSpeed")
+    report = parity.check_config(str(AUTO_DIR / "deepspeed_hf_trainer_auto.json"), steps=2, workdir=tmp_path)
+    assert report.passed, report.comparison
+    assert any(n.startswith("train_micro_batch_size_per_gpu: \"auto\" -> 4") for n in report.comparison.notes)
