@@ -361,8 +361,8 @@ def _stage_auto(ctx: ReadContext) -> None:
     set_path(ctx.core, "sharding.stage", ACCELERATE_DEFAULT_STAGE)
     ctx.notes[:] = [n for n in ctx.notes if n.target_path != "sharding.stage"]
     ctx.note("zero_optimization.stage", APPROXIMATE, f"\"auto\": Accelerate's DeepSpeed plugin (also under the HF "
-             f"Trainer) fills it with its zero_stage, {ACCELERATE_DEFAULT_STAGE} unless ACCELERATE_DEEPSPEED_ZERO_STAGE "
-             "says otherwise; DeepSpeed alone rejects \"auto\" here. Read as "
+             f"Trainer) fills it with its zero_stage, {ACCELERATE_DEFAULT_STAGE} unless "
+             "ACCELERATE_DEEPSPEED_ZERO_STAGE says otherwise; DeepSpeed alone rejects \"auto\" here. Read as "
              f"{ACCELERATE_DEFAULT_STAGE}", "auto", "sharding.stage")  # fmt: skip
 
 

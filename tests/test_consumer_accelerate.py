@@ -203,8 +203,8 @@ def test_accelerate_launch_runs_the_written_yaml_on_two_cpu_processes(source, ba
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE, encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "ACCELERATE_USE_CPU": "true"}
-    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(out),
-                             str(probe), str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(out), str(probe), str(tmp_path)]
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     assert [r["process_index"] for r in ranks] == [0, 1]
