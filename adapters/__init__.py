@@ -5,7 +5,8 @@ helpers) or an entry point in the ``torsh.adapters`` group. Every dialect module
 ``NAME``, ``FIELD_MAP``, ``VALUE_MAPS``, ``ALIASES``, ``read(raw, *, version=None)``,
 ``write(cfg, *, version=None)`` and ``sniff(raw) -> float`` (0: not this dialect, 1: certainly this one).
 A dialect whose files name other files sets ``READS_RELATIVE_PATHS = True``; ``load`` then passes
-``base_dir`` (the config's folder) to its ``read``.
+``base_dir`` (the config's folder) to its ``read``, which resolves them as their consumer does (Accelerate: the
+working directory) and reports when they are found only next to the config.
 """
 
 from __future__ import annotations
@@ -72,6 +73,21 @@ def sniff(raw: Any) -> str:
     return scores[0][1]
 
 
+SCHEMA_KEY = "$schema"
+
+
+def _without_schema_key(raw: Any) -> tuple[Any, list]:
+    """A top-level ``"$schema"`` (an editor's pointer to a JSON Schema, e.g. ``torsh-migrate schema``'s output) is
+    allowed in every dialect: taken out before the dialect reads the file, with an ignored note."""
+    from torsh.translate import Fidelity, Note
+
+    if not isinstance(raw, dict) or SCHEMA_KEY not in raw:
+        return raw, []
+    rest = {k: v for k, v in raw.items() if k != SCHEMA_KEY}
+    return rest, [Note(SCHEMA_KEY, None, raw[SCHEMA_KEY], Fidelity.IGNORED, "a JSON Schema reference for editors; "
+                       "no effect on training")]  # fmt: skip
+
+
 def read(raw: Any, dialect: str | None = None, *, version: str | None = None) -> Translation[TorshConfig]:
     """Read parsed config data of any dialect (sniffed when not given) into the core model.
 
@@ -80,7 +96,9 @@ def read(raw: Any, dialect: str | None = None, *, version: str | None = None) ->
     """
     from torsh.compression_rules import compression_notes_for_stage
 
+    raw, schema_notes = _without_schema_key(raw)
     translation = get(dialect or sniff(raw)).read(raw, version=version)
+    translation.notes[:0] = schema_notes
     cfg = translation.result
     translation.notes.extend(compression_notes_for_stage(cfg.compression, cfg.sharding.stage))
     return translation
@@ -99,11 +117,16 @@ def load(source: str | os.PathLike[str] | dict | TorshConfig, dialect: str | Non
     if isinstance(source, dict):
         return read(source, dialect, version=version)
     data, _ = load_file(source)
+    data, schema_notes = _without_schema_key(data)
     try:
         adapter = get(dialect or sniff(data))
         if getattr(adapter, "READS_RELATIVE_PATHS", False):
-            # The config names other files (Accelerate's deepspeed_config_file): relative to the config's folder.
-            return adapter.read(data, version=version, base_dir=Path(source).parent)
-        return adapter.read(data, version=version)
+            # The config names other files (Accelerate's deepspeed_config_file): the consumer opens them relative to
+            # the working directory; the config's folder is where the adapter looks when they are not there.
+            translation = adapter.read(data, version=version, base_dir=Path(source).parent)
+        else:
+            translation = adapter.read(data, version=version)
+        translation.notes[:0] = schema_notes
+        return translation
     except ConfigError as exc:
         raise exc.with_source(str(Path(source))) from None

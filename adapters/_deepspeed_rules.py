@@ -21,9 +21,10 @@ from torsh.config import (
     WarmupDecayLR,
     WarmupLR,
     get_path,
+    set_path,
 )
 from torsh.deferred import AUTO, is_deferred
-from torsh.errors import did_you_mean
+from torsh.errors import Problem, did_you_mean
 from torsh.translate import Fidelity, FieldMap, Hook, Note, ReadContext, Status, To, WriteContext
 
 EXACT, APPROXIMATE, DEFAULTED = Fidelity.EXACT, Fidelity.APPROXIMATE, Fidelity.DEFAULTED
@@ -235,6 +236,27 @@ def unknown_in_whole_sections(raw: Mapping[str, Any], fmap: FieldMap, schema: Ma
     return out, notes
 
 
+#: Sections DeepSpeed 0.19.8 parses with pydantic models that forbid extra keys (DeepSpeedConfigModel,
+#: ``extra="forbid"``): an unknown key inside one makes ``DeepSpeedConfig`` raise a ValidationError at start-up.
+#: Checked against DeepSpeed 0.19.8 itself (tests/test_consumer_deepspeed_validate.py).
+STRICT_SECTIONS = ("zero_optimization", "fp16", "bf16", "bfloat16", "tensorboard", "wandb", "csv_monitor", "comet",
+                   "compile", "hybrid_engine", "tensor_parallel", "comms_logger", "weight_quantization")
+
+
+def refused_unknown_keys(notes: list[Note]) -> list[Problem]:
+    """The unknown-key notes DeepSpeed would refuse (inside a strict section), as problems naming the key."""
+    problems = []
+    for note in notes:
+        top = note.source_path.split(".", 1)[0]
+        if top in STRICT_SECTIONS and "." in note.source_path and note.reason.startswith("unknown key"):
+            hint = note.reason.rsplit("did you mean '", 1)
+            suggestion = hint[1].rstrip("'?") if len(hint) == 2 else None
+            problems.append(Problem(note.source_path, note.value, f"unknown key: DeepSpeed 0.19.8 refuses the whole "
+                                    f"config for it (its {top} section forbids extra keys); fix its spelling or "
+                                    "remove it", suggestion))  # fmt: skip
+    return problems
+
+
 def _rule_above(path: list[str], fmap: FieldMap) -> Any:
     """The map rule of the nearest enclosing key of ``path`` that has one (None when none has)."""
     for end in range(1, len(path) + 1):
@@ -316,6 +338,7 @@ def _deferrable(core_path: str) -> bool:
 def finalize(ctx: ReadContext) -> None:
     """Set the core values that depend on several DeepSpeed keys, with DeepSpeed's defaults explicit."""
     seen = _Seen(ctx)
+    _stage_auto(ctx)
     stage = get_path(ctx.core, "sharding.stage", 0)
     _precision(seen, stage)
     _offload(seen, stage)
@@ -324,6 +347,23 @@ def finalize(ctx: ReadContext) -> None:
     _scheduler(seen)
     for key in [] if ctx.problems else list(seen.items):  # a recorded key nobody claimed is a defect here
         raise AssertionError(f"deepspeed adapter: recorded key {key} was not handled")
+
+
+#: The ZeRO stage Accelerate's DeepSpeed plugin puts in place of "auto" (ACCELERATE_DEEPSPEED_ZERO_STAGE's default;
+#: the HF Trainer builds the same plugin). DeepSpeed alone rejects "auto" here.
+ACCELERATE_DEFAULT_STAGE = 2
+
+
+def _stage_auto(ctx: ReadContext) -> None:
+    """``"zero_optimization.stage": "auto"``: read as the stage Accelerate fills in, with a note saying so."""
+    if get_path(ctx.core, "sharding.stage", 0) is not AUTO:
+        return
+    set_path(ctx.core, "sharding.stage", ACCELERATE_DEFAULT_STAGE)
+    ctx.notes[:] = [n for n in ctx.notes if n.target_path != "sharding.stage"]
+    ctx.note("zero_optimization.stage", APPROXIMATE, f"\"auto\": Accelerate's DeepSpeed plugin (also under the HF "
+             f"Trainer) fills it with its zero_stage, {ACCELERATE_DEFAULT_STAGE} unless "
+             "ACCELERATE_DEEPSPEED_ZERO_STAGE says otherwise; DeepSpeed alone rejects \"auto\" here. Read as "
+             f"{ACCELERATE_DEFAULT_STAGE}", "auto", "sharding.stage")  # fmt: skip
 
 
 #: Keys outside DeepSpeed's pydantic sections: DeepSpeed passes "auto" through raw and fails on it later.

@@ -201,6 +201,10 @@ class _Writer:
                     flags.append(spelling)
                 elif isinstance(item, list):
                     flags += [spelling, *map(str, item)]
+                elif str(item).startswith("-") and spelling.startswith("--"):
+                    # a value that looks like an option (--mpi-args="-gpu") must be joined with "=", or the
+                    # launcher's argparse takes it for a flag and refuses the line
+                    flags.append(f"{spelling}={item}")
                 else:
                     flags += [spelling, str(item)]
         return flags

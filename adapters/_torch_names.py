@@ -245,6 +245,14 @@ def _delete(data: dict, path: str) -> None:
             del node[part]
 
 
+#: Who sets a value the source left "auto" when the target is a PyTorch-style config (core path prefix -> text).
+AUTO_SETTERS = {
+    "precision": "the training dtype is the script's choice (the HF Trainer's --bf16 / --fp16); set it there",
+    "sharding.hybrid_shard_size": "the shard group is each node: build the mesh as (world size // LOCAL_WORLD_SIZE, "
+    "LOCAL_WORLD_SIZE) in the script",
+}
+
+
 #: Core sections that PyTorch-style configs leave to the training script, and what the script uses instead.
 SCRIPT_SIDE = {
     "batch": "batch sizes belong to the script's DataLoader",

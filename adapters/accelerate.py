@@ -25,6 +25,7 @@ from torsh.errors import ConfigError, Problem
 from torsh.translate import (
     NOTHING,
     Alias,
+    Dropped,
     Fidelity,
     FieldMap,
     Hook,
@@ -36,10 +37,12 @@ from torsh.translate import (
     Unsupported,
     WriteContext,
     read_mapping,
+    settle_auto,
     write_mapping,
 )
 
 from ._torch_names import (
+    AUTO_SETTERS,
     SHARDING_STRATEGIES,
     STRATEGY_ALIASES,
     SCRIPT_SIDE,
@@ -182,18 +185,21 @@ def _read_state_dict(value: Any, ctx: ReadContext, path: str) -> Any:
 def _read_deepspeed_file(value: Any, ctx: ReadContext, path: str, base_dir: Any) -> None:
     """Read the DeepSpeed JSON the YAML points at through the deepspeed dialect; its notes are prefixed."""
     from torsh import adapters
-    from torsh.formats import load_file
 
     if "deepspeed" not in adapters.names():
         ctx.problem(path, value, "reading a DeepSpeed config file needs the deepspeed dialect, which is not "
                     "installed in this torsh; inline the settings under deepspeed_config instead")  # fmt: skip
         return
-    base = base_dir if base_dir is not None else Path(os.getcwd())
-    file = Path(base) / str(value)
-    if not file.is_file():
-        ctx.problem(path, value, f"no such DeepSpeed config file ({file}); the path is relative to the YAML file")
+    file, where = _locate_deepspeed_file(str(value), base_dir)
+    if file is None:
+        ctx.problem(path, value, f"no such file: accelerate launch opens deepspeed_config_file relative to the "
+                    f"working directory ({Path.cwd()}); give a path from there or an absolute one")  # fmt: skip
         return
-    data, _ = load_file(file)
+    data = _deepspeed_json(file, ctx, path, value)
+    if data is None:
+        return
+    if where:
+        ctx.note(path, Fidelity.APPROXIMATE, where, value)
     try:
         inner = adapters.get("deepspeed").read(data)
     except ConfigError as exc:
@@ -209,6 +215,43 @@ def _read_deepspeed_file(value: Any, ctx: ReadContext, path: str, base_dir: Any)
         ctx.core.setdefault("extensions", {}).setdefault(dialect, {}).update(keys)
     ctx.notes.extend(Note(f"{value}:{n.source_path}", n.target_path, n.value, n.fidelity, n.reason)
                      for n in inner.notes)  # fmt: skip
+
+
+def _locate_deepspeed_file(value: str, base_dir: Any) -> tuple[Path | None, str]:
+    """The file Accelerate opens (relative to the working directory), and a note when it is only found next to
+    the YAML (read from there so the YAML can still be converted; accelerate launch would not find it)."""
+    file = Path(value).expanduser()
+    if file.is_file():
+        return file, ""
+    if not file.is_absolute() and base_dir is not None and (Path(base_dir) / file).is_file():
+        return Path(base_dir) / file, (f"accelerate launch opens this path relative to the working directory "
+                                       f"({Path.cwd()}), where it does not exist; read from the YAML's folder: run "
+                                       "accelerate launch from there or give an absolute path")  # fmt: skip
+    return None, ""
+
+
+def _deepspeed_json(file: Path, ctx: ReadContext, path: str, value: Any) -> dict | None:
+    """The referenced file parsed as Accelerate parses it (``json.load``), or a problem that never quotes its
+    content: the path may name any file (``/etc/passwd``), which must not be echoed key by key."""
+    import json
+
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        ctx.problem(path, value, f"cannot be read as a text file ({type(exc).__name__})")
+        return None
+    except json.JSONDecodeError as exc:
+        ctx.problem(path, value, f"not a DeepSpeed JSON config: Accelerate reads it with json.load, which fails at "
+                    f"line {exc.lineno} column {exc.colno} ({exc.msg}; comments and trailing commas are not JSON)")
+        return None
+    from torsh import adapters
+
+    if not isinstance(data, dict) or adapters.get("deepspeed").sniff(data) <= 0:
+        what = "a JSON object" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+        ctx.problem(path, value, f"not a DeepSpeed config: the file holds {what} without DeepSpeed's keys "
+                    "(train_batch_size, zero_optimization, fp16/bf16, ...)")  # fmt: skip
+        return None
+    return data
 
 
 def _read_parallelism(value: Any, ctx: ReadContext, path: str) -> None:
@@ -272,7 +315,8 @@ TOP_MAP = {
     "gpu_ids": Ignored("CUDA_VISIBLE_DEVICES: " + _LAUNCHER),
     "dynamo_backend": Hook(read=_read_dynamo),
     "dynamo_config": Hook(read=_read_dynamo),
-    "ipex_config.*": Ignored("Intel Extension for PyTorch: a kernel choice"),
+    "ipex_config.*": Dropped("removed from Accelerate (IPEX is used when installed): accelerate launch 1.15 refuses a "
+                             "config file with this key (\"unknown keys\"); delete it"),
     "mpirun_config.*": Ignored("mpirun launcher settings: " + _LAUNCHER),
     "megatron_lm_config.*": Unsupported("Megatron-LM tensor/pipeline parallelism; torsh runs data parallel jobs"),
     "fp8_config.*": Unsupported("fp8 training recipes (Transformer Engine / torchao); torsh computes in bf16/fp16"),
@@ -680,12 +724,20 @@ def _write_fsdp_rest(version: int):
             policy = cfg.extensions[NAME]["fsdp_config.fsdp_auto_wrap_policy"]
             ctx.put("fsdp_config.fsdp_auto_wrap_policy", policy, "sharding.wrap", Fidelity.EXACT,
                     f"{policy}, as in the source file")  # fmt: skip
+        elif s.stage >= 2:
+            # Per-layer units are what keeps ZeRO-3's memory behaviour (one gathered layer at a time); NO_WRAP would
+            # gather the whole model at once.
+            ctx.put("fsdp_config.fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "sharding.wrap",
+                    Fidelity.APPROXIMATE, "the layer classes are not in the config: Accelerate wraps the model's "
+                    "_no_split_modules (Hugging Face models); for other models set "
+                    "fsdp_transformer_layer_cls_to_wrap to the block class")  # fmt: skip
         else:
-            ctx.put("fsdp_config.fsdp_auto_wrap_policy", "NO_WRAP", "sharding.wrap", Fidelity.APPROXIMATE, "torsh's "
-                    "default wraps each direct child; NO_WRAP makes the whole model one unit (same numerics)")
+            ctx.put("fsdp_config.fsdp_auto_wrap_policy", "NO_WRAP", "sharding.wrap", Fidelity.EXACT, "ZeRO-0/1 keep "
+                    "whole parameters: one unit")  # fmt: skip
         prefetch = s.backward_prefetch
         if version == 1:
-            name = {v: k for k, v in _PREFETCH.items()}[prefetch or "none"]
+            # Unset (e.g. from DeepSpeed, which prefetches the next parameters): torch's default BACKWARD_PRE.
+            name = {v: k for k, v in _PREFETCH.items()}[prefetch or "backward_pre"]
             ctx.put("fsdp_config.fsdp_backward_prefetch", name, "sharding.backward_prefetch")
             ctx.put("fsdp_config.fsdp_forward_prefetch", s.forward_prefetch, "sharding.forward_prefetch")
             ctx.put("fsdp_config.fsdp_sync_module_states", s.sync_module_states, "sharding.sync_module_states")
@@ -734,6 +786,11 @@ def _write_deepspeed_rest(cfg: TorshConfig, ctx: WriteContext) -> None:
 def _write_precision(backend: str):
     def hook(cfg: TorshConfig, ctx: WriteContext) -> None:
         p = cfg.precision
+        if p.param_dtype is AUTO:
+            ctx.note("precision.param_dtype", Fidelity.DEFERRED, "\"auto\": mixed_precision left out (Accelerate "
+                     "then runs fp32); pass accelerate launch --mixed_precision bf16|fp16, or the HF Trainer's "
+                     "--bf16 / --fp16", AUTO)  # fmt: skip
+            return
         name = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[p.param_dtype]
         ctx.put("mixed_precision", name, "precision.param_dtype")
         contract = _precision_contract(backend, p.param_dtype, cfg.sharding.stage)
@@ -751,15 +808,24 @@ def _write_precision(backend: str):
 
 
 def _write_num_processes(cfg: TorshConfig, ctx: WriteContext) -> None:
+    """num_processes (and num_machines) whenever the config says how many; else a note naming the flag to pass.
+
+    ``accelerate launch`` refuses a config file without num_processes ("You need to manually pass in
+    --num_processes") unless the flag is given, so a file that cannot state it says so in its report.
+    """
+    from torsh.contract import config_world_size
+
     launch = cfg.launch
-    if launch.world_size is not None:
-        ctx.put("num_processes", launch.world_size, "launch.world_size")
-    elif launch.nnodes and isinstance(launch.nproc_per_node, int):
-        ctx.put("num_processes", launch.nnodes * launch.nproc_per_node, "launch.nproc_per_node", Fidelity.EXACT,
-                "Accelerate counts the processes of all machines")  # fmt: skip
-    elif launch.nproc_per_node is not None:
-        ctx.note("launch.nproc_per_node", Fidelity.APPROXIMATE, "every visible accelerator (num_processes left out)",
-                 launch.nproc_per_node)  # fmt: skip
+    stated = config_world_size(cfg)
+    if stated is not None:
+        source = "launch.world_size" if launch.world_size is not None else (
+            "launch.nproc_per_node" if isinstance(launch.nproc_per_node, int) else "batch.global_batch_size")
+        ctx.put("num_processes", stated[0], source, Fidelity.EXACT, f"{stated[1]}; Accelerate counts the processes "
+                "of all machines")  # fmt: skip
+    else:
+        ctx.note("launch.world_size", Fidelity.DEFERRED, "the config does not say how many processes: num_processes "
+                 "not written; pass accelerate launch --num_processes N (it refuses the file otherwise)", None)
+    # num_machines: written from launch.nnodes when the config says; absent, Accelerate runs on one machine.
 
 
 _PRECISION_CLAIMS = ("precision.param_dtype", "precision.reduce_dtype", "precision.buffer_dtype", "precision.autocast",
@@ -807,8 +873,17 @@ _SCRIPT_SIDE = {  # core sections an accelerate config leaves to the training sc
 
 def _finalize_write(backend: str):
     def finalize(ctx: WriteContext) -> None:
+        settle_auto(ctx, AUTO_SETTERS, keep=("deepspeed_config.gradient_accumulation_steps",
+                                             "deepspeed_config.gradient_clipping"))
         also = "; or write the DeepSpeed JSON (--to deepspeed) and name it in deepspeed_config_file"
         explain_unsupported(ctx, _SCRIPT_SIDE, also if backend == "deepspeed" else "")
+        if backend == "deepspeed" and "deepspeed_config_file" in ctx.out.get("deepspeed_config", {}):
+            # written inline: Accelerate refuses a deepspeed_config_file next to zero_stage & co.
+            value = ctx.out["deepspeed_config"].pop("deepspeed_config_file")
+            ctx.notes[:] = [n for n in ctx.notes if n.target_path != "deepspeed_config.deepspeed_config_file"]
+            ctx.notes.append(Note(f"extensions.{NAME}.deepspeed_config.deepspeed_config_file", None, value,
+                                  Fidelity.DROPPED, "the settings are written inline, and Accelerate refuses a "
+                                  "deepspeed_config_file next to them"))  # fmt: skip
         if backend == "deepspeed":
             # "auto" is what Accelerate's plugin uses for these anyway: leave them out, as `accelerate config` does.
             for key in ("gradient_accumulation_steps", "gradient_clipping"):

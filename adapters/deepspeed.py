@@ -27,8 +27,10 @@ from torsh.errors import ConfigError, Problem
 from torsh.translate import (
     Alias,
     Dropped,
+    Fidelity,
     FieldMap,
     Ignored,
+    Note,
     To,
     Translation,
     Unsupported,
@@ -252,6 +254,9 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
     raw, nested_notes = rules.unknown_in_whole_sections(raw, _FIELD_MAP, schemas.load(NAME))
     known, unknown_notes = rules.split_unknown(raw, _FIELD_MAP)
     unknown_notes += nested_notes
+    refused = rules.refused_unknown_keys(unknown_notes)
+    if refused:
+        raise ConfigError(refused, source=NAME)
     translation = read_mapping(known, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS,
                                deferred_sources=rules.DEFERRED_SOURCES, finalize=rules.finalize)
     translation.notes[:0] = early_notes
@@ -263,7 +268,28 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
 def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
     """Write the core model as DeepSpeed 0.19.8 JSON; what DeepSpeed cannot express becomes a note."""
     check_version(NAME, version, VERSIONS)
-    return write_mapping(cfg, dialect=NAME, field_map=_WRITE_MAP, value_maps=VALUE_MAPS)
+    translation = write_mapping(cfg, dialect=NAME, field_map=_WRITE_MAP, value_maps=VALUE_MAPS)
+    if NAME not in cfg.extensions:  # a DeepSpeed source is written back with the batch keys it had
+        _batch_for_deepspeed(translation)
+    return translation
+
+
+#: A micro batch DeepSpeed accepts when the source leaves the batch to the training script.
+UNSTATED_MICRO_BATCH = 1
+
+
+def _batch_for_deepspeed(translation: Translation[dict]) -> None:
+    """DeepSpeed refuses a config without train_batch_size or train_micro_batch_size_per_gpu (an assertion at
+    start-up). A source that leaves the batch to the script (FSDP, FairScale, Horovod) gets a micro batch of 1 and
+    a note: the script's DataLoader decides what it feeds; DeepSpeed uses the number for its own dataloader, its
+    throughput logs and train_batch_size."""
+    if {"train_batch_size", "train_micro_batch_size_per_gpu"} & set(translation.result):
+        return
+    translation.result["train_micro_batch_size_per_gpu"] = UNSTATED_MICRO_BATCH
+    translation.notes.append(Note("batch.micro_batch_size", "train_micro_batch_size_per_gpu", None, Fidelity.DEFAULTED,
+                                  f"the source leaves the batch to the script; DeepSpeed refuses a config without "
+                                  f"one, so {UNSTATED_MICRO_BATCH} is written: set it to the DataLoader's batch size "
+                                  "per rank (or \"auto\" when the HF Trainer / Accelerate fill it)"))  # fmt: skip
 
 
 # The write side: the derived reverse map, plus one hook per concept that spans several DeepSpeed keys.

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from torsh import schemas
-from torsh.config import TorshConfig, get_path
+from torsh.config import AUTO, TorshConfig, get_path
 from torsh.errors import ConfigError
 from torsh.translate import (
     NOTHING,
@@ -28,10 +28,12 @@ from torsh.translate import (
     WriteContext,
     check_version,
     read_mapping,
+    settle_auto,
     write_mapping,
 )
 
 from ._torch_names import (
+    AUTO_SETTERS,
     SCRIPT_SIDE,
     dtype,
     explain_unsupported,
@@ -318,6 +320,10 @@ def _write_fsdp_precision(cfg: TorshConfig, ctx: WriteContext) -> None:
                      "mixed precision is torch.autocast in the script", cfg.precision.param_dtype)  # fmt: skip
         return
     p = cfg.precision
+    if p.param_dtype is AUTO:
+        ctx.note("precision.param_dtype", Fidelity.DEFERRED, "\"auto\": FairScale has no such value; not written: "
+                 + AUTO_SETTERS["precision"], AUTO)  # fmt: skip
+        return
     if p.param_dtype == "fp32":
         if p.reduce_dtype not in (None, "fp32"):
             ctx.note("precision.reduce_dtype", Fidelity.UNSUPPORTED, "FairScale reduces in fp32 without "
@@ -418,6 +424,7 @@ def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
 
 
 def _finalize_write(ctx: WriteContext) -> None:
+    settle_auto(ctx, AUTO_SETTERS)
     prune_defaults(ctx, _WRITE_DEFAULTS)
     explain_unsupported(ctx, SCRIPT_SIDE)
 

@@ -38,11 +38,13 @@ from torsh.translate import (
     WriteContext,
     check_version,
     read_mapping,
+    settle_auto,
     write_mapping,
 )
 
 from . import _fsdp_frameworks as frameworks
 from ._torch_names import (
+    AUTO_SETTERS,
     DTYPES,
     NO_SHARD_REASON,
     SHARDING_STRATEGIES,
@@ -408,13 +410,21 @@ def _write_strategy(cfg: TorshConfig, ctx: WriteContext) -> None:
             Fidelity.EXACT, ""
     if s.hybrid_shard_size is not None:
         name = "HYBRID_SHARD" if name == "FULL_SHARD" else "_HYBRID_SHARD_ZERO2"
-        if s.hybrid_shard_size is AUTO:
+        size = node_shard_size(cfg)
+        if size is AUTO and (s.wrap.module_classes or s.wrap.min_num_params):
             ctx.notes.append(Note("sharding.hybrid_shard_size", None, AUTO, Fidelity.EXACT,
                                    "HYBRID_SHARD without a mesh shards within each node"))  # fmt: skip
+        elif size is AUTO:
+            ctx.notes.append(Note("sharding.hybrid_shard_size", None, AUTO, Fidelity.APPROXIMATE, "HYBRID_SHARD "
+                                  "without a mesh: FSDP1 builds the node-local groups only with an auto_wrap_policy "
+                                  "and refuses it otherwise; pass device_mesh=init_device_mesh(device, (world size "
+                                  "// LOCAL_WORLD_SIZE, LOCAL_WORLD_SIZE)) in the script"))  # fmt: skip
         else:
-            mesh = mesh_description(s.hybrid_shard_size, _mesh_names(cfg))
+            mesh = mesh_description(size, _mesh_names(cfg))
             ctx.put("device_mesh", mesh, "sharding.hybrid_shard_size", Fidelity.EXACT,
-                    "dim 0 replicates, dim 1 shards; -1: the remaining ranks")
+                    "dim 0 replicates, dim 1 shards; -1: the remaining ranks" + (
+                        f"; \"auto\" (each node) resolved to the {size} processes per node"
+                        if s.hybrid_shard_size is AUTO else ""))  # fmt: skip
     ctx.put("sharding_strategy", name, "sharding.stage", fidelity, reason)
 
 
@@ -428,10 +438,22 @@ def _write_reshard(cfg: TorshConfig, ctx: WriteContext) -> None:
         ctx.put("fully_shard.reshard_after_forward", False, "sharding.stage", Fidelity.APPROXIMATE, _ZERO1_REASON)
     else:
         ctx.put("fully_shard.reshard_after_forward", bool(s.effective_reshard_after_forward), "sharding.stage")
-    if s.hybrid_shard_size is not None:
-        mesh = mesh_description(s.hybrid_shard_size, _mesh_names(cfg))
+    size = node_shard_size(cfg)
+    if size is not None:
+        mesh = mesh_description(size, _mesh_names(cfg))
         ctx.put("fully_shard.mesh", mesh, "sharding.hybrid_shard_size", Fidelity.EXACT,
-                "HSDP: dim 0 replicates, dim 1 shards; -1: the remaining ranks")
+                "HSDP: dim 0 replicates, dim 1 shards; -1: the remaining ranks" + (
+                    f"; \"auto\" (each node) resolved to the {size} processes per node" if
+                    s.hybrid_shard_size is AUTO and size is not AUTO else ""))  # fmt: skip
+
+
+def node_shard_size(cfg: TorshConfig) -> Any:
+    """The hybrid shard group size to write: the number, or for "auto" (each node) the processes per node when the
+    config knows them, else AUTO; None without hybrid sharding."""
+    size, per_node = cfg.sharding.hybrid_shard_size, cfg.launch.nproc_per_node
+    if size is AUTO and isinstance(per_node, int) and not isinstance(per_node, bool):
+        return per_node
+    return size
 
 
 def _mesh_names(cfg: TorshConfig) -> tuple[str, str]:
@@ -556,6 +578,7 @@ _WRITE_VALUES = {k: {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.f
 
 def _finalize_write(version: str):
     def finalize(ctx: WriteContext) -> None:
+        settle_auto(ctx, AUTO_SETTERS)
         prune_defaults(ctx, _WRITE_DEFAULTS[version])
         explain_unsupported(ctx, SCRIPT_SIDE)
         mp = get_path(ctx.out, "fully_shard.mp_policy")
@@ -606,7 +629,10 @@ def snippet(cfg: TorshConfig) -> str:
              "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard", "",
              'device_type = "cuda" if torch.cuda.is_available() else "cpu"']  # fmt: skip
     if s.hybrid_shard_size is not None:
-        size = "torch.cuda.device_count() or 1" if s.hybrid_shard_size is AUTO else str(s.hybrid_shard_size)
+        size = node_shard_size(cfg)
+        if size is AUTO:
+            lines.insert(0, "import os")
+        size = 'int(os.environ.get("LOCAL_WORLD_SIZE", 1))' if size is AUTO else str(size)
         lines += [f"shard_size = {size}  # ranks that shard together; the groups replicate",
                   "mesh = init_device_mesh(device_type, (dist.get_world_size() // shard_size, shard_size),",
                   f"                        mesh_dim_names={MESH_NAMES!r})"]  # fmt: skip
@@ -615,7 +641,9 @@ def snippet(cfg: TorshConfig) -> str:
     reshard = bool(s.effective_reshard_after_forward) if s.stage >= 2 else False
     kwargs = ["mesh=mesh", f"reshard_after_forward={reshard}"]
     mp = []
-    if p.param_dtype != "fp32":
+    if p.param_dtype is AUTO:
+        lines.append('# precision "auto": add mp_policy=MixedPrecisionPolicy(param_dtype=...) for the training dtype')
+    elif p.param_dtype != "fp32":
         mp.append(f"param_dtype={_TORCH_DTYPES[p.param_dtype]}")
     if p.reduce_dtype is not None and p.reduce_dtype != p.param_dtype:
         mp.append(f"reduce_dtype={_TORCH_DTYPES[p.reduce_dtype]}")
@@ -628,19 +656,28 @@ def snippet(cfg: TorshConfig) -> str:
     lines += ["fsdp_kwargs = dict(", *(f"    {k}," for k in kwargs), ")", ""]
     if s.sync_module_states:
         lines.append("full_state = model.state_dict() if dist.get_rank() == 0 else {}  # rank 0 loaded the weights")
+    # fully_shard refuses containers without a forward (ModuleList / ModuleDict, a model's ``layers``): like the
+    # engine, the snippet never makes one a unit and looks through them to their children.
+    containers = "(torch.nn.ModuleList, torch.nn.ModuleDict)"
     if s.wrap.module_classes:
         lines += [f"shard_classes = {set(s.wrap.module_classes)!r}",
-                  "blocks = [m for m in model.modules() if type(m).__name__ in shard_classes]"]  # fmt: skip
+                  "blocks = [m for m in model.modules() if m is not model and type(m).__name__ in shard_classes]"]
     elif s.wrap.min_num_params:
         lines += [f"min_num_params = {s.wrap.min_num_params}",
                   "blocks, taken = [], set()",
                   "for m in reversed(list(model.modules())):  # children before parents, like size_based_auto_wrap",
+                  f"    if m is model or isinstance(m, {containers}):",
+                  "        continue",
                   "    own = [q for q in m.parameters() if id(q) not in taken]",
-                  "    if m is not model and sum(q.numel() for q in own) >= min_num_params:",
+                  "    if sum(q.numel() for q in own) >= min_num_params:",
                   "        blocks.append(m)",
                   "        taken.update(id(q) for q in own)"]  # fmt: skip
     else:
-        lines.append("blocks = [m for m in model.children() if any(True for _ in m.parameters())]")
+        lines += ["def children(module):  # direct children, looking through ModuleList / ModuleDict",
+                  "    for child in module.children():",
+                  f"        yield from children(child) if isinstance(child, {containers}) else [child]",
+                  "",
+                  "blocks = [m for m in children(model) if any(True for _ in m.parameters())]"]  # fmt: skip
     lines += ["for block in blocks:", "    fully_shard(block, **fsdp_kwargs)", "fully_shard(model, **fsdp_kwargs)"]
     if s.forward_prefetch:
         lines += ["for block, following in zip(blocks, blocks[1:]):  # forward_prefetch",

@@ -25,6 +25,7 @@ from torsh.adapters import _cmdline
 from torsh.adapters._hostfile import parse_host_list, parse_hostfile
 from torsh.adapters._launch_writers import WRITERS, LaunchCommand, worker_environments
 from torsh.config import TorshConfig
+from torsh.errors import ConfigError
 from torsh.translate import (
     Fidelity,
     FieldMap,
@@ -272,8 +273,12 @@ FIELD_MAP = {
     "accelerate.module": "launch.module",
     "accelerate.no_python": "launch.no_python",
     "accelerate.gpu_ids": Hook(read=_gpu_ids),
+    "accelerate.config_file": Hook(read=lambda v, c, p: c.note(p, Fidelity.EXACT, "read: its process and machine "
+                                   "counts, its master address and the environment accelerate launch gives the "
+                                   "processes are carried (the file is opened from the working directory, as "
+                                   "accelerate launch does)", v)),
     **{f"accelerate.{k}": Unsupported(_TRAINING) for k in (
-        "config_file", "mixed_precision", "use_deepspeed", "use_fsdp", "deepspeed_config_file", "zero_stage",
+        "mixed_precision", "use_deepspeed", "use_fsdp", "deepspeed_config_file", "zero_stage",
         "gradient_accumulation_steps", "dynamo_backend")},
     **{f"accelerate.{k}": Ignored(_KEEP) for k in (
         "multi_gpu", "cpu", "same_network", "monitor_interval", "num_cpu_threads_per_process", "quiet", "debug",
@@ -303,6 +308,76 @@ def sniff(raw: Any) -> float:
     return 0.0
 
 
+#: What accelerate launch (1.15) exports for an FSDP job, from each fsdp_config key, and the launcher's default for a
+#: key the file leaves out (``accelerate/commands/launch.py`` argument defaults, ``utils/launch.py`` environment).
+_FSDP_ENV = {"fsdp_sharding_strategy": ("FSDP_SHARDING_STRATEGY", "FULL_SHARD"),
+             "fsdp_reshard_after_forward": ("FSDP_RESHARD_AFTER_FORWARD", "true"),
+             "fsdp_offload_params": ("FSDP_OFFLOAD_PARAMS", "false"),
+             "fsdp_min_num_params": ("FSDP_MIN_NUM_PARAMS", "100000000"),
+             "fsdp_auto_wrap_policy": ("FSDP_AUTO_WRAP_POLICY", None),
+             "fsdp_transformer_layer_cls_to_wrap": ("FSDP_TRANSFORMER_CLS_TO_WRAP", None),
+             "fsdp_backward_prefetch": ("FSDP_BACKWARD_PREFETCH", None),
+             "fsdp_state_dict_type": ("FSDP_STATE_DICT_TYPE", None),
+             "fsdp_forward_prefetch": ("FSDP_FORWARD_PREFETCH", "false"),
+             "fsdp_use_orig_params": ("FSDP_USE_ORIG_PARAMS", "true"),
+             "fsdp_cpu_ram_efficient_loading": ("FSDP_CPU_RAM_EFFICIENT_LOADING", "true"),
+             "fsdp_sync_module_states": ("FSDP_SYNC_MODULE_STATES", "true"),
+             "fsdp_activation_checkpointing": ("FSDP_ACTIVATION_CHECKPOINTING", "false"),
+             "fsdp_activation_checkpointing_offload": ("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "false")}  # fmt: skip
+#: The accelerate config's launch keys and the core fields they set (unless the command line gives them).
+_ACCELERATE_LAUNCH_KEYS = {"num_processes": "launch.world_size", "num_machines": "launch.nnodes",
+                           "machine_rank": "launch.node_rank", "main_process_ip": "launch.master_addr",
+                           "main_process_port": "launch.master_port", "rdzv_backend": "launch.rdzv_backend"}
+
+
+def _accelerate_config_file(name: str, options: dict, ctx: ReadContext) -> None:
+    """``accelerate launch --config_file X``: the launch settings and the process environment the file gives."""
+    from pathlib import Path
+
+    from torsh.formats import load_file
+
+    if not Path(name).expanduser().is_file():
+        ctx.notes[:] = [n for n in ctx.notes if n.source_path != "accelerate.config_file"]
+        ctx.note("accelerate.config_file", Fidelity.UNSUPPORTED, "not found from the working directory (accelerate "
+                 "launch opens it from there): its process count, machines and the environment it gives the "
+                 "processes are not carried; translate from the folder that holds it", name)  # fmt: skip
+        return
+    try:
+        data, _ = load_file(Path(name).expanduser())
+    except ConfigError as exc:
+        ctx.problems.extend(exc.with_prefix("accelerate.config_file").problems)
+        return
+    if not isinstance(data, dict) or "distributed_type" not in data:
+        ctx.problem("accelerate.config_file", name, "not an accelerate config (no distributed_type)")
+        return
+    for key, core in _ACCELERATE_LAUNCH_KEYS.items():
+        value = data.get(key)
+        if key in options or value is None or (key == "num_processes" and value in (-1, 0)):
+            continue
+        ctx.set(core, value, f"{name}:{key}", Fidelity.EXACT, "from the accelerate config file")
+    for var, value in _accelerate_env(data).items():
+        ctx.set(f"launch.env.{var}", value, f"{name}:{var}", Fidelity.EXACT, "exported by accelerate launch: the "
+                "script's Accelerator reads it")  # fmt: skip
+
+
+def _accelerate_env(data: dict) -> dict[str, str]:
+    """The ACCELERATE_* / FSDP_* variables accelerate launch exports for this config (FSDP and precision)."""
+    def text(value: Any) -> str:
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    kind = str(data.get("distributed_type", "NO")).upper()
+    env = {"ACCELERATE_MIXED_PRECISION": text(data.get("mixed_precision") or "no")}
+    if kind == "FSDP":
+        fsdp = {k if k.startswith("fsdp_") else f"fsdp_{k}": v for k, v in (data.get("fsdp_config") or {}).items()}
+        env["ACCELERATE_USE_FSDP"] = "true"
+        env["FSDP_VERSION"] = text(fsdp.get("fsdp_version", 1))
+        for key, (var, default) in _FSDP_ENV.items():
+            value = fsdp.get(key, default)
+            if value is not None:
+                env[var] = text(value)
+    return env
+
+
 def read(raw: str | Sequence[str], *, version: str | None = None,
          hostfile: str | None = None) -> Translation[TorshConfig]:  # fmt: skip
     """Read a launch command (a string split like a shell, or argv) into the core model.
@@ -322,6 +397,8 @@ def read(raw: str | Sequence[str], *, version: str | None = None,
 
     def finalize(ctx: ReadContext) -> None:
         options = ctx.raw[launcher]
+        if launcher == "accelerate" and options.get("config_file"):
+            _accelerate_config_file(str(options["config_file"]), options, ctx)
         if launcher == "deepspeed" and not ({"num_gpus", "include", "exclude"} & set(options)) and not (
                 "hostfile_hosts" in ctx.raw):
             ctx.set("launch.nproc_per_node", "gpu", "deepspeed.num_gpus", Fidelity.DEFAULTED,

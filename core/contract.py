@@ -168,9 +168,34 @@ def batch_math(batch: BatchConfig, world_size: int) -> str:
             f"{r.gradient_accumulation_steps} x {r.world_size} data-parallel rank(s)")
 
 
-def explain(cfg: TorshConfig, world_size: int = 1) -> dict:
-    """Everything ``torsh-migrate explain`` prints, as data."""
+def config_world_size(cfg: TorshConfig) -> tuple[int, str] | None:
+    """The number of processes the config itself states, and from where; None when it does not say.
+
+    The launch section (Accelerate's num_processes, torchrun's nnodes x nproc_per_node, a hostfile's slots), else
+    DeepSpeed's batch triple (train_batch_size = micro batch x accumulation x data-parallel ranks).
+    """
+    launch = cfg.launch
+    if isinstance(launch.world_size, int):
+        return launch.world_size, "the config's process count"
+    per_node = launch.nproc_per_node
+    if isinstance(per_node, int) and not isinstance(per_node, bool):
+        nodes = launch.nnodes if isinstance(launch.nnodes, int) else 1
+        return nodes * per_node, f"{nodes} node(s) x {per_node} process(es)"
+    b = cfg.batch
+    sizes = (b.global_batch_size, b.micro_batch_size, b.gradient_accumulation_steps)
+    if all(isinstance(v, int) for v in sizes) and sizes[0] % (sizes[1] * sizes[2]) == 0:
+        ranks = sizes[0] // (sizes[1] * sizes[2])
+        return ranks, (f"global batch {sizes[0]} / (micro batch {sizes[1]} x accumulation {sizes[2]})")
+    return None
+
+
+def explain(cfg: TorshConfig, world_size: int | None = None) -> dict:
+    """Everything ``torsh-migrate explain`` prints, as data; ``world_size`` None: the config's own, else 1."""
+    if world_size is None:
+        stated = config_world_size(cfg)
+        world_size = stated[0] if stated else 1
     return {
+        "world_size": world_size,
         "batch": batch_math(cfg.batch, world_size),
         "precision_contract": precision_contract(cfg.precision, cfg.sharding, cfg.offload, cfg.checkpoint,
                                                  cfg.gradients.reduce_op),

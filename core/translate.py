@@ -464,6 +464,50 @@ class WriteContext:
         self.notes.append(Note(core_path, None, value, fidelity, reason))
 
 
+def holds_auto(value: Any) -> bool:
+    """True when a written value is or contains ``"auto"`` (a mesh shape, a mapping of settings)."""
+    if is_deferred(value):
+        return True
+    if isinstance(value, Mapping):
+        return any(holds_auto(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_auto(v) for v in value)
+    return False
+
+
+def settle_auto(ctx: WriteContext, who: Mapping[str, str] | None = None, *, keep: tuple[str, ...] = ()) -> None:
+    """Take ``"auto"`` out of a payload whose consumer does not accept it.
+
+    Each written key holding ``"auto"`` (outside the ``keep`` prefixes, where the consumer fills it itself) is
+    left out, so the consumer's own default applies until the script or launcher sets it; its note becomes a
+    DEFERRED one without a target that says who must set the value (``who``: core path prefix -> text).
+    """
+    who = who or {}
+    notes = []
+    for note in ctx.notes:
+        path = note.target_path
+        if path and not path.startswith(keep) and holds_auto(get_path(ctx.out, path, None)):
+            _delete_path(ctx.out, path)
+            hint = next((text for prefix, text in who.items() if note.source_path.startswith(prefix)),
+                        "the script or the launcher must set it")  # fmt: skip
+            note = Note(note.source_path, None, AUTO, Fidelity.DEFERRED, f"\"auto\" is not accepted by "
+                        f"{ctx.dialect}: not written; {hint}")  # fmt: skip
+        notes.append(note)
+    ctx.notes[:] = notes
+
+
+def _delete_path(data: dict, path: str) -> None:
+    """Delete a dotted key and the sections it leaves empty."""
+    parts = path.split(".")
+    chain = [data]
+    for part in parts[:-1]:
+        chain.append(chain[-1][part])
+    del chain[-1][parts[-1]]
+    for node, part in reversed(list(zip(chain[:-1], parts[:-1], strict=True))):
+        if node[part] == {}:
+            del node[part]
+
+
 def write_mapping(cfg: TorshConfig, *, dialect: str, field_map: FieldMap,
                   value_maps: Mapping[str, Mapping[Any, Any]] | None = None,
                   finalize: Callable[[WriteContext], None] | None = None) -> Translation[dict]:  # fmt: skip

@@ -47,7 +47,9 @@ def field_schema(annotation: Any) -> dict:
         return {"enum": [m.value[0] if isinstance(m.value, tuple) else m.value for m in annotation]}
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return model_schema(annotation)
-    simple = {bool: "boolean", int: "number", float: "number", str: "string"}  # 5e8-style numbers are common
+    # int: "integer", which JSON Schema also grants 5e8-style floats with no fraction (as pydantic does); a fractional
+    # value (min_loss_scale 1e-10) is refused, as DeepSpeed refuses it
+    simple = {bool: "boolean", int: "integer", float: "number", str: "string"}
     if annotation in simple:
         return {"type": simple[annotation]}
     return {"type": "string"} if str(annotation).endswith("Path'>") else {}
@@ -101,6 +103,9 @@ def top_level() -> dict:
     """Every top-level key DeepSpeed 0.19.8 reads (or rejects as removed)."""
     from deepspeed.comm.config import CommsLoggerConfig
     from deepspeed.compile.config import CompileConfig
+    from deepspeed.inference.config import WeightQuantConfig
+    from deepspeed.runtime.config import HybridEngineConfig
+    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
     from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 
@@ -120,7 +125,8 @@ def top_level() -> dict:
         "wall_clock_breakdown": BOOLEAN, "memory_breakdown": BOOLEAN, "dataloader_drop_last": BOOLEAN,
         "log_level": nullable, "vocabulary_size": {"type": ["integer", "null"]},
         "use_data_before_expert_parallelism": BOOLEAN, "sequence_parallel_size": {"type": "integer"},
-        "data_parallel_size": {"type": "integer"}, "weight_quantization": OBJECT, "expert_parallel": OBJECT,
+        "data_parallel_size": {"type": "integer"}, "weight_quantization": model_schema(WeightQuantConfig),
+        "expert_parallel": OBJECT,
         "fp16": model_schema(DeepSpeedFP16Config), "bf16": bf16, "bfloat16": bf16,
         "torch_autocast": {"type": "object", "properties": {
             "enabled": BOOLEAN, "dtype": DTYPE,
@@ -153,7 +159,8 @@ def top_level() -> dict:
             "use_node_local_storage": BOOLEAN, "parallel_write": OBJECT, "checkpoint_serialization": BOOLEAN,
             "writer": {"type": ["object", "null"]}}, "additionalProperties": True},
         "datastates_ckpt": OBJECT, "timers": OBJECT, "autotuning": OBJECT, "data_efficiency": OBJECT,
-        "hybrid_engine": OBJECT, "compile": model_schema(CompileConfig), "tensor_parallel": OBJECT,
+        "hybrid_engine": model_schema(HybridEngineConfig), "compile": model_schema(CompileConfig),
+        "tensor_parallel": model_schema(TPTrainingConfig),
         "pipeline": OBJECT,
         "aio": {"type": "object", "properties": {
             "block_size": NUMBER, "queue_depth": NUMBER, "intra_op_parallelism": NUMBER,

@@ -201,9 +201,13 @@ def test_misspelt_top_level_key_does_not_slip_through():
     assert n in t.lossy, "--strict must fail on it"
 
 
-def test_misspelt_nested_key_gets_a_suggestion():
-    t = read({**BASE, "zero_optimization": {"stage": 3, "stage3_param_persitance_threshold": 1e5}})
-    assert "stage3_param_persistence_threshold" in note(t, "zero_optimization.stage3_param_persitance_threshold").reason
+def test_misspelt_key_in_a_strict_section_is_an_error_as_in_deepspeed():
+    # DeepSpeed 0.19.8's zero_optimization model forbids extra keys: it refuses the whole config
+    with pytest.raises(ConfigError) as exc:
+        read({**BASE, "zero_optimization": {"stage": 3, "stage3_param_persitance_threshold": 1e5}})
+    problem, = exc.value.problems
+    assert problem.path == "zero_optimization.stage3_param_persitance_threshold"
+    assert problem.suggestion == "stage3_param_persistence_threshold" and "refuses" in problem.reason
 
 
 def test_wrong_types_are_errors_naming_the_key():
@@ -331,10 +335,14 @@ def test_checked_in_schema_matches_the_installed_deepspeed():
         "schemas/deepspeed.schema.json is stale: DS_ACCELERATOR=cpu python -m torsh.schemas._generate_deepspeed")
 
 
-def test_unknown_key_inside_a_section_kept_whole_is_reported_and_not_kept():
-    """Sections with no core meaning are kept for round trips, but a key DeepSpeed's strict section models would
-    refuse (here a misspelt ``deepcompile``) is reported with a suggestion and not written back."""
-    t = adapters.read({"train_batch_size": 8, "compile": {"deepcompil": True}}, "deepspeed")
-    note = next(n for n in t.notes if n.source_path == "compile.deepcompil")
-    assert note.fidelity is Fidelity.DROPPED and "did you mean 'deepcompile'" in note.reason
-    assert "deepcompil" not in str(adapters.write(t.result, "deepspeed").result)
+def test_unknown_key_inside_a_section_kept_whole_is_an_error_as_in_deepspeed():
+    """Sections with no core meaning are kept for round trips, but a key DeepSpeed's strict section models refuse
+    (here a misspelt ``deepcompile``) is an error with a suggestion, as DeepSpeed refuses the file."""
+    with pytest.raises(ConfigError) as exc:
+        adapters.read({"train_batch_size": 8, "compile": {"deepcompil": True}}, "deepspeed")
+    assert exc.value.problems[0].path == "compile.deepcompil" and exc.value.problems[0].suggestion == "deepcompile"
+
+
+def test_unknown_key_in_a_lenient_section_stays_a_note():
+    t = adapters.read({"train_batch_size": 8, "flops_profiler": {"enabled": False, "profile_stepp": 3}}, "deepspeed")
+    assert any(n.source_path == "flops_profiler.profile_stepp" and n.lossy for n in t.notes)

@@ -259,6 +259,146 @@ def deepspeed_config_for(config: Any) -> dict[str, Any]:
     return adapters.write(translation.result, "deepspeed").result
 
 
+#: What a scenario puts in place of "auto" (the HF Trainer's defaults where it has one): the built-in models are
+#: small, so the bucket knobs take DeepSpeed's own defaults rather than HF's hidden-size formulas.
+SCENARIO_MICRO_BATCH = 4
+SCENARIO_AUTO = {
+    "gradient_clipping": 1.0,
+    "optimizer.params.lr": 1e-3,
+    "optimizer.params.betas": [0.9, 0.999],
+    "optimizer.params.eps": 1e-8,
+    "optimizer.params.weight_decay": 0.0,
+    "scheduler.params.warmup_min_lr": 0.0,
+    "scheduler.params.cycle_min_lr": 1e-4,
+    "scheduler.params.cycle_max_lr": 1e-3,
+    "zero_optimization.stage": 2,
+    "zero_optimization.reduce_bucket_size": 500_000_000,
+    "zero_optimization.allgather_bucket_size": 500_000_000,
+    "zero_optimization.stage3_prefetch_bucket_size": 50_000_000,
+    "zero_optimization.prefetch_bucket_size": 50_000_000,
+    "zero_optimization.stage3_param_persistence_threshold": 100_000,
+    "zero_optimization.param_persistence_threshold": 100_000,
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": False,
+    "zero_optimization.gather_16bit_weights_on_model_save": False,
+}
+#: Keys whose DeepSpeed default is the string "auto" itself: left as they are.
+_OWN_AUTO = ("pipeline.stages", "data_types.keep_in_fp32_modules", "zero_optimization.zenflow")
+
+
+def resolve_auto(config: Mapping[str, Any], *, nproc: int, steps: int) -> tuple[dict[str, Any], list[str]]:
+    """A DeepSpeed config with every Hugging Face ``"auto"`` replaced by what the parity scenario implies.
+
+    Real DeepSpeed rejects ``"auto"`` (the HF Trainer or Accelerate fill it in before DeepSpeed sees it); here the
+    scenario fills it the same way: the batch from the other batch keys and ``nproc`` (micro batch
+    ``SCENARIO_MICRO_BATCH`` when nothing says), precision "auto" as off (fp32: the HF Trainer without --bf16 /
+    --fp16), the schedule from ``steps``, the rest from :data:`SCENARIO_AUTO` or DeepSpeed's own default. Returns the
+    config and one note per value filled in.
+    """
+    out = copy.deepcopy(dict(config))
+    notes: list[str] = []
+
+    def fill(path: str, value: Any, why: str) -> None:
+        node = out
+        parts = path.split(".")
+        for part in parts[:-1]:
+            node = node[part]
+        if value is _DELETE:
+            del node[parts[-1]]
+            notes.append(f"{path}: \"auto\" left to DeepSpeed's default ({why})")
+        else:
+            node[parts[-1]] = value
+            notes.append(f"{path}: \"auto\" -> {value!r} ({why})")
+
+    _resolve_batch(out, nproc, fill)
+    for section in ("fp16", "bf16", "bfloat16"):
+        if isinstance(out.get(section), Mapping) and _is_auto(out[section].get("enabled")):
+            fill(f"{section}.enabled", False, "the HF Trainer's default without --bf16 / --fp16")
+    lr = get_nested(out, "optimizer.params.lr")
+    lr = SCENARIO_AUTO["optimizer.params.lr"] if _is_auto(lr) or lr is None else lr
+    scheduler = {"scheduler.params.warmup_max_lr": (lr, "the optimizer's lr"),
+                 "scheduler.params.warmup_num_steps": (max(1, steps // 10), "a tenth of the scenario's steps"),
+                 "scheduler.params.total_num_steps": (steps, "the scenario's steps")}  # fmt: skip
+    for path, value in _auto_leaves(out):
+        if path.startswith(_OWN_AUTO):
+            continue
+        if path in scheduler:
+            fill(path, *scheduler[path])
+        elif path in SCENARIO_AUTO:
+            fill(path, SCENARIO_AUTO[path], "the scenario's value")
+        else:
+            fill(path, _DELETE, "no value is known for it")
+    return out, notes
+
+
+_DELETE = object()
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
+def get_nested(data: Mapping[str, Any], path: str) -> Any:
+    """``data[a][b]...`` for a dotted path, None when absent."""
+    node: Any = data
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _auto_leaves(data: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out += _auto_leaves(value, path)
+        elif _is_auto(value):
+            out.append((path, value))
+    return out
+
+
+def _resolve_batch(out: dict[str, Any], nproc: int, fill: Callable[..., None]) -> None:
+    """train_batch_size = micro x accumulation x ranks, each "auto" filled from the others (DeepSpeed's rule)."""
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    given = {k: out.get(k) for k in keys}
+    auto = [k for k in keys if _is_auto(given[k])]
+    if given["train_batch_size"] is None and given["train_micro_batch_size_per_gpu"] is None:
+        auto.append("train_micro_batch_size_per_gpu")  # no batch at all: Accelerate fills it as for "auto"
+    if not auto:
+        return
+    known = {k: v for k, v in given.items() if isinstance(v, int) and not isinstance(v, bool)}
+    total, micro, accum = (known.get(k) for k in keys)
+    if accum is None and total is not None and micro is not None and total % (micro * nproc) == 0:
+        accum = total // (micro * nproc)
+    accum = accum or 1
+    if micro is None and total is not None and total % (accum * nproc) == 0:
+        micro = total // (accum * nproc)
+    micro = micro or SCENARIO_MICRO_BATCH
+    values = {"train_batch_size": micro * accum * nproc, "train_micro_batch_size_per_gpu": micro,
+              "gradient_accumulation_steps": accum}  # fmt: skip
+    for key in auto:
+        fill(key, values[key], f"micro batch {micro} x accumulation {accum} x {nproc} ranks")
+
+
+def _resolved_candidate(config: Any, reference_ds: dict[str, Any]) -> Any:
+    """The torsh side of a config with "auto": the same values the DeepSpeed side was given, in the core model."""
+    from torsh import adapters
+    from torsh.config import get_path
+
+    translation = adapters.load(config) if not isinstance(config, dict) else adapters.read(config)
+    cfg = translation.result
+    deferred = cfg.deferred_paths()
+    if not deferred:
+        return config
+    if translation.source == "deepspeed":
+        return reference_ds  # the same file, resolved the same way
+    resolved = adapters.read(reference_ds, "deepspeed").result
+    values = {path: get_path(resolved, path) for path in deferred}
+    values = {path: (v if v is not None else get_path(type(cfg)(), path)) for path, v in values.items()}
+    return cfg.resolve_deferred(values)
+
+
 def check_config(config: Any, *, steps: int = 20, nproc: int = 2, model: str = "tiny-mlp",
                  candidate_config: Any = None, reference_engine: str = "deepspeed", workdir: Path | None = None,
                  on_progress: Callable[[str, int, int], None] | None = None) -> ParityReport:  # fmt: skip
@@ -270,16 +410,21 @@ def check_config(config: Any, *, steps: int = 20, nproc: int = 2, model: str = "
     """
     if reference_engine not in ("deepspeed", "torsh"):
         raise ValueError(f"reference_engine must be 'deepspeed' or 'torsh', not {reference_engine!r}")
-    ds_config = deepspeed_config_for(config)
+    ds_config, auto_notes = resolve_auto(deepspeed_config_for(config), nproc=nproc, steps=steps)
     precision = precision_of(ds_config)
-    candidate = Scenario("candidate", _plain_config(candidate_config if candidate_config is not None else config),
-                         model=model, steps=steps)  # fmt: skip
+    if candidate_config is None:
+        candidate_source = _resolved_candidate(config, ds_config)
+    else:
+        candidate_source = _resolved_candidate(candidate_config, resolve_auto(
+            deepspeed_config_for(candidate_config), nproc=nproc, steps=steps)[0])  # fmt: skip
+    candidate = Scenario("candidate", _plain_config(candidate_source), model=model, steps=steps)
     torsh_scenarios = [candidate]
     ds_scenarios = []
     if reference_engine == "deepspeed":
         ds_scenarios.append(Scenario("reference", ds_config, model=model, steps=steps))
     else:
-        torsh_scenarios.append(Scenario("reference", _plain_config(config), model=model, steps=steps))
+        torsh_scenarios.append(Scenario("reference", _plain_config(_resolved_candidate(config, ds_config)),
+                                        model=model, steps=steps))  # fmt: skip
     calibrating = precision != "fp32" and (reference_engine == "deepspeed" or deepspeed_available())
     if calibrating:
         if reference_engine == "torsh":
@@ -304,6 +449,7 @@ def check_config(config: Any, *, steps: int = 20, nproc: int = 2, model: str = "
         tolerance = dict(LOW_PRECISION_FLOOR)
         calibration = {"note": "DeepSpeed is not installed: the band is the floor, not calibrated"}
     comparison = compare(reference_records, candidate_records, tolerance)
+    comparison.notes[:0] = auto_notes
     reference_name = "deepspeed 0.19.8" if reference_engine == "deepspeed" else "torsh (reference config)"
     candidate_name = "torsh" if candidate_config is None else "torsh (candidate config)"
     return ParityReport("reference", precision, reference_name, candidate_name, comparison, reference_records,

@@ -13,7 +13,7 @@ fsdp_kwargs = dict(
 
 full_state = model.state_dict() if dist.get_rank() == 0 else {}  # rank 0 loaded the weights
 shard_classes = {'LlamaDecoderLayer'}
-blocks = [m for m in model.modules() if type(m).__name__ in shard_classes]
+blocks = [m for m in model.modules() if m is not model and type(m).__name__ in shard_classes]
 for block in blocks:
     fully_shard(block, **fsdp_kwargs)
 fully_shard(model, **fsdp_kwargs)
