@@ -96,12 +96,29 @@ def read(raw: Any, dialect: str | None = None, *, version: str | None = None) ->
     """
     from torsh.compression_rules import compression_notes_for_stage
 
+    _check_keys(raw)
     raw, schema_notes = _without_schema_key(raw)
     translation = get(dialect or sniff(raw)).read(raw, version=version)
     translation.notes[:0] = schema_notes
     cfg = translation.result
     translation.notes.extend(compression_notes_for_stage(cfg.compression, cfg.sharding.stage))
     return translation
+
+
+def _check_keys(raw: Any) -> None:
+    """Every mapping key is text, as in any JSON, YAML or TOML config file (a dict built in Python may hold others,
+    which no dialect names); a ConfigError names the first offending path."""
+    stack: list[tuple[str, Any]] = [("", raw)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if not isinstance(key, str):
+                    raise ConfigError([Problem(path or "<document>", key, f"keys must be text, not "
+                                               f"{type(key).__name__}; write the key as a string")])  # fmt: skip
+                stack.append((f"{path}.{key}" if path else key, value))
+        elif isinstance(node, list):
+            stack.extend((f"{path}[{i}]", value) for i, value in enumerate(node))
 
 
 def write(cfg: TorshConfig, dialect: str, *, version: str | None = None) -> Translation[Any]:

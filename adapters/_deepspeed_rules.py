@@ -27,6 +27,9 @@ from torsh.deferred import AUTO, is_deferred
 from torsh.errors import Problem, did_you_mean
 from torsh.translate import Fidelity, FieldMap, Hook, Note, ReadContext, Status, To, WriteContext
 
+#: Largest |fp16.initial_scale_power|: the core model caps loss scales at 2**64.
+MAX_SCALE_POWER = 64
+
 EXACT, APPROXIMATE, DEFAULTED = Fidelity.EXACT, Fidelity.APPROXIMATE, Fidelity.DEFAULTED
 DEFERRED, IGNORED, DROPPED, UNSUPPORTED = Fidelity.DEFERRED, Fidelity.IGNORED, Fidelity.DROPPED, Fidelity.UNSUPPORTED
 DEFAULT_REASON = "not set; DeepSpeed 0.19.8 default"
@@ -487,8 +490,14 @@ def _loss_scaling(seen: _Seen, stage: int) -> None:
         seen.set("fp16.loss_scale", "precision.loss_scaling.mode", "dynamic", default="dynamic",
                  reason=f"0 means dynamic: {rule}")  # fmt: skip
     power = seen.value("fp16.initial_scale_power", 16)
-    seen.set("fp16.initial_scale_power", "precision.loss_scaling.initial_scale", float(2**power),
-             default=float(2**16), reason=f"2**{power}")  # fmt: skip
+    if isinstance(power, float) and power.is_integer() and abs(power) <= MAX_SCALE_POWER:
+        power = int(power)  # DeepSpeed's pydantic field takes a whole float as its int
+    if isinstance(power, int) and not isinstance(power, bool) and abs(power) <= MAX_SCALE_POWER:
+        seen.set("fp16.initial_scale_power", "precision.loss_scaling.initial_scale", float(2**power),
+                 default=float(2**16), reason=f"2**{power}")  # fmt: skip
+    else:  # 2**power of a huge power overflows a float (or takes minutes as an int): refuse it before computing
+        seen.ctx.problem("fp16.initial_scale_power", power, f"the initial loss scale is 2**initial_scale_power: give "
+                         f"a whole number from -{MAX_SCALE_POWER} to {MAX_SCALE_POWER} (DeepSpeed's default is 16)")
     seen.set("fp16.loss_scale_window", "precision.loss_scaling.growth_interval",
              seen.value("fp16.loss_scale_window", 1000), default=1000)  # fmt: skip
     seen.set("fp16.hysteresis", "precision.loss_scaling.hysteresis", seen.value("fp16.hysteresis", 2), default=2,

@@ -32,7 +32,8 @@ def _state(ctx: Any) -> dict[str, Any]:
 
 def _trainer_fsdp(value: Any, ctx: ReadContext, path: str) -> None:
     options = value.split() if isinstance(value, str) else list(value) if isinstance(value, list) else None
-    if options is None or set(options) - {*_TRAINER_OPTIONS, "offload", "auto_wrap"}:
+    if options is None or not all(isinstance(o, str) for o in options) or \
+            set(options) - {*_TRAINER_OPTIONS, "offload", "auto_wrap"}:
         ctx.problem(path, value, f"expected options among {', '.join([*_TRAINER_OPTIONS, 'offload', 'auto_wrap'])}")
         return
     strategy = next((o for o in options if o in _TRAINER_OPTIONS), "full_shard")

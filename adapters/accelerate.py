@@ -74,7 +74,16 @@ def _kind(ctx: Any) -> str:
 
 
 def _fsdp_version(ctx: Any) -> int:
-    return int(str((ctx.raw.get("fsdp_config") or {}).get("fsdp_version", 1)))
+    section = ctx.raw.get("fsdp_config")
+    value = section.get("fsdp_version", 1) if isinstance(section, dict) else 1
+    try:
+        version = float(str(value))  # YAML may give 2, "2" or 2.0; Accelerate reads an int
+    except ValueError:
+        version = None
+    if version not in (1.0, 2.0):
+        raise ConfigError([Problem("fsdp_config.fsdp_version", value, "Accelerate's FSDP versions are 1 and 2")],
+                          source=NAME)  # fmt: skip
+    return int(version)
 
 
 def _state(ctx: Any) -> dict[str, Any]:

@@ -241,8 +241,13 @@ def _finalize_sdp(ctx: ReadContext, state: dict) -> None:
     if size:
         ctx.keep(size[1], size[2])
         ctx.note(size[1], Fidelity.IGNORED, "bucket size in elements: " + _NOT_RESULTS, size[2])
-    if fp16 and fp16[0]:
-        if (size[0] if size else _SDP_DEFAULT_BUFFER) > 0:
+    buffer = size[0] if size else _SDP_DEFAULT_BUFFER
+    if fp16 and fp16[0] and not _is_number(buffer):  # an expression of the script: its value decides
+        ctx.keep(fp16[1], fp16[2])
+        ctx.note(fp16[1], Fidelity.APPROXIMATE, "FairScale reduces in fp16 only when reduce_buffer_size is 0, and "
+                 f"reduce_buffer_size is {buffer!r}, a value of the script: not carried", fp16[2])  # fmt: skip
+    elif fp16 and fp16[0]:
+        if buffer > 0:
             ctx.keep(fp16[1], fp16[2])
             ctx.note(fp16[1], Fidelity.DROPPED, "FairScale silently disables reduce_fp16 when reduce_buffer_size > 0 "
                      "(the default is 2**23): gradients are reduced uncompressed", fp16[2])  # fmt: skip
@@ -429,3 +434,5 @@ def _finalize_write(ctx: WriteContext) -> None:
     explain_unsupported(ctx, SCRIPT_SIDE)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
