@@ -1,7 +1,8 @@
 """One benchmark launch on N ranks: ``python -m torch.distributed.run ... -m benchmarks.worker SPEC_JSON``.
 
 ``spec["impls"]`` names what the launch runs. One implementation: ``initialize`` (or the hand-written set-up)
-and every training step are timed and the peak RSS of every rank recorded, so the process holds that case
+and every training step are timed and the peak memory of every rank recorded (RSS; on CUDA also the allocator's
+maximum), so the process holds that case
 alone. Several (``native`` and ``torsh``, both plain PyTorch): each builds its job on its own copy of the
 model and their steps alternate (A B A B ..., the order rotated every step), so that the step-time ratio is
 taken under the same machine load, memory layout and process, not between launches that a shared machine
@@ -31,7 +32,8 @@ import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.optim  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
-from benchmarks.cases import SHAPES, NativeJob, Shape, build, deepspeed_config
+from benchmarks.cases import (SHAPES, NativeJob, Shape, build, deepspeed_config, loss_of, make_batch, num_params,
+                              unit_class)
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -49,18 +51,19 @@ def build_step(impl: str, stage: str, precision: str, shape: Shape, device: torc
     if impl == "deepspeed":
         import deepspeed as backend
     else:
-        # The DeepSpeed config read as torsh reads it, with one addition: every ``Layer`` is its own FSDP2 unit,
-        # as the hand-written job wraps it (torsh's default would make the whole ``layers`` Sequential one unit,
-        # a direct child of the model). DeepSpeed gathers per module.
+        # The DeepSpeed config read as torsh reads it, with one addition: every block (``Layer``, ``Block``) is
+        # its own FSDP2 unit, as the hand-written job wraps it (torsh's default would make the whole ``layers``
+        # Sequential one unit, a direct child of the model, and split a tied embedding from its head).
+        # DeepSpeed gathers per module.
         import torsh as backend
         from torsh import adapters
 
         config = adapters.load(config).result
-        config.sharding.wrap.module_classes = ["Layer"]
+        config.sharding.wrap.module_classes = [unit_class(model)]
     engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = torch.nn.functional.mse_loss(engine(x).float(), y)
+        loss = loss_of(engine(x), y)
         engine.backward(loss)
         engine.step()
         return loss.detach()
@@ -80,13 +83,13 @@ def run(spec: dict, device: torch.device, rank: int) -> dict:
     impls, stage, precision = spec["impls"], spec["stage"], spec["precision"]
     shape = SHAPES[spec["shape"]]
     if "deepspeed" in impls:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else device.type)
         import deepspeed  # noqa: F401 (imported before the clock starts, as torch is)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(shape.batch, shape.width, generator=g).to(device)
-    if precision == "bf16":  # every implementation gets bf16 inputs (torsh and DeepSpeed need them at stages 0/1)
-        x = x.to(torch.bfloat16)
-    y = torch.randn(shape.batch, 1, generator=g).to(device)
+    x, y = (t.to(device) for t in make_batch(shape, torch.Generator().manual_seed(rank)))
+    if precision == "bf16" and x.is_floating_point():
+        x = x.to(torch.bfloat16)  # every implementation gets bf16 inputs (torsh and DeepSpeed need them at 0/1)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     rss_before = _rss_mib()
     steps, init_s = {}, {}
     for impl in impls:
@@ -110,9 +113,13 @@ def run(spec: dict, device: torch.device, rank: int) -> dict:
                                    for impl in impls}}  # fmt: skip
     (impl,) = impls
     result = {**spec, "impl": impl, "step_s": measured[f"{impl}.step_s"], "init_s": measured[f"{impl}.init_s"],
-              "peak_rss_mib": measured["peak"], "rss_delta_mib": measured["delta"], "step_times": times[impl]}
-    if device.type == "cuda":
-        result["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+              "peak_rss_mib": measured["peak"], "rss_delta_mib": measured["delta"], "step_times": times[impl],
+              "device": device.type, "world_size": dist.get_world_size(), "params": num_params(build(shape)),
+              "tokens_per_step": shape.tokens * dist.get_world_size()}  # fmt: skip
+    if device.type == "cuda":  # the largest of the ranks, as for RSS
+        peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**20], dtype=torch.float64, device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        result["cuda_max_allocated_mib"] = peak.item()
     return result
 
 
