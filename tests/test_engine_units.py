@@ -236,3 +236,22 @@ def test_fully_shard_takes_each_unit_as_a_list(tmp_path):
         assert len(states) == len(plan.units) + 1 == 4
     finally:
         dist.destroy_process_group()
+
+
+def test_the_config_gets_ddp_buckets_from_reduce_bucket_size_before_sharding():
+    raw = {"train_batch_size": 8, "zero_optimization": {"stage": 1, "reduce_bucket_size": 2**20},
+           "bf16": {"enabled": True}}  # fmt: skip
+    cfg = adapters.load(raw).result
+    sized = u.with_deepspeed_buckets(cfg, source="deepspeed")
+    assert sized.ddp.bucket_cap_mb == pytest.approx(2.0)  # 2**20 bf16 gradients
+    assert cfg.ddp.bucket_cap_mb == 25.0  # the caller's config is left alone
+    assert u.with_deepspeed_buckets(TorshConfig(), source="torsh") == TorshConfig()
+    stage3 = adapters.load({**raw, "zero_optimization": {"stage": 3}}).result
+    assert u.with_deepspeed_buckets(stage3, source="deepspeed") is stage3  # FSDP2 units carry the sizes there
+
+
+def test_a_unit_that_would_split_a_tied_weight_is_left_to_the_root():
+    """Each direct child as a unit would put the tied embedding and head in two units: both stay in the root."""
+    plan = u.plan_units(Stack(tied=True), ShardingConfig(stage=3), {}, source="torsh")
+    assert plan.policy == "children"
+    assert [unit.modules[0] for unit in plan.units] == [f"layers.{i}" for i in range(8)]

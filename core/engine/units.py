@@ -18,6 +18,7 @@ explain`` uses :func:`describe_policy`); the functions given a model import it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -28,6 +29,8 @@ from torsh.errors import ConfigError, Problem
 
 if TYPE_CHECKING:
     from torch import nn
+
+log = logging.getLogger("torsh.engine")
 
 Policy = Literal["buckets", "per_layer", "wrap", "children"]
 POLICIES = ("buckets", "per_layer", "wrap", "children")
@@ -159,6 +162,25 @@ def ddp_bucket_cap_mb(ddp: DdpConfig, extensions: Mapping[str, Any], *, grad_byt
     mb = settings.reduce_bucket_size * grad_bytes / 2**20
     return mb, (f"{settings.describe('reduce_bucket_size')} x {grad_bytes} bytes per gradient element "
                 f"= {mb:.1f} MiB")  # fmt: skip
+
+
+def with_deepspeed_buckets(cfg: TorshConfig, *, source: str | None = None, rank: int = 0) -> TorshConfig:
+    """``cfg`` with ``ddp.bucket_cap_mb`` from DeepSpeed's ``reduce_bucket_size`` at stages 0/1 (see
+    :func:`ddp_bucket_cap_mb`); unchanged otherwise. Logged on rank 0 with the reason."""
+    if cfg.sharding.stage > 1 or not is_deepspeed_sized(cfg.extensions, source):
+        return cfg
+    mb, why = ddp_bucket_cap_mb(cfg.ddp, cfg.extensions, grad_bytes=grad_bytes(cfg), source=source)
+    if rank == 0:
+        log.info("DDP gradient buckets of %.1f MiB: %s", mb, why)
+    return cfg.model_copy(update={"ddp": cfg.ddp.model_copy(update={"bucket_cap_mb": mb})})
+
+
+def grad_bytes(cfg: TorshConfig) -> int:
+    """Bytes per gradient element in DDP's buckets: the parameters' dtype (the master dtype under autocast,
+    which leaves the parameters uncast)."""
+    p = cfg.precision
+    dtype = p.master_dtype if p.autocast else p.param_dtype
+    return _DTYPE_BYTES.get(dtype, 4) if isinstance(dtype, str) else 4
 
 
 # ------------------------------------------------------------------------------------------------
@@ -319,7 +341,7 @@ def _plan_from_wrap(model: nn.Module, sharding: ShardingConfig, policy: str) -> 
 
     wrap = sharding.wrap if policy == "wrap" else WrapPolicy()
     names = {id(m): n for n, m in model.named_modules()}
-    targets = wrap_targets(model, wrap)
+    targets = _keep_ties(model, wrap_targets(model, wrap))
     why = ("sharding.wrap.module_classes" if wrap.module_classes else
            f"sharding.wrap.min_num_params={wrap.min_num_params}" if wrap.min_num_params else
            "each direct child holding parameters")  # fmt: skip
@@ -331,6 +353,22 @@ def _plan_from_wrap(model: nn.Module, sharding: ShardingConfig, policy: str) -> 
         units.append(Unit((names[id(m)],), _numel(own), why))
     summary = f"units ({policy}): {why}"
     return UnitPlan(policy, tuple(units), _numel(model.parameters()) - sum(u.numel for u in units), summary)
+
+
+def _keep_ties(model: nn.Module, targets: list) -> list:
+    """``targets`` without those holding some but not all owners of a tied parameter (a unit must manage every
+    use of a parameter; the owners of a dropped unit fall to the next enclosing unit, at worst the root)."""
+    owners: dict[int, list[int]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(id(module))
+    tied = [mods for mods in owners.values() if len(mods) > 1]
+    kept = []
+    for target in targets:
+        inside = {id(m) for m in target.modules()}
+        if not any(0 < sum(m in inside for m in mods) < len(mods) for mods in tied):
+            kept.append(target)
+    return kept
 
 
 def _numel(params) -> int:
@@ -356,10 +394,8 @@ def describe_policy(cfg: TorshConfig, *, source: str | None = None, requested: s
     """What ``explain`` can say about units and buckets without the model: the policy and the sizes."""
     s = cfg.sharding
     if s.stage <= 1:
-        grad_bytes = _DTYPE_BYTES.get(cfg.precision.param_dtype, 4) if isinstance(cfg.precision.param_dtype, str) \
-            else 4  # fmt: skip
         if isinstance(cfg.ddp.bucket_cap_mb, (int, float)):
-            mb, why = ddp_bucket_cap_mb(cfg.ddp, cfg.extensions, grad_bytes=grad_bytes, source=source)
+            mb, why = ddp_bucket_cap_mb(cfg.ddp, cfg.extensions, grad_bytes=grad_bytes(cfg), source=source)
             return [f"DDP gradient buckets of {mb:.1f} MiB: {why}"]
         return ["DDP gradient buckets: ddp.bucket_cap_mb=auto (hidden_size**2 elements, from the model)"]
     policy = resolve_policy(s, source=source, extensions=cfg.extensions, requested=requested)
