@@ -93,12 +93,12 @@ def compile_sources() -> None:
 
 
 def run_case(impls: list[str], stage: str, precision: str, shape: str, steps: int, warmup: int,
-             nproc: int, cuda: bool = False) -> dict:  # fmt: skip
+             nproc: int, cuda: bool = False, torsh_units: str = "per_layer") -> dict:  # fmt: skip
     """One launch of ``impls`` (one implementation, or several with alternating steps) on ``nproc`` ranks."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = handle.name
     spec = {"impls": impls, "stage": stage, "precision": precision, "shape": shape, "steps": steps,
-            "warmup": warmup, "out": out}  # fmt: skip
+            "warmup": warmup, "out": out, "torsh_units": torsh_units}  # fmt: skip
     env = {**_env(cuda), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                f"--master-port={_free_port()}", "-m", "benchmarks.worker", json.dumps(spec)]  # fmt: skip
@@ -304,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--quick", action="store_true",
                         help="1 repeat, stages 0 and 3, fp32, the comm shape (unless --shapes is given)")
+    parser.add_argument("--torsh-units", choices=["per_layer", "engine"], default="per_layer",
+                        help="torsh's FSDP2 units: one per block as in the hand-written job (default), or the "
+                             "engine's own choice from the DeepSpeed config")  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="one device's peak TFLOP/s in the measured precision (e.g. 989 for an H100 SXM in "
                              "bf16): the table then gives MFU")  # fmt: skip
@@ -334,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
             if "native" in impls and "torsh" in impls:
                 launches.append(["native", "torsh"])
             for launch in launches:
-                r = run_case(launch, stage, precision, shape, args.steps, args.warmup, args.nproc, cuda)
+                r = run_case(launch, stage, precision, shape, args.steps, args.warmup, args.nproc, cuda,
+                             args.torsh_units)  # fmt: skip
                 if "error" in r:
                     status = _last_error_line(r["error"])
                 elif "paired" in r:

@@ -42,8 +42,11 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def build_step(impl: str, stage: str, precision: str, shape: Shape, device: torch.device) -> Step:
-    """Set up one implementation's job on a fresh model (same seed for every implementation); its step."""
+def build_step(impl: str, stage: str, precision: str, shape: Shape, device: torch.device,
+               torsh_units: str = "per_layer") -> Step:  # fmt: skip
+    """Set up one implementation's job on a fresh model (same seed for every implementation); its step.
+    ``torsh_units``: ``"per_layer"`` makes every block a unit in torsh as in the hand-written job; ``"engine"``
+    leaves the units to the engine (sized from the DeepSpeed config's buckets where the engine does that)."""
     model = build(shape)
     if impl == "native":
         return NativeJob(model, stage, precision, device).train_step
@@ -59,7 +62,10 @@ def build_step(impl: str, stage: str, precision: str, shape: Shape, device: torc
         from torsh import adapters
 
         config = adapters.load(config).result
-        config.sharding.wrap.module_classes = [unit_class(model)]
+        if torsh_units == "per_layer":
+            config.sharding.wrap.module_classes = [unit_class(model)]
+        else:  # the engine's own choice needs to know the config is DeepSpeed's: pass it as DeepSpeed JSON
+            config = deepspeed_config(stage, precision, shape)
     engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -94,7 +100,7 @@ def run(spec: dict, device: torch.device, rank: int) -> dict:
     steps, init_s = {}, {}
     for impl in impls:
         started = time.perf_counter()
-        steps[impl] = build_step(impl, stage, precision, shape, device)
+        steps[impl] = build_step(impl, stage, precision, shape, device, spec.get("torsh_units", "per_layer"))
         init_s[impl] = time.perf_counter() - started
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     for i in range(spec["warmup"] + spec["steps"]):
