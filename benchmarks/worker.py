@@ -64,6 +64,9 @@ def build_step(impl: str, stage: str, precision: str, shape: Shape, device: torc
         config = adapters.load(config).result
         if torsh_units == "per_layer":
             config.sharding.wrap.module_classes = [unit_class(model)]
+            # A config object no longer says it came from DeepSpeed: its effective reduce bucket (DeepSpeed's
+            # default) is written out, so that DDP's buckets at stages 0/1 are sized from it as from the JSON.
+            config.extensions.setdefault("deepspeed", {}).setdefault("zero_optimization.reduce_bucket_size", 5e8)
         else:  # the engine's own choice needs to know the config is DeepSpeed's: pass it as DeepSpeed JSON
             config = deepspeed_config(stage, precision, shape)
     engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=config)
