@@ -135,6 +135,8 @@ def run(spec: dict, device: torch.device, rank: int) -> dict:
 def main(spec: dict) -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")  # fmt: skip
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # FSDP2's default mesh and NCCL use the current device: one GPU per rank
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank()
     result = run(spec, device, rank)
