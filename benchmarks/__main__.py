@@ -27,10 +27,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: The shapes of ``benchmarks.cases`` (named here so that this driver does not import torch).
 SHAPE_NAMES = ("compute", "comm", "transformer")
+IMPL_NAMES = ("native", "torsh", "deepspeed", "torsh-per-layer")
 RESULTS = ROOT / "benchmarks" / "results"
 TARGETS = {
     "step torsh/native": 1.02,
     "step torsh/deepspeed": 0.9,
+    "peak memory torsh/deepspeed": 1.0,
     "peak memory torsh/native": 1.03,
     "initialize torsh - native (s)": 0.3,
     "convert cold start (s)": 0.3,
@@ -213,9 +215,10 @@ def aggregate(results: list[dict], peak_tflops: float | None = None) -> dict:
         if "torsh.peak_mib" in med and "native.peak_mib" in med:
             row["peak memory torsh/native"] = med["torsh.peak_mib"] / med["native.peak_mib"]
             row["initialize torsh - native (s)"] = med["torsh.init_s"] - med["native.init_s"]
-        if "torsh.step_s" in med and "deepspeed.step_s" in med:
-            row["step torsh/deepspeed"] = med["torsh.step_s"] / med["deepspeed.step_s"]
-            row["peak memory torsh/deepspeed"] = med["torsh.peak_mib"] / med["deepspeed.peak_mib"]
+        for torsh in ("torsh", "torsh-per-layer"):  # the engine's units, and one unit per block (memory first)
+            if f"{torsh}.step_s" in med and "deepspeed.step_s" in med:
+                row[f"step {torsh}/deepspeed"] = med[f"{torsh}.step_s"] / med["deepspeed.step_s"]
+                row[f"peak memory {torsh}/deepspeed"] = med[f"{torsh}.peak_mib"] / med["deepspeed.peak_mib"]
         rows.append(row)
     return {"rows": rows}
 
@@ -257,6 +260,14 @@ def markdown(report: dict) -> str:
                      f"{ratio(row, 'peak memory torsh/native')} | "
                      f"{ratio(row, 'initialize torsh - native (s)', '{:+.2f}')} | "
                      f"{median(row, 'torsh.tokens_per_s', '{:.0f}')} | {median(row, 'torsh.mfu', '{:.1%}')} |")
+    per_layer = [row for row in report["rows"] if "torsh-per-layer.step_s" in row]
+    if per_layer:
+        lines += ["", f"| shape | stage | precision | step torsh per layer / DeepSpeed | torsh per layer/DeepSpeed "
+                  f"| {memory} torsh per layer/DeepSpeed |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for row in per_layer:
+            lines.append(f"| {row['shape']} | {row['stage']} | {row['precision']} | {ms(row, 'torsh-per-layer')} / "
+                         f"{ms(row, 'deepspeed')} | {ratio(row, 'step torsh-per-layer/deepspeed')} | "
+                         f"{ratio(row, 'peak memory torsh-per-layer/deepspeed')} |")  # fmt: skip
     cold = report.get("cold_start", {})
     if cold:
         lines += ["", "| cold start | median (s) | min–max (s) |", "|---|---|---|"]
@@ -294,7 +305,9 @@ def update_readme(table: str, readme: Path = ROOT / "README.md") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("--impls", default=",".join(("native", "torsh", "deepspeed")))
+    parser.add_argument("--impls", default=",".join(("native", "torsh", "deepspeed")),
+                        help="of native, torsh, deepspeed and torsh-per-layer (torsh with one FSDP2 unit per block, "
+                             "the memory-first setting, in a table of its own)")  # fmt: skip
     parser.add_argument("--stages", default="0,1,2,3,3+offload")
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--shapes", default="compute,comm,transformer")
@@ -321,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.shapes.split(",")) - set(SHAPE_NAMES))
     if unknown:
         parser.error(f"--shapes: unknown shape(s) {', '.join(unknown)}; choose from {', '.join(SHAPE_NAMES)}")
+    bad_impls = sorted(set(args.impls.split(",")) - set(IMPL_NAMES))
+    if bad_impls:
+        parser.error(f"--impls: unknown implementation(s) {', '.join(bad_impls)}; choose from {', '.join(IMPL_NAMES)}")
     cuda = cuda_available()
     impls = args.impls.split(",")
     if "deepspeed" in impls and not importlib.util.find_spec("deepspeed"):

@@ -9,7 +9,7 @@ from torch import nn
 
 STAGES = ("0", "1", "2", "3", "3+offload")
 PRECISIONS = ("fp32", "bf16")
-IMPLS = ("native", "torsh", "deepspeed")
+IMPLS = ("native", "torsh", "deepspeed", "torsh-per-layer")
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ def build_step(impl: str, stage: str, precision: str, shape: Shape, device: torc
                torsh_units: str = "per_layer") -> Step:  # fmt: skip
     """Set up one implementation's job on a fresh model (same seed for every implementation); its step.
     ``torsh_units``: ``"per_layer"`` makes every block a unit in torsh as in the hand-written job; ``"engine"``
-    leaves the units to the engine (sized from the DeepSpeed config's buckets where the engine does that)."""
+    leaves the units to the engine (sized from the DeepSpeed config's buckets where the engine does that).
+    ``torsh-per-layer`` is torsh with one unit per block whatever ``torsh_units`` says (the memory-first row)."""
     model = build(shape)
     if impl == "native":
         return NativeJob(model, stage, precision, device).train_step
@@ -62,7 +63,7 @@ def build_step(impl: str, stage: str, precision: str, shape: Shape, device: torc
         from torsh import adapters
 
         config = adapters.load(config).result
-        if torsh_units == "per_layer":
+        if torsh_units == "per_layer" or impl == "torsh-per-layer":
             config.sharding.wrap.module_classes = [unit_class(model)]
             # A config object no longer says it came from DeepSpeed: its effective reduce bucket (DeepSpeed's
             # default) is written out, so that DDP's buckets at stages 0/1 are sized from it as from the JSON.

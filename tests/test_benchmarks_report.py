@@ -163,11 +163,12 @@ def test_on_a_gpu_the_memory_compared_is_cudas_max_allocated():
 
 def test_the_driver_knows_every_shape_without_importing_torch():
     cases = pytest.importorskip("benchmarks.cases")
-    assert set(bench.SHAPE_NAMES) == set(cases.SHAPES)
+    assert set(bench.SHAPE_NAMES) == set(cases.SHAPES) and set(bench.IMPL_NAMES) == set(cases.IMPLS)
 
 
 @pytest.mark.parametrize("argv,message", [(["--shapes", "comm,big"], "--shapes: unknown shape(s) big"),
-                                          (["--peak-tflops", "0"], "--peak-tflops must be a positive")])
+                                          (["--peak-tflops", "0"], "--peak-tflops must be a positive"),
+                                          (["--impls", "torsh,fsdp"], "--impls: unknown implementation(s) fsdp")])
 def test_bad_flags_are_named_before_anything_runs(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         bench.main(argv)
@@ -189,3 +190,16 @@ def test_the_transformer_ties_its_embedding_and_predicts_next_tokens():
     assert loss.item() == pytest.approx(torch.log(torch.tensor(float(shape.vocab))).item(), rel=0.2)
     loss.backward()
     assert model.embed.weight.grad is not None  # the head's gradient lands on the shared weight
+
+
+def test_memory_against_deepspeed_is_a_target_and_per_layer_has_its_own_table():
+    results = [result("native", 100, rss=1000), result("torsh", 90, rss=1100), result("deepspeed", 100, rss=1000),
+               result("torsh-per-layer", 120, rss=900)]  # fmt: skip
+    report = report_of(results)
+    (row,) = report["rows"]
+    assert row["peak memory torsh/deepspeed"] == pytest.approx(1.1)
+    assert row["step torsh-per-layer/deepspeed"] == pytest.approx(1.2)
+    assert row["peak memory torsh-per-layer/deepspeed"] == pytest.approx(0.9)
+    assert "peak memory torsh/deepspeed ≤ 1.0: MISSED (worst 1.100)" in report["targets"]
+    text = bench.markdown(report)
+    assert "| comm | 0 | fp32 | 120.0 / 100.0 | 1.20 | 0.90 |" in text  # the memory-first row
