@@ -25,10 +25,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The shapes of ``benchmarks.cases`` (named here so that this driver does not import torch).
+SHAPE_NAMES = ("compute", "comm", "transformer")
+IMPL_NAMES = ("native", "torsh", "deepspeed", "torsh-per-layer")
 RESULTS = ROOT / "benchmarks" / "results"
 TARGETS = {
     "step torsh/native": 1.02,
     "step torsh/deepspeed": 0.9,
+    "peak memory torsh/deepspeed": 1.0,
     "peak memory torsh/native": 1.03,
     "initialize torsh - native (s)": 0.3,
     "convert cold start (s)": 0.3,
@@ -41,13 +45,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict[str, str]:
-    """The environment of every measured process: CPU DeepSpeed, and bytecode caches used as for an installed
-    package (torch's and DeepSpeed's were compiled at install time; with PYTHONDONTWRITEBYTECODE set, only
-    torsh would be compiled from source in every process, inside the measured time)."""
+def _env(cuda: bool = False) -> dict[str, str]:
+    """The environment of every measured process: DeepSpeed on the CPU unless there is a GPU, and bytecode
+    caches used as for an installed package (torch's and DeepSpeed's were compiled at install time; with
+    PYTHONDONTWRITEBYTECODE set, only torsh would be compiled from source in every process, inside the measured
+    time)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["DS_ACCELERATOR"] = "cpu"
+    env["DS_ACCELERATOR"] = "cuda" if cuda else "cpu"
     return env
+
+
+def cuda_available() -> bool:
+    """Whether the launches will run on CUDA/NCCL (the workers choose the device the same way)."""
+    done = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                          capture_output=True, text=True)  # fmt: skip
+    return done.stdout.strip() == "True"
+
+
+def flops_per_step(params: int, tokens: int) -> float:
+    """Training FLOPs of one step: the usual dense estimate 6 x parameters x tokens (2 for the forward
+    multiply-adds, 4 for the backward), attention's own FLOPs and activation recomputation left out."""
+    return 6.0 * params * tokens
+
+
+def throughput(result: dict, peak_tflops: float | None) -> dict[str, float]:
+    """Tokens per second over all ranks and, given each device's peak (TFLOP/s), the model FLOPs utilisation
+    (MFU): FLOPs per step / step time / (peak x ranks). Empty for a result without a token count."""
+    if "tokens_per_step" not in result or "params" not in result:
+        return {}
+    out = {"tokens_per_s": result["tokens_per_step"] / result["step_s"]}
+    if peak_tflops:
+        achieved = flops_per_step(result["params"], result["tokens_per_step"]) / result["step_s"]
+        out["mfu"] = achieved / (peak_tflops * 1e12 * result.get("world_size", 1))
+    return out
+
+
+def peak_memory_mib(result: dict) -> float:
+    """The memory measure of a launch: CUDA's maximum allocated on a GPU (RSS counts host memory only), else
+    the peak RSS."""
+    return result.get("cuda_max_allocated_mib", result["peak_rss_mib"])
 
 
 def compile_sources() -> None:
@@ -59,13 +95,13 @@ def compile_sources() -> None:
 
 
 def run_case(impls: list[str], stage: str, precision: str, shape: str, steps: int, warmup: int,
-             nproc: int) -> dict:  # fmt: skip
+             nproc: int, cuda: bool = False, torsh_units: str = "per_layer") -> dict:  # fmt: skip
     """One launch of ``impls`` (one implementation, or several with alternating steps) on ``nproc`` ranks."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = handle.name
     spec = {"impls": impls, "stage": stage, "precision": precision, "shape": shape, "steps": steps,
-            "warmup": warmup, "out": out}  # fmt: skip
-    env = {**_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+            "warmup": warmup, "out": out, "torsh_units": torsh_units}  # fmt: skip
+    env = {**_env(cuda), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                f"--master-port={_free_port()}", "-m", "benchmarks.worker", json.dumps(spec)]  # fmt: skip
     try:
@@ -141,7 +177,9 @@ def _paired_ratio(torsh: dict, native: dict) -> float:
     return torsh["step_s"] / native["step_s"]
 
 
-def aggregate(results: list[dict]) -> dict:
+def aggregate(results: list[dict], peak_tflops: float | None = None) -> dict:
+    """Per case (shape, stage, precision): every implementation's medians and min-max, the ratios, tokens/s and
+    MFU (with ``peak_tflops``); the memory ratios compare :func:`peak_memory_mib`."""
     grouped: dict[tuple, dict[str, dict[str, list[float]]]] = {}
     paired: dict[tuple, list[float]] = {}
     for r in results:
@@ -155,8 +193,12 @@ def aggregate(results: list[dict]) -> dict:
                 grouped.setdefault(key, {}).setdefault(f"{impl} (paired)", {}).setdefault("step_s", []).append(
                     measured["step_s"])
             continue
-        for metric in ("step_s", "init_s", "peak_rss_mib"):
-            grouped.setdefault(key, {}).setdefault(r["impl"], {}).setdefault(metric, []).append(r[metric])
+        measured = {"step_s": r["step_s"], "init_s": r["init_s"], "peak_rss_mib": r["peak_rss_mib"],
+                    "peak_mib": peak_memory_mib(r), **throughput(r, peak_tflops)}  # fmt: skip
+        if "cuda_max_allocated_mib" in r:
+            measured["cuda_max_allocated_mib"] = r["cuda_max_allocated_mib"]
+        for metric, value in measured.items():
+            grouped.setdefault(key, {}).setdefault(r["impl"], {}).setdefault(metric, []).append(value)
     rows = []
     for key, impls in sorted(grouped.items()):
         shape, stage, precision = key
@@ -169,25 +211,34 @@ def aggregate(results: list[dict]) -> dict:
             row["step torsh/native"] = statistics.median(paired[key])
         elif "torsh.step_s" in med and "native.step_s" in med:
             row["step torsh/native"] = med["torsh.step_s"] / med["native.step_s"]
-        if "torsh.peak_rss_mib" in med and "native.peak_rss_mib" in med:
-            row["peak memory torsh/native"] = med["torsh.peak_rss_mib"] / med["native.peak_rss_mib"]
+        row["memory"] = "CUDA max allocated" if any(k.endswith(".cuda_max_allocated_mib") for k in med) else "RSS"
+        if "torsh.peak_mib" in med and "native.peak_mib" in med:
+            row["peak memory torsh/native"] = med["torsh.peak_mib"] / med["native.peak_mib"]
             row["initialize torsh - native (s)"] = med["torsh.init_s"] - med["native.init_s"]
-        if "torsh.step_s" in med and "deepspeed.step_s" in med:
-            row["step torsh/deepspeed"] = med["torsh.step_s"] / med["deepspeed.step_s"]
-            row["peak memory torsh/deepspeed"] = med["torsh.peak_rss_mib"] / med["deepspeed.peak_rss_mib"]
+        for torsh in ("torsh", "torsh-per-layer"):  # the engine's units, and one unit per block (memory first)
+            if f"{torsh}.step_s" in med and "deepspeed.step_s" in med:
+                row[f"step {torsh}/deepspeed"] = med[f"{torsh}.step_s"] / med["deepspeed.step_s"]
+                row[f"peak memory {torsh}/deepspeed"] = med[f"{torsh}.peak_mib"] / med["deepspeed.peak_mib"]
         rows.append(row)
     return {"rows": rows}
 
 
 def markdown(report: dict) -> str:
+    cuda = any(row.get("memory") == "CUDA max allocated" for row in report["rows"])
+    ranks = f"{report.get('nproc', 2)} ranks, {'nccl' if cuda else 'gloo'}"
+    memory = "peak CUDA memory" if cuda else "peak RSS"
+    peak = report.get("peak_tflops")
     lines = [f"Measured {report['date']} on {report['machine']} with `{report['command']}` "
-             f"({report['repeats']} interleaved repeats, {report['steps']} timed steps each, 2 ranks, gloo). "
+             f"({report['repeats']} interleaved repeats, {report['steps']} timed steps each, {ranks}). "
              "Step times in ms, median (min–max) over the repeats; native and torsh side by side are the "
-             "launch running both with alternating steps, torsh and DeepSpeed each their own launch.", "",
+             "launch running both with alternating steps, torsh and DeepSpeed each their own launch. "
+             "Tokens/s over all ranks (a row of an MLP's batch counts as a token); MFU = 6 x parameters x tokens "
+             + (f"per step / step time / ({peak:g} TFLOP/s x ranks)." if peak else "per step / step time / peak "
+                "(not computed: no --peak-tflops)."), "",
              "| shape | stage | precision | step native / torsh, one launch | torsh/native "
-             "| step torsh / DeepSpeed, own launches | torsh/DeepSpeed | peak RSS torsh/native "
-             "| init torsh − native (s) |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             f"| step torsh / DeepSpeed, own launches | torsh/DeepSpeed | {memory} torsh/native "
+             "| init torsh − native (s) | tokens/s torsh | MFU torsh |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
 
     def ms(row, impl):
         cell = row.get(f"{impl}.step_s")
@@ -199,12 +250,24 @@ def markdown(report: dict) -> str:
     def ratio(row, key, fmt="{:.2f}"):
         return fmt.format(row[key]) if key in row else "–"
 
+    def median(row, key, fmt):
+        return fmt.format(row[key]["median"]) if key in row else "–"
+
     for row in report["rows"]:
         lines.append(f"| {row['shape']} | {row['stage']} | {row['precision']} | {ms(row, 'native (paired)')} / "
                      f"{ms(row, 'torsh (paired)')} | {ratio(row, 'step torsh/native')} | {ms(row, 'torsh')} / "
                      f"{ms(row, 'deepspeed')} | {ratio(row, 'step torsh/deepspeed')} | "
                      f"{ratio(row, 'peak memory torsh/native')} | "
-                     f"{ratio(row, 'initialize torsh - native (s)', '{:+.2f}')} |")  # fmt: skip
+                     f"{ratio(row, 'initialize torsh - native (s)', '{:+.2f}')} | "
+                     f"{median(row, 'torsh.tokens_per_s', '{:.0f}')} | {median(row, 'torsh.mfu', '{:.1%}')} |")
+    per_layer = [row for row in report["rows"] if "torsh-per-layer.step_s" in row]
+    if per_layer:
+        lines += ["", f"| shape | stage | precision | step torsh per layer / DeepSpeed | torsh per layer/DeepSpeed "
+                  f"| {memory} torsh per layer/DeepSpeed |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for row in per_layer:
+            lines.append(f"| {row['shape']} | {row['stage']} | {row['precision']} | {ms(row, 'torsh-per-layer')} / "
+                         f"{ms(row, 'deepspeed')} | {ratio(row, 'step torsh-per-layer/deepspeed')} | "
+                         f"{ratio(row, 'peak memory torsh-per-layer/deepspeed')} |")  # fmt: skip
     cold = report.get("cold_start", {})
     if cold:
         lines += ["", "| cold start | median (s) | min–max (s) |", "|---|---|---|"]
@@ -242,19 +305,39 @@ def update_readme(table: str, readme: Path = ROOT / "README.md") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("--impls", default=",".join(("native", "torsh", "deepspeed")))
+    parser.add_argument("--impls", default=",".join(("native", "torsh", "deepspeed")),
+                        help="of native, torsh, deepspeed and torsh-per-layer (torsh with one FSDP2 unit per block, "
+                             "the memory-first setting, in a table of its own)")  # fmt: skip
     parser.add_argument("--stages", default="0,1,2,3,3+offload")
     parser.add_argument("--precisions", default="fp32,bf16")
-    parser.add_argument("--shapes", default="compute,comm")
+    parser.add_argument("--shapes", default="compute,comm,transformer")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="1 repeat, stages 0 and 3, fp32, comm shape only")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 repeat, stages 0 and 3, fp32, the comm shape (unless --shapes is given)")
+    parser.add_argument("--torsh-units", choices=["per_layer", "engine"], default="per_layer",
+                        help="torsh's FSDP2 units: one per block as in the hand-written job (default), or the "
+                             "engine's own choice from the DeepSpeed config")  # fmt: skip
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="one device's peak TFLOP/s in the measured precision (e.g. 989 for an H100 SXM in "
+                             "bf16): the table then gives MFU")  # fmt: skip
     parser.add_argument("--update-readme", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
-        args.repeats, args.stages, args.precisions, args.shapes = 1, "0,3", "fp32", "comm"
+        shapes_given = any(a == "--shapes" or a.startswith("--shapes=") for a in (argv or sys.argv[1:]))
+        args.repeats, args.stages, args.precisions = 1, "0,3", "fp32"
+        args.shapes = args.shapes if shapes_given else "comm"
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        parser.error(f"--peak-tflops must be a positive number of TFLOP/s, not {args.peak_tflops}")
+    unknown = sorted(set(args.shapes.split(",")) - set(SHAPE_NAMES))
+    if unknown:
+        parser.error(f"--shapes: unknown shape(s) {', '.join(unknown)}; choose from {', '.join(SHAPE_NAMES)}")
+    bad_impls = sorted(set(args.impls.split(",")) - set(IMPL_NAMES))
+    if bad_impls:
+        parser.error(f"--impls: unknown implementation(s) {', '.join(bad_impls)}; choose from {', '.join(IMPL_NAMES)}")
+    cuda = cuda_available()
     impls = args.impls.split(",")
     if "deepspeed" in impls and not importlib.util.find_spec("deepspeed"):
         print("DeepSpeed is not installed: skipping it (pip install 'torsh-distributed[parity]')")
@@ -270,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
             if "native" in impls and "torsh" in impls:
                 launches.append(["native", "torsh"])
             for launch in launches:
-                r = run_case(launch, stage, precision, shape, args.steps, args.warmup, args.nproc)
+                r = run_case(launch, stage, precision, shape, args.steps, args.warmup, args.nproc, cuda,
+                             args.torsh_units)  # fmt: skip
                 if "error" in r:
                     status = _last_error_line(r["error"])
                 elif "paired" in r:
@@ -280,10 +364,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{repeat + 1}/{args.repeats}] {shape:<7} stage {stage:<9} {precision} "
                       f"{'+'.join(launch):<12} {status}", flush=True)  # fmt: skip
                 results.append(r)
-    report = aggregate(results)
+    report = aggregate(results, args.peak_tflops)
     report["cold_start"] = {k: _summary(v) for k, v in cold_start(max(3, args.repeats * 2)).items()}
     report.update({
-        "date": time.strftime("%Y-%m-%d"), "repeats": args.repeats, "steps": args.steps,
+        "date": time.strftime("%Y-%m-%d"), "repeats": args.repeats, "steps": args.steps, "nproc": args.nproc,
+        "peak_tflops": args.peak_tflops,
         "machine": _machine(),
         "command": " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)]),
         "errors": [r for r in results if "error" in r],

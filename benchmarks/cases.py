@@ -9,17 +9,30 @@ from torch import nn
 
 STAGES = ("0", "1", "2", "3", "3+offload")
 PRECISIONS = ("fp32", "bf16")
-IMPLS = ("native", "torsh", "deepspeed")
+IMPLS = ("native", "torsh", "deepspeed", "torsh-per-layer")
 
 
 @dataclass(frozen=True)
 class Shape:
-    """A model shape: width, depth and the micro-batch per rank."""
+    """A model shape: width, depth and the micro-batch per rank; a transformer also has a vocabulary, a sequence
+    length and attention heads (an MLP has none: each of its ``batch`` rows counts as one token)."""
 
     name: str
     width: int
     depth: int
     batch: int
+    vocab: int = 0
+    seq: int = 1
+    heads: int = 0
+
+    @property
+    def transformer(self) -> bool:
+        return self.vocab > 0
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch of one rank (rows for an MLP)."""
+        return self.batch * self.seq
 
 
 SHAPES = {
@@ -27,6 +40,9 @@ SHAPES = {
     "compute": Shape("compute", width=512, depth=4, batch=512),
     # Most time in gradient communication: many parameters (about 8.4M) and a tiny batch.
     "comm": Shape("comm", width=1024, depth=8, batch=2),
+    # What users train: a causal transformer with attention and tied input/output embeddings (about 4.2M
+    # parameters, 1M of them the shared embedding), 4 sequences of 64 tokens per rank.
+    "transformer": Shape("transformer", width=256, depth=4, batch=4, vocab=4096, seq=64, heads=4),
 }
 
 
@@ -52,9 +68,76 @@ class Net(nn.Module):
         return self.head(self.layers(x))
 
 
+class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention (``scaled_dot_product_attention``) and a 4x MLP."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        attn = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, c))
+        return x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
+
+
+class Transformer(nn.Module):
+    """A causal language model whose output head is the input embedding (``head.weight is embed.weight``)."""
+
+    def __init__(self, shape: Shape):
+        super().__init__()
+        self.hidden_size = shape.width
+        self.embed = nn.Embedding(shape.vocab, shape.width)
+        self.pos = nn.Parameter(torch.zeros(1, shape.seq, shape.width))
+        self.layers = nn.ModuleList(Block(shape.width, shape.heads) for _ in range(shape.depth))
+        self.norm = nn.LayerNorm(shape.width)
+        self.head = nn.Linear(shape.width, shape.vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied: one parameter, used at both ends
+        nn.init.normal_(self.embed.weight, std=0.02)  # as GPT-2: N(0, 1) would start the tied head at loss ~200
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
 def build(shape: Shape) -> nn.Module:
     torch.manual_seed(0)
-    return Net(shape)
+    return Transformer(shape) if shape.transformer else Net(shape)
+
+
+def unit_class(model: nn.Module) -> str:
+    """The class of the model's repeated block: each one is an FSDP2 unit in the hand-written job."""
+    return type(model.layers[0]).__name__
+
+
+def num_params(model: nn.Module) -> int:
+    """Distinct parameters (a tied embedding counts once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_batch(shape: Shape, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's ``(inputs, targets)``: features and a regression target, or tokens and the next tokens."""
+    if shape.transformer:
+        tokens = torch.randint(0, shape.vocab, (shape.batch, shape.seq + 1), generator=generator)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return torch.randn(shape.batch, shape.width, generator=generator), torch.randn(shape.batch, 1, generator=generator)
+
+
+def loss_of(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean squared error for a regression target, cross-entropy over the vocabulary for next tokens (in fp32)."""
+    if y.dtype == torch.long:
+        return nn.functional.cross_entropy(output.float().flatten(0, 1), y.flatten())
+    return nn.functional.mse_loss(output.float(), y)
 
 
 def deepspeed_config(stage: str, precision: str, shape: Shape) -> dict:
@@ -83,8 +166,9 @@ class NativeJob:
     which would compute different ops in a different dtype): at stages 0/1 the model's parameters are cast to
     bf16, gradients are reduced in bf16 and the optimizer steps fp32 master copies, which are copied back; at
     stages 2/3 FSDP2's ``MixedPrecisionPolicy`` casts fp32 shards to bf16 for compute and reduction. The
-    gradient norm is clipped to 1.0 over the (master) gradients, and every ``Layer`` is its own FSDP2 unit,
-    as torsh wraps it.
+    gradient norm is clipped to 1.0 over the (master) gradients, and every block (``Layer``, or the
+    transformer's ``Block``) is its own FSDP2 unit, as torsh wraps it. A tied embedding stays one parameter:
+    ``Module.to`` converts it in place, and at stages 2/3 it belongs to the root unit with the head.
     """
 
     def __init__(self, model: nn.Module, stage: str, precision: str, device: torch.device):
@@ -127,7 +211,7 @@ class NativeJob:
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One step; ``x`` is already in the compute dtype."""
-        loss = nn.functional.mse_loss(self.model(x).float(), y)
+        loss = loss_of(self.model(x), y)
         loss.backward()
         for p, m in zip(self.params, self.masters):
             m.grad = p.grad.float()

@@ -1,7 +1,8 @@
 """One benchmark launch on N ranks: ``python -m torch.distributed.run ... -m benchmarks.worker SPEC_JSON``.
 
 ``spec["impls"]`` names what the launch runs. One implementation: ``initialize`` (or the hand-written set-up)
-and every training step are timed and the peak RSS of every rank recorded, so the process holds that case
+and every training step are timed and the peak memory of every rank recorded (RSS; on CUDA also the allocator's
+maximum), so the process holds that case
 alone. Several (``native`` and ``torsh``, both plain PyTorch): each builds its job on its own copy of the
 model and their steps alternate (A B A B ..., the order rotated every step), so that the step-time ratio is
 taken under the same machine load, memory layout and process, not between launches that a shared machine
@@ -31,7 +32,8 @@ import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.optim  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
-from benchmarks.cases import SHAPES, NativeJob, Shape, build, deepspeed_config
+from benchmarks.cases import (SHAPES, NativeJob, Shape, build, deepspeed_config, loss_of, make_batch, num_params,
+                              unit_class)
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -40,8 +42,12 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def build_step(impl: str, stage: str, precision: str, shape: Shape, device: torch.device) -> Step:
-    """Set up one implementation's job on a fresh model (same seed for every implementation); its step."""
+def build_step(impl: str, stage: str, precision: str, shape: Shape, device: torch.device,
+               torsh_units: str = "per_layer") -> Step:  # fmt: skip
+    """Set up one implementation's job on a fresh model (same seed for every implementation); its step.
+    ``torsh_units``: ``"per_layer"`` makes every block a unit in torsh as in the hand-written job; ``"engine"``
+    leaves the units to the engine (sized from the DeepSpeed config's buckets where the engine does that).
+    ``torsh-per-layer`` is torsh with one unit per block whatever ``torsh_units`` says (the memory-first row)."""
     model = build(shape)
     if impl == "native":
         return NativeJob(model, stage, precision, device).train_step
@@ -49,18 +55,25 @@ def build_step(impl: str, stage: str, precision: str, shape: Shape, device: torc
     if impl == "deepspeed":
         import deepspeed as backend
     else:
-        # The DeepSpeed config read as torsh reads it, with one addition: every ``Layer`` is its own FSDP2 unit,
-        # as the hand-written job wraps it (torsh's default would make the whole ``layers`` Sequential one unit,
-        # a direct child of the model). DeepSpeed gathers per module.
+        # The DeepSpeed config read as torsh reads it, with one addition: every block (``Layer``, ``Block``) is
+        # its own FSDP2 unit, as the hand-written job wraps it (torsh's default would make the whole ``layers``
+        # Sequential one unit, a direct child of the model, and split a tied embedding from its head).
+        # DeepSpeed gathers per module.
         import torsh as backend
         from torsh import adapters
 
         config = adapters.load(config).result
-        config.sharding.wrap.module_classes = ["Layer"]
+        if torsh_units == "per_layer" or impl == "torsh-per-layer":
+            config.sharding.wrap.module_classes = [unit_class(model)]
+            # A config object no longer says it came from DeepSpeed: its effective reduce bucket (DeepSpeed's
+            # default) is written out, so that DDP's buckets at stages 0/1 are sized from it as from the JSON.
+            config.extensions.setdefault("deepspeed", {}).setdefault("zero_optimization.reduce_bucket_size", 5e8)
+        else:  # the engine's own choice needs to know the config is DeepSpeed's: pass it as DeepSpeed JSON
+            config = deepspeed_config(stage, precision, shape)
     engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = torch.nn.functional.mse_loss(engine(x).float(), y)
+        loss = loss_of(engine(x), y)
         engine.backward(loss)
         engine.step()
         return loss.detach()
@@ -80,18 +93,18 @@ def run(spec: dict, device: torch.device, rank: int) -> dict:
     impls, stage, precision = spec["impls"], spec["stage"], spec["precision"]
     shape = SHAPES[spec["shape"]]
     if "deepspeed" in impls:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else device.type)
         import deepspeed  # noqa: F401 (imported before the clock starts, as torch is)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(shape.batch, shape.width, generator=g).to(device)
-    if precision == "bf16":  # every implementation gets bf16 inputs (torsh and DeepSpeed need them at stages 0/1)
-        x = x.to(torch.bfloat16)
-    y = torch.randn(shape.batch, 1, generator=g).to(device)
+    x, y = (t.to(device) for t in make_batch(shape, torch.Generator().manual_seed(rank)))
+    if precision == "bf16" and x.is_floating_point():
+        x = x.to(torch.bfloat16)  # every implementation gets bf16 inputs (torsh and DeepSpeed need them at 0/1)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     rss_before = _rss_mib()
     steps, init_s = {}, {}
     for impl in impls:
         started = time.perf_counter()
-        steps[impl] = build_step(impl, stage, precision, shape, device)
+        steps[impl] = build_step(impl, stage, precision, shape, device, spec.get("torsh_units", "per_layer"))
         init_s[impl] = time.perf_counter() - started
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     for i in range(spec["warmup"] + spec["steps"]):
@@ -110,15 +123,21 @@ def run(spec: dict, device: torch.device, rank: int) -> dict:
                                    for impl in impls}}  # fmt: skip
     (impl,) = impls
     result = {**spec, "impl": impl, "step_s": measured[f"{impl}.step_s"], "init_s": measured[f"{impl}.init_s"],
-              "peak_rss_mib": measured["peak"], "rss_delta_mib": measured["delta"], "step_times": times[impl]}
-    if device.type == "cuda":
-        result["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+              "peak_rss_mib": measured["peak"], "rss_delta_mib": measured["delta"], "step_times": times[impl],
+              "device": device.type, "world_size": dist.get_world_size(), "params": num_params(build(shape)),
+              "tokens_per_step": shape.tokens * dist.get_world_size()}  # fmt: skip
+    if device.type == "cuda":  # the largest of the ranks, as for RSS
+        peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**20], dtype=torch.float64, device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        result["cuda_max_allocated_mib"] = peak.item()
     return result
 
 
 def main(spec: dict) -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")  # fmt: skip
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # FSDP2's default mesh and NCCL use the current device: one GPU per rank
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank()
     result = run(spec, device, rank)

@@ -93,7 +93,8 @@ def test_markdown_table_names_the_run_and_every_case():
     results = [result("native", ms) for ms in (100, 120)] + [result("torsh", ms) for ms in (101, 103)]
     text = bench.markdown(report_of(results, [0.2, 0.3]))
     assert "Measured 2026-01-01 on test machine with `python -m benchmarks --quick`" in text
-    assert "| comm | 0 | fp32 | – / – | 0.93 | 102.0 (101.0–103.0) / – | – | 1.00 | +0.00 |" in text
+    assert "| comm | 0 | fp32 | – / – | 0.93 | 102.0 (101.0–103.0) / – | – | 1.00 | +0.00 | – | – |" in text
+    assert "2 ranks, gloo" in text and "peak RSS torsh/native" in text and "no --peak-tflops" in text
     assert "| `torsh-migrate convert` | 0.250 | 0.200–0.300 |" in text
     assert "- convert cold start (s) ≤ 0.3: holds (worst 0.250)" in text
 
@@ -107,3 +108,98 @@ def test_readme_block_is_replaced_and_the_rest_kept(tmp_path):
     assert text.startswith("# torsh\n\nintro\n\n## Benchmarks\n")
     assert "<!-- benchmarks:start -->\n| new |\n<!-- benchmarks:end -->" in text and "| old |" not in text
     assert text.count("## Benchmarks") == 1
+
+
+# ---- the transformer shape, tokens/s, MFU and GPU memory ------------------------------------------------
+
+
+def lm_result(impl: str, step_ms: float, *, cuda_mib: float | None = None, rss: float = 1000.0) -> dict:
+    """A launch of the transformer shape: 4.2M parameters, 512 tokens per step over 2 ranks."""
+    r = {**result(impl, step_ms, rss=rss), "shape": "transformer", "params": 4_224_512, "tokens_per_step": 512,
+         "world_size": 2, "device": "cpu"}  # fmt: skip
+    if cuda_mib is not None:
+        r.update(device="cuda", cuda_max_allocated_mib=cuda_mib)
+    return r
+
+
+def test_flops_per_step_is_six_times_parameters_times_tokens():
+    assert bench.flops_per_step(4_224_512, 512) == 6 * 4_224_512 * 512
+
+
+def test_throughput_gives_tokens_per_second_and_mfu_against_the_peak():
+    r = lm_result("torsh", 250)
+    assert bench.throughput(r, None) == {"tokens_per_s": pytest.approx(2048.0)}  # 512 tokens / 0.25 s
+    mfu = bench.throughput(r, peak_tflops=0.1)["mfu"]
+    assert mfu == pytest.approx(6 * 4_224_512 * 512 / 0.25 / (0.1e12 * 2))  # per-device peak x 2 ranks
+    assert bench.throughput(result("torsh", 100), 0.1) == {}  # an older result without token counts
+
+
+def test_transformer_rows_carry_tokens_per_second_and_mfu():
+    results = [lm_result("native", 200)] + [lm_result("torsh", ms) for ms in (250, 240, 260)]
+    (row,) = bench.aggregate(results, peak_tflops=0.1)["rows"]
+    assert row["shape"] == "transformer" and row["memory"] == "RSS"
+    assert row["torsh.tokens_per_s"]["median"] == pytest.approx(512 / 0.25)
+    assert row["torsh.mfu"]["median"] == pytest.approx(6 * 4_224_512 * 512 / 0.25 / 0.2e12)
+    report = bench.aggregate(results, peak_tflops=0.1)
+    report.update(date="2026-01-01", machine="m", command="python -m benchmarks", repeats=3, steps=10, nproc=2,
+                  peak_tflops=0.1)  # fmt: skip
+    report["targets"] = bench.check_targets(report)
+    text = bench.markdown(report)
+    assert "| transformer | 0 | fp32 |" in text and "| 2048 | 26.0% |" in text
+    assert "(0.1 TFLOP/s x ranks)" in text
+
+
+def test_on_a_gpu_the_memory_compared_is_cudas_max_allocated():
+    results = [lm_result("native", 100, cuda_mib=1000, rss=3000), lm_result("torsh", 100, cuda_mib=1020, rss=9000)]
+    report = bench.aggregate(results)
+    (row,) = report["rows"]
+    assert row["memory"] == "CUDA max allocated"
+    assert row["peak memory torsh/native"] == pytest.approx(1.02)  # not the RSS ratio of 3
+    report.update(date="d", machine="m", command="c", repeats=1, steps=1, nproc=8)
+    report["targets"] = bench.check_targets(report)
+    text = bench.markdown(report)
+    assert "8 ranks, nccl" in text and "peak CUDA memory torsh/native" in text
+
+
+def test_the_driver_knows_every_shape_without_importing_torch():
+    cases = pytest.importorskip("benchmarks.cases")
+    assert set(bench.SHAPE_NAMES) == set(cases.SHAPES) and set(bench.IMPL_NAMES) == set(cases.IMPLS)
+
+
+@pytest.mark.parametrize("argv,message", [(["--shapes", "comm,big"], "--shapes: unknown shape(s) big"),
+                                          (["--peak-tflops", "0"], "--peak-tflops must be a positive"),
+                                          (["--impls", "torsh,fsdp"], "--impls: unknown implementation(s) fsdp")])
+def test_bad_flags_are_named_before_anything_runs(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_transformer_ties_its_embedding_and_predicts_next_tokens():
+    import torch
+
+    cases = pytest.importorskip("benchmarks.cases")
+    shape = cases.SHAPES["transformer"]
+    model = cases.build(shape)
+    assert model.head.weight is model.embed.weight  # one parameter at both ends
+    assert cases.num_params(model) == sum(p.numel() for p in set(model.parameters()))
+    assert cases.unit_class(model) == "Block"
+    x, y = cases.make_batch(shape, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (shape.batch, shape.seq) and torch.equal(x[:, 1:], y[:, :-1])
+    loss = cases.loss_of(model(x), y)
+    assert loss.item() == pytest.approx(torch.log(torch.tensor(float(shape.vocab))).item(), rel=0.2)
+    loss.backward()
+    assert model.embed.weight.grad is not None  # the head's gradient lands on the shared weight
+
+
+def test_memory_against_deepspeed_is_a_target_and_per_layer_has_its_own_table():
+    results = [result("native", 100, rss=1000), result("torsh", 90, rss=1100), result("deepspeed", 100, rss=1000),
+               result("torsh-per-layer", 120, rss=900)]  # fmt: skip
+    report = report_of(results)
+    (row,) = report["rows"]
+    assert row["peak memory torsh/deepspeed"] == pytest.approx(1.1)
+    assert row["step torsh-per-layer/deepspeed"] == pytest.approx(1.2)
+    assert row["peak memory torsh-per-layer/deepspeed"] == pytest.approx(0.9)
+    assert "peak memory torsh/deepspeed ≤ 1.0: MISSED (worst 1.100)" in report["targets"]
+    text = bench.markdown(report)
+    assert "| comm | 0 | fp32 | 120.0 / 100.0 | 1.20 | 0.90 |" in text  # the memory-first row

@@ -1,0 +1,257 @@
+"""FSDP2 units and DDP buckets sized from DeepSpeed's settings (``reduce_bucket_size`` and friends)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+from torsh import adapters  # noqa: E402
+from torsh.config import DdpConfig, ShardingConfig, TorshConfig, WrapPolicy  # noqa: E402
+from torsh.engine import units as u  # noqa: E402
+from torsh.errors import ConfigError  # noqa: E402
+
+BLOCK = 10 * 10 + 10  # parameters of one Linear(10, 10) block
+
+
+class Stack(nn.Module):
+    """An embedding, eight equal blocks in a ModuleList, a head: the shape of a transformer."""
+
+    def __init__(self, depth: int = 8, tied: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(7, 10)
+        self.layers = nn.ModuleList(nn.Linear(10, 10) for _ in range(depth))
+        self.head = nn.Linear(10, 7, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def ds(stage: int, **zero) -> dict:
+    """A DeepSpeed config's extensions as the DeepSpeed reader keeps them."""
+    return {"deepspeed": {f"zero_optimization.{k}": v for k, v in zero.items()}}
+
+
+def sizes(plan: u.UnitPlan) -> list[int]:
+    return [len(unit.modules) for unit in plan.units]
+
+
+@pytest.mark.parametrize("bucket,expected", [
+    (2 * BLOCK, [2, 2, 2, 2]),  # exactly two blocks per bucket
+    (3 * BLOCK + 5, [3, 3, 2]),  # the last group takes what is left
+    (BLOCK - 1, [1] * 8),  # a block above the bucket is a unit alone, never split
+    (None, [8]),  # DeepSpeed's defaults (5e7 / 5e8) hold the whole stack
+])
+def test_consecutive_blocks_are_grouped_up_to_the_smaller_bucket(bucket, expected):
+    zero = {} if bucket is None else {"reduce_bucket_size": 10**6, "stage3_prefetch_bucket_size": bucket}
+    plan = u.plan_units(Stack(), ShardingConfig(stage=3), ds(3, **zero), source="deepspeed")
+    assert plan.policy == "buckets"
+    assert sizes(plan) == expected
+    assert [n for unit in plan.units for n in unit.modules] == [f"layers.{i}" for i in range(8)]  # in order
+    limit = bucket or u.DEEPSPEED_DEFAULTS["prefetch_bucket_size"]
+    assert all(unit.numel <= limit for unit in plan.units if len(unit.modules) > 1)
+    assert plan.root_numel == 7 * 10 + 7 * 10  # embedding and head stay in the root
+
+
+def test_the_reduce_bucket_bounds_units_when_it_is_the_smaller():
+    plan = u.plan_units(Stack(), ShardingConfig(stage=3), ds(3, reduce_bucket_size=4 * BLOCK), source="deepspeed")
+    assert sizes(plan) == [4, 4]
+    assert "reduce_bucket_size" in plan.summary and "zero_optimization.reduce_bucket_size=440" in plan.summary
+
+
+def test_stage_2_uses_the_allgather_bucket_and_no_live_bound():
+    ext = ds(2, allgather_bucket_size=2 * BLOCK, stage3_prefetch_bucket_size=8 * BLOCK,
+             stage3_max_live_parameters=2)  # fmt: skip
+    plan = u.plan_units(Stack(), ShardingConfig(stage=2), ext, source="deepspeed")
+    assert sizes(plan) == [2, 2, 2, 2]
+    assert "allgather_bucket_size" in plan.summary and "at most" not in plan.summary
+
+
+@pytest.mark.parametrize("max_live,expected", [(4 * BLOCK, [2, 2, 2, 2]), (7 * BLOCK, [3, 3, 2]),
+                                               (BLOCK, [1] * 8)])  # fmt: skip
+def test_a_unit_never_holds_more_than_half_of_max_live_parameters(max_live, expected):
+    """Two units are gathered at once at stage 3 (computing + prefetched): together within the bound."""
+    ext = ds(3, reduce_bucket_size=10**6, stage3_prefetch_bucket_size=10**6, stage3_max_live_parameters=max_live)
+    plan = u.plan_units(Stack(), ShardingConfig(stage=3), ext, source="deepspeed")
+    assert sizes(plan) == expected
+    multi = [unit for unit in plan.units if len(unit.modules) > 1]
+    assert all(2 * unit.numel <= max_live for unit in multi)
+    assert "max_live_parameters" in plan.summary
+    if multi:
+        assert "per-unit bound" in plan.units[0].reason
+
+
+def test_every_unit_says_why():
+    plan = u.plan_units(Stack(), ShardingConfig(stage=3), ds(3, stage3_prefetch_bucket_size=3 * BLOCK),
+                        source="deepspeed")  # fmt: skip
+    lines = plan.describe()
+    assert lines[0] == plan.summary and lines[-1].startswith("root: the remaining")
+    assert "unit 0: layers.0 .. layers.2 (3 modules) (330 parameters)" in lines[1]
+    assert "adding layers.3 (110) would exceed the target" in lines[1]
+    assert lines[3].endswith("the last blocks")
+
+
+def test_per_layer_stays_selectable():
+    plan = u.plan_units(Stack(), ShardingConfig(stage=3), ds(3), source="deepspeed", policy="per_layer")
+    assert sizes(plan) == [1] * 8 and plan.policy == "per_layer"
+    assert "memory first" in plan.units[0].reason
+
+
+def test_policy_resolution():
+    assert u.resolve_policy(ShardingConfig(stage=3), source="deepspeed") == "buckets"
+    assert u.resolve_policy(ShardingConfig(stage=3), extensions=ds(3, reduce_bucket_size=5)) == "buckets"
+    assert u.resolve_policy(ShardingConfig(stage=3), source="torsh") == "children"  # the engine's default
+    explicit = ShardingConfig(stage=3, wrap=WrapPolicy(module_classes=["Linear"]))
+    assert u.resolve_policy(explicit, source="deepspeed") == "wrap"  # a written wrap policy is kept
+    plan = u.plan_units(Stack(), explicit, {}, source="deepspeed")
+    assert len(plan.units) == 9 and all("module_classes" in unit.reason for unit in plan.units)
+    with pytest.raises(ConfigError, match="sharding.units"):
+        u.resolve_policy(ShardingConfig(stage=3), requested="coarse")
+
+
+def test_blocks_sharing_a_weight_with_the_rest_stay_in_the_root():
+    model = Stack()
+    model.head = nn.Linear(10, 10, bias=False)
+    model.head.weight = model.layers[0].weight  # tied across the container's boundary
+    plan = u.plan_units(model, ShardingConfig(stage=3), ds(3), source="deepspeed")
+    assert "layers.0" not in plan.units[0].modules and plan.units[0].modules[0] == "layers.1"
+
+
+def test_tied_embeddings_stay_in_the_root_unit():
+    plan = u.plan_units(Stack(tied=True), ShardingConfig(stage=3), ds(3), source="deepspeed")
+    assert sizes(plan) == [8] and plan.root_numel == 70
+
+
+def test_a_model_without_a_block_container_gets_one_unit_per_child():
+    model = nn.Sequential()  # the root itself is not a container of blocks
+    model.add_module("a", nn.Linear(4, 4))
+    model.add_module("b", nn.ReLU())
+    plan = u.plan_units(model, ShardingConfig(stage=3), ds(3), source="deepspeed")
+    assert [unit.modules for unit in plan.units] == [("a",)] and "no repeated-block container" in plan.summary
+
+
+def test_settings_read_from_a_deepspeed_config_in_either_spelling():
+    for key in ("stage3_prefetch_bucket_size", "prefetch_bucket_size"):
+        cfg = adapters.load({"train_batch_size": 8, "zero_optimization": {"stage": 3, key: 2 * BLOCK}}).result
+        assert u.bucket_settings(cfg.extensions).prefetch_bucket_size == 2 * BLOCK
+    settings = u.bucket_settings({})
+    assert (settings.reduce_bucket_size, settings.prefetch_bucket_size) == (500_000_000, 50_000_000)
+    assert settings.sources["max_live_parameters"] == "DeepSpeed's default 1e+09"
+
+
+def test_auto_is_filled_as_the_hugging_face_trainer_does():
+    ext = ds(3, reduce_bucket_size="auto", stage3_prefetch_bucket_size="auto")
+    settings = u.bucket_settings(ext, hidden_size=100)
+    assert (settings.reduce_bucket_size, settings.prefetch_bucket_size) == (10_000, 9_000)
+    assert u.bucket_settings(ext).reduce_bucket_size == 500_000_000  # no hidden size: DeepSpeed's default
+
+
+@pytest.mark.parametrize("bad", [-1, 0, "big", True])
+def test_a_bad_bucket_size_names_its_key(bad):
+    with pytest.raises(ConfigError, match="extensions.deepspeed.zero_optimization.allgather_bucket_size"):
+        u.bucket_settings(ds(3, allgather_bucket_size=bad))
+
+
+# ---- DDP ------------------------------------------------------------------------------------------
+
+
+def test_ddp_bucket_is_reduce_bucket_size_in_mib_of_gradients():
+    mb, why = u.ddp_bucket_cap_mb(DdpConfig(), ds(0, reduce_bucket_size=2**20), grad_bytes=4, source="deepspeed")
+    assert mb == pytest.approx(4.0) and "x 4 bytes" in why
+    mb, _ = u.ddp_bucket_cap_mb(DdpConfig(), ds(0, reduce_bucket_size=2**20), grad_bytes=2, source="deepspeed")
+    assert mb == pytest.approx(2.0)  # bf16 gradients: the same elements in half the bytes
+
+
+def test_ddp_bucket_defaults_to_deepspeeds_5e8_elements():
+    mb, why = u.ddp_bucket_cap_mb(DdpConfig(), {}, grad_bytes=4, source="deepspeed")
+    assert mb == pytest.approx(5e8 * 4 / 2**20)  # 1907.3 MiB, not DDP's 25
+    assert "DeepSpeed's default" in why
+
+
+def test_ddp_bucket_keeps_an_explicit_value_and_other_dialects():
+    ext = ds(0, reduce_bucket_size=2**20)
+    assert u.ddp_bucket_cap_mb(DdpConfig(bucket_cap_mb=50), ext, grad_bytes=4, source="deepspeed")[0] == 50
+    assert u.ddp_bucket_cap_mb(DdpConfig(), {}, grad_bytes=4, source="fsdp")[0] == 25.0
+
+
+def test_explain_lines_need_no_model():
+    cfg = adapters.load({"train_batch_size": 8, "zero_optimization": {"stage": 0, "reduce_bucket_size": 2**20}})
+    assert u.describe_policy(cfg.result, source="deepspeed") == [
+        "DDP gradient buckets of 4.0 MiB: reduce_bucket_size 1.05e+06 (zero_optimization.reduce_bucket_size"
+        "=1.05e+06) x 4 bytes per gradient element = 4.0 MiB"]
+    cfg3 = TorshConfig.from_dict({"sharding": {"stage": 3}})
+    assert u.describe_policy(cfg3) == ["FSDP2 units: each direct child holding parameters"]
+    assert u.describe_policy(cfg3, source="deepspeed")[0].startswith("FSDP2 units: consecutive blocks grouped up "
+                                                                     "to 50M parameters")
+
+
+def test_importing_the_module_does_not_import_torch():
+    code = "import sys, torsh.engine.units; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+# ---- the engine's call: fully_shard over each unit's modules ---------------------------------------------
+
+
+def test_fully_shard_takes_each_unit_as_a_list(tmp_path):
+    """The hook-up the engine uses: one ``fully_shard([m1, m2, ...])`` per unit, then the root; a step runs and
+    FSDP2 makes one parameter group per unit."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already running in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = Stack(tied=True)
+        reference = Stack(tied=True)
+        reference.load_state_dict(model.state_dict())
+        plan = u.plan_units(model, ShardingConfig(stage=3), ds(3, stage3_prefetch_bucket_size=3 * BLOCK),
+                            source="deepspeed")  # fmt: skip
+        modules = dict(model.named_modules())
+        mesh = init_device_mesh("cpu", (1,))
+        for unit in plan.units:
+            fully_shard([modules[n] for n in unit.modules], mesh=mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        tokens = torch.randint(0, 7, (6,))
+        model(tokens).sum().backward()
+        reference(tokens).sum().backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        for n, p in reference.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad)
+        states = {id(m._get_fsdp_state()) for m in modules.values() if hasattr(m, "_get_fsdp_state")}
+        assert len(states) == len(plan.units) + 1 == 4
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_config_gets_ddp_buckets_from_reduce_bucket_size_before_sharding():
+    raw = {"train_batch_size": 8, "zero_optimization": {"stage": 1, "reduce_bucket_size": 2**20},
+           "bf16": {"enabled": True}}  # fmt: skip
+    cfg = adapters.load(raw).result
+    sized = u.with_deepspeed_buckets(cfg, source="deepspeed")
+    assert sized.ddp.bucket_cap_mb == pytest.approx(2.0)  # 2**20 bf16 gradients
+    assert cfg.ddp.bucket_cap_mb == 25.0  # the caller's config is left alone
+    assert u.with_deepspeed_buckets(TorshConfig(), source="torsh") == TorshConfig()
+    stage3 = adapters.load({**raw, "zero_optimization": {"stage": 3}}).result
+    assert u.with_deepspeed_buckets(stage3, source="deepspeed") is stage3  # FSDP2 units carry the sizes there
+
+
+def test_a_unit_that_would_split_a_tied_weight_is_left_to_the_root():
+    """Each direct child as a unit would put the tied embedding and head in two units: both stay in the root."""
+    plan = u.plan_units(Stack(tied=True), ShardingConfig(stage=3), {}, source="torsh")
+    assert plan.policy == "children"
+    assert [unit.modules[0] for unit in plan.units] == [f"layers.{i}" for i in range(8)]
