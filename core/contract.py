@@ -107,8 +107,10 @@ def loss_scaling_rule(precision: PrecisionConfig) -> str:
     return f"Dynamic loss scaling, {rule}; {skip}."
 
 
-def engine_plan(cfg: TorshConfig) -> list[str]:
-    """What ``torsh.initialize`` builds for this config, in build order."""
+def engine_plan(cfg: TorshConfig, source: str | None = None) -> list[str]:
+    """What ``torsh.initialize`` builds for this config, in build order (``source``: the dialect it was read
+    from, which decides whether DeepSpeed's bucket sizes size the units)."""
+    from torsh.engine.units import describe_policy  # torch-free: the sizes, not the model
     s, o, p = cfg.sharding, cfg.offload, cfg.precision
     steps = []
     if cfg.activation_checkpointing.enabled:
@@ -124,6 +126,7 @@ def engine_plan(cfg: TorshConfig) -> list[str]:
         mesh = (f"HSDP on a 2-D mesh (shard within groups of {s.hybrid_shard_size}, replicate across groups)"
                 if s.hybrid_shard_size else "sharded over all data-parallel ranks")  # fmt: skip
         steps.append(f"FSDP2 fully_shard(reshard_after_forward={reshard}) - ZeRO-{s.stage}-like, {mesh}")
+    steps += describe_policy(cfg, source=source)
     if p.param_dtype != "fp32" and not p.autocast:
         if s.stage >= 2:
             steps.append(f"MixedPrecisionPolicy(param_dtype={_dtype(p.param_dtype)}, "
@@ -189,7 +192,7 @@ def config_world_size(cfg: TorshConfig) -> tuple[int, str] | None:
     return None
 
 
-def explain(cfg: TorshConfig, world_size: int | None = None) -> dict:
+def explain(cfg: TorshConfig, world_size: int | None = None, source: str | None = None) -> dict:
     """Everything ``torsh-migrate explain`` prints, as data; ``world_size`` None: the config's own, else 1."""
     if world_size is None:
         stated = config_world_size(cfg)
@@ -200,6 +203,6 @@ def explain(cfg: TorshConfig, world_size: int | None = None) -> dict:
         "precision_contract": precision_contract(cfg.precision, cfg.sharding, cfg.offload, cfg.checkpoint,
                                                  cfg.gradients.reduce_op),
         "loss_scaling": loss_scaling_rule(cfg.precision),
-        "engine": engine_plan(cfg),
+        "engine": engine_plan(cfg, source),
         "deferred": cfg.deferred_paths(),
     }

@@ -15,8 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "resolved batch sizes, the dtype of every tensor class (the precision contract), the "
                             "loss-scaling rule and what torsh.initialize would build.")  # fmt: skip
     parser.add_argument("file", help="config file (JSON, hjson, YAML or TOML)")
-    parser.add_argument("--world-size", type=int, default=1, metavar="N",
-                        help="data-parallel ranks to resolve the batch sizes for (default: 1)")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="data-parallel ranks to resolve the batch sizes for (default: the process count the "
+                        "config states, else 1)")
     add_from_option(parser)
     parser.add_argument("--format", choices=["table", "json"], default="table", help="output format")
     parser.set_defaults(run=run)
@@ -29,17 +30,17 @@ def run(args: argparse.Namespace) -> int:
     from torsh.contract import explain
     from torsh.errors import ConfigError, Problem
 
-    if args.world_size < 1:
+    if args.world_size is not None and args.world_size < 1:
         raise ConfigError([Problem("--world-size", args.world_size, "must be at least 1")])
     translation = adapters.load(args.file, args.dialect)
-    data = explain(translation.result, args.world_size)
+    data = explain(translation.result, args.world_size, source=translation.source)
     if args.format == "json":
         data["precision_contract"] = [asdict(r) for r in data["precision_contract"]]
         json.dump({"file": args.file, "dialect": translation.source, **data}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     echo(f"{args.file} ({translation.source})")
-    echo(f"\nBatch ({args.world_size} data-parallel rank(s)): {data['batch']}\n", indent="  ")
+    echo(f"\nBatch ({data['world_size']} data-parallel rank(s)): {data['batch']}\n", indent="  ")
     rows = [(row.tensor, row.dtype, row.detail) for row in data["precision_contract"]]
     sys.stdout.write(render_table("Precision contract", ("tensor", "dtype", "detail"), rows,
                                   terminal_width(sys.stdout)))  # fmt: skip

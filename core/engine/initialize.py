@@ -27,6 +27,7 @@ from .engine import Engine
 from .rebuild import build_step_optimizer, named_groups, rebind_scheduler
 from .precision import apply_precision
 from .sharding import apply_sharding, sync_module_states
+from .units import with_deepspeed_buckets
 
 log = logging.getLogger("torsh.engine")
 
@@ -66,6 +67,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     cfg, batch, resolved = resolve_auto(cfg, model=model, optimizer=optimizer if _is_optimizer(optimizer) else None,
                                         training_data=training_data, world_size=info.world_size)  # fmt: skip
     log_resolved(resolved, info.rank)
+    source = translation.source if translation is not None else None
+    cfg = with_deepspeed_buckets(cfg, source=source, rank=info.rank)  # DDP buckets from reduce_bucket_size
 
     # Names are the identity that survives casting and sharding (fully_shard replaces the parameters).
     name_of = {id(p): n for n, p in model.named_parameters()}
@@ -77,7 +80,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     precision = apply_precision(model, cfg.precision, stage=cfg.sharding.stage, compression=cfg.compression,
                                 master_device=torch.device("cpu") if offload_to_cpu else None)  # fmt: skip
     shard = apply_sharding(model, cfg.sharding, cfg.ddp, cfg.offload, cfg.gradients, precision, info,
-                           reduce_hook=cfg.compression.method == "none")  # fmt: skip
+                           reduce_hook=cfg.compression.method == "none", extensions=cfg.extensions,
+                           source=source)  # fmt: skip
     compression_state = apply_compression(shard, cfg)
 
     if optimizer is not None and cfg.optimizer is not None and cfg.optimizer.name and info.rank == 0:

@@ -19,6 +19,7 @@ from torsh.errors import ConfigError, Problem
 
 from .distributed import DistInfo
 from .precision import PrecisionPlan
+from .units import plan_units
 
 log = logging.getLogger("torsh.engine")
 
@@ -148,14 +149,17 @@ def _post_order(module: nn.Module):
 
 def apply_sharding(model: nn.Module, sharding: ShardingConfig, ddp: DdpConfig, offload: OffloadConfig,
                    gradients: GradientsConfig, precision: PrecisionPlan, info: DistInfo, *,
-                   reduce_hook: bool = True) -> ShardPlan:  # fmt: skip
-    """Wrap ``model`` for its stage. ``reduce_hook`` False leaves DDP's reduction to a compression hook."""
+                   reduce_hook: bool = True, extensions: dict | None = None,
+                   source: str | None = None) -> ShardPlan:  # fmt: skip
+    """Wrap ``model`` for its stage. ``reduce_hook`` False leaves DDP's reduction to a compression hook.
+    ``extensions`` (the config's) and ``source`` (the dialect it was read from) carry DeepSpeed's bucket sizes,
+    which size the FSDP2 units (:func:`.units.plan_units`)."""
     if gradients.reduce_op == "adasum":
         raise ConfigError([Problem("gradients.reduce_op", "adasum", "Adasum is Horovod-only and has no native "
                                    "PyTorch equivalent; use 'mean' or 'sum'")])  # fmt: skip
     if sharding.stage <= 1:
         return _apply_ddp(model, ddp, gradients, precision, info, reduce_hook)
-    return _apply_fsdp(model, sharding, offload, gradients, precision, info)
+    return _apply_fsdp(model, sharding, offload, gradients, precision, info, extensions or {}, source)
 
 
 def _apply_ddp(model, ddp: DdpConfig, gradients: GradientsConfig, precision: PrecisionPlan, info: DistInfo,
@@ -261,7 +265,8 @@ def rebuild_ddp_for_unused(shard: ShardPlan, ddp: DdpConfig, gradients: Gradient
 
 
 def _apply_fsdp(model, sharding: ShardingConfig, offload: OffloadConfig, gradients: GradientsConfig,
-                precision: PrecisionPlan, info: DistInfo) -> ShardPlan:  # fmt: skip
+                precision: PrecisionPlan, info: DistInfo, extensions: dict | None = None,
+                source: str | None = None) -> ShardPlan:  # fmt: skip
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -288,9 +293,17 @@ def _apply_fsdp(model, sharding: ShardingConfig, offload: OffloadConfig, gradien
         offload_policy=CPUOffloadPolicy(pin_memory=offload.pin_memory and torch.cuda.is_available())
         if offloaded else OffloadPolicy(),
     )  # fmt: skip
-    targets = keep_ties_in_one_unit(model, wrap_targets(model, sharding.wrap))
-    for target in targets:
-        fully_shard(target, **kwargs)
+    # Units: sharding.wrap as written; for a DeepSpeed config, consecutive blocks grouped to its bucket sizes.
+    plan = plan_units(model, sharding, extensions, source=source)
+    if info.rank == 0:
+        for line in plan.describe():
+            log.info("sharding: %s", line)
+    named = dict(model.named_modules())
+    targets = []  # the first module of each unit (a unit's modules share one FSDP2 state): the prefetch order
+    for unit in plan.units:
+        modules = [named[name] for name in unit.modules]
+        fully_shard(modules if len(modules) > 1 else modules[0], **kwargs)
+        targets.append(modules[0])
     fully_shard(model, **kwargs)
     if sharding.forward_prefetch:
         # Each unit issues the next one's all-gather as soon as its own is copied out, so that the transfer

@@ -335,13 +335,13 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, int]]] | None:
 
 
 def _plan_from_wrap(model: nn.Module, sharding: ShardingConfig, policy: str) -> UnitPlan:
-    from .sharding import wrap_targets  # the engine's own policies (imports torch)
+    from .sharding import keep_ties_in_one_unit, wrap_targets  # the engine's own policies (imports torch)
 
     from torsh.config import WrapPolicy
 
     wrap = sharding.wrap if policy == "wrap" else WrapPolicy()
     names = {id(m): n for n, m in model.named_modules()}
-    targets = _keep_ties(model, wrap_targets(model, wrap))
+    targets = keep_ties_in_one_unit(model, wrap_targets(model, wrap))
     why = ("sharding.wrap.module_classes" if wrap.module_classes else
            f"sharding.wrap.min_num_params={wrap.min_num_params}" if wrap.min_num_params else
            "each direct child holding parameters")  # fmt: skip
@@ -353,22 +353,6 @@ def _plan_from_wrap(model: nn.Module, sharding: ShardingConfig, policy: str) -> 
         units.append(Unit((names[id(m)],), _numel(own), why))
     summary = f"units ({policy}): {why}"
     return UnitPlan(policy, tuple(units), _numel(model.parameters()) - sum(u.numel for u in units), summary)
-
-
-def _keep_ties(model: nn.Module, targets: list) -> list:
-    """``targets`` without those holding some but not all owners of a tied parameter (a unit must manage every
-    use of a parameter; the owners of a dropped unit fall to the next enclosing unit, at worst the root)."""
-    owners: dict[int, list[int]] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(id(module))
-    tied = [mods for mods in owners.values() if len(mods) > 1]
-    kept = []
-    for target in targets:
-        inside = {id(m) for m in target.modules()}
-        if not any(0 < sum(m in inside for m in mods) < len(mods) for mods in tied):
-            kept.append(target)
-    return kept
 
 
 def _numel(params) -> int:
