@@ -255,3 +255,47 @@ def test_a_unit_that_would_split_a_tied_weight_is_left_to_the_root():
     plan = u.plan_units(Stack(tied=True), ShardingConfig(stage=3), {}, source="torsh")
     assert plan.policy == "children"
     assert [unit.modules[0] for unit in plan.units] == [f"layers.{i}" for i in range(8)]
+
+
+INITIALIZE_SCRIPT = """
+import torch, torsh
+from torch import nn
+import torch.distributed as dist
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(7, 10)
+        self.layers = nn.ModuleList(nn.Linear(10, 10) for _ in range(8))
+        self.head = nn.Linear(10, 7)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+model = Stack()
+config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+          "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": BUCKET}}
+engine, *_ = torsh.initialize(model=model, model_parameters=model.parameters(), config=config)
+engine.backward(engine(torch.randint(0, 7, (2, 3))).sum())
+engine.step()
+states = {id(m._get_fsdp_state()) for m in model.modules() if hasattr(m, "_get_fsdp_state")}
+print(len(states))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("bucket,states", [(3 * BLOCK, 4), (1, 9)])
+def test_initialize_shards_a_deepspeed_config_in_units_of_its_bucket_size(tmp_path, bucket, states):
+    """Through torsh.initialize: 8 blocks in units of 3 (3 units + the root), or each block alone (8 + root)."""
+    from _engine_harness import free_port
+
+    script = tmp_path / "job.py"
+    script.write_text(INITIALIZE_SCRIPT.replace("BUCKET", str(bucket)))
+    env = {"PATH": "/usr/bin:/bin", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == str(states)
