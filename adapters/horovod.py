@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from torsh.adapters._torch_names import AUTO_SETTERS
 from torsh.config import MAX_BYTES_SIZE, TorshConfig, get_path
 from torsh.errors import ConfigError, Problem
 from torsh.translate import (
@@ -42,6 +43,7 @@ from torsh.translate import (
     WriteContext,
     check_version,
     read_mapping,
+    settle_auto,
     write_mapping,
 )
 
@@ -566,7 +568,9 @@ _WRITE_MAP = FieldMap({**FIELD_MAP, "__write__": _WRITE_HOOKS}, ALIASES)
 def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
     """The core model as horovodrun flags, a config file, an environment and DistributedOptimizer arguments."""
     check_version(NAME, version, VERSIONS)
-    return write_mapping(cfg, dialect=NAME, field_map=_WRITE_MAP, value_maps=VALUE_MAPS)
+    # Horovod has no "auto": what the source left to the launcher or the script is not written (deferred notes).
+    return write_mapping(cfg, dialect=NAME, field_map=_WRITE_MAP, value_maps=VALUE_MAPS,
+                         finalize=lambda ctx: settle_auto(ctx, AUTO_SETTERS))
 
 
 def command_line(flags: dict[str, Any]) -> list[str]:

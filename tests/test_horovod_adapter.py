@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 
 import pytest
 from golden import check_golden
@@ -242,3 +243,13 @@ def test_schema_lists_every_tunable_in_every_spelling():
         assert f"env.{t.env}" in horovod.FIELD_MAP
     assert not schemas.check({"horovodrun": {"cycle_time_ms": 1.5}, "env": {"HOROVOD_CYCLE_TIME": "1"}}, "horovod")
     assert schemas.check({"horovodrun": {"cycle_time_ms": "fast"}}, "horovod")
+
+
+def test_auto_is_never_written_into_horovod_settings(examples):
+    """Horovod has no "auto": values the source leaves to the launcher or script are deferred notes instead."""
+    from torsh import adapters
+
+    cfg = adapters.load(examples / "deepspeed" / "zero1_fp16_auto.json").result
+    written = adapters.write(cfg, "horovod")
+    assert "auto" not in json.dumps(written.result)
+    assert any(n.fidelity.value == "deferred" and n.target_path is None for n in written.notes)
