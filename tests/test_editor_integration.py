@@ -15,6 +15,8 @@ import jsonschema
 import pytest
 import yaml
 
+from test_accelerate_corpus import REFUSED as ACCELERATE_REFUSED
+from test_deepspeed_corpus import REFUSED as DEEPSPEED_REFUSED
 from torsh import schemas
 from torsh.cli import build_parser, main
 from torsh.formats import format_for, load_file
@@ -23,7 +25,11 @@ from torsh.translate import LOSSY
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "fixtures" / "corpus"
 #: Every config file of the corpus (hostfiles and the launch command lines are read by `launch`, not `validate`).
-FILES = sorted(p for p in CORPUS.rglob("*") if p.is_file() and format_for(p) and p.parent.name != "launch")
+#: The folders of dialects whose whole corpus torsh reads (the newer folders hold dialects still to come); files
+#: refused on purpose (the REFUSED lists of the corpus tests) are left out.
+READ_FOLDERS = {"deepspeed", "deepspeed_config_templates", "accelerate", "fsdp"}
+FILES = sorted(p for p in CORPUS.rglob("*") if p.is_file() and format_for(p) and p.parent.name in READ_FOLDERS
+               and p.name not in {*ACCELERATE_REFUSED, *DEEPSPEED_REFUSED})
 LOSSY_VALUES = {f.value for f in LOSSY}
 
 
