@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torsh.deferred import AUTO, is_deferred
-from torsh.translate import Fidelity, FieldMap, Note, ReadContext, Status, WriteContext
+from torsh.translate import Fidelity, FieldMap, Note, ReadContext, Status, WriteContext, delete_path
 
 #: ``ShardingStrategy`` members in declaration order: their ``auto()`` values 1..5 are the integer spellings.
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
@@ -227,22 +227,10 @@ def prune_defaults(ctx: WriteContext, defaults: Mapping[str, Any]) -> None:
     for note in ctx.notes:
         path = note.target_path
         if path in defaults and get_path(ctx.out, path, object()) == defaults[path] and note.fidelity is Fidelity.EXACT:
-            _delete(ctx.out, path)
+            delete_path(ctx.out, path, keep_top_level=True)
             note = Note(note.source_path, None, note.value, note.fidelity, f"{ctx.dialect} default; not written")
         notes.append(note)
     ctx.notes[:] = notes
-
-
-def _delete(data: dict, path: str) -> None:
-    parts = path.split(".")
-    chain = [data]
-    for part in parts[:-1]:
-        chain.append(chain[-1][part])
-    del chain[-1][parts[-1]]
-    # Empty sections below the top level go too; a top-level one stays (its presence means "use this feature").
-    for node, part in list(zip(reversed(chain[:-1]), reversed(parts[:-1]), strict=True))[:-1]:
-        if node[part] == {}:
-            del node[part]
 
 
 #: Who sets a value the source left "auto" when the target is a PyTorch-style config (core path prefix -> text).

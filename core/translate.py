@@ -487,7 +487,7 @@ def settle_auto(ctx: WriteContext, who: Mapping[str, str] | None = None, *, keep
     for note in ctx.notes:
         path = note.target_path
         if path and not path.startswith(keep) and holds_auto(get_path(ctx.out, path, None)):
-            _delete_path(ctx.out, path)
+            delete_path(ctx.out, path)
             hint = next((text for prefix, text in who.items() if note.source_path.startswith(prefix)),
                         "the script or the launcher must set it")  # fmt: skip
             note = Note(note.source_path, None, AUTO, Fidelity.DEFERRED, f"\"auto\" is not accepted by "
@@ -496,14 +496,16 @@ def settle_auto(ctx: WriteContext, who: Mapping[str, str] | None = None, *, keep
     ctx.notes[:] = notes
 
 
-def _delete_path(data: dict, path: str) -> None:
-    """Delete a dotted key and the sections it leaves empty."""
+def delete_path(data: dict, path: str, *, keep_top_level: bool = False) -> None:
+    """Delete a dotted key and the sections it leaves empty (but a top-level section with ``keep_top_level``:
+    where its mere presence means "use this feature")."""
     parts = path.split(".")
     chain = [data]
     for part in parts[:-1]:
         chain.append(chain[-1][part])
     del chain[-1][parts[-1]]
-    for node, part in reversed(list(zip(chain[:-1], parts[:-1], strict=True))):
+    emptied = list(zip(reversed(chain[:-1]), reversed(parts[:-1]), strict=True))
+    for node, part in emptied[:-1] if keep_top_level else emptied:
         if node[part] == {}:
             del node[part]
 
