@@ -394,6 +394,18 @@ def _master_notes(w: _Writer, target: str) -> None:
             w.note(f"launch.{key}", Fidelity.EXACT, target=target)
 
 
+def _local_world_size(w: _Writer, p: Plan) -> dict[str, str]:
+    """LOCAL_WORLD_SIZE for a job read from torchrun or accelerate launch, whose workers had it: the deepspeed
+    launcher sets LOCAL_SIZE instead, so a script reading LOCAL_WORLD_SIZE would fail (found by running both)."""
+    sizes = {n.nproc for n in p.nodes or ()}
+    if _launcher_of(w.ext) not in ("torchrun", "accelerate") or len(sizes) != 1 or "LOCAL_WORLD_SIZE" in w.launch.env:
+        return {}
+    size = str(sizes.pop())
+    w.notes.append(Note("launch.nproc_per_node", "LOCAL_WORLD_SIZE", size, Fidelity.EXACT, "set for the workers as "
+                        "the source launcher did; deepspeed itself sets only LOCAL_SIZE"))  # fmt: skip
+    return {"LOCAL_WORLD_SIZE": size}
+
+
 def write_deepspeed(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
     w = _Writer(cfg, "deepspeed")
     L, p = cfg.launch, w.plan
@@ -481,9 +493,9 @@ def write_deepspeed(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
         w.local_rank("--local_rank", "the underscore spelling differs: accept both with "
                      "torsh.launch_args.add_local_rank_argument(parser)")
     argv += [f for f in w.option_flags() if f not in argv]
-    env = dict(L.env)
-    if multi and (L.env or L.forward_env):
-        lines = [f"{k}={v}" for k, v in L.env.items()] + [f"{k}=${{{k}}}" for k in L.forward_env
+    env = {**_local_world_size(w, p), **L.env}
+    if multi and (env or L.forward_env):
+        lines = [f"{k}={v}" for k, v in env.items()] + [f"{k}=${{{k}}}" for k in L.forward_env
                                                           if not k.startswith(_DEEPSPEED_FORWARDS)]
         files[".deepspeed_env"] = "".join(line + "\n" for line in lines)
         env = {}

@@ -124,10 +124,19 @@ def _read_distributed_type(value: Any, ctx: ReadContext, path: str) -> None:
 
 
 def _read_num_processes(value: Any, ctx: ReadContext, path: str) -> None:
-    if isinstance(value, int) and value > 0:
+    """num_processes: a positive count; -1 is Accelerate's own "not stated" default (``accelerate launch`` then
+    demands --num_processes); null lets the launcher count the visible accelerators. Anything else is refused."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         ctx.set("launch.world_size", value, path, Fidelity.EXACT, "processes over all machines")
-    else:
+    elif value == -1 and not isinstance(value, bool):
+        ctx.note(path, Fidelity.EXACT, "-1 is Accelerate's 'not stated': accelerate launch refuses this file unless "
+                 "--num_processes N is passed", value)  # fmt: skip
+    elif value is None:
         ctx.note(path, Fidelity.EXACT, "every visible accelerator (decided at launch)", value)
+    else:
+        raise ConfigError([Problem(path, value, "num_processes must be a positive process count (or -1 for 'pass "
+                                   "--num_processes at launch'); set it to the number of processes over all "
+                                   "machines")], source=NAME)  # fmt: skip
 
 
 def _read_nullable(core_path: str):

@@ -18,7 +18,7 @@ Reading is pure: a hostfile named by the command is read only when its text is p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torsh.adapters import _cmdline
@@ -97,6 +97,12 @@ def _hostfile_hosts(value: Any, ctx: ReadContext, path: str) -> None:
 
 
 def _env(value: Any, ctx: ReadContext, path: str) -> None:
+    ds = ctx.raw.get("deepspeed")
+    if path == "env.LOCAL_WORLD_SIZE" and isinstance(ds, Mapping) and str(ds.get("num_gpus")) == str(value):
+        # what a torchrun job's workers had, set in front of deepspeed (which sets only LOCAL_SIZE) by the deepspeed
+        # writer: every launcher torsh writes for provides it, so it is the process count, not a user variable
+        ctx.note(path, Fidelity.EXACT, "LOCAL_WORLD_SIZE equal to --num_gpus: the processes per node", value)
+        return
     ctx.set(f"launch.env.{path.split('.', 1)[1]}", str(value), path, reason="exported to every worker")
 
 

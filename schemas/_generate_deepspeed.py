@@ -61,11 +61,24 @@ def _with_auto(schema: dict) -> dict:
     return {"anyOf": [schema, AUTO]} if schema else {}
 
 
+def _bounded(schema: dict, metadata: list) -> dict:
+    """DeepSpeed's own lower bounds (``Field(ge=...)``/``gt``) on a numeric field, so the schema refuses what
+    DeepSpeedConfig refuses (zero_hpz_partition_size -5) instead of accepting it."""
+    if schema.get("type") not in ("integer", "number"):
+        return schema
+    for item in metadata:
+        if getattr(item, "ge", None) is not None:
+            schema = {**schema, "minimum": item.ge}
+        elif getattr(item, "gt", None) is not None:
+            schema = {**schema, "exclusiveMinimum": item.gt}
+    return schema
+
+
 def model_schema(model: Any) -> dict:
     """A strict object schema for a DeepSpeed pydantic section (field names and aliases both accepted)."""
     properties = {}
     for name, field in model.model_fields.items():
-        properties[name] = _with_auto(field_schema(field.annotation))
+        properties[name] = _with_auto(_bounded(field_schema(field.annotation), field.metadata))
         if field.alias:
             properties[field.alias] = properties[name]
     return {"type": "object", "properties": properties, "additionalProperties": False}

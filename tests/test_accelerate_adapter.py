@@ -246,3 +246,20 @@ def test_fsdp1_to_fsdp2_reports_the_buffer_dtype_fsdp2_does_not_cast():
     written = adapters.write(cfg, "accelerate", version="fsdp2")
     assert _note(written, "precision.buffer_dtype").fidelity is Fidelity.APPROXIMATE
     assert not adapters.write(cfg, "accelerate", version="fsdp1").lossy
+
+
+@pytest.mark.parametrize("bad", [0, -2, -5])
+def test_a_process_count_accelerate_cannot_use_is_refused_naming_the_key(bad):
+    with pytest.raises(ConfigError) as exc:
+        adapters.read({"distributed_type": "MULTI_GPU", "num_processes": bad, "num_machines": 1}, "accelerate")
+    assert [p.path for p in exc.value.problems] == ["num_processes"]
+
+
+def test_num_processes_minus_one_is_accelerates_not_stated_and_num_machines_must_be_positive():
+    # -1 is the default of Accelerate's ClusterConfig: accelerate launch then demands --num_processes
+    t = adapters.read({"distributed_type": "MULTI_GPU", "num_processes": -1, "num_machines": 1}, "accelerate")
+    assert "--num_processes" in _note(t, "num_processes").reason and t.result.launch.world_size is None
+    for bad in (0, -1):
+        with pytest.raises(ConfigError) as exc:
+            adapters.read({"distributed_type": "MULTI_GPU", "num_processes": 2, "num_machines": bad}, "accelerate")
+        assert [p.path for p in exc.value.problems] == ["num_machines"]

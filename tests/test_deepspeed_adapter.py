@@ -346,3 +346,24 @@ def test_unknown_key_inside_a_section_kept_whole_is_an_error_as_in_deepspeed():
 def test_unknown_key_in_a_lenient_section_stays_a_note():
     t = adapters.read({"train_batch_size": 8, "flops_profiler": {"enabled": False, "profile_stepp": 3}}, "deepspeed")
     assert any(n.source_path == "flops_profiler.profile_stepp" and n.lossy for n in t.notes)
+
+
+def test_sizes_deepspeed_bounds_are_refused_naming_the_key_and_its_own_meanings_kept():
+    # DeepSpeed 0.19.8: zero_hpz_partition_size is Field(1, ge=0) -> -5 is refused, 0 accepted (no hierarchy)
+    with pytest.raises(ConfigError) as exc:
+        read({**BASE, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": -5}})
+    assert [p.path for p in exc.value.problems] == ["zero_optimization.zero_hpz_partition_size"]
+    assert read({**BASE, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 0}}).result.sharding.stage == 3
+    # pipeline.stages: a positive count or DeepSpeed's "auto"
+    with pytest.raises(ConfigError) as exc:
+        read({**BASE, "pipeline": {"stages": -5}})
+    assert [p.path for p in exc.value.problems] == ["pipeline.stages"]
+    # autotp_size has no bound in DeepSpeed (int = 0); its engine runs AutoTP only when > 1, so <= 1 means "no TP"
+    t = read({**BASE, "tensor_parallel": {"autotp_size": -3}})
+    assert note(t, "tensor_parallel").fidelity is Fidelity.IGNORED
+    # mics_shard_size: removed in 0.19.8 (DeepSpeedConfig raises on the key whatever its value, -1 included); a
+    # file written for an older DeepSpeed still reads, with the key dropped and reported (--strict fails on it)
+    for value in (-1, 4):
+        t = read({**BASE, "zero_optimization": {"stage": 3, "mics_shard_size": value}})
+        n = note(t, "zero_optimization.mics_shard_size")
+        assert n.fidelity is Fidelity.DROPPED and "removed" in n.reason and n in t.lossy

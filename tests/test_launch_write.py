@@ -67,8 +67,11 @@ def test_elastic_range_only_torchrun_can_express():
 
 def test_torchrun_script_under_deepspeed_gets_no_local_rank_argument():
     out = launch.write(cfg_of("torchrun --nproc-per-node=2 train.py"), version="deepspeed")
-    assert str(out.result) == "deepspeed --num_gpus=2 --no_local_rank train.py"
+    # LOCAL_WORLD_SIZE: torchrun's workers had it, deepspeed sets only LOCAL_SIZE (tests/test_consumer_launch.py)
+    assert str(out.result) == "LOCAL_WORLD_SIZE=2 deepspeed --num_gpus=2 --no_local_rank train.py"
     assert fidelity(out, "launch.local_rank_argv") == {Fidelity.EXACT}
+    again = launch.read(str(out.result))  # read back, it is the process count again, not a user variable
+    assert "LOCAL_WORLD_SIZE" not in again.result.launch.env and again.result.launch.nproc_per_node == 2
 
 
 def test_c10d_endpoint_becomes_deepspeed_master_address():
