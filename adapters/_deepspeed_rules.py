@@ -141,6 +141,9 @@ def positive_or_drop(status: Status, default: str) -> Hook:
 
 def _tensor_parallel(value: Any, ctx: ReadContext, path: str) -> None:
     tp = value.get("autotp_size", 0) if isinstance(value, Mapping) else 0
+    if not isinstance(tp, int) or isinstance(tp, bool):
+        ctx.problem(f"{path}.autotp_size", tp, "DeepSpeed reads an integer here (<= 1: no tensor parallelism)")
+        return
     status = (Status(UNSUPPORTED, "AutoTP tensor parallelism is not run by torsh", True) if tp and tp > 1
               else Status(IGNORED, "no tensor parallelism (autotp_size <= 1); no effect", True))  # fmt: skip
     _status(ctx, path, value, status)

@@ -238,10 +238,12 @@ def _read_deepspeed_file(value: Any, ctx: ReadContext, path: str, base_dir: Any)
 def _locate_deepspeed_file(value: str, base_dir: Any) -> tuple[Path | None, str]:
     """The file Accelerate opens (relative to the working directory), and a note when it is only found next to
     the YAML (read from there so the YAML can still be converted; accelerate launch would not find it)."""
+    from torsh.formats import is_regular_file
+
     file = Path(value).expanduser()
-    if file.is_file():
+    if is_regular_file(file):
         return file, ""
-    if not file.is_absolute() and base_dir is not None and (Path(base_dir) / file).is_file():
+    if not file.is_absolute() and base_dir is not None and is_regular_file(Path(base_dir) / file):
         return Path(base_dir) / file, (f"accelerate launch opens this path relative to the working directory "
                                        f"({Path.cwd()}), where it does not exist; read from the YAML's folder: run "
                                        "accelerate launch from there or give an absolute path")  # fmt: skip

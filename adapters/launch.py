@@ -340,9 +340,9 @@ def _accelerate_config_file(name: str, options: dict, ctx: ReadContext) -> None:
     """``accelerate launch --config_file X``: the launch settings and the process environment the file gives."""
     from pathlib import Path
 
-    from torsh.formats import load_file
+    from torsh.formats import is_regular_file, load_file
 
-    if not Path(name).expanduser().is_file():
+    if not is_regular_file(name):
         ctx.notes[:] = [n for n in ctx.notes if n.source_path != "accelerate.config_file"]
         ctx.note("accelerate.config_file", Fidelity.UNSUPPORTED, "not found from the working directory (accelerate "
                  "launch opens it from there): its process count, machines and the environment it gives the "

@@ -119,6 +119,15 @@ def read_text(path: str | os.PathLike[str], *, what: str = "config file", limit:
         raise fail(f"cannot be read as UTF-8 text ({exc})") from None
 
 
+def is_regular_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names a regular file; False (not an OSError) for a name the OS refuses, such as one longer
+    than the filesystem allows (``Path.is_file`` raises on that)."""
+    try:
+        return stat.S_ISREG(os.stat(os.path.expanduser(path)).st_mode)
+    except (OSError, ValueError):  # ValueError: an embedded NUL
+        return False
+
+
 def _check_regular(info: os.stat_result, fail: Any, what: str) -> None:
     if stat.S_ISREG(info.st_mode):
         if info.st_size > MAX_BYTES and what == "config file":
