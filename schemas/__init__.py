@@ -57,9 +57,18 @@ def check(data: Any, dialect: str) -> list[Problem]:
     for err in sorted(validator.iter_errors(data), key=lambda e: list(map(str, e.absolute_path))):
         path = ".".join(str(p) for p in err.absolute_path)
         # For "one of these shapes" (anyOf) the closest branch says what is wrong better than "not valid under any".
-        message = jsonschema.exceptions.best_match(err.context).message if err.context else err.message
+        message = _closest_branch(err.context).message if err.context else err.message
         problems.append(Problem(path, err.instance if err.validator != "additionalProperties" else None, message))
     return problems
+
+
+def _closest_branch(errors: list[Any]) -> Any:
+    """Of the errors of an anyOf's branches, the one from a branch the value's type fits: for -5 against
+    ``"auto"`` or an integer >= 0, "less than the minimum of 0" rather than "'auto' was expected"."""
+    import jsonschema
+
+    fitting = [e for e in errors if e.validator not in ("const", "enum", "type")]
+    return jsonschema.exceptions.best_match(fitting or errors)
 
 
 def conforms(data: Any, schema: Mapping[str, Any] | bool) -> bool:

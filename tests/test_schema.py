@@ -172,3 +172,11 @@ def test_conforms_agrees_with_jsonschema_on_mutated_configs(dialect, data):
     config = data.draw(_mutated(dialect))
     assert schemas.conforms(config, schemas.load(dialect)) == _jsonschema_valid(config, dialect)
 
+
+
+def test_an_anyof_error_comes_from_the_branch_the_value_fits():
+    """-5 for a DeepSpeed size that is "auto" or an integer >= 0: the message is about the minimum, not "auto"."""
+    problems = schemas.check({"train_batch_size": 8, "zero_optimization": {"zero_hpz_partition_size": -5}},
+                             "deepspeed")  # fmt: skip
+    assert [(p.path, p.reason) for p in problems] == [
+        ("zero_optimization.zero_hpz_partition_size", "-5 is less than the minimum of 0")]
