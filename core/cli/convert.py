@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from torsh.cli._common import add_input_options, print_report, write_output
+from torsh.cli._common import add_deprecated_alias, add_input_options, print_report, write_output
 from torsh.formats import FORMATS, dump_text, format_for
 
 
@@ -18,8 +18,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "one JSON object with the read and write reports).")  # fmt: skip
     parser.add_argument("file", help="config file (JSON, hjson, YAML or TOML)")
     parser.add_argument("--to", required=True, metavar="DIALECT", help="target dialect (e.g. torsh, deepspeed)")
-    parser.add_argument("--version", dest="target_version", metavar="VERSION", help="variant of the target dialect "
-                        "to write (e.g. --to accelerate --version fsdp2; --to fsdp --version fsdp1)")
+    parser.add_argument("--variant", dest="target_version", metavar="VARIANT", help="variant of the target dialect "
+                        "to write (e.g. --to accelerate --variant fsdp2; --to fsdp --variant fsdp1)")
+    # --version is the program's version (torsh-migrate --version); the old spelling here still works.
+    add_deprecated_alias(parser, "--version", "--variant", "target_version", metavar="VARIANT")
     parser.add_argument("--format", choices=FORMATS, help="output format (default: from -o, else the dialect's own)")
     parser.add_argument("-o", "--output", metavar="OUT", help="output file (default: stdout)")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
