@@ -23,6 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     # --version is the program's version (torsh-migrate --version); the old spelling here still works.
     add_deprecated_alias(parser, "--version", "--variant", "target_version", metavar="VARIANT")
     parser.add_argument("--format", choices=FORMATS, help="output format (default: from -o, else the dialect's own)")
+    parser.add_argument("--full", action="store_true", help="with --to torsh: write every setting, defaults "
+                        "included (default: only what differs from the defaults)")
     parser.add_argument("-o", "--output", metavar="OUT", help="output file (default: stdout)")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any key is approximated, dropped or "
@@ -37,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     adapter = adapters.get(args.to)
     read = adapters.load(args.file, args.dialect)
-    written = adapter.write(read.result, version=args.target_version)
+    written = adapter.write(read.result, version=args.target_version, **_full_option(adapter, args.full))
     report_stream = sys.stderr if _is_stdout(args.output) else sys.stdout
     if args.report == "json":
         json.dump({"file": args.file, "output": args.output or "-", "read": read.to_dict(),
@@ -58,6 +60,18 @@ def run(args: argparse.Namespace) -> int:
         text = dump_text(payload, fmt)
     write_output(text, args.output, args.force)
     return 0
+
+
+def _full_option(adapter: object, full: bool) -> dict:
+    """``full=`` for the native writer (minimal unless --full); --full means nothing for another dialect."""
+    from torsh.errors import MISSING, ConfigError, Problem
+
+    if getattr(adapter, "NAME", None) == "torsh":
+        return {"full": full}
+    if full:
+        raise ConfigError([Problem("--full", MISSING, "applies to --to torsh only (other dialects are written whole); "
+                                   "drop --full")])  # fmt: skip
+    return {}
 
 
 def _is_stdout(output: str | None) -> bool:
