@@ -76,11 +76,26 @@ _WAITING = "starting workers (first run: compiling ops)"
 
 def _run_with_progress(parity, args: argparse.Namespace):
     """The runs with one progress bar per scenario (reference, calibration, candidate) on stderr, and a spinner
-    while no run reports steps; on a non-terminal stderr, one line per scenario as it starts."""
+    while no run reports steps; on a non-terminal stderr (a log, CI), one plain line per scenario as it starts."""
     from rich.console import Console
-    from rich.progress import Progress
+
+    def run(on_progress):
+        return parity.check_config(args.config, steps=args.steps, nproc=args.nproc, model=args.model,
+                                   candidate_config=args.candidate, reference_engine=args.reference,
+                                   on_progress=on_progress)  # fmt: skip
 
     console = Console(stderr=True)
+    if not console.is_terminal:
+        started: set[str] = set()
+
+        def on_line(name: str, done: int, total: int) -> None:
+            if name not in started:
+                started.add(name)
+                _status(f"parity: running scenario '{name}' ({total} steps)")
+
+        return run(on_line)
+    from rich.progress import Progress
+
     with Progress(transient=True, console=console) as progress:
         tasks: dict[str, int] = {}
         waiting = progress.add_task(_WAITING, total=None)
@@ -88,16 +103,12 @@ def _run_with_progress(parity, args: argparse.Namespace):
         def on_progress(name: str, done: int, total: int) -> None:
             if name not in tasks:
                 tasks[name] = progress.add_task(name, total=total)
-                if not console.is_terminal:
-                    _status(f"parity: running scenario '{name}' ({total} steps)")
             progress.update(tasks[name], completed=done)
             running = any(not task.finished for task in progress.tasks if task.id in tasks.values())
             progress.update(waiting, visible=not running, description="waiting for the next run" if tasks
                             else _WAITING)  # fmt: skip
 
-        return parity.check_config(args.config, steps=args.steps, nproc=args.nproc, model=args.model,
-                                   candidate_config=args.candidate, reference_engine=args.reference,
-                                   on_progress=on_progress)  # fmt: skip
+        return run(on_progress)
 
 
 def _print_summary(report) -> None:
