@@ -85,3 +85,10 @@ def test_help_lists_only_the_new_names(capsys):
         except SystemExit:
             pass
         assert hidden not in capsys.readouterr().out
+
+
+def test_a_wrong_variant_names_the_flag(capsys):
+    source = "migration_examples/accelerate/fsdp1_to_fsdp2.yaml"
+    assert main(["convert", source, "--to", "accelerate", "--variant", "fsdp3"]) == 2
+    err = capsys.readouterr().err
+    assert "--variant: expected one of" in err and "fsdp3" in err

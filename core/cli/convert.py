@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     adapter = adapters.get(args.to)
     read = adapters.load(args.file, args.dialect)
-    written = adapter.write(read.result, version=args.target_version, **_full_option(adapter, args.full))
+    written = _write(adapter, read.result, args)
     report_stream = sys.stderr if _is_stdout(args.output) else sys.stdout
     if args.report == "json":
         json.dump({"file": args.file, "output": args.output or "-", "read": read.to_dict(),
@@ -60,6 +60,21 @@ def run(args: argparse.Namespace) -> int:
         text = dump_text(payload, fmt)
     write_output(text, args.output, args.force)
     return 0
+
+
+def _write(adapter: object, cfg: object, args: argparse.Namespace):
+    """The config in the target dialect; a wrong variant is reported under the flag that set it (--variant)."""
+    from dataclasses import replace
+
+    from torsh.errors import ConfigError
+
+    try:
+        return adapter.write(cfg, version=args.target_version, **_full_option(adapter, args.full))
+    except ConfigError as exc:
+        if not any(p.path == "version" for p in exc.problems):
+            raise
+        problems = [replace(p, path="--variant") if p.path == "version" else p for p in exc.problems]
+        raise ConfigError(problems) from None
 
 
 def _full_option(adapter: object, full: bool) -> dict:
