@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
+
 from torsh.config import SECTION_NAMES, TorshConfig, iter_leaves
 from torsh.translate import (
     Fidelity,
@@ -95,11 +97,41 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
     return Translation(cfg, _identity_notes(cfg.model_dump(mode="json", exclude_unset=True)), NAME, NAME)
 
 
-def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
-    """The core layout as plain data (``"auto"`` for deferred values; None values omitted)."""
+def write(cfg: TorshConfig, *, version: str | None = None, full: bool = True) -> Translation[dict]:
+    """The core layout as plain data (``"auto"`` for deferred values; None values omitted).
+
+    ``full=False`` keeps only what differs from the defaults (what ``torsh-migrate convert --to torsh`` writes): the
+    file reads back to the same config, and a reader sees what the source chose rather than every default.
+    """
     check_version(NAME, version, VERSIONS)
     data = cfg.model_dump(mode="json", exclude_none=True)
+    if not full:
+        data = _differences(cfg, TorshConfig(), data)
     return Translation(data, _identity_notes(cfg.model_dump(mode="json", exclude_unset=True)), NAME, NAME)
+
+
+def _differences(model: BaseModel, default: BaseModel, data: dict) -> dict:
+    """The part of ``data`` (``model`` dumped) that differs from ``default``, section by section.
+
+    Only sub-models are compared field by field; any other value (a list, a free-form mapping) is written whole
+    when it differs, since reading a part of it back would not give the same value.
+    """
+    out = {}
+    for name, value in data.items():
+        mine, theirs = getattr(model, name, None), getattr(default, name, None)
+        if isinstance(mine, BaseModel) and type(mine) is type(theirs) and isinstance(value, dict):
+            part = _differences(mine, theirs, value)
+            if part:
+                out[name] = part
+        elif not isinstance(theirs, BaseModel) and _dumped(default, name) == value:
+            continue
+        else:
+            out[name] = value
+    return out
+
+
+def _dumped(model: BaseModel, name: str) -> Any:
+    return model.model_dump(mode="json", include={name}).get(name)
 
 
 def _identity_notes(data: dict) -> list[Note]:

@@ -8,7 +8,7 @@ fixes a file in one pass instead of one key per run.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 #: How many problems a message lists before it says "... and N more".
@@ -27,9 +27,13 @@ class Problem:
     """What is wrong and what to do about it."""
     suggestion: str | None = None
     """For an unknown key: the closest valid spelling."""
+    line: int | None = None
+    """For a syntax error: the 1-based line of the input where the parser stopped (None: not a syntax error)."""
+    column: int | None = None
+    """For a syntax error: the 1-based column on ``line``."""
 
     def __str__(self) -> str:
-        where = self.path or "<document>"
+        where = self.path or ("<document>" if self.line is None else f"line {self.line}, column {self.column}")
         text = f"{where}: {self.reason}"
         if self.value is not MISSING:
             text += f" (got {_short(self.value)})"
@@ -62,7 +66,10 @@ class ConfigError(ValueError):
     def _message(self) -> str:
         head = f"{self.source}: " if self.source else ""
         if len(self.problems) == 1:
-            return head + str(self.problems[0])
+            only = self.problems[0]
+            if self.source and only.line is not None and not only.path:  # file:line:column, as compilers print it
+                return f"{self.source}:{only.line}:{only.column}: {only.reason}"
+            return head + str(only)
         lines = [f"{head}{len(self.problems)} problems:"]
         lines += [f"  - {p}" for p in self.problems[:MAX_LISTED]]
         if len(self.problems) > MAX_LISTED:
@@ -76,7 +83,7 @@ class ConfigError(ValueError):
     def with_prefix(self, prefix: str) -> ConfigError:
         """The same problems with ``prefix.`` put in front of every path."""
         return ConfigError(
-            [Problem(_join(prefix, p.path), p.value, p.reason, p.suggestion) for p in self.problems],
+            [replace(p, path=_join(prefix, p.path)) for p in self.problems],
             source=self.source,
         )
 

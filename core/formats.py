@@ -173,7 +173,7 @@ def _parse(text: str, fmt: str, notes: list[str]) -> Any:
     except MemoryError:
         raise InputLimitError([Problem("", MISSING, f"not valid {fmt.upper()}: too large to parse")]) from None
     except Exception as exc:  # each parser has its own error type; all mean "not valid <fmt>"
-        raise ConfigError([Problem("", MISSING, f"not valid {fmt.upper()}: {_first_line(exc)}")]) from None
+        raise _syntax_error(exc, fmt, text) from None
     check_depth(data)
     return data
 
@@ -406,6 +406,33 @@ def _check_yaml_graph(root: Any) -> None:
         raise InputLimitError([Problem("", MISSING, f"aliases (*name) expand this document to {expanded:,} nodes, "
                                        f"over the limit of {MAX_ALIAS_NODES:,}; write the repeated parts out or "
                                        "share fewer of them")])  # fmt: skip
+
+
+def _syntax_error(exc: Exception, fmt: str, text: str) -> ConfigError:
+    """A parser's exception as a ConfigError naming the line, the column and the parser's own problem."""
+    reason, line, column = _where(exc, text)
+    return ConfigError([Problem("", MISSING, f"not valid {fmt.upper()}: {reason}", line=line, column=column)])
+
+
+def _where(exc: Exception, doc: str) -> tuple[str, int | None, int | None]:
+    """(the problem in words, line, column) from a JSON, hjson, YAML or TOML parser's exception (1-based)."""
+    import re
+
+    mark = getattr(exc, "problem_mark", None)
+    if mark is not None:  # PyYAML: "while parsing a flow sequence" + "expected ',' or ']', but got '<stream end>'"
+        parts = [str(part) for part in (getattr(exc, "context", None), getattr(exc, "problem", None)) if part]
+        return ": ".join(parts) or type(exc).__name__, mark.line + 1, mark.column + 1
+    if isinstance(getattr(exc, "lineno", None), int) and isinstance(getattr(exc, "colno", None), int):
+        return str(getattr(exc, "msg", "")) or _first_line(exc), exc.lineno, exc.colno  # type: ignore[attr-defined]
+    text = _first_line(exc)
+    found = re.search(r"\s*\(?at line (\d+), column (\d+)\)?", text)  # tomllib before Python 3.14
+    if found:
+        return text[: found.start()] + text[found.end():], int(found.group(1)), int(found.group(2))
+    found = re.search(r"\s*\(?at end of document\)?", text)
+    if found:  # tomllib names no position here: the end of the text is where it stopped
+        last = doc.split("\n")
+        return text[: found.start()] + " at the end of the file", len(last), len(last[-1]) + 1
+    return text, None, None
 
 
 def _first_line(exc: Exception) -> str:

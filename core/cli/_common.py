@@ -26,8 +26,31 @@ def add_from_option(parser: argparse.ArgumentParser) -> None:
 def add_input_options(parser: argparse.ArgumentParser) -> None:
     """``--from`` and ``--report table|json``."""
     add_from_option(parser)
-    parser.add_argument("--report", choices=["table", "json"], default="table",
-                        help="report format (default: table)")
+    add_report_option(parser)
+
+
+def add_report_option(parser: argparse.ArgumentParser, help: str = "report format (default: table)") -> None:
+    """``--report table|json``: the one spelling, in every command, for how the report is printed."""
+    parser.add_argument("--report", choices=["table", "json"], default="table", help=help)
+
+
+class _DeprecatedAlias(argparse.Action):
+    """A hidden old spelling of an option: stores into the new option's destination, with a note on stderr."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, new: str, **kwargs: Any):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:  # fmt: skip
+        print(f"note: {option_string} is deprecated; use {self.new} (same meaning)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, dest: str, **kwargs: Any) -> None:
+    """Keep ``old`` working for scripts written before it was renamed ``new``; hidden from ``--help``."""
+    parser.add_argument(old, dest=dest, action=_DeprecatedAlias, new=new, help=argparse.SUPPRESS,
+                        default=argparse.SUPPRESS, **kwargs)  # fmt: skip
 
 
 def print_report(translation: Translation[Any], style: str, stream: IO[str], *, title: str = "") -> None:

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from torsh.cli._common import add_input_options, print_report, write_output
+from torsh.cli._common import add_deprecated_alias, add_input_options, print_report, write_output
 from torsh.formats import FORMATS, dump_text, format_for
 
 
@@ -18,9 +18,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "one JSON object with the read and write reports).")  # fmt: skip
     parser.add_argument("file", help="config file (JSON, hjson, YAML or TOML)")
     parser.add_argument("--to", required=True, metavar="DIALECT", help="target dialect (e.g. torsh, deepspeed)")
-    parser.add_argument("--version", dest="target_version", metavar="VERSION", help="variant of the target dialect "
-                        "to write (e.g. --to accelerate --version fsdp2; --to fsdp --version fsdp1)")
+    parser.add_argument("--variant", dest="target_version", metavar="VARIANT", help="variant of the target dialect "
+                        "to write (e.g. --to accelerate --variant fsdp2; --to fsdp --variant fsdp1)")
+    # --version is the program's version (torsh-migrate --version); the old spelling here still works.
+    add_deprecated_alias(parser, "--version", "--variant", "target_version", metavar="VARIANT")
     parser.add_argument("--format", choices=FORMATS, help="output format (default: from -o, else the dialect's own)")
+    parser.add_argument("--full", action="store_true", help="with --to torsh: write every setting, defaults "
+                        "included (default: only what differs from the defaults)")
     parser.add_argument("-o", "--output", metavar="OUT", help="output file (default: stdout)")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any key is approximated, dropped or "
@@ -35,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     adapter = adapters.get(args.to)
     read = adapters.load(args.file, args.dialect)
-    written = adapter.write(read.result, version=args.target_version)
+    written = _write(adapter, read.result, args)
     report_stream = sys.stderr if _is_stdout(args.output) else sys.stdout
     if args.report == "json":
         json.dump({"file": args.file, "output": args.output or "-", "read": read.to_dict(),
@@ -56,6 +60,33 @@ def run(args: argparse.Namespace) -> int:
         text = dump_text(payload, fmt)
     write_output(text, args.output, args.force)
     return 0
+
+
+def _write(adapter: object, cfg: object, args: argparse.Namespace):
+    """The config in the target dialect; a wrong variant is reported under the flag that set it (--variant)."""
+    from dataclasses import replace
+
+    from torsh.errors import ConfigError
+
+    try:
+        return adapter.write(cfg, version=args.target_version, **_full_option(adapter, args.full))
+    except ConfigError as exc:
+        if not any(p.path == "version" for p in exc.problems):
+            raise
+        problems = [replace(p, path="--variant") if p.path == "version" else p for p in exc.problems]
+        raise ConfigError(problems) from None
+
+
+def _full_option(adapter: object, full: bool) -> dict:
+    """``full=`` for the native writer (minimal unless --full); --full means nothing for another dialect."""
+    from torsh.errors import MISSING, ConfigError, Problem
+
+    if getattr(adapter, "NAME", None) == "torsh":
+        return {"full": full}
+    if full:
+        raise ConfigError([Problem("--full", MISSING, "applies to --to torsh only (other dialects are written whole); "
+                                   "drop --full")])  # fmt: skip
+    return {}
 
 
 def _is_stdout(output: str | None) -> bool:

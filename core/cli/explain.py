@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from torsh.cli._common import add_from_option, echo, render_table, terminal_width
+from torsh.cli._common import (add_deprecated_alias, add_from_option, add_report_option, echo, render_table,
+                               terminal_width)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="data-parallel ranks to resolve the batch sizes for (default: the process count the "
                         "config states, else 1)")
     add_from_option(parser)
-    parser.add_argument("--format", choices=["table", "json"], default="table", help="output format")
+    add_report_option(parser, help="output format (default: table)")
+    add_deprecated_alias(parser, "--format", "--report", "report", choices=["table", "json"])
     parser.set_defaults(run=run)
 
 
@@ -34,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError([Problem("--world-size", args.world_size, "must be at least 1")])
     translation = adapters.load(args.file, args.dialect)
     data = explain(translation.result, args.world_size, source=translation.source)
-    if args.format == "json":
+    if args.report == "json":
         data["precision_contract"] = [asdict(r) for r in data["precision_contract"]]
         json.dump({"file": args.file, "dialect": translation.source, **data}, sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -28,7 +28,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torsh import parity
     from torsh.errors import ConfigError, Problem
 
     if args.steps < 1 or args.nproc < 1:
@@ -38,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError([Problem("", path, "no such file; check the path")], source=path)
     if args.reference == "torsh" and not args.candidate:
         raise ConfigError([Problem("--reference", "torsh", "comparing torsh with itself needs --candidate CONFIG2")])
+    _status(_start_line(args))  # before anything slow: the first run can take minutes before its first step
+    from torsh import parity
+
     if args.reference == "deepspeed" and not parity.deepspeed_available():
         print("error: DeepSpeed is not installed, so there is no reference to compare against.\n"
               "Install the extra: pip install 'torsh-distributed[parity]'", file=sys.stderr)  # fmt: skip
@@ -56,22 +58,57 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def _start_line(args: argparse.Namespace) -> str:
+    """What parity is about to do, in one line: printed at once, so the screen is never blank."""
+    engines = "DeepSpeed (reference) and torsh" if args.reference == "deepspeed" else "torsh (reference and candidate)"
+    first = "DeepSpeed" if args.reference == "deepspeed" else "torsh"
+    return (f"parity: training {args.model} for {args.steps} steps on {args.nproc} ranks under {engines}; starting "
+            f"{first} workers (a first run also compiles DeepSpeed's CPU ops: a minute or two before step 1)...")
+
+
+def _status(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+#: Shown while no run reports steps: workers starting, ops compiling, or the next engine being launched.
+_WAITING = "starting workers (first run: compiling ops)"
+
+
 def _run_with_progress(parity, args: argparse.Namespace):
-    """The runs with one progress bar per scenario (reference, calibration, candidate) on stderr."""
+    """The runs with one progress bar per scenario (reference, calibration, candidate) on stderr, and a spinner
+    while no run reports steps; on a non-terminal stderr (a log, CI), one plain line per scenario as it starts."""
     from rich.console import Console
+
+    def run(on_progress):
+        return parity.check_config(args.config, steps=args.steps, nproc=args.nproc, model=args.model,
+                                   candidate_config=args.candidate, reference_engine=args.reference,
+                                   on_progress=on_progress)  # fmt: skip
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        started: set[str] = set()
+
+        def on_line(name: str, done: int, total: int) -> None:
+            if name not in started:
+                started.add(name)
+                _status(f"parity: running scenario '{name}' ({total} steps)")
+
+        return run(on_line)
     from rich.progress import Progress
 
-    with Progress(transient=True, console=Console(stderr=True)) as progress:
+    with Progress(transient=True, console=console) as progress:
         tasks: dict[str, int] = {}
+        waiting = progress.add_task(_WAITING, total=None)
 
         def on_progress(name: str, done: int, total: int) -> None:
             if name not in tasks:
                 tasks[name] = progress.add_task(name, total=total)
             progress.update(tasks[name], completed=done)
+            running = any(not task.finished for task in progress.tasks if task.id in tasks.values())
+            progress.update(waiting, visible=not running, description="waiting for the next run" if tasks
+                            else _WAITING)  # fmt: skip
 
-        return parity.check_config(args.config, steps=args.steps, nproc=args.nproc, model=args.model,
-                                   candidate_config=args.candidate, reference_engine=args.reference,
-                                   on_progress=on_progress)  # fmt: skip
+        return run(on_progress)
 
 
 def _print_summary(report) -> None:
