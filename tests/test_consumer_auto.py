@@ -55,12 +55,12 @@ def no_launch(monkeypatch):
 
 def commands(path: Path, tmp_path: Path) -> list[list[str]]:
     out = str(tmp_path / "out")
-    argv = [["validate", str(path)], ["explain", str(path)], ["explain", str(path), "--format", "json"],
+    argv = [["validate", str(path)], ["explain", str(path)], ["explain", str(path), "--report", "json"],
             ["snippet", str(path)], ["parity", str(path), "--steps", "1"]]  # fmt: skip
     for target in adapters.names():
         argv.append(["convert", str(path), "--to", target, "-o", out, "--force"])
     for version in ("fsdp1", "fsdp2", "deepspeed", "ddp"):
-        argv.append(["convert", str(path), "--to", "accelerate", "--version", version, "-o", out, "--force"])
+        argv.append(["convert", str(path), "--to", "accelerate", "--variant", version, "-o", out, "--force"])
     return argv
 
 
@@ -160,7 +160,7 @@ def test_parity_resolution_follows_deepspeed_batch_rule():
 
 
 def test_explain_json_with_auto_is_json():
-    code, out, _ = run_cli(["explain", str(AUTO_DIR / "deepspeed_every_auto.json"), "--format", "json"])
+    code, out, _ = run_cli(["explain", str(AUTO_DIR / "deepspeed_every_auto.json"), "--report", "json"])
     assert code == 0 and json.loads(out)["deferred"]
 
 

@@ -74,7 +74,7 @@ def test_validate_accepts_a_deepspeed_file(capsys):
 
 def test_explain_prints_batch_math_contract_loss_scaling_and_plan(capsys):
     src = CORPUS / "microsoft__DeepSpeedExamples__ds_fp16_z1_config.json"
-    assert main(["explain", str(src), "--world-size", "4", "--format", "json"]) == 0
+    assert main(["explain", str(src), "--world-size", "4", "--report", "json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["batch"].startswith("global batch 256 = micro batch 64 x gradient accumulation 1 x 4")
     rows = {r["tensor"]: r["dtype"] for r in data["precision_contract"]}

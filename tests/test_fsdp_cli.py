@@ -90,6 +90,6 @@ def test_convert_version_picks_the_accelerate_backend(tmp_path):
     assert main(["convert", str(source), "--to", "accelerate", "-o", str(tmp_path / "same.yaml")]) == 0
     assert yaml.safe_load((tmp_path / "same.yaml").read_text())["fsdp_config"]["fsdp_version"] == 1
     v2 = tmp_path / "v2.yaml"
-    assert main(["convert", str(source), "--to", "accelerate", "--version", "fsdp2", "-o", str(v2)]) == 0
+    assert main(["convert", str(source), "--to", "accelerate", "--variant", "fsdp2", "-o", str(v2)]) == 0
     assert v2.read_text() == (EXAMPLES / "accelerate" / "fsdp1_to_fsdp2.expected.yaml").read_text()
-    assert main(["convert", str(source), "--to", "accelerate", "--version", "fsdp3"]) == 2
+    assert main(["convert", str(source), "--to", "accelerate", "--variant", "fsdp3"]) == 2
