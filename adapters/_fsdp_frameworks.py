@@ -163,7 +163,7 @@ _TITAN_RESHARD = {"default": None, "always": True, "never": False}
 
 
 def _titan_reshard(value: Any, ctx: ReadContext, path: str) -> None:
-    if value not in _TITAN_RESHARD:
+    if not isinstance(value, str) or value not in _TITAN_RESHARD:
         ctx.problem(path, value, "expected default, always or never")
     elif _TITAN_RESHARD[value] is False:
         ctx.set("sharding.stage", 2, path, Fidelity.EXACT, "never: ZeRO-2")

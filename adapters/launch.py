@@ -18,6 +18,7 @@ Reading is pure: a hostfile named by the command is read only when its text is p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -136,7 +137,14 @@ def _switch(path: str, value: bool, reason: str = "") -> Hook:
 
 
 def _fusion_mb(value: Any, ctx: ReadContext, path: str) -> None:
-    ctx.set("communication.fusion_threshold_bytes", int(float(value) * 1024 * 1024), path,
+    try:
+        mb = float(value)
+    except (TypeError, ValueError):
+        mb = math.nan
+    if not math.isfinite(mb) or not 0 <= mb <= 2**20:  # up to 1 TiB, the model's bound on byte sizes
+        ctx.problem(path, value, "a fusion buffer size in MB: a number from 0 to 1048576")
+        return
+    ctx.set("communication.fusion_threshold_bytes", int(mb * 1024 * 1024), path,
             reason="MB x 1048576 (HOROVOD_FUSION_THRESHOLD)")  # fmt: skip
 
 
