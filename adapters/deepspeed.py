@@ -48,6 +48,8 @@ DEFAULT_FORMAT = "json"
 
 _PERF = "a performance knob with no numerical effect; the torsh engine sizes this itself"
 _ZERO3_PERF = "a ZeRO-3 fetch/partition knob (FSDP2 prefetches implicitly); no numerical effect"
+#: The bucket sizes torsh.engine.units reads from the kept value (DDP buckets, FSDP2 unit sizes).
+_SIZES_UNITS = "no numerical effect; kept: the torsh engine sizes its DDP buckets / FSDP2 units from it (see explain)"
 _OFFLOAD_IO = "an offload I/O knob; no numerical effect"
 _LOGGING = "logging only; no effect on training"
 _CHECKPOINTING_CALLS = (
@@ -113,15 +115,16 @@ FIELD_MAP: dict[str, Any] = {
     "zero_optimization.zero_hpz_partition_size": rules.HPZ,
     **{f"zero_optimization.{k}": Ignored(_PERF) for k in (
         "contiguous_gradients", "reduce_scatter", "use_multi_rank_bucket_allreduce",
-        "allgather_partitions", "allgather_bucket_size", "overlap_comm", "round_robin_gradients",
+        "allgather_partitions", "overlap_comm", "round_robin_gradients",
         "sub_group_size", "memory_efficient_linear", "parameter_alignment", "log_trace_cache_warnings",
         "enable_sanity_checks", "override_module_apply", "pipeline_loading_checkpoint",
         "save_muon_momentum_buffer_in_memory", "leaf_module", "compute_grad_norm", "ignore_unused_parameters",
         "load_from_fp32_weights", "elastic_checkpoint")},
-    "zero_optimization.reduce_bucket_size": rules.positive_or_drop(Ignored(_PERF), "5e8"),
+    "zero_optimization.reduce_bucket_size": rules.positive_or_drop(Ignored(_SIZES_UNITS), "5e8"),
+    **{f"zero_optimization.{k}": Ignored(_SIZES_UNITS) for k in (
+        "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters")},
     **{f"zero_optimization.{k}": Ignored(_ZERO3_PERF) for k in (
-        "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
-        "max_live_parameters", "max_reuse_distance", "module_granularity_threshold",
+        "param_persistence_threshold", "model_persistence_threshold", "max_reuse_distance", "module_granularity_threshold",
         "use_all_reduce_for_fetch_params", "allgather_sequential")},
     **{f"zero_optimization.{k}": rules.unless_default(False, Unsupported("ZeRO++ quantized communication has no "
                                                                          "torch equivalent"))
