@@ -76,6 +76,10 @@ def main():
     write_result(args.out, losses + continued, after_save=after_save, resumed_steps=resumed.global_steps,
                  consumed=client["consumed"], loaded=path is not None, world=world,
                  local_rank=dist.get_local_rank())
+    # leave the process group in order: real DeepSpeed 0.19.8 on the CPU otherwise aborts now and then at exit
+    # ("terminate called without an active exception") after two engines have run in one process
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
