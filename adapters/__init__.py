@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Any
 
 from torsh.config import TorshConfig
+from torsh.dialect import check_text_keys
 from torsh.errors import ConfigError, Problem, did_you_mean
 from torsh.formats import load_file
 from torsh.translate import Translation
@@ -73,52 +74,28 @@ def sniff(raw: Any) -> str:
     return scores[0][1]
 
 
-SCHEMA_KEY = "$schema"
-
-
-def _without_schema_key(raw: Any) -> tuple[Any, list]:
-    """A top-level ``"$schema"`` (an editor's pointer to a JSON Schema, e.g. ``torsh-migrate schema``'s output) is
-    allowed in every dialect: taken out before the dialect reads the file, with an ignored note."""
-    from torsh.translate import Fidelity, Note
-
-    if not isinstance(raw, dict) or SCHEMA_KEY not in raw:
-        return raw, []
-    rest = {k: v for k, v in raw.items() if k != SCHEMA_KEY}
-    return rest, [Note(SCHEMA_KEY, None, raw[SCHEMA_KEY], Fidelity.IGNORED, "a JSON Schema reference for editors; "
-                       "no effect on training")]  # fmt: skip
-
-
-def read(raw: Any, dialect: str | None = None, *, version: str | None = None) -> Translation[TorshConfig]:
+def read(raw: Any, dialect: str | None = None, *, version: str | None = None,
+         base_dir: str | os.PathLike[str] | None = None) -> Translation[TorshConfig]:  # fmt: skip
     """Read parsed config data of any dialect (sniffed when not given) into the core model.
 
-    The report also says what the engine cannot honour whatever the dialect (gradient compression methods that
-    need DDP's dense buckets at the FSDP2 stages), so a translation warns before ``initialize`` refuses.
+    Every entry point reads through here (``load`` parses a file first), so a file and the same data as a dict get
+    the same report. The report also says what the engine cannot honour whatever the dialect (gradient compression
+    methods that need DDP's dense buckets at the FSDP2 stages), so a translation warns before ``initialize``
+    refuses. ``base_dir`` is the config file's folder, for dialects whose files name other files.
     """
+    from torsh import dialect as pipeline
+
+    check_text_keys(raw)
+    data, _ = pipeline.without_schema_key(raw)
+    return pipeline.read(get(dialect or sniff(data)), raw, version=version, base_dir=base_dir,
+                         cross_checks=_cross_checks)  # fmt: skip
+
+
+def _cross_checks(translation: Translation[TorshConfig]) -> list:
     from torsh.compression_rules import compression_notes_for_stage
 
-    _check_keys(raw)
-    raw, schema_notes = _without_schema_key(raw)
-    translation = get(dialect or sniff(raw)).read(raw, version=version)
-    translation.notes[:0] = schema_notes
     cfg = translation.result
-    translation.notes.extend(compression_notes_for_stage(cfg.compression, cfg.sharding.stage))
-    return translation
-
-
-def _check_keys(raw: Any) -> None:
-    """Every mapping key is text, as in any JSON, YAML or TOML config file (a dict built in Python may hold others,
-    which no dialect names); a ConfigError names the first offending path."""
-    stack: list[tuple[str, Any]] = [("", raw)]
-    while stack:
-        path, node = stack.pop()
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if not isinstance(key, str):
-                    raise ConfigError([Problem(path or "<document>", key, f"keys must be text, not "
-                                               f"{type(key).__name__}; write the key as a string")])  # fmt: skip
-                stack.append((f"{path}.{key}" if path else key, value))
-        elif isinstance(node, list):
-            stack.extend((f"{path}[{i}]", value) for i, value in enumerate(node))
+    return compression_notes_for_stage(cfg.compression, cfg.sharding.stage)
 
 
 def write(cfg: TorshConfig, dialect: str, *, version: str | None = None) -> Translation[Any]:
@@ -128,22 +105,16 @@ def write(cfg: TorshConfig, dialect: str, *, version: str | None = None) -> Tran
 
 def load(source: str | os.PathLike[str] | dict | TorshConfig, dialect: str | None = None, *,
          version: str | None = None) -> Translation[TorshConfig]:  # fmt: skip
-    """Load a config from a path, parsed data, or a TorshConfig; errors are attributed to the file."""
+    """Load a config from a path, parsed data, or a TorshConfig: parse the file, then :func:`read` it; errors are
+    attributed to the file."""
     if isinstance(source, TorshConfig):
         return Translation(source, [], "torsh", "torsh")
     if isinstance(source, dict):
         return read(source, dialect, version=version)
     data, _ = load_file(source)
-    data, schema_notes = _without_schema_key(data)
     try:
-        adapter = get(dialect or sniff(data))
-        if getattr(adapter, "READS_RELATIVE_PATHS", False):
-            # The config names other files (Accelerate's deepspeed_config_file): the consumer opens them relative to
-            # the working directory; the config's folder is where the adapter looks when they are not there.
-            translation = adapter.read(data, version=version, base_dir=Path(source).parent)
-        else:
-            translation = adapter.read(data, version=version)
-        translation.notes[:0] = schema_notes
-        return translation
+        # A config that names other files (Accelerate's deepspeed_config_file): the consumer opens them relative to
+        # the working directory; the config's folder is where the dialect looks when they are not there.
+        return read(data, dialect, version=version, base_dir=Path(source).parent)
     except ConfigError as exc:
         raise exc.with_source(str(Path(source))) from None

@@ -201,10 +201,31 @@ class Hook:
     """Core paths (prefixes) the write hook handles, excluded from the derived reverse pass."""
 
 
-Rule = str | To | Status | Hook
+@dataclass(frozen=True)
+class Group:
+    """One concept read and written in one place: the source keys it reads, the core paths it sets, both directions.
+
+    A key listed in ``keys`` (canonical spelling; ``*`` matches one level) is not mapped alone: the walk records it,
+    and once every key of the file has been seen ``read(seen)`` decides the group's core values from all of them
+    together (:class:`Seen` notes each key once, and makes the dialect's defaults explicit). ``write(cfg, ctx)``
+    writes the group's keys back; the core paths in ``targets`` are then left out of the derived reverse map.
+    Groups run in the order the dialect lists them, so one may read what an earlier one set.
+    """
+
+    name: str
+    """What the concept is (precision, offload, optimizer...): shown when a recorded key is left unhandled."""
+    keys: tuple[str, ...]
+    """Source keys, canonical dotted spelling."""
+    targets: tuple[str, ...] = ()
+    """Core paths (prefixes) the group sets and its writer writes."""
+    read: Callable[[Seen], None] | None = None
+    write: Callable[[TorshConfig, WriteContext], None] | None = None
 
 
-def _as_rule(rule: Rule) -> To | Status | Hook:
+Rule = str | To | Status | Hook | Group
+
+
+def _as_rule(rule: Rule) -> To | Status | Hook | Group:
     return To(rule) if isinstance(rule, str) else rule
 
 
@@ -234,6 +255,10 @@ class ReadContext:
     notes: list[Note] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     origin: dict[str, str] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+    """The dialect's own scratch values for this read (what one key's hook tells a later rule)."""
+    recorded: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    """Keys of a :class:`Group`: canonical spelling -> (spelling in the file, value), until the group reads them."""
 
     def set(self, core_path: str, value: Any, source_path: str, fidelity: Fidelity = Fidelity.EXACT,
             reason: str = "", *, note: bool = True) -> None:  # fmt: skip
@@ -276,6 +301,68 @@ class ReadContext:
         return NOTHING
 
 
+class Seen:
+    """The keys recorded for the groups of one read, with helpers that note each key exactly once.
+
+    ``default_reason`` words a DEFAULTED note (the dialect's default made explicit); ``deferrable(core_path)`` says
+    whether ``"auto"`` may stay deferred at a core path (else the dialect's default is used and the key kept).
+    """
+
+    def __init__(self, ctx: ReadContext, default_reason: str | None = None,
+                 deferrable: Callable[[str], bool] = lambda core_path: True):  # fmt: skip
+        self.ctx = ctx
+        self.items = ctx.recorded
+        self.default_reason = default_reason or f"not set; {ctx.dialect} default"
+        self.deferrable = deferrable
+
+    def section(self, prefix: str) -> dict[str, tuple[str, Any]]:
+        """The recorded keys under ``prefix``, by their name below it."""
+        return {k[len(prefix) + 1:]: v for k, v in self.items.items() if k.startswith(prefix + ".")}
+
+    def has(self, key: str) -> bool:
+        return key in self.items
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """The value, or ``default`` when absent or ``"auto"``."""
+        if key not in self.items:
+            return default
+        value = self.items[key][1]
+        return default if is_deferred(value) else value
+
+    def set(self, key: str, core: str, value: Any, fidelity: Fidelity = Fidelity.EXACT, reason: str = "",
+            *, default: Any = None) -> None:  # fmt: skip
+        """Set a core value from a recorded key, or from the dialect's default (DEFAULTED) when absent."""
+        if key in self.items:
+            path, raw = self.items.pop(key)
+            if is_deferred(raw) and not self.deferrable(core):
+                self.ctx.keep(key, raw)
+                self.ctx.set(core, value, path, note=False)
+                self.ctx.note(path, Fidelity.DEFERRED, f"filled by HF Trainer/Accelerate; {self.ctx.dialect} alone "
+                              f"uses {value!r}", raw, core)  # fmt: skip
+                return
+            self.ctx.set(core, raw if is_deferred(raw) else value, path, fidelity, reason)
+        else:
+            self.ctx.set(core, value if default is None else default, key, Fidelity.DEFAULTED,
+                         reason or self.default_reason)  # fmt: skip
+
+    def take(self, key: str) -> tuple[str, Any] | None:
+        """Remove a recorded key and return (spelling in the file, value); the caller notes it."""
+        return self.items.pop(key, None)
+
+    def inert(self, key: str, reason: str) -> None:
+        """A recorded key with no effect in this configuration: kept for round trips, noted as ignored."""
+        if key in self.items:
+            path, raw = self.items.pop(key)
+            self.ctx.keep(key, raw)
+            self.ctx.note(path, Fidelity.IGNORED, reason, raw)
+
+    def drop(self, key: str, reason: str, fidelity: Fidelity = Fidelity.DROPPED) -> None:
+        """A recorded key that is not carried over."""
+        if key in self.items:
+            path, raw = self.items.pop(key)
+            self.ctx.note(path, fidelity, reason, raw)
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, str) and isinstance(b, str):
         return a.lower() == b.lower()
@@ -285,8 +372,15 @@ def _same(a: Any, b: Any) -> bool:
 class FieldMap:
     """A compiled FIELD_MAP: exact and wildcard (``*``) lookups, children of a prefix, derived reverse map."""
 
-    def __init__(self, field_map: Mapping[str, Rule], aliases: Mapping[str, str | Alias] | None = None):
+    def __init__(self, field_map: Mapping[str, Rule], aliases: Mapping[str, str | Alias] | None = None,
+                 groups: tuple[Group, ...] = ()):  # fmt: skip
         self.rules = {k: _as_rule(v) for k, v in field_map.items()}
+        self.groups = tuple(groups)
+        for group in self.groups:
+            for key in group.keys:
+                if key in self.rules:
+                    raise ValueError(f"{key} is in the field map and in group {group.name}: give it one rule")
+                self.rules[key] = group
         self.aliases = {k: v if isinstance(v, Alias) else Alias(v) for k, v in (aliases or {}).items()}
         self._patterns = [(tuple(k.split(".")), r) for k, r in self.rules.items() if "*" in k]
 
@@ -342,6 +436,8 @@ def read_mapping(raw: Mapping[str, Any], *, dialect: str, field_map: FieldMap,
     ctx = ReadContext(dialect, raw, value_maps or {}, deferred_sources or {})
     _walk(raw, "", "", ctx, field_map)
     _apply_defaults(raw, ctx, field_map)
+    if not ctx.problems:
+        _read_groups(ctx, field_map.groups)
     if finalize is not None and not ctx.problems:
         finalize(ctx)
     if ctx.problems:
@@ -370,9 +466,29 @@ def _walk(node: Mapping[str, Any], actual: str, canonical: str, ctx: ReadContext
             _apply(rule, value, path, canon, ctx, alias)
 
 
-def _apply(rule: To | Status | Hook, value: Any, path: str, canon: str, ctx: ReadContext, alias: Alias | None):
+def _read_groups(ctx: ReadContext, groups: tuple[Group, ...]) -> None:
+    seen = Seen(ctx)
+    for group in groups:
+        if group.read is not None:
+            group.read(seen)
+    left = [] if ctx.problems else [key for key in ctx.recorded if any(key in g.keys or _matches(key, g.keys)
+                                                                      for g in groups)]  # fmt: skip
+    if left:  # a key a group listed but did not note: a defect in the dialect, not in the user's file
+        raise AssertionError(f"{ctx.dialect}: recorded key(s) {', '.join(left)} were not handled by their group")
+
+
+def _matches(key: str, patterns: tuple[str, ...]) -> bool:
+    parts = key.split(".")
+    return any(len(p.split(".")) == len(parts) and all(a in ("*", b) for a, b in zip(p.split("."), parts, strict=True))
+               for p in patterns)  # fmt: skip
+
+
+def _apply(rule: To | Status | Hook | Group, value: Any, path: str, canon: str, ctx: ReadContext,
+           alias: Alias | None):  # fmt: skip
     legacy = f"legacy spelling of {alias.current}" + (f" (since {alias.since})" if alias.since else "") if alias else ""
-    if isinstance(rule, Hook):
+    if isinstance(rule, Group):
+        ctx.recorded[canon] = (path, value)
+    elif isinstance(rule, Hook):
         if rule.read is None:
             raise AssertionError(f"hook for {canon} has no read function")
         rule.read(value, ctx, path)
@@ -450,6 +566,8 @@ class WriteContext:
     cfg: TorshConfig
     out: dict[str, Any] = field(default_factory=dict)
     notes: list[Note] = field(default_factory=list)
+    version: str | None = None
+    """The dialect version (or generation) being written."""
 
     def put(self, target_path: str, value: Any, core_path: str, fidelity: Fidelity = Fidelity.EXACT,
             reason: str = "") -> None:  # fmt: skip
@@ -512,14 +630,19 @@ def delete_path(data: dict, path: str, *, keep_top_level: bool = False) -> None:
 
 def write_mapping(cfg: TorshConfig, *, dialect: str, field_map: FieldMap,
                   value_maps: Mapping[str, Mapping[Any, Any]] | None = None,
-                  finalize: Callable[[WriteContext], None] | None = None) -> Translation[dict]:  # fmt: skip
+                  finalize: Callable[[WriteContext], None] | None = None,
+                  version: str | None = None) -> Translation[dict]:  # fmt: skip
     """Write a TorshConfig in a dialect using the reverse of its field map.
 
     Hooks write what the map cannot; every non-default core value with no dialect key becomes an
     UNSUPPORTED note; the dialect's own extensions are restored, other dialects' are DROPPED notes.
     """
-    ctx = WriteContext(dialect, cfg)
+    ctx = WriteContext(dialect, cfg, version=version)
     claimed: list[str] = []
+    for group in field_map.groups:
+        if group.write is not None:
+            group.write(cfg, ctx)
+        claimed += group.targets
     for rule in field_map.rules.values():
         if isinstance(rule, Hook) and rule.write is not None:
             rule.write(cfg, ctx)
