@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from torsh.concepts import dtypes
 from torsh.deferred import AUTO, is_deferred
 from torsh.translate import Fidelity, FieldMap, Note, ReadContext, Status, WriteContext, delete_path
 
@@ -32,11 +33,7 @@ NO_SHARD_REASON = ("NO_SHARD (deprecated in FSDP1) replicates parameters and all
                    "runs DDP: same numerics, different bucketing")  # fmt: skip
 
 #: torch dtype spellings -> core dtype; the first spelling of each is what writers emit.
-DTYPES = {
-    "torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16",
-    "float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "torch.float": "fp32", "torch.half": "fp16",
-    "float": "fp32", "half": "fp16", "fp32": "fp32", "bf16": "bf16", "fp16": "fp16",
-}  # fmt: skip
+DTYPES = dtypes.SPELLINGS
 
 _TRUE = {"y", "yes", "t", "true", "on", "1"}
 _FALSE = {"n", "no", "f", "false", "off", "0"}

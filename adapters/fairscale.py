@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from torsh import schemas
+from torsh.concepts import dtypes
 from torsh.config import AUTO, TorshConfig, get_path
 from torsh.errors import ConfigError
 from torsh.translate import (
@@ -46,7 +47,7 @@ from ._torch_names import (
 NAME = "fairscale"
 VERSIONS = ("0.4.13",)
 DEFAULT_FORMAT = "json"
-_TORCH = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
+_TORCH = dtypes.TORCH
 _SDP_DEFAULT_BUFFER = 2**23
 
 

@@ -123,17 +123,10 @@ _DOCSTRING_READER = _install_docstring_reader()
 # --------------------------------------------------------------------------------------------------
 # Shared types
 
-_DTYPE_ALIASES = {
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32",
-    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16", "torch.half": "fp16",
-}  # fmt: skip
-
-
 def _normalise_dtype(value: Any) -> Any:
-    if isinstance(value, str):
-        return _DTYPE_ALIASES.get(value.strip().lower(), value)
-    return value
+    from .concepts.dtypes import normalise
+
+    return normalise(value)
 
 
 DType = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(_normalise_dtype)]
