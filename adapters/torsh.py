@@ -16,18 +16,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from torsh.config import SECTION_NAMES, TorshConfig, iter_leaves
-from torsh.translate import (
-    Fidelity,
-    FieldMap,
-    Hook,
-    Ignored,
-    Note,
-    ReadContext,
-    To,
-    Translation,
-    check_version,
-    read_mapping,
-)
+from torsh.dialect import Dialect
+from torsh.translate import Fidelity, Hook, Ignored, Note, ReadContext, To, Translation
 
 NAME = "torsh"
 VERSIONS = ("1",)
@@ -70,44 +60,58 @@ VALUE_MAPS = {
 }
 ALIASES: dict[str, str] = {}
 
-_FIELD_MAP = FieldMap(FIELD_MAP, ALIASES)
 _SEED_SECTIONS = {"distributed", "training", "model"}
 _SEED_DDP_KEYS = {"bucket_size_mb", "overlap_communication", "gradient_compression"}
 
 
-def sniff(raw: Any) -> float:
-    if not isinstance(raw, dict) or not raw:
-        return 0.0
-    if _is_seed_layout(raw):
-        return 0.9
-    return 1.0 if set(raw) <= set(SECTION_NAMES) else 0.0
-
-
-def _is_seed_layout(raw: dict) -> bool:
+def _is_seed_layout(raw: Any) -> bool:
     ddp = raw.get("ddp")
     return bool(_SEED_SECTIONS & set(raw)) or (isinstance(ddp, dict) and bool(_SEED_DDP_KEYS & set(ddp)))
 
 
-def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
-    """Read the core layout or the seed layout into the core model."""
-    check_version(NAME, version, VERSIONS)
-    if isinstance(raw, dict) and _is_seed_layout(raw):
-        return read_mapping(raw, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS)
-    cfg = TorshConfig.from_dict(raw, source=NAME)
-    return Translation(cfg, _identity_notes(cfg.model_dump(mode="json", exclude_unset=True)), NAME, NAME)
+class Torsh(Dialect):
+    """The core layout is the model itself (validated as is); the seed layout is walked through the map."""
+
+    NAME = NAME
+    VERSIONS = VERSIONS
+    FIELD_MAP = FIELD_MAP
+    VALUE_MAPS = VALUE_MAPS
+    ALIASES = ALIASES
+
+    def check_schema(self, raw: Any) -> None:
+        """The core layout's schema is the model (checked at validation); the seed layout's keys are the map's."""
+
+    def read(self, raw: Any, *, version: str | None = None, base_dir: Any = None) -> Translation[TorshConfig]:
+        """Read the core layout or the seed layout into the core model."""
+        if isinstance(raw, dict) and _is_seed_layout(raw):
+            return super().read(raw, version=version)
+        self.check_version(version)
+        cfg = TorshConfig.from_dict(raw, source=NAME)
+        return Translation(cfg, _identity_notes(cfg.model_dump(mode="json", exclude_unset=True)), NAME, NAME)
+
+    def write(self, cfg: TorshConfig, *, version: str | None = None, full: bool = True) -> Translation[dict]:
+        """The core layout as plain data (``"auto"`` for deferred values; None values omitted).
+
+        ``full=False`` keeps only what differs from the defaults (what ``torsh-migrate convert --to torsh``
+        writes): the file reads back to the same config, and a reader sees what the source chose rather than every
+        default.
+        """
+        self.check_version(version)
+        data = cfg.model_dump(mode="json", exclude_none=True)
+        if not full:
+            data = _differences(cfg, TorshConfig(), data)
+        return Translation(data, _identity_notes(cfg.model_dump(mode="json", exclude_unset=True)), NAME, NAME)
+
+    def sniff(self, raw: Any) -> float:
+        if not isinstance(raw, dict) or not raw:
+            return 0.0
+        if _is_seed_layout(raw):
+            return 0.9
+        return 1.0 if set(raw) <= set(SECTION_NAMES) else 0.0
 
 
-def write(cfg: TorshConfig, *, version: str | None = None, full: bool = True) -> Translation[dict]:
-    """The core layout as plain data (``"auto"`` for deferred values; None values omitted).
-
-    ``full=False`` keeps only what differs from the defaults (what ``torsh-migrate convert --to torsh`` writes): the
-    file reads back to the same config, and a reader sees what the source chose rather than every default.
-    """
-    check_version(NAME, version, VERSIONS)
-    data = cfg.model_dump(mode="json", exclude_none=True)
-    if not full:
-        data = _differences(cfg, TorshConfig(), data)
-    return Translation(data, _identity_notes(cfg.model_dump(mode="json", exclude_unset=True)), NAME, NAME)
+DIALECT = Torsh()
+read, write, sniff = DIALECT.read, DIALECT.write, DIALECT.sniff
 
 
 def _differences(model: BaseModel, default: BaseModel, data: dict) -> dict:
