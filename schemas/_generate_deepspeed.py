@@ -21,8 +21,22 @@ from typing import Any
 AUTO = {"const": "auto"}
 NUMBER = {"anyOf": [{"type": "number"}, AUTO]}
 POSITIVE_INT = {"anyOf": [{"type": "integer", "minimum": 1}, AUTO]}
+INTEGER = {"anyOf": [{"type": "integer"}, AUTO]}
 BOOLEAN = {"anyOf": [{"type": "boolean"}, AUTO]}
 OBJECT = {"type": "object"}
+#: A number DeepSpeedConfig accepts whatever its sign, but the engine divides by (steps_per_print: ``global_steps %
+#: steps_per_print`` at every step; gradient_predivide_factor: ``1 / factor``): only 0 is refused.
+NONZERO = {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "number", "exclusiveMaximum": 0}, AUTO]}
+#: Bounds kept although DeepSpeedConfig itself accepts the value, because DeepSpeed's engine then fails; each says
+#: why. Every other bound in the schema is one DeepSpeedConfig enforces (a test checks both).
+RUNTIME_BOUNDS = {
+    "steps_per_print": "the engine computes global_steps % steps_per_print at every step (ZeroDivisionError)",
+    "gradient_predivide_factor": "the engine divides the gradients by it (ZeroDivisionError)",
+}
+#: Bounds of DeepSpeed's the schema deliberately leaves wider, each with the reason.
+LENIENT_BOUNDS = {
+    "zero_optimization.reduce_bucket_size": "0 is found in real files; the reader reports it and drops it",
+}
 DTYPE = {"anyOf": [{"enum": ["fp16", "bf16", "fp32", "float16", "bfloat16", "float32", "half", "float", "FP16",
                              "BF16", "FP32", "torch.float16", "torch.bfloat16", "torch.float32"]},
                    AUTO, {"type": "null"}]}  # fmt: skip
@@ -34,9 +48,10 @@ def field_schema(annotation: Any) -> dict:
 
     origin = typing.get_origin(annotation)
     if origin is typing.Union:
-        members = [field_schema(a) for a in typing.get_args(annotation) if a is not type(None)]
+        args = typing.get_args(annotation)
+        members = [field_schema(a) for a in args if a is not type(None)]
         inner = members[0] if len(members) == 1 else {"anyOf": members}
-        return {"anyOf": [inner, {"type": "null"}]}
+        return {"anyOf": [inner, {"type": "null"}]} if type(None) in args else inner
     if origin is typing.Literal:
         return {"enum": list(typing.get_args(annotation))}
     if origin in (list, typing.List):  # noqa: UP006 - DeepSpeed annotates with typing.List
@@ -61,16 +76,22 @@ def _with_auto(schema: dict) -> dict:
     return {"anyOf": [schema, AUTO]} if schema else {}
 
 
+#: pydantic's numeric constraints (annotated_types metadata) and the JSON Schema keyword each one becomes.
+BOUND_KEYWORDS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}
+
+
 def _bounded(schema: dict, metadata: list) -> dict:
-    """DeepSpeed's own lower bounds (``Field(ge=...)``/``gt``) on a numeric field, so the schema refuses what
-    DeepSpeedConfig refuses (zero_hpz_partition_size -5) instead of accepting it."""
-    if schema.get("type") not in ("integer", "number"):
+    """DeepSpeed's own bounds (``Field(ge=..., gt=..., le=..., lt=...)``) on a numeric field, so the schema refuses
+    what DeepSpeedConfig refuses (zero_hpz_partition_size -5, offload_optimizer.ratio 1.5) and nothing more. In an
+    optional field the bound goes on the numeric branch (null stays allowed)."""
+    bounds = {BOUND_KEYWORDS[attr]: getattr(item, attr) for item in metadata for attr in BOUND_KEYWORDS
+              if getattr(item, attr, None) is not None}  # fmt: skip
+    if not bounds:
         return schema
-    for item in metadata:
-        if getattr(item, "ge", None) is not None:
-            schema = {**schema, "minimum": item.ge}
-        elif getattr(item, "gt", None) is not None:
-            schema = {**schema, "exclusiveMinimum": item.gt}
+    if schema.get("type") in ("integer", "number"):
+        return {**schema, **bounds}
+    if "anyOf" in schema:
+        return {**schema, "anyOf": [_bounded(branch, metadata) for branch in schema["anyOf"]]}
     return schema
 
 
@@ -90,6 +111,7 @@ def _removed(instead: str) -> dict:
 
 def zero_schema() -> dict:
     """``zero_optimization``: DeepSpeed's strict section, plus the legacy boolean form and removed keys."""
+    from deepspeed.runtime.zenflow.zenflow_config import ZenFlowConfig
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from deepspeed.runtime.zero.offload_config import (
         DeepSpeedZeroOffloadOptimizerConfig,
@@ -105,8 +127,11 @@ def zero_schema() -> dict:
     props["stage"] = {"anyOf": [{"enum": [0, 1, 2, 3]}, AUTO]}
     props["reduce_bucket_size"] = {"anyOf": [{"type": "number", "minimum": 0}, AUTO], "description": (
         "Elements per reduction bucket; DeepSpeed 0.19.8 requires > 0 (0 is reported and dropped).")}
-    props["zenflow"] = {"type": ["object", "null"]}
-    props["leaf_module"] = {"type": "object"}
+    props["zenflow"] = {**model_schema(ZenFlowConfig), "type": ["object", "null"]}
+    # DeepSpeed turns a lone string into a one-element list and null into the defaults
+    names = {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "string"}]}
+    props["leaf_module"] = {"type": ["object", "null"], "additionalProperties": False,
+                            "properties": {"classes": names, "names": names, "name_suffixes": names}}
     for key in ("mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param"):
         props[key] = {"description": "Removed in DeepSpeed 0.19.8 (DeepSpeedConfig raises)."}
     return zero
@@ -127,13 +152,13 @@ def top_level() -> dict:
     return {
         "train_batch_size": POSITIVE_INT, "train_micro_batch_size_per_gpu": POSITIVE_INT,
         "gradient_accumulation_steps": POSITIVE_INT, "managed_gradient_accumulation": BOOLEAN,
-        "steps_per_print": {"anyOf": [{"type": "number", "minimum": 1}, {"type": "null"}, AUTO]},
+        "steps_per_print": {"anyOf": [*NONZERO["anyOf"], {"type": "null"}]},
         "dump_state": BOOLEAN, "disable_python_gc": BOOLEAN, "disable_allgather": BOOLEAN,
         "communication_data_type": DTYPE, "seq_parallel_communication_data_type": DTYPE,
         "prescale_gradients": BOOLEAN,
-        "gradient_predivide_factor": {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, AUTO]},
+        "gradient_predivide_factor": NONZERO,
         "gradient_allreduce_op": {"anyOf": [{"enum": ["mean", "sum", "MEAN", "SUM"]}, AUTO]},
-        "gradient_clipping": {"anyOf": [{"type": "number", "minimum": 0}, AUTO]},
+        "gradient_clipping": NUMBER,  # DeepSpeed clips only when > 0: 0 and -1 both mean "no clipping"
         "zero_allow_untested_optimizer": BOOLEAN, "zero_force_ds_cpu_optimizer": BOOLEAN,
         "wall_clock_breakdown": BOOLEAN, "memory_breakdown": BOOLEAN, "dataloader_drop_last": BOOLEAN,
         "log_level": nullable, "vocabulary_size": {"type": ["integer", "null"]},
@@ -164,8 +189,9 @@ def top_level() -> dict:
         "csv_monitor": model_schema(CSVConfig), "comet": model_schema(CometConfig),
         "comms_logger": model_schema(CommsLoggerConfig),
         "flops_profiler": {"type": "object", "properties": {
-            "enabled": BOOLEAN, "recompute_fwd_factor": NUMBER, "profile_step": POSITIVE_INT,
-            "module_depth": {"type": "integer"}, "top_modules": POSITIVE_INT, "detailed": BOOLEAN,
+            # read with dict.get and never checked: profile_step -1 (never profile) is accepted, as is any int
+            "enabled": BOOLEAN, "recompute_fwd_factor": NUMBER, "profile_step": INTEGER,
+            "module_depth": {"type": "integer"}, "top_modules": INTEGER, "detailed": BOOLEAN,
             "output_file": nullable}, "additionalProperties": True},
         "checkpoint": {"type": "object", "properties": {
             "tag_validation": {"type": "string", "pattern": "^(?i:warn|ignore|fail)$"}, "load_universal": BOOLEAN,

@@ -1,0 +1,205 @@
+"""Key tables generated from the frameworks themselves agree with the frameworks.
+
+DeepSpeed: every numeric bound of ``schemas/deepspeed.schema.json`` is one DeepSpeed 0.19.8's own config parser
+enforces (or one its engine fails on, listed with the reason), every bound of its pydantic config models is in the
+schema, and every real DeepSpeed config that DeepSpeed accepts passes the schema. Accelerate, torchtitan and torchtune:
+the checked-in tables under ``schemas/keys/`` are what their generators build from the installed framework, and our
+readers do not refuse what the framework accepts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torsh import adapters, schemas
+from torsh.errors import ConfigError
+from torsh.formats import load_file, parse_text
+
+CORPUS = Path(__file__).parent / "fixtures" / "corpus"
+
+# ---- DeepSpeed: bounds --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ds_config():
+    """DeepSpeed 0.19.8's config parser, as ``deepspeed.initialize`` runs it."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is needed to compare the schema with its parser")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    return DeepSpeedConfig
+
+
+def _accepts(ds_config: Any, config: dict) -> bool:
+    try:
+        ds_config(config)
+    except Exception:  # noqa: BLE001 - DeepSpeed raises AssertionError, pydantic errors, TypeError...
+        return False
+    return True
+
+
+_BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+
+
+def _schema_bounds(node: dict, path: tuple = ()) -> list[tuple[tuple, str, Any, str]]:
+    """(key path, bound keyword, bound, JSON type) of every numeric bound in a schema."""
+    found = [(path, k, node[k], node.get("type")) for k in _BOUNDS if k in node]
+    for key, sub in node.get("properties", {}).items():
+        found += _schema_bounds(sub, (*path, key))
+    for branch in node.get("anyOf", []):
+        found += _schema_bounds(branch, path)
+    return found
+
+
+def _property(schema: dict, path: tuple) -> dict:
+    for key in path:
+        schema = schema["properties"][key]
+    return schema
+
+
+def _config_with(path: tuple, value: Any) -> dict:
+    """The smallest DeepSpeed config setting ``path`` to ``value`` (ZeRO keys under stage 3, where all apply)."""
+    config: dict = {"train_micro_batch_size_per_gpu": 1}
+    if path[0] == "zero_optimization":
+        config["zero_optimization"] = {"stage": 3}
+    if path[-2:-1] == ("offload_optimizer",) or path[-2:-1] == ("offload_param",):
+        config["zero_optimization"][path[-2]] = {"device": "cpu"}
+    node = config
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+    return config
+
+
+def _beyond(keyword: str, bound: Any, json_type: str) -> Any:
+    step = 1 if json_type == "integer" else 0.5
+    return {"minimum": bound - step, "exclusiveMinimum": bound, "maximum": bound + step,
+            "exclusiveMaximum": bound}[keyword]  # fmt: skip
+
+
+def _within(keyword: str, bound: Any, json_type: str) -> Any:
+    step = 1 if json_type == "integer" else 0.5
+    return {"minimum": bound, "exclusiveMinimum": bound + step, "maximum": bound, "exclusiveMaximum": bound - step}[
+        keyword]  # fmt: skip
+
+
+def _bound_cases() -> list:
+    schema = schemas.load("deepspeed")
+    return [pytest.param(*case, id=".".join(case[0]) + f"-{case[1]}") for case in _schema_bounds(schema)]
+
+
+@pytest.mark.parametrize(("path", "keyword", "bound", "json_type"), _bound_cases())
+def test_a_value_the_schema_refuses_for_a_bound_deepspeed_refuses_too(path, keyword, bound, json_type, ds_config):
+    """No false rejection: beyond each bound of the schema, DeepSpeed's own parser refuses the value as well (or its
+    engine fails on it: the generator's RUNTIME_BOUNDS, each with the reason); at the bound, both accept it."""
+    import jsonschema
+
+    from torsh.schemas._generate_deepspeed import LENIENT_BOUNDS, RUNTIME_BOUNDS
+
+    if ".".join(path) in LENIENT_BOUNDS:
+        pytest.skip(f"the schema is wider than DeepSpeed here on purpose: {LENIENT_BOUNDS['.'.join(path)]}")
+    field = jsonschema.Draft202012Validator(_property(schemas.load("deepspeed"), path))
+    outside, inside = _beyond(keyword, bound, json_type), _within(keyword, bound, json_type)
+    if not field.is_valid(outside):
+        assert ".".join(path) in RUNTIME_BOUNDS or not _accepts(ds_config, _config_with(path, outside)), (
+            f"the schema refuses {'.'.join(path)}={outside!r} but DeepSpeed 0.19.8 accepts it")
+    assert field.is_valid(inside)
+    assert _accepts(ds_config, _config_with(path, inside)), f"DeepSpeed refuses {'.'.join(path)}={inside!r}"
+
+
+#: Where each DeepSpeed config model with bounded fields sits in a DeepSpeed config (None: not a training config key).
+_MODEL_PATHS = {
+    "DeepSpeedZeroConfig": ("zero_optimization",),
+    "DeepSpeedZeroOffloadOptimizerConfig": ("zero_optimization", "offload_optimizer"),
+    "DeepSpeedZeroOffloadParamConfig": ("zero_optimization", "offload_param"),
+    "ZenFlowConfig": ("zero_optimization", "zenflow"),
+    "HybridEngineConfig": ("hybrid_engine",),
+    "DeepSpeedInferenceConfig": None,  # deepspeed.init_inference's argument, not a key of the training config
+}
+
+
+def _deepspeed_models() -> list:
+    from pydantic import BaseModel
+
+    seen, todo = [], list(BaseModel.__subclasses__())
+    while todo:
+        model = todo.pop()
+        todo += model.__subclasses__()
+        if model.__module__.startswith("deepspeed.") and model not in seen:
+            seen.append(model)
+    return seen
+
+
+def test_every_bound_of_deepspeeds_config_models_is_in_the_schema(ds_config):
+    """Every ``Field(ge/gt/le/lt)`` of every DeepSpeed pydantic config model is a bound of the schema: a bounded
+    model the table does not place (a DeepSpeed upgrade) fails here."""
+    from torsh.schemas._generate_deepspeed import BOUND_KEYWORDS, LENIENT_BOUNDS
+
+    import deepspeed.runtime.zenflow.zenflow_config  # noqa: F401 - loads ZenFlowConfig
+    import deepspeed.inference.config  # noqa: F401
+
+    schema, checked = schemas.load("deepspeed"), 0
+    for model in _deepspeed_models():
+        for name, field in model.model_fields.items():
+            bounds = {BOUND_KEYWORDS[a]: getattr(m, a) for m in field.metadata for a in BOUND_KEYWORDS
+                      if getattr(m, a, None) is not None}  # fmt: skip
+            if not bounds:
+                continue
+            assert model.__name__ in _MODEL_PATHS, f"{model.__name__}.{name} is bounded: place it in the schema"
+            if _MODEL_PATHS[model.__name__] is None:
+                continue
+            for key in {name, field.alias} - {None}:
+                if ".".join((*_MODEL_PATHS[model.__name__], key)) in LENIENT_BOUNDS:
+                    continue
+                node = _property(schema, (*_MODEL_PATHS[model.__name__], key))
+                numeric = [b for b in node.get("anyOf", [node]) if b.get("type") in ("integer", "number")]
+                assert any(bounds.items() <= b.items() for b in numeric), (model.__name__, key, bounds, node)
+                checked += 1
+    assert checked >= 20
+
+
+def _corpus_files() -> list[Path]:
+    return sorted(p for d in CORPUS.glob("deepspeed*") for p in d.iterdir() if p.name != "SOURCES.md")
+
+
+def _load_ds(path: Path) -> dict:
+    return load_file(path)[0] if path.suffix in (".json", ".hjson") else parse_text(path.read_text("utf-8"), "json")
+
+
+def test_every_real_config_deepspeed_accepts_passes_the_schema(ds_config):
+    """The corpus fed to DeepSpeed's own parser: none it accepts is refused by the schema."""
+    accepted = [p for p in _corpus_files() if _accepts(ds_config, _load_ds(p))]
+    refused = {p.name: schemas.check(_load_ds(p), "deepspeed") for p in accepted}
+    assert not {name: problems for name, problems in refused.items() if problems}
+    assert len(accepted) >= 20, len(accepted)  # most files hold "auto" (filled in by Hugging Face): not parsable
+
+
+@pytest.mark.parametrize("config", [
+    {"flops_profiler": {"enabled": True, "profile_step": -1}},
+    {"flops_profiler": {"enabled": True, "top_modules": 0}},
+    {"gradient_clipping": -1.0},
+    {"steps_per_print": -1},
+    {"gradient_predivide_factor": -2.0},
+], ids=lambda c: str(c))  # fmt: skip
+def test_values_deepspeed_accepts_pass_the_schema(config, ds_config):
+    assert _accepts(ds_config, {"train_micro_batch_size_per_gpu": 1, **config})
+    assert schemas.check({"train_micro_batch_size_per_gpu": 1, **config}, "deepspeed") == []
+
+
+@pytest.mark.xfail(strict=True, raises=ConfigError, reason=(
+    "the core model refuses values DeepSpeed accepts: ProfilerConfig.profile_step/top_modules are PositiveInt "
+    "(DeepSpeed: -1 never profiles), gradients.clip_max_norm >= 0 (DeepSpeed: <= 0 means no clipping), "
+    "monitoring.steps_per_print and gradients.predivide_factor > 0 (DeepSpeed: any non-zero)"))
+@pytest.mark.parametrize("config", [
+    {"flops_profiler": {"enabled": True, "profile_step": -1}},
+    {"flops_profiler": {"enabled": True, "top_modules": 0}},
+    {"gradient_clipping": -1.0},
+    {"steps_per_print": -1},
+    {"gradient_predivide_factor": -2.0},
+], ids=lambda c: str(c))  # fmt: skip
+def test_the_deepspeed_reader_accepts_what_deepspeed_accepts(config):
+    adapters.read({"train_micro_batch_size_per_gpu": 1, **config}, "deepspeed")
