@@ -10,7 +10,8 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 #: (package, module) pairs left out of built wheels.
-CHECKOUT_ONLY = {("torsh", "demo"), ("torsh.schemas", "__main__"), ("torsh.schemas", "_generate_deepspeed")}
+CHECKOUT_ONLY = {("torsh", "demo"), ("torsh.schemas", "__main__"), ("torsh.schemas", "_generate_deepspeed"),
+                 ("torsh.schemas", "_generate_accelerate_keys")}
 
 
 class BuildPyWithoutCheckoutTools(build_py):

@@ -203,3 +203,123 @@ def test_values_deepspeed_accepts_pass_the_schema(config, ds_config):
 ], ids=lambda c: str(c))  # fmt: skip
 def test_the_deepspeed_reader_accepts_what_deepspeed_accepts(config):
     adapters.read({"train_micro_batch_size_per_gpu": 1, **config}, "deepspeed")
+
+
+# ---- Accelerate ------------------------------------------------------------------------------------------------------
+
+KEYS = Path(schemas.__file__).parent / "keys"
+
+
+def _table(name: str) -> dict:
+    import json
+
+    return json.loads((KEYS / f"{name}.json").read_text("utf-8"))
+
+
+def test_accelerate_table_matches_the_installed_accelerate():
+    pytest.importorskip("accelerate", reason="Accelerate 1.15 is needed to regenerate its key table")
+    from torsh.schemas._generate_accelerate_keys import build, render
+
+    assert render(build()) == (KEYS / "accelerate.json").read_text("utf-8"), (
+        "schemas/keys/accelerate.json is stale: python -m torsh.schemas._generate_accelerate_keys")
+
+
+#: A minimal valid file around a section's keys: the distributed_type under which Accelerate reads the section.
+_ACCELERATE_BASE = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_processes": 2,
+                    "mixed_precision": "no"}  # fmt: skip
+_ACCELERATE_KIND = {"deepspeed_config": {"distributed_type": "DEEPSPEED"}, "fsdp_config": {"distributed_type": "FSDP"},
+                    "megatron_lm_config": {"distributed_type": "MEGATRON_LM"}, "fp8_config": {"mixed_precision": "fp8"},
+                    "parallelism_config": {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}},
+                    "mpirun_config": {"distributed_type": "MULTI_CPU"}}  # fmt: skip
+_NULL_IS_UNSET = "null is Accelerate's 'not set' (ClusterConfig and the launcher test `is not None`)"
+#: Keys of the table our reader refuses at their Accelerate default, and why that is a false rejection.
+ACCELERATE_REFUSED = {
+    **{f"{key}=null": "ClusterConfig.__post_init__ turns null into {}" for key in (
+        "deepspeed_config", "fsdp_config", "parallelism_config")},
+    **{f"{key}=null": "a ClusterConfig field the reader does not know" for key in (
+        "fp8_config", "megatron_lm_config", "mpirun_config", "tpu_vm")},
+    "mixed_precision=null": "the launcher reads null as 'no'",
+    **{f"deepspeed_config.{key}=null": _NULL_IS_UNSET for key in (
+        "deepspeed_config_file", "deepspeed_exclusion_filter", "deepspeed_hostfile", "deepspeed_inclusion_filter",
+        "deepspeed_multinode_launcher", "gradient_accumulation_steps", "gradient_clipping", "offload_optimizer_device",
+        "offload_optimizer_nvme_path", "offload_param_device", "offload_param_nvme_path", "zero3_init_flag",
+        "zero3_save_16bit_model", "zero_stage")},
+    **{f"fsdp_config.{key}=null": _NULL_IS_UNSET for key in (
+        "fsdp_auto_wrap_policy", "fsdp_backward_prefetch", "fsdp_state_dict_type",
+        "fsdp_transformer_layer_cls_to_wrap")},
+    "fsdp_config.fsdp_activation_checkpointing_offload=\"false\"": "a launcher flag the reader does not know "
+    "(FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD)",
+}  # fmt: skip
+
+
+def _accelerate_cases() -> list:
+    import json
+
+    table, cases = _table("accelerate"), []
+    for key, entry in table["top_level"].items():
+        if "default" in entry:
+            cases.append((f"{key}={json.dumps(entry['default'])}", {**_ACCELERATE_BASE, key: entry["default"]}))
+    for section, spec in table["sections"].items():
+        for key, entry in spec["keys"].items():
+            raw = json.loads(json.dumps({**_ACCELERATE_BASE, **_ACCELERATE_KIND.get(section, {})}))
+            raw[section] = {**raw.get(section, {}), key: entry.get("default")}
+            cases.append((f"{section}.{key}={json.dumps(entry.get('default'))}", raw))
+    return [pytest.param(raw, id=name, marks=[pytest.mark.xfail(strict=True, raises=ConfigError,
+                                                                reason=ACCELERATE_REFUSED[name])]
+                         if name in ACCELERATE_REFUSED else []) for name, raw in cases]  # fmt: skip
+
+
+@pytest.mark.parametrize("raw", _accelerate_cases())
+def test_the_accelerate_reader_accepts_every_key_of_the_table_at_its_default(raw):
+    adapters.read(raw, "accelerate")
+
+
+def _accelerate_files() -> list[Path]:
+    return sorted(p for d in ("accelerate", "accelerate/configs") for p in (CORPUS / d).glob("*.y*ml"))
+
+
+#: Section keys of real files that Accelerate 1.15 accepts without reading them (the launcher copies every section key
+#: onto its arguments; nothing reads these): not in the table, and each one a key a reader should report as ignored.
+ACCELERATE_IGNORED = {
+    "deepspeed_config.seq_parallel_communication_data_type": "a DeepSpeed config key, not one Accelerate passes on",
+    "mpirun_config.mpirun_ccl": "read by Accelerate 0.28 (oneCCL), by nothing in 1.15",
+}
+
+
+def test_every_real_accelerate_file_uses_only_keys_of_the_table():
+    """The table is complete for real files: every key of every corpus file is in it (section keys with the prefix
+    the launcher adds), or Accelerate ignores it (ACCELERATE_IGNORED), or Accelerate refuses the file."""
+    import yaml
+
+    table, unknown_top, unknown = _table("accelerate"), {}, set()
+    top = set(table["top_level"]) | set(table["sagemaker"])
+    for path in _accelerate_files():
+        raw = yaml.safe_load(path.read_text("utf-8"))  # as Accelerate reads it (one file sets a key twice)
+        for key, value in raw.items():
+            if key not in top:
+                unknown_top[path] = key
+            elif key in table["sections"] and isinstance(value, dict):
+                spec = table["sections"][key]
+                prefix = spec["prefix_added_by_launcher"] or ""
+                unknown |= {f"{key}.{k}" for k in value if k not in spec["keys"] and prefix + k not in spec["keys"]}
+    assert len(_accelerate_files()) >= 50
+    assert unknown == set(ACCELERATE_IGNORED), sorted(unknown)
+    assert [p.name for p in unknown_top] == ["huggingface__accelerate__0_28_0_mpi.yaml"]
+    pytest.importorskip("accelerate", reason="Accelerate 1.15 is needed to check it refuses unknown top-level keys")
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    for path, key in unknown_top.items():
+        with pytest.raises(ValueError, match=key):
+            ClusterConfig.from_yaml_file(path)
+
+
+@pytest.mark.parametrize("key", [
+    pytest.param("deepspeed_config.seq_parallel_communication_data_type", marks=pytest.mark.xfail(
+        strict=True, raises=ConfigError, reason="the reader refuses it as unknown; Accelerate 1.15 accepts the file")),
+    "mpirun_config.mpirun_ccl",
+])  # fmt: skip
+def test_the_accelerate_reader_does_not_refuse_a_section_key_accelerate_ignores(key):
+    section, name = key.split(".")
+    raw = {**_ACCELERATE_BASE, **_ACCELERATE_KIND.get(section, {})}
+    raw[section] = {**raw.get(section, {}), name: "bf16"}
+    adapters.read(raw, "accelerate")
