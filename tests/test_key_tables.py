@@ -323,3 +323,153 @@ def test_the_accelerate_reader_does_not_refuse_a_section_key_accelerate_ignores(
     raw = {**_ACCELERATE_BASE, **_ACCELERATE_KIND.get(section, {})}
     raw[section] = {**raw.get(section, {}), name: "bf16"}
     adapters.read(raw, "accelerate")
+
+
+# ---- torchtitan and torchtune: read from their source, never imported ----------------------------------------------
+
+
+def _installed(name: str, version: str) -> None:
+    """Skip unless ``name`` is installed (``make venv`` installs it with --no-deps: only its source is read)."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec(name) is None:
+        pytest.skip(f"{name} {version} is not installed (pip install --no-deps {name}=={version})")
+    installed = importlib.metadata.version(name)
+    assert installed == version, f"{name} {installed} is installed; the table is from {version}"
+
+
+def test_torchtitan_table_matches_the_installed_torchtitan():
+    _installed("torchtitan", "0.2.2")
+    from torsh.schemas._generate_torchtitan_keys import build, render
+
+    assert render(build()) == (KEYS / "torchtitan.json").read_text("utf-8"), (
+        "schemas/keys/torchtitan.json is stale: python -m torsh.schemas._generate_torchtitan_keys")
+
+
+def test_torchtune_table_matches_the_installed_torchtune():
+    _installed("torchtune", "0.6.1")
+    from torsh.schemas._generate_torchtune_keys import build, render
+
+    assert render(build()) == (KEYS / "torchtune.json").read_text("utf-8"), (
+        "schemas/keys/torchtune.json is stale: python -m torsh.schemas._generate_torchtune_keys")
+
+
+def _leaf_keys(data: dict, prefix: str = "") -> list[tuple[str, str]]:
+    """(section, key) of every value of a TOML document; nested tables are dotted sections."""
+    out = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out += _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            out.append((prefix.rstrip("."), key))
+    return out
+
+
+#: torchtitan files whose run line (not the file) names the extension module (torchtitan's own scripts pass
+#: --job.custom_config_module for them).
+TORCHTITAN_EXTENSION_ON_COMMAND_LINE = {
+    "pytorch__torchtitan__transformers_modeling_backend__debug_model.toml":
+        "torchtitan.experiments.transformers_modeling_backend.job_config",
+    "pytorch__torchtitan__transformers_modeling_backend__full.toml":
+        "torchtitan.experiments.transformers_modeling_backend.job_config",
+}  # fmt: skip
+#: Keys of the 2024 files (torchtitan before its first release) that 0.2.2 no longer defines and so refuses.
+TORCHTITAN_2024_KEYS = {
+    "job.use_for_integration_test", "metrics.enable_color_printing", "model.norm_type", "training.batch_size",
+    "training.warmup_steps", "training.data_parallel_replicate_degree", "training.data_parallel_shard_degree",
+    "training.tensor_parallel_degree", "training.compile", "experimental.context_parallel_degree",
+    "experimental.pipeline_parallel_degree", "experimental.enable_async_tensor_parallel", "checkpoint.enable_checkpoint",
+    "checkpoint.interval_type", "checkpoint.model_weights_only", "float8.enable_float8_linear",
+}  # fmt: skip
+
+
+def test_every_real_torchtitan_file_uses_only_keys_of_the_table():
+    """Complete for real files: every key of every corpus TOML is one torchtitan 0.2.2 defines (with the extension
+    module the file or its run line names), except keys of the 2024 files that torchtitan itself dropped."""
+    import tomllib
+
+    table, unknown = _table("torchtitan"), {}
+    files = sorted((CORPUS / "torchtitan").glob("*.toml"))
+    for path in files:
+        raw = tomllib.loads(path.read_text("utf-8"))
+        module = raw.get("job", {}).get("custom_config_module") or TORCHTITAN_EXTENSION_ON_COMMAND_LINE.get(path.name)
+        module = table["extension_aliases"].get(module, module)
+        known = {section: set(keys) for section, keys in table["sections"].items()}
+        for section, keys in table["extensions"].get(module, {}).items():
+            known.setdefault(section, set()).update(keys)
+        unknown[path.name] = {f"{s}.{k}".lstrip(".") for s, k in _leaf_keys(raw) if k not in known.get(s, ())}
+    assert len(files) >= 25
+    old = {name: keys for name, keys in unknown.items() if "__2024__" in name}
+    assert len(old) == 4 and set().union(*old.values()) == TORCHTITAN_2024_KEYS
+    assert not {name: keys for name, keys in unknown.items() if keys and name not in old}
+
+
+def test_torchtitan_table_has_the_distributed_keys():
+    parallelism = _table("torchtitan")["sections"]["parallelism"]
+    assert parallelism["fsdp_reshard_after_forward"]["choices"] == ["default", "always", "never"]
+    assert parallelism["data_parallel_shard_degree"]["default"] == -1
+    assert _table("torchtitan")["sections"]["training"]["mixed_precision_param"]["choices"] == ["bfloat16", "float32"]
+
+
+#: Recipes the corpus names that torchtune 0.6.1 does not have (the file is from torchtune's main branch).
+TORCHTUNE_LATER_RECIPES = {"dev/async_grpo_full_finetune_distributed"}
+#: Keys of real recipe configs that torchtune 0.6.1's recipes do not read (torchtune ignores them), and why.
+TORCHTUNE_NOT_READ = {
+    "run_val_every_n_steps": "validation during training: torchtune's main branch after 0.6.1",
+    "dataset_val": "validation during training: torchtune's main branch after 0.6.1",
+    "batch_size_val": "validation during training: torchtune's main branch after 0.6.1",
+    "data_parallel_shard_dim": "HSDP degrees: torchtune's main branch after 0.6.1",
+    "data_parallel_replicate_dim": "HSDP degrees: torchtune's main branch after 0.6.1",
+    "log_level": "read by the generation recipes (dev/generate_v2*) only",
+    "optimizer_in_bwd": "read by the full-finetune recipes only; the LoRA configs set it anyway",
+    "fsdp": "a section of older configs (fsdp.cpu_offload); 0.6.1 reads fsdp_cpu_offload",
+    "output_dir": "the generation recipe writes nothing",
+    "use_distributed_state_dict": "the Llama 4 generation config: torchtune's main branch after 0.6.1",
+    "use_flex": "the Llama 4 generation config: torchtune's main branch after 0.6.1",
+    "name": "the GRPO config's run name, read by no recipe",
+    "base_model_path": "the GRPO config's interpolation variable (${base_model_path})",
+}  # fmt: skip
+
+
+def _torchtune_recipe(text: str) -> str | None:
+    """The recipe a config is for, as its header says (``tune run ... full_finetune_distributed``, or ``Config for
+    ... in full_finetune_distributed.py``)."""
+    import re
+
+    found = re.search(r"tune run[^\n]*?\b((?:dev/)?\w*distributed\w*)", text) or re.search(
+        r"\A#[^\n]* in ((?:dev/)?\w+)\.py", text)
+    return found.group(1) if found else None
+
+
+def test_every_real_torchtune_file_uses_only_keys_its_recipe_reads():
+    """Complete for real files: every top-level key of every corpus recipe config (and every key of a section the
+    recipe reads key by key) is one its torchtune 0.6.1 recipe reads, or one listed in TORCHTUNE_NOT_READ."""
+    import yaml
+
+    recipes, not_read = _table("torchtune")["recipes"], set()
+    files = sorted((CORPUS / "torchtune").glob("*.yaml"))
+    for path in files:
+        text = path.read_text("utf-8")
+        recipe = _torchtune_recipe(text)
+        assert recipe, path.name
+        if recipe in TORCHTUNE_LATER_RECIPES:
+            continue
+        keys = recipes[recipe]
+        for key, value in yaml.safe_load(text).items():
+            if key not in keys:
+                not_read.add(key)
+            elif isinstance(value, dict) and any(k.startswith(f"{key}.") for k in keys) and not keys[key].get(
+                    "component"):  # a section read key by key
+                not_read |= {f"{key}.{sub}" for sub in value if f"{key}.{sub}" not in keys}
+    assert len(files) >= 40
+    assert not_read == set(TORCHTUNE_NOT_READ), sorted(not_read ^ set(TORCHTUNE_NOT_READ))
+
+
+def test_torchtune_table_has_the_distributed_keys():
+    full = _table("torchtune")["recipes"]["full_finetune_distributed"]
+    assert full["fsdp_cpu_offload"] == {"default": False}
+    assert full["fsdp_reshard_after_forward"] == {"default": True}
+    assert full["enable_activation_checkpointing"] == {"default": False}
+    assert full["dtype"] == {"required": True} and full["optimizer"]["component"]
+    assert "lora_finetune_distributed" in _table("torchtune")["recipes"]

@@ -47,7 +47,8 @@ def test_missing_torch_error_is_still_an_import_error():
 ROOT = Path(__file__).resolve().parent.parent
 #: Modules that only work in a source checkout (setup.py keeps them out of the wheel).
 CHECKOUT_ONLY = {"torsh/demo.py", "torsh/schemas/__main__.py", "torsh/schemas/_generate_deepspeed.py",
-                 "torsh/schemas/_generate_accelerate_keys.py"}
+                 "torsh/schemas/_generate_accelerate_keys.py", "torsh/schemas/_generate_torchtitan_keys.py",
+                 "torsh/schemas/_generate_torchtune_keys.py"}
 #: Not source: what building, testing and virtualenvs leave in a checkout.
 LEFTOVERS = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
                                    ".hypothesis", "*.pyc", "out")  # fmt: skip
