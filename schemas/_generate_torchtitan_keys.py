@@ -73,7 +73,7 @@ class Module:
 
 
 def _default(value: ast.expr | None) -> Any:
-    """A field's default as JSON, or _NO_DEFAULT; a nested dataclass (``default_factory=X``) is handled by the caller."""
+    """A field's default as JSON, or _NO_DEFAULT (a nested dataclass, ``default_factory=X``, is the caller's)."""
     if value is None:
         return _NO_DEFAULT
     if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "field":

@@ -140,8 +140,9 @@ class Recipe:
             if not positions and not keywords:
                 continue
             target = library[call.func.id]
-            init = target if isinstance(target, ast.FunctionDef) else next(
-                (n for n in target.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+            init = target
+            if isinstance(target, ast.ClassDef):
+                init = next((n for n in target.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
             if init is None:
                 continue
             names = [a.arg for a in init.args.args if a.arg != "self"]

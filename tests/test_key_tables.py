@@ -379,8 +379,8 @@ TORCHTITAN_2024_KEYS = {
     "job.use_for_integration_test", "metrics.enable_color_printing", "model.norm_type", "training.batch_size",
     "training.warmup_steps", "training.data_parallel_replicate_degree", "training.data_parallel_shard_degree",
     "training.tensor_parallel_degree", "training.compile", "experimental.context_parallel_degree",
-    "experimental.pipeline_parallel_degree", "experimental.enable_async_tensor_parallel", "checkpoint.enable_checkpoint",
-    "checkpoint.interval_type", "checkpoint.model_weights_only", "float8.enable_float8_linear",
+    "experimental.pipeline_parallel_degree", "experimental.enable_async_tensor_parallel",
+    "checkpoint.enable_checkpoint", "checkpoint.interval_type", "checkpoint.model_weights_only", "float8.enable_float8_linear",
 }  # fmt: skip
 
 
