@@ -21,6 +21,7 @@ from typing import Any
 AUTO = {"const": "auto"}
 NUMBER = {"anyOf": [{"type": "number"}, AUTO]}
 POSITIVE_INT = {"anyOf": [{"type": "integer", "minimum": 1}, AUTO]}
+BATCH = {"anyOf": [*POSITIVE_INT["anyOf"], {"type": "null"}]}
 INTEGER = {"anyOf": [{"type": "integer"}, AUTO]}
 BOOLEAN = {"anyOf": [{"type": "boolean"}, AUTO]}
 OBJECT = {"type": "object"}
@@ -150,8 +151,8 @@ def top_level() -> dict:
     bf16 = model_schema(DeepSpeedBF16Config)
     nullable = {"type": ["string", "null"]}
     return {
-        "train_batch_size": POSITIVE_INT, "train_micro_batch_size_per_gpu": POSITIVE_INT,
-        "gradient_accumulation_steps": POSITIVE_INT, "managed_gradient_accumulation": BOOLEAN,
+        # null is DeepSpeed's "not set" for the batch keys: it derives the value from the other two
+        "train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": BATCH, "managed_gradient_accumulation": BOOLEAN,
         "steps_per_print": {"anyOf": [*NONZERO["anyOf"], {"type": "null"}]},
         "dump_state": BOOLEAN, "disable_python_gc": BOOLEAN, "disable_allgather": BOOLEAN,
         "communication_data_type": DTYPE, "seq_parallel_communication_data_type": DTYPE,

@@ -162,6 +162,49 @@ def test_every_bound_of_deepspeeds_config_models_is_in_the_schema(ds_config):
     assert checked >= 20
 
 
+#: Top-level sections whose schema is generated from a DeepSpeed pydantic model (the others DeepSpeed reads with
+#: ``dict.get`` and checks no type of: the schema types them by the value DeepSpeed then uses).
+_MODELLED = {"fp16", "bf16", "bfloat16", "weight_quantization", "zero_optimization", "tensorboard", "wandb",
+             "csv_monitor", "comet", "comms_logger", "hybrid_engine", "compile", "tensor_parallel"}  # fmt: skip
+#: Values of another JSON type that pydantic's lax mode turns into a boolean or a number (1 -> true, "1" -> 1): the
+#: schema asks for the JSON type itself.
+_COERCED = [0, 1, True, False, "true", "1"]
+_PROBES = [*_COERCED, 2, -1, 0.5, "x", None, [], {}]
+
+
+def _leaves(node: dict, path: tuple = ()) -> list[tuple[tuple, dict]]:
+    if node.get("properties"):
+        return [leaf for key, sub in node["properties"].items() for leaf in _leaves(sub, (*path, key))]
+    return [(path, node)] if path else []
+
+
+def test_a_value_the_schema_refuses_by_type_deepspeed_refuses_or_coerces(ds_config):
+    """No false rejection by type in the sections DeepSpeed validates: a value of the wrong JSON type that DeepSpeed's
+    models accept is only one pydantic coerces (1 or "true" for a boolean, "1" or true for a number)."""
+    import jsonschema
+
+    checked, coerced = 0, 0
+    for path, node in _leaves(schemas.load("deepspeed")):
+        if path[0] not in _MODELLED or "Removed" in node.get("description", ""):
+            continue
+        field = jsonschema.Draft202012Validator(node)
+        for value in _PROBES:
+            if field.is_valid(value) or not _accepts(ds_config, _config_with(path, value)):
+                continue
+            assert any(value == c and type(value) is type(c) for c in _COERCED), (
+                f"the schema refuses {'.'.join(path)}={value!r} but DeepSpeed 0.19.8 accepts it")
+            coerced += 1
+        checked += 1
+    assert checked >= 150 and coerced > 0
+
+
+def test_null_batch_keys_are_unset_as_in_deepspeed(ds_config):
+    """DeepSpeed derives a batch key written as null from the other two; the schema and the reader do the same."""
+    raw = {"train_batch_size": None, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": None}
+    assert _accepts(ds_config, dict(raw)) and schemas.check(raw, "deepspeed") == []
+    assert adapters.read(raw, "deepspeed").result.batch.micro_batch_size == 2
+
+
 def _corpus_files() -> list[Path]:
     return sorted(p for d in CORPUS.glob("deepspeed*") for p in d.iterdir() if p.name != "SOURCES.md")
 
