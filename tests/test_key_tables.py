@@ -516,3 +516,67 @@ def test_torchtune_table_has_the_distributed_keys():
     assert full["enable_activation_checkpointing"] == {"default": False}
     assert full["dtype"] == {"required": True} and full["optimizer"]["component"]
     assert "lora_finetune_distributed" in _table("torchtune")["recipes"]
+
+
+# ---- the torchtitan and torchtune readers against the tables (once those dialects exist) ----------------------------
+
+
+def _dialect(name: str) -> None:
+    if name not in adapters.names():
+        pytest.skip(f"no {name} dialect in torsh.adapters yet")
+
+
+def _refused(cases: dict[str, dict], dialect: str) -> dict[str, str]:
+    """The cases (a key set on a real file) the reader refuses, with its first problem."""
+    refused = {}
+    for name, raw in cases.items():
+        try:
+            adapters.read(raw, dialect)
+        except ConfigError as exc:
+            refused[name] = str(exc.problems[0])
+    return refused
+
+
+def test_the_torchtitan_reader_accepts_every_key_of_the_table_at_its_default():
+    """Each key torchtitan 0.2.2 defines, set to its default on a real job config: none is refused."""
+    import copy
+    import tomllib
+
+    _dialect("torchtitan")
+    base = tomllib.loads((CORPUS / "torchtitan" / "pytorch__torchtitan__llama3__debug_model.toml").read_text("utf-8"))
+    cases = {}
+    for section, keys in _table("torchtitan")["sections"].items():
+        for key, entry in keys.items():
+            default = entry.get("default")
+            if default is None or isinstance(default, dict):  # TOML has no null; an expression is not a value
+                continue
+            raw = copy.deepcopy(base)
+            node = raw
+            for part in section.split("."):
+                node = node.setdefault(part, {})
+            node[key] = default
+            cases[f"{section}.{key}"] = raw
+    assert len(cases) >= 100
+    assert not _refused(cases, "torchtitan")
+
+
+def test_the_torchtune_reader_accepts_every_optional_key_of_its_recipe_at_its_default():
+    """Each optional key full_finetune_distributed and lora_finetune_distributed read (``cfg.get(key, default)``),
+    set to that default on a real recipe config of that recipe: none is refused."""
+    import copy
+
+    import yaml
+
+    _dialect("torchtune")
+    cases = {}
+    for recipe, file in (("full_finetune_distributed", "pytorch__torchtune__llama3_2__1B_full.yaml"),
+                         ("lora_finetune_distributed", "pytorch__torchtune__llama3_2__1B_lora.yaml")):  # fmt: skip
+        base = yaml.safe_load((CORPUS / "torchtune" / file).read_text("utf-8"))
+        for key, entry in _table("torchtune")["recipes"][recipe].items():
+            if "." in key or "default" not in entry or isinstance(entry["default"], dict):
+                continue
+            raw = copy.deepcopy(base)
+            raw[key] = entry["default"]
+            cases[f"{recipe}: {key}"] = raw
+    assert len(cases) >= 30
+    assert not _refused(cases, "torchtune")
