@@ -423,7 +423,8 @@ TORCHTITAN_2024_KEYS = {
     "training.warmup_steps", "training.data_parallel_replicate_degree", "training.data_parallel_shard_degree",
     "training.tensor_parallel_degree", "training.compile", "experimental.context_parallel_degree",
     "experimental.pipeline_parallel_degree", "experimental.enable_async_tensor_parallel",
-    "checkpoint.enable_checkpoint", "checkpoint.interval_type", "checkpoint.model_weights_only", "float8.enable_float8_linear",
+    "checkpoint.enable_checkpoint", "checkpoint.interval_type", "checkpoint.model_weights_only",
+    "float8.enable_float8_linear",
 }  # fmt: skip
 
 
