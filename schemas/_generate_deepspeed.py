@@ -152,7 +152,8 @@ def top_level() -> dict:
     nullable = {"type": ["string", "null"]}
     return {
         # null is DeepSpeed's "not set" for the batch keys: it derives the value from the other two
-        "train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": BATCH, "managed_gradient_accumulation": BOOLEAN,
+        "train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": BATCH,
+        "managed_gradient_accumulation": BOOLEAN,
         "steps_per_print": {"anyOf": [*NONZERO["anyOf"], {"type": "null"}]},
         "dump_state": BOOLEAN, "disable_python_gc": BOOLEAN, "disable_allgather": BOOLEAN,
         "communication_data_type": DTYPE, "seq_parallel_communication_data_type": DTYPE,
