@@ -51,6 +51,16 @@ def _json_value(value: Any) -> Any:
     return value
 
 
+def _field_entry(field: dataclasses.Field) -> dict[str, Any]:
+    """A dataclass field: its JSON types and default (``commands: list[str] = None`` also allows null)."""
+    entry: dict[str, Any] = {"types": annotation_types(field.type)}
+    if field.default is not dataclasses.MISSING:
+        entry["default"] = _json_value(field.default)
+        if field.default is None and "null" not in entry["types"]:
+            entry["types"] = sorted([*entry["types"], "null"])
+    return entry
+
+
 def annotation_types(annotation: Any) -> list[str]:
     """The JSON types a dataclass field annotation allows (``Optional[str]``: string, null)."""
     if isinstance(annotation, str):  # a postponed annotation
@@ -77,14 +87,12 @@ def top_level() -> dict[str, dict]:
                "mixed_precision": _enum_values(PrecisionType)}  # fmt: skip
     filled, table = filled_defaults(), {}
     for field in dataclasses.fields(ClusterConfig):
-        entry: dict[str, Any] = {"types": annotation_types(field.type)}
-        if field.default is not dataclasses.MISSING:
-            entry["default"] = _json_value(field.default)
-        elif field.name in filled:  # process_config fills it in
+        entry = _field_entry(field)
+        if "default" not in entry and field.name in filled:  # process_config fills it in
             entry["default"] = filled[field.name]
             if filled[field.name] is None:
                 entry["types"] = sorted({*entry["types"], "null"})
-        else:
+        elif "default" not in entry:
             entry["required"] = True
         if field.name in choices:
             entry["choices"] = choices[field.name]
@@ -149,10 +157,8 @@ def sagemaker_keys() -> dict[str, dict]:
     for field in dataclasses.fields(SageMakerConfig):
         if field.name in local:
             continue
-        entry: dict[str, Any] = {"types": annotation_types(field.type)}
-        if field.default is not dataclasses.MISSING:
-            entry["default"] = _json_value(field.default)
-        else:
+        entry = _field_entry(field)
+        if "default" not in entry:
             entry["required"] = True
         table[field.name] = entry
     return dict(sorted(table.items()))
