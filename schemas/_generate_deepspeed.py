@@ -3,10 +3,10 @@
 A maintenance tool for a DeepSpeed version bump; it needs the pinned DeepSpeed installed:
 ``DS_ACCELERATOR=cpu python -m torsh.schemas._generate_deepspeed [OUT]`` (default: next to this file).
 Field names, types, enum values and numeric bounds (``Field(ge/gt/le/lt)``) are taken from DeepSpeed's
-pydantic sections; the sections DeepSpeed reads with plain ``dict.get`` are described by hand below, bounded only
-where DeepSpeed fails on the value (RUNTIME_BOUNDS). tests/test_key_tables.py holds every bound to DeepSpeedConfig. ``"auto"`` (the Hugging Face convention) is
-allowed on scalars, and unknown top-level keys are allowed because DeepSpeed ignores them (the adapter
-reports them); DeepSpeed's strict sections forbid unknown keys.
+pydantic sections; the sections DeepSpeed reads with plain ``dict.get`` are described by hand below, bounded
+only where DeepSpeed fails on the value (RUNTIME_BOUNDS); tests/test_key_tables.py holds every bound to
+DeepSpeedConfig. ``"auto"`` (the Hugging Face convention) is allowed on scalars, and unknown top-level keys are
+allowed because DeepSpeed ignores them (the adapter reports them); DeepSpeed's strict sections forbid unknown keys.
 """
 
 from __future__ import annotations
