@@ -164,7 +164,8 @@ def top_level() -> dict:
         "csv_monitor": model_schema(CSVConfig), "comet": model_schema(CometConfig),
         "comms_logger": model_schema(CommsLoggerConfig),
         "flops_profiler": {"type": "object", "properties": {
-            "enabled": BOOLEAN, "recompute_fwd_factor": NUMBER, "profile_step": POSITIVE_INT,
+            # DeepSpeed reads profile_step unchecked: a negative step is never reached (the profiler never runs)
+            "enabled": BOOLEAN, "recompute_fwd_factor": NUMBER, "profile_step": {"anyOf": [{"type": "integer"}, AUTO]},
             "module_depth": {"type": "integer"}, "top_modules": POSITIVE_INT, "detailed": BOOLEAN,
             "output_file": nullable}, "additionalProperties": True},
         "checkpoint": {"type": "object", "properties": {
