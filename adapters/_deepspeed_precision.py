@@ -38,14 +38,9 @@ class _Mode:
     autocast_dtype: str
 
     @property
-    def mixed(self) -> bool:
-        """Parameters cast to fp16/bf16 (DeepSpeed's mixed precision, not autocast)."""
-        return self.param in ("fp16", "bf16") and not self.autocast
-
-    @property
     def low(self) -> str:
         """The dtype DeepSpeed reduces and accumulates in when nothing else is said."""
-        return self.param if self.mixed else "fp32"
+        return pc.deepspeed_follows(self.param, self.autocast)
 
 
 def _read_precision(seen: _Seen) -> None:
@@ -185,8 +180,7 @@ def _read_loss_scaling(seen: _Seen, stage: int) -> None:
         seen.set("fp16.loss_scale", "precision.loss_scaling.mode", "dynamic", default="dynamic",
                  reason=f"0 means dynamic: {pc.SEMANTICS[semantics]}")  # fmt: skip
     _initial_scale(seen, seen.value("fp16.initial_scale_power", 16), pc.MAX_SCALE_POWER)
-    for key, core in (("loss_scale_window", "growth_interval"), ("hysteresis", "hysteresis"),
-                      ("consecutive_hysteresis", "consecutive_hysteresis")):  # fmt: skip
+    for key, core in pc.DEEPSPEED_SCALER_FIELDS.items():
         default = pc.DEEPSPEED_FP16[key]
         reason = "read only by ZeRO's scaler; stage 0 ignores hysteresis" if key == "hysteresis" and stage < 1 else ""
         seen.set(f"fp16.{key}", f"precision.loss_scaling.{core}", seen.value(f"fp16.{key}", default), default=default,
@@ -210,12 +204,11 @@ def _initial_scale(seen: _Seen, power: Any, limit: int) -> None:
 
 
 def _write_precision(cfg: TorshConfig, ctx: WriteContext) -> None:
-    p = cfg.precision
-    param, mixed = p.param_dtype, p.param_dtype in ("fp16", "bf16") and not p.autocast
+    p, param = cfg.precision, cfg.precision.param_dtype
     _write_mode(cfg, ctx)
     _write_fp16(cfg, ctx)
-    _write_low_precision_state(cfg, ctx, mixed)
-    _write_compression(cfg, ctx, written_reduce=_write_data_types(cfg, ctx, mixed))
+    _write_low_precision_state(cfg, ctx)
+    _write_compression(cfg, ctx, written_reduce=_write_data_types(cfg, ctx))
     if param == "bf16" and not p.autocast and not p.skip_step_on_nonfinite:
         ctx.put("bf16.check_grad_overflow", False, "precision.skip_step_on_nonfinite")
     elif param == "fp32" and p.skip_step_on_nonfinite:
@@ -225,7 +218,8 @@ def _write_precision(cfg: TorshConfig, ctx: WriteContext) -> None:
 
 def _write_fp16(cfg: TorshConfig, ctx: WriteContext) -> None:
     p = cfg.precision
-    if p.param_dtype == "fp16" and not p.autocast or isinstance(p.param_dtype, Deferred) and p.loss_scaling.mode != "none":
+    deferred_scaled = isinstance(p.param_dtype, Deferred) and p.loss_scaling.mode != "none"
+    if p.param_dtype == "fp16" and not p.autocast or deferred_scaled:
         _write_loss_scaling(cfg, ctx)
         if p.cast_forward_inputs:
             ctx.put("fp16.auto_cast", True, "precision.cast_forward_inputs")
@@ -233,11 +227,11 @@ def _write_fp16(cfg: TorshConfig, ctx: WriteContext) -> None:
         ctx.note("precision.cast_forward_inputs", UNSUPPORTED, "DeepSpeed casts inputs only in fp16 (auto_cast)", True)
 
 
-def _write_data_types(cfg: TorshConfig, ctx: WriteContext, mixed: bool) -> bool:
+def _write_data_types(cfg: TorshConfig, ctx: WriteContext) -> bool:
     """Dtypes that differ from what the mode implies; True when communication_data_type is written."""
     p, param = cfg.precision, cfg.precision.param_dtype
     deferred = isinstance(param, Deferred)
-    follows = None if deferred else param if mixed else "fp32"
+    follows = None if deferred else pc.deepspeed_follows(param, p.autocast)
     if p.grad_accum_dtype not in (None, follows) or deferred and p.grad_accum_dtype is not None:
         ctx.put("data_types.grad_accum_dtype", p.grad_accum_dtype, "precision.grad_accum_dtype")
     reduce = p.reduce_dtype or (None if deferred else param)
@@ -263,16 +257,18 @@ def _write_mode(cfg: TorshConfig, ctx: WriteContext) -> None:
                 "DeepSpeed casts the parameters to it and keeps fp32 master weights")
 
 
-def _write_low_precision_state(cfg: TorshConfig, ctx: WriteContext, mixed: bool) -> None:
-    p, stage = cfg.precision, cfg.sharding.stage
+def _write_low_precision_state(cfg: TorshConfig, ctx: WriteContext) -> None:
+    p = cfg.precision
+    master_ok, states_ok = pc.deepspeed_keeps_low_precision(p.param_dtype, p.autocast, p.master_dtype,
+                                                            p.optimizer_state_dtype, cfg.sharding.stage)
     if p.master_dtype != "fp32":
-        if mixed and p.master_dtype == p.param_dtype and stage >= 1:
+        if master_ok:
             ctx.put(f"{p.param_dtype}.{p.param_dtype}_master_weights_and_grads", True, "precision.master_dtype")
         else:
             ctx.note("precision.master_dtype", UNSUPPORTED, "DeepSpeed keeps low-precision master weights only with "
                      "fp16/bf16 of the same dtype under ZeRO 1-3", p.master_dtype)  # fmt: skip
     if p.optimizer_state_dtype != "fp32":
-        if p.param_dtype == p.optimizer_state_dtype == p.master_dtype == "bf16" and stage >= 1:
+        if states_ok:
             ctx.put("bf16.bf16_optimizer_states", True, "precision.optimizer_state_dtype")
         else:
             ctx.note("precision.optimizer_state_dtype", UNSUPPORTED, "DeepSpeed keeps bf16 optimizer state only "
@@ -321,8 +317,7 @@ def _write_loss_scaling(cfg: TorshConfig, ctx: WriteContext) -> None:
     fidelity = EXACT if power.is_integer() else APPROXIMATE
     ctx.put("fp16.initial_scale_power", int(round(power)), "precision.loss_scaling.initial_scale", fidelity,
             "" if fidelity is EXACT else "DeepSpeed starts at a power of two")  # fmt: skip
-    for key, core in (("loss_scale_window", "growth_interval"), ("hysteresis", "hysteresis"),
-                      ("consecutive_hysteresis", "consecutive_hysteresis")):  # fmt: skip
+    for key, core in pc.DEEPSPEED_SCALER_FIELDS.items():
         ctx.put(f"fp16.{key}", getattr(ls, core), f"precision.loss_scaling.{core}")
     min_scale = int(ls.min_scale) if float(ls.min_scale).is_integer() else ls.min_scale
     ctx.put("fp16.min_loss_scale", min_scale, "precision.loss_scaling.min_scale")

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from torsh.concepts import precision as pc
 from torsh.concepts.offload import deepspeed_offloads
 from torsh.config import TorshConfig, get_path, set_path
 from torsh.deferred import AUTO, is_deferred
@@ -21,8 +20,6 @@ from torsh.translate import Fidelity, Group, Hook, ReadContext, Seen, Status, To
 EXACT, APPROXIMATE, DEFAULTED = Fidelity.EXACT, Fidelity.APPROXIMATE, Fidelity.DEFAULTED
 DEFERRED, IGNORED, DROPPED, UNSUPPORTED = Fidelity.DEFERRED, Fidelity.IGNORED, Fidelity.DROPPED, Fidelity.UNSUPPORTED
 DEFAULT_REASON = "not set; DeepSpeed 0.19.8 default"
-# Names other modules import from here.
-FP16_DEFAULTS, BF16_DEFAULTS, MAX_SCALE_POWER = pc.DEEPSPEED_FP16, pc.DEEPSPEED_BF16, pc.MAX_SCALE_POWER
 
 #: Where a deferred ("auto") core value will come from.
 DEFERRED_SOURCES = {

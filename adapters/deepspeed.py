@@ -109,7 +109,8 @@ FIELD_MAP: dict[str, Any] = {
     **{f"zero_optimization.{k}": Ignored(_SIZES_UNITS) for k in (
         "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters")},
     **{f"zero_optimization.{k}": Ignored(_ZERO3_PERF) for k in (
-        "param_persistence_threshold", "model_persistence_threshold", "max_reuse_distance", "module_granularity_threshold",
+        "param_persistence_threshold", "model_persistence_threshold", "max_reuse_distance",
+        "module_granularity_threshold",
         "use_all_reduce_for_fetch_params", "allgather_sequential")},
     **{f"zero_optimization.{k}": rules.unless_default(False, Unsupported("ZeRO++ quantized communication has no "
                                                                          "torch equivalent"))
@@ -249,16 +250,14 @@ class DeepSpeed(Dialect):
         before the map."""
         extra = _schema_check(raw)
         data, notes = _before_the_map(copy.deepcopy(dict(raw)))
-        nested = _prune_whole_sections(data, extra, prepared.field_map)
-        unknown: list[Note] = []
+        nested, unknown = _Unknown(), _Unknown()
+        _prune_whole_sections(data, extra, prepared.field_map, nested)
         prepared.data = _split(data, prepared.field_map, unknown)
-        unknown += nested
-        refused = _refused(unknown)
-        if refused:
-            raise ConfigError(refused, source=NAME)
+        if unknown.refused or nested.refused:
+            raise ConfigError(unknown.refused + nested.refused, source=NAME)
         prepared.notes = notes
         prepared.kept = {n.source_path: n.value for n in notes if n.source_path.startswith("flops_profiler.")}
-        prepared.state["unknown"] = unknown
+        prepared.state["unknown"] = unknown.notes + nested.notes
         return prepared
 
     def finish(self, translation: Translation[TorshConfig], prepared: Prepared) -> Translation[TorshConfig]:
@@ -330,11 +329,28 @@ def _before_the_map(raw: dict) -> tuple[dict, list[Note]]:
     return raw, notes
 
 
-def _prune_whole_sections(data: dict, errors: list[Any], fmap: FieldMap) -> list[Note]:
+class _Unknown:
+    """Keys DeepSpeed does not know: DROPPED notes, or problems where its strict sections refuse the config."""
+
+    def __init__(self) -> None:
+        self.notes: list[Note] = []
+        self.refused: list[Problem] = []
+
+    def add(self, path: str, value: Any, why: str, key: str, known: list[str]) -> None:
+        top, suggestion = path.split(".", 1)[0], did_you_mean(key, known)
+        if "." in path and top in rules.STRICT_SECTIONS:
+            self.refused.append(Problem(path, value, f"unknown key: DeepSpeed 0.19.8 refuses the whole config for it "
+                                        f"(its {top} section forbids extra keys); fix its spelling or remove it",
+                                        suggestion))  # fmt: skip
+        else:
+            hint = f"; did you mean '{suggestion}'?" if suggestion else ""
+            self.notes.append(Note(path, None, value, _DROPPED, f"unknown key: {why}; dropped{hint}"))
+
+
+def _prune_whole_sections(data: dict, errors: list[Any], fmap: FieldMap, unknown: _Unknown) -> None:
     """Sections kept whole (no core meaning: ``autotuning``, ``compile``, ...) are still checked against DeepSpeed's
     schema: a key DeepSpeed does not know inside one becomes a DROPPED note with a did-you-mean, and is not kept
     (DeepSpeed's strict section models would refuse it)."""
-    notes = []
     for err in errors:
         path = [str(p) for p in err.absolute_path]
         if isinstance(_rule_above(path, fmap), (To, type(None))):
@@ -344,9 +360,8 @@ def _prune_whole_sections(data: dict, errors: list[Any], fmap: FieldMap) -> list
             node = node[part]
         for key in [k for k in err.instance if k not in known]:
             del node[key]
-            notes.append(Note(".".join([*path, key]), None, err.instance[key], _DROPPED, "unknown key: DeepSpeed "
-                              f"0.19.8 would refuse it in this section; dropped{_hint(key, known)}"))  # fmt: skip
-    return notes
+            unknown.add(".".join([*path, key]), err.instance[key], "DeepSpeed 0.19.8 would refuse it in this section",
+                        key, known)  # fmt: skip
 
 
 def _rule_above(path: list[str], fmap: FieldMap) -> Any:
@@ -354,7 +369,7 @@ def _rule_above(path: list[str], fmap: FieldMap) -> Any:
     return next((rule for end in range(1, len(path) + 1) if (rule := fmap.lookup(".".join(path[:end])))), None)
 
 
-def _split(raw: Mapping[str, Any], fmap: FieldMap, notes: list[Note], actual: str = "", canonical: str = "") -> dict:
+def _split(raw: Mapping[str, Any], fmap: FieldMap, unknown: _Unknown, actual: str = "", canonical: str = "") -> dict:
     """The keys the map reads; each key nobody reads becomes a DROPPED note with a did-you-mean, never silence."""
     known: dict[str, Any] = {}
     for key, value in raw.items():
@@ -364,34 +379,14 @@ def _split(raw: Mapping[str, Any], fmap: FieldMap, notes: list[Note], actual: st
             known[key] = value
         elif isinstance(value, Mapping) and fmap.has_children(canon):
             if not value:
-                notes.append(Note(path, None, {}, _IGNORED, "empty section: DeepSpeed's defaults apply"))
+                unknown.notes.append(Note(path, None, {}, _IGNORED, "empty section: DeepSpeed's defaults apply"))
             else:
-                known[key] = _split(value, fmap, notes, path, canon)
+                known[key] = _split(value, fmap, unknown, path, canon)
         else:
-            where = ("DeepSpeed 0.19.8 ignores unknown top-level keys, so it has no effect there" if not actual
-                     else "DeepSpeed 0.19.8 does not read it (in its strict sections it is a validation error)")
-            notes.append(Note(path, None, value, _DROPPED, f"unknown key: {where}; dropped"
-                              f"{_hint(key, fmap.children(canonical))}"))  # fmt: skip
+            unknown.add(path, value, "DeepSpeed 0.19.8 does not read it (in its strict sections it is a validation "
+                        "error)" if actual else "DeepSpeed 0.19.8 ignores unknown top-level keys, so it has no effect "
+                        "there", key, fmap.children(canonical))  # fmt: skip
     return known
-
-
-def _hint(key: str, known: list[str]) -> str:
-    suggestion = did_you_mean(key, known)
-    return f"; did you mean '{suggestion}'?" if suggestion else ""
-
-
-def _refused(notes: list[Note]) -> list[Problem]:
-    """The unknown-key notes DeepSpeed would refuse (inside a strict section), as problems naming the key."""
-    problems = []
-    for note in notes:
-        top = note.source_path.split(".", 1)[0]
-        if top in rules.STRICT_SECTIONS and "." in note.source_path and note.reason.startswith("unknown key"):
-            hint = note.reason.rsplit("did you mean '", 1)
-            suggestion = hint[1].rstrip("'?") if len(hint) == 2 else None
-            problems.append(Problem(note.source_path, note.value, f"unknown key: DeepSpeed 0.19.8 refuses the whole "
-                                    f"config for it (its {top} section forbids extra keys); fix its spelling or "
-                                    "remove it", suggestion))  # fmt: skip
-    return problems
 
 
 def _deferred_if_auto(note: Note) -> Note:

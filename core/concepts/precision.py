@@ -37,3 +37,22 @@ SEMANTICS = {
 def deepspeed_semantics(stage: int) -> str:
     """Whose rules DeepSpeed's fp16 scaler follows at a ZeRO stage."""
     return "deepspeed_zero" if stage >= 1 else "deepspeed_stage0"
+
+
+#: DeepSpeed's fp16 scaler keys with the same meaning and value as a core ``precision.loss_scaling`` field.
+DEEPSPEED_SCALER_FIELDS = {"loss_scale_window": "growth_interval", "hysteresis": "hysteresis",
+                           "consecutive_hysteresis": "consecutive_hysteresis"}  # fmt: skip
+
+
+def deepspeed_follows(param: object, autocast: bool) -> str:
+    """The dtype DeepSpeed reduces and accumulates gradients in when nothing says otherwise: the parameter dtype
+    under its fp16/bf16 modes (parameters cast), fp32 otherwise (fp32, or torch_autocast)."""
+    return param if param in ("fp16", "bf16") and not autocast else "fp32"  # type: ignore[return-value]
+
+
+def deepspeed_keeps_low_precision(param: object, autocast: bool, master: str, states: str,
+                                  stage: int) -> tuple[bool, bool]:  # fmt: skip
+    """Whether DeepSpeed can keep (master weights, optimizer state) in low precision: master weights of the
+    fp16/bf16 mode's own dtype under ZeRO 1-3; bf16 optimizer state only with bf16 master weights as well."""
+    master_ok = param in ("fp16", "bf16") and not autocast and master == param and stage >= 1
+    return master_ok, param == states == master == "bf16" and stage >= 1
