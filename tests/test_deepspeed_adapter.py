@@ -396,3 +396,24 @@ def test_negative_flops_profiler_step_is_accepted_as_deepspeed_does_and_the_prof
 def test_zero_flops_profiler_step_is_an_error_naming_the_key():
     with pytest.raises(ConfigError, match="flops_profiler.profile_step"):
         adapters.read({**BASE, "flops_profiler": {"enabled": True, "profile_step": 0}}, "deepspeed")
+
+
+def test_the_schema_is_checked_once_per_read(monkeypatch):
+    """One schema pass finds bad values and unknown keys inside sections kept whole alike (it used to run twice)."""
+    import jsonschema
+
+    from torsh import schemas
+
+    conforms, passes = [], []
+    original_conforms, original_iter = schemas.conforms, jsonschema.Draft202012Validator.iter_errors
+    top = schemas.load("deepspeed")
+    monkeypatch.setattr(schemas, "conforms", lambda data, schema: (schema is top and conforms.append(1))
+                        or original_conforms(data, schema))  # fmt: skip
+    monkeypatch.setattr(jsonschema.Draft202012Validator, "iter_errors",
+                        lambda self, *a: passes.append(1) or original_iter(self, *a))  # fmt: skip
+    read({**BASE, "zero_optimization": {"stage": 2}})
+    assert (len(conforms), len(passes)) == (1, 0)  # valid: decided without jsonschema
+    with pytest.raises(ConfigError) as exc:
+        adapters.read({**BASE, "compile": {"deepcompil": True}, "fp16": {"enabled": True, "bogus": 1}}, "deepspeed")
+    assert [p.path for p in exc.value.problems] == ["fp16.bogus", "compile.deepcompil"]
+    assert (len(conforms), len(passes)) == (2, 1)
