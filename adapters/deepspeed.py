@@ -13,17 +13,22 @@ hysteresis vs stage 0's), warm-up shape ``log``. Every key ends in one note:
 * unknown keys -> dropped with a did-you-mean. DeepSpeed ignores unknown top-level keys silently (a misspelt
   ``gradient_clippping`` would leave clipping at 1.0); here they are lossy notes, so ``--strict`` fails on them.
 
-The cross-key rules (precision, optimizer, scheduler, offload) live in ``adapters/_deepspeed_rules.py`` (reading)
-and ``adapters/_deepspeed_write.py`` (writing).
+Keys whose meaning depends on other keys are groups, each read and written in one place: precision and loss
+scaling (``_deepspeed_precision.py``), optimizer and scheduler (``_deepspeed_optim.py``), offload, hierarchical
+partitioning and stage ``"auto"`` (``_deepspeed_rules.py``). The reader checks the schema once and walks the input
+once before the map (:meth:`DeepSpeed.normalise`).
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping
 from typing import Any
 
 from torsh import schemas
 from torsh.config import TorshConfig
-from torsh.errors import ConfigError, Problem
+from torsh.dialect import Dialect, Prepared
+from torsh.errors import ConfigError, Problem, did_you_mean
 from torsh.translate import (
     Alias,
     Dropped,
@@ -34,17 +39,12 @@ from torsh.translate import (
     To,
     Translation,
     Unsupported,
-    check_version,
-    read_mapping,
-    write_mapping,
+    WriteContext,
 )
 
 from . import _deepspeed_rules as rules
-from ._deepspeed_write import WRITE_HOOKS
-
-NAME = "deepspeed"
-VERSIONS = ("0.19.8",)
-DEFAULT_FORMAT = "json"
+from ._deepspeed_optim import OPTIMIZER, SCHEDULER
+from ._deepspeed_precision import PRECISION
 
 _PERF = "a performance knob with no numerical effect; the torsh engine sizes this itself"
 _ZERO3_PERF = "a ZeRO-3 fetch/partition knob (FSDP2 prefetches implicitly); no numerical effect"
@@ -63,8 +63,8 @@ def _removed(instead: str) -> Any:
     return Dropped(f"removed in DeepSpeed 0.19.8 (DeepSpeedConfig raises on it); {instead}")
 
 
-#: DeepSpeed key (canonical spelling) -> core path or status. Hooks record keys whose meaning depends on
-#: other keys; ``_deepspeed_rules.finalize`` turns them into core values once the whole file is read.
+#: DeepSpeed key (canonical spelling) -> core path or status, for keys read alone. Keys whose meaning depends on
+#: other keys are in the groups (``GROUPS``): precision, offload, hierarchical partitioning, optimizer, scheduler.
 FIELD_MAP: dict[str, Any] = {
     # batch (DeepSpeed's resolution rule is BatchConfig.resolve)
     "train_batch_size": "batch.global_batch_size",
@@ -78,27 +78,16 @@ FIELD_MAP: dict[str, Any] = {
     "prescale_gradients": To("gradients.prescale", default=False),
     "gradient_predivide_factor": To("gradients.predivide_factor", default=1.0),
     "gradient_allreduce_op": To("gradients.reduce_op", default="mean"),
-    "communication_data_type": rules.record(),
     "seq_parallel_communication_data_type": Ignored("sequence parallelism is not part of the core model"),
     "sparse_gradients": _removed("gradients of nn.Embedding(sparse=True) are still reduced sparsely without it"),
     # precision
-    **{f"fp16.{k}": rules.record() for k in rules.FP16_DEFAULTS},
-    **{f"bf16.{k}": rules.record() for k in rules.BF16_DEFAULTS},
     "bf16.immediate_grad_update": Ignored(_PERF),
-    **{f"torch_autocast.{k}": rules.record() for k in ("enabled", "dtype")},
     "torch_autocast.lower_precision_safe_modules": Unsupported("torsh autocasts the whole forward"),
-    **{f"data_types.{k}": rules.record() for k in ("param_dtype", "grad_accum_dtype", "buffer_dtype")},
     "data_types.keep_in_fp32_modules": rules.unless_default(
         "auto", Unsupported("torsh casts every parameter to precision.param_dtype")),
     "amp": _removed("use \"bf16\", \"fp16\" or \"torch_autocast\""),
     # ZeRO
     "zero_optimization.stage": To("sharding.stage", default=0),
-    "zero_optimization.offload_param.device": rules.record(),
-    "zero_optimization.offload_param.nvme_path": rules.record(),
-    "zero_optimization.offload_param.pin_memory": rules.record(),
-    "zero_optimization.offload_optimizer.device": rules.record(),
-    "zero_optimization.offload_optimizer.nvme_path": rules.record(),
-    "zero_optimization.offload_optimizer.pin_memory": rules.record(),
     **{f"zero_optimization.offload_param.{k}": Ignored(_OFFLOAD_IO)
        for k in ("buffer_count", "buffer_size", "max_in_cpu")},
     **{f"zero_optimization.offload_optimizer.{k}": Ignored(_OFFLOAD_IO)
@@ -107,12 +96,8 @@ FIELD_MAP: dict[str, Any] = {
         1.0, Unsupported("partial optimizer offload (ZeRO-3 only) has no torch equivalent")),
     "zero_optimization.offload_optimizer.super_offload": rules.unless_default(
         False, Unsupported("SuperOffload has no torch equivalent")),
-    "zero_optimization.cpu_offload": rules.record(),
-    "zero_optimization.cpu_offload_param": rules.record(),
-    "zero_optimization.cpu_offload_use_pin_memory": rules.record(),
     "zero_optimization.gather_16bit_weights_on_model_save": rules.SAVE_FULL_WEIGHTS,
     "allgather_size": Ignored("legacy top-level bucket size (with \"zero_optimization\": true)"),
-    "zero_optimization.zero_hpz_partition_size": rules.HPZ,
     **{f"zero_optimization.{k}": Ignored(_PERF) for k in (
         "contiguous_gradients", "reduce_scatter", "use_multi_rank_bucket_allreduce",
         "allgather_partitions", "overlap_comm", "round_robin_gradients",
@@ -124,7 +109,8 @@ FIELD_MAP: dict[str, Any] = {
     **{f"zero_optimization.{k}": Ignored(_SIZES_UNITS) for k in (
         "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters")},
     **{f"zero_optimization.{k}": Ignored(_ZERO3_PERF) for k in (
-        "param_persistence_threshold", "model_persistence_threshold", "max_reuse_distance", "module_granularity_threshold",
+        "param_persistence_threshold", "model_persistence_threshold", "max_reuse_distance",
+        "module_granularity_threshold",
         "use_all_reduce_for_fetch_params", "allgather_sequential")},
     **{f"zero_optimization.{k}": rules.unless_default(False, Unsupported("ZeRO++ quantized communication has no "
                                                                          "torch equivalent"))
@@ -138,11 +124,7 @@ FIELD_MAP: dict[str, Any] = {
     "zero_allow_untested_optimizer": Ignored("a DeepSpeed safety check on client optimizers"),
     "zero_force_ds_cpu_optimizer": Ignored("a DeepSpeed safety check on client optimizers with offload"),
     # optimizer, scheduler
-    "optimizer.type": rules.record(),
-    "optimizer.params.*": rules.record(),
     "optimizer.legacy_fusion": Ignored(_PERF),
-    "scheduler.type": rules.record(),
-    "scheduler.params.*": rules.record(),
     # activation checkpointing (DeepSpeed's section configures its checkpoint function, not the model)
     **{f"activation_checkpointing.{k}": Unsupported(_CHECKPOINTING_CALLS) for k in (
         "partition_activations", "contiguous_memory_optimization", "cpu_checkpointing", "number_checkpoints",
@@ -228,72 +210,196 @@ VALUE_MAPS = {
     "zero_optimization.stage": {0: 0, 1: 1, 2: 2, 3: 3},
 }
 
-_FIELD_MAP = FieldMap(FIELD_MAP, ALIASES)
-
 #: Keys whose presence marks DeepSpeed JSON when sniffing.
 _MARKERS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_clipping", "steps_per_print",
             "wall_clock_breakdown", "zero_allow_untested_optimizer"}
 #: DeepSpeed's precision and ZeRO keys are sections; HF Trainer arguments use the same names as booleans.
 _SECTION_MARKERS = ("zero_optimization", "fp16", "bf16", "bfloat16")
-
-
-def sniff(raw: Any) -> float:
-    """0.95 when the top level holds DeepSpeed's own keys (its sections as objects), else 0."""
-    if not isinstance(raw, dict) or not raw:
-        return 0.0
-    sections = any(isinstance(raw.get(k), dict) for k in _SECTION_MARKERS) or raw.get("zero_optimization") is True
-    return 0.95 if sections or _MARKERS & set(raw) else 0.0
-
-
-def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
-    """Read a DeepSpeed config dict (parsed JSON/hjson) into the core model with a note for every key."""
-    check_version(NAME, version, VERSIONS)
-    if not isinstance(raw, dict):
-        raise ConfigError([Problem("", raw, "a DeepSpeed config must be a JSON object")], source=NAME)
-    problems = [p for p in schemas.check(raw, NAME) if "additional properties" not in p.reason.lower()]
-    if problems:
-        raise ConfigError(problems, source=NAME)
-    raw, early_notes = rules.legacy_forms(raw)
-    raw, nested_notes = rules.unknown_in_whole_sections(raw, _FIELD_MAP, schemas.load(NAME))
-    known, unknown_notes = rules.split_unknown(raw, _FIELD_MAP)
-    unknown_notes += nested_notes
-    refused = rules.refused_unknown_keys(unknown_notes)
-    if refused:
-        raise ConfigError(refused, source=NAME)
-    translation = read_mapping(known, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS,
-                               deferred_sources=rules.DEFERRED_SOURCES, finalize=rules.finalize)
-    translation.notes[:0] = early_notes
-    translation.notes.extend(unknown_notes)
-    translation.notes[:] = rules.mark_auto(translation.notes)
-    return translation
-
-
-def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
-    """Write the core model as DeepSpeed 0.19.8 JSON; what DeepSpeed cannot express becomes a note."""
-    check_version(NAME, version, VERSIONS)
-    translation = write_mapping(cfg, dialect=NAME, field_map=_WRITE_MAP, value_maps=VALUE_MAPS)
-    if NAME not in cfg.extensions:  # a DeepSpeed source is written back with the batch keys it had
-        _batch_for_deepspeed(translation)
-    return translation
-
-
+#: Keys whose DeepSpeed default *is* the string "auto" (not the Hugging Face convention).
+_DEEPSPEED_OWN_AUTO = ("pipeline.stages", "data_types.keep_in_fp32_modules", "zero_optimization.zenflow")
 #: A micro batch DeepSpeed accepts when the source leaves the batch to the training script.
 UNSTATED_MICRO_BATCH = 1
+_IGNORED, _DROPPED, _DEFERRED = Fidelity.IGNORED, Fidelity.DROPPED, Fidelity.DEFERRED
 
 
-def _batch_for_deepspeed(translation: Translation[dict]) -> None:
-    """DeepSpeed refuses a config without train_batch_size or train_micro_batch_size_per_gpu (an assertion at
-    start-up). A source that leaves the batch to the script (FSDP, FairScale, Horovod) gets a micro batch of 1 and
-    a note: the script's DataLoader decides what it feeds; DeepSpeed uses the number for its own dataloader, its
-    throughput logs and train_batch_size."""
-    if {"train_batch_size", "train_micro_batch_size_per_gpu"} & set(translation.result):
-        return
-    translation.result["train_micro_batch_size_per_gpu"] = UNSTATED_MICRO_BATCH
-    translation.notes.append(Note("batch.micro_batch_size", "train_micro_batch_size_per_gpu", None, Fidelity.DEFAULTED,
-                                  f"the source leaves the batch to the script; DeepSpeed refuses a config without "
-                                  f"one, so {UNSTATED_MICRO_BATCH} is written: set it to the DataLoader's batch size "
-                                  "per rank (or \"auto\" when the HF Trainer / Accelerate fill it)"))  # fmt: skip
+class DeepSpeed(Dialect):
+    """DeepSpeed 0.19.8: its map, its groups, and what its reader does before the map (``normalise``)."""
+
+    NAME = "deepspeed"
+    VERSIONS = ("0.19.8",)
+    FIELD_MAP = FIELD_MAP
+    ALIASES = ALIASES
+    VALUE_MAPS = VALUE_MAPS
+    #: Read in this order (stage "auto" first: the others depend on the stage); written in this order, which is
+    #: DeepSpeed's own key order.
+    GROUPS = (rules.FULL_WEIGHTS, rules.STAGE_AUTO, PRECISION, rules.OFFLOAD, rules.HIERARCHICAL, OPTIMIZER,
+              SCHEDULER, rules.CLIPPING_WRITE, rules.PIPELINE_WRITE)  # fmt: skip
+    DEFERRED_SOURCES = rules.DEFERRED_SOURCES
+
+    def shape(self, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            raise ConfigError([Problem("", raw, "a DeepSpeed config must be a JSON object")], source=NAME)
+        return raw
+
+    def check_schema(self, raw: Mapping[str, Any]) -> None:
+        """Done in :meth:`normalise`, in the same pass that finds unknown keys inside sections kept whole."""
+
+    def normalise(self, raw: Mapping[str, Any], prepared: Prepared) -> Prepared:
+        """One schema pass, then one walk: unknown keys become DROPPED notes (DeepSpeed ignores unknown top-level
+        keys; the ones its strict sections would refuse are errors), legacy forms and Accelerate's values are read
+        before the map."""
+        extra = _schema_check(raw)
+        data, notes = _before_the_map(copy.deepcopy(dict(raw)))
+        nested, unknown = _Unknown(), _Unknown()
+        _prune_whole_sections(data, extra, prepared.field_map, nested)
+        prepared.data = _split(data, prepared.field_map, unknown)
+        if unknown.refused or nested.refused:
+            raise ConfigError(unknown.refused + nested.refused, source=NAME)
+        prepared.notes = notes
+        prepared.kept = {n.source_path: n.value for n in notes if n.source_path.startswith("flops_profiler.")}
+        prepared.state["unknown"] = unknown.notes + nested.notes
+        return prepared
+
+    def finish(self, translation: Translation[TorshConfig], prepared: Prepared) -> Translation[TorshConfig]:
+        """Unknown keys last; an "auto" kept for DeepSpeed is deferred to whoever fills it."""
+        translation.notes.extend(prepared.state["unknown"])
+        translation.notes[:] = [_deferred_if_auto(n) for n in translation.notes]
+        return translation
+
+    def finish_write(self, ctx: WriteContext, version: str | None) -> None:
+        """DeepSpeed refuses a config without train_batch_size or train_micro_batch_size_per_gpu (an assertion at
+        start-up). A source that leaves the batch to the script (FSDP, FairScale, Horovod) gets a micro batch of 1
+        and a note: the script's DataLoader decides what it feeds; DeepSpeed uses the number for its own
+        dataloader, its throughput logs and train_batch_size. A DeepSpeed source keeps the batch keys it had."""
+        if NAME in ctx.cfg.extensions or {"train_batch_size", "train_micro_batch_size_per_gpu"} & set(ctx.out):
+            return
+        ctx.out["train_micro_batch_size_per_gpu"] = UNSTATED_MICRO_BATCH
+        ctx.notes.append(Note("batch.micro_batch_size", "train_micro_batch_size_per_gpu", None, Fidelity.DEFAULTED,
+                              f"the source leaves the batch to the script; DeepSpeed refuses a config without one, "
+                              f"so {UNSTATED_MICRO_BATCH} is written: set it to the DataLoader's batch size per rank "
+                              "(or \"auto\" when the HF Trainer / Accelerate fill it)"))  # fmt: skip
+
+    def sniff(self, raw: Any) -> float:
+        """0.95 when the top level holds DeepSpeed's own keys (its sections as objects), else 0."""
+        if not isinstance(raw, dict) or not raw:
+            return 0.0
+        sections = any(isinstance(raw.get(k), dict) for k in _SECTION_MARKERS) or raw.get("zero_optimization") is True
+        return 0.95 if sections or _MARKERS & set(raw) else 0.0
 
 
-# The write side: the derived reverse map, plus one hook per concept that spans several DeepSpeed keys.
-_WRITE_MAP = FieldMap({**FIELD_MAP, **WRITE_HOOKS}, ALIASES)
+def _schema_check(raw: Mapping[str, Any]) -> list[Any]:
+    """Types and ranges DeepSpeed's schema states, all refused at once; returns its unknown-key findings."""
+    schema = schemas.load(NAME)
+    if schemas.conforms(raw, schema):  # no error anywhere: jsonschema is not needed
+        return []
+    import jsonschema
+
+    errors = list(jsonschema.Draft202012Validator(schema).iter_errors(raw))
+    problems = []
+    for err in sorted(errors, key=lambda e: list(map(str, e.absolute_path))):
+        message = schemas._closest_branch(err.context).message if err.context else err.message
+        if "additional properties" not in message.lower():  # unknown keys are notes, not schema errors
+            problems.append(Problem(".".join(str(p) for p in err.absolute_path), err.instance, message))
+    if problems:
+        raise ConfigError(problems, source=NAME)
+    return [e for e in errors if e.validator == "additionalProperties" and e.absolute_path]
+
+
+def _before_the_map(raw: dict) -> tuple[dict, list[Note]]:
+    """Values read before the map: the legacy ``"zero_optimization": true|false``, and what Accelerate passes
+    (``steps_per_print: inf``) or DeepSpeed accepts without effect (a negative ``flops_profiler.profile_step``)."""
+    notes = []
+    zero = raw.get("zero_optimization")
+    if isinstance(zero, bool):
+        notes.append(Note("zero_optimization", "sharding.stage", zero, Fidelity.EXACT,
+                          f"legacy boolean form: {str(zero).lower()} means stage {int(zero)}"))  # fmt: skip
+        raw["zero_optimization"] = {"stage": int(zero)}
+    if raw.get("steps_per_print") == float("inf"):
+        notes.append(Note("steps_per_print", None, raw.pop("steps_per_print"), _IGNORED, "inf: never print "
+                          "(Accelerate's way to silence DeepSpeed's progress lines); logging only"))  # fmt: skip
+    profiler = raw.get("flops_profiler")
+    step = profiler.get("profile_step") if isinstance(profiler, dict) else None
+    if isinstance(step, int) and not isinstance(step, bool) and step < 0:
+        why = f"profile_step {step} is never reached: DeepSpeed's FLOPs profiler never runs"
+        for key in ("enabled", "profile_step"):
+            if key in profiler:
+                notes.append(Note(f"flops_profiler.{key}", None, profiler.pop(key), _IGNORED, why))
+        if not profiler:
+            del raw["flops_profiler"]
+    return raw, notes
+
+
+class _Unknown:
+    """Keys DeepSpeed does not know: DROPPED notes, or problems where its strict sections refuse the config."""
+
+    def __init__(self) -> None:
+        self.notes: list[Note] = []
+        self.refused: list[Problem] = []
+
+    def add(self, path: str, value: Any, why: str, key: str, known: list[str]) -> None:
+        top, suggestion = path.split(".", 1)[0], did_you_mean(key, known)
+        if "." in path and top in rules.STRICT_SECTIONS:
+            self.refused.append(Problem(path, value, f"unknown key: DeepSpeed 0.19.8 refuses the whole config for it "
+                                        f"(its {top} section forbids extra keys); fix its spelling or remove it",
+                                        suggestion))  # fmt: skip
+        else:
+            hint = f"; did you mean '{suggestion}'?" if suggestion else ""
+            self.notes.append(Note(path, None, value, _DROPPED, f"unknown key: {why}; dropped{hint}"))
+
+
+def _prune_whole_sections(data: dict, errors: list[Any], fmap: FieldMap, unknown: _Unknown) -> None:
+    """Sections kept whole (no core meaning: ``autotuning``, ``compile``, ...) are still checked against DeepSpeed's
+    schema: a key DeepSpeed does not know inside one becomes a DROPPED note with a did-you-mean, and is not kept
+    (DeepSpeed's strict section models would refuse it)."""
+    for err in errors:
+        path = [str(p) for p in err.absolute_path]
+        if isinstance(_rule_above(path, fmap), (To, type(None))):
+            continue
+        known, node = list(err.schema.get("properties", {})), data
+        for part in path:
+            node = node[part]
+        for key in [k for k in err.instance if k not in known]:
+            del node[key]
+            unknown.add(".".join([*path, key]), err.instance[key], "DeepSpeed 0.19.8 would refuse it in this section",
+                        key, known)  # fmt: skip
+
+
+def _rule_above(path: list[str], fmap: FieldMap) -> Any:
+    """The map rule of the nearest enclosing key of ``path`` that has one (None when none has)."""
+    return next((rule for end in range(1, len(path) + 1) if (rule := fmap.lookup(".".join(path[:end])))), None)
+
+
+def _split(raw: Mapping[str, Any], fmap: FieldMap, unknown: _Unknown, actual: str = "", canonical: str = "") -> dict:
+    """The keys the map reads; each key nobody reads becomes a DROPPED note with a did-you-mean, never silence."""
+    known: dict[str, Any] = {}
+    for key, value in raw.items():
+        path, canon = f"{actual}.{key}" if actual else key, f"{canonical}.{key}" if canonical else key
+        canon = fmap.aliases[canon].current if canon in fmap.aliases else canon
+        if fmap.lookup(canon) is not None:
+            known[key] = value
+        elif isinstance(value, Mapping) and fmap.has_children(canon):
+            if not value:
+                unknown.notes.append(Note(path, None, {}, _IGNORED, "empty section: DeepSpeed's defaults apply"))
+            else:
+                known[key] = _split(value, fmap, unknown, path, canon)
+        else:
+            unknown.add(path, value, "DeepSpeed 0.19.8 does not read it (in its strict sections it is a validation "
+                        "error)" if actual else "DeepSpeed 0.19.8 ignores unknown top-level keys, so it has no effect "
+                        "there", key, fmap.children(canonical))  # fmt: skip
+    return known
+
+
+def _deferred_if_auto(note: Note) -> Note:
+    """A note for an ``"auto"`` value kept in extensions becomes DEFERRED, saying who resolves it."""
+    if (note.fidelity in (_IGNORED, Fidelity.EXACT, Fidelity.UNSUPPORTED) and note.value == "auto"
+            and not note.source_path.endswith(_DEEPSPEED_OWN_AUTO)):  # fmt: skip
+        leaf = note.source_path.rsplit(".", 1)[-1].removeprefix("stage3_")
+        why = rules.AUTO_IN_EXTENSIONS.get(leaf, "filled by HF Trainer/Accelerate; DeepSpeed alone uses its default")
+        return Note(note.source_path, note.target_path, note.value, _DEFERRED, why)
+    return note
+
+
+DIALECT = DeepSpeed()
+globals().update(DIALECT.exports())
+#: Every key the reader knows, with its rule: the map's own and each group's (a Group).
+FIELD_MAP = dict(DIALECT.field_map.rules)

@@ -56,6 +56,8 @@ from pydantic import (
 )
 from typing_extensions import TypeAliasType
 
+from .concepts.optim import DEEPSPEED_SCHEDULERS  # re-exported: importers take it from here
+from .concepts.precision import GRAD_SCALER
 from .deferred import AUTO, Deferred, is_deferred
 from .errors import ConfigError, Problem
 
@@ -309,13 +311,13 @@ class LossScalingConfig(Section):
     """none: no scaling; static: a fixed scale; dynamic: grow and back off with overflows."""
     static_scale: Annotated[float, Field(gt=0.0, le=MAX_LOSS_SCALE)] | None = None
     """The scale when ``mode`` is static."""
-    initial_scale: Annotated[float, Field(gt=0.0, le=MAX_LOSS_SCALE)] = 65536.0
+    initial_scale: Annotated[float, Field(gt=0.0, le=MAX_LOSS_SCALE)] = GRAD_SCALER["initial_scale"]
     """Starting scale when dynamic (DeepSpeed ``2**initial_scale_power``, GradScaler ``init_scale``)."""
     growth_interval: PositiveInt = 1000
     """Clean steps between growths (DeepSpeed ``loss_scale_window``, GradScaler ``growth_interval``)."""
-    growth_factor: float = Field(default=2.0, gt=1.0, le=MAX_LOSS_SCALE)
+    growth_factor: float = Field(default=GRAD_SCALER["growth_factor"], gt=1.0, le=MAX_LOSS_SCALE)
     """Multiplier on growth."""
-    backoff_factor: float = Field(default=0.5, gt=0.0, lt=1.0)
+    backoff_factor: float = Field(default=GRAD_SCALER["backoff_factor"], gt=0.0, lt=1.0)
     """Multiplier on overflow."""
     hysteresis: PositiveInt = 2
     """Overflows tolerated before the scale drops (DeepSpeed ZeRO rule only)."""
@@ -529,9 +531,6 @@ class TorchScheduler(Section):
     """Class name in ``torch.optim.lr_scheduler`` (e.g. ``CosineAnnealingLR``)."""
     kwargs: dict[str, Any] = {}
     """Constructor keyword arguments."""
-
-
-DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 
 def _scheduler_tag(value: Any) -> str:

@@ -367,3 +367,53 @@ def test_sizes_deepspeed_bounds_are_refused_naming_the_key_and_its_own_meanings_
         t = read({**BASE, "zero_optimization": {"stage": 3, "mics_shard_size": value}})
         n = note(t, "zero_optimization.mics_shard_size")
         assert n.fidelity is Fidelity.DROPPED and "removed" in n.reason and n in t.lossy
+
+
+# ---- values DeepSpeed accepts without effect -------------------------------------------------------
+
+
+def test_steps_per_print_inf_from_accelerate_reads_as_never_print():
+    """Accelerate (and the HF Trainer) pass ``steps_per_print: inf`` to silence DeepSpeed's progress lines."""
+    t = read({**BASE, "steps_per_print": float("inf")})
+    assert note(t, "steps_per_print").fidelity is Fidelity.IGNORED
+    assert "never print" in note(t, "steps_per_print").reason
+    assert t.result.monitoring.steps_per_print is None
+    assert "steps_per_print" not in write(t.result)  # not written back: inf is not JSON
+
+
+def test_negative_flops_profiler_step_is_accepted_as_deepspeed_does_and_the_profiler_stays_off():
+    """DeepSpeed 0.19.8 reads profile_step unchecked and profiles when global_steps equals it: -1 never comes."""
+    raw = {**BASE, "flops_profiler": {"enabled": True, "profile_step": -1, "module_depth": 2}}
+    t = read(raw)
+    assert note(t, "flops_profiler.profile_step").fidelity is Fidelity.IGNORED
+    assert note(t, "flops_profiler.enabled").fidelity is Fidelity.IGNORED
+    assert t.result.monitoring.profiler.enabled is False
+    assert t.result.monitoring.profiler.module_depth == 2
+    back = write(t.result)["flops_profiler"]
+    assert back["enabled"] is True and back["profile_step"] == -1  # kept for DeepSpeed
+
+
+def test_zero_flops_profiler_step_is_an_error_naming_the_key():
+    with pytest.raises(ConfigError, match="flops_profiler.profile_step"):
+        adapters.read({**BASE, "flops_profiler": {"enabled": True, "profile_step": 0}}, "deepspeed")
+
+
+def test_the_schema_is_checked_once_per_read(monkeypatch):
+    """One schema pass finds bad values and unknown keys inside sections kept whole alike (it used to run twice)."""
+    import jsonschema
+
+    from torsh import schemas
+
+    conforms, passes = [], []
+    original_conforms, original_iter = schemas.conforms, jsonschema.Draft202012Validator.iter_errors
+    top = schemas.load("deepspeed")
+    monkeypatch.setattr(schemas, "conforms", lambda data, schema: (schema is top and conforms.append(1))
+                        or original_conforms(data, schema))  # fmt: skip
+    monkeypatch.setattr(jsonschema.Draft202012Validator, "iter_errors",
+                        lambda self, *a: passes.append(1) or original_iter(self, *a))  # fmt: skip
+    read({**BASE, "zero_optimization": {"stage": 2}})
+    assert (len(conforms), len(passes)) == (1, 0)  # valid: decided without jsonschema
+    with pytest.raises(ConfigError) as exc:
+        adapters.read({**BASE, "compile": {"deepcompil": True}, "fp16": {"enabled": True, "bogus": 1}}, "deepspeed")
+    assert [p.path for p in exc.value.problems] == ["fp16.bogus", "compile.deepcompil"]
+    assert (len(conforms), len(passes)) == (2, 1)
