@@ -165,6 +165,19 @@ def _protect_substitutions(text: str) -> str:
     return "".join(out)
 
 
+_SHELL_REFERENCE = re.compile(r"\$(\w+|[@*#?]|\{[^{}]+\}|\(\([^()]*\)\)|\([^()]*\))")
+
+
+def shell_references(value: Any) -> list[str]:
+    """The shell variables and substitutions in a value read from a command line (text or a list of texts)."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    found: list[str] = []
+    for item in items:
+        if isinstance(item, str):
+            found += [m.group(0) for m in _SHELL_REFERENCE.finditer(item) if m.group(0) not in found]
+    return found
+
+
 def quote(token: str) -> str:
     """Quote one argument for a POSIX shell, leaving ``$VAR`` / ``${VAR}`` expandable and ``<placeholder>`` as is."""
     if _SAFE.match(token):

@@ -21,7 +21,7 @@ from torsh.errors import ConfigError, Problem
 
 _LINE = re.compile(
     r"^(?P<host>[^\s:=#]+)(?::(?P<colon>\d+)|\s+slots\s*=\s*(?P<slots>\d+)(?:\s+max_slots\s*=\s*\d+)?)?$")
-_HOST_LIST_ITEM = re.compile(r"^(?P<host>[^\s:,]+)(?::(?P<slots>\d+))?$")
+_HOST_LIST_ITEM = re.compile(r"^(?P<host>[^\s:,]+)(?::(?P<slots>\d+|\$\w+|\$\{[^{}]+\}))?$")
 
 
 @dataclass(frozen=True)
@@ -65,15 +65,15 @@ def parse_hostfile(text: str, *, source: str = "hostfile") -> list[tuple[str, in
     return hosts
 
 
-def parse_host_list(text: str, *, source: str = "-H") -> list[tuple[str, int | None]]:
-    """Horovod / Open MPI ``-H host1:4,host2:4`` (slots optional)."""
+def parse_host_list(text: str, *, source: str = "-H") -> list[tuple[str, int | str | None]]:
+    """Horovod / Open MPI ``-H host1:4,host2:4`` (slots optional; a shell variable ``host:$N`` stays text)."""
     hosts: list[tuple[str, int | None]] = []
     for item in text.split(","):
         match = _HOST_LIST_ITEM.match(item.strip())
         if not match:
             raise ConfigError([Problem(source, text, f"cannot read host entry {item!r}; expected host[:slots]")])
         slots = match.group("slots")
-        hosts.append((match.group("host"), int(slots) if slots is not None else None))
+        hosts.append((match.group("host"), int(slots) if slots is not None and slots.isdigit() else slots))
     names = [h for h, _ in hosts]
     repeated = sorted({h for h in names if names.count(h) > 1})
     if repeated:

@@ -82,7 +82,8 @@ def plan(launch: LaunchConfig) -> Plan:
     concrete = all(v is None or isinstance(v, int) for v in (launch.nnodes, launch.world_size)) and (
         launch.nproc_per_node is None or isinstance(launch.nproc_per_node, int))
     symbolic = Plan(None, launch.nnodes, launch.nproc_per_node, launch.world_size)
-    if symbolic.nproc is None and symbolic.world_size is not None and launch.nnodes in (None, 1) and not hosts:
+    one_host = not hosts or (len(hosts) == 1 and not _cmdline.shell_references(hosts[0][0]))
+    if symbolic.nproc is None and symbolic.world_size is not None and launch.nnodes in (None, 1) and one_host:
         symbolic.nproc = symbolic.world_size
     if not concrete:
         return symbolic
@@ -236,6 +237,19 @@ class _Writer:
         had = f"the script received {wanted}=N" if wanted else "the script read LOCAL_RANK"
         self.notes.append(Note("launch.local_rank_argv", None, wanted, Fidelity.APPROXIMATE, f"{had}; {got}: {fix}"))
 
+    def hosts_unknown_here(self) -> bool:
+        """Hosts held in a shell variable (``-H $HOSTS``): noted as unsupported for a launcher that must list them
+        (with the process count, which cannot be split over them either)."""
+        names = [h.name for h in self.launch.hosts if _cmdline.shell_references(h.name)]
+        if not names:
+            return False
+        self.note("launch.hosts", Fidelity.UNSUPPORTED, f"the hosts are in {', '.join(names)}, known only when the "
+                  f"script runs; {self.target} needs each host (and its process count) written out")
+        if self.plan.nproc is None and self.launch.world_size is not None:
+            self.note("launch.world_size", Fidelity.UNSUPPORTED, f"{self.target} counts processes per node: the "
+                      "process count cannot be split over hosts that are not known here")
+        return True
+
     def devices_env(self, nodes: list[Node] | None) -> dict[str, str] | None:
         """CUDA_VISIBLE_DEVICES when every node uses the same device subset; None when they differ."""
         sets = {n.devices for n in nodes or []}
@@ -306,6 +320,7 @@ def write_torchrun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
     legacy = w.ext.get("program") == "python -m torch.distributed.launch"
     if legacy and L.local_rank_argv is None:
         common.append("--use-env")
+    unknown_hosts = w.hosts_unknown_here()
     _topology_notes(w, "--nnodes/--nproc-per-node")
     w.env_notes("environment", "set in front of torchrun; workers inherit it")
     w.local_rank("--local-rank" if legacy and L.local_rank_argv is not None else None)
@@ -344,7 +359,7 @@ def write_torchrun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
         devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, node.devices))} if node and node.devices else {}
         commands.append(NodeCommand(node.host if node else None, (*argv, *common, *script), {**L.env, **devices}))
     _master_notes(w, "--master-addr/--master-port" if not dynamic else "--rdzv-endpoint")
-    if L.hosts:
+    if L.hosts and not unknown_hosts:
         w.notes.append(Note("launch.hosts", None, [h.name for h in L.hosts], Fidelity.EXACT,
                             "torchrun runs once per node: each command names its host"
                             if len(commands) > 1 else "torchrun runs once per node: start the command on each host"))
@@ -414,6 +429,11 @@ def write_deepspeed(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
     nodes = p.nodes
     multi = (nodes is not None and len(nodes) > 1) or (nodes is None and p.nnodes not in (None, 1))
     hosts = [(h.name, h.slots) for h in L.hosts]
+    if not L.hostfile and w.hosts_unknown_here():
+        hosts = []
+    elif not L.hostfile and hosts in ([("localhost", None)], [("127.0.0.1", None)]):
+        hosts = []
+        w.note("launch.hosts", Fidelity.EXACT, "the local machine: deepspeed runs there without a hostfile")
     if L.hostfile:
         argv.append(f"--hostfile={L.hostfile}")
         w.note("launch.hostfile", Fidelity.EXACT, target="--hostfile")
@@ -535,6 +555,11 @@ def _command_launcher(cfg: TorshConfig, target: str) -> tuple[_Writer, list[str]
         w.notes.append(Note("launch.hosts", "-H", [h for h, _ in named], Fidelity.EXACT))
         if L.hostfile:
             w.note("launch.hostfile", Fidelity.EXACT, "its hosts are listed with -H", "-H")
+    elif p.nodes is None and L.hosts:  # a count or a host held in a shell variable: -H as the source wrote it
+        single = len(L.hosts) == 1 and world is not None and not _cmdline.shell_references(L.hosts[0].name)
+        args += ["-H", ",".join(f"{h.name}:{h.slots or world}" if h.slots or single else h.name for h in L.hosts)]
+        w.notes.append(Note("launch.hosts", "-H", [h.name for h in L.hosts], Fidelity.EXACT, "a single host's "
+                            "slots are the process count" if single else ""))  # fmt: skip
     elif L.hostfile:
         args += ["--hostfile" if target == "horovodrun" else "-hostfile", L.hostfile]
         w.note("launch.hostfile", Fidelity.EXACT if target == "mpirun" else Fidelity.APPROXIMATE,

@@ -277,6 +277,19 @@ def _uniform_slots(hosts: list[dict]) -> int | None:
 # --------------------------------------------------------------------------------------------------
 # the map
 
+#: Keys of Horovod's own config files from before 0.21.1 (its test configs and the 2019 config.default.yaml);
+#: horovodrun 0.28.1 reads only the keys in TUNABLES and passes over these without a word.
+_NOT_READ = "horovodrun 0.28.1 does not read this key, so it has no effect"
+_AFFINITY = (f"the background thread's core in Horovod before 0.21.1; {_NOT_READ}: thread_affinity "
+             "(HOROVOD_THREAD_AFFINITY) replaced it")
+_OLD_CONFIG_KEYS = {
+    "library_options.mlsl_bgt_affinity": _AFFINITY,
+    "library_options.ccl_bgt_affinity": _AFFINITY,
+    "library_options.mpi_threads_disabled": f"{_NOT_READ} (it reads library_options.mpi_threads_disable)",
+    "autotune.batches_per_sample": f"Horovod's 2019 name of autotune.steps_per_sample; {_NOT_READ}",
+    "timeline.enabled": f"{_NOT_READ}: the timeline is written when timeline.filename is set",
+}
+_OLD_ENV = {"HOROVOD_MLSL_BGT_AFFINITY": _AFFINITY, "HOROVOD_CCL_BGT_AFFINITY": _AFFINITY}
 _RUNTIME = "set per process or per job by horovodrun at run time, not a setting"
 _LAUNCH_ONLY = "a horovodrun launch option with no training meaning; the launch dialect translates launch commands"
 
@@ -321,6 +334,8 @@ def _field_map() -> dict[str, Any]:
         "distributed_optimizer.process_set": Unsupported("Horovod process sets (sub-communicators) are not "
                                                          "expressed by the core model; all ranks reduce together"),
     })  # fmt: skip
+    fmap.update({f"config_file.{key}": Ignored(why) for key, why in _OLD_CONFIG_KEYS.items()})
+    fmap.update({f"env.{var}": Ignored(why) for var, why in _OLD_ENV.items()})
     for flag in ("start_timeout", "nics", "output_filename", "verbose", "config_file", "ssh_port",
                  "ssh_identity_file", "disable_cache", "elastic_timeout", "cooldown_range", "hostfile", "mpi_args",
                  "tcp_flag", "binding_args", "prefix_output_with_timestamp"):  # fmt: skip

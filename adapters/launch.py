@@ -19,6 +19,7 @@ Reading is pure: a hostfile named by the command is read only when its text is p
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ from torsh.translate import (
     FieldMap,
     Hook,
     Ignored,
+    Note,
     ReadContext,
     Translation,
     Unsupported,
@@ -89,8 +91,13 @@ def _rdzv_conf(value: Any, ctx: ReadContext, path: str) -> None:
 
 
 def _hosts(value: Any, ctx: ReadContext, path: str) -> None:
+    """``-H host:N,...``; slots held in a shell variable are left to the launcher (the writers give a single host
+    the process count again, ``-H localhost:$N`` with ``-np $N``), and the note names the variable."""
     hosts = parse_host_list(str(value), source=path)
-    ctx.set("launch.hosts", [{"name": h, "slots": s} for h, s in hosts], path)
+    names = _cmdline.shell_references(str(value))
+    ctx.set("launch.hosts", [{"name": h, "slots": s if isinstance(s, int) else None} for h, s in hosts], path,
+            Fidelity.DEFERRED if names else Fidelity.EXACT, f"holds {', '.join(names)}: expanded by the shell that "
+            "runs the command; kept verbatim" if names else "")  # fmt: skip
 
 
 def _hostfile_hosts(value: Any, ctx: ReadContext, path: str) -> None:
@@ -428,7 +435,23 @@ def read(raw: str | Sequence[str], *, version: str | None = None,
             ctx.note(program, Fidelity.EXACT, f"{program} passes no local-rank argument: the script reads "
                      f"{_LOCAL_RANK_VARIABLE[launcher]}", None, "launch.local_rank_argv")
 
-    return read_mapping(parsed, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS, finalize=finalize)
+    translation = read_mapping(parsed, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS, finalize=finalize)
+    translation.notes[:] = [_deferred_if_shell(note) for note in translation.notes]
+    return translation
+
+
+def _deferred_if_shell(note: Note) -> Note:
+    """A value that holds a shell variable or substitution is only known when the script runs: its note says
+    which variables (DEFERRED when it was carried exactly; a lossy note keeps its fidelity)."""
+    names = _cmdline.shell_references(note.value)
+    if not names:
+        return note
+    why = f"holds {', '.join(names)}: expanded by the shell that runs the command; kept verbatim"
+    if note.source_path == "script" and names == [note.value]:
+        why += " (in the entry point's place: the script or module, perhaps with launcher options; written back there)"
+    reason = f"{note.reason}; {why}" if note.reason else why
+    fidelity = Fidelity.DEFERRED if note.fidelity is Fidelity.EXACT else note.fidelity
+    return replace(note, fidelity=fidelity, reason=reason)
 
 
 def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[LaunchCommand]:
