@@ -28,6 +28,7 @@ from typing import Any
 
 from torsh.adapters._torch_names import AUTO_SETTERS
 from torsh.config import MAX_BYTES_SIZE, TorshConfig, get_path
+from torsh.dialect import Dialect, Prepared
 from torsh.errors import ConfigError, Problem
 from torsh.translate import (
     NOTHING,
@@ -41,10 +42,7 @@ from torsh.translate import (
     Translation,
     Unsupported,
     WriteContext,
-    check_version,
-    read_mapping,
     settle_auto,
-    write_mapping,
 )
 
 NAME = "horovod"
@@ -122,45 +120,52 @@ _PRECEDENCE = "a horovodrun flag beats --config-file, which beats the environmen
 
 def _parse(value: Any, t: Tunable, form: str, ctx: ReadContext, path: str) -> Any:
     """The value in the flag's units and type, or NOTHING after recording a problem."""
-    original = value
-    if form == "env":
-        text = str(value).strip()
-        if t.kind in ("bool", "int", "mb"):
-            if not text.lstrip("-").isdigit():  # Horovod parses these with strtol: "true" would silently mean 0
-                ctx.problem(path, original, "Horovod reads this variable as an integer (strtol); write 1 or 0"
-                            if t.kind == "bool" else "expected an integer")  # fmt: skip
-                return NOTHING
-            number = int(text)
-            if t.kind == "bool":
-                return number > 0
-            value = number / _MIB if t.kind == "mb" else number
-        elif t.kind == "float":
-            try:
-                value = float(text)
-            except ValueError:
-                ctx.problem(path, original, "expected a number")
-                return NOTHING
-        else:
-            value = text
+    parsed, why = _from_env_text(value, t) if form == "env" else (value, "")
+    why = why or _out_of_range(parsed, t)
+    if why:
+        ctx.problem(path, value, why)
+        return NOTHING
+    return str(parsed).upper() if t.kind == "level" else parsed
+
+
+def _from_env_text(value: Any, t: Tunable) -> tuple[Any, str]:
+    """An environment variable's text as Horovod parses it (strtol for integers and switches, strtod for floats)."""
+    text = str(value).strip()
+    if t.kind in ("bool", "int", "mb"):
+        if not text.lstrip("-").isdigit():  # Horovod parses these with strtol: "true" would silently mean 0
+            return NOTHING, ("Horovod reads this variable as an integer (strtol); write 1 or 0" if t.kind == "bool"
+                             else "expected an integer")  # fmt: skip
+        number = int(text)
+        return (number > 0 if t.kind == "bool" else number / _MIB if t.kind == "mb" else number), ""
+    if t.kind == "float":
+        try:
+            return float(text), ""
+        except ValueError:
+            return NOTHING, "expected a number"
+    return text, ""
+
+
+def _out_of_range(value: Any, t: Tunable) -> str:
+    """Why horovodrun would refuse the value ("" when it accepts it)."""
     if t.kind == "level":
-        if str(value).upper() not in _LOG_LEVELS:
-            ctx.problem(path, original, f"unknown log level; expected one of {', '.join(_LOG_LEVELS)}")
-            return NOTHING
-        return str(value).upper()
-    if t.kind in ("int", "mb", "float") and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                             or not math.isfinite(value) or value < 0):  # fmt: skip
-        ctx.problem(path, original, "must be a finite number >= 0 (horovodrun validates it)")
-        return NOTHING
+        known = str(value).upper() in _LOG_LEVELS
+        return "" if known else f"unknown log level; expected one of {', '.join(_LOG_LEVELS)}"
+    if t.kind not in ("int", "mb", "float"):
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return "must be a finite number >= 0 (horovodrun validates it)"
+    return _bound(value, t)
+
+
+def _bound(value: float, t: Tunable) -> str:
+    """The bound of a finite number >= 0 that its kind or its flag sets."""
     if t.kind == "int" and (value != int(value) or value >= _INT64):
-        ctx.problem(path, original, "must be a whole number below 2**63 (Horovod reads a 64-bit integer)")
-        return NOTHING
+        return "must be a whole number below 2**63 (Horovod reads a 64-bit integer)"
     if t.kind == "mb" and value * _MIB > MAX_BYTES_SIZE:
-        ctx.problem(path, original, f"a fusion buffer over {MAX_BYTES_SIZE // _MIB} MB (1 TiB) is not a real setting")
-        return NOTHING
+        return f"a fusion buffer over {MAX_BYTES_SIZE // _MIB} MB (1 TiB) is not a real setting"
     if t.flag == "autotune_gaussian_process_noise" and not 0 <= value <= 1:
-        ctx.problem(path, original, "must be in [0, 1] (horovodrun validates it)")
-        return NOTHING
-    return value
+        return "must be in [0, 1] (horovodrun validates it)"
+    return ""
 
 
 def _tunable_hook(t: Tunable, form: str) -> Hook:
@@ -357,7 +362,6 @@ VALUE_MAPS = {
                                           "hvd.Compression.fp16": "fp16"},
 }  # fmt: skip
 ALIASES: dict[str, str] = {}
-_FIELD_MAP = FieldMap(FIELD_MAP, ALIASES)
 _BUILD_TIME = ("HOROVOD_WITH_", "HOROVOD_WITHOUT_", "HOROVOD_GPU", "HOROVOD_BUILD_", "HOROVOD_CPU_OPERATIONS_")
 
 # --------------------------------------------------------------------------------------------------
@@ -375,62 +379,91 @@ def _is_config_file(raw: Any) -> bool:
         set(raw) - {"logging"} or isinstance(raw.get("logging"), dict))
 
 
-def sniff(raw: Any) -> float:
-    """1 for the four-section layout, 0.9 for a bare config-file YAML or HOROVOD_* environment, else 0."""
-    if isinstance(raw, dict) and raw and set(raw) <= set(SECTIONS):
-        return 1.0
-    return 0.9 if _is_config_file(raw) or _is_env(raw) else 0.0
-
-
-def _normalise(raw: Any) -> tuple[dict, list, str]:
-    """The four-section layout (ordered by precedence), notes for environment entries Horovod never reads, and
-    the section a bare input was wrapped in ("" when it was not)."""
-    wrapped = ""
-    if isinstance(raw, dict) and not (set(raw) <= set(SECTIONS)):
-        wrapped = "config_file" if _is_config_file(raw) else "env" if _is_env(raw) else ""
-        raw = {wrapped: raw} if wrapped else raw
-    if not isinstance(raw, dict):
-        raise ConfigError([Problem("", raw, "a horovod config must be a mapping")], source=NAME)
-    for section in SECTIONS:
-        if section in raw and not isinstance(raw[section], (dict, type(None))):
-            raise ConfigError([Problem(section, raw[section], f"the {section} section must be a mapping")], source=NAME)
-    notes, env = [], dict(raw.get("env") or {})
-    for key in list(env):
-        if not isinstance(key, str) or not key.startswith("HOROVOD_") or key.startswith(_BUILD_TIME):
-            why = ("read when Horovod is built, not at run time" if str(key).startswith("HOROVOD_")
-                   else "not a Horovod variable")  # fmt: skip
-            notes.append(Note(f"env.{key}", None, env.pop(key), Fidelity.IGNORED, why))
-    ordered = {k: raw[k] for k in SECTIONS if k in raw} | {k: v for k, v in raw.items() if k not in SECTIONS}
-    if "env" in ordered:
-        ordered["env"] = env
-    return ordered, notes, wrapped
-
-
-def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
-    """Read Horovod settings (see the module docstring for the layout) into the core model.
-
-    Notes and errors name keys as the user wrote them: ``params.cycle_time_ms`` for a bare config file,
-    ``config_file.params.cycle_time_ms`` in the four-section layout.
-    """
-    check_version(NAME, version, VERSIONS)
-    data, notes, wrapped = _normalise(raw)
-    from torsh.schemas import check
-
-    try:
-        problems = [p for p in check(data, NAME) if "Additional properties" not in p.reason]  # unknown keys: the map
-        if problems:
-            raise ConfigError(problems, source=NAME)
-        result = read_mapping(data, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS,
-                              finalize=_finalize_read)  # fmt: skip
-    except ConfigError as exc:
-        raise ConfigError([replace(p, path=_unwrap(p.path, wrapped)) for p in exc.problems], source=NAME) from None
-    result.notes[:0] = notes
-    result.notes[:] = [replace(n, source_path=_unwrap(n.source_path, wrapped)) for n in result.notes]
-    return result
+def _bare_section(raw: Any) -> str:
+    """The section a bare config-file YAML or HOROVOD_* mapping stands for ("" for the four-section layout)."""
+    if not isinstance(raw, dict) or set(raw) <= set(SECTIONS):
+        return ""
+    return "config_file" if _is_config_file(raw) else "env" if _is_env(raw) else ""
 
 
 def _unwrap(path: str, wrapped: str) -> str:
     return path[len(wrapped) + 1:] if wrapped and path.startswith(wrapped + ".") else path
+
+
+def _run_time_env(env: dict, notes: list[Note]) -> dict:
+    """The HOROVOD_* variables Horovod reads at run time; the others get an ignored note each."""
+    kept = {}
+    for key, value in env.items():
+        if isinstance(key, str) and key.startswith("HOROVOD_") and not key.startswith(_BUILD_TIME):
+            kept[key] = value
+            continue
+        built = str(key).startswith("HOROVOD_")
+        why = "read when Horovod is built, not at run time" if built else "not a Horovod variable"
+        notes.append(Note(f"env.{key}", None, value, Fidelity.IGNORED, why))
+    return kept
+
+
+class Horovod(Dialect):
+    """Horovod's four places of settings; a bare config file or environment is read as its section.
+
+    Notes and errors name keys as the user wrote them: ``params.cycle_time_ms`` for a bare config file,
+    ``config_file.params.cycle_time_ms`` in the four-section layout.
+    """
+
+    NAME = NAME
+    VERSIONS = VERSIONS
+    FIELD_MAP = FIELD_MAP
+    VALUE_MAPS = VALUE_MAPS
+    ALIASES = ALIASES
+    SHAPE = "a mapping"
+    SCHEMA_NAMES_UNKNOWN_KEYS = False  # unknown keys are the map's to report, with a did-you-mean
+
+    def read(self, raw: Any, *, version: str | None = None, base_dir: Any = None) -> Translation[TorshConfig]:
+        wrapped = _bare_section(raw)
+        try:
+            result = super().read({wrapped: raw} if wrapped else raw, version=version)
+        except ConfigError as exc:
+            raise ConfigError([replace(p, path=_unwrap(p.path, wrapped)) for p in exc.problems], source=NAME) from None
+        result.notes[:] = [replace(n, source_path=_unwrap(n.source_path, wrapped)) for n in result.notes]
+        return result
+
+    def shape(self, raw: Any) -> Any:
+        raw = super().shape(raw)
+        for section in SECTIONS:
+            if section in raw and not isinstance(raw[section], (dict, type(None))):
+                raise ConfigError([Problem(section, raw[section], f"the {section} section must be a mapping")],
+                                  source=NAME)  # fmt: skip
+        return raw
+
+    def check_schema(self, raw: Any) -> None:
+        """Checked in ``normalise``, on the environment Horovod reads."""
+
+    def normalise(self, raw: Any, prepared: Prepared) -> Prepared:
+        """Sections in precedence order (flag, config file, environment), and the environment without what Horovod
+        never reads at run time (a note each)."""
+        env = _run_time_env(raw.get("env") or {}, prepared.notes)
+        ordered = {k: raw[k] for k in SECTIONS if k in raw} | {k: v for k, v in raw.items() if k not in SECTIONS}
+        if "env" in ordered:
+            ordered["env"] = env
+        super().check_schema(ordered)
+        prepared.data = ordered
+        return prepared
+
+    def finalize(self, ctx: ReadContext, prepared: Prepared) -> None:
+        _finalize_read(ctx)
+
+    def write_map(self, version: str | None) -> FieldMap:
+        return _WRITE_MAP
+
+    def finish_write(self, ctx: WriteContext, version: str | None) -> None:
+        # Horovod has no "auto": what the source left to the launcher or the script is not written (deferred notes).
+        settle_auto(ctx, AUTO_SETTERS)
+
+    def sniff(self, raw: Any) -> float:
+        """1 for the four-section layout, 0.9 for a bare config-file YAML or HOROVOD_* environment, else 0."""
+        if isinstance(raw, dict) and raw and set(raw) <= set(SECTIONS):
+            return 1.0
+        return 0.9 if _is_config_file(raw) or _is_env(raw) else 0.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -469,37 +502,42 @@ def _kept_value(t: Tunable, form: str, path: str, value: Any) -> Any:
 
 
 def _write_tunables(cfg: TorshConfig, ctx: WriteContext) -> None:
+    """Every tunable in its three spellings: from the core model, or kept from a Horovod source."""
     kept = cfg.extensions.get(NAME, {})
     for t in TUNABLES:
         if t.core is None:
             _write_kept_tunable(t, kept, ctx)
-            continue
-        value = get_path(cfg, t.core) if t.core else None
-        fidelity, reason = t.fidelity, t.reason if t.fidelity is not Fidelity.EXACT else ""
-        if t.kind == "int" and isinstance(value, float):
-            value = int(round(value))
-        if t.kind == "mb" and value is None and cfg.ddp.bucket_cap_mb != 25.0 and isinstance(cfg.ddp.bucket_cap_mb,
-                                                                                               float):  # fmt: skip
-            value = int(cfg.ddp.bucket_cap_mb * _MIB)
-            fidelity, reason = Fidelity.APPROXIMATE, "from ddp.bucket_cap_mb: Horovod fuses per cycle, not per bucket"
-        if value is None or value is False:
-            continue
-        flag_value = value / _MIB if t.kind == "mb" else value
-        if t.kind == "mb":
-            flag_value = int(flag_value) if float(flag_value).is_integer() else flag_value
-            if not isinstance(flag_value, int):
-                reason = "horovodrun takes whole MB; the exact byte count is in HOROVOD_FUSION_THRESHOLD"
-                fidelity, flag_value = Fidelity.APPROXIMATE, max(1, round(flag_value))
-        source = t.core if t.core and get_path(cfg, t.core) is not None else "ddp.bucket_cap_mb"
-        ctx.put(f"horovodrun.{t.flag}", flag_value, source, fidelity, reason)
-        ctx.put(f"config_file.{t.yaml}", flag_value, source, fidelity, reason)
-        ctx.put(f"env.{t.env}", _env_text(value), source, Fidelity.EXACT if t.kind == "mb" else fidelity, reason)
+        else:
+            _write_core_tunable(t, cfg, ctx)
     if cfg.communication.timeout_s is not None and not float(cfg.communication.timeout_s).is_integer():
         ctx.note("communication.timeout_s", Fidelity.APPROXIMATE, "Horovod takes whole seconds",
                  cfg.communication.timeout_s)
     if cfg.communication.fusion_threshold_bytes is not None and cfg.ddp.bucket_cap_mb != 25.0:
         ctx.note("ddp.bucket_cap_mb", Fidelity.APPROXIMATE, "Horovod has no DDP buckets; its fusion threshold is "
                  "written from communication.fusion_threshold_bytes", cfg.ddp.bucket_cap_mb)  # fmt: skip
+
+
+def _write_core_tunable(t: Tunable, cfg: TorshConfig, ctx: WriteContext) -> None:
+    value, source = get_path(cfg, t.core), t.core
+    fidelity, reason = t.fidelity, t.reason if t.fidelity is not Fidelity.EXACT else ""
+    if t.kind == "int" and isinstance(value, float):
+        value = int(round(value))
+    bucket = cfg.ddp.bucket_cap_mb
+    if t.kind == "mb" and value is None and bucket != 25.0 and isinstance(bucket, float):
+        value, source = int(bucket * _MIB), "ddp.bucket_cap_mb"
+        fidelity, reason = Fidelity.APPROXIMATE, "from ddp.bucket_cap_mb: Horovod fuses per cycle, not per bucket"
+    if value is None or value is False:
+        return
+    flag_value = value
+    if t.kind == "mb":
+        flag_value = value / _MIB
+        flag_value = int(flag_value) if float(flag_value).is_integer() else flag_value
+        if not isinstance(flag_value, int):
+            reason = "horovodrun takes whole MB; the exact byte count is in HOROVOD_FUSION_THRESHOLD"
+            fidelity, flag_value = Fidelity.APPROXIMATE, max(1, round(flag_value))
+    ctx.put(f"horovodrun.{t.flag}", flag_value, source, fidelity, reason)
+    ctx.put(f"config_file.{t.yaml}", flag_value, source, fidelity, reason)
+    ctx.put(f"env.{t.env}", _env_text(value), source, Fidelity.EXACT if t.kind == "mb" else fidelity, reason)
 
 
 def _write_backend(cfg: TorshConfig, ctx: WriteContext) -> None:
@@ -516,20 +554,15 @@ def _write_backend(cfg: TorshConfig, ctx: WriteContext) -> None:
 
 
 def _write_launch(cfg: TorshConfig, ctx: WriteContext) -> None:
+    """The horovodrun section: hosts, process counts (elastic ranges in processes), restarts, the command."""
     launch = cfg.launch
-    if launch.hosts:
-        if all(h.slots for h in launch.hosts):
-            ctx.put("horovodrun.hosts", ",".join(f"{h.name}:{h.slots}" for h in launch.hosts), "launch.hosts")
-        else:
-            ctx.note("launch.hosts", Fidelity.UNSUPPORTED, "horovodrun -H needs slots for every host", launch.hosts)
+    if launch.hosts and all(h.slots for h in launch.hosts):
+        ctx.put("horovodrun.hosts", ",".join(f"{h.name}:{h.slots}" for h in launch.hosts), "launch.hosts")
+    elif launch.hosts:
+        ctx.note("launch.hosts", Fidelity.UNSUPPORTED, "horovodrun -H needs slots for every host", launch.hosts)
     per_node = launch.nproc_per_node if isinstance(launch.nproc_per_node, int) else None
-    if launch.max_nnodes is not None:  # elastic: process counts
-        ctx.put("horovodrun.min_num_proc", (launch.nnodes or 1) * (per_node or 1), "launch.nnodes",
-                Fidelity.APPROXIMATE, "torchrun counts nodes, horovodrun processes: nodes x nproc_per_node")
-        ctx.put("horovodrun.max_num_proc", launch.max_nnodes * (per_node or 1), "launch.max_nnodes",
-                Fidelity.APPROXIMATE, "torchrun counts nodes, horovodrun processes: nodes x nproc_per_node")
-        if per_node:
-            ctx.put("horovodrun.slots", per_node, "launch.nproc_per_node")
+    if launch.max_nnodes is not None:
+        _write_elastic_range(launch, per_node, ctx)
     world = launch.world_size or (launch.nnodes * per_node if launch.nnodes and per_node else None)
     if world:
         ctx.put("horovodrun.num_proc", world, "launch.world_size" if launch.world_size else "launch.nproc_per_node")
@@ -542,6 +575,17 @@ def _write_launch(cfg: TorshConfig, ctx: WriteContext) -> None:
     for path in ("master_addr", "master_port", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id"):
         if getattr(launch, path) is not None:
             ctx.note(f"launch.{path}", Fidelity.DROPPED, "horovodrun runs its own rendezvous", getattr(launch, path))
+
+
+def _write_elastic_range(launch: Any, per_node: int | None, ctx: WriteContext) -> None:
+    """torchrun's node range as horovodrun's process range (nodes x processes per node)."""
+    why = "torchrun counts nodes, horovodrun processes: nodes x nproc_per_node"
+    ctx.put("horovodrun.min_num_proc", (launch.nnodes or 1) * (per_node or 1), "launch.nnodes", Fidelity.APPROXIMATE,
+            why)
+    ctx.put("horovodrun.max_num_proc", launch.max_nnodes * (per_node or 1), "launch.max_nnodes", Fidelity.APPROXIMATE,
+            why)
+    if per_node:
+        ctx.put("horovodrun.slots", per_node, "launch.nproc_per_node")
 
 
 def _write_optimizer(cfg: TorshConfig, ctx: WriteContext) -> None:
@@ -580,12 +624,8 @@ _WRITE_HOOKS = Hook(write=_write_all, claims=(
 _WRITE_MAP = FieldMap({**FIELD_MAP, "__write__": _WRITE_HOOKS}, ALIASES)
 
 
-def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
-    """The core model as horovodrun flags, a config file, an environment and DistributedOptimizer arguments."""
-    check_version(NAME, version, VERSIONS)
-    # Horovod has no "auto": what the source left to the launcher or the script is not written (deferred notes).
-    return write_mapping(cfg, dialect=NAME, field_map=_WRITE_MAP, value_maps=VALUE_MAPS,
-                         finalize=lambda ctx: settle_auto(ctx, AUTO_SETTERS))
+DIALECT = Horovod()
+globals().update(DIALECT.exports())
 
 
 def command_line(flags: dict[str, Any]) -> list[str]:
