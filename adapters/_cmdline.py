@@ -15,6 +15,7 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
+from torsh.concepts.launch import shell_references  # noqa: F401 - the parser's callers ask it
 from torsh.errors import ConfigError, Problem, did_you_mean
 
 # (destination, number of values); 0 = a switch. Destinations are the launcher's own argparse dests.
@@ -163,19 +164,6 @@ def _protect_substitutions(text: str) -> str:
         out.append(_SPACE if depth and ch.isspace() else ch)
         i += 1
     return "".join(out)
-
-
-_SHELL_REFERENCE = re.compile(r"\$(\w+|[@*#?]|\{[^{}]+\}|\(\([^()]*\)\)|\([^()]*\))")
-
-
-def shell_references(value: Any) -> list[str]:
-    """The shell variables and substitutions in a value read from a command line (text or a list of texts)."""
-    items = value if isinstance(value, (list, tuple)) else [value]
-    found: list[str] = []
-    for item in items:
-        if isinstance(item, str):
-            found += [m.group(0) for m in _SHELL_REFERENCE.finditer(item) if m.group(0) not in found]
-    return found
 
 
 def quote(token: str) -> str:

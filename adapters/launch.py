@@ -26,11 +26,12 @@ from typing import Any
 from torsh.adapters import _cmdline
 from torsh.adapters._hostfile import parse_host_list, parse_hostfile
 from torsh.adapters._launch_writers import WRITERS, LaunchCommand, worker_environments
+from torsh.concepts.launch import DEFAULT_LOCAL_RANK_ARGV, LOCAL_RANK_VARIABLE
 from torsh.config import TorshConfig
+from torsh.dialect import Dialect, Prepared
 from torsh.errors import ConfigError
 from torsh.translate import (
     Fidelity,
-    FieldMap,
     Hook,
     Ignored,
     Note,
@@ -38,7 +39,6 @@ from torsh.translate import (
     Translation,
     Unsupported,
     check_version,
-    read_mapping,
 )
 
 NAME = "launch"
@@ -308,27 +308,6 @@ FIELD_MAP = {
 VALUE_MAPS: dict[str, dict[Any, Any]] = {}
 ALIASES: dict[str, str] = {}  # option spellings are resolved by the parser tables (_cmdline)
 
-_FIELD_MAP = FieldMap(FIELD_MAP, ALIASES)
-
-#: Where the local rank is when the launcher appends no argument.
-_LOCAL_RANK_VARIABLE = {"torchrun": "LOCAL_RANK", "accelerate": "LOCAL_RANK", "deepspeed": "LOCAL_RANK",
-                        "horovodrun": "HOROVOD_LOCAL_RANK (hvd.local_rank() or torsh.ranks.discover())",
-                        "mpirun": "OMPI_COMM_WORLD_LOCAL_RANK (torsh.ranks.discover())"}  # fmt: skip
-#: The local-rank argument each launcher appends to the script's arguments by default.
-_DEFAULT_LOCAL_RANK_ARGV = {"deepspeed": "--local_rank", "python -m torch.distributed.launch": "--local-rank"}
-
-
-def sniff(raw: Any) -> float:
-    """A command string or argv naming a launcher; never a mapping (those are config files)."""
-    if isinstance(raw, str) or (isinstance(raw, (list, tuple)) and raw and all(isinstance(t, str) for t in raw)):
-        try:
-            _cmdline.parse(raw)
-        except Exception:  # noqa: BLE001 - sniffing must never raise
-            return 0.0
-        return 1.0
-    return 0.0
-
-
 #: What accelerate launch (1.15) exports for an FSDP job, from each fsdp_config key, and the launcher's default for a
 #: key the file leaves out (``accelerate/commands/launch.py`` argument defaults, ``utils/launch.py`` environment).
 _FSDP_ENV = {"fsdp_sharding_strategy": ("FSDP_SHARDING_STRATEGY", "FULL_SHARD"),
@@ -399,45 +378,89 @@ def _accelerate_env(data: dict) -> dict[str, str]:
     return env
 
 
-def read(raw: str | Sequence[str], *, version: str | None = None,
-         hostfile: str | None = None) -> Translation[TorshConfig]:  # fmt: skip
-    """Read a launch command (a string split like a shell, or argv) into the core model.
+class Launch(Dialect):
+    """Launch command lines. Its input is text: the shape stage parses the command (``_cmdline.parse``) into a
+    mapping ``{launcher: {dest: value}, script, script_args, env, ...}`` that the map walks."""
 
-    ``hostfile`` is the *text* of the hostfile the command names (or of one to use), read with both grammars.
-    ``version`` is accepted for the registry's signature; any launcher is read.
-    """
-    if version is not None:
-        check_version(NAME, version, VERSIONS)
-    parsed = _cmdline.parse(raw)
-    launcher = next(k for k in _cmdline.LAUNCHER_FLAGS if k in parsed)
-    if hostfile is not None:
-        parsed["hostfile_hosts"] = [{"name": h, "slots": s}
-                                    for h, s in parse_hostfile(hostfile, source=parsed[launcher].get("hostfile",
-                                                                                                   "hostfile"))]
-    program = parsed.get("program", launcher)
+    NAME = NAME
+    VERSIONS = VERSIONS
+    FIELD_MAP = FIELD_MAP
+    VALUE_MAPS = VALUE_MAPS
+    ALIASES = ALIASES
 
-    def finalize(ctx: ReadContext) -> None:
+    def read(self, raw: str | Sequence[str], *, version: str | None = None, hostfile: str | None = None,
+             base_dir: Any = None) -> Translation[TorshConfig]:  # fmt: skip
+        """Read a launch command (a string split like a shell, or argv) into the core model.
+
+        ``hostfile`` is the *text* of the hostfile the command names (or of one to use), read with both grammars.
+        ``version`` is accepted for the registry's signature; any launcher is read.
+        """
+        if version is not None:
+            check_version(NAME, version, VERSIONS)
+        parsed = self.shape(raw)
+        if hostfile is not None:
+            named = parsed[parsed["launcher"]].get("hostfile", "hostfile")
+            parsed["hostfile_hosts"] = [{"name": h, "slots": s} for h, s in parse_hostfile(hostfile, source=named)]
+        return super().read(parsed)
+
+    def check_version(self, version: str | None) -> str | None:
+        return version  # reading takes every launcher; the version names a write target
+
+    def shape(self, raw: Any) -> Any:
+        return raw if isinstance(raw, Mapping) else _cmdline.parse(raw)
+
+    def check_schema(self, raw: Any) -> None:
+        """The command-line parser has checked the text (the launch schema describes the text, not its parse)."""
+
+    def finalize(self, ctx: ReadContext, prepared: Prepared) -> None:
+        launcher = ctx.raw["launcher"]
         options = ctx.raw[launcher]
         if launcher == "accelerate" and options.get("config_file"):
             _accelerate_config_file(str(options["config_file"]), options, ctx)
-        if launcher == "deepspeed" and not ({"num_gpus", "include", "exclude"} & set(options)) and not (
-                "hostfile_hosts" in ctx.raw):
-            ctx.set("launch.nproc_per_node", "gpu", "deepspeed.num_gpus", Fidelity.DEFAULTED,
-                    "not set: deepspeed starts one process per visible accelerator on each node")
-        if launcher == "torchrun" and "nproc_per_node" not in options:
-            ctx.set("launch.nproc_per_node", 1, "torchrun.nproc_per_node", Fidelity.DEFAULTED,
-                    "not set: torchrun starts one process per node")
-        flag = _DEFAULT_LOCAL_RANK_ARGV.get(program)
-        if flag and not options.get("no_local_rank") and not options.get("use_env"):
-            ctx.set("launch.local_rank_argv", flag, program, reason=f"{program} appends {flag}=N to the script's "
-                    "arguments: the script must accept it (torsh.launch_args.add_local_rank_argument)")
-        elif not flag:
-            ctx.note(program, Fidelity.EXACT, f"{program} passes no local-rank argument: the script reads "
-                     f"{_LOCAL_RANK_VARIABLE[launcher]}", None, "launch.local_rank_argv")
+        _default_process_count(launcher, options, ctx)
+        _local_rank_argument(launcher, ctx.raw.get("program", launcher), options, ctx)
 
-    translation = read_mapping(parsed, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS, finalize=finalize)
-    translation.notes[:] = [_deferred_if_shell(note) for note in translation.notes]
-    return translation
+    def finish(self, translation: Translation[TorshConfig], prepared: Prepared) -> Translation[TorshConfig]:
+        translation.notes[:] = [_deferred_if_shell(note) for note in translation.notes]
+        return translation
+
+    def write(self, cfg: TorshConfig, *, version: str | None = None) -> Translation[LaunchCommand]:
+        """The job as a command for one launcher (default torchrun), with a note for everything it cannot express."""
+        target = check_version(NAME, version, VERSIONS)
+        command, notes = WRITERS[target](cfg)
+        return Translation(command, notes, "torsh", target)
+
+    def sniff(self, raw: Any) -> float:
+        """A command string or argv naming a launcher; never a mapping (those are config files)."""
+        if isinstance(raw, str) or (isinstance(raw, (list, tuple)) and raw and all(isinstance(t, str) for t in raw)):
+            try:
+                _cmdline.parse(raw)
+            except Exception:  # noqa: BLE001 - sniffing must never raise
+                return 0.0
+            return 1.0
+        return 0.0
+
+
+def _default_process_count(launcher: str, options: Mapping[str, Any], ctx: ReadContext) -> None:
+    """The count a launcher uses when the command gives none (deepspeed: every visible accelerator; torchrun: 1)."""
+    if launcher == "deepspeed" and not ({"num_gpus", "include", "exclude"} & set(options)) and not (
+            "hostfile_hosts" in ctx.raw):
+        ctx.set("launch.nproc_per_node", "gpu", "deepspeed.num_gpus", Fidelity.DEFAULTED,
+                "not set: deepspeed starts one process per visible accelerator on each node")
+    if launcher == "torchrun" and "nproc_per_node" not in options:
+        ctx.set("launch.nproc_per_node", 1, "torchrun.nproc_per_node", Fidelity.DEFAULTED,
+                "not set: torchrun starts one process per node")
+
+
+def _local_rank_argument(launcher: str, program: str, options: Mapping[str, Any], ctx: ReadContext) -> None:
+    """Whether the launcher appends a local-rank argument to the script's, or the script reads a variable."""
+    flag = DEFAULT_LOCAL_RANK_ARGV.get(program)
+    if flag and not options.get("no_local_rank") and not options.get("use_env"):
+        ctx.set("launch.local_rank_argv", flag, program, reason=f"{program} appends {flag}=N to the script's "
+                "arguments: the script must accept it (torsh.launch_args.add_local_rank_argument)")
+    elif not flag:
+        ctx.note(program, Fidelity.EXACT, f"{program} passes no local-rank argument: the script reads "
+                 f"{LOCAL_RANK_VARIABLE[launcher]}", None, "launch.local_rank_argv")
 
 
 def _deferred_if_shell(note: Note) -> Note:
@@ -454,8 +477,6 @@ def _deferred_if_shell(note: Note) -> Note:
     return replace(note, fidelity=fidelity, reason=reason)
 
 
-def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[LaunchCommand]:
-    """The job as a command for one launcher (default torchrun), with a note for everything it cannot express."""
-    target = check_version(NAME, version, VERSIONS)
-    command, notes = WRITERS[target](cfg)
-    return Translation(command, notes, "torsh", target)
+
+DIALECT = Launch()
+globals().update(DIALECT.exports())
