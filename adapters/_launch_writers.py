@@ -153,37 +153,37 @@ class _Writer:
 
     def finish(self, argv_per_node: list[NodeCommand], files: dict[str, str] | None = None) -> LaunchCommand:
         """Account for every remaining field and extension, and build the LaunchCommand."""
-        self._extensions()
+        self.notes += [note for key, value in self.ext.items() if (note := self._extension(key, value))]
         self._remaining()
-        same = self.ext.get("program") is not None and _launcher_of(self.ext) == self.target
-        wrapper = self.ext.get("wrapper", "") if _launcher_of(self.ext) == self.target else ""
-        redirect = self.ext.get("redirect", "")
-        if same and argv_per_node:
+        same_launcher = _launcher_of(self.ext) == self.target
+        wrapper = self.ext.get("wrapper", "") if same_launcher else ""
+        if same_launcher and self.ext.get("program") is not None:  # the source's spelling of this launcher
             program = self.ext["program"].split()
             argv_per_node = [NodeCommand(c.host, (*program, *c.argv[1:]), c.env) for c in argv_per_node]
         lines = []
         for cmd in argv_per_node:
-            if len(argv_per_node) > 1 or (cmd.host and self.target in ("torchrun",)):
+            if len(argv_per_node) > 1 or (cmd.host and self.target == "torchrun"):
                 lines.append(f"# on {cmd.host or 'each node'}")
-            lines.append(cmd.shell(wrapper, redirect))
+            lines.append(cmd.shell(wrapper, self.ext.get("redirect", "")))
         return LaunchCommand("\n".join(lines), launcher=self.target, commands=tuple(argv_per_node), files=files)
 
-    def _extensions(self) -> None:
-        for key, value in self.ext.items():
-            path = f"extensions.launch.{key}"
-            if key == "launcher":
-                self.notes.append(Note(path, None, value, Fidelity.IGNORED, "the source launcher"))
-            elif key in ("program", "wrapper"):
-                kept = _launcher_of(self.ext) == self.target
-                self.notes.append(Note(path, key if kept else None, value, Fidelity.EXACT if kept else Fidelity.DROPPED,
-                                       "" if kept else f"belongs to the source launcher, not {self.target}"))
-            elif key == "redirect" or self.target in ("horovodrun", "mpirun"):
-                self.notes.append(Note(path, key, value, Fidelity.EXACT))
-            elif key in ("python", "python_flags"):
-                self.notes.append(Note(path, None, value, Fidelity.DROPPED, f"{self.target} starts Python itself"))
-            elif key.split(".")[0] != self.target:
-                self.notes.append(Note(path, None, value, Fidelity.DROPPED, f"a {key.split('.')[0]} option with no "
-                                       f"{self.target} counterpart"))  # fmt: skip
+    def _extension(self, key: str, value: Any) -> Note | None:
+        """What becomes of a kept part of the source command (None: written back by option_flags)."""
+        path = f"extensions.launch.{key}"
+        if key == "launcher":
+            return Note(path, None, value, Fidelity.IGNORED, "the source launcher")
+        if key in ("program", "wrapper"):
+            if _launcher_of(self.ext) == self.target:
+                return Note(path, key, value, Fidelity.EXACT, "")
+            return Note(path, None, value, Fidelity.DROPPED, f"belongs to the source launcher, not {self.target}")
+        if key == "redirect" or self.target in ("horovodrun", "mpirun"):
+            return Note(path, key, value, Fidelity.EXACT)
+        if key in ("python", "python_flags"):
+            return Note(path, None, value, Fidelity.DROPPED, f"{self.target} starts Python itself")
+        source = key.split(".")[0]
+        if source != self.target:
+            return Note(path, None, value, Fidelity.DROPPED, f"a {source} option with no {self.target} counterpart")
+        return None
 
     def _remaining(self) -> None:
         data = self.cfg.model_dump(exclude={"extensions"})
@@ -206,20 +206,10 @@ class _Writer:
         flags = []
         for key, value in self.ext.items():
             launcher, _, dest = key.partition(".")
-            if launcher != self.target or dest not in table:
-                continue
-            spelling = table[dest]
-            for item in value if isinstance(value, list) and dest in ("x", "mca", "network_interface") else [value]:
-                if item is True:
-                    flags.append(spelling)
-                elif isinstance(item, list):
-                    flags += [spelling, *map(str, item)]
-                elif str(item).startswith("-") and spelling.startswith("--"):
-                    # a value that looks like an option (--mpi-args="-gpu") must be joined with "=", or the
-                    # launcher's argparse takes it for a flag and refuses the line
-                    flags.append(f"{spelling}={item}")
-                else:
-                    flags += [spelling, str(item)]
+            if launcher == self.target and dest in table:
+                repeated = isinstance(value, list) and dest in ("x", "mca", "network_interface")
+                for item in value if repeated else [value]:
+                    flags += _spelled(table[dest], item)
         return flags
 
     def script(self, run_python: bool) -> list[str]:
@@ -280,6 +270,19 @@ class _Writer:
         self.done |= {"launch.env", "launch.forward_env"}
 
 
+def _spelled(spelling: str, item: Any) -> list[str]:
+    """One kept option with its value: a switch alone, a value (or several) after it."""
+    if item is True:
+        return [spelling]
+    if isinstance(item, list):
+        return [spelling, *map(str, item)]
+    if str(item).startswith("-") and spelling.startswith("--"):
+        # a value that looks like an option (--mpi-args="-gpu") must be joined with "=", or the launcher's argparse
+        # takes it for a flag and refuses the line
+        return [f"{spelling}={item}"]
+    return [spelling, str(item)]
+
+
 def _launcher_of(ext: Mapping[str, Any]) -> str | None:
     """The launcher a config was read from (kept in ``extensions.launch.launcher``)."""
     return ext.get("launcher")
@@ -290,13 +293,20 @@ def _port(w: _Writer) -> tuple[Any, Any]:
     L = w.launch
     addr, port = L.master_addr, L.master_port
     if L.rdzv_endpoint and (addr is None or port is None):
-        host, _, rport = L.rdzv_endpoint.rpartition(":") if ":" in L.rdzv_endpoint else (L.rdzv_endpoint, "", "")
+        host, endpoint_port = _endpoint(L.rdzv_endpoint)
         addr = addr or host
-        port = port if port is not None else (int(rport) if rport.isdigit() else (rport or None))
-        port = None if port == 0 else port  # c10d's "any free port"; a static rendezvous needs a real one
+        port = endpoint_port if port is None else None if port == 0 else port
     if addr is None and w.plan.nodes and w.plan.nodes[0].host:
         addr = w.plan.nodes[0].host
     return addr, port
+
+
+def _endpoint(endpoint: str) -> tuple[str, Any]:
+    """A rendezvous endpoint's host and port (None for none, or for c10d's 0 = any free port: a static rendezvous
+    needs a real one)."""
+    host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "")
+    number = int(port) if port.isdigit() else (port or None)
+    return host, None if number == 0 else number
 
 
 # --------------------------------------------------------------------------------------------------
@@ -586,17 +596,26 @@ def _hostfile_lines(p: Plan, hosts: list) -> list[tuple[str, int | None]]:
 def _deepspeed_counts(w: _Writer, hosts: list, multi: bool) -> list[str]:
     """--include/--exclude, or --num_nodes/--num_gpus (an -np below the slots becomes --include)."""
     L, p, nodes = w.launch, w.plan, w.plan.nodes
+    selected = _deepspeed_selection(w, hosts)
+    if selected is not None:
+        return selected
+    fewer = nodes and len(nodes) < len(hosts)
+    return ([f"--num_nodes={p.nnodes}"] if multi and L.nnodes is not None or fewer else []) + _num_gpus(w, hosts)
+
+
+def _deepspeed_selection(w: _Writer, hosts: list) -> list[str] | None:
+    """--include/--exclude as given, or an --include of the first slots when -np fills fewer than the hosts have."""
+    L, nodes = w.launch, w.plan.nodes
     if L.include or L.exclude:
         w.note("launch.include" if L.include else "launch.exclude", Fidelity.EXACT, target="--include/--exclude")
         w.done |= {"launch.include", "launch.exclude"}
         return [f"--include={L.include}" if L.include else f"--exclude={L.exclude}"]
-    if nodes and hosts and any(n.nproc != (s or n.nproc) for n, (_, s) in zip(nodes, hosts)) and L.world_size:
-        w.notes.append(Note("launch.world_size", "--include", L.world_size, Fidelity.EXACT,
-                            "fewer processes than slots: the first slots of each host, as -np fills them"))
-        w.done.add("launch.world_size")
-        return ["--include=" + "@".join(f"{n.host}:{','.join(map(str, range(n.nproc)))}" for n in nodes)]
-    args = [f"--num_nodes={p.nnodes}"] if multi and L.nnodes is not None or (nodes and len(nodes) < len(hosts)) else []
-    return args + _num_gpus(w, hosts)
+    if not (nodes and hosts and L.world_size) or all(n.nproc == (s or n.nproc) for n, (_, s) in zip(nodes, hosts)):
+        return None
+    w.notes.append(Note("launch.world_size", "--include", L.world_size, Fidelity.EXACT,
+                        "fewer processes than slots: the first slots of each host, as -np fills them"))
+    w.done.add("launch.world_size")
+    return ["--include=" + "@".join(f"{n.host}:{','.join(map(str, range(n.nproc)))}" for n in nodes)]
 
 
 def _num_gpus(w: _Writer, hosts: list) -> list[str]:
@@ -817,20 +836,14 @@ def worker_environments(cfg: TorshConfig, launcher: str = "torchrun") -> list[di
 
     Includes ``launch.env``. Raises ConfigError when the topology is not concrete (shell variables, ``gpu``).
     """
-    if launcher not in WRITERS:
-        raise ConfigError([Problem("launcher", launcher, f"expected one of {', '.join(WRITERS)}")])
     L = cfg.launch
-    p = plan(L)
-    if p.nodes is None:
-        raise ConfigError([Problem("launch", {"nnodes": L.nnodes, "nproc_per_node": L.nproc_per_node,
-                                              "world_size": L.world_size}, "the number of processes is not known "
-                                   "until the command runs (a shell variable or gpu/auto)")])  # fmt: skip
+    nodes = _concrete_nodes(cfg, launcher)
     addr, port = _port(_Writer(cfg, launcher))
     addr = addr or "127.0.0.1"
     port = str(port or DEFAULT_PORT)
-    world, nnodes = sum(n.nproc for n in p.nodes), len(p.nodes)
+    world, nnodes = sum(n.nproc for n in nodes), len(nodes)
     envs = []
-    for node_rank, node in enumerate(p.nodes):
+    for node_rank, node in enumerate(nodes):
         for local in range(node.nproc):
             env = worker_env(launcher, rank=len(envs), local=local, world=world, nproc=node.nproc, node=node_rank,
                              nnodes=nnodes, host=node.host or "localhost", addr=addr, port=port,
@@ -838,3 +851,16 @@ def worker_environments(cfg: TorshConfig, launcher: str = "torchrun") -> list[di
                              run_id=L.rdzv_id or "none", max_restarts=L.max_restarts or 0)  # fmt: skip
             envs.append({**L.env, **env})
     return envs
+
+
+def _concrete_nodes(cfg: TorshConfig, launcher: str) -> list[Node]:
+    """The job's nodes; a ConfigError for an unknown launcher or counts known only when the command runs."""
+    if launcher not in WRITERS:
+        raise ConfigError([Problem("launcher", launcher, f"expected one of {', '.join(WRITERS)}")])
+    L = cfg.launch
+    nodes = plan(L).nodes
+    if nodes is None:
+        raise ConfigError([Problem("launch", {"nnodes": L.nnodes, "nproc_per_node": L.nproc_per_node,
+                                              "world_size": L.world_size}, "the number of processes is not known "
+                                   "until the command runs (a shell variable or gpu/auto)")])  # fmt: skip
+    return nodes
