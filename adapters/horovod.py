@@ -517,24 +517,29 @@ def _write_tunables(cfg: TorshConfig, ctx: WriteContext) -> None:
                  "written from communication.fusion_threshold_bytes", cfg.ddp.bucket_cap_mb)  # fmt: skip
 
 
-def _write_core_tunable(t: Tunable, cfg: TorshConfig, ctx: WriteContext) -> None:
-    value, source = get_path(cfg, t.core), t.core
-    fidelity, reason = t.fidelity, t.reason if t.fidelity is not Fidelity.EXACT else ""
+def _tunable_source(t: Tunable, cfg: TorshConfig) -> tuple[Any, str, Fidelity, str]:
+    """A tunable's value and the core field it comes from (the fusion threshold from DDP's bucket size when only
+    that is set), with the fidelity of writing it."""
+    value = get_path(cfg, t.core)
     if t.kind == "int" and isinstance(value, float):
         value = int(round(value))
     bucket = cfg.ddp.bucket_cap_mb
     if t.kind == "mb" and value is None and bucket != 25.0 and isinstance(bucket, float):
-        value, source = int(bucket * _MIB), "ddp.bucket_cap_mb"
-        fidelity, reason = Fidelity.APPROXIMATE, "from ddp.bucket_cap_mb: Horovod fuses per cycle, not per bucket"
+        return int(bucket * _MIB), "ddp.bucket_cap_mb", Fidelity.APPROXIMATE, ("from ddp.bucket_cap_mb: Horovod "
+                                                                               "fuses per cycle, not per bucket")
+    return value, t.core, t.fidelity, t.reason if t.fidelity is not Fidelity.EXACT else ""
+
+
+def _write_core_tunable(t: Tunable, cfg: TorshConfig, ctx: WriteContext) -> None:
+    value, source, fidelity, reason = _tunable_source(t, cfg)
     if value is None or value is False:
         return
     flag_value = value
-    if t.kind == "mb":
-        flag_value = value / _MIB
-        flag_value = int(flag_value) if float(flag_value).is_integer() else flag_value
-        if not isinstance(flag_value, int):
-            reason = "horovodrun takes whole MB; the exact byte count is in HOROVOD_FUSION_THRESHOLD"
-            fidelity, flag_value = Fidelity.APPROXIMATE, max(1, round(flag_value))
+    if t.kind == "mb" and value % _MIB == 0:
+        flag_value = value // _MIB
+    elif t.kind == "mb":  # horovodrun's flag and config file take whole MB
+        reason = "horovodrun takes whole MB; the exact byte count is in HOROVOD_FUSION_THRESHOLD"
+        fidelity, flag_value = Fidelity.APPROXIMATE, max(1, round(value / _MIB))
     ctx.put(f"horovodrun.{t.flag}", flag_value, source, fidelity, reason)
     ctx.put(f"config_file.{t.yaml}", flag_value, source, fidelity, reason)
     ctx.put(f"env.{t.env}", _env_text(value), source, Fidelity.EXACT if t.kind == "mb" else fidelity, reason)
@@ -560,21 +565,30 @@ def _write_launch(cfg: TorshConfig, ctx: WriteContext) -> None:
         ctx.put("horovodrun.hosts", ",".join(f"{h.name}:{h.slots}" for h in launch.hosts), "launch.hosts")
     elif launch.hosts:
         ctx.note("launch.hosts", Fidelity.UNSUPPORTED, "horovodrun -H needs slots for every host", launch.hosts)
+    _write_process_counts(launch, ctx)
+    if launch.max_restarts is not None:
+        ctx.put("horovodrun.reset_limit", launch.max_restarts, "launch.max_restarts", Fidelity.APPROXIMATE,
+                "torchrun counts worker-group restarts, Horovod resets of the worker set")
+    if launch.script:
+        ctx.put("horovodrun.command", [*_python(launch), launch.script, *launch.script_args], "launch.script")
+    for path in ("master_addr", "master_port", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id"):
+        if getattr(launch, path) is not None:
+            ctx.note(f"launch.{path}", Fidelity.DROPPED, "horovodrun runs its own rendezvous", getattr(launch, path))
+
+
+def _python(launch: Any) -> list[str]:
+    """What runs the script: horovodrun runs a command, so Python is spelled (``-m`` for a module)."""
+    return [] if launch.no_python else ["python", "-m"] if launch.module else ["python"]
+
+
+def _write_process_counts(launch: Any, ctx: WriteContext) -> None:
+    """-np from the world size or nodes x processes per node, and an elastic range in processes."""
     per_node = launch.nproc_per_node if isinstance(launch.nproc_per_node, int) else None
     if launch.max_nnodes is not None:
         _write_elastic_range(launch, per_node, ctx)
     world = launch.world_size or (launch.nnodes * per_node if launch.nnodes and per_node else None)
     if world:
         ctx.put("horovodrun.num_proc", world, "launch.world_size" if launch.world_size else "launch.nproc_per_node")
-    if launch.max_restarts is not None:
-        ctx.put("horovodrun.reset_limit", launch.max_restarts, "launch.max_restarts", Fidelity.APPROXIMATE,
-                "torchrun counts worker-group restarts, Horovod resets of the worker set")
-    if launch.script:
-        head = [] if launch.no_python else ["python", "-m"] if launch.module else ["python"]
-        ctx.put("horovodrun.command", [*head, launch.script, *launch.script_args], "launch.script")
-    for path in ("master_addr", "master_port", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id"):
-        if getattr(launch, path) is not None:
-            ctx.note(f"launch.{path}", Fidelity.DROPPED, "horovodrun runs its own rendezvous", getattr(launch, path))
 
 
 def _write_elastic_range(launch: Any, per_node: int | None, ctx: WriteContext) -> None:
