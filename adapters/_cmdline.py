@@ -15,7 +15,6 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
-from torsh.concepts.launch import shell_references  # noqa: F401 - the parser's callers ask it
 from torsh.errors import ConfigError, Problem, did_you_mean
 
 # (destination, number of values); 0 = a switch. Destinations are the launcher's own argparse dests.

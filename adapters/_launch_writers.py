@@ -15,7 +15,7 @@ from typing import Any
 
 from torsh.adapters import _cmdline
 from torsh.adapters._hostfile import Node, format_host_list, format_hostfile, resolve_nodes
-from torsh.concepts.launch import DEFAULT_NPROC, DEFAULT_PORT, worker_env
+from torsh.concepts.launch import DEFAULT_NPROC, DEFAULT_PORT, shell_references, worker_env
 from torsh.config import LaunchConfig, TorshConfig, get_path, iter_leaves
 from torsh.errors import ConfigError, Problem
 from torsh.translate import Fidelity, Note
@@ -78,14 +78,12 @@ def plan(launch: LaunchConfig) -> Plan:
     """Which nodes run how many processes, following the launchers' own rules."""
     hosts = [(h.name, h.slots) for h in launch.hosts]
     symbolic = _symbolic_plan(launch, hosts)
-    concrete = all(v is None or isinstance(v, int) for v in (launch.nnodes, launch.world_size)) and (
-        launch.nproc_per_node is None or isinstance(launch.nproc_per_node, int))
-    if not concrete:
-        return symbolic
-    if not hosts and (launch.include or launch.exclude):
-        hosts = [(h, None) for h in _filter_hosts(launch.include or launch.exclude)]
-        if launch.exclude:
-            return symbolic
+    if not all(v is None or isinstance(v, int) for v in (launch.nnodes, launch.world_size, launch.nproc_per_node)):
+        return symbolic  # a shell variable or gpu/auto/cpu: known when the command runs
+    if not hosts and launch.exclude:
+        return symbolic  # all hosts but some, and the hosts are not known
+    if not hosts and launch.include:
+        hosts = [(h, None) for h in _filter_hosts(launch.include)]
     return (_host_plan(launch, hosts) if hosts else _unnamed_plan(launch)) or symbolic
 
 
@@ -104,7 +102,7 @@ def _unnamed_plan(launch: LaunchConfig) -> Plan | None:
 def _symbolic_plan(launch: LaunchConfig, hosts: list) -> Plan:
     """The counts as written (shell variables, gpu); on one node the world size is its process count."""
     symbolic = Plan(None, launch.nnodes, launch.nproc_per_node, launch.world_size)
-    one_host = not hosts or (len(hosts) == 1 and not _cmdline.shell_references(hosts[0][0]))
+    one_host = not hosts or (len(hosts) == 1 and not shell_references(hosts[0][0]))
     if symbolic.nproc is None and symbolic.world_size is not None and launch.nnodes in (None, 1) and one_host:
         symbolic.nproc = symbolic.world_size
     return symbolic
@@ -242,7 +240,7 @@ class _Writer:
     def hosts_unknown_here(self) -> bool:
         """Hosts held in a shell variable (``-H $HOSTS``): noted as unsupported for a launcher that must list them
         (with the process count, which cannot be split over them either)."""
-        names = [h.name for h in self.launch.hosts if _cmdline.shell_references(h.name)]
+        names = [h.name for h in self.launch.hosts if shell_references(h.name)]
         if not names:
             return False
         self.note("launch.hosts", Fidelity.UNSUPPORTED, f"the hosts are in {', '.join(names)}, known only when the "
@@ -439,14 +437,20 @@ def _torchrun_nodes(w: _Writer, nnodes: Any, dynamic: bool) -> tuple[Any, list[t
     L, p = w.launch, w.plan
     if L.node_rank is not None:
         return _one_node(w, nnodes)
-    if p.nodes is not None and len(p.nodes) > 1 and all(n.host for n in p.nodes) and (
-            not dynamic or _uniform(p.nodes) is None or any(n.devices for n in p.nodes)):
+    if _per_host_commands(p, dynamic):
         return nnodes, list(enumerate(p.nodes))
     static_multi = nnodes not in (None, 1) and not dynamic
     if static_multi:
         w.notes.append(Note("launch.nnodes", "--node-rank", nnodes, Fidelity.APPROXIMATE, "the hosts are not "
                             "known: run this on every node with NODE_RANK=0..N-1 and MASTER_ADDR=node 0"))
     return nnodes, [("$NODE_RANK" if static_multi else 0, p.nodes[0] if p.nodes else None)]
+
+
+def _per_host_commands(p: Plan, dynamic: bool) -> bool:
+    """Named hosts get a command each, unless a dynamic rendezvous lets one line serve nodes that are alike."""
+    if p.nodes is None or len(p.nodes) < 2 or not all(n.host for n in p.nodes):
+        return False
+    return not dynamic or _uniform(p.nodes) is None or any(n.devices for n in p.nodes)
 
 
 def _one_node(w: _Writer, nnodes: Any) -> tuple[Any, list[tuple[Any, Node | None]]]:
@@ -482,13 +486,18 @@ def _filter_note(w: _Writer, per_node_devices: bool) -> None:
                             "device sets; closest: CUDA_VISIBLE_DEVICES set per host (e.g. in ~/.bashrc)"))
 
 
+def _torchrun_hostfile_note(w: _Writer) -> None:
+    listed = bool(w.launch.hosts)
+    w.note("launch.hostfile", Fidelity.EXACT if listed else Fidelity.APPROXIMATE, "torchrun reads no hostfile: one "
+           "command per host" + ("" if listed else "; its hosts were not given (pass --hostfile to torsh-migrate), "
+                                 "so the commands cannot be listed per host"))
+
+
 def _topology_notes(w: _Writer, target: str) -> None:
     """Node count, processes per node, world size and node rank, as far as the writer has not noted them."""
     L = w.launch
     if L.hostfile and w.target == "torchrun":
-        w.note("launch.hostfile", Fidelity.EXACT if L.hosts else Fidelity.APPROXIMATE, "torchrun reads no hostfile: "
-               "one command per host" + ("" if L.hosts else "; its hosts were not given (pass --hostfile to "
-                                         "torsh-migrate), so the commands cannot be listed per host"))
+        _torchrun_hostfile_note(w)
     for key in ("nnodes", "nproc_per_node", "world_size", "node_rank"):
         if w.set(f"launch.{key}") and f"launch.{key}" not in w.done:
             w.note(f"launch.{key}", Fidelity.EXACT, "", target)
@@ -587,8 +596,10 @@ def _hostfile_lines(p: Plan, hosts: list) -> list[tuple[str, int | None]]:
     slots=N), the hosts, or placeholders for nodes that are not named."""
     if p.nodes and hosts and any(slots is None for _, slots in hosts):
         return [(n.host, n.nproc) for n in p.nodes]
-    if hosts or p.nodes:
-        return hosts or [(n.host or f"<host-{i}>", n.nproc) for i, n in enumerate(p.nodes)]
+    if hosts:
+        return hosts
+    if p.nodes:
+        return [(n.host or f"<host-{i}>", n.nproc) for i, n in enumerate(p.nodes)]
     count = p.nnodes if isinstance(p.nnodes, int) else 2
     return [(f"<host-{i}>", p.nproc if isinstance(p.nproc, int) else None) for i in range(count)]
 
@@ -740,7 +751,7 @@ def _hosts_as_written(w: _Writer, world: Any) -> list[str] | None:
     hosts = w.launch.hosts
     if w.plan.nodes is not None or not hosts:
         return None
-    single = len(hosts) == 1 and world is not None and not _cmdline.shell_references(hosts[0].name)
+    single = len(hosts) == 1 and world is not None and not shell_references(hosts[0].name)
     w.notes.append(Note("launch.hosts", "-H", [h.name for h in hosts], Fidelity.EXACT, "a single host's "
                         "slots are the process count" if single else ""))  # fmt: skip
     return ["-H", ",".join(f"{h.name}:{h.slots or world}" if h.slots or single else h.name for h in hosts)]
@@ -802,13 +813,18 @@ def write_mpirun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
     return w.finish([NodeCommand(None, tuple(argv), {})]), w.notes
 
 
+def _local_or_placeholder(p: Plan) -> str:
+    """Rank 0's address when none is given: this machine for a single-node job, else a placeholder to fill in."""
+    single = p.nodes is not None and len(p.nodes) == 1 and p.nodes[0].host in (None, "localhost")
+    return "127.0.0.1" if single or p.nnodes in (None, 1) else "<host-0>"
+
+
 def _mpirun_rendezvous(w: _Writer) -> list[str]:
     """MASTER_ADDR/MASTER_PORT for torch's env:// rendezvous (mpirun has none), unless launch.env sets them."""
-    L, p = w.launch, w.plan
+    L = w.launch
     addr, port = _port(w)
-    single = p.nodes is not None and len(p.nodes) == 1 and p.nodes[0].host in (None, "localhost")
-    fallback = "127.0.0.1" if single or p.nnodes in (None, 1) else "<host-0>"
-    rendezvous = {"MASTER_ADDR": addr if addr is not None else fallback, "MASTER_PORT": port or DEFAULT_PORT}
+    rendezvous = {"MASTER_ADDR": addr if addr is not None else _local_or_placeholder(w.plan),
+                  "MASTER_PORT": port or DEFAULT_PORT}
     for key in ("master_addr", "master_port"):
         if getattr(L, key) is not None:
             w.note(f"launch.{key}", Fidelity.EXACT, "-x " + key.upper())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from torsh.adapters._torch_names import AUTO_SETTERS
@@ -168,29 +169,45 @@ def _bound(value: float, t: Tunable) -> str:
     return ""
 
 
-def _tunable_hook(t: Tunable, form: str) -> Hook:
-    def read(value: Any, ctx: ReadContext, path: str) -> None:
-        parsed = _parse(value, t, form, ctx, path)
-        if parsed is NOTHING:
-            return
-        if t.core is None:
-            ctx.keep(path, value)
-            ctx.note(path, Fidelity.IGNORED, t.reason, value)
-            return
-        core_value = int(round(parsed * _MIB)) if t.kind == "mb" else parsed
-        winner = ctx.origin.get(t.core)
-        if winner is not None and winner != path:
-            same = get_path(ctx.core, t.core) == core_value
-            ctx.note(path, Fidelity.IGNORED, f"{'same value as' if same else 'overridden by'} {winner} "
-                     f"({_PRECEDENCE})", value)  # fmt: skip
-            return
-        ctx.set(t.core, core_value, path, t.fidelity, t.reason if t.fidelity is not Fidelity.EXACT else "")
-        if t.kind == "mb" and core_value > 0:
-            ctx.set("ddp.bucket_cap_mb", core_value / _MIB, path, Fidelity.APPROXIMATE,
-                    "DDP buckets gradients in reverse parameter order up to this size and overlaps them with "
-                    "backward; Horovod fuses whatever is ready each cycle into one buffer of this size")  # fmt: skip
+@dataclass(frozen=True)
+class Spelling(Hook):
+    """A map entry for one spelling of a tunable: ``form`` says which (a horovodrun flag, a config-file key or an
+    environment variable, parsed as Horovod parses it) and ``to`` where the value goes. Where several spellings
+    are given, Horovod's precedence decides: a flag, then the config file, then the environment."""
 
-    return Hook(read=read)
+    tunable: Tunable | None = None
+    form: str = ""
+
+    @property
+    def to(self) -> str | None:
+        """The core path (None: a Horovod-only knob, kept for a Horovod round trip)."""
+        return self.tunable.core if self.tunable else None
+
+
+def _spelling(t: Tunable, form: str) -> Spelling:
+    return Spelling(read=partial(_read_spelling, t, form), tunable=t, form=form)
+
+
+def _read_spelling(t: Tunable, form: str, value: Any, ctx: ReadContext, path: str) -> None:
+    parsed = _parse(value, t, form, ctx, path)
+    if parsed is NOTHING:
+        return
+    if t.core is None:
+        ctx.keep(path, value)
+        ctx.note(path, Fidelity.IGNORED, t.reason, value)
+        return
+    core_value = int(round(parsed * _MIB)) if t.kind == "mb" else parsed
+    winner = ctx.origin.get(t.core)
+    if winner is not None and winner != path:
+        same = get_path(ctx.core, t.core) == core_value
+        ctx.note(path, Fidelity.IGNORED, f"{'same value as' if same else 'overridden by'} {winner} ({_PRECEDENCE})",
+                 value)  # fmt: skip
+        return
+    ctx.set(t.core, core_value, path, t.fidelity, t.reason if t.fidelity is not Fidelity.EXACT else "")
+    if t.kind == "mb" and core_value > 0:
+        ctx.set("ddp.bucket_cap_mb", core_value / _MIB, path, Fidelity.APPROXIMATE,
+                "DDP buckets gradients in reverse parameter order up to this size and overlaps them with "
+                "backward; Horovod fuses whatever is ready each cycle into one buffer of this size")  # fmt: skip
 
 
 def _controller(value: Any, ctx: ReadContext, path: str) -> None:
@@ -302,9 +319,9 @@ _LAUNCH_ONLY = "a horovodrun launch option with no training meaning; the launch 
 def _field_map() -> dict[str, Any]:
     fmap: dict[str, Any] = {}
     for t in TUNABLES:
-        fmap[f"horovodrun.{t.flag}"] = _tunable_hook(t, "flag")
-        fmap[f"config_file.{t.yaml}"] = _tunable_hook(t, "yaml")
-        fmap[f"env.{t.env}"] = _tunable_hook(t, "env")
+        fmap[f"horovodrun.{t.flag}"] = _spelling(t, "flag")
+        fmap[f"config_file.{t.yaml}"] = _spelling(t, "yaml")
+        fmap[f"env.{t.env}"] = _spelling(t, "env")
     fmap.update({
         "horovodrun.num_proc": "launch.world_size",
         "horovodrun.hosts": Hook(read=_hosts),

@@ -26,7 +26,7 @@ from typing import Any
 from torsh.adapters import _cmdline
 from torsh.adapters._hostfile import parse_host_list, parse_hostfile
 from torsh.adapters._launch_writers import WRITERS, LaunchCommand, worker_environments
-from torsh.concepts.launch import DEFAULT_LOCAL_RANK_ARGV, LOCAL_RANK_VARIABLE
+from torsh.concepts.launch import DEFAULT_LOCAL_RANK_ARGV, LOCAL_RANK_VARIABLE, shell_references
 from torsh.config import TorshConfig
 from torsh.dialect import Dialect, Prepared
 from torsh.errors import ConfigError
@@ -94,7 +94,7 @@ def _hosts(value: Any, ctx: ReadContext, path: str) -> None:
     """``-H host:N,...``; slots held in a shell variable are left to the launcher (the writers give a single host
     the process count again, ``-H localhost:$N`` with ``-np $N``), and the note names the variable."""
     hosts = parse_host_list(str(value), source=path)
-    names = _cmdline.shell_references(str(value))
+    names = shell_references(str(value))
     ctx.set("launch.hosts", [{"name": h, "slots": s if isinstance(s, int) else None} for h, s in hosts], path,
             Fidelity.DEFERRED if names else Fidelity.EXACT, f"holds {', '.join(names)}: expanded by the shell that "
             "runs the command; kept verbatim" if names else "")  # fmt: skip
@@ -330,6 +330,12 @@ _ACCELERATE_LAUNCH_KEYS = {"num_processes": "launch.world_size", "num_machines":
                            "main_process_port": "launch.master_port", "rdzv_backend": "launch.rdzv_backend"}
 
 
+def _from_config_file(key: str, value: Any, options: Mapping[str, Any]) -> bool:
+    """A launch key of the accelerate config applies unless the command line gives it (num_processes -1 or 0:
+    accelerate counts the devices)."""
+    return key not in options and value is not None and not (key == "num_processes" and value in (-1, 0))
+
+
 def _accelerate_config_file(name: str, options: dict, ctx: ReadContext) -> None:
     """``accelerate launch --config_file X``: the launch settings and the process environment the file gives."""
     from pathlib import Path
@@ -351,10 +357,8 @@ def _accelerate_config_file(name: str, options: dict, ctx: ReadContext) -> None:
         ctx.problem("accelerate.config_file", name, "not an accelerate config (no distributed_type)")
         return
     for key, core in _ACCELERATE_LAUNCH_KEYS.items():
-        value = data.get(key)
-        if key in options or value is None or (key == "num_processes" and value in (-1, 0)):
-            continue
-        ctx.set(core, value, f"{name}:{key}", Fidelity.EXACT, "from the accelerate config file")
+        if _from_config_file(key, data.get(key), options):
+            ctx.set(core, data[key], f"{name}:{key}", Fidelity.EXACT, "from the accelerate config file")
     for var, value in _accelerate_env(data).items():
         ctx.set(f"launch.env.{var}", value, f"{name}:{var}", Fidelity.EXACT, "exported by accelerate launch: the "
                 "script's Accelerator reads it")  # fmt: skip
@@ -466,7 +470,7 @@ def _local_rank_argument(launcher: str, program: str, options: Mapping[str, Any]
 def _deferred_if_shell(note: Note) -> Note:
     """A value that holds a shell variable or substitution is only known when the script runs: its note says
     which variables (DEFERRED when it was carried exactly; a lossy note keeps its fidelity)."""
-    names = _cmdline.shell_references(note.value)
+    names = shell_references(note.value)
     if not names:
         return note
     why = f"holds {', '.join(names)}: expanded by the shell that runs the command; kept verbatim"

@@ -282,3 +282,13 @@ def test_old_affinity_variables_are_read_as_having_no_effect():
     t = horovod.read({"env": {"HOROVOD_CCL_BGT_AFFINITY": "1", "HOROVOD_MLSL_BGT_AFFINITY": "2"}})
     assert {n.fidelity for n in t.notes} == {Fidelity.IGNORED}
     assert all("HOROVOD_THREAD_AFFINITY" in n.reason for n in t.notes)
+
+
+def test_the_map_shows_where_each_spelling_of_a_tunable_goes():
+    """One concept table (TUNABLES): each tunable's flag, config-file key and variable are map entries that name
+    their form and the core path they set."""
+    for t in horovod.TUNABLES:
+        for form, key in (("flag", f"horovodrun.{t.flag}"), ("yaml", f"config_file.{t.yaml}"), ("env", f"env.{t.env}")):
+            rule = horovod.FIELD_MAP[key]
+            assert (rule.form, rule.to, rule.tunable) == (form, t.core, t), key
+    assert horovod.FIELD_MAP["env.HOROVOD_FUSION_THRESHOLD"].to == "communication.fusion_threshold_bytes"
