@@ -94,10 +94,14 @@ def _hosts(value: Any, ctx: ReadContext, path: str) -> None:
     """``-H host:N,...``; slots held in a shell variable are left to the launcher (the writers give a single host
     the process count again, ``-H localhost:$N`` with ``-np $N``), and the note names the variable."""
     hosts = parse_host_list(str(value), source=path)
-    names = shell_references(str(value))
+    in_names = shell_references([h for h, _ in hosts])
+    in_slots = [s for _, s in hosts if isinstance(s, str)]
+    why = [f"holds {', '.join(in_names)}: expanded by the shell that runs the command; kept verbatim"
+           ] if in_names else []  # fmt: skip
+    why += [f"slots in {', '.join(dict.fromkeys(in_slots))}, known when the shell runs the command: left to the "
+            "launcher (a single host's are written back as the process count)"] if in_slots else []
     ctx.set("launch.hosts", [{"name": h, "slots": s if isinstance(s, int) else None} for h, s in hosts], path,
-            Fidelity.DEFERRED if names else Fidelity.EXACT, f"holds {', '.join(names)}: expanded by the shell that "
-            "runs the command; kept verbatim" if names else "")  # fmt: skip
+            Fidelity.DEFERRED if why else Fidelity.EXACT, "; ".join(why))
 
 
 def _hostfile_hosts(value: Any, ctx: ReadContext, path: str) -> None:
