@@ -125,6 +125,7 @@ _REPEATABLE = {("mpirun", "x"), ("mpirun", "mca"), ("horovodrun", "network_inter
 _PYTHON = re.compile(r"^(.*/)?python(\d+(\.\d+)?)?$")
 _ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")
 _REDIRECT = re.compile(r"^(\d*>>?|&>>?|\d*>&\d*|<(?![^<>\s]*>)|\||\|\||&&|;|&)")
+_ALL_ARGUMENTS = re.compile(r"^\$(@|\{@[^{}]*\})$")
 _SAFE = re.compile(r"^([\w@%+=:,./{}$-]+|<[^<>\s]+>)$")
 _PYTHON_OPTS_WITH_VALUE = {"-W", "-X"}
 
@@ -166,7 +167,10 @@ def _protect_substitutions(text: str) -> str:
 
 
 def quote(token: str) -> str:
-    """Quote one argument for a POSIX shell, leaving ``$VAR`` / ``${VAR}`` expandable and ``<placeholder>`` as is."""
+    """Quote one argument for a POSIX shell, leaving ``$VAR`` / ``${VAR}`` expandable and ``<placeholder>`` as is;
+    the script's own arguments (``$@``, ``${@:2}``) are written ``"$@"``, which passes each one unsplit."""
+    if _ALL_ARGUMENTS.match(token):
+        return f'"{token}"'
     if _SAFE.match(token):
         return token
     if "$" in token and not re.search(r'["\\`]', token):

@@ -233,3 +233,16 @@ def test_hosts_held_in_a_shell_variable_are_not_turned_into_a_host_name():
         out = launch.write(t.result, version=target)
         assert {"launch.hosts", "launch.world_size"} <= {n.source_path for n in out.lossy}, target
         assert "hostfile" not in out.result.files
+
+
+def test_the_scripts_own_arguments_are_written_back_quoted():
+    """`"$@"` (torchtitan's run_train.sh) passes each argument of the script unsplit: every launcher writes it so,
+    and the note names it."""
+    t = read('torchrun --nproc_per_node=${NGPU} -m torchtitan.train --config ${CONFIG} "$@"')
+    note = next(n for n in t.notes if n.source_path == "script_args")
+    assert note.fidelity is Fidelity.DEFERRED and "$@" in note.reason and "${CONFIG}" in note.reason
+    for target in launch.VERSIONS:
+        line = str(launch.write(t.result, version=target).result)
+        assert line.endswith('--config ${CONFIG} "$@"'), target
+        assert launch.read(line).result.launch.script_args == ["--config", "${CONFIG}", "$@"], target
+    assert _cmdline.quote("${@:3}") == '"${@:3}"' and _cmdline.quote("$NGPU") == "$NGPU"
