@@ -191,7 +191,8 @@ SCRIPT_LINES = {x["id"]: x["command"] for x in json.loads(
 @pytest.mark.parametrize(("line", "variable", "written"), [
     ("aws-dlm-mpirun-1", "${NUM_GPU}", {"mpirun": "-np ${NUM_GPU} -H localhost:${NUM_GPU}",
                                         "horovodrun": "-np ${NUM_GPU} -H localhost:${NUM_GPU}",
-                                        "torchrun": "--nproc-per-node=${NUM_GPU}", "deepspeed": "--num_gpus=${NUM_GPU}"}),
+                                        "torchrun": "--nproc-per-node=${NUM_GPU}",
+                                        "deepspeed": "--num_gpus=${NUM_GPU}"}),
     ("nvidia-dle-horovodrun-1", "${NUM_CORE}", {"horovodrun": "-np ${NUM_CORE} -H localhost:${NUM_CORE}",
                                                 "torchrun": "--nproc-per-node=${NUM_CORE}"}),
 ])  # fmt: skip
