@@ -19,8 +19,8 @@ Reading is pure: a hostfile named by the command is read only when its text is p
 from __future__ import annotations
 
 import math
-from dataclasses import replace
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torsh.adapters import _cmdline
@@ -67,9 +67,21 @@ def _number(text: Any) -> Any:
     return text
 
 
-def Int(path: str, fidelity: Fidelity = Fidelity.EXACT, reason: str = "") -> Hook:  # noqa: N802 - a map value
+@dataclass(frozen=True)
+class Via(Hook):
+    """A map entry whose value is converted on its way to the core paths ``to`` (a number from text, a host list,
+    ``key=value`` pairs): the map still says where the key goes."""
+
+    to: tuple[str, ...] = ()
+
+
+def via(read: Callable[[Any, ReadContext, str], None], *to: str) -> Via:
+    return Via(read=read, to=to)
+
+
+def Int(path: str, fidelity: Fidelity = Fidelity.EXACT, reason: str = "") -> Via:  # noqa: N802 - a map value
     """A numeric option: digits become a number, ``$VAR`` stays verbatim."""
-    return Hook(read=lambda value, ctx, src: ctx.set(path, _number(value), src, fidelity, reason))
+    return via(lambda value, ctx, src: ctx.set(path, _number(value), src, fidelity, reason), path)
 
 
 def _nnodes(value: Any, ctx: ReadContext, path: str) -> None:
@@ -143,8 +155,8 @@ def _mpirun_map_by(value: Any, ctx: ReadContext, path: str) -> None:
                  value)  # fmt: skip
 
 
-def _switch(path: str, value: bool, reason: str = "") -> Hook:
-    return Hook(read=lambda v, ctx, src: ctx.set(path, value, src, reason=reason))
+def _switch(path: str, value: bool, reason: str = "") -> Via:
+    return via(lambda v, ctx, src: ctx.set(path, value, src, reason=reason), path)
 
 
 def _fusion_mb(value: Any, ctx: ReadContext, path: str) -> None:
@@ -175,8 +187,9 @@ def _no_ssh(value: Any, ctx: ReadContext, path: str) -> None:
              "launch.node_rank")  # fmt: skip
 
 
-def _local_rank_argv(flag: str | None, reason: str) -> Hook:
-    return Hook(read=lambda v, ctx, src: ctx.set("launch.local_rank_argv", flag, src, reason=reason))
+def _local_rank_argv(flag: str | None, reason: str) -> Via:
+    path = "launch.local_rank_argv"
+    return via(lambda v, ctx, src: ctx.set(path, flag, src, reason=reason), path)
 
 
 _KEEP = "no effect on what runs where; kept for a round trip to the same launcher"
@@ -188,16 +201,16 @@ FIELD_MAP = {
     # ---- every launcher
     "script": "launch.script",
     "script_args": "launch.script_args",
-    "env.*": Hook(read=_env),
+    "env.*": via(_env, "launch.env"),
     "launcher": Ignored("the launcher the command was written for; its own options are written back only to it"),
     "program": Ignored("the launcher's spelling; written back for the same launcher"),
     "wrapper": Ignored("a wrapper in front of the launcher (srun, nohup); written back for the same launcher"),
     "redirect": Ignored("a shell redirection; written back after every translated command"),
     "python": Ignored("the Python executable; written back where the launcher runs a command"),
     "python_flags": Ignored("flags of the Python interpreter; written back where the launcher runs a command"),
-    "hostfile_hosts": Hook(read=_hostfile_hosts),
+    "hostfile_hosts": via(_hostfile_hosts, "launch.hosts"),
     # ---- torchrun / python -m torch.distributed.run / .launch / tune run
-    "torchrun.nnodes": Hook(read=_nnodes),
+    "torchrun.nnodes": via(_nnodes, "launch.nnodes", "launch.max_nnodes"),
     "torchrun.nproc_per_node": Int("launch.nproc_per_node"),
     "torchrun.node_rank": Int("launch.node_rank"),
     "torchrun.master_addr": "launch.master_addr",
@@ -205,7 +218,7 @@ FIELD_MAP = {
     "torchrun.rdzv_backend": "launch.rdzv_backend",
     "torchrun.rdzv_endpoint": "launch.rdzv_endpoint",
     "torchrun.rdzv_id": "launch.rdzv_id",
-    "torchrun.rdzv_conf": Hook(read=_rdzv_conf),
+    "torchrun.rdzv_conf": via(_rdzv_conf, "launch.rdzv_conf"),
     "torchrun.standalone": "launch.standalone",
     "torchrun.max_restarts": Int("launch.max_restarts"),
     "torchrun.module": "launch.module",
@@ -243,9 +256,9 @@ FIELD_MAP = {
         "quiet")},
     # ---- horovodrun
     "horovodrun.num_proc": Int("launch.world_size"),
-    "horovodrun.hosts": Hook(read=_hosts),
+    "horovodrun.hosts": via(_hosts, "launch.hosts"),
     "horovodrun.hostfile": "launch.hostfile",
-    "horovodrun.fusion_threshold_mb": Hook(read=_fusion_mb),
+    "horovodrun.fusion_threshold_mb": via(_fusion_mb, "communication.fusion_threshold_bytes"),
     "horovodrun.cycle_time_ms": Int("communication.cycle_time_ms"),
     "horovodrun.hierarchical_allreduce": "communication.hierarchical_allreduce",
     "horovodrun.no_hierarchical_allreduce": _switch("communication.hierarchical_allreduce", False),
@@ -255,8 +268,9 @@ FIELD_MAP = {
     "horovodrun.timeline_mark_cycles": "monitoring.timeline.mark_cycles",
     "horovodrun.gloo_timeout_seconds": Int("communication.timeout_s", Fidelity.APPROXIMATE,
                                            "Horovod's Gloo context timeout; the process-group timeout is closest"),
-    "horovodrun.tcp": Hook(read=lambda v, ctx, src: ctx.set("launch.env.NCCL_IB_DISABLE", "1", src,
-                           Fidelity.APPROXIMATE, "NCCL_IB_DISABLE=1; horovodrun also limits MPI to TCP")),
+    "horovodrun.tcp": via(lambda v, ctx, src: ctx.set("launch.env.NCCL_IB_DISABLE", "1", src, Fidelity.APPROXIMATE,
+                                                      "NCCL_IB_DISABLE=1; horovodrun also limits MPI to TCP"),
+                          "launch.env.NCCL_IB_DISABLE"),
     "horovodrun.config_file": Unsupported("Horovod tunables in YAML: convert it with `torsh-migrate convert`"),
     **{f"horovodrun.{k}": Unsupported(_ELASTIC_HVD) for k in (
         "min_np", "max_np", "slots", "elastic_timeout", "reset_limit", "blacklist_cooldown_range",
@@ -275,9 +289,9 @@ FIELD_MAP = {
     "horovodrun.no_python": "launch.no_python",
     # ---- mpirun (Open MPI)
     "mpirun.np": Int("launch.world_size"),
-    "mpirun.hosts": Hook(read=_hosts),
+    "mpirun.hosts": via(_hosts, "launch.hosts"),
     "mpirun.hostfile": "launch.hostfile",
-    "mpirun.x": Hook(read=_mpirun_x),
+    "mpirun.x": via(_mpirun_x, "launch.env", "launch.forward_env", "launch.master_addr", "launch.master_port"),
     "mpirun.npernode": Int("launch.nproc_per_node"),
     "mpirun.map_by": Hook(read=_mpirun_map_by),
     "mpirun.mca": Ignored("an Open MPI transport setting; NCCL and Gloo do not use MPI's transports"),
@@ -297,7 +311,7 @@ FIELD_MAP = {
     "accelerate.max_restarts": Int("launch.max_restarts"),
     "accelerate.module": "launch.module",
     "accelerate.no_python": "launch.no_python",
-    "accelerate.gpu_ids": Hook(read=_gpu_ids),
+    "accelerate.gpu_ids": via(_gpu_ids, "launch.env.CUDA_VISIBLE_DEVICES"),
     "accelerate.config_file": Hook(read=lambda v, c, p: c.note(p, Fidelity.EXACT, "read: its process and machine "
                                    "counts, its master address and the environment accelerate launch gives the "
                                    "processes are carried (the file is opened from the working directory, as "

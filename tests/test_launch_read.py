@@ -247,3 +247,14 @@ def test_the_scripts_own_arguments_are_written_back_quoted():
         assert line.endswith('--config ${CONFIG} "$@"'), target
         assert launch.read(line).result.launch.script_args == ["--config", "${CONFIG}", "$@"], target
     assert _cmdline.quote("${@:3}") == '"${@:3}"' and _cmdline.quote("$NGPU") == "$NGPU"
+
+
+def test_the_map_says_where_each_converted_option_goes():
+    """Options whose value is converted (numbers, host lists, key=value pairs) still name their core paths; the
+    hooks left are keys that set no core field (notes only)."""
+    from torsh.translate import Hook
+
+    for key, rule in launch.FIELD_MAP.items():
+        if isinstance(rule, Hook) and key not in ("deepspeed.no_ssh", "mpirun.map_by", "accelerate.config_file"):
+            assert rule.to and all(p.startswith(("launch.", "communication.")) for p in rule.to), key
+    assert launch.FIELD_MAP["torchrun.nnodes"].to == ("launch.nnodes", "launch.max_nnodes")
