@@ -125,6 +125,7 @@ _REPEATABLE = {("mpirun", "x"), ("mpirun", "mca"), ("horovodrun", "network_inter
 _PYTHON = re.compile(r"^(.*/)?python(\d+(\.\d+)?)?$")
 _ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")
 _REDIRECT = re.compile(r"^(\d*>>?|&>>?|\d*>&\d*|<(?![^<>\s]*>)|\||\|\||&&|;|&)")
+_ALL_ARGUMENTS = re.compile(r"^\$(@|\{@[^{}]*\})$")
 _SAFE = re.compile(r"^([\w@%+=:,./{}$-]+|<[^<>\s]+>)$")
 _PYTHON_OPTS_WITH_VALUE = {"-W", "-X"}
 
@@ -166,7 +167,10 @@ def _protect_substitutions(text: str) -> str:
 
 
 def quote(token: str) -> str:
-    """Quote one argument for a POSIX shell, leaving ``$VAR`` / ``${VAR}`` expandable and ``<placeholder>`` as is."""
+    """Quote one argument for a POSIX shell, leaving ``$VAR`` / ``${VAR}`` expandable and ``<placeholder>`` as is;
+    the script's own arguments (``$@``, ``${@:2}``) are written ``"$@"``, which passes each one unsplit."""
+    if _ALL_ARGUMENTS.match(token):
+        return f'"{token}"'
     if _SAFE.match(token):
         return token
     if "$" in token and not re.search(r'["\\`]', token):
@@ -179,32 +183,51 @@ def join(tokens: Sequence[str]) -> str:
     return " ".join(quote(t) for t in tokens)
 
 
+#: Launcher programs: executable name -> (launcher, second token it needs or "", program spelling).
+_PROGRAMS = {"torchrun": ("torchrun", "", "torchrun"), "deepspeed": ("deepspeed", "", "deepspeed"),
+             "horovodrun": ("horovodrun", "", "horovodrun"), "mpirun": ("mpirun", "", "mpirun"),
+             "mpiexec": ("mpirun", "", "mpiexec"), "orterun": ("mpirun", "", "orterun"),
+             "tune": ("torchrun", "run", "tune run"), "accelerate": ("accelerate", "launch", "accelerate launch")}
+#: Launchers run as a Python module: ``python -m <module>``.
+_MODULES = {"torch.distributed.run": "torchrun", "torch.distributed.launch": "torchrun",
+            "deepspeed.launcher.runner": "deepspeed"}
+
+
 def _find_launcher(tokens: list[str]) -> tuple[int, int, str, str]:
     """(start, end) of the launcher's program tokens, the launcher name and its program spelling."""
     for i, tok in enumerate(tokens):
-        base = tok.rsplit("/", 1)[-1]
-        if base == "torchrun":
-            return i, i + 1, "torchrun", "torchrun"
-        if base in ("deepspeed", "horovodrun"):
-            return i, i + 1, base, base
-        if base in ("mpirun", "mpiexec", "orterun"):
-            return i, i + 1, "mpirun", base
-        if base == "tune" and tokens[i + 1:i + 2] == ["run"]:
-            return i, i + 2, "torchrun", "tune run"
-        if base == "accelerate" and tokens[i + 1:i + 2] == ["launch"]:
-            return i, i + 2, "accelerate", "accelerate launch"
-        if _PYTHON.match(tok):
-            j = i + 1
-            while j < len(tokens) and tokens[j].startswith("-") and tokens[j] != "-m":
-                j += 2 if tokens[j] in _PYTHON_OPTS_WITH_VALUE else 1
-            if tokens[j:j + 1] == ["-m"] and j + 1 < len(tokens):
-                module = tokens[j + 1]
-                if module in ("torch.distributed.run", "torch.distributed.launch"):
-                    return i, j + 2, "torchrun", f"python -m {module}"
-                if module == "deepspeed.launcher.runner":
-                    return i, j + 2, "deepspeed", "python -m deepspeed.launcher.runner"
+        found = _program_at(tokens, i) or (_module_at(tokens, i) if _PYTHON.match(tok) else None)
+        if found:
+            return (i, *found)
     raise ConfigError([Problem("command", " ".join(tokens), "no launcher found; expected torchrun, python -m "
                                "torch.distributed.run/launch, deepspeed, horovodrun, mpirun or accelerate launch")])
+
+
+def _program_at(tokens: list[str], i: int) -> tuple[int, str, str] | None:
+    """A launcher's executable at ``tokens[i]`` (with its sub-command): (end, launcher, program)."""
+    entry = _PROGRAMS.get(tokens[i].rsplit("/", 1)[-1])
+    if entry is None:
+        return None
+    launcher, second, program = entry
+    if not second:
+        return i + 1, launcher, program
+    return (i + 2, launcher, program) if tokens[i + 1:i + 2] == [second] else None
+
+
+def _module_at(tokens: list[str], i: int) -> tuple[int, str, str] | None:
+    """``python [flags] -m <launcher module>`` at ``tokens[i]``: (end, launcher, program)."""
+    j = _after_python_flags(tokens, i + 1)
+    if tokens[j:j + 1] != ["-m"] or j + 1 >= len(tokens) or tokens[j + 1] not in _MODULES:
+        return None
+    module = tokens[j + 1]
+    return j + 2, _MODULES[module], f"python -m {module}"
+
+
+def _after_python_flags(tokens: list[str], j: int) -> int:
+    """The index after the Python interpreter's own flags (up to ``-m`` or the script)."""
+    while j < len(tokens) and tokens[j].startswith("-") and tokens[j] != "-m":
+        j += 2 if tokens[j] in _PYTHON_OPTS_WITH_VALUE else 1
+    return j
 
 
 def parse(raw: str | Sequence[str]) -> dict[str, Any]:
@@ -239,6 +262,7 @@ def parse(raw: str | Sequence[str]) -> dict[str, Any]:
 
 
 def _parse_options(launcher: str, args: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """The launcher's options (by argparse dest) and the positional rest, which starts with the script."""
     table = LAUNCHER_FLAGS[launcher]
     options: dict[str, Any] = {}
     i = 0
@@ -249,28 +273,34 @@ def _parse_options(launcher: str, args: list[str]) -> tuple[dict[str, Any], list
         name, eq, inline = arg.partition("=")
         key = _normalise(launcher, name)
         if key not in table:
-            known = sorted(table)
             raise ConfigError([Problem(f"{launcher} {name}", arg, f"unknown {launcher} option",
-                                       did_you_mean(key, known))], source="launch")  # fmt: skip
+                                       did_you_mean(key, sorted(table)))], source="launch")  # fmt: skip
         dest, nargs = table[key]
-        if nargs == 0:
-            value: Any = True
-            i += 1
-        elif eq:
-            value, i = inline, i + 1
-        else:
-            if i + nargs >= len(args):
-                raise ConfigError([Problem(f"{launcher} {name}", None, f"expects {nargs} value(s)")], source="launch")
-            value = args[i + 1] if nargs == 1 else args[i + 1:i + 1 + nargs]
-            i += 1 + nargs
-        if (launcher, dest) in _REPEATABLE:
-            options.setdefault(dest, []).append(value)
-        elif dest in options and options[dest] != value:
-            raise ConfigError([Problem(f"{launcher} {name}", value, f"given twice ({options[dest]!r} and "
-                                       f"{value!r}); keep one")], source="launch")  # fmt: skip
-        else:
-            options[dest] = value
+        value, i = _option_value(args, i, nargs, inline if eq else None, f"{launcher} {name}")
+        _store(options, launcher, dest, value, f"{launcher} {name}")
     return options, []
+
+
+def _option_value(args: list[str], i: int, nargs: int, inline: str | None, where: str) -> tuple[Any, int]:
+    """The value of the option at ``args[i]`` (True for a switch) and the index after it."""
+    if nargs == 0:
+        return True, i + 1
+    if inline is not None:
+        return inline, i + 1
+    if i + nargs >= len(args):
+        raise ConfigError([Problem(where, None, f"expects {nargs} value(s)")], source="launch")
+    return (args[i + 1] if nargs == 1 else args[i + 1:i + 1 + nargs]), i + 1 + nargs
+
+
+def _store(options: dict[str, Any], launcher: str, dest: str, value: Any, where: str) -> None:
+    """Keep an option's value: a repeatable option collects them; another given twice must agree."""
+    if (launcher, dest) in _REPEATABLE:
+        options.setdefault(dest, []).append(value)
+    elif dest in options and options[dest] != value:
+        raise ConfigError([Problem(where, value, f"given twice ({options[dest]!r} and {value!r}); keep one")],
+                          source="launch")  # fmt: skip
+    else:
+        options[dest] = value
 
 
 def _normalise(launcher: str, name: str) -> str:
@@ -287,25 +317,25 @@ def _split_script(launcher: str, options: dict[str, Any], positional: list[str],
     if not positional:
         raise ConfigError([Problem(f"{launcher}", None, "no training script after the launcher's options")],
                           source="launch")  # fmt: skip
-    if launcher in ("horovodrun", "mpirun"):
-        if _PYTHON.match(positional[0]):
-            j = 1
-            flags = []
-            while j < len(positional) and positional[j].startswith("-") and positional[j] != "-m":
-                step = 2 if positional[j] in _PYTHON_OPTS_WITH_VALUE else 1
-                flags += positional[j:j + step]
-                j += step
-            if flags:
-                out["python_flags"] = flags
-            if positional[j:j + 1] == ["-m"]:
-                options["module"] = True
-                j += 1
-            if positional[0] != "python":
-                out["python"] = positional[0]
-            positional = positional[j:]
-            if not positional:
-                raise ConfigError([Problem(launcher, None, "python is run without a script")], source="launch")
-        else:
-            options["no_python"] = True
+    if launcher in ("horovodrun", "mpirun") and not _PYTHON.match(positional[0]):
+        options["no_python"] = True
+    elif launcher in ("horovodrun", "mpirun"):
+        positional = _python_command(launcher, options, positional, out)
     out["script"] = positional[0]
     out["script_args"] = list(positional[1:])
+
+
+def _python_command(launcher: str, options: dict[str, Any], positional: list[str], out: dict[str, Any]) -> list[str]:
+    """``python [flags] [-m] script ...`` run by horovodrun/mpirun: the interpreter and its flags are kept, the
+    script and its arguments returned."""
+    j = _after_python_flags(positional, 1)
+    if j > 1:
+        out["python_flags"] = positional[1:j]
+    if positional[j:j + 1] == ["-m"]:
+        options["module"] = True
+        j += 1
+    if positional[0] != "python":
+        out["python"] = positional[0]
+    if not positional[j:]:
+        raise ConfigError([Problem(launcher, None, "python is run without a script")], source="launch")
+    return positional[j:]

@@ -21,7 +21,7 @@ from torsh.errors import ConfigError, Problem
 
 _LINE = re.compile(
     r"^(?P<host>[^\s:=#]+)(?::(?P<colon>\d+)|\s+slots\s*=\s*(?P<slots>\d+)(?:\s+max_slots\s*=\s*\d+)?)?$")
-_HOST_LIST_ITEM = re.compile(r"^(?P<host>[^\s:,]+)(?::(?P<slots>\d+))?$")
+_HOST_LIST_ITEM = re.compile(r"^(?P<host>[^\s:,]+)(?::(?P<slots>\d+|\$\w+|\$\{[^{}]+\}))?$")
 
 
 @dataclass(frozen=True)
@@ -65,15 +65,15 @@ def parse_hostfile(text: str, *, source: str = "hostfile") -> list[tuple[str, in
     return hosts
 
 
-def parse_host_list(text: str, *, source: str = "-H") -> list[tuple[str, int | None]]:
-    """Horovod / Open MPI ``-H host1:4,host2:4`` (slots optional)."""
+def parse_host_list(text: str, *, source: str = "-H") -> list[tuple[str, int | str | None]]:
+    """Horovod / Open MPI ``-H host1:4,host2:4`` (slots optional; a shell variable ``host:$N`` stays text)."""
     hosts: list[tuple[str, int | None]] = []
     for item in text.split(","):
         match = _HOST_LIST_ITEM.match(item.strip())
         if not match:
             raise ConfigError([Problem(source, text, f"cannot read host entry {item!r}; expected host[:slots]")])
         slots = match.group("slots")
-        hosts.append((match.group("host"), int(slots) if slots is not None else None))
+        hosts.append((match.group("host"), int(slots) if slots is not None and slots.isdigit() else slots))
     names = [h for h, _ in hosts]
     repeated = sorted({h for h in names if names.count(h) > 1})
     if repeated:
@@ -109,45 +109,72 @@ def resolve_nodes(hosts: list[tuple[str, int | None]], *, include: str | None = 
     """The nodes a launcher starts processes on, following DeepSpeed's rules for filters and Horovod/MPI's
     for ``-np`` (fill hosts in order, up to their slots). Raises ConfigError for impossible requests."""
     pool = {h: list(range(s)) if s is not None else None for h, s in hosts}
-    for flag, text in (("--include", include), ("--exclude", exclude)):
-        if not text:
-            continue
-        spec = parse_node_spec(text, source=f"launch.{flag[2:]}")
-        for host, slots in spec.items():
-            if host not in pool:
-                raise ConfigError([Problem(f"launch.{flag[2:]}", text, f"host {host} is not in the hostfile "
-                                           f"({', '.join(pool) or 'no hosts given'})")])  # fmt: skip
-            known = pool[host]
-            missing = [s for s in slots if known is not None and s not in known]
-            if missing:
-                raise ConfigError([Problem(f"launch.{flag[2:]}", text, f"{host} has no slot(s) {missing}")])
-        if flag == "--include":
-            pool = {h: (spec[h] or pool[h]) for h in pool if h in spec}
-        else:
-            pool = {h: ([] if not spec[h] else [s for s in pool[h] or [] if s not in spec[h]]) if h in spec
-                    else pool[h] for h in pool}  # fmt: skip
-            pool = {h: s for h, s in pool.items() if s is None or s}
+    for flag, text in (("include", include), ("exclude", exclude)):
+        if text:
+            pool = _filtered(pool, flag, text)
     items = list(pool.items())
     if num_nodes is not None:
         if num_nodes > len(items):
             raise ConfigError([Problem("launch.nnodes", num_nodes, f"only {len(items)} host(s) are available")])
         items = items[:num_nodes]
+    return _fill(items, nproc_per_node, world_size)
+
+
+def _filtered(pool: dict[str, list[int] | None], flag: str, text: str) -> dict[str, list[int] | None]:
+    """DeepSpeed's --include (only these hosts / slots) or --exclude (all but these) applied to host -> slots."""
+    spec = parse_node_spec(text, source=f"launch.{flag}")
+    for host, slots in spec.items():
+        _check_known(pool, host, slots, flag, text)
+    if flag == "include":
+        return {h: (spec[h] or pool[h]) for h in pool if h in spec}
+    left = {h: _without(pool[h], spec[h]) if h in spec else pool[h] for h in pool}
+    return {h: s for h, s in left.items() if s is None or s}
+
+
+def _check_known(pool: dict[str, list[int] | None], host: str, slots: list[int], flag: str, text: str) -> None:
+    if host not in pool:
+        raise ConfigError([Problem(f"launch.{flag}", text, f"host {host} is not in the hostfile "
+                                   f"({', '.join(pool) or 'no hosts given'})")])  # fmt: skip
+    missing = [s for s in slots if pool[host] is not None and s not in pool[host]]
+    if missing:
+        raise ConfigError([Problem(f"launch.{flag}", text, f"{host} has no slot(s) {missing}")])
+
+
+def _without(slots: list[int] | None, excluded: list[int]) -> list[int]:
+    """A host's slots less the excluded ones (all of them when none are named)."""
+    return [] if not excluded else [s for s in slots or [] if s not in excluded]
+
+
+def _per_host(slots: list[int] | None, nproc_per_node: int | None, even: int | None, remaining: int | None
+              ) -> int | None:  # fmt: skip
+    """One host's process count: the per-node count, its slots or an even share, capped by what -np leaves."""
+    count = nproc_per_node if nproc_per_node is not None else (len(slots) if slots is not None else even)
+    if remaining is None:
+        return count
+    return remaining if count is None else min(count, remaining)
+
+
+def _devices(slots: list[int] | None, count: int) -> tuple[int, ...] | None:
+    """The device ids of a host's first ``count`` slots; None when they are the first ids (nothing to select)."""
+    return tuple(slots[:count]) if slots is not None and slots != list(range(len(slots))) else None
+
+
+def _fill(items: list[tuple[str, list[int] | None]], nproc_per_node: int | None, world_size: int | None
+          ) -> list[Node]:  # fmt: skip
+    """Processes per host: the per-node count or the host's slots, up to ``world_size`` in host order."""
     nodes = []
     remaining = world_size
     # Hosts without slots share -np evenly (Open MPI gives a bare -H entry one slot; -np N over N hosts).
     even = world_size // len(items) if world_size and items and world_size % len(items) == 0 else None
     for host, slots in items:
-        count = nproc_per_node if nproc_per_node is not None else (len(slots) if slots is not None else even)
-        if remaining is not None:
-            count = remaining if count is None else min(count, remaining)
-            remaining -= count
+        count = _per_host(slots, nproc_per_node, even, remaining)
+        remaining = None if remaining is None else remaining - count
         if count is None:
             raise ConfigError([Problem("launch.hosts", host, "the number of processes on this host is unknown; "
                                        "give slots in the hostfile or a process count")])  # fmt: skip
         if count <= 0:
             break
-        devices = tuple(slots[:count]) if slots is not None and slots != list(range(len(slots))) else None
-        nodes.append(Node(host, count, devices))
+        nodes.append(Node(host, count, _devices(slots, count)))
     if remaining:
         raise ConfigError([Problem("launch.world_size", world_size, "more processes than slots: "
                                    f"{world_size - remaining} slot(s) on {', '.join(h for h, _ in items)}")])

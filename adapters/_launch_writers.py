@@ -15,13 +15,11 @@ from typing import Any
 
 from torsh.adapters import _cmdline
 from torsh.adapters._hostfile import Node, format_host_list, format_hostfile, resolve_nodes
+from torsh.concepts.launch import DEFAULT_NPROC, DEFAULT_PORT, shell_references, worker_env
 from torsh.config import LaunchConfig, TorshConfig, get_path, iter_leaves
 from torsh.errors import ConfigError, Problem
 from torsh.translate import Fidelity, Note
 
-DEFAULT_PORT = 29500
-_DEFAULT_NPROC = {"torchrun": "1 per node", "deepspeed": "one per visible GPU", "horovodrun": "-np is required",
-                  "mpirun": "one per slot"}  # fmt: skip
 _LAUNCH_DEFAULTS = dict(iter_leaves(LaunchConfig().model_dump()))
 _LOCAL_RANK_FIX = ("make the script read the LOCAL_RANK variable, or accept every spelling with "
                    "torsh.launch_args.add_local_rank_argument(parser)")  # fmt: skip
@@ -79,32 +77,45 @@ class Plan:
 def plan(launch: LaunchConfig) -> Plan:
     """Which nodes run how many processes, following the launchers' own rules."""
     hosts = [(h.name, h.slots) for h in launch.hosts]
-    concrete = all(v is None or isinstance(v, int) for v in (launch.nnodes, launch.world_size)) and (
-        launch.nproc_per_node is None or isinstance(launch.nproc_per_node, int))
-    symbolic = Plan(None, launch.nnodes, launch.nproc_per_node, launch.world_size)
-    if symbolic.nproc is None and symbolic.world_size is not None and launch.nnodes in (None, 1) and not hosts:
-        symbolic.nproc = symbolic.world_size
-    if not concrete:
-        return symbolic
-    if not hosts and (launch.include or launch.exclude):
-        hosts = [(h, None) for h in _filter_hosts(launch.include or launch.exclude)]
-        if launch.exclude:
-            return symbolic
-    if hosts:
-        if launch.nproc_per_node is None and launch.world_size is None and any(s is None for _, s in hosts) and not (
-                launch.include and all(":" in part for part in launch.include.split("@"))):
-            return symbolic
-        nodes = resolve_nodes(hosts, include=launch.include, exclude=launch.exclude, num_nodes=launch.nnodes,
-                              nproc_per_node=launch.nproc_per_node, world_size=launch.world_size)
-        return Plan(nodes, len(nodes), _uniform(nodes), sum(n.nproc for n in nodes))
+    symbolic = _symbolic_plan(launch, hosts)
+    if not all(v is None or isinstance(v, int) for v in (launch.nnodes, launch.world_size, launch.nproc_per_node)):
+        return symbolic  # a shell variable or gpu/auto/cpu: known when the command runs
+    if not hosts and launch.exclude:
+        return symbolic  # all hosts but some, and the hosts are not known
+    if not hosts and launch.include:
+        hosts = [(h, None) for h in _filter_hosts(launch.include)]
+    return (_host_plan(launch, hosts) if hosts else _unnamed_plan(launch)) or symbolic
+
+
+def _unnamed_plan(launch: LaunchConfig) -> Plan | None:
+    """Nodes that are not named (torchrun): the same process count on each (None when it is not known)."""
     nnodes = launch.nnodes or 1
     if isinstance(launch.nproc_per_node, int):
         nodes = [Node(None, launch.nproc_per_node)] * nnodes
     elif launch.world_size is not None and launch.world_size % nnodes == 0:
         nodes = [Node(None, launch.world_size // nnodes)] * nnodes
     else:
-        return symbolic
+        return None
     return Plan(nodes, nnodes, nodes[0].nproc, sum(n.nproc for n in nodes))
+
+
+def _symbolic_plan(launch: LaunchConfig, hosts: list) -> Plan:
+    """The counts as written (shell variables, gpu); on one node the world size is its process count."""
+    symbolic = Plan(None, launch.nnodes, launch.nproc_per_node, launch.world_size)
+    one_host = not hosts or (len(hosts) == 1 and not shell_references(hosts[0][0]))
+    if symbolic.nproc is None and symbolic.world_size is not None and launch.nnodes in (None, 1) and one_host:
+        symbolic.nproc = symbolic.world_size
+    return symbolic
+
+
+def _host_plan(launch: LaunchConfig, hosts: list) -> Plan | None:
+    """The nodes of named hosts (None when their process counts are left to the launcher)."""
+    if launch.nproc_per_node is None and launch.world_size is None and any(s is None for _, s in hosts) and not (
+            launch.include and all(":" in part for part in launch.include.split("@"))):
+        return None
+    nodes = resolve_nodes(hosts, include=launch.include, exclude=launch.exclude, num_nodes=launch.nnodes,
+                          nproc_per_node=launch.nproc_per_node, world_size=launch.world_size)
+    return Plan(nodes, len(nodes), _uniform(nodes), sum(n.nproc for n in nodes))
 
 
 def _filter_hosts(spec: str) -> list[str]:
@@ -140,37 +151,37 @@ class _Writer:
 
     def finish(self, argv_per_node: list[NodeCommand], files: dict[str, str] | None = None) -> LaunchCommand:
         """Account for every remaining field and extension, and build the LaunchCommand."""
-        self._extensions()
+        self.notes += [note for key, value in self.ext.items() if (note := self._extension(key, value))]
         self._remaining()
-        same = self.ext.get("program") is not None and _launcher_of(self.ext) == self.target
-        wrapper = self.ext.get("wrapper", "") if _launcher_of(self.ext) == self.target else ""
-        redirect = self.ext.get("redirect", "")
-        if same and argv_per_node:
+        same_launcher = _launcher_of(self.ext) == self.target
+        wrapper = self.ext.get("wrapper", "") if same_launcher else ""
+        if same_launcher and self.ext.get("program") is not None:  # the source's spelling of this launcher
             program = self.ext["program"].split()
             argv_per_node = [NodeCommand(c.host, (*program, *c.argv[1:]), c.env) for c in argv_per_node]
         lines = []
         for cmd in argv_per_node:
-            if len(argv_per_node) > 1 or (cmd.host and self.target in ("torchrun",)):
+            if len(argv_per_node) > 1 or (cmd.host and self.target == "torchrun"):
                 lines.append(f"# on {cmd.host or 'each node'}")
-            lines.append(cmd.shell(wrapper, redirect))
+            lines.append(cmd.shell(wrapper, self.ext.get("redirect", "")))
         return LaunchCommand("\n".join(lines), launcher=self.target, commands=tuple(argv_per_node), files=files)
 
-    def _extensions(self) -> None:
-        for key, value in self.ext.items():
-            path = f"extensions.launch.{key}"
-            if key == "launcher":
-                self.notes.append(Note(path, None, value, Fidelity.IGNORED, "the source launcher"))
-            elif key in ("program", "wrapper"):
-                kept = _launcher_of(self.ext) == self.target
-                self.notes.append(Note(path, key if kept else None, value, Fidelity.EXACT if kept else Fidelity.DROPPED,
-                                       "" if kept else f"belongs to the source launcher, not {self.target}"))
-            elif key == "redirect" or self.target in ("horovodrun", "mpirun"):
-                self.notes.append(Note(path, key, value, Fidelity.EXACT))
-            elif key in ("python", "python_flags"):
-                self.notes.append(Note(path, None, value, Fidelity.DROPPED, f"{self.target} starts Python itself"))
-            elif key.split(".")[0] != self.target:
-                self.notes.append(Note(path, None, value, Fidelity.DROPPED, f"a {key.split('.')[0]} option with no "
-                                       f"{self.target} counterpart"))  # fmt: skip
+    def _extension(self, key: str, value: Any) -> Note | None:
+        """What becomes of a kept part of the source command (None: written back by option_flags)."""
+        path = f"extensions.launch.{key}"
+        if key == "launcher":
+            return Note(path, None, value, Fidelity.IGNORED, "the source launcher")
+        if key in ("program", "wrapper"):
+            if _launcher_of(self.ext) == self.target:
+                return Note(path, key, value, Fidelity.EXACT, "")
+            return Note(path, None, value, Fidelity.DROPPED, f"belongs to the source launcher, not {self.target}")
+        if key == "redirect" or self.target in ("horovodrun", "mpirun"):
+            return Note(path, key, value, Fidelity.EXACT)
+        if key in ("python", "python_flags"):
+            return Note(path, None, value, Fidelity.DROPPED, f"{self.target} starts Python itself")
+        source = key.split(".")[0]
+        if source != self.target:
+            return Note(path, None, value, Fidelity.DROPPED, f"a {source} option with no {self.target} counterpart")
+        return None
 
     def _remaining(self) -> None:
         data = self.cfg.model_dump(exclude={"extensions"})
@@ -193,20 +204,10 @@ class _Writer:
         flags = []
         for key, value in self.ext.items():
             launcher, _, dest = key.partition(".")
-            if launcher != self.target or dest not in table:
-                continue
-            spelling = table[dest]
-            for item in value if isinstance(value, list) and dest in ("x", "mca", "network_interface") else [value]:
-                if item is True:
-                    flags.append(spelling)
-                elif isinstance(item, list):
-                    flags += [spelling, *map(str, item)]
-                elif str(item).startswith("-") and spelling.startswith("--"):
-                    # a value that looks like an option (--mpi-args="-gpu") must be joined with "=", or the
-                    # launcher's argparse takes it for a flag and refuses the line
-                    flags.append(f"{spelling}={item}")
-                else:
-                    flags += [spelling, str(item)]
+            if launcher == self.target and dest in table:
+                repeated = isinstance(value, list) and dest in ("x", "mca", "network_interface")
+                for item in value if repeated else [value]:
+                    flags += _spelled(table[dest], item)
         return flags
 
     def script(self, run_python: bool) -> list[str]:
@@ -236,6 +237,19 @@ class _Writer:
         had = f"the script received {wanted}=N" if wanted else "the script read LOCAL_RANK"
         self.notes.append(Note("launch.local_rank_argv", None, wanted, Fidelity.APPROXIMATE, f"{had}; {got}: {fix}"))
 
+    def hosts_unknown_here(self) -> bool:
+        """Hosts held in a shell variable (``-H $HOSTS``): noted as unsupported for a launcher that must list them
+        (with the process count, which cannot be split over them either)."""
+        names = [h.name for h in self.launch.hosts if shell_references(h.name)]
+        if not names:
+            return False
+        self.note("launch.hosts", Fidelity.UNSUPPORTED, f"the hosts are in {', '.join(names)}, known only when the "
+                  f"script runs; {self.target} needs each host (and its process count) written out")
+        if self.plan.nproc is None and self.launch.world_size is not None:
+            self.note("launch.world_size", Fidelity.UNSUPPORTED, f"{self.target} counts processes per node: the "
+                      "process count cannot be split over hosts that are not known here")
+        return True
+
     def devices_env(self, nodes: list[Node] | None) -> dict[str, str] | None:
         """CUDA_VISIBLE_DEVICES when every node uses the same device subset; None when they differ."""
         sets = {n.devices for n in nodes or []}
@@ -254,6 +268,19 @@ class _Writer:
         self.done |= {"launch.env", "launch.forward_env"}
 
 
+def _spelled(spelling: str, item: Any) -> list[str]:
+    """One kept option with its value: a switch alone, a value (or several) after it."""
+    if item is True:
+        return [spelling]
+    if isinstance(item, list):
+        return [spelling, *map(str, item)]
+    if str(item).startswith("-") and spelling.startswith("--"):
+        # a value that looks like an option (--mpi-args="-gpu") must be joined with "=", or the launcher's argparse
+        # takes it for a flag and refuses the line
+        return [f"{spelling}={item}"]
+    return [spelling, str(item)]
+
+
 def _launcher_of(ext: Mapping[str, Any]) -> str | None:
     """The launcher a config was read from (kept in ``extensions.launch.launcher``)."""
     return ext.get("launcher")
@@ -264,92 +291,178 @@ def _port(w: _Writer) -> tuple[Any, Any]:
     L = w.launch
     addr, port = L.master_addr, L.master_port
     if L.rdzv_endpoint and (addr is None or port is None):
-        host, _, rport = L.rdzv_endpoint.rpartition(":") if ":" in L.rdzv_endpoint else (L.rdzv_endpoint, "", "")
+        host, endpoint_port = _endpoint(L.rdzv_endpoint)
         addr = addr or host
-        port = port if port is not None else (int(rport) if rport.isdigit() else (rport or None))
-        port = None if port == 0 else port  # c10d's "any free port"; a static rendezvous needs a real one
+        port = endpoint_port if port is None else None if port == 0 else port
     if addr is None and w.plan.nodes and w.plan.nodes[0].host:
         addr = w.plan.nodes[0].host
     return addr, port
+
+
+def _endpoint(endpoint: str) -> tuple[str, Any]:
+    """A rendezvous endpoint's host and port (None for none, or for c10d's 0 = any free port: a static rendezvous
+    needs a real one)."""
+    host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "")
+    number = int(port) if port.isdigit() else (port or None)
+    return host, None if number == 0 else number
 
 
 # --------------------------------------------------------------------------------------------------
 # the four writers
 
 
+@dataclass(frozen=True)
+class Option:
+    """A core field a launcher takes as one option: ``--flag=value``, or ``--flag`` alone for a switch."""
+
+    path: str
+    flag: str
+    spell: Callable[[Any], Any] | None = str
+    """How the value is written; None: a switch, written when the field is true."""
+    fidelity: Fidelity = Fidelity.EXACT
+    reason: str = ""
+    needs: str = ""
+    """A core field that must be set too (a timeline's mark_cycles needs its filename)."""
+
+
+def _whole_mib(value: int) -> Any:
+    return int(round(value / (1024 * 1024)))
+
+
+#: The core fields each launcher takes as one option each, in the order they are written.
+_TORCHRUN_OPTIONS = (Option("launch.rdzv_backend", "--rdzv-backend"), Option("launch.rdzv_endpoint", "--rdzv-endpoint"),
+                     Option("launch.rdzv_id", "--rdzv-id"),
+                     Option("launch.rdzv_conf", "--rdzv-conf", lambda conf: ",".join(f"{k}={v}" for k, v in
+                                                                                    conf.items())),
+                     Option("launch.max_restarts", "--max-restarts"))  # fmt: skip
+_HOROVODRUN_OPTIONS = (
+    Option("communication.fusion_threshold_bytes", "--fusion-threshold-mb", _whole_mib),
+    Option("communication.cycle_time_ms", "--cycle-time-ms", lambda ms: f"{ms:g}"),
+    Option("communication.hierarchical_allreduce", "--hierarchical-allreduce", None),
+    Option("communication.hierarchical_allgather", "--hierarchical-allgather", None),
+    Option("communication.timeout_s", "--gloo-timeout-seconds", int, Fidelity.APPROXIMATE, "Horovod's Gloo timeout"),
+    Option("monitoring.timeline.filename", "--timeline-filename"),
+    Option("monitoring.timeline.mark_cycles", "--timeline-mark-cycles", None, needs="monitoring.timeline.filename"),
+)  # fmt: skip
+
+
+def _options(w: _Writer, table: tuple[Option, ...]) -> list[str]:
+    """The options of ``table`` whose core fields are set, each noted."""
+    args = []
+    for option in table:
+        value = get_path(w.cfg, option.path)
+        if value in (None, "", {}) or (option.spell is None and not value) or (
+                option.needs and not get_path(w.cfg, option.needs)):
+            continue
+        args.append(option.flag if option.spell is None else f"{option.flag}={option.spell(value)}")
+        fidelity, reason = option.fidelity, option.reason
+        if option.spell is _whole_mib and value % (1024 * 1024):
+            fidelity, reason = Fidelity.APPROXIMATE, "whole MiB"
+        w.note(option.path, fidelity, reason, option.flag)
+    return args
+
+
 def write_torchrun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
+    """One torchrun command per node (or one for every node when they run the same line)."""
     w = _Writer(cfg, "torchrun")
-    L, p = cfg.launch, w.plan
-    common: list[str] = []
+    L = cfg.launch
     dynamic = L.rdzv_backend not in (None, "static")
-    if L.standalone:
-        common.append("--standalone")
-        w.note("launch.standalone", Fidelity.EXACT, target="--standalone")
-    nnodes = p.nnodes if p.nodes is None else len(p.nodes)
-    if L.max_nnodes is not None:
-        nnodes = f"{nnodes}:{L.max_nnodes}"
-        w.note("launch.max_nnodes", Fidelity.EXACT, target="--nnodes")
+    standalone, nnodes = _torchrun_counts(w)
     addr, port = _port(w)
-    for key, flag in (("rdzv_backend", "--rdzv-backend"), ("rdzv_endpoint", "--rdzv-endpoint"),
-                      ("rdzv_id", "--rdzv-id")):  # fmt: skip
-        if getattr(L, key) is not None:
-            common.append(f"{flag}={getattr(L, key)}")
-            w.note(f"launch.{key}", Fidelity.EXACT, target=flag)
-    if L.rdzv_conf:
-        common.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in L.rdzv_conf.items()))
-        w.note("launch.rdzv_conf", Fidelity.EXACT, target="--rdzv-conf")
-    if L.max_restarts is not None:
-        common.append(f"--max-restarts={L.max_restarts}")
-        w.note("launch.max_restarts", Fidelity.EXACT, target="--max-restarts")
-    common += w.option_flags()
-    common += ["-m"] if L.module else ["--no-python"] if L.no_python else []
+    common = standalone + _torchrun_common(w)
     legacy = w.ext.get("program") == "python -m torch.distributed.launch"
-    if legacy and L.local_rank_argv is None:
-        common.append("--use-env")
+    unknown_hosts = w.hosts_unknown_here()
     _topology_notes(w, "--nnodes/--nproc-per-node")
     w.env_notes("environment", "set in front of torchrun; workers inherit it")
     w.local_rank("--local-rank" if legacy and L.local_rank_argv is not None else None)
     script = w.script(run_python=False)
     _filter_note(w, per_node_devices=True)
-    if L.node_rank is not None:  # the source runs one command per node (deepspeed --no_ssh): so do we
-        if nnodes is None:
-            nnodes = len(L.hosts) if L.hosts else "$NNODES"
-            if not L.hosts:
-                w.notes.append(Note("launch.node_rank", "--nnodes", L.node_rank, Fidelity.APPROXIMATE,
-                                    "the node count is in the hostfile, which was not given: set NNODES"))
-        node = p.nodes[L.node_rank] if p.nodes and isinstance(L.node_rank, int) and L.node_rank < len(p.nodes) \
-            else None
-        ranks = [(L.node_rank, node)]
-    elif p.nodes is not None and len(p.nodes) > 1 and all(n.host for n in p.nodes) and (
-            not dynamic or _uniform(p.nodes) is None or any(n.devices for n in p.nodes)):
-        ranks = list(enumerate(p.nodes))
-    else:
-        ranks = [("$NODE_RANK" if nnodes not in (None, 1) and not dynamic else 0,
-                  p.nodes[0] if p.nodes else None)]
-        if nnodes not in (None, 1) and not dynamic:
-            w.notes.append(Note("launch.nnodes", "--node-rank", nnodes, Fidelity.APPROXIMATE, "the hosts are not "
-                                "known: run this on every node with NODE_RANK=0..N-1 and MASTER_ADDR=node 0"))
+    nnodes, ranks = _torchrun_nodes(w, nnodes, dynamic)
     commands: list[NodeCommand] = []
-    multi = nnodes not in (None, 1)
     for node_rank, node in ranks:
-        argv = ["torchrun", *([f"--nnodes={nnodes}"] if multi else [])]
-        nproc = node.nproc if node is not None else p.nproc
-        argv += [f"--nproc-per-node={nproc}"] if nproc is not None else []
-        if multi and not dynamic:
-            argv += [f"--node-rank={node_rank}", f"--master-addr={addr if addr is not None else '$MASTER_ADDR'}",
-                     f"--master-port={port if port is not None else DEFAULT_PORT}"]
-        elif not dynamic:
-            argv += [f"--master-addr={addr}"] if addr is not None and L.master_addr is not None else []
-            argv += [f"--master-port={port}"] if port is not None else []
+        argv = _torchrun_topology(w, nnodes, node_rank, node, None if dynamic else (addr, port))
         devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, node.devices))} if node and node.devices else {}
         commands.append(NodeCommand(node.host if node else None, (*argv, *common, *script), {**L.env, **devices}))
     _master_notes(w, "--master-addr/--master-port" if not dynamic else "--rdzv-endpoint")
-    if L.hosts:
+    if L.hosts and not unknown_hosts:
+        where = "each command names its host" if len(commands) > 1 else "start the command on each host"
         w.notes.append(Note("launch.hosts", None, [h.name for h in L.hosts], Fidelity.EXACT,
-                            "torchrun runs once per node: each command names its host"
-                            if len(commands) > 1 else "torchrun runs once per node: start the command on each host"))
+                            f"torchrun runs once per node: {where}"))
         w.done.add("launch.hosts")
     return w.finish(commands), w.notes
+
+
+def _torchrun_counts(w: _Writer) -> tuple[list[str], Any]:
+    """--standalone, and the node count (MIN:MAX for an elastic range)."""
+    L, p = w.launch, w.plan
+    if L.standalone:
+        w.note("launch.standalone", Fidelity.EXACT, target="--standalone")
+    nnodes = p.nnodes if p.nodes is None else len(p.nodes)
+    if L.max_nnodes is not None:
+        nnodes = f"{nnodes}:{L.max_nnodes}"
+        w.note("launch.max_nnodes", Fidelity.EXACT, target="--nnodes")
+    return ["--standalone"] if L.standalone else [], nnodes
+
+
+def _torchrun_topology(w: _Writer, nnodes: Any, node_rank: Any, node: Node | None, master: tuple | None) -> list[str]:
+    """torchrun and the options that place one node: counts, and with a static rendezvous (``master``: its
+    address and port) the node rank and rank 0's address."""
+    multi = nnodes not in (None, 1)
+    argv = ["torchrun", *([f"--nnodes={nnodes}"] if multi else [])]
+    nproc = node.nproc if node is not None else w.plan.nproc
+    argv += [f"--nproc-per-node={nproc}"] if nproc is not None else []
+    if master is None:
+        return argv
+    addr, port = master
+    if multi:
+        return argv + [f"--node-rank={node_rank}", f"--master-addr={addr if addr is not None else '$MASTER_ADDR'}",
+                       f"--master-port={port if port is not None else DEFAULT_PORT}"]
+    argv += [f"--master-addr={addr}"] if addr is not None and w.launch.master_addr is not None else []
+    return argv + ([f"--master-port={port}"] if port is not None else [])
+
+
+def _torchrun_common(w: _Writer) -> list[str]:
+    """The options every node's torchrun command shares (after --standalone)."""
+    L = w.launch
+    common = _options(w, _TORCHRUN_OPTIONS) + w.option_flags()
+    common += ["-m"] if L.module else ["--no-python"] if L.no_python else []
+    if w.ext.get("program") == "python -m torch.distributed.launch" and L.local_rank_argv is None:
+        common.append("--use-env")
+    return common
+
+
+def _torchrun_nodes(w: _Writer, nnodes: Any, dynamic: bool) -> tuple[Any, list[tuple[Any, Node | None]]]:
+    """The node count and the (node rank, node) of each command: one per node when the source ran one per node
+    (deepspeed --no_ssh) or the nodes differ; else one for all, with $NODE_RANK for a static rendezvous."""
+    L, p = w.launch, w.plan
+    if L.node_rank is not None:
+        return _one_node(w, nnodes)
+    if _per_host_commands(p, dynamic):
+        return nnodes, list(enumerate(p.nodes))
+    static_multi = nnodes not in (None, 1) and not dynamic
+    if static_multi:
+        w.notes.append(Note("launch.nnodes", "--node-rank", nnodes, Fidelity.APPROXIMATE, "the hosts are not "
+                            "known: run this on every node with NODE_RANK=0..N-1 and MASTER_ADDR=node 0"))
+    return nnodes, [("$NODE_RANK" if static_multi else 0, p.nodes[0] if p.nodes else None)]
+
+
+def _per_host_commands(p: Plan, dynamic: bool) -> bool:
+    """Named hosts get a command each, unless a dynamic rendezvous lets one line serve nodes that are alike."""
+    if p.nodes is None or len(p.nodes) < 2 or not all(n.host for n in p.nodes):
+        return False
+    return not dynamic or _uniform(p.nodes) is None or any(n.devices for n in p.nodes)
+
+
+def _one_node(w: _Writer, nnodes: Any) -> tuple[Any, list[tuple[Any, Node | None]]]:
+    """The source runs one command per node (deepspeed --no_ssh --node_rank=N): so does torchrun."""
+    L, p = w.launch, w.plan
+    if nnodes is None:
+        nnodes = len(L.hosts) if L.hosts else "$NNODES"
+        if not L.hosts:
+            w.notes.append(Note("launch.node_rank", "--nnodes", L.node_rank, Fidelity.APPROXIMATE,
+                                "the node count is in the hostfile, which was not given: set NNODES"))
+    known = p.nodes and isinstance(L.node_rank, int) and L.node_rank < len(p.nodes)
+    return nnodes, [(L.node_rank, p.nodes[L.node_rank] if known else None)]
 
 
 def _filter_note(w: _Writer, per_node_devices: bool) -> None:
@@ -373,19 +486,24 @@ def _filter_note(w: _Writer, per_node_devices: bool) -> None:
                             "device sets; closest: CUDA_VISIBLE_DEVICES set per host (e.g. in ~/.bashrc)"))
 
 
+def _torchrun_hostfile_note(w: _Writer) -> None:
+    listed = bool(w.launch.hosts)
+    w.note("launch.hostfile", Fidelity.EXACT if listed else Fidelity.APPROXIMATE, "torchrun reads no hostfile: one "
+           "command per host" + ("" if listed else "; its hosts were not given (pass --hostfile to torsh-migrate), "
+                                 "so the commands cannot be listed per host"))
+
+
 def _topology_notes(w: _Writer, target: str) -> None:
     """Node count, processes per node, world size and node rank, as far as the writer has not noted them."""
     L = w.launch
     if L.hostfile and w.target == "torchrun":
-        w.note("launch.hostfile", Fidelity.EXACT if L.hosts else Fidelity.APPROXIMATE, "torchrun reads no hostfile: "
-               "one command per host" + ("" if L.hosts else "; its hosts were not given (pass --hostfile to "
-                                         "torsh-migrate), so the commands cannot be listed per host"))
+        _torchrun_hostfile_note(w)
     for key in ("nnodes", "nproc_per_node", "world_size", "node_rank"):
         if w.set(f"launch.{key}") and f"launch.{key}" not in w.done:
             w.note(f"launch.{key}", Fidelity.EXACT, "", target)
     if L.nproc_per_node is None and L.world_size is None and not L.hosts and "launch.nproc_per_node" not in w.done:
         w.note("launch.nproc_per_node", Fidelity.APPROXIMATE, "the source command does not say how many processes "
-               f"(its launcher's config or default decides); {w.target}'s default applies: {_DEFAULT_NPROC[w.target]}")
+               f"(its launcher's config or default decides); {w.target}'s default applies: {DEFAULT_NPROC[w.target]}")
 
 
 def _master_notes(w: _Writer, target: str) -> None:
@@ -407,71 +525,131 @@ def _local_world_size(w: _Writer, p: Plan) -> dict[str, str]:
 
 
 def write_deepspeed(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
+    """One deepspeed command that reaches the other nodes itself (hostfile), or one per node with --no_ssh."""
     w = _Writer(cfg, "deepspeed")
     L, p = cfg.launch, w.plan
-    argv = ["deepspeed"]
     files: dict[str, str] = {}
-    nodes = p.nodes
-    multi = (nodes is not None and len(nodes) > 1) or (nodes is None and p.nnodes not in (None, 1))
-    hosts = [(h.name, h.slots) for h in L.hosts]
-    if L.hostfile:
-        argv.append(f"--hostfile={L.hostfile}")
-        w.note("launch.hostfile", Fidelity.EXACT, target="--hostfile")
-        if hosts:
-            w.notes.append(Note("launch.hosts", "--hostfile", [h.name for h in L.hosts], Fidelity.EXACT,
-                                f"listed in {L.hostfile}"))
-    elif multi or hosts:
-        if nodes and hosts and any(slots is None for _, slots in hosts):  # deepspeed requires slots=N
-            named = [(n.host, n.nproc) for n in nodes]
-        else:
-            named = hosts or [(n.host or f"<host-{i}>", n.nproc) for i, n in enumerate(nodes or [])]
-        if not named:
-            count = p.nnodes if isinstance(p.nnodes, int) else 2
-            named = [(f"<host-{i}>", p.nproc if isinstance(p.nproc, int) else None) for i in range(count)]
-        files["hostfile"] = format_hostfile(named)
-        argv.append("--hostfile=hostfile")
-        if any(slots is None for _, slots in named):
-            w.notes.append(Note("launch.hosts", "hostfile", [h.name for h in L.hosts], Fidelity.APPROXIMATE,
-                                "deepspeed's hostfile needs slots=N on every line: fill them in"))
-        elif hosts:
-            w.notes.append(Note("launch.hosts", "hostfile", [h.name for h in L.hosts], Fidelity.EXACT,
-                                "written to the hostfile"))
-        else:
-            w.notes.append(Note("launch.nnodes", "hostfile", p.nnodes, Fidelity.APPROXIMATE, "deepspeed needs a "
-                                "hostfile naming the nodes: fill in the host names in the generated one"))
+    multi = (p.nodes is not None and len(p.nodes) > 1) or (p.nodes is None and p.nnodes not in (None, 1))
+    hosts = _deepspeed_hosts(w)
+    argv = ["deepspeed", *_deepspeed_hostfile(w, hosts, multi, files)]
     w.done.add("launch.hosts")
-    include = L.include
-    if L.include or L.exclude:
-        argv.append(f"--include={L.include}" if L.include else f"--exclude={L.exclude}")
-        w.note("launch.include" if L.include else "launch.exclude", Fidelity.EXACT, target="--include/--exclude")
-        w.done |= {"launch.include", "launch.exclude"}
-    elif nodes and hosts and any(n.nproc != (s or n.nproc) for n, (_, s) in zip(nodes, hosts)) and L.world_size:
-        include = "@".join(f"{n.host}:{','.join(map(str, range(n.nproc)))}" for n in nodes)
-        argv.append(f"--include={include}")
-        w.notes.append(Note("launch.world_size", "--include", L.world_size, Fidelity.EXACT,
-                            "fewer processes than slots: the first slots of each host, as -np fills them"))
-        w.done.add("launch.world_size")
-    if not (L.include or L.exclude or include):
-        if multi and L.nnodes is not None or (nodes and len(nodes) < len(hosts)):
-            argv.append(f"--num_nodes={p.nnodes}")
-        nproc = p.nproc
-        if isinstance(nproc, str) and nproc in ("gpu", "auto"):
-            w.note("launch.nproc_per_node", Fidelity.EXACT, "deepspeed uses every device by default")
-        elif nproc == "cpu":
-            w.note("launch.nproc_per_node", Fidelity.UNSUPPORTED, "deepspeed starts one process per accelerator")
-        elif nproc is not None and not (hosts and all(s == nproc for _, s in hosts) and not L.nproc_per_node):
-            argv.append(f"--num_gpus={nproc}")
+    argv += _deepspeed_counts(w, hosts, multi)
     if L.max_nnodes is not None:
         w.note("launch.max_nnodes", Fidelity.UNSUPPORTED, "the deepspeed launcher has no elastic range; it starts "
                "the minimum (--num_nodes); torchrun --nnodes=MIN:MAX is the elastic equivalent")
     _topology_notes(w, "--num_nodes/--num_gpus")
+    argv += _deepspeed_rendezvous(w, multi)
+    argv += ["--module"] if L.module else ["--no_python"] if L.no_python else []
+    if L.local_rank_argv is None:
+        argv.append("--no_local_rank")
+        w.done.add("launch.local_rank_argv")
+        w.notes.append(Note("launch.local_rank_argv", "--no_local_rank", None, Fidelity.EXACT,
+                            "the script reads LOCAL_RANK as before; deepspeed would otherwise append --local_rank"))
+    else:
+        w.local_rank("--local_rank", "the underscore spelling differs: accept both with "
+                     "torsh.launch_args.add_local_rank_argument(parser)")
+    argv += [f for f in w.option_flags() if f not in argv]
+    env = _deepspeed_env(w, multi, files)
+    argv += w.script(run_python=False)
+    return w.finish([NodeCommand(None, tuple(argv), env)], files), w.notes
+
+
+def _deepspeed_hosts(w: _Writer) -> list[tuple[str, int | None]]:
+    """The hosts to list: none when they are only known at run time, or are just the local machine."""
+    L = w.launch
+    hosts = [(h.name, h.slots) for h in L.hosts]
+    if not L.hostfile and w.hosts_unknown_here():
+        return []
+    if not L.hostfile and hosts in ([("localhost", None)], [("127.0.0.1", None)]):
+        w.note("launch.hosts", Fidelity.EXACT, "the local machine: deepspeed runs there without a hostfile")
+        return []
+    return hosts
+
+
+def _deepspeed_hostfile(w: _Writer, hosts: list, multi: bool, files: dict[str, str]) -> list[str]:
+    """--hostfile: the source's, or one written for the hosts (placeholders when they are not named)."""
+    L, p = w.launch, w.plan
+    if L.hostfile:
+        w.note("launch.hostfile", Fidelity.EXACT, target="--hostfile")
+        if hosts:
+            w.notes.append(Note("launch.hosts", "--hostfile", [h.name for h in L.hosts], Fidelity.EXACT,
+                                f"listed in {L.hostfile}"))
+        return [f"--hostfile={L.hostfile}"]
+    if not (multi or hosts):
+        return []
+    named = _hostfile_lines(p, hosts)
+    files["hostfile"] = format_hostfile(named)
+    if any(slots is None for _, slots in named):
+        w.notes.append(Note("launch.hosts", "hostfile", [h.name for h in L.hosts], Fidelity.APPROXIMATE,
+                            "deepspeed's hostfile needs slots=N on every line: fill them in"))
+    elif hosts:
+        w.notes.append(Note("launch.hosts", "hostfile", [h.name for h in L.hosts], Fidelity.EXACT,
+                            "written to the hostfile"))
+    else:
+        w.notes.append(Note("launch.nnodes", "hostfile", p.nnodes, Fidelity.APPROXIMATE, "deepspeed needs a "
+                            "hostfile naming the nodes: fill in the host names in the generated one"))
+    return ["--hostfile=hostfile"]
+
+
+def _hostfile_lines(p: Plan, hosts: list) -> list[tuple[str, int | None]]:
+    """(host, slots) for a written hostfile: the resolved nodes when a host lacks slots (deepspeed requires
+    slots=N), the hosts, or placeholders for nodes that are not named."""
+    if p.nodes and hosts and any(slots is None for _, slots in hosts):
+        return [(n.host, n.nproc) for n in p.nodes]
+    if hosts:
+        return hosts
+    if p.nodes:
+        return [(n.host or f"<host-{i}>", n.nproc) for i, n in enumerate(p.nodes)]
+    count = p.nnodes if isinstance(p.nnodes, int) else 2
+    return [(f"<host-{i}>", p.nproc if isinstance(p.nproc, int) else None) for i in range(count)]
+
+
+def _deepspeed_counts(w: _Writer, hosts: list, multi: bool) -> list[str]:
+    """--include/--exclude, or --num_nodes/--num_gpus (an -np below the slots becomes --include)."""
+    L, p, nodes = w.launch, w.plan, w.plan.nodes
+    selected = _deepspeed_selection(w, hosts)
+    if selected is not None:
+        return selected
+    fewer = nodes and len(nodes) < len(hosts)
+    return ([f"--num_nodes={p.nnodes}"] if multi and L.nnodes is not None or fewer else []) + _num_gpus(w, hosts)
+
+
+def _deepspeed_selection(w: _Writer, hosts: list) -> list[str] | None:
+    """--include/--exclude as given, or an --include of the first slots when -np fills fewer than the hosts have."""
+    L, nodes = w.launch, w.plan.nodes
+    if L.include or L.exclude:
+        w.note("launch.include" if L.include else "launch.exclude", Fidelity.EXACT, target="--include/--exclude")
+        w.done |= {"launch.include", "launch.exclude"}
+        return [f"--include={L.include}" if L.include else f"--exclude={L.exclude}"]
+    if not (nodes and hosts and L.world_size) or all(n.nproc == (s or n.nproc) for n, (_, s) in zip(nodes, hosts)):
+        return None
+    w.notes.append(Note("launch.world_size", "--include", L.world_size, Fidelity.EXACT,
+                        "fewer processes than slots: the first slots of each host, as -np fills them"))
+    w.done.add("launch.world_size")
+    return ["--include=" + "@".join(f"{n.host}:{','.join(map(str, range(n.nproc)))}" for n in nodes)]
+
+
+def _num_gpus(w: _Writer, hosts: list) -> list[str]:
+    """--num_gpus, unless deepspeed's default (every device, or the hostfile's slots) gives the same count."""
+    nproc = w.plan.nproc
+    if nproc in ("gpu", "auto"):
+        w.note("launch.nproc_per_node", Fidelity.EXACT, "deepspeed uses every device by default")
+    elif nproc == "cpu":
+        w.note("launch.nproc_per_node", Fidelity.UNSUPPORTED, "deepspeed starts one process per accelerator")
+    elif nproc is not None and not (hosts and all(s == nproc for _, s in hosts) and not w.launch.nproc_per_node):
+        return [f"--num_gpus={nproc}"]
+    return []
+
+
+def _deepspeed_rendezvous(w: _Writer, multi: bool) -> list[str]:
+    """--no_ssh/--node_rank and --master_addr/--master_port; torchrun's rendezvous settings have no equivalent."""
+    L = w.launch
     addr, port = _port(w)
-    if L.node_rank is not None:
-        argv += ["--no_ssh", f"--node_rank={L.node_rank}"]
+    args = ["--no_ssh", f"--node_rank={L.node_rank}"] if L.node_rank is not None else []
     if addr is not None and (L.master_addr is not None or multi or L.node_rank is not None):
-        argv.append(f"--master_addr={addr}")
+        args.append(f"--master_addr={addr}")
     if port is not None:
-        argv.append(f"--master_port={port}")
+        args.append(f"--master_port={port}")
     _master_notes(w, "--master_addr/--master_port")
     for key in ("rdzv_backend", "rdzv_endpoint"):
         if getattr(L, key) is not None:
@@ -483,71 +661,37 @@ def write_deepspeed(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
                    "settings or restarts")
     if L.standalone:
         w.note("launch.standalone", Fidelity.EXACT, "single-node deepspeed runs locally")
-    argv += ["--module"] if L.module else ["--no_python"] if L.no_python else []
-    if L.local_rank_argv is None:
-        argv.append("--no_local_rank")
-        w.done.add("launch.local_rank_argv")
-        w.notes.append(Note("launch.local_rank_argv", "--no_local_rank", None, Fidelity.EXACT,
-                            "the script reads LOCAL_RANK as before; deepspeed would otherwise append --local_rank"))
-    else:
-        w.local_rank("--local_rank", "the underscore spelling differs: accept both with "
-                     "torsh.launch_args.add_local_rank_argument(parser)")
-    argv += [f for f in w.option_flags() if f not in argv]
-    env = {**_local_world_size(w, p), **L.env}
-    if multi and (env or L.forward_env):
-        lines = [f"{k}={v}" for k, v in env.items()] + [f"{k}=${{{k}}}" for k in L.forward_env
-                                                          if not k.startswith(_DEEPSPEED_FORWARDS)]
-        files[".deepspeed_env"] = "".join(line + "\n" for line in lines)
-        env = {}
-        w.env_notes(".deepspeed_env", "deepspeed exports the lines of .deepspeed_env on every node")
-        if any(not k.startswith(_DEEPSPEED_FORWARDS) for k in L.forward_env):
-            w.notes.append(Note("launch.forward_env", ".deepspeed_env", L.forward_env, Fidelity.APPROXIMATE,
-                                "written as NAME=${NAME}: replace with the value, deepspeed does not expand it"))
-    else:
+    return args
+
+
+def _deepspeed_env(w: _Writer, multi: bool, files: dict[str, str]) -> dict[str, str]:
+    """The environment in front of the command, or in .deepspeed_env for the other nodes of a multi-node job."""
+    L = w.launch
+    env = {**_local_world_size(w, w.plan), **L.env}
+    if not (multi and (env or L.forward_env)):
         w.env_notes("environment", "set in front of deepspeed; its workers inherit it")
-    argv += w.script(run_python=False)
-    return w.finish([NodeCommand(None, tuple(argv), env)], files), w.notes
+        return env
+    forwarded = [k for k in L.forward_env if not k.startswith(_DEEPSPEED_FORWARDS)]
+    lines = [f"{k}={v}" for k, v in env.items()] + [f"{k}=${{{k}}}" for k in forwarded]
+    files[".deepspeed_env"] = "".join(line + "\n" for line in lines)
+    w.env_notes(".deepspeed_env", "deepspeed exports the lines of .deepspeed_env on every node")
+    if forwarded:
+        w.notes.append(Note("launch.forward_env", ".deepspeed_env", L.forward_env, Fidelity.APPROXIMATE,
+                            "written as NAME=${NAME}: replace with the value, deepspeed does not expand it"))
+    return {}
 
 
 def _command_launcher(cfg: TorshConfig, target: str) -> tuple[_Writer, list[str], dict[str, str]]:
     """What horovodrun and mpirun share: -np, hosts, device selection, no rendezvous of their own."""
     w = _Writer(cfg, target)
     L, p = cfg.launch, w.plan
-    args: list[str] = []
-    world = p.world_size
-    literal = p.nproc in ("gpu", "auto", "cpu")
-    if world is None and p.nproc is not None and not literal and p.nnodes in (None, 1):
-        world = p.nproc
-    elif world is None and p.nodes is None and p.nproc is not None and not literal:
-        world = f"$(({_cmdline.quote(str(p.nnodes))} * {_cmdline.quote(str(p.nproc))}))"
-    if world is not None:
-        args += ["-np", str(world)]
-    elif p.nproc in ("gpu", "auto", "cpu"):
-        w.note("launch.nproc_per_node", Fidelity.UNSUPPORTED, f"{target} needs a process count (-np N); "
-               f"'{p.nproc}' is decided by torchrun at start-up")
+    world = _process_count(w)
+    args = ["-np", str(world)] if world is not None else []
     _topology_notes(w, "-np")
     env = dict(L.env)
     env.update(w.devices_env(p.nodes) or {})
     _filter_note(w, per_node_devices=False)
-    named = [(n.host, n.nproc) for n in p.nodes or [] if n.host]
-    if named and (len(named) > 1 or named[0][0] != "localhost"):
-        args += ["-H", format_host_list(named)]
-        w.notes.append(Note("launch.hosts", "-H", [h for h, _ in named], Fidelity.EXACT))
-        if L.hostfile:
-            w.note("launch.hostfile", Fidelity.EXACT, "its hosts are listed with -H", "-H")
-    elif L.hostfile:
-        args += ["--hostfile" if target == "horovodrun" else "-hostfile", L.hostfile]
-        w.note("launch.hostfile", Fidelity.EXACT if target == "mpirun" else Fidelity.APPROXIMATE,
-               "" if target == "mpirun" else "horovodrun's parser fails on blank lines and comments in it")
-    elif p.nodes and len(p.nodes) > 1 or p.nnodes not in (None, 1):
-        count = len(p.nodes) if p.nodes else p.nnodes
-        if isinstance(count, int) and isinstance(p.nproc, int):
-            args += ["-H", ",".join(f"<host-{i}>:{p.nproc}" for i in range(count))]
-            w.notes.append(Note("launch.nnodes", "-H", p.nnodes, Fidelity.APPROXIMATE, f"{target} starts every "
-                                "node from one command and needs the host names: fill in -H"))  # fmt: skip
-        else:
-            w.notes.append(Note("launch.nnodes", None, p.nnodes, Fidelity.UNSUPPORTED, f"{target} needs the hosts "
-                                "and their process counts (-H host:N,...); they are only known at run time here"))
+    args += _host_list(w, world)
     w.done |= {"launch.hosts", "launch.hostfile"}
     if L.node_rank is not None:
         w.note("launch.node_rank", Fidelity.DROPPED, f"{target} starts all nodes from one command on one host")
@@ -568,36 +712,83 @@ def _command_launcher(cfg: TorshConfig, target: str) -> tuple[_Writer, list[str]
     return w, args, env
 
 
+def _process_count(w: _Writer) -> Any:
+    """-np: the world size, or nodes x processes per node (a shell product when they are variables)."""
+    p = w.plan
+    world = p.world_size
+    literal = p.nproc in ("gpu", "auto", "cpu")
+    if world is None and p.nproc is not None and not literal and p.nnodes in (None, 1):
+        world = p.nproc
+    elif world is None and p.nodes is None and p.nproc is not None and not literal:
+        world = f"$(({_cmdline.quote(str(p.nnodes))} * {_cmdline.quote(str(p.nproc))}))"
+    if world is None and literal:
+        w.note("launch.nproc_per_node", Fidelity.UNSUPPORTED, f"{w.target} needs a process count (-np N); "
+               f"'{p.nproc}' is decided by torchrun at start-up")
+    return world
+
+
+def _host_list(w: _Writer, world: Any) -> list[str]:
+    """-H host:N,... (or the hostfile): every node is started from this one command. The first way that applies."""
+    for way in (_resolved_hosts, _hosts_as_written, _hostfile_option, _placeholder_hosts):
+        args = way(w, world)
+        if args is not None:
+            return args
+    return []
+
+
+def _resolved_hosts(w: _Writer, world: Any) -> list[str] | None:
+    named = [(n.host, n.nproc) for n in w.plan.nodes or [] if n.host]
+    if not named or (len(named) == 1 and named[0][0] == "localhost"):
+        return None
+    w.notes.append(Note("launch.hosts", "-H", [h for h, _ in named], Fidelity.EXACT))
+    if w.launch.hostfile:
+        w.note("launch.hostfile", Fidelity.EXACT, "its hosts are listed with -H", "-H")
+    return ["-H", format_host_list(named)]
+
+
+def _hosts_as_written(w: _Writer, world: Any) -> list[str] | None:
+    """A count or a host held in a shell variable: -H as the source wrote it (one host's slots: the count)."""
+    hosts = w.launch.hosts
+    if w.plan.nodes is not None or not hosts:
+        return None
+    single = len(hosts) == 1 and world is not None and not shell_references(hosts[0].name)
+    w.notes.append(Note("launch.hosts", "-H", [h.name for h in hosts], Fidelity.EXACT, "a single host's "
+                        "slots are the process count" if single else ""))  # fmt: skip
+    return ["-H", ",".join(f"{h.name}:{h.slots or world}" if h.slots or single else h.name for h in hosts)]
+
+
+def _hostfile_option(w: _Writer, world: Any) -> list[str] | None:
+    if not w.launch.hostfile:
+        return None
+    mpirun = w.target == "mpirun"
+    w.note("launch.hostfile", Fidelity.EXACT if mpirun else Fidelity.APPROXIMATE,
+           "" if mpirun else "horovodrun's parser fails on blank lines and comments in it")
+    return ["-hostfile" if mpirun else "--hostfile", w.launch.hostfile]
+
+
+def _placeholder_hosts(w: _Writer, world: Any) -> list[str] | None:
+    """Several nodes whose hosts are not named: <host-i> placeholders to fill in, when the counts are known."""
+    p = w.plan
+    if not (p.nodes and len(p.nodes) > 1 or p.nnodes not in (None, 1)):
+        return None
+    count = len(p.nodes) if p.nodes else p.nnodes
+    if isinstance(count, int) and isinstance(p.nproc, int):
+        w.notes.append(Note("launch.nnodes", "-H", p.nnodes, Fidelity.APPROXIMATE, f"{w.target} starts every "
+                            "node from one command and needs the host names: fill in -H"))  # fmt: skip
+        return ["-H", ",".join(f"<host-{i}>:{p.nproc}" for i in range(count))]
+    w.notes.append(Note("launch.nnodes", None, p.nnodes, Fidelity.UNSUPPORTED, f"{w.target} needs the hosts "
+                        "and their process counts (-H host:N,...); they are only known at run time here"))
+    return []
+
+
 def write_horovodrun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
+    """One horovodrun command for every node; Horovod's tunables as its flags."""
     w, args, env = _command_launcher(cfg, "horovodrun")
-    C = cfg.communication
     for key in ("master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf"):
         if w.set(f"launch.{key}"):
             w.note(f"launch.{key}", Fidelity.DROPPED, "horovodrun runs its own rendezvous server "
                    "(HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT, read by torsh.ranks.discover)")
-    tunables: list[str] = []
-    if C.fusion_threshold_bytes is not None:
-        mb = C.fusion_threshold_bytes / (1024 * 1024)
-        tunables.append(f"--fusion-threshold-mb={int(round(mb))}")
-        w.note("communication.fusion_threshold_bytes", Fidelity.EXACT if mb == int(mb) else Fidelity.APPROXIMATE,
-               "whole MiB" if mb != int(mb) else "", "--fusion-threshold-mb")
-    if C.cycle_time_ms is not None:
-        tunables.append(f"--cycle-time-ms={C.cycle_time_ms:g}")
-        w.note("communication.cycle_time_ms", Fidelity.EXACT, target="--cycle-time-ms")
-    for key in ("hierarchical_allreduce", "hierarchical_allgather"):
-        if getattr(C, key):
-            tunables.append("--" + key.replace("_", "-"))
-            w.note(f"communication.{key}", Fidelity.EXACT, target=tunables[-1])
-    if C.timeout_s is not None:
-        tunables.append(f"--gloo-timeout-seconds={int(C.timeout_s)}")
-        w.note("communication.timeout_s", Fidelity.APPROXIMATE, "Horovod's Gloo timeout", "--gloo-timeout-seconds")
-    timeline = cfg.monitoring.timeline
-    if timeline.filename:
-        tunables.append(f"--timeline-filename={timeline.filename}")
-        w.note("monitoring.timeline.filename", Fidelity.EXACT, target="--timeline-filename")
-        if timeline.mark_cycles:
-            tunables.append("--timeline-mark-cycles")
-            w.note("monitoring.timeline.mark_cycles", Fidelity.EXACT, target="--timeline-mark-cycles")
+    tunables = _options(w, _HOROVODRUN_OPTIONS)
     w.env_notes("environment", "horovodrun forwards the launching shell's environment to every worker")
     w.local_rank(None, "use hvd.local_rank(), LOCAL_RANK is not set either: torsh.ranks.discover() reads "
                  "HOROVOD_LOCAL_RANK")
@@ -607,15 +798,33 @@ def write_horovodrun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
 
 
 def write_mpirun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
+    """One mpirun command for every node, exporting the environment and torch's rendezvous address with -x."""
     w, args, env = _command_launcher(cfg, "mpirun")
-    L = cfg.launch
-    addr, port = _port(w)
-    exports = [f"{k}={v}" for k, v in env.items()] + list(L.forward_env)
+    exports = [f"{k}={v}" for k, v in env.items()] + list(cfg.launch.forward_env)
     w.env_notes("-x", "exported to every rank with -x")
-    single = w.plan.nodes is not None and len(w.plan.nodes) == 1 and w.plan.nodes[0].host in (None, "localhost")
-    fallback = "127.0.0.1" if single or w.plan.nnodes in (None, 1) else "<host-0>"
-    rendezvous = {"MASTER_ADDR": addr if addr is not None else fallback, "MASTER_PORT": port or DEFAULT_PORT}
-    exports += [f"{k}={v}" for k, v in rendezvous.items() if k not in L.env]
+    exports += _mpirun_rendezvous(w)
+    w.local_rank(None, "mpirun sets OMPI_COMM_WORLD_LOCAL_RANK, not LOCAL_RANK: use torsh.ranks.discover()")
+    kept = w.option_flags()
+    argv = ["mpirun", *args]
+    for item in exports:
+        argv += ["-x", item]
+    argv += [f for f in kept if f not in argv or f == "-x"]
+    argv += w.script(run_python=True)
+    return w.finish([NodeCommand(None, tuple(argv), {})]), w.notes
+
+
+def _local_or_placeholder(p: Plan) -> str:
+    """Rank 0's address when none is given: this machine for a single-node job, else a placeholder to fill in."""
+    single = p.nodes is not None and len(p.nodes) == 1 and p.nodes[0].host in (None, "localhost")
+    return "127.0.0.1" if single or p.nnodes in (None, 1) else "<host-0>"
+
+
+def _mpirun_rendezvous(w: _Writer) -> list[str]:
+    """MASTER_ADDR/MASTER_PORT for torch's env:// rendezvous (mpirun has none), unless launch.env sets them."""
+    L = w.launch
+    addr, port = _port(w)
+    rendezvous = {"MASTER_ADDR": addr if addr is not None else _local_or_placeholder(w.plan),
+                  "MASTER_PORT": port or DEFAULT_PORT}
     for key in ("master_addr", "master_port"):
         if getattr(L, key) is not None:
             w.note(f"launch.{key}", Fidelity.EXACT, "-x " + key.upper())
@@ -625,14 +834,7 @@ def write_mpirun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
         if w.set(f"launch.{key}"):
             w.note(f"launch.{key}", Fidelity.APPROXIMATE if key == "rdzv_endpoint" else Fidelity.DROPPED,
                    "static rendezvous at MASTER_ADDR/MASTER_PORT")
-    w.local_rank(None, "mpirun sets OMPI_COMM_WORLD_LOCAL_RANK, not LOCAL_RANK: use torsh.ranks.discover()")
-    kept = w.option_flags()
-    argv = ["mpirun", *args]
-    for item in exports:
-        argv += ["-x", item]
-    argv += [f for f in kept if f not in argv or f == "-x"]
-    argv += w.script(run_python=True)
-    return w.finish([NodeCommand(None, tuple(argv), {})]), w.notes
+    return [f"{k}={v}" for k, v in rendezvous.items() if k not in L.env]
 
 
 WRITERS: dict[str, Callable[[TorshConfig], tuple[LaunchCommand, list[Note]]]] = {
@@ -650,42 +852,31 @@ def worker_environments(cfg: TorshConfig, launcher: str = "torchrun") -> list[di
 
     Includes ``launch.env``. Raises ConfigError when the topology is not concrete (shell variables, ``gpu``).
     """
-    if launcher not in WRITERS:
-        raise ConfigError([Problem("launcher", launcher, f"expected one of {', '.join(WRITERS)}")])
     L = cfg.launch
-    p = plan(L)
-    if p.nodes is None:
-        raise ConfigError([Problem("launch", {"nnodes": L.nnodes, "nproc_per_node": L.nproc_per_node,
-                                              "world_size": L.world_size}, "the number of processes is not known "
-                                   "until the command runs (a shell variable or gpu/auto)")])  # fmt: skip
+    nodes = _concrete_nodes(cfg, launcher)
     addr, port = _port(_Writer(cfg, launcher))
     addr = addr or "127.0.0.1"
     port = str(port or DEFAULT_PORT)
-    world, nnodes = sum(n.nproc for n in p.nodes), len(p.nodes)
+    world, nnodes = sum(n.nproc for n in nodes), len(nodes)
     envs = []
-    rank = 0
-    for node_rank, node in enumerate(p.nodes):
+    for node_rank, node in enumerate(nodes):
         for local in range(node.nproc):
-            common = {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world)}
-            if launcher == "torchrun":
-                env = {**common, "LOCAL_WORLD_SIZE": str(node.nproc), "GROUP_RANK": str(node_rank),
-                       "GROUP_WORLD_SIZE": str(nnodes), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
-                       "ROLE_NAME": "default", "MASTER_ADDR": addr, "MASTER_PORT": port,
-                       "TORCHELASTIC_RUN_ID": L.rdzv_id or "none", "TORCHELASTIC_RESTART_COUNT": "0",
-                       "TORCHELASTIC_MAX_RESTARTS": str(L.max_restarts or 0)}  # fmt: skip
-            elif launcher == "deepspeed":
-                env = {**common, "LOCAL_SIZE": str(node.nproc), "CROSS_RANK": str(node_rank),
-                       "CROSS_SIZE": str(nnodes), "MASTER_ADDR": addr, "MASTER_PORT": port,
-                       "CUDA_VISIBLE_DEVICES": ",".join(map(str, node.devices or range(node.nproc)))}  # fmt: skip
-            elif launcher == "horovodrun":
-                env = {"HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(world), "HOROVOD_LOCAL_RANK": str(local),
-                       "HOROVOD_LOCAL_SIZE": str(node.nproc), "HOROVOD_CROSS_RANK": str(node_rank),
-                       "HOROVOD_CROSS_SIZE": str(nnodes), "HOROVOD_HOSTNAME": node.host or "localhost",
-                       "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}  # fmt: skip
-            else:
-                env = {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(world),
-                       "OMPI_COMM_WORLD_LOCAL_RANK": str(local), "OMPI_COMM_WORLD_LOCAL_SIZE": str(node.nproc),
-                       "MASTER_ADDR": addr, "MASTER_PORT": port}  # fmt: skip
+            env = worker_env(launcher, rank=len(envs), local=local, world=world, nproc=node.nproc, node=node_rank,
+                             nnodes=nnodes, host=node.host or "localhost", addr=addr, port=port,
+                             devices=",".join(map(str, node.devices or range(node.nproc))),
+                             run_id=L.rdzv_id or "none", max_restarts=L.max_restarts or 0)  # fmt: skip
             envs.append({**L.env, **env})
-            rank += 1
     return envs
+
+
+def _concrete_nodes(cfg: TorshConfig, launcher: str) -> list[Node]:
+    """The job's nodes; a ConfigError for an unknown launcher or counts known only when the command runs."""
+    if launcher not in WRITERS:
+        raise ConfigError([Problem("launcher", launcher, f"expected one of {', '.join(WRITERS)}")])
+    L = cfg.launch
+    nodes = plan(L).nodes
+    if nodes is None:
+        raise ConfigError([Problem("launch", {"nnodes": L.nnodes, "nproc_per_node": L.nproc_per_node,
+                                              "world_size": L.world_size}, "the number of processes is not known "
+                                   "until the command runs (a shell variable or gpu/auto)")])  # fmt: skip
+    return nodes

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from torsh.adapters._torch_names import AUTO_SETTERS
 from torsh.config import MAX_BYTES_SIZE, TorshConfig, get_path
+from torsh.dialect import Dialect, Prepared
 from torsh.errors import ConfigError, Problem
 from torsh.translate import (
     NOTHING,
@@ -41,10 +43,7 @@ from torsh.translate import (
     Translation,
     Unsupported,
     WriteContext,
-    check_version,
-    read_mapping,
     settle_auto,
-    write_mapping,
 )
 
 NAME = "horovod"
@@ -122,70 +121,93 @@ _PRECEDENCE = "a horovodrun flag beats --config-file, which beats the environmen
 
 def _parse(value: Any, t: Tunable, form: str, ctx: ReadContext, path: str) -> Any:
     """The value in the flag's units and type, or NOTHING after recording a problem."""
-    original = value
-    if form == "env":
-        text = str(value).strip()
-        if t.kind in ("bool", "int", "mb"):
-            if not text.lstrip("-").isdigit():  # Horovod parses these with strtol: "true" would silently mean 0
-                ctx.problem(path, original, "Horovod reads this variable as an integer (strtol); write 1 or 0"
-                            if t.kind == "bool" else "expected an integer")  # fmt: skip
-                return NOTHING
-            number = int(text)
-            if t.kind == "bool":
-                return number > 0
-            value = number / _MIB if t.kind == "mb" else number
-        elif t.kind == "float":
-            try:
-                value = float(text)
-            except ValueError:
-                ctx.problem(path, original, "expected a number")
-                return NOTHING
-        else:
-            value = text
+    parsed, why = _from_env_text(value, t) if form == "env" else (value, "")
+    why = why or _out_of_range(parsed, t)
+    if why:
+        ctx.problem(path, value, why)
+        return NOTHING
+    return str(parsed).upper() if t.kind == "level" else parsed
+
+
+def _from_env_text(value: Any, t: Tunable) -> tuple[Any, str]:
+    """An environment variable's text as Horovod parses it (strtol for integers and switches, strtod for floats)."""
+    text = str(value).strip()
+    if t.kind in ("bool", "int", "mb"):
+        if not text.lstrip("-").isdigit():  # Horovod parses these with strtol: "true" would silently mean 0
+            return NOTHING, ("Horovod reads this variable as an integer (strtol); write 1 or 0" if t.kind == "bool"
+                             else "expected an integer")  # fmt: skip
+        number = int(text)
+        return (number > 0 if t.kind == "bool" else number / _MIB if t.kind == "mb" else number), ""
+    if t.kind == "float":
+        try:
+            return float(text), ""
+        except ValueError:
+            return NOTHING, "expected a number"
+    return text, ""
+
+
+def _out_of_range(value: Any, t: Tunable) -> str:
+    """Why horovodrun would refuse the value ("" when it accepts it)."""
     if t.kind == "level":
-        if str(value).upper() not in _LOG_LEVELS:
-            ctx.problem(path, original, f"unknown log level; expected one of {', '.join(_LOG_LEVELS)}")
-            return NOTHING
-        return str(value).upper()
-    if t.kind in ("int", "mb", "float") and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                             or not math.isfinite(value) or value < 0):  # fmt: skip
-        ctx.problem(path, original, "must be a finite number >= 0 (horovodrun validates it)")
-        return NOTHING
+        known = str(value).upper() in _LOG_LEVELS
+        return "" if known else f"unknown log level; expected one of {', '.join(_LOG_LEVELS)}"
+    if t.kind not in ("int", "mb", "float"):
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return "must be a finite number >= 0 (horovodrun validates it)"
+    return _bound(value, t)
+
+
+def _bound(value: float, t: Tunable) -> str:
+    """The bound of a finite number >= 0 that its kind or its flag sets."""
     if t.kind == "int" and (value != int(value) or value >= _INT64):
-        ctx.problem(path, original, "must be a whole number below 2**63 (Horovod reads a 64-bit integer)")
-        return NOTHING
+        return "must be a whole number below 2**63 (Horovod reads a 64-bit integer)"
     if t.kind == "mb" and value * _MIB > MAX_BYTES_SIZE:
-        ctx.problem(path, original, f"a fusion buffer over {MAX_BYTES_SIZE // _MIB} MB (1 TiB) is not a real setting")
-        return NOTHING
+        return f"a fusion buffer over {MAX_BYTES_SIZE // _MIB} MB (1 TiB) is not a real setting"
     if t.flag == "autotune_gaussian_process_noise" and not 0 <= value <= 1:
-        ctx.problem(path, original, "must be in [0, 1] (horovodrun validates it)")
-        return NOTHING
-    return value
+        return "must be in [0, 1] (horovodrun validates it)"
+    return ""
 
 
-def _tunable_hook(t: Tunable, form: str) -> Hook:
-    def read(value: Any, ctx: ReadContext, path: str) -> None:
-        parsed = _parse(value, t, form, ctx, path)
-        if parsed is NOTHING:
-            return
-        if t.core is None:
-            ctx.keep(path, value)
-            ctx.note(path, Fidelity.IGNORED, t.reason, value)
-            return
-        core_value = int(round(parsed * _MIB)) if t.kind == "mb" else parsed
-        winner = ctx.origin.get(t.core)
-        if winner is not None and winner != path:
-            same = get_path(ctx.core, t.core) == core_value
-            ctx.note(path, Fidelity.IGNORED, f"{'same value as' if same else 'overridden by'} {winner} "
-                     f"({_PRECEDENCE})", value)  # fmt: skip
-            return
-        ctx.set(t.core, core_value, path, t.fidelity, t.reason if t.fidelity is not Fidelity.EXACT else "")
-        if t.kind == "mb" and core_value > 0:
-            ctx.set("ddp.bucket_cap_mb", core_value / _MIB, path, Fidelity.APPROXIMATE,
-                    "DDP buckets gradients in reverse parameter order up to this size and overlaps them with "
-                    "backward; Horovod fuses whatever is ready each cycle into one buffer of this size")  # fmt: skip
+@dataclass(frozen=True)
+class Spelling(Hook):
+    """A map entry for one spelling of a tunable: ``form`` says which (a horovodrun flag, a config-file key or an
+    environment variable, parsed as Horovod parses it) and ``to`` where the value goes. Where several spellings
+    are given, Horovod's precedence decides: a flag, then the config file, then the environment."""
 
-    return Hook(read=read)
+    tunable: Tunable | None = None
+    form: str = ""
+
+    @property
+    def to(self) -> str | None:
+        """The core path (None: a Horovod-only knob, kept for a Horovod round trip)."""
+        return self.tunable.core if self.tunable else None
+
+
+def _spelling(t: Tunable, form: str) -> Spelling:
+    return Spelling(read=partial(_read_spelling, t, form), tunable=t, form=form)
+
+
+def _read_spelling(t: Tunable, form: str, value: Any, ctx: ReadContext, path: str) -> None:
+    parsed = _parse(value, t, form, ctx, path)
+    if parsed is NOTHING:
+        return
+    if t.core is None:
+        ctx.keep(path, value)
+        ctx.note(path, Fidelity.IGNORED, t.reason, value)
+        return
+    core_value = int(round(parsed * _MIB)) if t.kind == "mb" else parsed
+    winner = ctx.origin.get(t.core)
+    if winner is not None and winner != path:
+        same = get_path(ctx.core, t.core) == core_value
+        ctx.note(path, Fidelity.IGNORED, f"{'same value as' if same else 'overridden by'} {winner} ({_PRECEDENCE})",
+                 value)  # fmt: skip
+        return
+    ctx.set(t.core, core_value, path, t.fidelity, t.reason if t.fidelity is not Fidelity.EXACT else "")
+    if t.kind == "mb" and core_value > 0:
+        ctx.set("ddp.bucket_cap_mb", core_value / _MIB, path, Fidelity.APPROXIMATE,
+                "DDP buckets gradients in reverse parameter order up to this size and overlaps them with "
+                "backward; Horovod fuses whatever is ready each cycle into one buffer of this size")  # fmt: skip
 
 
 def _controller(value: Any, ctx: ReadContext, path: str) -> None:
@@ -277,6 +299,19 @@ def _uniform_slots(hosts: list[dict]) -> int | None:
 # --------------------------------------------------------------------------------------------------
 # the map
 
+#: Keys of Horovod's own config files from before 0.21.1 (its test configs and the 2019 config.default.yaml);
+#: horovodrun 0.28.1 reads only the keys in TUNABLES and passes over these without a word.
+_NOT_READ = "horovodrun 0.28.1 does not read this key, so it has no effect"
+_AFFINITY = (f"the background thread's core in Horovod before 0.21.1; {_NOT_READ}: thread_affinity "
+             "(HOROVOD_THREAD_AFFINITY) replaced it")
+_OLD_CONFIG_KEYS = {
+    "library_options.mlsl_bgt_affinity": _AFFINITY,
+    "library_options.ccl_bgt_affinity": _AFFINITY,
+    "library_options.mpi_threads_disabled": f"{_NOT_READ} (it reads library_options.mpi_threads_disable)",
+    "autotune.batches_per_sample": f"Horovod's 2019 name of autotune.steps_per_sample; {_NOT_READ}",
+    "timeline.enabled": f"{_NOT_READ}: the timeline is written when timeline.filename is set",
+}
+_OLD_ENV = {"HOROVOD_MLSL_BGT_AFFINITY": _AFFINITY, "HOROVOD_CCL_BGT_AFFINITY": _AFFINITY}
 _RUNTIME = "set per process or per job by horovodrun at run time, not a setting"
 _LAUNCH_ONLY = "a horovodrun launch option with no training meaning; the launch dialect translates launch commands"
 
@@ -284,9 +319,9 @@ _LAUNCH_ONLY = "a horovodrun launch option with no training meaning; the launch 
 def _field_map() -> dict[str, Any]:
     fmap: dict[str, Any] = {}
     for t in TUNABLES:
-        fmap[f"horovodrun.{t.flag}"] = _tunable_hook(t, "flag")
-        fmap[f"config_file.{t.yaml}"] = _tunable_hook(t, "yaml")
-        fmap[f"env.{t.env}"] = _tunable_hook(t, "env")
+        fmap[f"horovodrun.{t.flag}"] = _spelling(t, "flag")
+        fmap[f"config_file.{t.yaml}"] = _spelling(t, "yaml")
+        fmap[f"env.{t.env}"] = _spelling(t, "env")
     fmap.update({
         "horovodrun.num_proc": "launch.world_size",
         "horovodrun.hosts": Hook(read=_hosts),
@@ -321,6 +356,8 @@ def _field_map() -> dict[str, Any]:
         "distributed_optimizer.process_set": Unsupported("Horovod process sets (sub-communicators) are not "
                                                          "expressed by the core model; all ranks reduce together"),
     })  # fmt: skip
+    fmap.update({f"config_file.{key}": Ignored(why) for key, why in _OLD_CONFIG_KEYS.items()})
+    fmap.update({f"env.{var}": Ignored(why) for var, why in _OLD_ENV.items()})
     for flag in ("start_timeout", "nics", "output_filename", "verbose", "config_file", "ssh_port",
                  "ssh_identity_file", "disable_cache", "elastic_timeout", "cooldown_range", "hostfile", "mpi_args",
                  "tcp_flag", "binding_args", "prefix_output_with_timestamp"):  # fmt: skip
@@ -342,7 +379,6 @@ VALUE_MAPS = {
                                           "hvd.Compression.fp16": "fp16"},
 }  # fmt: skip
 ALIASES: dict[str, str] = {}
-_FIELD_MAP = FieldMap(FIELD_MAP, ALIASES)
 _BUILD_TIME = ("HOROVOD_WITH_", "HOROVOD_WITHOUT_", "HOROVOD_GPU", "HOROVOD_BUILD_", "HOROVOD_CPU_OPERATIONS_")
 
 # --------------------------------------------------------------------------------------------------
@@ -360,62 +396,91 @@ def _is_config_file(raw: Any) -> bool:
         set(raw) - {"logging"} or isinstance(raw.get("logging"), dict))
 
 
-def sniff(raw: Any) -> float:
-    """1 for the four-section layout, 0.9 for a bare config-file YAML or HOROVOD_* environment, else 0."""
-    if isinstance(raw, dict) and raw and set(raw) <= set(SECTIONS):
-        return 1.0
-    return 0.9 if _is_config_file(raw) or _is_env(raw) else 0.0
-
-
-def _normalise(raw: Any) -> tuple[dict, list, str]:
-    """The four-section layout (ordered by precedence), notes for environment entries Horovod never reads, and
-    the section a bare input was wrapped in ("" when it was not)."""
-    wrapped = ""
-    if isinstance(raw, dict) and not (set(raw) <= set(SECTIONS)):
-        wrapped = "config_file" if _is_config_file(raw) else "env" if _is_env(raw) else ""
-        raw = {wrapped: raw} if wrapped else raw
-    if not isinstance(raw, dict):
-        raise ConfigError([Problem("", raw, "a horovod config must be a mapping")], source=NAME)
-    for section in SECTIONS:
-        if section in raw and not isinstance(raw[section], (dict, type(None))):
-            raise ConfigError([Problem(section, raw[section], f"the {section} section must be a mapping")], source=NAME)
-    notes, env = [], dict(raw.get("env") or {})
-    for key in list(env):
-        if not isinstance(key, str) or not key.startswith("HOROVOD_") or key.startswith(_BUILD_TIME):
-            why = ("read when Horovod is built, not at run time" if str(key).startswith("HOROVOD_")
-                   else "not a Horovod variable")  # fmt: skip
-            notes.append(Note(f"env.{key}", None, env.pop(key), Fidelity.IGNORED, why))
-    ordered = {k: raw[k] for k in SECTIONS if k in raw} | {k: v for k, v in raw.items() if k not in SECTIONS}
-    if "env" in ordered:
-        ordered["env"] = env
-    return ordered, notes, wrapped
-
-
-def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
-    """Read Horovod settings (see the module docstring for the layout) into the core model.
-
-    Notes and errors name keys as the user wrote them: ``params.cycle_time_ms`` for a bare config file,
-    ``config_file.params.cycle_time_ms`` in the four-section layout.
-    """
-    check_version(NAME, version, VERSIONS)
-    data, notes, wrapped = _normalise(raw)
-    from torsh.schemas import check
-
-    try:
-        problems = [p for p in check(data, NAME) if "Additional properties" not in p.reason]  # unknown keys: the map
-        if problems:
-            raise ConfigError(problems, source=NAME)
-        result = read_mapping(data, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS,
-                              finalize=_finalize_read)  # fmt: skip
-    except ConfigError as exc:
-        raise ConfigError([replace(p, path=_unwrap(p.path, wrapped)) for p in exc.problems], source=NAME) from None
-    result.notes[:0] = notes
-    result.notes[:] = [replace(n, source_path=_unwrap(n.source_path, wrapped)) for n in result.notes]
-    return result
+def _bare_section(raw: Any) -> str:
+    """The section a bare config-file YAML or HOROVOD_* mapping stands for ("" for the four-section layout)."""
+    if not isinstance(raw, dict) or set(raw) <= set(SECTIONS):
+        return ""
+    return "config_file" if _is_config_file(raw) else "env" if _is_env(raw) else ""
 
 
 def _unwrap(path: str, wrapped: str) -> str:
     return path[len(wrapped) + 1:] if wrapped and path.startswith(wrapped + ".") else path
+
+
+def _run_time_env(env: dict, notes: list[Note]) -> dict:
+    """The HOROVOD_* variables Horovod reads at run time; the others get an ignored note each."""
+    kept = {}
+    for key, value in env.items():
+        if isinstance(key, str) and key.startswith("HOROVOD_") and not key.startswith(_BUILD_TIME):
+            kept[key] = value
+            continue
+        built = str(key).startswith("HOROVOD_")
+        why = "read when Horovod is built, not at run time" if built else "not a Horovod variable"
+        notes.append(Note(f"env.{key}", None, value, Fidelity.IGNORED, why))
+    return kept
+
+
+class Horovod(Dialect):
+    """Horovod's four places of settings; a bare config file or environment is read as its section.
+
+    Notes and errors name keys as the user wrote them: ``params.cycle_time_ms`` for a bare config file,
+    ``config_file.params.cycle_time_ms`` in the four-section layout.
+    """
+
+    NAME = NAME
+    VERSIONS = VERSIONS
+    FIELD_MAP = FIELD_MAP
+    VALUE_MAPS = VALUE_MAPS
+    ALIASES = ALIASES
+    SHAPE = "a mapping"
+    SCHEMA_NAMES_UNKNOWN_KEYS = False  # unknown keys are the map's to report, with a did-you-mean
+
+    def read(self, raw: Any, *, version: str | None = None, base_dir: Any = None) -> Translation[TorshConfig]:
+        wrapped = _bare_section(raw)
+        try:
+            result = super().read({wrapped: raw} if wrapped else raw, version=version)
+        except ConfigError as exc:
+            raise ConfigError([replace(p, path=_unwrap(p.path, wrapped)) for p in exc.problems], source=NAME) from None
+        result.notes[:] = [replace(n, source_path=_unwrap(n.source_path, wrapped)) for n in result.notes]
+        return result
+
+    def shape(self, raw: Any) -> Any:
+        raw = super().shape(raw)
+        for section in SECTIONS:
+            if section in raw and not isinstance(raw[section], (dict, type(None))):
+                raise ConfigError([Problem(section, raw[section], f"the {section} section must be a mapping")],
+                                  source=NAME)  # fmt: skip
+        return raw
+
+    def check_schema(self, raw: Any) -> None:
+        """Checked in ``normalise``, on the environment Horovod reads."""
+
+    def normalise(self, raw: Any, prepared: Prepared) -> Prepared:
+        """Sections in precedence order (flag, config file, environment), and the environment without what Horovod
+        never reads at run time (a note each)."""
+        env = _run_time_env(raw.get("env") or {}, prepared.notes)
+        ordered = {k: raw[k] for k in SECTIONS if k in raw} | {k: v for k, v in raw.items() if k not in SECTIONS}
+        if "env" in ordered:
+            ordered["env"] = env
+        super().check_schema(ordered)
+        prepared.data = ordered
+        return prepared
+
+    def finalize(self, ctx: ReadContext, prepared: Prepared) -> None:
+        _finalize_read(ctx)
+
+    def write_map(self, version: str | None) -> FieldMap:
+        return _WRITE_MAP
+
+    def finish_write(self, ctx: WriteContext, version: str | None) -> None:
+        # Horovod has no "auto": what the source left to the launcher or the script is not written (deferred notes).
+        settle_auto(ctx, AUTO_SETTERS)
+
+    def sniff(self, raw: Any) -> float:
+        """1 for the four-section layout, 0.9 for a bare config-file YAML or HOROVOD_* environment, else 0."""
+        if isinstance(raw, dict) and raw and set(raw) <= set(SECTIONS):
+            return 1.0
+        return 0.9 if _is_config_file(raw) or _is_env(raw) else 0.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -454,37 +519,47 @@ def _kept_value(t: Tunable, form: str, path: str, value: Any) -> Any:
 
 
 def _write_tunables(cfg: TorshConfig, ctx: WriteContext) -> None:
+    """Every tunable in its three spellings: from the core model, or kept from a Horovod source."""
     kept = cfg.extensions.get(NAME, {})
     for t in TUNABLES:
         if t.core is None:
             _write_kept_tunable(t, kept, ctx)
-            continue
-        value = get_path(cfg, t.core) if t.core else None
-        fidelity, reason = t.fidelity, t.reason if t.fidelity is not Fidelity.EXACT else ""
-        if t.kind == "int" and isinstance(value, float):
-            value = int(round(value))
-        if t.kind == "mb" and value is None and cfg.ddp.bucket_cap_mb != 25.0 and isinstance(cfg.ddp.bucket_cap_mb,
-                                                                                               float):  # fmt: skip
-            value = int(cfg.ddp.bucket_cap_mb * _MIB)
-            fidelity, reason = Fidelity.APPROXIMATE, "from ddp.bucket_cap_mb: Horovod fuses per cycle, not per bucket"
-        if value is None or value is False:
-            continue
-        flag_value = value / _MIB if t.kind == "mb" else value
-        if t.kind == "mb":
-            flag_value = int(flag_value) if float(flag_value).is_integer() else flag_value
-            if not isinstance(flag_value, int):
-                reason = "horovodrun takes whole MB; the exact byte count is in HOROVOD_FUSION_THRESHOLD"
-                fidelity, flag_value = Fidelity.APPROXIMATE, max(1, round(flag_value))
-        source = t.core if t.core and get_path(cfg, t.core) is not None else "ddp.bucket_cap_mb"
-        ctx.put(f"horovodrun.{t.flag}", flag_value, source, fidelity, reason)
-        ctx.put(f"config_file.{t.yaml}", flag_value, source, fidelity, reason)
-        ctx.put(f"env.{t.env}", _env_text(value), source, Fidelity.EXACT if t.kind == "mb" else fidelity, reason)
+        else:
+            _write_core_tunable(t, cfg, ctx)
     if cfg.communication.timeout_s is not None and not float(cfg.communication.timeout_s).is_integer():
         ctx.note("communication.timeout_s", Fidelity.APPROXIMATE, "Horovod takes whole seconds",
                  cfg.communication.timeout_s)
     if cfg.communication.fusion_threshold_bytes is not None and cfg.ddp.bucket_cap_mb != 25.0:
         ctx.note("ddp.bucket_cap_mb", Fidelity.APPROXIMATE, "Horovod has no DDP buckets; its fusion threshold is "
                  "written from communication.fusion_threshold_bytes", cfg.ddp.bucket_cap_mb)  # fmt: skip
+
+
+def _tunable_source(t: Tunable, cfg: TorshConfig) -> tuple[Any, str, Fidelity, str]:
+    """A tunable's value and the core field it comes from (the fusion threshold from DDP's bucket size when only
+    that is set), with the fidelity of writing it."""
+    value = get_path(cfg, t.core)
+    if t.kind == "int" and isinstance(value, float):
+        value = int(round(value))
+    bucket = cfg.ddp.bucket_cap_mb
+    if t.kind == "mb" and value is None and bucket != 25.0 and isinstance(bucket, float):
+        return int(bucket * _MIB), "ddp.bucket_cap_mb", Fidelity.APPROXIMATE, ("from ddp.bucket_cap_mb: Horovod "
+                                                                               "fuses per cycle, not per bucket")
+    return value, t.core, t.fidelity, t.reason if t.fidelity is not Fidelity.EXACT else ""
+
+
+def _write_core_tunable(t: Tunable, cfg: TorshConfig, ctx: WriteContext) -> None:
+    value, source, fidelity, reason = _tunable_source(t, cfg)
+    if value is None or value is False:
+        return
+    flag_value = value
+    if t.kind == "mb" and value % _MIB == 0:
+        flag_value = value // _MIB
+    elif t.kind == "mb":  # horovodrun's flag and config file take whole MB
+        reason = "horovodrun takes whole MB; the exact byte count is in HOROVOD_FUSION_THRESHOLD"
+        fidelity, flag_value = Fidelity.APPROXIMATE, max(1, round(value / _MIB))
+    ctx.put(f"horovodrun.{t.flag}", flag_value, source, fidelity, reason)
+    ctx.put(f"config_file.{t.yaml}", flag_value, source, fidelity, reason)
+    ctx.put(f"env.{t.env}", _env_text(value), source, Fidelity.EXACT if t.kind == "mb" else fidelity, reason)
 
 
 def _write_backend(cfg: TorshConfig, ctx: WriteContext) -> None:
@@ -501,32 +576,47 @@ def _write_backend(cfg: TorshConfig, ctx: WriteContext) -> None:
 
 
 def _write_launch(cfg: TorshConfig, ctx: WriteContext) -> None:
+    """The horovodrun section: hosts, process counts (elastic ranges in processes), restarts, the command."""
     launch = cfg.launch
-    if launch.hosts:
-        if all(h.slots for h in launch.hosts):
-            ctx.put("horovodrun.hosts", ",".join(f"{h.name}:{h.slots}" for h in launch.hosts), "launch.hosts")
-        else:
-            ctx.note("launch.hosts", Fidelity.UNSUPPORTED, "horovodrun -H needs slots for every host", launch.hosts)
-    per_node = launch.nproc_per_node if isinstance(launch.nproc_per_node, int) else None
-    if launch.max_nnodes is not None:  # elastic: process counts
-        ctx.put("horovodrun.min_num_proc", (launch.nnodes or 1) * (per_node or 1), "launch.nnodes",
-                Fidelity.APPROXIMATE, "torchrun counts nodes, horovodrun processes: nodes x nproc_per_node")
-        ctx.put("horovodrun.max_num_proc", launch.max_nnodes * (per_node or 1), "launch.max_nnodes",
-                Fidelity.APPROXIMATE, "torchrun counts nodes, horovodrun processes: nodes x nproc_per_node")
-        if per_node:
-            ctx.put("horovodrun.slots", per_node, "launch.nproc_per_node")
-    world = launch.world_size or (launch.nnodes * per_node if launch.nnodes and per_node else None)
-    if world:
-        ctx.put("horovodrun.num_proc", world, "launch.world_size" if launch.world_size else "launch.nproc_per_node")
+    if launch.hosts and all(h.slots for h in launch.hosts):
+        ctx.put("horovodrun.hosts", ",".join(f"{h.name}:{h.slots}" for h in launch.hosts), "launch.hosts")
+    elif launch.hosts:
+        ctx.note("launch.hosts", Fidelity.UNSUPPORTED, "horovodrun -H needs slots for every host", launch.hosts)
+    _write_process_counts(launch, ctx)
     if launch.max_restarts is not None:
         ctx.put("horovodrun.reset_limit", launch.max_restarts, "launch.max_restarts", Fidelity.APPROXIMATE,
                 "torchrun counts worker-group restarts, Horovod resets of the worker set")
     if launch.script:
-        head = [] if launch.no_python else ["python", "-m"] if launch.module else ["python"]
-        ctx.put("horovodrun.command", [*head, launch.script, *launch.script_args], "launch.script")
+        ctx.put("horovodrun.command", [*_python(launch), launch.script, *launch.script_args], "launch.script")
     for path in ("master_addr", "master_port", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id"):
         if getattr(launch, path) is not None:
             ctx.note(f"launch.{path}", Fidelity.DROPPED, "horovodrun runs its own rendezvous", getattr(launch, path))
+
+
+def _python(launch: Any) -> list[str]:
+    """What runs the script: horovodrun runs a command, so Python is spelled (``-m`` for a module)."""
+    return [] if launch.no_python else ["python", "-m"] if launch.module else ["python"]
+
+
+def _write_process_counts(launch: Any, ctx: WriteContext) -> None:
+    """-np from the world size or nodes x processes per node, and an elastic range in processes."""
+    per_node = launch.nproc_per_node if isinstance(launch.nproc_per_node, int) else None
+    if launch.max_nnodes is not None:
+        _write_elastic_range(launch, per_node, ctx)
+    world = launch.world_size or (launch.nnodes * per_node if launch.nnodes and per_node else None)
+    if world:
+        ctx.put("horovodrun.num_proc", world, "launch.world_size" if launch.world_size else "launch.nproc_per_node")
+
+
+def _write_elastic_range(launch: Any, per_node: int | None, ctx: WriteContext) -> None:
+    """torchrun's node range as horovodrun's process range (nodes x processes per node)."""
+    why = "torchrun counts nodes, horovodrun processes: nodes x nproc_per_node"
+    ctx.put("horovodrun.min_num_proc", (launch.nnodes or 1) * (per_node or 1), "launch.nnodes", Fidelity.APPROXIMATE,
+            why)
+    ctx.put("horovodrun.max_num_proc", launch.max_nnodes * (per_node or 1), "launch.max_nnodes", Fidelity.APPROXIMATE,
+            why)
+    if per_node:
+        ctx.put("horovodrun.slots", per_node, "launch.nproc_per_node")
 
 
 def _write_optimizer(cfg: TorshConfig, ctx: WriteContext) -> None:
@@ -565,12 +655,8 @@ _WRITE_HOOKS = Hook(write=_write_all, claims=(
 _WRITE_MAP = FieldMap({**FIELD_MAP, "__write__": _WRITE_HOOKS}, ALIASES)
 
 
-def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
-    """The core model as horovodrun flags, a config file, an environment and DistributedOptimizer arguments."""
-    check_version(NAME, version, VERSIONS)
-    # Horovod has no "auto": what the source left to the launcher or the script is not written (deferred notes).
-    return write_mapping(cfg, dialect=NAME, field_map=_WRITE_MAP, value_maps=VALUE_MAPS,
-                         finalize=lambda ctx: settle_auto(ctx, AUTO_SETTERS))
+DIALECT = Horovod()
+globals().update(DIALECT.exports())
 
 
 def command_line(flags: dict[str, Any]) -> list[str]:

@@ -19,24 +19,26 @@ Reading is pure: a hostfile named by the command is read only when its text is p
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torsh.adapters import _cmdline
 from torsh.adapters._hostfile import parse_host_list, parse_hostfile
 from torsh.adapters._launch_writers import WRITERS, LaunchCommand, worker_environments
+from torsh.concepts.launch import DEFAULT_LOCAL_RANK_ARGV, LOCAL_RANK_VARIABLE, shell_references
 from torsh.config import TorshConfig
+from torsh.dialect import Dialect, Prepared
 from torsh.errors import ConfigError
 from torsh.translate import (
     Fidelity,
-    FieldMap,
     Hook,
     Ignored,
+    Note,
     ReadContext,
     Translation,
     Unsupported,
     check_version,
-    read_mapping,
 )
 
 NAME = "launch"
@@ -65,9 +67,21 @@ def _number(text: Any) -> Any:
     return text
 
 
-def Int(path: str, fidelity: Fidelity = Fidelity.EXACT, reason: str = "") -> Hook:  # noqa: N802 - a map value
+@dataclass(frozen=True)
+class Via(Hook):
+    """A map entry whose value is converted on its way to the core paths ``to`` (a number from text, a host list,
+    ``key=value`` pairs): the map still says where the key goes."""
+
+    to: tuple[str, ...] = ()
+
+
+def via(read: Callable[[Any, ReadContext, str], None], *to: str) -> Via:
+    return Via(read=read, to=to)
+
+
+def Int(path: str, fidelity: Fidelity = Fidelity.EXACT, reason: str = "") -> Via:  # noqa: N802 - a map value
     """A numeric option: digits become a number, ``$VAR`` stays verbatim."""
-    return Hook(read=lambda value, ctx, src: ctx.set(path, _number(value), src, fidelity, reason))
+    return via(lambda value, ctx, src: ctx.set(path, _number(value), src, fidelity, reason), path)
 
 
 def _nnodes(value: Any, ctx: ReadContext, path: str) -> None:
@@ -89,8 +103,17 @@ def _rdzv_conf(value: Any, ctx: ReadContext, path: str) -> None:
 
 
 def _hosts(value: Any, ctx: ReadContext, path: str) -> None:
+    """``-H host:N,...``; slots held in a shell variable are left to the launcher (the writers give a single host
+    the process count again, ``-H localhost:$N`` with ``-np $N``), and the note names the variable."""
     hosts = parse_host_list(str(value), source=path)
-    ctx.set("launch.hosts", [{"name": h, "slots": s} for h, s in hosts], path)
+    in_names = shell_references([h for h, _ in hosts])
+    in_slots = [s for _, s in hosts if isinstance(s, str)]
+    why = [f"holds {', '.join(in_names)}: expanded by the shell that runs the command; kept verbatim"
+           ] if in_names else []  # fmt: skip
+    why += [f"slots in {', '.join(dict.fromkeys(in_slots))}, known when the shell runs the command: left to the "
+            "launcher (a single host's are written back as the process count)"] if in_slots else []
+    ctx.set("launch.hosts", [{"name": h, "slots": s if isinstance(s, int) else None} for h, s in hosts], path,
+            Fidelity.DEFERRED if why else Fidelity.EXACT, "; ".join(why))
 
 
 def _hostfile_hosts(value: Any, ctx: ReadContext, path: str) -> None:
@@ -132,8 +155,8 @@ def _mpirun_map_by(value: Any, ctx: ReadContext, path: str) -> None:
                  value)  # fmt: skip
 
 
-def _switch(path: str, value: bool, reason: str = "") -> Hook:
-    return Hook(read=lambda v, ctx, src: ctx.set(path, value, src, reason=reason))
+def _switch(path: str, value: bool, reason: str = "") -> Via:
+    return via(lambda v, ctx, src: ctx.set(path, value, src, reason=reason), path)
 
 
 def _fusion_mb(value: Any, ctx: ReadContext, path: str) -> None:
@@ -164,8 +187,9 @@ def _no_ssh(value: Any, ctx: ReadContext, path: str) -> None:
              "launch.node_rank")  # fmt: skip
 
 
-def _local_rank_argv(flag: str | None, reason: str) -> Hook:
-    return Hook(read=lambda v, ctx, src: ctx.set("launch.local_rank_argv", flag, src, reason=reason))
+def _local_rank_argv(flag: str | None, reason: str) -> Via:
+    path = "launch.local_rank_argv"
+    return via(lambda v, ctx, src: ctx.set(path, flag, src, reason=reason), path)
 
 
 _KEEP = "no effect on what runs where; kept for a round trip to the same launcher"
@@ -177,16 +201,16 @@ FIELD_MAP = {
     # ---- every launcher
     "script": "launch.script",
     "script_args": "launch.script_args",
-    "env.*": Hook(read=_env),
+    "env.*": via(_env, "launch.env"),
     "launcher": Ignored("the launcher the command was written for; its own options are written back only to it"),
     "program": Ignored("the launcher's spelling; written back for the same launcher"),
     "wrapper": Ignored("a wrapper in front of the launcher (srun, nohup); written back for the same launcher"),
     "redirect": Ignored("a shell redirection; written back after every translated command"),
     "python": Ignored("the Python executable; written back where the launcher runs a command"),
     "python_flags": Ignored("flags of the Python interpreter; written back where the launcher runs a command"),
-    "hostfile_hosts": Hook(read=_hostfile_hosts),
+    "hostfile_hosts": via(_hostfile_hosts, "launch.hosts"),
     # ---- torchrun / python -m torch.distributed.run / .launch / tune run
-    "torchrun.nnodes": Hook(read=_nnodes),
+    "torchrun.nnodes": via(_nnodes, "launch.nnodes", "launch.max_nnodes"),
     "torchrun.nproc_per_node": Int("launch.nproc_per_node"),
     "torchrun.node_rank": Int("launch.node_rank"),
     "torchrun.master_addr": "launch.master_addr",
@@ -194,7 +218,7 @@ FIELD_MAP = {
     "torchrun.rdzv_backend": "launch.rdzv_backend",
     "torchrun.rdzv_endpoint": "launch.rdzv_endpoint",
     "torchrun.rdzv_id": "launch.rdzv_id",
-    "torchrun.rdzv_conf": Hook(read=_rdzv_conf),
+    "torchrun.rdzv_conf": via(_rdzv_conf, "launch.rdzv_conf"),
     "torchrun.standalone": "launch.standalone",
     "torchrun.max_restarts": Int("launch.max_restarts"),
     "torchrun.module": "launch.module",
@@ -232,9 +256,9 @@ FIELD_MAP = {
         "quiet")},
     # ---- horovodrun
     "horovodrun.num_proc": Int("launch.world_size"),
-    "horovodrun.hosts": Hook(read=_hosts),
+    "horovodrun.hosts": via(_hosts, "launch.hosts"),
     "horovodrun.hostfile": "launch.hostfile",
-    "horovodrun.fusion_threshold_mb": Hook(read=_fusion_mb),
+    "horovodrun.fusion_threshold_mb": via(_fusion_mb, "communication.fusion_threshold_bytes"),
     "horovodrun.cycle_time_ms": Int("communication.cycle_time_ms"),
     "horovodrun.hierarchical_allreduce": "communication.hierarchical_allreduce",
     "horovodrun.no_hierarchical_allreduce": _switch("communication.hierarchical_allreduce", False),
@@ -244,8 +268,9 @@ FIELD_MAP = {
     "horovodrun.timeline_mark_cycles": "monitoring.timeline.mark_cycles",
     "horovodrun.gloo_timeout_seconds": Int("communication.timeout_s", Fidelity.APPROXIMATE,
                                            "Horovod's Gloo context timeout; the process-group timeout is closest"),
-    "horovodrun.tcp": Hook(read=lambda v, ctx, src: ctx.set("launch.env.NCCL_IB_DISABLE", "1", src,
-                           Fidelity.APPROXIMATE, "NCCL_IB_DISABLE=1; horovodrun also limits MPI to TCP")),
+    "horovodrun.tcp": via(lambda v, ctx, src: ctx.set("launch.env.NCCL_IB_DISABLE", "1", src, Fidelity.APPROXIMATE,
+                                                      "NCCL_IB_DISABLE=1; horovodrun also limits MPI to TCP"),
+                          "launch.env.NCCL_IB_DISABLE"),
     "horovodrun.config_file": Unsupported("Horovod tunables in YAML: convert it with `torsh-migrate convert`"),
     **{f"horovodrun.{k}": Unsupported(_ELASTIC_HVD) for k in (
         "min_np", "max_np", "slots", "elastic_timeout", "reset_limit", "blacklist_cooldown_range",
@@ -264,9 +289,9 @@ FIELD_MAP = {
     "horovodrun.no_python": "launch.no_python",
     # ---- mpirun (Open MPI)
     "mpirun.np": Int("launch.world_size"),
-    "mpirun.hosts": Hook(read=_hosts),
+    "mpirun.hosts": via(_hosts, "launch.hosts"),
     "mpirun.hostfile": "launch.hostfile",
-    "mpirun.x": Hook(read=_mpirun_x),
+    "mpirun.x": via(_mpirun_x, "launch.env", "launch.forward_env", "launch.master_addr", "launch.master_port"),
     "mpirun.npernode": Int("launch.nproc_per_node"),
     "mpirun.map_by": Hook(read=_mpirun_map_by),
     "mpirun.mca": Ignored("an Open MPI transport setting; NCCL and Gloo do not use MPI's transports"),
@@ -286,7 +311,7 @@ FIELD_MAP = {
     "accelerate.max_restarts": Int("launch.max_restarts"),
     "accelerate.module": "launch.module",
     "accelerate.no_python": "launch.no_python",
-    "accelerate.gpu_ids": Hook(read=_gpu_ids),
+    "accelerate.gpu_ids": via(_gpu_ids, "launch.env.CUDA_VISIBLE_DEVICES"),
     "accelerate.config_file": Hook(read=lambda v, c, p: c.note(p, Fidelity.EXACT, "read: its process and machine "
                                    "counts, its master address and the environment accelerate launch gives the "
                                    "processes are carried (the file is opened from the working directory, as "
@@ -300,27 +325,6 @@ FIELD_MAP = {
 }  # fmt: skip
 VALUE_MAPS: dict[str, dict[Any, Any]] = {}
 ALIASES: dict[str, str] = {}  # option spellings are resolved by the parser tables (_cmdline)
-
-_FIELD_MAP = FieldMap(FIELD_MAP, ALIASES)
-
-#: Where the local rank is when the launcher appends no argument.
-_LOCAL_RANK_VARIABLE = {"torchrun": "LOCAL_RANK", "accelerate": "LOCAL_RANK", "deepspeed": "LOCAL_RANK",
-                        "horovodrun": "HOROVOD_LOCAL_RANK (hvd.local_rank() or torsh.ranks.discover())",
-                        "mpirun": "OMPI_COMM_WORLD_LOCAL_RANK (torsh.ranks.discover())"}  # fmt: skip
-#: The local-rank argument each launcher appends to the script's arguments by default.
-_DEFAULT_LOCAL_RANK_ARGV = {"deepspeed": "--local_rank", "python -m torch.distributed.launch": "--local-rank"}
-
-
-def sniff(raw: Any) -> float:
-    """A command string or argv naming a launcher; never a mapping (those are config files)."""
-    if isinstance(raw, str) or (isinstance(raw, (list, tuple)) and raw and all(isinstance(t, str) for t in raw)):
-        try:
-            _cmdline.parse(raw)
-        except Exception:  # noqa: BLE001 - sniffing must never raise
-            return 0.0
-        return 1.0
-    return 0.0
-
 
 #: What accelerate launch (1.15) exports for an FSDP job, from each fsdp_config key, and the launcher's default for a
 #: key the file leaves out (``accelerate/commands/launch.py`` argument defaults, ``utils/launch.py`` environment).
@@ -344,6 +348,12 @@ _ACCELERATE_LAUNCH_KEYS = {"num_processes": "launch.world_size", "num_machines":
                            "main_process_port": "launch.master_port", "rdzv_backend": "launch.rdzv_backend"}
 
 
+def _from_config_file(key: str, value: Any, options: Mapping[str, Any]) -> bool:
+    """A launch key of the accelerate config applies unless the command line gives it (num_processes -1 or 0:
+    accelerate counts the devices)."""
+    return key not in options and value is not None and not (key == "num_processes" and value in (-1, 0))
+
+
 def _accelerate_config_file(name: str, options: dict, ctx: ReadContext) -> None:
     """``accelerate launch --config_file X``: the launch settings and the process environment the file gives."""
     from pathlib import Path
@@ -365,10 +375,8 @@ def _accelerate_config_file(name: str, options: dict, ctx: ReadContext) -> None:
         ctx.problem("accelerate.config_file", name, "not an accelerate config (no distributed_type)")
         return
     for key, core in _ACCELERATE_LAUNCH_KEYS.items():
-        value = data.get(key)
-        if key in options or value is None or (key == "num_processes" and value in (-1, 0)):
-            continue
-        ctx.set(core, value, f"{name}:{key}", Fidelity.EXACT, "from the accelerate config file")
+        if _from_config_file(key, data.get(key), options):
+            ctx.set(core, data[key], f"{name}:{key}", Fidelity.EXACT, "from the accelerate config file")
     for var, value in _accelerate_env(data).items():
         ctx.set(f"launch.env.{var}", value, f"{name}:{var}", Fidelity.EXACT, "exported by accelerate launch: the "
                 "script's Accelerator reads it")  # fmt: skip
@@ -392,47 +400,105 @@ def _accelerate_env(data: dict) -> dict[str, str]:
     return env
 
 
-def read(raw: str | Sequence[str], *, version: str | None = None,
-         hostfile: str | None = None) -> Translation[TorshConfig]:  # fmt: skip
-    """Read a launch command (a string split like a shell, or argv) into the core model.
+class Launch(Dialect):
+    """Launch command lines. Its input is text: the shape stage parses the command (``_cmdline.parse``) into a
+    mapping ``{launcher: {dest: value}, script, script_args, env, ...}`` that the map walks."""
 
-    ``hostfile`` is the *text* of the hostfile the command names (or of one to use), read with both grammars.
-    ``version`` is accepted for the registry's signature; any launcher is read.
-    """
-    if version is not None:
-        check_version(NAME, version, VERSIONS)
-    parsed = _cmdline.parse(raw)
-    launcher = next(k for k in _cmdline.LAUNCHER_FLAGS if k in parsed)
-    if hostfile is not None:
-        parsed["hostfile_hosts"] = [{"name": h, "slots": s}
-                                    for h, s in parse_hostfile(hostfile, source=parsed[launcher].get("hostfile",
-                                                                                                   "hostfile"))]
-    program = parsed.get("program", launcher)
+    NAME = NAME
+    VERSIONS = VERSIONS
+    FIELD_MAP = FIELD_MAP
+    VALUE_MAPS = VALUE_MAPS
+    ALIASES = ALIASES
 
-    def finalize(ctx: ReadContext) -> None:
+    def read(self, raw: str | Sequence[str], *, version: str | None = None, hostfile: str | None = None,
+             base_dir: Any = None) -> Translation[TorshConfig]:  # fmt: skip
+        """Read a launch command (a string split like a shell, or argv) into the core model.
+
+        ``hostfile`` is the *text* of the hostfile the command names (or of one to use), read with both grammars.
+        ``version`` is accepted for the registry's signature; any launcher is read.
+        """
+        if version is not None:
+            check_version(NAME, version, VERSIONS)
+        parsed = self.shape(raw)
+        if hostfile is not None:
+            named = parsed[parsed["launcher"]].get("hostfile", "hostfile")
+            parsed["hostfile_hosts"] = [{"name": h, "slots": s} for h, s in parse_hostfile(hostfile, source=named)]
+        return super().read(parsed)
+
+    def check_version(self, version: str | None) -> str | None:
+        return version  # reading takes every launcher; the version names a write target
+
+    def shape(self, raw: Any) -> Any:
+        return raw if isinstance(raw, Mapping) else _cmdline.parse(raw)
+
+    def check_schema(self, raw: Any) -> None:
+        """The command-line parser has checked the text (the launch schema describes the text, not its parse)."""
+
+    def finalize(self, ctx: ReadContext, prepared: Prepared) -> None:
+        launcher = ctx.raw["launcher"]
         options = ctx.raw[launcher]
         if launcher == "accelerate" and options.get("config_file"):
             _accelerate_config_file(str(options["config_file"]), options, ctx)
-        if launcher == "deepspeed" and not ({"num_gpus", "include", "exclude"} & set(options)) and not (
-                "hostfile_hosts" in ctx.raw):
-            ctx.set("launch.nproc_per_node", "gpu", "deepspeed.num_gpus", Fidelity.DEFAULTED,
-                    "not set: deepspeed starts one process per visible accelerator on each node")
-        if launcher == "torchrun" and "nproc_per_node" not in options:
-            ctx.set("launch.nproc_per_node", 1, "torchrun.nproc_per_node", Fidelity.DEFAULTED,
-                    "not set: torchrun starts one process per node")
-        flag = _DEFAULT_LOCAL_RANK_ARGV.get(program)
-        if flag and not options.get("no_local_rank") and not options.get("use_env"):
-            ctx.set("launch.local_rank_argv", flag, program, reason=f"{program} appends {flag}=N to the script's "
-                    "arguments: the script must accept it (torsh.launch_args.add_local_rank_argument)")
-        elif not flag:
-            ctx.note(program, Fidelity.EXACT, f"{program} passes no local-rank argument: the script reads "
-                     f"{_LOCAL_RANK_VARIABLE[launcher]}", None, "launch.local_rank_argv")
+        _default_process_count(launcher, options, ctx)
+        _local_rank_argument(launcher, ctx.raw.get("program", launcher), options, ctx)
 
-    return read_mapping(parsed, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS, finalize=finalize)
+    def finish(self, translation: Translation[TorshConfig], prepared: Prepared) -> Translation[TorshConfig]:
+        translation.notes[:] = [_deferred_if_shell(note) for note in translation.notes]
+        return translation
+
+    def write(self, cfg: TorshConfig, *, version: str | None = None) -> Translation[LaunchCommand]:
+        """The job as a command for one launcher (default torchrun), with a note for everything it cannot express."""
+        target = check_version(NAME, version, VERSIONS)
+        command, notes = WRITERS[target](cfg)
+        return Translation(command, notes, "torsh", target)
+
+    def sniff(self, raw: Any) -> float:
+        """A command string or argv naming a launcher; never a mapping (those are config files)."""
+        if isinstance(raw, str) or (isinstance(raw, (list, tuple)) and raw and all(isinstance(t, str) for t in raw)):
+            try:
+                _cmdline.parse(raw)
+            except Exception:  # noqa: BLE001 - sniffing must never raise
+                return 0.0
+            return 1.0
+        return 0.0
 
 
-def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[LaunchCommand]:
-    """The job as a command for one launcher (default torchrun), with a note for everything it cannot express."""
-    target = check_version(NAME, version, VERSIONS)
-    command, notes = WRITERS[target](cfg)
-    return Translation(command, notes, "torsh", target)
+def _default_process_count(launcher: str, options: Mapping[str, Any], ctx: ReadContext) -> None:
+    """The count a launcher uses when the command gives none (deepspeed: every visible accelerator; torchrun: 1)."""
+    if launcher == "deepspeed" and not ({"num_gpus", "include", "exclude"} & set(options)) and not (
+            "hostfile_hosts" in ctx.raw):
+        ctx.set("launch.nproc_per_node", "gpu", "deepspeed.num_gpus", Fidelity.DEFAULTED,
+                "not set: deepspeed starts one process per visible accelerator on each node")
+    if launcher == "torchrun" and "nproc_per_node" not in options:
+        ctx.set("launch.nproc_per_node", 1, "torchrun.nproc_per_node", Fidelity.DEFAULTED,
+                "not set: torchrun starts one process per node")
+
+
+def _local_rank_argument(launcher: str, program: str, options: Mapping[str, Any], ctx: ReadContext) -> None:
+    """Whether the launcher appends a local-rank argument to the script's, or the script reads a variable."""
+    flag = DEFAULT_LOCAL_RANK_ARGV.get(program)
+    if flag and not options.get("no_local_rank") and not options.get("use_env"):
+        ctx.set("launch.local_rank_argv", flag, program, reason=f"{program} appends {flag}=N to the script's "
+                "arguments: the script must accept it (torsh.launch_args.add_local_rank_argument)")
+    elif not flag:
+        ctx.note(program, Fidelity.EXACT, f"{program} passes no local-rank argument: the script reads "
+                 f"{LOCAL_RANK_VARIABLE[launcher]}", None, "launch.local_rank_argv")
+
+
+def _deferred_if_shell(note: Note) -> Note:
+    """A value that holds a shell variable or substitution is only known when the script runs: its note says
+    which variables (DEFERRED when it was carried exactly; a lossy note keeps its fidelity)."""
+    names = shell_references(note.value)
+    if not names:
+        return note
+    why = f"holds {', '.join(names)}: expanded by the shell that runs the command; kept verbatim"
+    if note.source_path == "script" and names == [note.value]:
+        why += " (in the entry point's place: the script or module, perhaps with launcher options; written back there)"
+    reason = f"{note.reason}; {why}" if note.reason else why
+    fidelity = Fidelity.DEFERRED if note.fidelity is Fidelity.EXACT else note.fidelity
+    return replace(note, fidelity=fidelity, reason=reason)
+
+
+
+DIALECT = Launch()
+globals().update(DIALECT.exports())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from golden import check_golden
@@ -253,3 +254,41 @@ def test_auto_is_never_written_into_horovod_settings(examples):
     written = adapters.write(cfg, "horovod")
     assert "auto" not in json.dumps(written.result)
     assert any(n.fidelity.value == "deferred" and n.target_path is None for n in written.notes)
+
+
+@pytest.mark.parametrize("name", ["config.default.2019-08-23", "config.test.2019-08-23", "config.test.2020-09-26"])
+def test_keys_of_horovods_own_older_config_files_are_read_as_having_no_effect(name):
+    """Horovod's own config files from before 0.21.1 use keys horovodrun 0.28.1 passes over (mlsl_bgt_affinity,
+    ccl_bgt_affinity, ...): read with an ignored note that names the key it reads now, and written back as kept."""
+    raw, _ = load_file(Path(__file__).parent / "fixtures" / "corpus" / "horovod" / f"horovod__horovod__{name}.yaml")
+    t = horovod.read(raw)
+    assert_accounted(raw, t)
+    notes = notes_by_source(t)
+    old = [k for k in notes if k.rsplit(".", 1)[-1] in ("mlsl_bgt_affinity", "ccl_bgt_affinity", "enabled",
+                                                          "batches_per_sample", "mpi_threads_disabled")
+           and not k.startswith(("autotune.enabled", "stall_check"))]  # fmt: skip
+    assert old
+    for key in old:
+        assert notes[key].fidelity is Fidelity.IGNORED and "0.28.1 does not read" in notes[key].reason, key
+    affinity = [k for k in old if "bgt_affinity" in k]
+    assert all("thread_affinity" in notes[k].reason for k in affinity)
+    written = horovod.write(t.result).result["config_file"]
+    for key in old:
+        section, leaf = key.split(".")
+        assert written[section][leaf] == raw[section][leaf]
+
+
+def test_old_affinity_variables_are_read_as_having_no_effect():
+    t = horovod.read({"env": {"HOROVOD_CCL_BGT_AFFINITY": "1", "HOROVOD_MLSL_BGT_AFFINITY": "2"}})
+    assert {n.fidelity for n in t.notes} == {Fidelity.IGNORED}
+    assert all("HOROVOD_THREAD_AFFINITY" in n.reason for n in t.notes)
+
+
+def test_the_map_shows_where_each_spelling_of_a_tunable_goes():
+    """One concept table (TUNABLES): each tunable's flag, config-file key and variable are map entries that name
+    their form and the core path they set."""
+    for t in horovod.TUNABLES:
+        for form, key in (("flag", f"horovodrun.{t.flag}"), ("yaml", f"config_file.{t.yaml}"), ("env", f"env.{t.env}")):
+            rule = horovod.FIELD_MAP[key]
+            assert (rule.form, rule.to, rule.tunable) == (form, t.core, t), key
+    assert horovod.FIELD_MAP["env.HOROVOD_FUSION_THRESHOLD"].to == "communication.fusion_threshold_bytes"

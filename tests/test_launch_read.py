@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 from adapter_validator import assert_accounted
@@ -180,3 +182,79 @@ def test_command_substitutions_stay_one_word_like_in_the_shell():
     assert t.result.launch.script_args == ["--tag", "$(date +%F)"]
     again = launch.read(str(launch.write(t.result, version="torchrun").result)).result
     assert again.launch == t.result.launch
+
+
+SCRIPT_LINES = {x["id"]: x["command"] for x in json.loads(
+    (Path(__file__).parent / "fixtures" / "corpus" / "launch" / "script_lines.json").read_text(encoding="utf-8"))}
+
+
+@pytest.mark.parametrize(("line", "variable", "written"), [
+    ("aws-dlm-mpirun-1", "${NUM_GPU}", {"mpirun": "-np ${NUM_GPU} -H localhost:${NUM_GPU}",
+                                        "horovodrun": "-np ${NUM_GPU} -H localhost:${NUM_GPU}",
+                                        "torchrun": "--nproc-per-node=${NUM_GPU}",
+                                        "deepspeed": "--num_gpus=${NUM_GPU}"}),
+    ("nvidia-dle-horovodrun-1", "${NUM_CORE}", {"horovodrun": "-np ${NUM_CORE} -H localhost:${NUM_CORE}",
+                                                "torchrun": "--nproc-per-node=${NUM_CORE}"}),
+])  # fmt: skip
+def test_a_process_count_in_a_shell_variable_is_deferred_and_written_back_with_the_variable(line, variable, written):
+    """`mpirun -np ${NUM_GPU} -H localhost:${NUM_GPU}` as scripts write it: read, the variable named in deferred notes
+    (never a number made up), and every launcher gets the variable back where the count goes."""
+    t = read(SCRIPT_LINES[line])
+    deferred = {n.source_path: n.reason for n in t.notes if n.fidelity is Fidelity.DEFERRED}
+    count = next(k for k in deferred if k.endswith((".np", ".num_proc")))
+    hosts = next(k for k in deferred if k.endswith(".hosts"))
+    assert variable in deferred[count] and variable in deferred[hosts]
+    assert t.result.launch.world_size == variable and [h.name for h in t.result.launch.hosts] == ["localhost"]
+    for target, expected in written.items():
+        out = launch.write(t.result, version=target)
+        assert expected in str(out.result), target
+        assert not {n.source_path for n in out.lossy} & {"launch.world_size", "launch.hosts"}, target
+        again = launch.read(str(out.result).splitlines()[-1]).result.launch
+        assert again.world_size == variable or again.nproc_per_node == variable, target
+
+
+def test_an_entry_point_in_a_shell_variable_is_deferred_and_kept_in_its_place():
+    t = read("torchrun --nproc_per_node 8 $ENTRY --arg")
+    note = next(n for n in t.notes if n.source_path == "script")
+    assert note.fidelity is Fidelity.DEFERRED and "$ENTRY" in note.reason and "entry point" in note.reason
+    for target in launch.VERSIONS:
+        assert "$ENTRY --arg" in str(launch.write(t.result, version=target).result), target
+    verl = read(SCRIPT_LINES["verl-torchrun-3"])
+    assert verl.result.launch.script == "${ENTRYPOINT}"
+    assert str(launch.write(verl.result, version="torchrun").result).startswith(
+        "torchrun --nproc-per-node=${NUM_TRAINERS:-8} --standalone ${ENTRYPOINT} ")
+
+
+def test_hosts_held_in_a_shell_variable_are_not_turned_into_a_host_name():
+    t = read("horovodrun -np $NP -H $HOSTS python train.py")
+    assert "$HOSTS" in next(n.reason for n in t.notes if n.source_path == "horovodrun.hosts")
+    assert "horovodrun -np $NP -H $HOSTS python train.py" in str(launch.write(t.result, version="horovodrun").result)
+    assert "mpirun -np $NP -H $HOSTS " in str(launch.write(t.result, version="mpirun").result)
+    for target in ("torchrun", "deepspeed"):
+        out = launch.write(t.result, version=target)
+        assert {"launch.hosts", "launch.world_size"} <= {n.source_path for n in out.lossy}, target
+        assert "hostfile" not in out.result.files
+
+
+def test_the_scripts_own_arguments_are_written_back_quoted():
+    """`"$@"` (torchtitan's run_train.sh) passes each argument of the script unsplit: every launcher writes it so,
+    and the note names it."""
+    t = read('torchrun --nproc_per_node=${NGPU} -m torchtitan.train --config ${CONFIG} "$@"')
+    note = next(n for n in t.notes if n.source_path == "script_args")
+    assert note.fidelity is Fidelity.DEFERRED and "$@" in note.reason and "${CONFIG}" in note.reason
+    for target in launch.VERSIONS:
+        line = str(launch.write(t.result, version=target).result)
+        assert line.endswith('--config ${CONFIG} "$@"'), target
+        assert launch.read(line).result.launch.script_args == ["--config", "${CONFIG}", "$@"], target
+    assert _cmdline.quote("${@:3}") == '"${@:3}"' and _cmdline.quote("$NGPU") == "$NGPU"
+
+
+def test_the_map_says_where_each_converted_option_goes():
+    """Options whose value is converted (numbers, host lists, key=value pairs) still name their core paths; the
+    hooks left are keys that set no core field (notes only)."""
+    from torsh.translate import Hook
+
+    for key, rule in launch.FIELD_MAP.items():
+        if isinstance(rule, Hook) and key not in ("deepspeed.no_ssh", "mpirun.map_by", "accelerate.config_file"):
+            assert rule.to and all(p.startswith(("launch.", "communication.")) for p in rule.to), key
+    assert launch.FIELD_MAP["torchrun.nnodes"].to == ("launch.nnodes", "launch.max_nnodes")
