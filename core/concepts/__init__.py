@@ -1,5 +1,7 @@
 """What the dialects mean, said once and torch-free: the knowledge every adapter and the engine plan share.
 
-Each module is one concept: ``dtypes`` (every spelling of the three training dtypes). Adapters map their keys
-onto these; the engine plan decides from them. Nothing here imports torch or an adapter.
+One module per concept: ``dtypes`` (every spelling of the three training dtypes), ``precision`` (torch GradScaler
+defaults and DeepSpeed's fp16/bf16 rules as data), ``optim`` (optimizer and scheduler name tables), ``offload``
+(where each offload target lives), ``launch`` (launcher defaults and the variables workers read). Adapters map
+their keys onto these; the engine decides from them. Nothing here imports torch or an adapter.
 """
