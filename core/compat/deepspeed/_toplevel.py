@@ -22,23 +22,16 @@ class DeepSpeedOptimizer:
     """DeepSpeed's marker base class of its optimizer wrappers (``isinstance`` checks see no torsh optimizer)."""
 
 
-def _finite_steps_per_print(config):
-    """Accelerate (and so the Hugging Face Trainer) sets ``steps_per_print`` to ``inf`` to silence DeepSpeed's
-    progress lines; torsh prints none, so the key is dropped instead of failing validation."""
-    if isinstance(config, dict) and config.get("steps_per_print") == float("inf"):
-        config = {k: v for k, v in config.items() if k != "steps_per_print"}
-    return config
-
-
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                distributed_port=29500, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                mesh_param=None, config_params=None):  # fmt: skip
     """:func:`torsh.initialize` (``deepspeed.initialize``'s signature), taking the configs DeepSpeed takes from
-    the libraries that drive it (``steps_per_print: inf`` from Accelerate)."""
+    the libraries that drive it (the DeepSpeed reader reads Accelerate's ``steps_per_print: inf`` as "never
+    print")."""
     from torsh.engine.initialize import initialize as torsh_initialize
 
     return torsh_initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                             training_data=training_data, lr_scheduler=lr_scheduler,
                             distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
-                            collate_fn=collate_fn, config=_finite_steps_per_print(config), mesh_param=mesh_param,
-                            config_params=_finite_steps_per_print(config_params))  # fmt: skip
+                            collate_fn=collate_fn, config=config, mesh_param=mesh_param,
+                            config_params=config_params)  # fmt: skip
