@@ -33,11 +33,11 @@ class DistInfo:
     backend: str
 
 
-def _discover() -> tuple[int, int, int, str, str]:
+def _discover() -> tuple[int, int, int, str, str | None]:
     """``(rank, local_rank, world_size, master_addr, master_port)`` from any launcher's environment.
 
     ``torsh.ranks.discover`` reads torchrun, deepspeed, horovodrun, MPI and Slurm variables; a process started
-    without a launcher is rank 0 of 1.
+    without a launcher is rank 0 of 1. The port is None when no launcher set one (``distributed_port`` decides).
     """
     from torsh.ranks import discover
 
@@ -45,8 +45,8 @@ def _discover() -> tuple[int, int, int, str, str]:
     # horovodrun's rendezvous server is not a TCPStore address: then only MASTER_* from the environment
     usable = not found.master_is_horovod_rendezvous
     addr = (found.master_addr if usable else None) or os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = (found.master_port if usable else None) or os.environ.get("MASTER_PORT", "29500")
-    return found.rank, found.local_rank, found.world_size, addr, str(port)
+    port = (found.master_port if usable else None) or os.environ.get("MASTER_PORT")
+    return found.rank, found.local_rank, found.world_size, addr, str(port) if port else None
 
 
 def _backend(requested: str) -> str:
@@ -69,7 +69,8 @@ def init_distributed(communication: CommunicationConfig | None = None, *, dist_i
                                        "dist_init_required=None")])  # fmt: skip
         rank, _, world_size, addr, port = _discover()
         os.environ.setdefault("MASTER_ADDR", addr)
-        os.environ.setdefault("MASTER_PORT", str(port or distributed_port))
+        # as DeepSpeed's init_distributed: the launcher's port when it set one, else distributed_port
+        os.environ.setdefault("MASTER_PORT", port or str(distributed_port))
         backend = _backend(communication.backend)
         kwargs = {}
         if communication.timeout_s is not None:
