@@ -5,7 +5,7 @@ only where DDP reduces dense gradient buckets: sharding stages 0 and 1. FSDP2 (s
 per-parameter shards with no hook point; there the two cast methods (fp16, bf16) are honoured as FSDP2's
 ``reduce_dtype`` and the methods that need a dense bucket are unsupported. Adapters call
 :func:`compression_notes_for_stage` at translation time; the engine calls :func:`fsdp_compression_problems`
-(through ``torsh.engine.compression.check_fsdp_compression``) at initialize. Both read these same rules, so
+(through ``torsh.plan.check``, before the model is touched) at initialize. Both read these same rules, so
 a config that translates with an "unsupported" note fails at initialize with the same reason.
 """
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from torsh import plan
 from torsh.config import TorshConfig
-from torsh.deferred import is_deferred
 from torsh.errors import ConfigError, Problem
 from torsh.translate import Translation
 
@@ -53,9 +53,6 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                    "model/sequence parallelism is not supported by the torsh engine; "
                                    "data parallelism and sharding only")])  # fmt: skip
     cfg, translation = load_config(args, config, config_params)
-    if cfg.pipeline.stages not in (None, 1) and not is_deferred(cfg.pipeline.stages):
-        raise ConfigError([Problem("pipeline.stages", cfg.pipeline.stages, "pipeline parallelism is not executed "
-                                   "by the torsh engine; remove it or use torch.distributed.pipelining")])  # fmt: skip
     info = start_process_group(cfg.communication, dist_init_required=dist_init_required,
                                distributed_port=distributed_port)  # fmt: skip
     _setup_logging(info.rank)
@@ -69,6 +66,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     log_resolved(resolved, info.rank)
     source = translation.source if translation is not None else None
     cfg = with_deepspeed_buckets(cfg, source=source, rank=info.rank)  # DDP buckets from reduce_bucket_size
+    # Every refusal now, before the model is cast, wrapped or sharded: a refused config leaves it as it was.
+    plan.check(cfg, world_size=info.world_size, optimizer_given=optimizer is not None)
 
     # Names are the identity that survives casting and sharding (fully_shard replaces the parameters).
     name_of = {id(p): n for n, p in model.named_parameters()}
@@ -91,9 +90,6 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     optimizer = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
                                 by_name=step_params, zero_stage1=cfg.sharding.stage == 1,
                                 offload="cpu" in (cfg.offload.params, cfg.offload.optimizer))  # fmt: skip
-    if optimizer is None and cfg.sharding.stage in (1, 2):
-        raise ConfigError([Problem("sharding.stage", cfg.sharding.stage, f"zero stage {cfg.sharding.stage} "
-                                   "requires an optimizer: pass one to initialize or configure one")])  # fmt: skip
     lr_scheduler = _build_scheduler(cfg, lr_scheduler, optimizer)
     loss_scaler = _build_loss_scaler(cfg)
     dataloader = None
@@ -144,15 +140,14 @@ def _log_translation(translation: Translation | None, rank: int) -> None:
 
 def apply_compression(shard, cfg: TorshConfig) -> object | None:
     """Gradient compression on the data-parallel reduction: a DDP comm hook (stages 0/1); under FSDP2 only
-    fp16/bf16, as its reduce dtype (``apply_precision`` set it), anything else is refused."""
+    fp16/bf16, as its reduce dtype (``apply_precision`` set it; :func:`torsh.plan.check` refused anything else)."""
     if cfg.compression.method == "none":
         return None
     from . import compression
 
     if shard.kind == "ddp":
         return compression.apply_compression(shard.model, cfg.compression, process_group=None)
-    compression.check_fsdp_compression(cfg.compression, cfg.precision.reduce_dtype)
-    return None
+    return None  # FSDP2: fp16/bf16 is the reduce dtype apply_precision set; torsh.plan refused the other methods
 
 
 def _build_scheduler(cfg: TorshConfig, client: Any, optimizer: Any) -> Any:

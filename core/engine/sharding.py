@@ -154,9 +154,6 @@ def apply_sharding(model: nn.Module, sharding: ShardingConfig, ddp: DdpConfig, o
     """Wrap ``model`` for its stage. ``reduce_hook`` False leaves DDP's reduction to a compression hook.
     ``extensions`` (the config's) and ``source`` (the dialect it was read from) carry DeepSpeed's bucket sizes,
     which size the FSDP2 units (:func:`.units.plan_units`)."""
-    if gradients.reduce_op == "adasum":
-        raise ConfigError([Problem("gradients.reduce_op", "adasum", "Adasum is Horovod-only and has no native "
-                                   "PyTorch equivalent; use 'mean' or 'sum'")])  # fmt: skip
     if sharding.stage <= 1:
         return _apply_ddp(model, ddp, gradients, precision, info, reduce_hook)
     return _apply_fsdp(model, sharding, offload, gradients, precision, info, extensions or {}, source)
@@ -270,9 +267,6 @@ def _apply_fsdp(model, sharding: ShardingConfig, offload: OffloadConfig, gradien
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    if "nvme" in (offload.params, offload.optimizer):
-        raise ConfigError([Problem("offload", "nvme", "NVMe offload has no native PyTorch equivalent; use 'cpu' "
-                                   "or 'none'")])  # fmt: skip
     if offload.optimizer == "cpu" and offload.params == "none":
         log.info("offload.optimizer=cpu under FSDP2: CPUOffloadPolicy offloads parameters and gradients too "
                  "and steps the optimizer on the CPU")  # fmt: skip
@@ -280,8 +274,6 @@ def _apply_fsdp(model, sharding: ShardingConfig, offload: OffloadConfig, gradien
     device_type = info.device.type
     if sharding.hybrid_shard_size and sharding.hybrid_shard_size != world:
         shard = sharding.hybrid_shard_size
-        if world % shard:
-            raise ConfigError([Problem("sharding.hybrid_shard_size", shard, f"must divide the world size {world}")])
         mesh = init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
