@@ -194,6 +194,8 @@ def config_world_size(cfg: TorshConfig) -> tuple[int, str] | None:
 
 def explain(cfg: TorshConfig, world_size: int | None = None, source: str | None = None) -> dict:
     """Everything ``torsh-migrate explain`` prints, as data; ``world_size`` None: the config's own, else 1."""
+    from .plan import refusals
+
     if world_size is None:
         stated = config_world_size(cfg)
         world_size = stated[0] if stated else 1
@@ -205,4 +207,6 @@ def explain(cfg: TorshConfig, world_size: int | None = None, source: str | None 
         "loss_scaling": loss_scaling_rule(cfg.precision),
         "engine": engine_plan(cfg, source),
         "deferred": cfg.deferred_paths(),
+        # what torsh.initialize would refuse before touching the model (an optimizer assumed passed to it)
+        "refused": [str(p) for p in refusals(cfg, world_size=world_size)],
     }

@@ -96,3 +96,14 @@ def test_initialize_refuses_before_the_model_is_touched(config, keys):
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     assert record["refused"] is not None and set(keys) <= set(record["refused"]), record
     assert record["untouched"] and not record["wrapped"]
+
+
+def test_explain_lists_what_initialize_would_refuse(tmp_path, capsys):
+    from torsh.cli import main
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"sharding": {"stage": 3}, "gradients": {"reduce_op": "adasum"}}))
+    assert main(["explain", str(path), "--report", "json"]) == 0
+    assert [r.split(":")[0] for r in json.loads(capsys.readouterr().out)["refused"]] == ["gradients.reduce_op"]
+    assert main(["explain", str(path)]) == 0
+    assert "Refused by torsh.initialize" in capsys.readouterr().out

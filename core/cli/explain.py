@@ -52,4 +52,8 @@ def run(args: argparse.Namespace) -> int:
         echo(f"  {i}. {step}", indent="     ")
     if data["deferred"]:
         echo(f"\nDeferred (\"auto\"): {', '.join(data['deferred'])}", indent="  ")
+    if data["refused"]:
+        print("\nRefused by torsh.initialize (before the model is touched):")
+        for reason in data["refused"]:
+            echo(f"  - {reason}", indent="    ")
     return 0
