@@ -22,6 +22,7 @@ once before the map (:meth:`DeepSpeed.normalise`).
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -317,6 +318,15 @@ def _before_the_map(raw: dict) -> tuple[dict, list[Note]]:
     if raw.get("steps_per_print") == float("inf"):
         notes.append(Note("steps_per_print", None, raw.pop("steps_per_print"), _IGNORED, "inf: never print "
                           "(Accelerate's way to silence DeepSpeed's progress lines); logging only"))  # fmt: skip
+    clip, every = raw.get("gradient_clipping"), raw.get("steps_per_print")
+    if _number(clip) and clip < 0:
+        notes.append(Note("gradient_clipping", "gradients.clip_max_norm", clip, Fidelity.EXACT, f"{clip}: no "
+                          "clipping, as 0 (DeepSpeed clips only when the value is above 0)"))  # fmt: skip
+        raw["gradient_clipping"] = 0.0
+    if _number(every) and isinstance(every, int) and every < 0:
+        notes.append(Note("steps_per_print", "monitoring.steps_per_print", every, Fidelity.EXACT, f"{every}: the "
+                          f"same as {-every} (DeepSpeed prints when (step + 1) % {every} == 0)"))
+        raw["steps_per_print"] = -every
     profiler = raw.get("flops_profiler")
     step = profiler.get("profile_step") if isinstance(profiler, dict) else None
     if isinstance(step, int) and not isinstance(step, bool) and step < 0:
@@ -327,6 +337,10 @@ def _before_the_map(raw: dict) -> tuple[dict, list[Note]]:
         if not profiler:
             del raw["flops_profiler"]
     return raw, notes
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class _Unknown:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -549,6 +550,12 @@ SchedulerConfig = Annotated[
 ]
 
 
+def _non_zero(value: float) -> float:
+    if value == 0:
+        raise ValueError("must not be 0: gradients are divided by it")
+    return value
+
+
 class GradientsConfig(Section):
     """Gradient clipping and how gradients are combined across ranks."""
 
@@ -556,8 +563,9 @@ class GradientsConfig(Section):
     """Clip the global gradient norm to this value. None or 0: no clipping."""
     reduce_op: Literal["mean", "sum", "adasum"] = "mean"
     """Combine gradients across data-parallel ranks by mean, sum or Horovod's Adasum."""
-    predivide_factor: PositiveFloat = 1.0
-    """Divide by this before the reduction and by world_size/factor after (overflow control)."""
+    predivide_factor: Annotated[float, AfterValidator(_non_zero)] = 1.0
+    """Divide by this before the reduction and by world_size/factor after (overflow control); any non-zero value,
+    as in DeepSpeed: the two scalings cancel whatever the sign."""
     prescale: bool = False
     """Divide by world size before the reduction instead of after (DeepSpeed ``prescale_gradients``)."""
 
@@ -773,7 +781,7 @@ class ProfilerConfig(Section):
     """Step to profile."""
     module_depth: int = Field(default=-1, ge=-1)
     """Depth of the module tree in the report (-1: all)."""
-    top_modules: PositiveInt = 1
+    top_modules: NonNegativeInt = 1
     """Modules listed per level."""
     detailed: bool = True
     """Per-module detail."""

@@ -104,7 +104,10 @@ class Dialect:
             extensions = {k: dict(v) for k, v in translation.result.extensions.items()}
             extensions.setdefault(self.NAME, {}).update(prepared.kept)
             translation.result = translation.result.model_copy(update={"extensions": extensions})
-        translation.notes[:0] = prepared.notes
+        # A key restated before the map (a legacy or no-effect spelling) keeps that note, not the map's plain one.
+        restated = {(n.source_path, n.target_path) for n in prepared.notes if n.target_path}
+        translation.notes[:] = [*prepared.notes, *(n for n in translation.notes
+                                                   if (n.source_path, n.target_path) not in restated)]
         return self.finish(translation, prepared)
 
     def check_version(self, version: str | None) -> str | None:

@@ -417,3 +417,24 @@ def test_the_schema_is_checked_once_per_read(monkeypatch):
         adapters.read({**BASE, "compile": {"deepcompil": True}, "fp16": {"enabled": True, "bogus": 1}}, "deepspeed")
     assert [p.path for p in exc.value.problems] == ["fp16.bogus", "compile.deepcompil"]
     assert (len(conforms), len(passes)) == (2, 1)
+
+
+def test_values_deepspeed_accepts_read_as_what_deepspeed_does_with_them():
+    """DeepSpeed clips only above 0, prints when (step + 1) % n == 0 (a negative n as its absolute value), and
+    cancels the sign of gradient_predivide_factor (x 1/f before the reduction, x f/W after)."""
+    t = adapters.read({"train_micro_batch_size_per_gpu": 1, "gradient_clipping": -1.0, "steps_per_print": -5,
+                       "gradient_predivide_factor": -2.0,
+                       "flops_profiler": {"enabled": True, "top_modules": 0}}, "deepspeed")  # fmt: skip
+    cfg = t.result
+    assert cfg.gradients.clip_max_norm == 0.0 and cfg.monitoring.steps_per_print == 5
+    assert cfg.gradients.predivide_factor == -2.0 and cfg.monitoring.profiler.top_modules == 0
+    by_key = {n.source_path: n for n in t.notes}
+    assert "no clipping" in by_key["gradient_clipping"].reason and "same as 5" in by_key["steps_per_print"].reason
+    assert [n.source_path for n in t.notes].count("gradient_clipping") == 1
+    out = adapters.write(cfg, "deepspeed").result
+    assert out["gradient_predivide_factor"] == -2.0 and out["steps_per_print"] == 5
+
+
+def test_a_zero_predivide_factor_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="predivide_factor"):
+        adapters.read({"train_micro_batch_size_per_gpu": 1, "gradient_predivide_factor": 0}, "deepspeed")

@@ -233,18 +233,12 @@ def test_values_deepspeed_accepts_pass_the_schema(config, ds_config):
     assert schemas.check({"train_micro_batch_size_per_gpu": 1, **config}, "deepspeed") == []
 
 
-_CORE_REFUSES = pytest.mark.xfail(strict=True, raises=ConfigError, reason=(
-    "the core model refuses values DeepSpeed accepts: ProfilerConfig.top_modules is a PositiveInt, "
-    "gradients.clip_max_norm >= 0 (DeepSpeed: <= 0 means no clipping), monitoring.steps_per_print and "
-    "gradients.predivide_factor > 0 (DeepSpeed: any non-zero)"))
-
-
 @pytest.mark.parametrize("config", [
     {"flops_profiler": {"enabled": True, "profile_step": -1}},
-    pytest.param({"flops_profiler": {"enabled": True, "top_modules": 0}}, marks=_CORE_REFUSES),
-    pytest.param({"gradient_clipping": -1.0}, marks=_CORE_REFUSES),
-    pytest.param({"steps_per_print": -1}, marks=_CORE_REFUSES),
-    pytest.param({"gradient_predivide_factor": -2.0}, marks=_CORE_REFUSES),
+    {"flops_profiler": {"enabled": True, "top_modules": 0}},
+    {"gradient_clipping": -1.0},
+    {"steps_per_print": -1},
+    {"gradient_predivide_factor": -2.0},
 ], ids=lambda c: str(c))  # fmt: skip
 def test_the_deepspeed_reader_accepts_what_deepspeed_accepts(config):
     adapters.read({"train_micro_batch_size_per_gpu": 1, **config}, "deepspeed")
