@@ -276,11 +276,15 @@ def _deepspeed_json(file: Path, ctx: ReadContext, path: str, value: Any) -> dict
 
 def _read_parallelism(value: Any, ctx: ReadContext, path: str) -> None:
     key = path.rsplit(".", 1)[-1].removeprefix("parallelism_config_")
-    if key in ("dp_replicate_size", "dp_shard_size"):
+    if key in ("dp_replicate_size", "dp_shard_size") and _kind(ctx) == "FSDP":
         _state(ctx)[key] = (value, path, value)
         return
     if key.endswith("_size") and value in (None, 1):
         ctx.note(path, Fidelity.EXACT, "1: no such parallelism", value)
+    elif key.startswith("dp_"):
+        ctx.keep(path, value)
+        ctx.note(path, Fidelity.UNSUPPORTED, f"the data-parallel degree of a {_kind(ctx)} layout with sequence or "
+                 "tensor parallelism; torsh runs data parallel over every process", value)  # fmt: skip
     else:
         ctx.keep(path, value)
         ctx.note(path, Fidelity.UNSUPPORTED, "tensor / context / sequence parallelism; torsh runs data parallel "
@@ -342,6 +346,7 @@ TOP_MAP = {
     "fp8_config.*": Unsupported("fp8 training recipes (Transformer Engine / torchao); torsh computes in bf16/fp16"),
     "parallelism_config.*": Hook(read=_read_parallelism),
     **{f"tpu_{k}": Ignored("TPU only") for k in ("env", "use_cluster", "use_sudo", "name", "zone")},
+    "tpu_vm": Ignored("TPU only"),
     "commands": Ignored("TPU only"),
     "command_file": Ignored("TPU only"),
 }
@@ -363,6 +368,7 @@ FSDP_MAP = {
     "fsdp_config.fsdp_sync_module_states": Hook(read=_ignored_when_v2("sharding.sync_module_states",
                                                                       "sync_module_states")),
     "fsdp_config.fsdp_activation_checkpointing": To("activation_checkpointing.enabled"),
+    "fsdp_config.fsdp_activation_checkpointing_offload": Hook(read=_remember("ac_offload", to_bool)),
     "fsdp_config.fsdp_ignored_modules": Unsupported("these modules' parameters stay unsharded; torsh shards every "
                                                     "parameter"),
 }
@@ -434,6 +440,8 @@ def _finalize(ctx: ReadContext, base_dir: Any) -> None:
 def _finalize_fsdp(ctx: ReadContext, state: dict, version: int) -> None:
     if "fsdp_version" not in (ctx.raw.get("fsdp_config") or {}):
         ctx.keep("fsdp_config.fsdp_version", 1)  # the launcher's default; kept so the file is written back as FSDP1
+    if "ac_offload" in state:
+        _fsdp_activation_offload(ctx, *state["ac_offload"], version)
     _fsdp_stage(ctx, state, version)
     _fsdp_wrap(ctx, state)
     if "offload" in state:
@@ -463,6 +471,17 @@ def _finalize_fsdp(ctx: ReadContext, state: dict, version: int) -> None:
     _set_or_default(ctx, "sharding.forward_prefetch", state.get("sharding.forward_prefetch"),
                     "fsdp_config.fsdp_forward_prefetch", False, "Accelerate's default")
     _fsdp_sync(ctx, state, version)
+
+
+def _fsdp_activation_offload(ctx: ReadContext, flag: bool, path: str, value: Any, version: int) -> None:
+    """Activations saved for recompute kept on the CPU: Accelerate refuses it without activation checkpointing or
+    with FSDP1 (dataclasses.py, FullyShardedDataParallelPlugin.__post_init__)."""
+    if flag and (version != 2 or not get_path(ctx.core, "activation_checkpointing.enabled", False)):
+        ctx.problem(path, value, "Accelerate refuses activation checkpointing offload without "
+                    "fsdp_activation_checkpointing: true and fsdp_version: 2; set both or remove this key")
+    else:
+        ctx.set("activation_checkpointing.cpu_offload", flag, path, Fidelity.EXACT, "the checkpointed layers' inputs "
+                "wait on the CPU for the backward pass (save_on_cpu)" if flag else "")  # fmt: skip
 
 
 def _fsdp_stage(ctx: ReadContext, state: dict, version: int) -> None:
@@ -611,13 +630,15 @@ def sniff(raw: Any) -> float:
 def read(raw: Any, *, version: str | None = None, base_dir: str | os.PathLike[str] | None = None
          ) -> Translation[TorshConfig]:  # fmt: skip
     """Read an ``accelerate config`` YAML (parsed); ``base_dir`` resolves ``deepspeed_config_file``."""
+    if not isinstance(raw, dict):
+        raise ConfigError([Problem("", raw, "an accelerate config must be a mapping")], source=NAME)
+    raw, unset = _without_nulls(raw)
     problems = schemas.check(raw, NAME)
     if problems:
         raise ConfigError(problems, source=NAME)
-    if not isinstance(raw, dict):
-        raise ConfigError([Problem("", raw, "an accelerate config must be a mapping")], source=NAME)
     _check_ds_file_exclusive(raw)
     clean, notes, kept = _inactive_sections(raw)
+    notes[:0] = unset
     translation = read_mapping(clean, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS,
                                finalize=lambda ctx: _finalize(ctx, base_dir))
     from ._torch_names import merge_expressions
@@ -635,14 +656,64 @@ def _check_ds_file_exclusive(raw: dict) -> None:
                               source=NAME)  # fmt: skip
 
 
+#: Top-level keys whose null is Accelerate's "not set": ClusterConfig makes an empty section of a null one, and the
+#: launcher reads a null mixed_precision as "no". (num_processes, main_process_ip/port and dynamo_config give null a
+#: meaning of their own: their rules read it.)
+_NULL_IS_DEFAULT = ("mixed_precision", "deepspeed_config", "fsdp_config", "parallelism_config", "fp8_config",
+                    "megatron_lm_config", "mpirun_config", "tpu_vm")  # fmt: skip
+_SECTIONS = ("deepspeed_config", "fsdp_config")
+
+
+def _without_nulls(raw: dict) -> tuple[dict, list[Note]]:
+    """Nulls that mean "not set" to Accelerate (the launcher tests section keys with ``is not None``), taken out
+    with a note so the defaults apply as they do in Accelerate."""
+    notes, clean = [], {}
+    for key, value in raw.items():
+        if value is None and key in _NULL_IS_DEFAULT:
+            notes.append(Note(key, None, None, Fidelity.EXACT, "null: not set, Accelerate's default applies"))
+            continue
+        if key in _SECTIONS and isinstance(value, dict) and None in value.values():
+            notes += [Note(f"{key}.{k}", None, None, Fidelity.EXACT, "null: not set, Accelerate's default applies")
+                      for k, v in value.items() if v is None]  # fmt: skip
+            value = {k: v for k, v in value.items() if v is not None}
+            if not value:
+                continue
+        clean[key] = value
+    return clean, notes
+
+
+def _unread_section_keys(key: str, section: dict) -> tuple[dict, list[Note], dict]:
+    """Keys of an active section that no Accelerate code reads: ``accelerate launch`` copies every section key onto
+    its arguments and accepts the file, so they are reported (with a did-you-mean) and kept, never refused."""
+    from torsh.errors import did_you_mean
+
+    known = {k.split(".", 1)[1] for k in FIELD_MAP if k.startswith(key + ".")}
+    known |= {k.split(".", 1)[1] for k in ALIASES if k.startswith(key + ".")}
+    clean, notes, kept = {}, [], {}
+    for name, value in section.items():
+        if name in known:
+            clean[name] = value
+            continue
+        guess = did_you_mean(name, sorted(known))
+        notes.append(Note(f"{key}.{name}", None, value, Fidelity.DROPPED, "Accelerate 1.15 reads no such key (it "
+                          "accepts the file and ignores it)" + (f"; did you mean '{guess}'?" if guess else "")))
+        kept[f"{key}.{name}"] = value
+    return clean, notes, kept
+
+
 def _inactive_sections(raw: dict) -> tuple[dict, list[Note], dict]:
-    """Sections Accelerate does not read for this distributed_type, and empty ones: noted, kept, not mapped."""
+    """Sections Accelerate does not read for this distributed_type, and empty ones: noted, kept, not mapped; keys of
+    the active section that nothing reads: noted, kept, not mapped."""
     kind = str(raw.get("distributed_type", "NO")).upper()
     active = {"fsdp_config": kind == "FSDP", "deepspeed_config": kind == "DEEPSPEED"}
     clean, notes, kept = {}, [], {}
     for key, value in raw.items():
         if isinstance(value, dict) and not value:
             notes.append(Note(key, None, value, Fidelity.EXACT, "empty: nothing set"))
+        elif active.get(key) and isinstance(value, dict):
+            clean[key], unread, unread_kept = _unread_section_keys(key, value)
+            notes += unread
+            kept.update(unread_kept)
         elif key in active and not active[key] and isinstance(value, dict):
             from torsh.config import iter_leaves
 
@@ -774,6 +845,12 @@ def _write_fsdp_rest(version: int):
                     Fidelity.EXACT, "FSDP2: rank 0 loads, the weights are broadcast")  # fmt: skip
         ctx.put("fsdp_config.fsdp_state_dict_type", f"{cfg.checkpoint.state_dict_type.upper()}_STATE_DICT",
                 "checkpoint.state_dict_type")  # fmt: skip
+        ac = cfg.activation_checkpointing
+        if ac.cpu_offload and version == 2 and ac.enabled:
+            ctx.put("fsdp_config.fsdp_activation_checkpointing_offload", True, "activation_checkpointing.cpu_offload")
+        elif ac.cpu_offload:
+            ctx.note("activation_checkpointing.cpu_offload", Fidelity.UNSUPPORTED, "Accelerate offloads checkpointed "
+                     "activations only with FSDP2 and activation checkpointing on", True)  # fmt: skip
 
     return hook
 
@@ -871,7 +948,8 @@ def _write_map(backend: str) -> FieldMap:
         section = {"fsdp_config.fsdp_activation_checkpointing": FSDP_MAP["fsdp_config.fsdp_activation_checkpointing"],
                    "fsdp_config.(rest)": Hook(write=_write_fsdp_rest(version), claims=(
                        "offload", "sharding.wrap", "sharding.backward_prefetch", "sharding.forward_prefetch",
-                       "sharding.sync_module_states", "checkpoint.state_dict_type"))}  # fmt: skip
+                       "sharding.sync_module_states", "checkpoint.state_dict_type",
+                       "activation_checkpointing.cpu_offload"))}  # fmt: skip
     elif backend == "deepspeed":
         section = {k: v for k, v in DS_MAP.items() if isinstance(v, To) and v.path.split(".")[0] not in ("offload",
                                                                                                          "sharding")}
@@ -914,7 +992,7 @@ def _finalize_write(backend: str):
         # kept keys of another backend's section (e.g. fsdp_config when writing DeepSpeed) do not belong here
         other = {"fsdp_config", "deepspeed_config", "parallelism_config"} - {
             "fsdp_config" if backend.startswith("fsdp") else "deepspeed_config" if backend == "deepspeed" else "",
-            "parallelism_config" if backend == "fsdp2" else ""}
+            "parallelism_config" if backend in ("fsdp2", "deepspeed") else ""}
         for key in sorted(other & set(ctx.out)):
             value = ctx.out.pop(key)
             ctx.notes[:] = [n for n in ctx.notes if not (n.target_path or "").startswith(key + ".")]

@@ -110,10 +110,14 @@ def test_unread_sections_are_noted_not_mapped():
     assert _note(t, "fsdp_config.fsdp_offload_params").fidelity is Fidelity.IGNORED
 
 
-def test_unknown_keys_and_values_are_errors_with_suggestions():
-    with pytest.raises(ConfigError) as exc:
-        adapters.read(_fsdp({"fsdp_ofload_params": True}), "accelerate")
-    assert exc.value.problems[0].suggestion == "fsdp_offload_params"
+def test_unknown_section_keys_are_reported_with_suggestions_and_unknown_values_are_errors():
+    """accelerate launch copies every section key onto its arguments and accepts a file with a key nothing reads:
+    a misspelling is reported (dropped, with a did-you-mean; ``validate --strict`` exits 1) and kept, not refused."""
+    t = adapters.read(_fsdp({"fsdp_ofload_params": True}), "accelerate")
+    note = next(n for n in t.notes if n.source_path == "fsdp_config.fsdp_ofload_params")
+    assert note.fidelity is Fidelity.DROPPED and "did you mean 'fsdp_offload_params'" in note.reason
+    assert t.result.offload.params == "none"
+    assert adapters.write(t.result, "accelerate").result["fsdp_config"]["fsdp_ofload_params"] is True
     with pytest.raises(ConfigError) as exc:
         adapters.read({"distributed_type": "FDSP"}, "accelerate")
     assert exc.value.problems[0].suggestion == "FSDP"

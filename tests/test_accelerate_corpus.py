@@ -29,10 +29,9 @@ def test_corpus_is_large_enough_and_every_file_has_its_source():
 
 
 #: Corpus YAMLs torsh refuses (a ConfigError naming this key): a DeepSpeed file its consumer refuses, a file named
-#: that is not in the corpus, a key Accelerate 1.15's inline deepspeed_config does not have, a duplicated key.
+#: that is not in the corpus, a duplicated key.
 REFUSED = {"CarperAI__trlx__default_accelerate_config.yaml": "fp16.min_loss_scale",
            "LAION-AI__Open-Assistant__accelerate_config.yaml": "deepspeed_config.deepspeed_config_file",
-           "huggingface__trl__alst_ulysses_4gpu.yaml": "deepspeed_config.seq_parallel_communication_data_type",
            "huggingface__accelerate__0_30_0_sagemaker.yaml": "debug"}  # fmt: skip
 
 

@@ -270,25 +270,6 @@ _ACCELERATE_KIND = {"deepspeed_config": {"distributed_type": "DEEPSPEED"}, "fsdp
                     "megatron_lm_config": {"distributed_type": "MEGATRON_LM"}, "fp8_config": {"mixed_precision": "fp8"},
                     "parallelism_config": {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}},
                     "mpirun_config": {"distributed_type": "MULTI_CPU"}}  # fmt: skip
-_NULL_IS_UNSET = "null is Accelerate's 'not set' (ClusterConfig and the launcher test `is not None`)"
-#: Keys of the table our reader refuses at their Accelerate default, and why that is a false rejection.
-ACCELERATE_REFUSED = {
-    **{f"{key}=null": "ClusterConfig.__post_init__ turns null into {}" for key in (
-        "deepspeed_config", "fsdp_config", "parallelism_config")},
-    **{f"{key}=null": "a ClusterConfig field the reader does not know" for key in (
-        "fp8_config", "megatron_lm_config", "mpirun_config", "tpu_vm")},
-    "mixed_precision=null": "the launcher reads null as 'no'",
-    **{f"deepspeed_config.{key}=null": _NULL_IS_UNSET for key in (
-        "deepspeed_config_file", "deepspeed_exclusion_filter", "deepspeed_hostfile", "deepspeed_inclusion_filter",
-        "deepspeed_multinode_launcher", "gradient_accumulation_steps", "gradient_clipping", "offload_optimizer_device",
-        "offload_optimizer_nvme_path", "offload_param_device", "offload_param_nvme_path", "zero3_init_flag",
-        "zero3_save_16bit_model", "zero_stage")},
-    **{f"fsdp_config.{key}=null": _NULL_IS_UNSET for key in (
-        "fsdp_auto_wrap_policy", "fsdp_backward_prefetch", "fsdp_state_dict_type",
-        "fsdp_transformer_layer_cls_to_wrap")},
-    "fsdp_config.fsdp_activation_checkpointing_offload=\"false\"": "a launcher flag the reader does not know "
-    "(FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD)",
-}  # fmt: skip
 
 
 def _accelerate_cases() -> list:
@@ -303,9 +284,7 @@ def _accelerate_cases() -> list:
             raw = json.loads(json.dumps({**_ACCELERATE_BASE, **_ACCELERATE_KIND.get(section, {})}))
             raw[section] = {**raw.get(section, {}), key: entry.get("default")}
             cases.append((f"{section}.{key}={json.dumps(entry.get('default'))}", raw))
-    return [pytest.param(raw, id=name, marks=[pytest.mark.xfail(strict=True, raises=ConfigError,
-                                                                reason=ACCELERATE_REFUSED[name])]
-                         if name in ACCELERATE_REFUSED else []) for name, raw in cases]  # fmt: skip
+    return [pytest.param(raw, id=name) for name, raw in cases]
 
 
 @pytest.mark.parametrize("raw", _accelerate_cases())
@@ -353,8 +332,7 @@ def test_every_real_accelerate_file_uses_only_keys_of_the_table():
 
 
 @pytest.mark.parametrize("key", [
-    pytest.param("deepspeed_config.seq_parallel_communication_data_type", marks=pytest.mark.xfail(
-        strict=True, raises=ConfigError, reason="the reader refuses it as unknown; Accelerate 1.15 accepts the file")),
+    "deepspeed_config.seq_parallel_communication_data_type",
     "mpirun_config.mpirun_ccl",
 ])  # fmt: skip
 def test_the_accelerate_reader_does_not_refuse_a_section_key_accelerate_ignores(key):
