@@ -15,7 +15,7 @@ from typing import Any
 
 from torsh.adapters import _cmdline
 from torsh.adapters._hostfile import Node, format_host_list, format_hostfile, resolve_nodes
-from torsh.concepts.launch import DEFAULT_NPROC, DEFAULT_PORT, shell_references, worker_env
+from torsh.concepts.launch import DEFAULT_NPROC, DEFAULT_PORT, HOROVOD_LOG_LEVELS, shell_references, worker_env
 from torsh.config import LaunchConfig, TorshConfig, get_path, iter_leaves
 from torsh.errors import ConfigError, Problem
 from torsh.translate import Fidelity, Note
@@ -318,7 +318,8 @@ class Option:
     path: str
     flag: str
     spell: Callable[[Any], Any] | None = str
-    """How the value is written; None: a switch, written when the field is true."""
+    """How the value is written (returning None when the launcher takes no such value); None: a switch, written
+    when the field is true."""
     fidelity: Fidelity = Fidelity.EXACT
     reason: str = ""
     needs: str = ""
@@ -343,6 +344,8 @@ _HOROVODRUN_OPTIONS = (
     Option("communication.timeout_s", "--gloo-timeout-seconds", int, Fidelity.APPROXIMATE, "Horovod's Gloo timeout"),
     Option("monitoring.timeline.filename", "--timeline-filename"),
     Option("monitoring.timeline.mark_cycles", "--timeline-mark-cycles", None, needs="monitoring.timeline.filename"),
+    Option("monitoring.log_level", "--log-level", lambda level: str(level).upper() if str(level).upper() in
+           HOROVOD_LOG_LEVELS or shell_references(str(level)) else None),
 )  # fmt: skip
 
 
@@ -354,7 +357,11 @@ def _options(w: _Writer, table: tuple[Option, ...]) -> list[str]:
         if value in (None, "", {}) or (option.spell is None and not value) or (
                 option.needs and not get_path(w.cfg, option.needs)):
             continue
-        args.append(option.flag if option.spell is None else f"{option.flag}={option.spell(value)}")
+        spelt = None if option.spell is None else option.spell(value)
+        if option.spell is not None and spelt is None:
+            w.note(option.path, Fidelity.DROPPED, f"{option.flag} does not take this value")
+            continue
+        args.append(option.flag if option.spell is None else f"{option.flag}={spelt}")
         fidelity, reason = option.fidelity, option.reason
         if option.spell is _whole_mib and value % (1024 * 1024):
             fidelity, reason = Fidelity.APPROXIMATE, "whole MiB"

@@ -28,6 +28,7 @@ from functools import partial
 from typing import Any
 
 from torsh.adapters._torch_names import AUTO_SETTERS
+from torsh.concepts.launch import HOROVOD_LOG_LEVELS
 from torsh.config import MAX_BYTES_SIZE, TorshConfig, get_path
 from torsh.dialect import Dialect, Prepared
 from torsh.errors import ConfigError, Problem
@@ -112,7 +113,6 @@ TUNABLES = (
     Tunable("log_level", "logging.level", "HOROVOD_LOG_LEVEL", "level", "monitoring.log_level"),
     Tunable("log_with_timestamp", "logging.with_timestamp", "HOROVOD_LOG_HIDE_TIME", "bool", inverted="env"),
 )  # fmt: skip
-_LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 _PRECEDENCE = "a horovodrun flag beats --config-file, which beats the environment"
 
 # --------------------------------------------------------------------------------------------------
@@ -149,8 +149,8 @@ def _from_env_text(value: Any, t: Tunable) -> tuple[Any, str]:
 def _out_of_range(value: Any, t: Tunable) -> str:
     """Why horovodrun would refuse the value ("" when it accepts it)."""
     if t.kind == "level":
-        known = str(value).upper() in _LOG_LEVELS
-        return "" if known else f"unknown log level; expected one of {', '.join(_LOG_LEVELS)}"
+        known = str(value).upper() in HOROVOD_LOG_LEVELS
+        return "" if known else f"unknown log level; expected one of {', '.join(HOROVOD_LOG_LEVELS)}"
     if t.kind not in ("int", "mb", "float"):
         return ""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:

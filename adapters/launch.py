@@ -26,7 +26,7 @@ from typing import Any
 from torsh.adapters import _cmdline
 from torsh.adapters._hostfile import parse_host_list, parse_hostfile
 from torsh.adapters._launch_writers import WRITERS, LaunchCommand, worker_environments
-from torsh.concepts.launch import DEFAULT_LOCAL_RANK_ARGV, LOCAL_RANK_VARIABLE, shell_references
+from torsh.concepts.launch import DEFAULT_LOCAL_RANK_ARGV, HOROVOD_LOG_LEVELS, LOCAL_RANK_VARIABLE, shell_references
 from torsh.config import TorshConfig
 from torsh.dialect import Dialect, Prepared
 from torsh.errors import ConfigError
@@ -159,6 +159,15 @@ def _switch(path: str, value: bool, reason: str = "") -> Via:
     return via(lambda v, ctx, src: ctx.set(path, value, src, reason=reason), path)
 
 
+def _horovod_log_level(value: Any, ctx: ReadContext, path: str) -> None:
+    """HOROVOD_LOG_LEVEL, as the horovod dialect reads ``logging.level``; horovodrun refuses other levels."""
+    if shell_references(str(value)) or value in HOROVOD_LOG_LEVELS:
+        ctx.set("monitoring.log_level", value, path, reason="HOROVOD_LOG_LEVEL")
+    else:
+        ctx.problem(path, value, f"horovodrun's --log-level choices are {', '.join(HOROVOD_LOG_LEVELS)} (upper "
+                    "case: horovodrun refuses any other spelling)")
+
+
 def _fusion_mb(value: Any, ctx: ReadContext, path: str) -> None:
     try:
         mb = float(value)
@@ -283,8 +292,9 @@ FIELD_MAP = {
         "autotune_log_file", "autotune_warmup_samples", "autotune_steps_per_sample",
         "autotune_bayes_opt_max_samples", "autotune_gaussian_process_noise", "no_stall_check",
         "stall_check_warning_time_seconds", "stall_check_shutdown_time_seconds", "mpi_threads_disable",
-        "mpi_args", "binding_args", "num_nccl_streams", "thread_affinity", "log_level", "log_without_timestamp",
+        "mpi_args", "binding_args", "num_nccl_streams", "thread_affinity", "log_without_timestamp",
         "prefix_output_with_timestamp")},
+    "horovodrun.log_level": via(_horovod_log_level, "monitoring.log_level"),
     "horovodrun.module": "launch.module",
     "horovodrun.no_python": "launch.no_python",
     # ---- mpirun (Open MPI)

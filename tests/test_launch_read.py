@@ -256,5 +256,17 @@ def test_the_map_says_where_each_converted_option_goes():
 
     for key, rule in launch.FIELD_MAP.items():
         if isinstance(rule, Hook) and key not in ("deepspeed.no_ssh", "mpirun.map_by", "accelerate.config_file"):
-            assert rule.to and all(p.startswith(("launch.", "communication.")) for p in rule.to), key
+            assert rule.to and all(p.startswith(("launch.", "communication.", "monitoring.")) for p in rule.to), key
     assert launch.FIELD_MAP["torchrun.nnodes"].to == ("launch.nnodes", "launch.max_nnodes")
+
+
+def test_horovodrun_log_level_is_horovods_log_level_as_the_horovod_dialect_reads_it():
+    """``--log-level`` is HOROVOD_LOG_LEVEL, the ``logging.level`` of Horovod's config file: both dialects give
+    ``monitoring.log_level``; horovodrun's argparse takes only the upper-case choices."""
+    line = read("horovodrun -np 2 --log-level DEBUG python train.py").result
+    config = adapters.read({"logging": {"level": "DEBUG"}}, "horovod").result
+    assert line.monitoring.log_level == config.monitoring.log_level == "DEBUG"
+    with pytest.raises(ConfigError, match="log-level choices"):
+        read("horovodrun -np 2 --log-level debug python train.py")
+    written = adapters.write(line, "launch", version="horovodrun").result
+    assert "--log-level=DEBUG" in str(written)

@@ -13,6 +13,9 @@ from typing import Any
 #: The rendezvous port torch.distributed and the deepspeed launcher use when none is given.
 DEFAULT_PORT = 29500
 
+#: Horovod's log levels (HOROVOD_LOG_LEVEL, ``horovodrun --log-level``, ``logging.level`` of its config file).
+HOROVOD_LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+
 #: The process count a launcher uses when the command gives none (said in notes).
 DEFAULT_NPROC = {"torchrun": "1 per node", "deepspeed": "one per visible GPU", "horovodrun": "-np is required",
                  "mpirun": "one per slot"}  # fmt: skip
