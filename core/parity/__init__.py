@@ -16,10 +16,12 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -166,6 +168,29 @@ def calibration_variant(config: Mapping[str, Any]) -> dict[str, Any]:
 # running
 
 
+#: A build of DeepSpeed's C++ ops takes minutes; its lock file older than this was left by an interrupted build.
+STALE_LOCK_S = 900
+
+
+def _check_no_stale_build_lock() -> None:
+    """torch's JIT build waits without end (and without a word) on a ``lock`` file an interrupted build left in the
+    extensions folder; DeepSpeed builds its CPU ops there on first use. Refuse with the file to delete instead."""
+    import time
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    stale = [lock for lock in root.glob("*/*/lock") if time.time() - lock.stat().st_mtime > STALE_LOCK_S]
+    if stale:
+        raise ParityRunError("DeepSpeed would wait forever: an interrupted build of its C++ ops left "
+                             f"{', '.join(map(str, stale))}; delete it and run again (the ops are rebuilt once)")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -201,16 +226,30 @@ def run(scenarios: list[Scenario], engine: str, *, nproc: int = 2, workdir: Path
                f"--master-port={_free_port()}", "-m", "torsh.parity.worker", str(spec)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
            "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    if engine == "deepspeed":
+        _check_no_stale_build_lock()
     log: list[str] = []
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.append(line)
-            if line.startswith("PROGRESS ") and on_progress is not None:
-                _, name, frac = line.split()
-                done, total = frac.split("/")
-                on_progress(name, int(done), int(total))
-        code = proc.wait(timeout=timeout)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          start_new_session=True) as proc:  # fmt: skip
+        # The launcher and its ranks are one process group: a run that hangs is killed whole after ``timeout``.
+        timed_out = threading.Event()
+        watchdog = threading.Timer(timeout, lambda: (timed_out.set(), _kill_group(proc)))
+        watchdog.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.append(line)
+                if line.startswith("PROGRESS ") and on_progress is not None:
+                    _, name, frac = line.split()
+                    done, total = frac.split("/")
+                    on_progress(name, int(done), int(total))
+            code = proc.wait()
+        finally:
+            watchdog.cancel()
+            _kill_group(proc)  # ranks left behind by a failed launcher
+    if timed_out.is_set():
+        raise ParityRunError(f"the {engine} run did not finish within {timeout:g} s and was stopped; the last lines "
+                             "it printed:\n" + "".join(log[-40:]))  # fmt: skip
     if code != 0 or not out.exists():
         raise ParityRunError(f"the {engine} run failed (exit {code}):\n" + "".join(log[-40:]))
     results = json.loads(out.read_text())
