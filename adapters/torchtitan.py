@@ -1,0 +1,364 @@
+"""torchtitan: its job-config TOML (``--job.config_file``), as torchtitan 0.2.2 reads it.
+
+Every key of torchtitan's ``JobConfig`` is known (``schemas/keys/torchtitan.json``, generated from its source); a key
+it does not define is refused as torchtitan refuses it. The distributed meaning is read into the core model:
+``[parallelism]`` degrees (FSDP over ``data_parallel_shard_degree``, HSDP with a replicate degree, DDP with shard
+degree 1), ``fsdp_reshard_after_forward``, ``[training]`` mixed precision, batch sizes, clipping and CPU offload,
+``[optimizer]``, ``[activation_checkpoint]`` and the start-up timeout. Every other key is ignored as "not a
+distributed setting" and kept, so a file read and written back keeps it. torchtitan's defaults matter: a file that
+says nothing trains with FSDP over every rank, bfloat16 parameters and selective activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from torsh.concepts.dtypes import core_dtype
+from torsh.config import TorshConfig
+from torsh.dialect import Dialect
+from torsh.translate import Fidelity, Group, Ignored, Seen, To, Unsupported, WriteContext, settle_auto
+
+NAME = "torchtitan"
+_NOT_DISTRIBUTED = "not a distributed setting"
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+@cache
+def key_table() -> dict[str, Any]:
+    """torchtitan 0.2.2's sections and keys (generated from its source; torchtitan itself is never imported)."""
+    from torsh import schemas
+
+    return json.loads((Path(schemas.__file__).parent / "keys" / "torchtitan.json").read_text("utf-8"))
+
+
+def _default(section: str, key: str) -> Any:
+    return key_table()["sections"][section][key].get("default")
+
+
+# ---- data parallelism: the degrees and the reshard policy decide the sharding together -------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read_data_parallel(seen: Seen) -> None:
+    ctx = seen.ctx
+    for key in ("data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward"):
+        if seen.has(f"parallelism.{key}"):  # written back as the file had them (a default stays spelt out)
+            ctx.keep(f"parallelism.{key}", seen.value(f"parallelism.{key}"))
+    replicate = seen.value("parallelism.data_parallel_replicate_degree", 1)
+    shard = seen.value("parallelism.data_parallel_shard_degree", -1)
+    for key, value in (("data_parallel_replicate_degree", replicate), ("data_parallel_shard_degree", shard)):
+        if not _is_int(value) or value == 0 or value < -1:
+            ctx.problem(f"parallelism.{key}", value, "a degree is a positive number of ranks, or -1 for the ranks "
+                        "the other degrees leave")  # fmt: skip
+            return
+    reshard = seen.value("parallelism.fsdp_reshard_after_forward", "default")
+    if reshard not in ("default", "always", "never"):
+        ctx.problem("parallelism.fsdp_reshard_after_forward", reshard, "expected default, always or never")
+        return
+    stage = 0 if shard == 1 else 2 if reshard == "never" else 3
+    why = ("data_parallel_shard_degree 1: DDP over the replicate degree" if stage == 0 else
+           f"fully_shard over the data-parallel shard dimension, reshard_after_forward {reshard}: ZeRO-{stage}")
+    seen.set("parallelism.data_parallel_shard_degree", "sharding.stage", stage, reason=why, default=stage)
+    if stage and isinstance(replicate, int) and replicate != 1:
+        if shard == -1:
+            seen.drop("parallelism.data_parallel_replicate_degree", f"HSDP with {replicate} replicas of groups of "
+                      "the remaining ranks: the group size depends on the world size; set data_parallel_shard_degree "
+                      "to it", Fidelity.APPROXIMATE)  # fmt: skip
+        else:
+            seen.set("parallelism.data_parallel_replicate_degree", "sharding.hybrid_shard_size", shard,
+                     reason=f"HSDP: {replicate} replicas of {shard}-rank shard groups")
+    else:
+        seen.inert("parallelism.data_parallel_replicate_degree", "1: no replication beyond the shard dimension" if
+                   replicate == 1 else "DDP: replicated over every rank")  # fmt: skip
+    if stage == 0:
+        seen.inert("parallelism.fsdp_reshard_after_forward", "no effect without FSDP (shard degree 1)")
+    else:
+        seen.drop("parallelism.fsdp_reshard_after_forward", f"{reshard}: ZeRO-{stage}", Fidelity.EXACT)
+
+
+def _write_data_parallel(cfg: TorshConfig, ctx: WriteContext) -> None:
+    s, world = cfg.sharding, cfg.launch.world_size
+    if s.stage == 0:
+        if _is_int(world):
+            ctx.put("parallelism.data_parallel_shard_degree", 1, "sharding.stage", Fidelity.EXACT, "DDP")
+            ctx.put("parallelism.data_parallel_replicate_degree", world, "launch.world_size", Fidelity.EXACT,
+                    "DDP: one replica per rank")  # fmt: skip
+        else:
+            ctx.note("sharding.stage", Fidelity.APPROXIMATE, "torchtitan's DDP needs data_parallel_replicate_degree "
+                     "= the world size, which the config does not know: written as FSDP over every rank (same "
+                     "numerics)", 0)  # fmt: skip
+        return
+    if s.stage == 1:
+        ctx.note("sharding.stage", Fidelity.APPROXIMATE, "FSDP cannot shard only the optimizer state (ZeRO-1): "
+                 "written as ZeRO-2 (same numerics, less memory)", 1)  # fmt: skip
+    if s.stage in (1, 2) or s.reshard_after_forward is False:
+        ctx.put("parallelism.fsdp_reshard_after_forward", "never", "sharding.stage", Fidelity.EXACT, "ZeRO-2")
+    size = s.hybrid_shard_size
+    if size is None:
+        return
+    if _is_int(size) and _is_int(world) and world % size == 0:
+        ctx.put("parallelism.data_parallel_shard_degree", size, "sharding.hybrid_shard_size")
+        ctx.put("parallelism.data_parallel_replicate_degree", world // size, "sharding.hybrid_shard_size",
+                Fidelity.EXACT, "HSDP: world size / shard group size")  # fmt: skip
+    else:
+        ctx.note("sharding.hybrid_shard_size", Fidelity.UNSUPPORTED, "torchtitan's HSDP degrees are numbers: needs a "
+                 "known shard group size that divides a known world size", size)  # fmt: skip
+
+
+def _read_other_degree(value: Any, ctx: Any, path: str) -> None:
+    if value in (1, -1) and path.endswith("_degree"):
+        ctx.keep(path, value)
+        ctx.note(path, Fidelity.EXACT, "1: no such parallelism", value)
+    else:
+        ctx.keep(path, value)
+        ctx.note(path, Fidelity.UNSUPPORTED, "tensor / pipeline / context / expert parallelism; torsh runs data "
+                 "parallel jobs", value)  # fmt: skip
+
+
+# ---- precision -------------------------------------------------------------------------------------------------
+
+
+def _read_precision(seen: Seen) -> None:
+    for key, core in (("mixed_precision_param", "precision.param_dtype"),
+                      ("mixed_precision_reduce", "precision.reduce_dtype")):
+        value = seen.value(f"training.{key}", _default("training", key))
+        dtype = core_dtype(value)
+        if dtype is None or dtype == "fp16":
+            seen.ctx.problem(f"training.{key}", value, "torchtitan takes bfloat16 or float32")
+            continue
+        seen.set(f"training.{key}", core, dtype, reason="applied by fully_shard's MixedPrecisionPolicy",
+                 default=dtype)  # fmt: skip
+    value = seen.value("training.dtype", "float32")
+    dtype = core_dtype(value)
+    if dtype in ("fp32", "bf16"):
+        seen.set("training.dtype", "precision.master_dtype", dtype, reason="parameters and optimizer state are kept "
+                 "in this dtype", default=dtype)  # fmt: skip
+        seen.ctx.set("precision.optimizer_state_dtype", dtype, "training.dtype", note=False)
+    else:
+        seen.ctx.problem("training.dtype", value, "torchtitan takes bfloat16 or float32")
+
+
+def _write_precision(cfg: TorshConfig, ctx: WriteContext) -> None:
+    p = cfg.precision
+    param = "bf16" if p.param_dtype == "fp16" else p.param_dtype
+    if p.param_dtype == "fp16":
+        ctx.note("precision.param_dtype", Fidelity.APPROXIMATE, "torchtitan computes in bfloat16 or float32 (no loss "
+                 "scaling): written as bfloat16", "fp16")  # fmt: skip
+    if isinstance(param, str):
+        ctx.put("training.mixed_precision_param", _DTYPES[param], "precision.param_dtype")
+    reduce = p.reduce_dtype or "fp32"
+    if reduce != "fp32":
+        ctx.note("precision.reduce_dtype", Fidelity.APPROXIMATE, "torchtitan reduces gradients in float32", reduce)
+    if p.master_dtype in _DTYPES and p.master_dtype != "fp32":
+        ctx.put("training.dtype", _DTYPES[p.master_dtype], "precision.master_dtype")
+
+
+# ---- optimizer -------------------------------------------------------------------------------------------------
+
+
+def _read_optimizer(seen: Seen) -> None:
+    ctx = seen.ctx
+    for key in ("name", "lr", "eps", "weight_decay"):
+        seen.set(f"optimizer.{key}", f"optimizer.{key}", seen.value(f"optimizer.{key}", _default("optimizer", key)))
+    betas = (seen.value("optimizer.beta1", 0.9), seen.value("optimizer.beta2", 0.95))
+    ctx.set("optimizer.betas", betas, "optimizer.beta1", Fidelity.EXACT if seen.has("optimizer.beta1") else
+            Fidelity.DEFAULTED, "with beta2: Adam's betas" if seen.has("optimizer.beta1") else "not set; torchtitan "
+            "default (0.9, 0.95)")  # fmt: skip
+    seen.take("optimizer.beta1")
+    if seen.has("optimizer.beta2"):
+        seen.drop("optimizer.beta2", "with beta1: Adam's betas", Fidelity.EXACT)
+
+
+def _write_optimizer(cfg: TorshConfig, ctx: WriteContext) -> None:
+    o = cfg.optimizer
+    if o is None:
+        ctx.note("optimizer", Fidelity.APPROXIMATE, "no optimizer in the config: torchtitan uses its default AdamW "
+                 "(lr 8e-4, betas (0.9, 0.95), weight decay 0.1)", None)  # fmt: skip
+        return
+    for key in ("name", "lr", "eps", "weight_decay"):
+        value = getattr(o, key)
+        if value is not None:
+            ctx.put(f"optimizer.{key}", value, f"optimizer.{key}")
+    if isinstance(o.betas, tuple):
+        ctx.put("optimizer.beta1", o.betas[0], "optimizer.betas")
+        ctx.put("optimizer.beta2", o.betas[1], "optimizer.betas")
+    if o.momentum is not None or o.kwargs:
+        ctx.note("optimizer", Fidelity.UNSUPPORTED, "torchtitan's optimizer section has name, lr, betas, eps and "
+                 "weight_decay only", o.momentum if o.momentum is not None else o.kwargs)  # fmt: skip
+
+
+# ---- activation checkpointing ------------------------------------------------------------------------------------
+
+
+def _read_checkpointing(seen: Seen) -> None:
+    mode = seen.value("activation_checkpoint.mode", "selective")
+    if mode not in ("selective", "full", "memory_budget", "none"):
+        seen.ctx.problem("activation_checkpoint.mode", mode, "expected selective, full, memory_budget or none")
+        return
+    exact = mode in ("full", "none")
+    if not exact:  # written back as it was when the file is written to torchtitan again
+        seen.ctx.keep("activation_checkpoint.mode", mode)
+    seen.set("activation_checkpoint.mode", "activation_checkpointing.enabled", mode != "none",
+             Fidelity.EXACT if exact else Fidelity.APPROXIMATE, "" if exact else f"{mode}: torchtitan recomputes "
+             "some operators of each block; torsh checkpoints whole blocks", default=True)  # fmt: skip
+
+
+def _write_checkpointing(cfg: TorshConfig, ctx: WriteContext) -> None:
+    kept = cfg.extensions.get(NAME, {}).get("activation_checkpoint.mode")
+    mode = (kept or "full") if cfg.activation_checkpointing.enabled else "none"
+    ctx.put("activation_checkpoint.mode", mode, "activation_checkpointing.enabled", Fidelity.EXACT,
+            "as in the source file" if kept and mode == kept else "torchtitan's default is selective: written out")
+    if cfg.activation_checkpointing.cpu_offload:
+        ctx.note("activation_checkpointing.cpu_offload", Fidelity.UNSUPPORTED, "torchtitan keeps checkpointed "
+                 "activations on the device", True)  # fmt: skip
+
+
+def _read_offload(value: Any, ctx: Any, path: str) -> None:
+    if value is True:
+        ctx.set("offload.params", "cpu", path, Fidelity.EXACT, "fully_shard's CPUOffloadPolicy: parameters, "
+                "gradients and optimizer state on the CPU")  # fmt: skip
+        ctx.set("offload.optimizer", "cpu", path, note=False)
+    elif value is False:
+        ctx.note(path, Fidelity.EXACT, "no offload", value, "offload")
+    else:
+        ctx.problem(path, value, "expected true or false")
+
+
+def _write_offload(cfg: TorshConfig, ctx: WriteContext) -> None:
+    o = cfg.offload
+    if o.params == "cpu":
+        ctx.put("training.enable_cpu_offload", True, "offload.params", Fidelity.EXACT if o.optimizer == "cpu" else
+                Fidelity.APPROXIMATE, "" if o.optimizer == "cpu" else "also moves the optimizer step to the CPU")
+    elif o.params != "none" or o.optimizer != "none":
+        ctx.note("offload", Fidelity.UNSUPPORTED, "torchtitan offloads parameters, gradients and optimizer to CPU "
+                 "memory together; NVMe or optimizer-only offload needs DeepSpeed", f"{o.params}/{o.optimizer}")
+
+
+# ---- the map -----------------------------------------------------------------------------------------------------
+
+
+def _global_batch(value: Any, ctx: Any, path: str) -> None:
+    if value == -1:
+        ctx.note(path, Fidelity.EXACT, "-1: the local batch size times the data-parallel degree (no accumulation)",
+                 value)  # fmt: skip
+    else:
+        ctx.set("batch.global_batch_size", value, path, Fidelity.EXACT, "gradient accumulation makes up the rest")
+
+
+_GROUPS = (
+    Group("data parallelism", ("parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
+                               "parallelism.fsdp_reshard_after_forward"),
+          ("sharding.stage", "sharding.hybrid_shard_size", "sharding.reshard_after_forward"),
+          _read_data_parallel, _write_data_parallel),
+    Group("precision", ("training.mixed_precision_param", "training.mixed_precision_reduce", "training.dtype"),
+          ("precision",), _read_precision, _write_precision),
+    Group("optimizer", tuple(f"optimizer.{k}" for k in ("name", "lr", "eps", "weight_decay", "beta1", "beta2")),
+          ("optimizer",), _read_optimizer, _write_optimizer),
+    Group("activation checkpointing", ("activation_checkpoint.mode",), ("activation_checkpointing",),
+          _read_checkpointing, _write_checkpointing),
+)  # fmt: skip
+
+_MEANING = {
+    **{f"parallelism.{k}": _read_other_degree for k in key_table()["sections"]["parallelism"]
+       if k.endswith("_degree") and not k.startswith("data_parallel")},
+    "training.enable_cpu_offload": _read_offload,
+    "training.global_batch_size": _global_batch,
+}
+_RULES = {
+    "training.local_batch_size": To("batch.micro_batch_size", reason="per rank, per step"),
+    "training.max_norm": To("gradients.clip_max_norm"),
+    "comm.init_timeout_seconds": To("communication.timeout_s", Fidelity.APPROXIMATE, "the collective timeout at "
+                                    "start-up; torchtitan lowers it to train_timeout_seconds after the first step"),
+    "compile.enable": Unsupported("torch.compile; torsh does not compile the model"),
+    "optimizer.implementation": Ignored("fused / foreach / for-loop: the same update, at another speed"),
+    "optimizer.early_step_in_backward": Unsupported("the optimizer steps each parameter during backward"),
+    "checkpoint.async_mode": Ignored("how checkpoints are saved in the background; " + _NOT_DISTRIBUTED),
+}
+
+
+def _field_map() -> dict[str, Any]:
+    """Every key of every section: its meaning, or ignored (kept for the round trip)."""
+    from torsh.translate import Hook
+
+    grouped = {key for group in _GROUPS for key in group.keys}
+    fmap: dict[str, Any] = {}
+    table = key_table()
+    sections = dict(table["sections"])
+    for module, extra in table["extensions"].items():
+        for section, keys in extra.items():
+            for key in keys:
+                if key not in sections.get(section, {}):
+                    fmap[f"{section}.{key}"] = Ignored(f"read by torchtitan only with job.custom_config_module = "
+                                                       f"{module!r} (in the file or on the command line)")
+    for section, keys in sections.items():
+        for key in keys:
+            path = f"{section}.{key}"
+            if path in grouped:  # read by its group
+                continue
+            if path in _MEANING:
+                fmap[path] = Hook(read=_MEANING[path])
+            elif path in _RULES:
+                fmap[path] = _RULES[path]
+            elif section in ("parallelism", "activation_checkpoint", "float8") or section.startswith("quantize"):
+                fmap[path] = Ignored("used only with the parallelism or quantisation it configures")
+            else:
+                fmap[path] = Ignored(_NOT_DISTRIBUTED)
+    return fmap
+
+
+def _write_rest(cfg: TorshConfig, ctx: WriteContext) -> None:
+    _write_offload(cfg, ctx)
+    b = cfg.batch
+    if isinstance(b.micro_batch_size, int):
+        ctx.put("training.local_batch_size", b.micro_batch_size, "batch.micro_batch_size")
+    steps, world = b.gradient_accumulation_steps, cfg.launch.world_size
+    if isinstance(b.global_batch_size, int):
+        ctx.put("training.global_batch_size", b.global_batch_size, "batch.global_batch_size")
+    elif _is_int(steps) and steps > 1 and _is_int(b.micro_batch_size) and _is_int(world):
+        ctx.put("training.global_batch_size", b.micro_batch_size * steps * world, "batch.gradient_accumulation_steps",
+                Fidelity.EXACT, f"torchtitan accumulates global / (local x {world} ranks) = {steps} micro-batches")
+    if _is_int(steps) and steps > 1 and not isinstance(b.global_batch_size, int) and not _is_int(world):
+        ctx.note("batch.gradient_accumulation_steps", Fidelity.APPROXIMATE, "torchtitan accumulates global_batch_size"
+                 f" / (local_batch_size x ranks) micro-batches: set global_batch_size = local_batch_size x {steps} x "
+                 "the number of ranks", steps)  # fmt: skip
+    clip = cfg.gradients.clip_max_norm
+    if isinstance(clip, (int, float)):
+        ctx.put("training.max_norm", clip, "gradients.clip_max_norm")
+
+
+class Torchtitan(Dialect):
+    NAME = NAME
+    DEFAULT_FORMAT = "toml"
+    FIELD_MAP = _field_map()
+    GROUPS = _GROUPS
+    SCHEMA_NAMES_UNKNOWN_KEYS = False  # the map refuses them, with a did-you-mean
+
+    def write_map(self, version: str | None):
+        from torsh.translate import FieldMap, Hook
+
+        return FieldMap({"(settings)": Hook(write=_write_rest, claims=(
+            "offload", "batch", "gradients.clip_max_norm")),
+            "comm.init_timeout_seconds": _RULES["comm.init_timeout_seconds"]}, groups=_GROUPS)
+
+    def finish_write(self, ctx: WriteContext, version: str | None) -> None:
+        from ._torch_names import AUTO_SETTERS
+
+        settle_auto(ctx, AUTO_SETTERS)
+
+    def sniff(self, raw: Any) -> float:
+        """A torchtitan job config: its sections, with [parallelism] or [job] among them."""
+        if not isinstance(raw, dict) or not ({"parallelism", "job"} & set(raw)):
+            return 0.0
+        known = set(key_table()["sections"]) | {s for e in key_table()["extensions"].values() for s in e}
+        tables = {k for k, v in raw.items() if isinstance(v, dict)}
+        return 0.97 if tables and tables <= known and {"training", "model", "job"} & tables else 0.0
+
+
+DIALECT = Torchtitan()
+globals().update(DIALECT.exports())

@@ -1,0 +1,129 @@
+"""The torchtitan dialect: torchtitan 0.2.2's job-config TOML, read and written (the real files are in the corpus
+and the consumer test; these cover what the corpus does not show)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+from golden import check_golden
+
+from torsh import adapters
+from torsh.errors import ConfigError
+from torsh.formats import dump_text
+from torsh.translate import Fidelity
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "tests" / "fixtures" / "corpus" / "torchtitan"
+
+
+def read(raw):
+    return adapters.read(raw, "torchtitan")
+
+
+def _note(t, path):
+    return next(n for n in t.notes if n.source_path == path)
+
+
+def test_a_file_that_says_nothing_trains_as_torchtitan_does_by_default():
+    """FSDP over every rank (ZeRO-3), bfloat16 parameters, float32 reduction, selective activation checkpointing."""
+    t = read({"job": {"description": "x"}})
+    cfg = t.result
+    assert cfg.sharding.stage == 3 and cfg.sharding.hybrid_shard_size is None
+    assert (cfg.precision.param_dtype, cfg.precision.reduce_dtype) == ("bf16", "fp32")
+    assert cfg.activation_checkpointing.enabled
+    assert _note(t, "activation_checkpoint.mode").fidelity is Fidelity.DEFAULTED
+    assert cfg.optimizer.name == "AdamW" and cfg.optimizer.betas == (0.9, 0.95)
+
+
+@pytest.mark.parametrize("parallelism, stage, hybrid", [
+    ({"data_parallel_shard_degree": -1, "fsdp_reshard_after_forward": "never"}, 2, None),
+    ({"data_parallel_shard_degree": 8, "data_parallel_replicate_degree": 4}, 3, 8),
+    ({"data_parallel_shard_degree": 1, "data_parallel_replicate_degree": 16}, 0, None),
+    ({"data_parallel_shard_degree": -1, "fsdp_reshard_after_forward": "always"}, 3, None),
+])  # fmt: skip
+def test_data_parallel_degrees_decide_the_sharding(parallelism, stage, hybrid):
+    cfg = read({"parallelism": parallelism}).result
+    assert (cfg.sharding.stage, cfg.sharding.hybrid_shard_size) == (stage, hybrid)
+
+
+def test_hybrid_sharding_over_the_remaining_ranks_is_reported_not_guessed():
+    t = read({"parallelism": {"data_parallel_replicate_degree": 2}})
+    assert t.result.sharding.hybrid_shard_size is None
+    assert "set data_parallel_shard_degree" in _note(t, "parallelism.data_parallel_replicate_degree").reason
+
+
+def test_other_parallelism_is_unsupported_and_kept():
+    t = read({"parallelism": {"tensor_parallel_degree": 8, "pipeline_parallel_degree": 1}})
+    assert _note(t, "parallelism.tensor_parallel_degree").fidelity is Fidelity.UNSUPPORTED
+    assert _note(t, "parallelism.pipeline_parallel_degree").fidelity is Fidelity.EXACT
+    assert adapters.write(t.result, "torchtitan").result["parallelism"]["tensor_parallel_degree"] == 8
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"parallelism": {"fsdp_reshard_after_forwrd": "never"}}, "parallelism.fsdp_reshard_after_forwrd"),
+    ({"training": {"local_batch_size": "x"}}, "training.local_batch_size"),
+    ({"parallelism": {"fsdp_reshard_after_forward": "sometimes"}}, "parallelism.fsdp_reshard_after_forward"),
+    ({"parallelism": {"data_parallel_shard_degree": 0}}, "parallelism.data_parallel_shard_degree"),
+    ({"training": {"mixed_precision_param": "float16"}}, "training.mixed_precision_param"),
+])  # fmt: skip
+def test_what_torchtitan_refuses_is_refused_naming_the_key(raw, key):
+    with pytest.raises(ConfigError) as exc:
+        read(raw)
+    assert any(p.path == key for p in exc.value.problems), exc.value.problems
+
+
+def test_keys_torchtitan_dropped_since_2024_are_refused_with_a_suggestion():
+    raw = tomllib.loads((CORPUS / "pytorch__torchtitan__2024__llama3_8b.toml").read_text("utf-8"))
+    with pytest.raises(ConfigError) as exc:
+        read(raw)
+    by_path = {p.path: p for p in exc.value.problems}
+    assert by_path["training.batch_size"].suggestion == "local_batch_size"
+
+
+def test_every_key_of_a_real_file_is_kept_for_a_round_trip():
+    path = CORPUS / "pytorch__torchtitan__llama3__llama3_8b.toml"
+    raw = tomllib.loads(path.read_text("utf-8"))
+    written = adapters.write(adapters.load(path).result, "torchtitan")
+    assert not written.lossy
+    leaves = lambda d, p="": {f"{p}{k}": v for k, v in d.items() if not isinstance(v, dict)} | {  # noqa: E731
+        x: y for k, v in d.items() if isinstance(v, dict) for x, y in leaves(v, f"{p}{k}.").items()}
+    out = leaves(written.result)
+    assert {k: out.get(k) for k in leaves(raw)} == leaves(raw)
+
+
+def test_selective_checkpointing_is_written_back_as_selective_and_elsewhere_as_whole_blocks():
+    t = read({"activation_checkpoint": {"mode": "selective", "selective_ac_option": "op"}})
+    assert _note(t, "activation_checkpoint.mode").fidelity is Fidelity.APPROXIMATE
+    assert adapters.write(t.result, "torchtitan").result["activation_checkpoint"]["mode"] == "selective"
+
+
+def test_auto_values_of_a_hugging_face_deepspeed_config_are_not_written():
+    cfg = adapters.read({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+                         "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}}, "deepspeed").result  # fmt: skip
+    text = dump_text(adapters.write(cfg, "torchtitan").result, "toml")
+    assert "auto" not in text
+
+
+def test_ddp_needs_the_world_size_and_hsdp_a_dividing_group():
+    ddp = adapters.read({"sharding": {"stage": 0}, "launch": {"world_size": 8}}, "torsh").result
+    assert adapters.write(ddp, "torchtitan").result["parallelism"] == {"data_parallel_shard_degree": 1,
+                                                                       "data_parallel_replicate_degree": 8}
+    hsdp = adapters.read({"sharding": {"stage": 3, "hybrid_shard_size": 8}, "launch": {"world_size": 32}},
+                         "torsh").result  # fmt: skip
+    out = adapters.write(hsdp, "torchtitan").result["parallelism"]
+    assert (out["data_parallel_shard_degree"], out["data_parallel_replicate_degree"]) == (8, 4)
+    assert read({"parallelism": out}).result.sharding.hybrid_shard_size == 8
+
+
+def test_sniffing_finds_torchtitan_files_and_leaves_fsdp_excerpts_to_the_fsdp_dialect():
+    raw = tomllib.loads((CORPUS / "pytorch__torchtitan__llama3__debug_model.toml").read_text("utf-8"))
+    assert adapters.sniff(raw) == "torchtitan"
+    assert adapters.sniff({"parallelism": {"data_parallel_shard_degree": -1}}) == "fsdp"
+
+
+def test_the_deepspeed_example_converts_to_its_golden():
+    example = ROOT / "migration_examples" / "torchtitan"
+    written = adapters.write(adapters.load(example / "zero3_bf16_offload.json").result, "torchtitan")
+    check_golden(example / "zero3_bf16_offload.expected.toml", dump_text(written.result, "toml"))
