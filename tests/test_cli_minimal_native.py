@@ -21,6 +21,14 @@ CORPUS = sorted(p for p in (ROOT / "tests" / "fixtures" / "corpus").rglob("*")
 SAMPLE = CORPUS[::5]  # every fifth file, across every dialect directory
 
 
+def _drop_none(data: object) -> object:
+    if isinstance(data, dict):
+        return {k: _drop_none(v) for k, v in data.items() if v is not None}
+    if isinstance(data, list):
+        return [_drop_none(v) for v in data if v is not None]
+    return data
+
+
 def _through_toml(data: dict) -> object:
     return adapters.read(parse_text(dump_text(data, "toml"), "toml"), "torsh").result
 
@@ -34,7 +42,9 @@ def test_minimal_and_full_native_files_read_back_to_the_same_config(path):
     writer = adapters.get("torsh")
     minimal = writer.write(original, full=False).result
     full = writer.write(original).result
-    assert _through_toml(minimal) == _through_toml(full) == original
+    # TOML has no null: a null kept from another dialect's file (torchtune's `max_seq_len: null`) is left out of it.
+    expected = original.model_copy(update={"extensions": _drop_none(original.extensions)})
+    assert _through_toml(minimal) == _through_toml(full) == expected
     assert len(dump_text(minimal, "toml")) <= len(dump_text(full, "toml"))
 
 

@@ -1,0 +1,257 @@
+"""torchtune: the distributed and precision keys of a recipe config YAML (``tune run ... --config X``), torchtune 0.6.1.
+
+A recipe reads the keys it knows and ignores the rest, so no key is refused for being unknown: the keys that bear on
+distributed training are read into the core model (``fsdp_cpu_offload``, ``fsdp_reshard_after_forward``,
+``enable_activation_checkpointing`` / ``_offloading``, ``dtype``, batch size and accumulation, ``clip_grad_norm``,
+the ``optimizer`` component, ``compile``, ``optimizer_in_bwd``, the HSDP and tensor-parallel dims); every other key
+(model, tokenizer, dataset, checkpointer, ...) is "not a distributed setting", kept verbatim - ``_component_``
+references and OmegaConf interpolations (``${output_dir}``) included - and written back. ``schemas/keys/torchtune.json``
+lists what each 0.6.1 recipe reads (generated from the recipes' source).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from torsh.concepts.optim import TORCH_OPTIMIZERS
+from torsh.config import AUTO, TorshConfig
+from torsh.dialect import Dialect, Prepared
+from torsh.translate import Fidelity, FieldMap, Group, Hook, Note, Seen, To, Unsupported, WriteContext, settle_auto
+
+NAME = "torchtune"
+_DTYPES = {"fp32": "fp32", "bf16": "bf16"}
+_OPTIMIZER_FIELDS = ("lr", "weight_decay", "betas", "eps", "momentum")
+
+
+@cache
+def recipe_keys() -> frozenset[str]:
+    """The top-level keys some torchtune 0.6.1 distributed recipe reads (from the generated key table)."""
+    from torsh import schemas
+
+    table = json.loads((Path(schemas.__file__).parent / "keys" / "torchtune.json").read_text("utf-8"))
+    return frozenset(k.split(".")[0] for recipe in table["recipes"].values() for k in recipe)
+
+
+def _interpolation(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith("${")
+
+
+def _bool(seen: Seen, key: str, default: bool) -> Any:
+    value = seen.value(key, default)
+    if not isinstance(value, bool):
+        seen.ctx.problem(key, value, "expected true or false")
+        return None
+    return value
+
+
+# ---- sharding: the FSDP keys and the HSDP dims decide it together --------------------------------------------------
+
+
+def _read_sharding(seen: Seen) -> None:
+    reshard = _bool(seen, "fsdp_reshard_after_forward", True)
+    if reshard is None:
+        return
+    seen.set("fsdp_reshard_after_forward", "sharding.stage", 3 if reshard else 2, reason="fully_shard("
+             f"reshard_after_forward={reshard}): ZeRO-{3 if reshard else 2}", default=3 if reshard else 2)
+    shard, replicate = seen.value("data_parallel_shard_dim", -1), seen.value("data_parallel_replicate_dim", 1)
+    if isinstance(replicate, int) and replicate > 1 and isinstance(shard, int) and shard > 1:
+        seen.set("data_parallel_shard_dim", "sharding.hybrid_shard_size", shard, reason=f"HSDP: {replicate} "
+                 f"replicas of {shard}-rank shard groups")  # fmt: skip
+        seen.drop("data_parallel_replicate_dim", "with data_parallel_shard_dim: HSDP", Fidelity.EXACT)
+    else:
+        for key in ("data_parallel_shard_dim", "data_parallel_replicate_dim"):
+            value = seen.value(key)
+            seen.drop(key, "the default data-parallel layout" if value in (1, -1) else "HSDP over the remaining ranks: "
+                      "the group size depends on the world size; give both dims as numbers",
+                      Fidelity.EXACT if value in (1, -1) else Fidelity.APPROXIMATE)  # fmt: skip
+    offload = _bool(seen, "fsdp_cpu_offload", False)
+    if offload:
+        seen.set("fsdp_cpu_offload", "offload.params", "cpu", reason="CPUOffloadPolicy: parameters, gradients and "
+                 "optimizer state on the CPU")  # fmt: skip
+        seen.ctx.set("offload.optimizer", "cpu", "fsdp_cpu_offload", note=False)
+    elif offload is False:
+        seen.drop("fsdp_cpu_offload", "no offload", Fidelity.EXACT)
+
+
+def _write_sharding(cfg: TorshConfig, ctx: WriteContext) -> None:
+    s, o = cfg.sharding, cfg.offload
+    if s.stage < 2:
+        ctx.note("sharding.stage", Fidelity.APPROXIMATE, "torchtune's distributed recipes always shard with FSDP2: "
+                 "written as ZeRO-2 (same numerics)", s.stage)  # fmt: skip
+    ctx.put("fsdp_reshard_after_forward", s.stage >= 3 and s.reshard_after_forward is not False, "sharding.stage")
+    if s.hybrid_shard_size is not None:
+        world = cfg.launch.world_size
+        if isinstance(s.hybrid_shard_size, int) and isinstance(world, int) and world % s.hybrid_shard_size == 0:
+            ctx.put("data_parallel_shard_dim", s.hybrid_shard_size, "sharding.hybrid_shard_size")
+            ctx.put("data_parallel_replicate_dim", world // s.hybrid_shard_size, "sharding.hybrid_shard_size")
+        else:
+            ctx.note("sharding.hybrid_shard_size", Fidelity.UNSUPPORTED, "torchtune's HSDP dims are numbers: needs a "
+                     "known group size dividing a known world size", s.hybrid_shard_size)  # fmt: skip
+    if o.params == "cpu":
+        ctx.put("fsdp_cpu_offload", True, "offload.params", Fidelity.EXACT if o.optimizer == "cpu" else
+                Fidelity.APPROXIMATE, "" if o.optimizer == "cpu" else "also moves the optimizer step to the CPU")
+    elif o.params != "none" or o.optimizer != "none":
+        ctx.note("offload", Fidelity.UNSUPPORTED, "torchtune offloads parameters, gradients and optimizer state to CPU "
+                 "memory together; NVMe or optimizer-only offload needs DeepSpeed", f"{o.params}/{o.optimizer}")
+    else:
+        ctx.put("fsdp_cpu_offload", False, "offload.params")
+
+
+# ---- precision: one dtype for everything ---------------------------------------------------------------------------
+
+
+def _read_dtype(seen: Seen) -> None:
+    value = seen.value("dtype", "fp32")
+    dtype = _DTYPES.get(str(value).lower())
+    if dtype is None:
+        seen.ctx.problem("dtype", value, "torchtune's distributed recipes train in bf16 or fp32 (they refuse fp16)")
+        return
+    seen.set("dtype", "precision.param_dtype", dtype, reason="torchtune trains in this dtype throughout: parameters, "
+             "gradients and optimizer state", default=dtype)  # fmt: skip
+    for core in ("precision.master_dtype", "precision.optimizer_state_dtype"):
+        seen.ctx.set(core, dtype, "dtype", note=False)
+
+
+def _write_dtype(cfg: TorshConfig, ctx: WriteContext) -> None:
+    p = cfg.precision
+    if p.param_dtype not in _DTYPES:
+        ctx.note("precision.param_dtype", Fidelity.UNSUPPORTED, "torchtune trains in bf16 or fp32" + (
+            ": the source leaves the dtype to the training arguments; set dtype" if p.param_dtype is AUTO else ""),
+            p.param_dtype)  # fmt: skip
+        return
+    if p.master_dtype != p.param_dtype:
+        ctx.note("precision.master_dtype", Fidelity.APPROXIMATE, f"torchtune keeps no {p.master_dtype} master "
+                 f"weights: everything is {p.param_dtype}", p.master_dtype)  # fmt: skip
+    ctx.put("dtype", p.param_dtype, "precision.param_dtype")
+
+
+# ---- the optimizer component ---------------------------------------------------------------------------------------
+
+
+def _read_optimizer(seen: Seen) -> None:
+    fields = seen.section("optimizer")
+    if not fields:
+        return
+    component = seen.value("optimizer._component_")
+    name = str(component).rsplit(".", 1)[-1] if component else None
+    seen.ctx.keep("optimizer._component_", component)
+    seen.set("optimizer._component_", "optimizer.name", name, reason="the class the component names")
+    for key in list(fields):
+        if key in _OPTIMIZER_FIELDS:
+            value = seen.value(f"optimizer.{key}")
+            seen.set(f"optimizer.{key}", f"optimizer.{key}", tuple(value) if key == "betas" and isinstance(
+                value, list) else value)  # fmt: skip
+        elif key != "_component_":
+            seen.set(f"optimizer.{key}", f"optimizer.kwargs.{key}", seen.value(f"optimizer.{key}"),
+                     reason="a keyword argument of the optimizer class")  # fmt: skip
+
+
+def _write_optimizer(cfg: TorshConfig, ctx: WriteContext) -> None:
+    o = cfg.optimizer
+    if o is None:
+        return
+    kept = cfg.extensions.get(NAME, {}).get("optimizer._component_")
+    if kept and str(kept).rsplit(".", 1)[-1] == o.name:
+        component = kept
+    elif o.name in TORCH_OPTIMIZERS:
+        component = f"torch.optim.{o.name}"
+    else:
+        ctx.note("optimizer.name", Fidelity.UNSUPPORTED, "not a torch.optim class: name the optimizer's _component_ "
+                 "in the recipe config", o.name)  # fmt: skip
+        return
+    ctx.put("optimizer._component_", component, "optimizer.name")
+    for key in _OPTIMIZER_FIELDS:
+        value = getattr(o, key)
+        if value is not None:
+            ctx.put(f"optimizer.{key}", list(value) if isinstance(value, tuple) else value, f"optimizer.{key}")
+    for key, value in o.kwargs.items():
+        ctx.put(f"optimizer.{key}", value, f"optimizer.kwargs.{key}")
+
+
+# ---- the map ---------------------------------------------------------------------------------------------------------
+
+
+def _read_flag(what: str):
+    def hook(value: Any, ctx: Any, path: str) -> None:
+        if value is False or value is None:
+            ctx.note(path, Fidelity.EXACT, "off", value)
+        else:
+            ctx.keep(path, value)
+            ctx.note(path, Fidelity.UNSUPPORTED, what, value)
+
+    return hook
+
+
+def _read_tensor_parallel(value: Any, ctx: Any, path: str) -> None:
+    _read_flag("tensor parallelism; torsh runs data parallel jobs")(None if value == 1 else value, ctx, path)
+
+
+_GROUPS = (
+    Group("sharding", ("fsdp_reshard_after_forward", "fsdp_cpu_offload", "data_parallel_shard_dim",
+                       "data_parallel_replicate_dim"), ("sharding.stage", "sharding.hybrid_shard_size", "offload"),
+          _read_sharding, _write_sharding),
+    Group("precision", ("dtype",), ("precision",), _read_dtype, _write_dtype),
+    Group("optimizer", ("optimizer.*",), ("optimizer",), _read_optimizer, _write_optimizer),
+)  # fmt: skip
+_FIELDS = {
+    "enable_activation_checkpointing": To("activation_checkpointing.enabled"),
+    "enable_activation_offloading": To("activation_checkpointing.cpu_offload"),
+    "batch_size": To("batch.micro_batch_size", reason="per rank"),
+    "gradient_accumulation_steps": To("batch.gradient_accumulation_steps"),
+    "clip_grad_norm": To("gradients.clip_max_norm"),
+    "epochs": To("data.epochs"),
+    "compile": Hook(read=_read_flag("torch.compile; torsh does not compile the model")),
+    "optimizer_in_bwd": Hook(read=_read_flag("the optimizer steps each parameter during backward; torsh steps once "
+                                             "per step")),
+    "tensor_parallel_dim": Hook(read=_read_tensor_parallel),
+    "lr_scheduler": Unsupported("torchtune's scheduler component; build the schedule in the training script"),
+}
+
+
+class Torchtune(Dialect):
+    NAME = NAME
+    DEFAULT_FORMAT = "yaml"
+    FIELD_MAP = _FIELDS
+    GROUPS = _GROUPS
+    def normalise(self, raw: Any, prepared: Prepared) -> Prepared:
+        """Keys with no distributed meaning go around the map: noted as ignored and kept verbatim."""
+        known = set(self.FIELD_MAP) | {k.split(".")[0] for g in self.GROUPS for k in g.keys}
+        data = {}
+        for key, value in raw.items():
+            if key in known and not _interpolation(value):
+                data[key] = value
+                if not isinstance(value, dict):  # written back as spelt, a default included
+                    prepared.kept[str(key)] = value
+                continue
+            fidelity, reason = Fidelity.IGNORED, ("not a distributed setting" if key in recipe_keys() else
+                                                  "no torchtune 0.6.1 recipe reads it (torchtune ignores it)")
+            if key in known:
+                fidelity, reason = Fidelity.DROPPED, "an OmegaConf interpolation, resolved when torchtune loads the " \
+                    "file: kept as written, not read"
+            prepared.notes.append(Note(str(key), None, value, fidelity, reason))
+            prepared.kept[str(key)] = value
+        prepared.data = data
+        return prepared
+
+    def write_map(self, version: str | None) -> FieldMap:
+        return FieldMap({k: v for k, v in _FIELDS.items() if isinstance(v, To)}, groups=_GROUPS)
+
+    def finish_write(self, ctx: WriteContext, version: str | None) -> None:
+        from ._torch_names import AUTO_SETTERS
+
+        settle_auto(ctx, AUTO_SETTERS)
+
+    def sniff(self, raw: Any) -> float:
+        """A recipe config: ``_component_`` sections next to torchtune's training keys."""
+        if not isinstance(raw, dict):
+            return 0.0
+        components = any(isinstance(v, dict) and "_component_" in v for v in raw.values())
+        ours = {"fsdp_cpu_offload", "enable_activation_checkpointing", "dtype", "checkpointer", "tokenizer"} & set(raw)
+        return 0.97 if components and ours else 0.0  # above the fsdp dialect's torchtune excerpts (0.95)
+
+
+DIALECT = Torchtune()
+globals().update(DIALECT.exports())
