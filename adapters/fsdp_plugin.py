@@ -1,0 +1,196 @@
+"""FSDP plugin settings as fine-tuning toolkits ship them: the JSON of Hugging Face ``TrainingArguments(fsdp_config=...)``
+(``--fsdp_config file.json``), read as transformers 5.x reads it, alone or beside the Trainer's ``fsdp`` option string.
+
+transformers strips Accelerate's ``fsdp_`` prefix from every key, applies the ``fsdp`` options (``full_shard``,
+``shard_grad_op``, ``offload``, ``auto_wrap``), fills its own defaults (FSDP2, ``FULL_STATE_DICT``, no CPU-RAM-efficient
+loading) and hands the settings to Accelerate's FSDP plugin. This dialect does the same, then reads the result through
+the Accelerate dialect (one meaning of every FSDP plugin key, in one place) and reports each key under the spelling
+of the file. Keys transformers does not read (documentation keys starting with ``_``, a toolkit's own settings) are
+ignored and kept; the XLA (TPU) FSDP path is unsupported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from torsh import schemas
+from torsh.config import TorshConfig, set_path
+from torsh.errors import ConfigError, Problem
+from torsh.translate import Fidelity, Note, Translation
+
+from . import accelerate
+
+NAME = "fsdp_plugin"
+DEFAULT_FORMAT = "json"
+FIELD_MAP = {k.split(".", 1)[1].removeprefix("fsdp_"): v for k, v in accelerate.FSDP_MAP.items()}
+VALUE_MAPS: dict[str, dict] = {}
+ALIASES: dict[str, str] = {}
+#: transformers' key (prefix stripped) -> Accelerate's fsdp_config key, where they differ.
+_RENAMED = {"version": "fsdp_version", "cpu_offload": "fsdp_offload_params"}
+#: What transformers 5.x fills in when the file leaves a key out (training_args.py, _process_fsdp_args).
+_DEFAULTS = {"version": 2, "state_dict_type": "FULL_STATE_DICT", "cpu_ram_efficient_loading": False,
+             "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}  # fmt: skip
+_V1_DEFAULTS = {"backward_prefetch": "NO_PREFETCH", "forward_prefetch": False, "use_orig_params": True,
+                "sync_module_states": True}  # fmt: skip
+_V2_ONLY = frozenset({"reshard_after_forward", "cpu_ram_efficient_loading", "activation_checkpointing"})
+_XLA = frozenset({"xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings"})
+_TRAINER_OPTIONS = {"full_shard": True, "shard_grad_op": False}
+
+
+def _plain_keys(config: dict, notes: list[Note]) -> dict:
+    """The keys as transformers reads them: the ``fsdp_`` prefix stripped; ``_`` keys are documentation."""
+    out = {}
+    for key, value in config.items():
+        if str(key).startswith("_"):
+            notes.append(Note(str(key), None, value, Fidelity.IGNORED, "a documentation key: transformers reads no key "
+                              "starting with _"))  # fmt: skip
+        else:
+            out[str(key).removeprefix("fsdp_")] = (key, value)
+    return out
+
+
+def _apply_options(options: Any, config: dict, notes: list[Note]) -> None:
+    """The Trainer's ``fsdp`` option string or list, as transformers applies it to the settings."""
+    items = options.split() if isinstance(options, str) else options if isinstance(options, list) else []
+    fsdp1 = int(config.get("version", (None, 2))[1]) == 1
+    for item in items:
+        if item == "offload":
+            config.setdefault("cpu_offload", ("fsdp", True))
+        elif item in _TRAINER_OPTIONS or (fsdp1 and item in ("hybrid_shard", "hybrid_shard_zero2", "no_shard")):
+            config.setdefault("reshard_after_forward", ("fsdp", item.upper() if fsdp1 else _TRAINER_OPTIONS[item]))
+        elif item != "auto_wrap":
+            raise ConfigError([Problem("fsdp", options, f"transformers refuses the fsdp option {item!r} (FSDP"
+                                       f"{1 if fsdp1 else 2}); it takes full_shard, shard_grad_op, offload, auto_wrap"
+                                       + ("" if fsdp1 else " (the others need version 1)"))], source=NAME)
+    notes.append(Note("fsdp", None, options, Fidelity.EXACT, "the Trainer's fsdp options, applied to the settings as "
+                      "transformers applies them"))  # fmt: skip
+
+
+def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
+    """Read an ``fsdp_config`` JSON (or the Trainer's ``fsdp`` + ``fsdp_config``) as transformers does."""
+    if not isinstance(raw, dict):
+        raise ConfigError([Problem("", raw, "an fsdp_config must be a mapping of keys to values")], source=NAME)
+    problems = schemas.check(raw, NAME)
+    if problems:
+        raise ConfigError(problems, source=NAME)
+    notes: list[Note] = []
+    kept_options: dict[str, Any] = {}
+    nested = isinstance(raw.get("fsdp_config"), dict)
+    config = _plain_keys(raw["fsdp_config"] if nested else raw, notes)
+    if nested:
+        for key, value in raw.items():
+            if key not in ("fsdp", "fsdp_config") and not str(key).startswith("_"):
+                notes.append(Note(str(key), None, value, Fidelity.IGNORED, "a training argument, not an FSDP setting"))
+            elif str(key).startswith("_"):
+                notes.append(Note(str(key), None, value, Fidelity.IGNORED, "a documentation key"))
+        if "fsdp" in raw:
+            _apply_options(raw["fsdp"], config, notes)
+            kept_options = {"fsdp": raw["fsdp"]}
+    where = (lambda key: f"fsdp_config.{key}") if nested else (lambda key: key)
+    fsdp_version = int(config.get("version", (None, 2))[1])
+    section, spelling = {}, {}
+    for key, (written, value) in config.items():
+        source = written if written == "fsdp" else where(written)
+        if key in _XLA:
+            notes.append(Note(source, None, value, Fidelity.UNSUPPORTED if value else Fidelity.EXACT,
+                              "the XLA (TPU) FSDP path" if value else "off"))  # fmt: skip
+        elif fsdp_version == 2 and key in _V1_DEFAULTS | {"sharding_strategy": None, "limit_all_gathers": None}:
+            notes.append(Note(source, None, value, Fidelity.IGNORED, "transformers reads it only with FSDP1 "
+                              "(version 1)"))  # fmt: skip
+        elif key == "limit_all_gathers" or (key in _V2_ONLY and fsdp_version == 1 and key != "reshard_after_forward"):
+            notes.append(Note(source, None, value, Fidelity.IGNORED, "no effect on the training (FSDP1's rate limiter)"
+                              if key == "limit_all_gathers" else "transformers reads it only with FSDP2"))
+        elif f"fsdp_config.fsdp_{key}" in accelerate.FSDP_MAP or key in _RENAMED or key == "min_num_params":
+            target = _RENAMED.get(key, f"fsdp_{key}")
+            section[target] = ",".join(value) if key == "transformer_layer_cls_to_wrap" and isinstance(
+                value, list) else value  # fmt: skip
+            spelling[f"fsdp_config.{target}"] = source
+        else:
+            notes.append(Note(source, None, value, Fidelity.IGNORED, "transformers reads no such FSDP key (it ignores "
+                              "it)"))  # fmt: skip
+    defaults = {**_DEFAULTS, **(_V1_DEFAULTS if fsdp_version == 1 else {"reshard_after_forward": True})}
+    filled = {}
+    for key, value in defaults.items():
+        target = _RENAMED.get(key, f"fsdp_{key}")
+        if target not in section:
+            section[target] = value
+            filled[f"fsdp_config.{target}"] = where(key)
+    read_as = accelerate.read({"distributed_type": "FSDP", "fsdp_config": section})
+    for i, note in enumerate(read_as.notes):  # each note under the file's own spelling of its key
+        if note.source_path in filled:
+            read_as.notes[i] = replace(note, source_path=filled[note.source_path], fidelity=Fidelity.DEFAULTED,
+                                       reason="not set; transformers' default")  # fmt: skip
+        elif note.source_path in spelling:
+            read_as.notes[i] = replace(note, source_path=spelling[note.source_path])
+        elif note.source_path.startswith("fsdp_config."):  # a default of Accelerate's plugin, left to it
+            read_as.notes[i] = replace(note, source_path=where(_plain(note.source_path.split(".", 1)[1])))
+    kept = {**kept_options, **{n.source_path: n.value for n in notes if n.fidelity in (Fidelity.IGNORED,
+                                                                                          Fidelity.UNSUPPORTED)}}
+    cfg = read_as.result.model_copy(update={"extensions": {NAME: kept} if kept else {}})
+    return Translation(cfg, notes + [n for n in read_as.notes if n.source_path not in ("distributed_type",)], NAME,
+                       "torsh")  # fmt: skip
+
+
+def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
+    """Write the ``fsdp_config`` JSON transformers reads (FSDP2 unless ``version="fsdp1"``): the Accelerate FSDP
+    settings without their prefix; a file read from this dialect gets its own keys back."""
+    backend = version or "fsdp2"
+    if backend not in ("fsdp2", "fsdp1"):
+        raise ConfigError([Problem("version", version, "expected fsdp2 or fsdp1")], source=NAME)
+    own = cfg.extensions.get(NAME, {})
+    written = accelerate.write(cfg.model_copy(update={"extensions": {}}), version=backend)
+    out: dict[str, Any] = {}
+    notes = []
+    if cfg.sharding.stage < 2:
+        notes.append(Note("sharding.stage", None, cfg.sharding.stage, Fidelity.APPROXIMATE, "an fsdp_config always "
+                          "shards: written as FSDP (same numerics, less memory); for DDP run the Trainer without "
+                          "--fsdp"))  # fmt: skip
+    for note in written.notes:
+        target = note.target_path or ""
+        if target in ("distributed_type", "compute_environment") or (note.source_path.startswith("launch.") and
+                                                                     note.value is None):  # fmt: skip
+            continue  # the file is FSDP settings only; the launcher decides the processes
+        note = replace(note, reason=note.reason.replace("no accelerate key", "not an fsdp_config key").replace(
+            "accelerate has no setting", "fsdp_config has no setting"))  # fmt: skip
+        if target.startswith("fsdp_config."):
+            note = replace(note, target_path=_plain(target.split(".", 1)[1]))
+        elif target == "mixed_precision":
+            full = written.result.get("mixed_precision") == "no"
+            note = replace(note, target_path=None, fidelity=Fidelity.EXACT if full else Fidelity.DROPPED,
+                           reason="full precision, the Trainer's default" if full else "set with the Trainer's "
+                           "--bf16 / --fp16 argument, not in fsdp_config")  # fmt: skip
+        elif target and target not in ("distributed_type", "compute_environment"):
+            note = replace(note, target_path=None, fidelity=Fidelity.DROPPED, reason=f"a launcher setting ({target}):"
+                           " pass it to the launcher")  # fmt: skip
+        notes.append(note)
+    for key, value in written.result.get("fsdp_config", {}).items():
+        out[_plain(key)] = value.split(",") if key == "fsdp_transformer_layer_cls_to_wrap" else value
+    out["version"] = out.pop("version", 2 if backend == "fsdp2" else 1)
+    if any(key == "fsdp" or key.startswith("fsdp_config.") for key in own):  # the Trainer-arguments form
+        out = {"fsdp": own.get("fsdp", True), "fsdp_config": out}
+    for key, value in own.items():  # what transformers does not read, back in the file as it was
+        if key != "fsdp":
+            set_path(out, key, value)
+            notes.append(Note(f"extensions.{NAME}.{key}", key, value, Fidelity.EXACT, "kept from the source file"))
+    for dialect, keys in cfg.extensions.items():
+        notes += [Note(f"extensions.{dialect}.{k}", None, v, Fidelity.DROPPED, f"a {dialect} setting with no "
+                       f"{NAME} meaning") for k, v in keys.items() if dialect != NAME]  # fmt: skip
+    return Translation(out, notes, "torsh", NAME)
+
+
+def _plain(key: str) -> str:
+    return {v: k for k, v in _RENAMED.items()}.get(key, key.removeprefix("fsdp_"))
+
+
+def sniff(raw: Any) -> float:
+    """An fsdp_config: FSDP plugin keys (with or without the prefix) and nothing of an Accelerate YAML's top level."""
+    if not isinstance(raw, dict) or not raw or "distributed_type" in raw or "compute_environment" in raw:
+        return 0.0
+    config = raw["fsdp_config"] if isinstance(raw.get("fsdp_config"), dict) else raw
+    keys = {str(k).removeprefix("fsdp_") for k in config if not str(k).startswith("_")}
+    known = {k.split(".", 1)[1].removeprefix("fsdp_") for k in accelerate.FSDP_MAP} | set(_RENAMED) | _XLA
+    if keys and keys <= known | {"min_num_params", "limit_all_gathers", "activation_cpu_offload"}:
+        return 0.96 if config is raw or set(raw) - {"fsdp", "fsdp_config"} <= {k for k in raw if k.startswith("_")} \
+            else 0.0
+    return 0.0
