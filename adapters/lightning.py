@@ -1,0 +1,262 @@
+"""Lightning's strategies: the arguments of ``DeepSpeedStrategy(...)`` or ``FSDPStrategy(...)`` (Lightning 2.x), with
+the ``Trainer`` / ``Fabric`` arguments of the same call that bear on distribution, as a mapping::
+
+    {"Trainer": {"devices": 4, "num_nodes": 1, "precision": "bf16-mixed"},
+     "DeepSpeedStrategy": {"stage": 3, "offload_optimizer": true}}
+
+``DeepSpeedStrategy`` either takes a whole DeepSpeed ``config`` or builds one from its keyword arguments (stage 2,
+bucket sizes of 2e8, offload flags, ...); either way the config it would hand DeepSpeed is read through the deepspeed
+dialect, with the Trainer's precision added as Lightning adds it. ``FSDPStrategy`` wraps FSDP1
+``FullyShardedDataParallel``: its arguments are read through the fsdp dialect, with Lightning's own spellings
+(``state_dict_type="full"``, class sets such as ``{Block}`` for the wrap and checkpointing policies, a
+``device_mesh=(replicate, shard)`` tuple). Values computed at run time are kept as expressions and reported.
+Writing gives ``DeepSpeedStrategy(config=...)`` (default) or, with ``--variant fsdp``, ``FSDPStrategy`` arguments.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Any
+
+from torsh import schemas
+from torsh.config import TorshConfig
+from torsh.errors import ConfigError, Problem
+from torsh.translate import Fidelity, Note, Translation
+
+from . import deepspeed, fsdp
+
+NAME = "lightning"
+VERSIONS = ("deepspeed", "fsdp")
+DEFAULT_FORMAT = "json"
+FIELD_MAP: dict[str, Any] = {}
+VALUE_MAPS: dict[str, dict] = {}
+ALIASES: dict[str, str] = {}
+STRATEGIES = ("DeepSpeedStrategy", "FSDPStrategy")
+LAUNCH = ("Trainer", "Fabric")
+#: DeepSpeedStrategy's keyword defaults (Lightning 2.x) that shape the config it builds.
+_DS_DEFAULTS = {"zero_optimization": True, "stage": 2, "offload_optimizer": False, "offload_parameters": False,
+                "offload_params_device": "cpu", "offload_optimizer_device": "cpu", "nvme_path": "/local_nvme",
+                "pin_memory": False, "contiguous_gradients": True, "overlap_comm": True, "allgather_partitions": True,
+                "reduce_scatter": True, "allgather_bucket_size": 200_000_000, "reduce_bucket_size": 200_000_000,
+                "sub_group_size": 1_000_000_000_000, "zero_allow_untested_optimizer": True,
+                "partition_activations": False, "cpu_checkpointing": False,
+                "contiguous_memory_optimization": False, "synchronize_checkpoint_boundary": False}  # fmt: skip
+_ZERO_KEYS = ("stage", "contiguous_gradients", "overlap_comm", "allgather_partitions", "reduce_scatter",
+              "allgather_bucket_size", "reduce_bucket_size", "sub_group_size")  # fmt: skip
+_CHECKPOINTING = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                  "synchronize_checkpoint_boundary")  # fmt: skip
+_OFFLOAD_TUNING = ("params_buffer_count", "params_buffer_size", "max_in_cpu", "optimizer_buffer_count", "block_size",
+                   "queue_depth", "single_submit", "overlap_events", "thread_count")  # fmt: skip
+_STRATEGY_ONLY = {"remote_device": "where the model is built before DeepSpeed takes it (deepspeed.zero.Init)",
+                  "logging_level": "DeepSpeed's log level", "load_full_weights": "how a checkpoint is loaded",
+                  "exclude_frozen_parameters": "what a checkpoint saves", "process_group_backend": "the backend "
+                  "(torsh picks nccl or gloo)", "timeout": "the process-group timeout", "accelerator": "the device"}
+_PRECISION = {"16-mixed": "fp16", "16": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16": "bf16",
+              "bf16-true": "bf16", "32-true": "fp32", "32": "fp32", "64-true": None, "64": None}  # fmt: skip
+
+
+def _classes(value: Any) -> list[str] | None:
+    """Module class names from a class set as written in code (``{Block}``, ``{A, B}``) or a list of names."""
+    if isinstance(value, list) and all(isinstance(v, str) and v.isidentifier() for v in value):
+        return value
+    found = re.fullmatch(r"\{\s*([\w.]+(?:\s*,\s*[\w.]+)*)\s*,?\s*\}", value) if isinstance(value, str) else None
+    return [c.strip().rsplit(".", 1)[-1] for c in found.group(1).split(",")] if found else None
+
+
+def _launch_notes(section: str, args: dict, notes: list[Note]) -> str | None:
+    """The Trainer / Fabric arguments: precision is returned (Lightning hands it to the strategy); the rest noted."""
+    precision = None
+    for key, value in args.items():
+        path = f"{section}.{key}"
+        if key == "precision":
+            precision = _PRECISION.get(str(value))
+            if str(value) not in _PRECISION:
+                notes.append(Note(path, None, value, Fidelity.DROPPED, "not one of Lightning's precisions (an "
+                                  "expression of the script?): the precision is not known"))  # fmt: skip
+        elif key in ("devices", "num_nodes"):
+            notes.append(Note(path, f"launch.{'nproc_per_node' if key == 'devices' else 'nnodes'}", value,
+                              Fidelity.EXACT if isinstance(value, int) else Fidelity.DROPPED,
+                              "" if isinstance(value, int) else "decided when the script runs"))
+        else:
+            notes.append(Note(path, None, value, Fidelity.IGNORED, "not a distributed setting"))
+    return precision
+
+
+def _deepspeed_config(args: dict, notes: list[Note]) -> tuple[dict, dict[str, str]]:
+    """The DeepSpeed config DeepSpeedStrategy builds from its arguments, and which argument gave each key."""
+    if isinstance(args.get("config"), dict):
+        return dict(args["config"]), {}
+    a = {**_DS_DEFAULTS, **args}
+    config: dict[str, Any] = {"activation_checkpointing": {k: a[k] for k in _CHECKPOINTING}}
+    origin = {f"activation_checkpointing.{k}": f"DeepSpeedStrategy.{k}" for k in _CHECKPOINTING}
+    if a["zero_optimization"]:
+        zero = {k: a[k] for k in _ZERO_KEYS}
+        origin.update({f"zero_optimization.{k}": f"DeepSpeedStrategy.{k}" for k in _ZERO_KEYS})
+        for flag, key, device in (("offload_optimizer", "offload_optimizer", "offload_optimizer_device"),
+                                  ("offload_parameters", "offload_param", "offload_params_device")):
+            if a[flag]:
+                zero[key] = {"device": a[device], "pin_memory": a["pin_memory"]}
+                origin[f"zero_optimization.{key}.device"] = f"DeepSpeedStrategy.{device if device in args else flag}"
+                if device in args and flag in args:
+                    notes.append(Note(f"DeepSpeedStrategy.{flag}", None, True, Fidelity.EXACT, f"offload to {device}"))
+                origin[f"zero_optimization.{key}.pin_memory"] = "DeepSpeedStrategy.pin_memory"
+                if a[device] == "nvme":
+                    zero[key]["nvme_path"] = a["nvme_path"]
+                    origin[f"zero_optimization.{key}.nvme_path"] = "DeepSpeedStrategy.nvme_path"
+        config.update(zero_allow_untested_optimizer=a["zero_allow_untested_optimizer"], zero_optimization=zero)
+        origin["zero_allow_untested_optimizer"] = "DeepSpeedStrategy.zero_allow_untested_optimizer"
+    if a.get("logging_batch_size_per_gpu", "auto") != "auto":
+        config["train_micro_batch_size_per_gpu"] = a["logging_batch_size_per_gpu"]
+    used = set(origin.values())
+    for key, value in args.items():
+        if key in ("offload_params_device", "offload_optimizer_device"):
+            flag = "offload_parameters" if key.startswith("offload_params") else "offload_optimizer"
+            if a[flag]:
+                continue  # the device of the offload the flag asks for: noted as the offload
+            notes.append(Note(f"DeepSpeedStrategy.{key}", None, value, Fidelity.IGNORED, f"no effect without {flag}"))
+        elif key in ("nvme_path", "pin_memory") and f"DeepSpeedStrategy.{key}" not in used:
+            notes.append(Note(f"DeepSpeedStrategy.{key}", None, value, Fidelity.IGNORED, "no effect without offload"
+                              + (" to nvme" if key == "nvme_path" else "")))  # fmt: skip
+        elif key in _STRATEGY_ONLY or key in _OFFLOAD_TUNING:
+            notes.append(Note(f"DeepSpeedStrategy.{key}", None, value, Fidelity.IGNORED, _STRATEGY_ONLY.get(
+                key, "an offload I/O tuning value; memory and speed, not results")))  # fmt: skip
+    return config, origin
+
+
+def _fsdp_kwargs(args: dict, notes: list[Note]) -> tuple[dict, dict[str, str]]:
+    """FSDPStrategy's arguments as FSDP1 keyword arguments (Lightning's spellings turned into FSDP's)."""
+    out, origin = {}, {}
+    for key, value in args.items():
+        path = f"FSDPStrategy.{key}"
+        if key == "state_dict_type" and value in ("full", "sharded"):
+            out[key] = f"{value.upper()}_STATE_DICT"
+        elif key == "auto_wrap_policy" and _classes(value) is not None:
+            out[key] = {"transformer_layer_cls": _classes(value)}
+            origin[f"{key}.transformer_layer_cls"] = path
+        elif key in ("activation_checkpointing", "activation_checkpointing_policy"):
+            classes = _classes(value) if not isinstance(value, str) or value.startswith("{") else [value]
+            notes.append(Note(path, "activation_checkpointing.modules", value, Fidelity.EXACT if classes else
+                              Fidelity.DROPPED, "the blocks checkpointed" if classes else "a policy object of the "
+                              "script: which blocks are checkpointed is not in the file"))  # fmt: skip
+            if classes:
+                origin["(checkpointing)"] = classes
+            continue
+        elif key == "device_mesh" and isinstance(value, list) and len(value) == 2:
+            out[key] = {"shape": value}
+            origin[f"{key}.shape"] = path
+        elif key in _STRATEGY_ONLY or key in ("checkpoint_io", "cluster_environment", "parallel_devices"):
+            notes.append(Note(path, None, value, Fidelity.IGNORED, _STRATEGY_ONLY.get(key, "how Lightning runs")))
+            continue
+        else:
+            out[key] = value
+        origin.setdefault(key, path)
+    out.setdefault("state_dict_type", "FULL_STATE_DICT")  # Lightning's default "full"
+    return out, origin
+
+
+def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
+    """Read a Lightning strategy's arguments (with the Trainer's or Fabric's) into the core model."""
+    problems = schemas.check(raw, NAME)
+    if problems:
+        raise ConfigError(problems, source=NAME)
+    strategies = [k for k in STRATEGIES if isinstance(raw, dict) and isinstance(raw.get(k), dict)]
+    if len(strategies) != 1:
+        raise ConfigError([Problem("", sorted(raw) if isinstance(raw, dict) else raw, "expected one of "
+                                   f"{', '.join(STRATEGIES)} with its arguments (and Trainer or Fabric)")],
+                          source=NAME)  # fmt: skip
+    unknown = set(raw) - {strategies[0], *LAUNCH}
+    if unknown:
+        raise ConfigError([Problem(k, raw[k], f"expected {strategies[0]} and Trainer or Fabric beside it")
+                           for k in sorted(unknown)], source=NAME)  # fmt: skip
+    notes: list[Note] = []
+    precision = None
+    for section in LAUNCH:
+        if isinstance(raw.get(section), dict):
+            precision = _launch_notes(section, raw[section], notes) or precision
+    args = raw[strategies[0]]
+    if strategies[0] == "DeepSpeedStrategy":
+        config, origin = _deepspeed_config(args, notes)
+        if precision in ("fp16", "bf16") and precision not in config:  # as Lightning adds it
+            config[precision] = {"enabled": True}
+            origin[f"{precision}.enabled"] = next(f"{s}.precision" for s in LAUNCH if s in raw)
+        inner = deepspeed.read(config)
+        prefix = "DeepSpeedStrategy.config." if "config" in args else "DeepSpeedStrategy."
+    else:
+        config, origin = _fsdp_kwargs(args, notes)
+        if precision in ("fp16", "bf16") and "mixed_precision" not in config:  # Lightning's FSDPPrecision
+            config["mixed_precision"] = {"param_dtype": precision, "reduce_dtype": precision, "buffer_dtype": precision}
+            origin.update({f"mixed_precision.{k}": next(f"{s}.precision" for s in LAUNCH if s in raw)
+                           for k in ("param_dtype", "reduce_dtype", "buffer_dtype")})
+        checkpointing = origin.pop("(checkpointing)", None)
+        inner = fsdp.read(config, version="fsdp1")
+        prefix = "FSDPStrategy."
+        if checkpointing:
+            ac = {"enabled": True, "modules": checkpointing}
+            inner.result = inner.result.model_copy(update={"activation_checkpointing": inner.result.
+                                                           activation_checkpointing.model_copy(update=ac)})
+    given = {f"{strategies[0]}.{k}" for k in args} | {f"{s}.precision" for s in LAUNCH if s in raw}
+    renamed, seen = [], set()
+    for note in inner.notes:  # under the argument that gave each key; once per argument
+        source = origin.get(note.source_path, prefix + note.source_path)
+        if source in seen:
+            continue
+        seen.add(source)
+        if "config" in args or source in given or note.fidelity is Fidelity.DEFAULTED:
+            renamed.append(replace(note, source_path=source))
+        else:  # built from the strategy's own default for an argument the call leaves out
+            renamed.append(replace(note, source_path=source, fidelity=Fidelity.DEFAULTED,
+                                   reason=f"not set; {strategies[0]}'s default"))  # fmt: skip
+    for section in LAUNCH:  # the Trainer's process counts, which the strategy's own read does not see
+        for key, core in (("devices", "nproc_per_node"), ("num_nodes", "nnodes")):
+            value = raw.get(section, {}).get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                launch = inner.result.launch.model_copy(update={core: value})
+                inner.result = inner.result.model_copy(update={"launch": launch})
+    # What the inner dialect kept is this strategy's: a DeepSpeed JSON written from it is a standalone one.
+    kept = {f"{prefix}{k}": v for keys in inner.result.extensions.values() for k, v in keys.items()}
+    return Translation(inner.result.model_copy(update={"extensions": {NAME: kept} if kept else {}}), notes + renamed,
+                       NAME, "torsh")  # fmt: skip
+
+
+def _inner(cfg: TorshConfig, dialect: str, prefix: str) -> TorshConfig:
+    """The config with this dialect's kept keys handed back to the inner dialect that reads the strategy."""
+    kept = {k.removeprefix(prefix): v for k, v in cfg.extensions.get(NAME, {}).items() if k.startswith(prefix)}
+    return cfg.model_copy(update={"extensions": {dialect: kept} if kept else {}})
+
+
+def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
+    """``{"DeepSpeedStrategy": {"config": ...}}`` (default) or ``{"FSDPStrategy": {...}}`` (``version="fsdp"``)."""
+    version = version or "deepspeed"
+    if version not in VERSIONS:
+        raise ConfigError([Problem("version", version, f"expected one of {', '.join(VERSIONS)}")], source=NAME)
+    if version == "deepspeed":
+        prefix = "DeepSpeedStrategy.config." if any(k.startswith("DeepSpeedStrategy.config.") for k in
+                                                    cfg.extensions.get(NAME, {})) else "DeepSpeedStrategy."
+        inner = deepspeed.write(_inner(cfg, "deepspeed", prefix))
+        return Translation({"DeepSpeedStrategy": {"config": inner.result}}, [
+            replace(n, target_path=f"DeepSpeedStrategy.config.{n.target_path}") if n.target_path else n
+            for n in inner.notes], "torsh", NAME)  # fmt: skip
+    inner = fsdp.write(_inner(cfg, "fsdp", "FSDPStrategy."), version="fsdp1")
+    args = dict(inner.result)
+    if "state_dict_type" in args:
+        args["state_dict_type"] = args["state_dict_type"].split("_")[0].lower()
+    wrap = args.pop("auto_wrap_policy", None)
+    if isinstance(wrap, dict) and "transformer_layer_cls" in wrap:
+        args["auto_wrap_policy"] = "{" + ", ".join(wrap["transformer_layer_cls"]) + "}"
+    elif wrap is not None:
+        args["auto_wrap_policy"] = wrap
+    if isinstance(args.get("device_mesh"), dict):
+        args["device_mesh"] = args["device_mesh"].get("shape")
+    if cfg.activation_checkpointing.enabled and cfg.activation_checkpointing.modules:
+        args["activation_checkpointing_policy"] = "{" + ", ".join(cfg.activation_checkpointing.modules) + "}"
+    notes = [replace(n, target_path=f"FSDPStrategy.{n.target_path}") if n.target_path else n for n in inner.notes]
+    return Translation({"FSDPStrategy": args}, notes, "torsh", NAME)
+
+
+def sniff(raw: Any) -> float:
+    """A mapping with one Lightning strategy section."""
+    if not isinstance(raw, dict):
+        return 0.0
+    return 1.0 if sum(isinstance(raw.get(k), dict) for k in STRATEGIES) == 1 and set(raw) <= {*STRATEGIES, *LAUNCH} \
+        else 0.0
