@@ -15,6 +15,8 @@ $(STAMP): requirements-dev.txt requirements-nodeps.txt pyproject.toml
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements-nodeps.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	# Horovod 0.28.1 does not build against torch 2.13: only its source is read (schemas/_generate_horovod_keys.py).
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: horovod==0.28.1 -d $(VENV)/sdist
 	touch $(STAMP)
 
 venv: $(STAMP)

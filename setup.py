@@ -12,7 +12,8 @@ from setuptools.command.build_py import build_py
 #: (package, module) pairs left out of built wheels.
 CHECKOUT_ONLY = {("torsh", "demo"), ("torsh.schemas", "__main__"), ("torsh.schemas", "_generate_deepspeed"),
                  ("torsh.schemas", "_generate_accelerate_keys"), ("torsh.schemas", "_generate_torchtitan_keys"),
-                 ("torsh.schemas", "_generate_torchtune_keys"), ("torsh.schemas", "_generate_torchtitan_schema")}
+                 ("torsh.schemas", "_generate_torchtune_keys"), ("torsh.schemas", "_generate_torchtitan_schema"),
+                 ("torsh.schemas", "_generate_horovod_keys")}
 
 
 class BuildPyWithoutCheckoutTools(build_py):

@@ -82,7 +82,11 @@ _HOROVODRUN_FLAGS = {
     "--prefix-output-with-timestamp": ("prefix_output_with_timestamp", 0), "-H": ("hosts", 1),
     "--hosts": ("hosts", 1), "-hostfile": ("hostfile", 1), "--hostfile": ("hostfile", 1),
     "--host-discovery-script": ("host_discovery_script", 1), "--gloo": ("gloo", 0), "--mpi": ("mpi", 0),
-    "--jsrun": ("jsrun", 0),
+    "--jsrun": ("jsrun", 0), "--no-autotune": ("no_autotune", 0), "--no-timeline-mark-cycles":
+    ("no_timeline_mark_cycles", 0), "--stall-check": ("stall_check", 0), "--no-mpi-threads-disable":
+    ("no_mpi_threads_disable", 0), "--log-with-timestamp": ("log_with_timestamp", 0), "--log-hide-timestamp":
+    ("log_without_timestamp", 0), "--no-log-hide-timestamp": ("log_with_timestamp", 0), "-cb": ("check_build", 0),
+    "--check-build": ("check_build", 0), "-v": ("version", 0), "--version": ("version", 0),
 }  # fmt: skip
 
 # Open MPI accepts one or two leading dashes for its long options; both spellings are listed once here.

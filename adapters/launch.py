@@ -293,7 +293,11 @@ FIELD_MAP = {
         "autotune_bayes_opt_max_samples", "autotune_gaussian_process_noise", "no_stall_check",
         "stall_check_warning_time_seconds", "stall_check_shutdown_time_seconds", "mpi_threads_disable",
         "mpi_args", "binding_args", "num_nccl_streams", "thread_affinity", "log_without_timestamp",
-        "prefix_output_with_timestamp")},
+        "prefix_output_with_timestamp", "no_autotune", "stall_check", "no_mpi_threads_disable", "log_with_timestamp")},
+    "horovodrun.no_timeline_mark_cycles": _switch("monitoring.timeline.mark_cycles", False),
+    **{f"horovodrun.{k}": Unsupported(f"horovodrun --{k.replace('_', '-')} prints Horovod's "
+                                      f"{'build' if k == 'check_build' else 'version'} and exits: no job runs")
+       for k in ("check_build", "version")},
     "horovodrun.log_level": via(_horovod_log_level, "monitoring.log_level"),
     "horovodrun.module": "launch.module",
     "horovodrun.no_python": "launch.no_python",

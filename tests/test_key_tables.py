@@ -555,3 +555,43 @@ def test_the_torchtune_reader_accepts_every_optional_key_of_its_recipe_at_its_de
             cases[f"{recipe}: {key}"] = raw
     assert len(cases) >= 30
     assert not _refused(cases, "torchtune")
+
+
+# ---- Horovod: read from its source distribution (it does not build against current torch) ------------------------
+
+
+def _horovod_sdist():
+    import sys
+
+    path = Path(sys.prefix) / "sdist" / "horovod-0.28.1.tar.gz"
+    if not path.exists():
+        pytest.skip("Horovod 0.28.1's source distribution is not downloaded (make venv does: pip download --no-deps "
+                    "--no-binary :all: horovod==0.28.1 -d .venv/sdist)")
+    return path
+
+
+def test_horovod_table_matches_horovods_source():
+    from torsh.schemas._generate_horovod_keys import build, render
+
+    assert render(build(_horovod_sdist())) == (KEYS / "horovod.json").read_text("utf-8"), (
+        "schemas/keys/horovod.json is stale: python -m torsh.schemas._generate_horovod_keys")
+
+
+def test_the_horovod_reader_knows_every_config_key_and_variable_of_the_table():
+    from torsh.adapters import horovod
+
+    table = _table("horovod")["config_keys"]
+    tunables = {t.yaml: t.env for t in horovod.TUNABLES}
+    assert set(tunables) | {"controller"} == set(table)
+    assert {k: tunables[k] for k in tunables} == {k: v["env"] for k, v in table.items() if k in tunables}
+
+
+def test_the_launch_reader_knows_every_horovodrun_option():
+    """Every option horovodrun 0.28.1 defines is read; ours beyond them are argparse abbreviations horovodrun
+    accepts (``--slots`` for ``--slots-per-host``)."""
+    from torsh.adapters import _cmdline
+
+    flags, ours = _table("horovod")["flags"], _cmdline._HOROVODRUN_FLAGS
+    assert not set(flags) - set(ours)
+    for extra in set(ours) - set(flags):
+        assert len([f for f in flags if f.startswith(extra)]) == 1, extra
