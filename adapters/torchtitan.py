@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from torsh.concepts.dtypes import core_dtype
+from torsh.concepts.offload import fsdp_cpu_offload
 from torsh.config import TorshConfig
 from torsh.dialect import Dialect
 from torsh.translate import Fidelity, Group, Ignored, Seen, To, Unsupported, WriteContext, settle_auto
@@ -232,12 +233,12 @@ def _read_offload(value: Any, ctx: Any, path: str) -> None:
 
 def _write_offload(cfg: TorshConfig, ctx: WriteContext) -> None:
     o = cfg.offload
-    if o.params == "cpu":
-        ctx.put("training.enable_cpu_offload", True, "offload.params", Fidelity.EXACT if o.optimizer == "cpu" else
-                Fidelity.APPROXIMATE, "" if o.optimizer == "cpu" else "also moves the optimizer step to the CPU")
-    elif o.params != "none" or o.optimizer != "none":
-        ctx.note("offload", Fidelity.UNSUPPORTED, "torchtitan offloads parameters, gradients and optimizer to CPU "
-                 "memory together; NVMe or optimizer-only offload needs DeepSpeed", f"{o.params}/{o.optimizer}")
+    switch, why = fsdp_cpu_offload(o.params, o.optimizer, "torchtitan")
+    if switch is None:
+        ctx.note("offload", Fidelity.UNSUPPORTED, why, f"{o.params}/{o.optimizer}")
+    elif switch:
+        ctx.put("training.enable_cpu_offload", True, "offload.params", Fidelity.APPROXIMATE if why else
+                Fidelity.EXACT, why)  # fmt: skip
 
 
 # ---- the map -----------------------------------------------------------------------------------------------------

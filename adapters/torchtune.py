@@ -16,6 +16,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from torsh.concepts.offload import fsdp_cpu_offload
 from torsh.concepts.optim import TORCH_OPTIMIZERS
 from torsh.config import AUTO, TorshConfig
 from torsh.dialect import Dialect, Prepared
@@ -90,14 +91,11 @@ def _write_sharding(cfg: TorshConfig, ctx: WriteContext) -> None:
         else:
             ctx.note("sharding.hybrid_shard_size", Fidelity.UNSUPPORTED, "torchtune's HSDP dims are numbers: needs a "
                      "known group size dividing a known world size", s.hybrid_shard_size)  # fmt: skip
-    if o.params == "cpu":
-        ctx.put("fsdp_cpu_offload", True, "offload.params", Fidelity.EXACT if o.optimizer == "cpu" else
-                Fidelity.APPROXIMATE, "" if o.optimizer == "cpu" else "also moves the optimizer step to the CPU")
-    elif o.params != "none" or o.optimizer != "none":
-        ctx.note("offload", Fidelity.UNSUPPORTED, "torchtune offloads parameters, gradients and optimizer state to CPU "
-                 "memory together; NVMe or optimizer-only offload needs DeepSpeed", f"{o.params}/{o.optimizer}")
+    switch, why = fsdp_cpu_offload(o.params, o.optimizer, "torchtune")
+    if switch is None:
+        ctx.note("offload", Fidelity.UNSUPPORTED, why, f"{o.params}/{o.optimizer}")
     else:
-        ctx.put("fsdp_cpu_offload", False, "offload.params")
+        ctx.put("fsdp_cpu_offload", switch, "offload.params", Fidelity.APPROXIMATE if why else Fidelity.EXACT, why)
 
 
 # ---- precision: one dtype for everything ---------------------------------------------------------------------------

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from consumers import converted_sources, load_or_skip
+
 from torsh import adapters
-from torsh.errors import ConfigError
 
 CORPUS = Path(__file__).resolve().parent / "fixtures" / "corpus"
-FILES = (sorted((CORPUS / "fsdp_plugin_json").glob("*.json")) + sorted((CORPUS / "deepspeed").glob("*.json"))[:20]
-         + sorted((CORPUS / "accelerate").glob("*.yaml"))[:20] + sorted((CORPUS / "fsdp").glob("*.json"))[:15])
+FILES = sorted((CORPUS / "fsdp_plugin_json").glob("*.json")) + converted_sources(20, 20, 15)
 
 
 def plugin_args(written: dict, tmp_path: Path, monkeypatch) -> dict | None:
@@ -32,10 +32,7 @@ def plugin_args(written: dict, tmp_path: Path, monkeypatch) -> dict | None:
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: f"{p.parent.name}/{p.name[:50]}")
 def test_transformers_reads_what_torsh_writes_with_its_meaning(path, tmp_path, monkeypatch):
-    try:
-        cfg = adapters.load(path).result
-    except ConfigError:
-        pytest.skip("not a config torsh reads (a ConfigError, covered by the property test)")
+    cfg = load_or_skip(path)
     written = adapters.write(cfg, "fsdp_plugin")
     args = plugin_args(written.result, tmp_path, monkeypatch)
     if args is None:  # the XLA path: reported as unsupported when read

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from consumers import converted_sources, load_or_skip
+
 from torsh import adapters
 from torsh.errors import ConfigError
 
 CORPUS = Path(__file__).resolve().parent / "fixtures" / "corpus"
 LIGHTNING = sorted((CORPUS / "lightning").glob("*.json"))
-CONVERTED = LIGHTNING + sorted((CORPUS / "deepspeed").glob("*.json"))[:15] + sorted((CORPUS / "fsdp").glob("*.json"))[:15]
+CONVERTED = LIGHTNING + converted_sources(15, 0, 15)
 _PRECISION = {16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed", 32: "32-true"}
 
 
@@ -53,10 +55,7 @@ def test_lightning_builds_the_deepspeed_config_torsh_reads_from_the_arguments(pa
 @pytest.mark.parametrize("path", CONVERTED, ids=lambda p: f"{p.parent.name}/{p.name[:50]}")
 def test_lightning_strategies_accept_what_torsh_writes(path, strategies):
     DeepSpeedStrategy, FSDPStrategy, _ = strategies
-    try:
-        cfg = adapters.load(path).result
-    except ConfigError:
-        pytest.skip("not a config torsh reads (a ConfigError, covered by the property test)")
+    cfg = load_or_skip(path)
     written = adapters.write(cfg, "lightning").result["DeepSpeedStrategy"]
     assert DeepSpeedStrategy(**written).config.get("zero_optimization", {}).get("stage", 0) == cfg.sharding.stage
     kwargs = dict(adapters.write(cfg, "lightning", version="fsdp").result["FSDPStrategy"])

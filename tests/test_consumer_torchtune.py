@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from consumers import converted_sources, load_or_skip
+
 from torsh import adapters
-from torsh.errors import ConfigError
 from torsh.formats import dump_text
 
 CORPUS = Path(__file__).resolve().parent / "fixtures" / "corpus"
@@ -61,16 +62,9 @@ def test_a_round_tripped_recipe_config_gives_torchtune_the_same_values(path, tun
     assert {k: again.get(k) for k in original} == original
 
 
-def _converted() -> list[Path]:
-    return sorted((CORPUS / "deepspeed").glob("*.json"))[:30] + sorted((CORPUS / "accelerate").glob("*.yaml"))[:20]
-
-
-@pytest.mark.parametrize("path", _converted(), ids=lambda p: p.name[:60])
+@pytest.mark.parametrize("path", converted_sources(), ids=lambda p: p.name[:60])
 def test_torchtune_reads_what_torsh_converts_with_the_meaning_of_the_source(path, tune, tmp_path):
-    try:
-        cfg = adapters.load(path).result
-    except ConfigError:
-        pytest.skip("not a config torsh reads (a ConfigError, covered by the property test)")
+    cfg = load_or_skip(path)
     written = adapters.write(cfg, "torchtune")
     recipe = tune(dump_text(written.result, "yaml"), tmp_path)
     lossy = {n.source_path for n in written.lossy}

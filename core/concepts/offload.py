@@ -13,3 +13,15 @@ DEVICES = ("none", "cpu", "nvme")
 def deepspeed_offloads(part: str, stage: int) -> bool:
     """Whether DeepSpeed offloads ``part`` ("optimizer" or "param") at a ZeRO stage."""
     return stage == 3 if part == "param" else stage >= 1
+
+
+def fsdp_cpu_offload(params: str, optimizer: str, framework: str) -> tuple[bool | None, str]:
+    """What a framework with FSDP2's one CPU-offload switch can say for the core offload: (the switch, why it is
+    approximate or "") or (None, why it cannot say it at all). FSDP2 moves parameters, gradients and optimizer
+    state to CPU memory together."""
+    if params == "cpu":
+        return True, "" if optimizer == "cpu" else "also moves the optimizer step to the CPU"
+    if params != "none" or optimizer != "none":
+        return None, (f"{framework} offloads parameters, gradients and optimizer state to CPU memory together; NVMe "
+                      "or optimizer-only offload needs DeepSpeed")
+    return False, ""

@@ -1,1 +1,25 @@
 """Helpers that hand a file torsh wrote to its real consumer (Accelerate, DeepSpeed, torch FSDP, launchers)."""
+
+from pathlib import Path
+
+import pytest
+
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "corpus"
+
+
+def converted_sources(deepspeed: int = 30, accelerate: int = 20, fsdp: int = 0) -> list[Path]:
+    """Real configs of other dialects that a consumer test converts to its own (the first N of each folder)."""
+    return (sorted((CORPUS / "deepspeed").glob("*.json"))[:deepspeed]
+            + sorted((CORPUS / "accelerate").glob("*.yaml"))[:accelerate]
+            + sorted((CORPUS / "fsdp").glob("*.json"))[:fsdp])  # fmt: skip
+
+
+def load_or_skip(path: Path):
+    """The core config of a corpus file, or a skip for one torsh refuses (the property test covers those)."""
+    from torsh import adapters
+    from torsh.errors import ConfigError
+
+    try:
+        return adapters.load(path).result
+    except ConfigError:
+        pytest.skip("not a config torsh reads (a ConfigError, covered by the property test)")
