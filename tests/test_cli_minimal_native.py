@@ -10,7 +10,7 @@ import pytest
 from torsh import adapters
 from torsh.cli import main
 from torsh.errors import ConfigError
-from torsh.formats import dump_text, parse_text
+from torsh.formats import _drop_none, dump_text, parse_text
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p for p in (ROOT / "migration_examples").rglob("*")
@@ -19,14 +19,6 @@ SKIP = {"launch", "refused"}  # launch lines and hostfiles are not configs; refu
 CORPUS = sorted(p for p in (ROOT / "tests" / "fixtures" / "corpus").rglob("*")
                 if p.suffix in (".json", ".yaml", ".yml", ".toml") and p.parent.name not in SKIP)  # fmt: skip
 SAMPLE = CORPUS[::5]  # every fifth file, across every dialect directory
-
-
-def _drop_none(data: object) -> object:
-    if isinstance(data, dict):
-        return {k: _drop_none(v) for k, v in data.items() if v is not None}
-    if isinstance(data, list):
-        return [_drop_none(v) for v in data if v is not None]
-    return data
 
 
 def _through_toml(data: dict) -> object:

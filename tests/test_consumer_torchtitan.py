@@ -5,15 +5,12 @@ Accelerate give the data parallelism, precision and batch sizes the translation 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
-import sys
-import types
 from pathlib import Path
 
 import pytest
 
-from consumers import converted_sources, load_or_skip
+from consumers import converted_sources, load_or_skip, without_package_init
 
 from torsh import adapters
 from torsh.formats import dump_text
@@ -30,13 +27,7 @@ def parse():
     their GPU kernels); returns a function that parses a TOML text as ``--job.config_file``."""
     pytest.importorskip("tyro", reason="tyro (torchtitan's argument parser) is needed: pip install -r "
                         "requirements-dev.txt")  # fmt: skip
-    spec = importlib.util.find_spec("torchtitan")
-    if spec is None:
-        pytest.skip("torchtitan 0.2.2 is not installed (pip install --no-deps -r requirements-nodeps.txt)")
-    if "torchtitan" not in sys.modules:
-        package = types.ModuleType("torchtitan")
-        package.__path__ = list(spec.submodule_search_locations)
-        sys.modules["torchtitan"] = package
+    without_package_init("torchtitan", "0.2.2")
     from torchtitan.config.manager import ConfigManager
 
     def run(text: str, tmp_path: Path, name: str = "") -> object:

@@ -5,14 +5,11 @@ their source."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import types
 from pathlib import Path
 
 import pytest
 
-from consumers import converted_sources, load_or_skip
+from consumers import converted_sources, load_or_skip, without_package_init
 
 from torsh import adapters
 from torsh.formats import dump_text
@@ -27,13 +24,7 @@ def tune():
     torchao)."""
     omegaconf = pytest.importorskip("omegaconf", reason="OmegaConf (torchtune's config loader) is needed: pip install "
                                     "-r requirements-dev.txt")  # fmt: skip
-    spec = importlib.util.find_spec("torchtune")
-    if spec is None:
-        pytest.skip("torchtune 0.6.1 is not installed (pip install --no-deps -r requirements-nodeps.txt)")
-    if "torchtune" not in sys.modules:
-        package = types.ModuleType("torchtune")
-        package.__path__ = list(spec.submodule_search_locations)
-        sys.modules["torchtune"] = package
+    without_package_init("torchtune", "0.6.1")
     from torchtune.config._instantiate import instantiate
 
     def load(text: str, tmp_path: Path) -> dict:

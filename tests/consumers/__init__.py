@@ -23,3 +23,19 @@ def load_or_skip(path: Path):
         return adapters.load(path).result
     except ConfigError:
         pytest.skip("not a config torsh reads (a ConfigError, covered by the property test)")
+
+
+def without_package_init(name: str, version: str) -> None:
+    """Make ``name``'s submodules importable without running its package ``__init__`` (torchtitan's imports its
+    models and their GPU kernels, torchtune's requires torchao); skip when the framework is not installed."""
+    import importlib.util
+    import sys
+    import types
+
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        pytest.skip(f"{name} {version} is not installed (pip install --no-deps -r requirements-nodeps.txt)")
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules[name] = package
