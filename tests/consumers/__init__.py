@@ -38,4 +38,5 @@ def without_package_init(name: str, version: str) -> None:
     if name not in sys.modules:
         package = types.ModuleType(name)
         package.__path__ = list(spec.submodule_search_locations)
+        package.__spec__ = spec  # find_spec(name) still finds the installed package (the key-table generators)
         sys.modules[name] = package
