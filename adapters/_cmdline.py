@@ -343,3 +343,57 @@ def _python_command(launcher: str, options: dict[str, Any], positional: list[str
     if not positional[j:]:
         raise ConfigError([Problem(launcher, None, "python is run without a script")], source="launch")
     return positional[j:]
+
+
+# --------------------------------------------------------------------------------------------------
+# Slurm batch scripts
+
+_SBATCH_LINE = re.compile(r"^#SBATCH\s+(.*)$")
+
+
+def is_sbatch(raw: Any) -> bool:
+    """A Slurm batch script: text with ``#SBATCH`` directives."""
+    return isinstance(raw, str) and re.search(r"^#SBATCH\s", raw, re.M) is not None
+
+
+def parse_sbatch(text: str) -> dict[str, Any]:
+    """An sbatch script as the mapping :func:`parse` gives for its launch command (the first line that runs a
+    launcher, ``srun`` in front kept as the wrapper), plus ``slurm``: its ``#SBATCH`` options by long name.
+    ``$SLURM_NNODES`` in the command is the script's ``--nodes`` count when that is a number."""
+    from torsh.concepts.launch import SBATCH_OPTIONS
+
+    short = {v: k for k, v in SBATCH_OPTIONS.items() if v}
+    options: dict[str, Any] = {}
+    lines = re.sub(r"\\\n", " ", text).splitlines()
+    for line in lines:
+        found = _SBATCH_LINE.match(line.strip())
+        if not found:
+            continue
+        tokens = shlex.split(found.group(1), comments=True)
+        while tokens:
+            token = tokens.pop(0)
+            name, _, value = token.lstrip("-").partition("=")
+            if token.startswith("-") and not token.startswith("--") and len(name) > 1 and name[0] in short:
+                name, value = name[0], name[1:]  # -N4
+            name = short.get(name, name) if not token.startswith("--") else name
+            if name not in SBATCH_OPTIONS:
+                raise ConfigError([Problem(f"#SBATCH {token}", None, "not an sbatch option",
+                                           did_you_mean(name, list(SBATCH_OPTIONS)))], source="launch")
+            if not value and tokens and not tokens[0].startswith("-"):
+                value = tokens.pop(0)
+            options[name] = value or True
+    for line in lines:
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            parsed = parse(line)
+        except ConfigError:
+            continue  # set -e, head_node=$(...), module load ...: not the launch
+        parsed["slurm"] = options
+        nodes = str(options.get("nodes", ""))
+        if nodes.isdigit():
+            parsed[parsed["launcher"]] = {k: nodes if v in ("$SLURM_NNODES", "${SLURM_NNODES}") else v
+                                          for k, v in parsed[parsed["launcher"]].items()}  # fmt: skip
+        return parsed
+    raise ConfigError([Problem("script", None, "no launch command in the sbatch script (torchrun, deepspeed, "
+                               "horovodrun, mpirun, python -m torch.distributed.run, ...)")], source="launch")

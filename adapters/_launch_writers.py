@@ -844,9 +844,58 @@ def _mpirun_rendezvous(w: _Writer) -> list[str]:
     return [f"{k}={v}" for k, v in rendezvous.items() if k not in L.env]
 
 
+#: The #SBATCH values a Slurm script needs that no launch line says: placeholders the report names.
+SLURM_PLACEHOLDERS = {"time": "<HH:MM:SS>", "partition": "<partition>"}
+_SLURM_ENDPOINT = "$head_node"
+
+
+def write_slurm(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
+    """An sbatch script: one task per node, each running torchrun (``srun``), which starts the node's processes
+    and meets the others through a c10d rendezvous on the job's first node."""
+    L, p = cfg.launch, plan(cfg.launch)
+    nnodes = p.nnodes if p.nnodes is not None else 1
+    nproc = p.nproc if p.nproc is not None else L.nproc_per_node
+    port = L.master_port if isinstance(L.master_port, int) else DEFAULT_PORT
+    managed = {"nnodes": "$SLURM_NNODES", "max_nnodes": None, "hosts": [], "hostfile": None, "include": None,
+               "exclude": None, "node_rank": None, "master_addr": None, "master_port": None, "world_size": None,
+               "nproc_per_node": nproc, "rdzv_backend": "c10d", "rdzv_endpoint": f"{_SLURM_ENDPOINT}:{port}",
+               "rdzv_id": "$SLURM_JOB_ID", "standalone": False}  # fmt: skip
+    kept = cfg.extensions.get("launch", {})
+    directives = {k.removeprefix("slurm."): v for k, v in kept.items() if k.startswith("slurm.")}
+    others = {k: v for k, v in kept.items() if not k.startswith("slurm.") and not (k == "wrapper" and v == "srun")}
+    inner, notes = write_torchrun(cfg.model_copy(update={"launch": L.model_copy(update=managed),
+                                                         "extensions": {**cfg.extensions, "launch": others}}))
+    notes = [n for n in notes if not n.source_path.startswith(tuple(f"launch.{k}" for k in managed
+                                                                    if k != "nproc_per_node"))]
+    if L.nnodes is not None:
+        notes.append(Note("launch.nnodes", "#SBATCH --nodes", L.nnodes, Fidelity.EXACT))
+    for key in ("hosts", "hostfile", "include", "exclude", "master_addr", "master_port", "node_rank", "rdzv_backend",
+                "rdzv_endpoint", "rdzv_id"):
+        value = get_path(cfg, f"launch.{key}")
+        if key.startswith("rdzv") and value == managed[key]:  # the rendezvous of a Slurm script read back
+            notes.append(Note(f"launch.{key}", f"torchrun --{key.replace('_', '-')}", value, Fidelity.EXACT))
+        elif value not in (None, [], False) and key != "master_port":
+            notes.append(Note(f"launch.{key}", None, value, Fidelity.APPROXIMATE, "Slurm picks the nodes (sbatch "
+                              "--nodelist / --exclude choose them) and torchrun meets on the first one"))
+    sbatch = {"job-name": "torsh", **directives, "nodes": nnodes, "ntasks-per-node": 1}
+    for key, placeholder in SLURM_PLACEHOLDERS.items():
+        if key not in sbatch:
+            sbatch[key] = placeholder
+            notes.append(Note(f"slurm.{key}", f"#SBATCH --{key}", placeholder, Fidelity.DEFERRED, f"not in a launch "
+                              f"line: replace {placeholder} with your cluster's {key}"))  # fmt: skip
+    notes += [Note(f"extensions.launch.slurm.{k}", f"#SBATCH --{k}", v, Fidelity.EXACT, "kept from the source "
+                   "script") for k, v in directives.items() if k not in ("nodes", "ntasks-per-node")]  # fmt: skip
+    lines = ["#!/bin/bash", *(f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={v}" for k, v in sbatch.items()),
+             "", "set -euo pipefail",
+             "# torchrun on every node meets the others on the first one (c10d rendezvous)",
+             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             *(command.shell("srun") for command in inner.commands)]  # fmt: skip
+    return LaunchCommand("\n".join(lines), launcher="slurm", commands=inner.commands, files=inner.files), notes
+
+
 WRITERS: dict[str, Callable[[TorshConfig], tuple[LaunchCommand, list[Note]]]] = {
     "torchrun": write_torchrun, "deepspeed": write_deepspeed, "horovodrun": write_horovodrun,
-    "mpirun": write_mpirun,
+    "mpirun": write_mpirun, "slurm": write_slurm,
 }  # fmt: skip
 
 
@@ -855,7 +904,8 @@ WRITERS: dict[str, Callable[[TorshConfig], tuple[LaunchCommand, list[Note]]]] = 
 
 
 def worker_environments(cfg: TorshConfig, launcher: str = "torchrun") -> list[dict[str, str]]:
-    """The variables each worker gets from ``launcher`` (global rank order), beyond the inherited environment.
+    """The variables each worker gets from ``launcher`` (global rank order), beyond the inherited environment; a
+    Slurm script's workers are torchrun's.
 
     Includes ``launch.env``. Raises ConfigError when the topology is not concrete (shell variables, ``gpu``).
     """
@@ -868,7 +918,7 @@ def worker_environments(cfg: TorshConfig, launcher: str = "torchrun") -> list[di
     envs = []
     for node_rank, node in enumerate(nodes):
         for local in range(node.nproc):
-            env = worker_env(launcher, rank=len(envs), local=local, world=world, nproc=node.nproc, node=node_rank,
+            env = worker_env("torchrun" if launcher == "slurm" else launcher, rank=len(envs), local=local, world=world, nproc=node.nproc, node=node_rank,
                              nnodes=nnodes, host=node.host or "localhost", addr=addr, port=port,
                              devices=",".join(map(str, node.devices or range(node.nproc))),
                              run_id=L.rdzv_id or "none", max_restarts=L.max_restarts or 0)  # fmt: skip

@@ -67,6 +67,34 @@ def _apply_options(options: Any, config: dict, notes: list[Note]) -> None:
                       "transformers applies them"))  # fmt: skip
 
 
+def _unread_reason(key: str, value: Any, fsdp_version: int) -> tuple[Fidelity, str] | None:
+    """Why transformers does not pass a key on to the plugin (None: it does)."""
+    if key in _XLA:
+        return (Fidelity.UNSUPPORTED, "the XLA (TPU) FSDP path") if value else (Fidelity.EXACT, "off")
+    if key == "limit_all_gathers":
+        return Fidelity.IGNORED, "no effect on the training (FSDP1's rate limiter)"
+    if fsdp_version == 2 and key in (*_V1_DEFAULTS, "sharding_strategy"):
+        return Fidelity.IGNORED, "transformers reads it only with FSDP1 (version 1)"
+    if fsdp_version == 1 and key in _V2_ONLY - {"reshard_after_forward"}:
+        return Fidelity.IGNORED, "transformers reads it only with FSDP2"
+    if f"fsdp_config.fsdp_{key}" in accelerate.FSDP_MAP or key in _RENAMED or key == "min_num_params":
+        return None
+    return Fidelity.IGNORED, "transformers reads no such FSDP key (it ignores it)"
+
+
+def _settings(raw: dict, notes: list[Note]) -> tuple[dict, Any]:
+    """The fsdp_config keys as transformers reads them, and how to spell a key's place in the file."""
+    nested = isinstance(raw.get("fsdp_config"), dict)
+    config = _plain_keys(raw["fsdp_config"] if nested else raw, notes)
+    if nested:
+        notes += [Note(str(k), None, v, Fidelity.IGNORED, "a documentation key" if str(k).startswith("_") else
+                       "a training argument, not an FSDP setting") for k, v in raw.items()
+                  if k not in ("fsdp", "fsdp_config")]  # fmt: skip
+        if "fsdp" in raw:
+            _apply_options(raw["fsdp"], config, notes)
+    return config, (lambda key: f"fsdp_config.{key}") if nested else (lambda key: key)
+
+
 def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
     """Read an ``fsdp_config`` JSON (or the Trainer's ``fsdp`` + ``fsdp_config``) as transformers does."""
     if not isinstance(raw, dict):
@@ -75,61 +103,41 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
     if problems:
         raise ConfigError(problems, source=NAME)
     notes: list[Note] = []
-    kept_options: dict[str, Any] = {}
-    nested = isinstance(raw.get("fsdp_config"), dict)
-    config = _plain_keys(raw["fsdp_config"] if nested else raw, notes)
-    if nested:
-        for key, value in raw.items():
-            if key not in ("fsdp", "fsdp_config") and not str(key).startswith("_"):
-                notes.append(Note(str(key), None, value, Fidelity.IGNORED, "a training argument, not an FSDP setting"))
-            elif str(key).startswith("_"):
-                notes.append(Note(str(key), None, value, Fidelity.IGNORED, "a documentation key"))
-        if "fsdp" in raw:
-            _apply_options(raw["fsdp"], config, notes)
-            kept_options = {"fsdp": raw["fsdp"]}
-    where = (lambda key: f"fsdp_config.{key}") if nested else (lambda key: key)
+    config, where = _settings(raw, notes)
     fsdp_version = int(config.get("version", (None, 2))[1])
-    section, spelling = {}, {}
+    section, spelling = {}, {}  # Accelerate's fsdp_config, and where each of its keys came from
     for key, (written, value) in config.items():
         source = written if written == "fsdp" else where(written)
-        if key in _XLA:
-            notes.append(Note(source, None, value, Fidelity.UNSUPPORTED if value else Fidelity.EXACT,
-                              "the XLA (TPU) FSDP path" if value else "off"))  # fmt: skip
-        elif fsdp_version == 2 and key in _V1_DEFAULTS | {"sharding_strategy": None, "limit_all_gathers": None}:
-            notes.append(Note(source, None, value, Fidelity.IGNORED, "transformers reads it only with FSDP1 "
-                              "(version 1)"))  # fmt: skip
-        elif key == "limit_all_gathers" or (key in _V2_ONLY and fsdp_version == 1 and key != "reshard_after_forward"):
-            notes.append(Note(source, None, value, Fidelity.IGNORED, "no effect on the training (FSDP1's rate limiter)"
-                              if key == "limit_all_gathers" else "transformers reads it only with FSDP2"))
-        elif f"fsdp_config.fsdp_{key}" in accelerate.FSDP_MAP or key in _RENAMED or key == "min_num_params":
-            target = _RENAMED.get(key, f"fsdp_{key}")
-            section[target] = ",".join(value) if key == "transformer_layer_cls_to_wrap" and isinstance(
-                value, list) else value  # fmt: skip
-            spelling[f"fsdp_config.{target}"] = source
-        else:
-            notes.append(Note(source, None, value, Fidelity.IGNORED, "transformers reads no such FSDP key (it ignores "
-                              "it)"))  # fmt: skip
-    defaults = {**_DEFAULTS, **(_V1_DEFAULTS if fsdp_version == 1 else {"reshard_after_forward": True})}
-    filled = {}
-    for key, value in defaults.items():
+        unread = _unread_reason(key, value, fsdp_version)
+        if unread:
+            notes.append(Note(source, None, value, *unread))
+            continue
         target = _RENAMED.get(key, f"fsdp_{key}")
-        if target not in section:
-            section[target] = value
-            filled[f"fsdp_config.{target}"] = where(key)
+        section[target] = ",".join(value) if isinstance(value, list) else value  # the class list, comma-joined
+        spelling[f"fsdp_config.{target}"] = source
+    defaults = {**_DEFAULTS, **(_V1_DEFAULTS if fsdp_version == 1 else {"reshard_after_forward": True})}
+    filled = {f"fsdp_config.{_RENAMED.get(k, f'fsdp_{k}')}": where(k) for k in defaults
+              if _RENAMED.get(k, f"fsdp_{k}") not in section}  # fmt: skip
+    section.update({_RENAMED.get(k, f"fsdp_{k}"): v for k, v in defaults.items()
+                    if f"fsdp_config.{_RENAMED.get(k, f'fsdp_{k}')}" in filled})  # fmt: skip
     read_as = accelerate.read({"distributed_type": "FSDP", "fsdp_config": section})
-    for i, note in enumerate(read_as.notes):  # each note under the file's own spelling of its key
-        if note.source_path in filled:
-            read_as.notes[i] = replace(note, source_path=filled[note.source_path], fidelity=Fidelity.DEFAULTED,
-                                       reason="not set; transformers' default")  # fmt: skip
-        elif note.source_path in spelling:
-            read_as.notes[i] = replace(note, source_path=spelling[note.source_path])
-        elif note.source_path.startswith("fsdp_config."):  # a default of Accelerate's plugin, left to it
-            read_as.notes[i] = replace(note, source_path=where(_plain(note.source_path.split(".", 1)[1])))
-    kept = {**kept_options, **{n.source_path: n.value for n in notes if n.fidelity in (Fidelity.IGNORED,
-                                                                                          Fidelity.UNSUPPORTED)}}
+    renamed = [_respelt(n, filled, spelling, where) for n in read_as.notes if n.source_path != "distributed_type"]
+    kept = {n.source_path: n.value for n in notes if n.fidelity in (Fidelity.IGNORED, Fidelity.UNSUPPORTED)}
+    kept.update({"fsdp": raw["fsdp"]} if isinstance(raw.get("fsdp_config"), dict) and "fsdp" in raw else {})
     cfg = read_as.result.model_copy(update={"extensions": {NAME: kept} if kept else {}})
-    return Translation(cfg, notes + [n for n in read_as.notes if n.source_path not in ("distributed_type",)], NAME,
-                       "torsh")  # fmt: skip
+    return Translation(cfg, notes + renamed, NAME, "torsh")
+
+
+def _respelt(note: Note, filled: dict, spelling: dict, where: Any) -> Note:
+    """An Accelerate note under the file's own spelling of its key (a default filled in: transformers')."""
+    if note.source_path in filled:
+        return replace(note, source_path=filled[note.source_path], fidelity=Fidelity.DEFAULTED,
+                       reason="not set; transformers' default")  # fmt: skip
+    if note.source_path in spelling:
+        return replace(note, source_path=spelling[note.source_path])
+    if note.source_path.startswith("fsdp_config."):  # a default of Accelerate's plugin, left to it
+        return replace(note, source_path=where(_plain(note.source_path.split(".", 1)[1])))
+    return note
 
 
 def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
@@ -146,24 +154,7 @@ def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
         notes.append(Note("sharding.stage", None, cfg.sharding.stage, Fidelity.APPROXIMATE, "an fsdp_config always "
                           "shards: written as FSDP (same numerics, less memory); for DDP run the Trainer without "
                           "--fsdp"))  # fmt: skip
-    for note in written.notes:
-        target = note.target_path or ""
-        if target in ("distributed_type", "compute_environment") or (note.source_path.startswith("launch.") and
-                                                                     note.value is None):  # fmt: skip
-            continue  # the file is FSDP settings only; the launcher decides the processes
-        note = replace(note, reason=note.reason.replace("no accelerate key", "not an fsdp_config key").replace(
-            "accelerate has no setting", "fsdp_config has no setting"))  # fmt: skip
-        if target.startswith("fsdp_config."):
-            note = replace(note, target_path=_plain(target.split(".", 1)[1]))
-        elif target == "mixed_precision":
-            full = written.result.get("mixed_precision") == "no"
-            note = replace(note, target_path=None, fidelity=Fidelity.EXACT if full else Fidelity.DROPPED,
-                           reason="full precision, the Trainer's default" if full else "set with the Trainer's "
-                           "--bf16 / --fp16 argument, not in fsdp_config")  # fmt: skip
-        elif target and target not in ("distributed_type", "compute_environment"):
-            note = replace(note, target_path=None, fidelity=Fidelity.DROPPED, reason=f"a launcher setting ({target}):"
-                           " pass it to the launcher")  # fmt: skip
-        notes.append(note)
+    notes += [n for n in (_as_plugin_note(n, written.result) for n in written.notes) if n is not None]
     for key, value in written.result.get("fsdp_config", {}).items():
         out[_plain(key)] = value.split(",") if key == "fsdp_transformer_layer_cls_to_wrap" else value
     out["version"] = out.pop("version", 2 if backend == "fsdp2" else 1)
@@ -179,6 +170,27 @@ def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
     return Translation(out, notes, "torsh", NAME)
 
 
+def _as_plugin_note(note: Note, written: dict) -> Note | None:
+    """An Accelerate write note as it reads for an fsdp_config (None: about what the launcher decides)."""
+    target = note.target_path or ""
+    if target in ("distributed_type", "compute_environment") or (note.source_path.startswith("launch.") and
+                                                                 note.value is None):  # fmt: skip
+        return None  # the file is FSDP settings only; the launcher decides the processes
+    note = replace(note, reason=note.reason.replace("no accelerate key", "not an fsdp_config key").replace(
+        "accelerate has no setting", "fsdp_config has no setting"))  # fmt: skip
+    if target.startswith("fsdp_config."):
+        return replace(note, target_path=_plain(target.split(".", 1)[1]))
+    if target == "mixed_precision":
+        full = written.get("mixed_precision") == "no"
+        return replace(note, target_path=None, fidelity=Fidelity.EXACT if full else Fidelity.DROPPED,
+                       reason="full precision, the Trainer's default" if full else "set with the Trainer's --bf16 / "
+                       "--fp16 argument, not in fsdp_config")  # fmt: skip
+    if target:
+        return replace(note, target_path=None, fidelity=Fidelity.DROPPED, reason=f"a launcher setting ({target}): "
+                       "pass it to the launcher")  # fmt: skip
+    return note
+
+
 def _plain(key: str) -> str:
     return {v: k for k, v in _RENAMED.items()}.get(key, key.removeprefix("fsdp_"))
 
@@ -187,10 +199,10 @@ def sniff(raw: Any) -> float:
     """An fsdp_config: FSDP plugin keys (with or without the prefix) and nothing of an Accelerate YAML's top level."""
     if not isinstance(raw, dict) or not raw or "distributed_type" in raw or "compute_environment" in raw:
         return 0.0
-    config = raw["fsdp_config"] if isinstance(raw.get("fsdp_config"), dict) else raw
+    nested = isinstance(raw.get("fsdp_config"), dict)
+    config = raw["fsdp_config"] if nested else raw
     keys = {str(k).removeprefix("fsdp_") for k in config if not str(k).startswith("_")}
     known = {k.split(".", 1)[1].removeprefix("fsdp_") for k in accelerate.FSDP_MAP} | set(_RENAMED) | _XLA
-    if keys and keys <= known | {"min_num_params", "limit_all_gathers", "activation_cpu_offload"}:
-        return 0.96 if config is raw or set(raw) - {"fsdp", "fsdp_config"} <= {k for k in raw if k.startswith("_")} \
-            else 0.0
-    return 0.0
+    beside = {str(k) for k in raw if not str(k).startswith("_")} - {"fsdp", "fsdp_config"} if nested else set()
+    plugin = keys and keys <= known | {"min_num_params", "limit_all_gathers", "activation_cpu_offload"}
+    return 0.96 if plugin and not beside else 0.0

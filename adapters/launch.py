@@ -300,6 +300,9 @@ FIELD_MAP = {
        for k in ("check_build", "version")},
     "horovodrun.log_level": via(_horovod_log_level, "monitoring.log_level"),
     "horovodrun.module": "launch.module",
+    # ---- an sbatch script's directives (the launch command inside it is read as above)
+    "slurm.nodes": Ignored("the job's node count: torchrun's --nnodes reads it ($SLURM_NNODES)"),
+    "slurm.*": Ignored("a Slurm scheduling setting (sbatch); kept for a Slurm script"),
     "horovodrun.no_python": "launch.no_python",
     # ---- mpirun (Open MPI)
     "mpirun.np": Int("launch.world_size"),
@@ -443,7 +446,9 @@ class Launch(Dialect):
         return version  # reading takes every launcher; the version names a write target
 
     def shape(self, raw: Any) -> Any:
-        return raw if isinstance(raw, Mapping) else _cmdline.parse(raw)
+        if isinstance(raw, Mapping):
+            return raw
+        return _cmdline.parse_sbatch(raw) if _cmdline.is_sbatch(raw) else _cmdline.parse(raw)
 
     def check_schema(self, raw: Any) -> None:
         """The command-line parser has checked the text (the launch schema describes the text, not its parse)."""

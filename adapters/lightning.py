@@ -93,22 +93,33 @@ def _deepspeed_config(args: dict, notes: list[Note]) -> tuple[dict, dict[str, st
     if a["zero_optimization"]:
         zero = {k: a[k] for k in _ZERO_KEYS}
         origin.update({f"zero_optimization.{k}": f"DeepSpeedStrategy.{k}" for k in _ZERO_KEYS})
-        for flag, key, device in (("offload_optimizer", "offload_optimizer", "offload_optimizer_device"),
-                                  ("offload_parameters", "offload_param", "offload_params_device")):
-            if a[flag]:
-                zero[key] = {"device": a[device], "pin_memory": a["pin_memory"]}
-                origin[f"zero_optimization.{key}.device"] = f"DeepSpeedStrategy.{device if device in args else flag}"
-                if device in args and flag in args:
-                    notes.append(Note(f"DeepSpeedStrategy.{flag}", None, True, Fidelity.EXACT, f"offload to {device}"))
-                origin[f"zero_optimization.{key}.pin_memory"] = "DeepSpeedStrategy.pin_memory"
-                if a[device] == "nvme":
-                    zero[key]["nvme_path"] = a["nvme_path"]
-                    origin[f"zero_optimization.{key}.nvme_path"] = "DeepSpeedStrategy.nvme_path"
+        _offload(a, args, zero, origin, notes)
         config.update(zero_allow_untested_optimizer=a["zero_allow_untested_optimizer"], zero_optimization=zero)
         origin["zero_allow_untested_optimizer"] = "DeepSpeedStrategy.zero_allow_untested_optimizer"
     if a.get("logging_batch_size_per_gpu", "auto") != "auto":
         config["train_micro_batch_size_per_gpu"] = a["logging_batch_size_per_gpu"]
-    used = set(origin.values())
+    _unused_arguments(args, a, set(origin.values()), notes)
+    return config, origin
+
+
+def _offload(a: dict, args: dict, zero: dict, origin: dict, notes: list[Note]) -> None:
+    """The offload sections DeepSpeedStrategy builds from its flags, devices, pin_memory and nvme_path."""
+    for flag, key, device in (("offload_optimizer", "offload_optimizer", "offload_optimizer_device"),
+                              ("offload_parameters", "offload_param", "offload_params_device")):
+        if not a[flag]:
+            continue
+        zero[key] = {"device": a[device], "pin_memory": a["pin_memory"]}
+        origin[f"zero_optimization.{key}.device"] = f"DeepSpeedStrategy.{device if device in args else flag}"
+        if device in args and flag in args:
+            notes.append(Note(f"DeepSpeedStrategy.{flag}", None, True, Fidelity.EXACT, f"offload to {device}"))
+        origin[f"zero_optimization.{key}.pin_memory"] = "DeepSpeedStrategy.pin_memory"
+        if a[device] == "nvme":
+            zero[key]["nvme_path"] = a["nvme_path"]
+            origin[f"zero_optimization.{key}.nvme_path"] = "DeepSpeedStrategy.nvme_path"
+
+
+def _unused_arguments(args: dict, a: dict, used: set[str], notes: list[Note]) -> None:
+    """Arguments that configure nothing DeepSpeed reads here (or only how Lightning runs)."""
     for key, value in args.items():
         if key in ("offload_params_device", "offload_optimizer_device"):
             flag = "offload_parameters" if key.startswith("offload_params") else "offload_optimizer"
@@ -121,7 +132,6 @@ def _deepspeed_config(args: dict, notes: list[Note]) -> tuple[dict, dict[str, st
         elif key in _STRATEGY_ONLY or key in _OFFLOAD_TUNING:
             notes.append(Note(f"DeepSpeedStrategy.{key}", None, value, Fidelity.IGNORED, _STRATEGY_ONLY.get(
                 key, "an offload I/O tuning value; memory and speed, not results")))  # fmt: skip
-    return config, origin
 
 
 def _fsdp_kwargs(args: dict, notes: list[Note]) -> tuple[dict, dict[str, str]]:
@@ -155,8 +165,8 @@ def _fsdp_kwargs(args: dict, notes: list[Note]) -> tuple[dict, dict[str, str]]:
     return out, origin
 
 
-def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
-    """Read a Lightning strategy's arguments (with the Trainer's or Fabric's) into the core model."""
+def _strategy(raw: Any) -> str:
+    """The one strategy section of the mapping (a ConfigError naming what is wrong otherwise)."""
     problems = schemas.check(raw, NAME)
     if problems:
         raise ConfigError(problems, source=NAME)
@@ -169,54 +179,61 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
     if unknown:
         raise ConfigError([Problem(k, raw[k], f"expected {strategies[0]} and Trainer or Fabric beside it")
                            for k in sorted(unknown)], source=NAME)  # fmt: skip
+    return strategies[0]
+
+
+def _read_deepspeed(args: dict, precision: str | None, precision_key: str, notes: list[Note]):
+    """The config DeepSpeedStrategy hands DeepSpeed, read by the deepspeed dialect: (translation, origins, prefix)."""
+    config, origin = _deepspeed_config(args, notes)
+    if precision in ("fp16", "bf16") and precision not in config:  # as Lightning adds it
+        config[precision] = {"enabled": True}
+        origin[f"{precision}.enabled"] = precision_key
+    return deepspeed.read(config), origin, "DeepSpeedStrategy.config." if "config" in args else "DeepSpeedStrategy."
+
+
+def _read_fsdp(args: dict, precision: str | None, precision_key: str, notes: list[Note]):
+    """FSDPStrategy's FSDP1 arguments, read by the fsdp dialect: (translation, origins, prefix)."""
+    config, origin = _fsdp_kwargs(args, notes)
+    if precision in ("fp16", "bf16") and "mixed_precision" not in config:  # Lightning's FSDPPrecision
+        config["mixed_precision"] = {k: precision for k in ("param_dtype", "reduce_dtype", "buffer_dtype")}
+        origin.update({f"mixed_precision.{k}": precision_key for k in config["mixed_precision"]})
+    checkpointing = origin.pop("(checkpointing)", None)
+    inner = fsdp.read(config, version="fsdp1")
+    if checkpointing:
+        ac = inner.result.activation_checkpointing.model_copy(update={"enabled": True, "modules": checkpointing})
+        inner.result = inner.result.model_copy(update={"activation_checkpointing": ac})
+    return inner, origin, "FSDPStrategy."
+
+
+def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
+    """Read a Lightning strategy's arguments (with the Trainer's or Fabric's) into the core model."""
+    strategy = _strategy(raw)
     notes: list[Note] = []
     precision = None
-    for section in LAUNCH:
-        if isinstance(raw.get(section), dict):
-            precision = _launch_notes(section, raw[section], notes) or precision
-    args = raw[strategies[0]]
-    if strategies[0] == "DeepSpeedStrategy":
-        config, origin = _deepspeed_config(args, notes)
-        if precision in ("fp16", "bf16") and precision not in config:  # as Lightning adds it
-            config[precision] = {"enabled": True}
-            origin[f"{precision}.enabled"] = next(f"{s}.precision" for s in LAUNCH if s in raw)
-        inner = deepspeed.read(config)
-        prefix = "DeepSpeedStrategy.config." if "config" in args else "DeepSpeedStrategy."
-    else:
-        config, origin = _fsdp_kwargs(args, notes)
-        if precision in ("fp16", "bf16") and "mixed_precision" not in config:  # Lightning's FSDPPrecision
-            config["mixed_precision"] = {"param_dtype": precision, "reduce_dtype": precision, "buffer_dtype": precision}
-            origin.update({f"mixed_precision.{k}": next(f"{s}.precision" for s in LAUNCH if s in raw)
-                           for k in ("param_dtype", "reduce_dtype", "buffer_dtype")})
-        checkpointing = origin.pop("(checkpointing)", None)
-        inner = fsdp.read(config, version="fsdp1")
-        prefix = "FSDPStrategy."
-        if checkpointing:
-            ac = {"enabled": True, "modules": checkpointing}
-            inner.result = inner.result.model_copy(update={"activation_checkpointing": inner.result.
-                                                           activation_checkpointing.model_copy(update=ac)})
-    given = {f"{strategies[0]}.{k}" for k in args} | {f"{s}.precision" for s in LAUNCH if s in raw}
+    for section in (s for s in LAUNCH if isinstance(raw.get(s), dict)):
+        precision = _launch_notes(section, raw[section], notes) or precision
+    args = raw[strategy]
+    precision_key = next((f"{s}.precision" for s in LAUNCH if s in raw), "")
+    inner, origin, prefix = (_read_deepspeed if strategy == "DeepSpeedStrategy" else _read_fsdp)(
+        args, precision, precision_key, notes)  # fmt: skip
+    given = {f"{strategy}.{k}" for k in args} | {precision_key}
     renamed, seen = [], set()
     for note in inner.notes:  # under the argument that gave each key; once per argument
         source = origin.get(note.source_path, prefix + note.source_path)
-        if source in seen:
-            continue
-        seen.add(source)
-        if "config" in args or source in given or note.fidelity is Fidelity.DEFAULTED:
-            renamed.append(replace(note, source_path=source))
-        else:  # built from the strategy's own default for an argument the call leaves out
+        if source not in seen:
+            seen.add(source)
+            built = "config" not in args and source not in given and note.fidelity is not Fidelity.DEFAULTED
             renamed.append(replace(note, source_path=source, fidelity=Fidelity.DEFAULTED,
-                                   reason=f"not set; {strategies[0]}'s default"))  # fmt: skip
-    for section in LAUNCH:  # the Trainer's process counts, which the strategy's own read does not see
-        for key, core in (("devices", "nproc_per_node"), ("num_nodes", "nnodes")):
-            value = raw.get(section, {}).get(key)
-            if isinstance(value, int) and not isinstance(value, bool):
-                launch = inner.result.launch.model_copy(update={core: value})
-                inner.result = inner.result.model_copy(update={"launch": launch})
+                                   reason=f"not set; {strategy}'s default") if built else
+                           replace(note, source_path=source))  # fmt: skip
+    counts = {core: value for section in LAUNCH for key, core in (("devices", "nproc_per_node"),
+                                                                  ("num_nodes", "nnodes"))
+              if isinstance(value := raw.get(section, {}).get(key), int) and not isinstance(value, bool)}
     # What the inner dialect kept is this strategy's: a DeepSpeed JSON written from it is a standalone one.
     kept = {f"{prefix}{k}": v for keys in inner.result.extensions.values() for k, v in keys.items()}
-    return Translation(inner.result.model_copy(update={"extensions": {NAME: kept} if kept else {}}), notes + renamed,
-                       NAME, "torsh")  # fmt: skip
+    cfg = inner.result.model_copy(update={"launch": inner.result.launch.model_copy(update=counts),
+                                          "extensions": {NAME: kept} if kept else {}})
+    return Translation(cfg, notes + renamed, NAME, "torsh")
 
 
 def _inner(cfg: TorshConfig, dialect: str, prefix: str) -> TorshConfig:

@@ -131,7 +131,7 @@ def test_a_config_without_a_script_cannot_be_a_command():
 
 def test_unknown_target_is_an_error():
     with pytest.raises(ConfigError, match="torchrun"):
-        launch.write(cfg_of("torchrun train.py"), version="slurm")
+        launch.write(cfg_of("torchrun train.py"), version="pbs")
 
 
 @pytest.mark.parametrize("target", launch.VERSIONS)

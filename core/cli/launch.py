@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -14,7 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "Quote the command as one argument, or put it after --.")  # fmt: skip
     parser.add_argument("command", nargs="+", help="the launch command (one quoted string, or words after --)")
     parser.add_argument("--to", default="torchrun", metavar="LAUNCHER",
-                        help="torchrun, deepspeed, horovodrun, mpirun or all (default: torchrun)")
+                        help="torchrun, deepspeed, horovodrun, mpirun, all (those four) or slurm (an sbatch "
+                        "script; default: torchrun)")
     parser.add_argument("--hostfile", metavar="FILE", help="hostfile to read the hosts from (DeepSpeed or Horovod "
                         "grammar); default: none is read")  # fmt: skip
     parser.add_argument("--show-env", action="store_true", help="also list the variables every worker gets")
@@ -30,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from torsh.errors import ConfigError, Problem, did_you_mean
     from torsh.translate import ErrorLevel
 
-    targets = list(launch.VERSIONS) if args.to == "all" else [args.to]
+    targets = [t for t in launch.VERSIONS if t != "slurm"] if args.to == "all" else [args.to]
     if args.to not in (*launch.VERSIONS, "all"):
         raise ConfigError([Problem("--to", args.to, f"expected one of {', '.join(launch.VERSIONS)}, all",
                                    did_you_mean(args.to, launch.VERSIONS))])  # fmt: skip
@@ -43,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             raise ConfigError([Problem("--hostfile", args.hostfile, p.reason) for p in exc.problems]) from None
     command = args.command[0] if len(args.command) == 1 else args.command
+    if isinstance(command, str) and not any(c.isspace() for c in command) and Path(command).is_file():
+        from torsh.formats import read_text
+
+        command = read_text(command, what="launch script")  # an sbatch script (or a one-line shell script)
     read = launch.read(command, hostfile=hostfile)
     written = {t: launch.write(read.result, version=t) for t in targets}
     if args.report == "json":

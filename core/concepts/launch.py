@@ -66,3 +66,27 @@ def shell_references(value: Any) -> list[str]:
         if isinstance(item, str):
             found += [m.group(0) for m in _SHELL_REFERENCE.finditer(item) if m.group(0) not in found]
     return found
+
+
+#: sbatch's options (Slurm 23.x-25.x man page): long name -> its short spelling, or "" when it has none. A Slurm
+#: script torsh writes uses only these, and a script torsh reads may use any of them.
+SBATCH_OPTIONS = {
+    "account": "A", "acctg-freq": "", "array": "a", "batch": "", "bb": "", "bbf": "", "begin": "b", "chdir": "D",
+    "cluster-constraint": "", "clusters": "M", "comment": "", "constraint": "C", "container": "",
+    "container-id": "", "contiguous": "", "core-spec": "S", "cores-per-socket": "", "cpu-freq": "",
+    "cpus-per-gpu": "", "cpus-per-task": "c", "deadline": "", "delay-boot": "", "dependency": "d",
+    "distribution": "m", "error": "e", "exclude": "x", "exclusive": "", "export": "", "export-file": "",
+    "extra": "", "extra-node-info": "B", "get-user-env": "", "gid": "", "gpu-bind": "", "gpu-freq": "",
+    "gpus": "G", "gpus-per-node": "", "gpus-per-socket": "", "gpus-per-task": "", "gres": "", "gres-flags": "",
+    "help": "h", "hint": "", "hold": "H", "ignore-pbs": "", "input": "i", "job-name": "J",
+    "kill-on-invalid-dep": "", "licenses": "L", "mail-type": "", "mail-user": "", "mcs-label": "", "mem": "",
+    "mem-bind": "", "mem-per-cpu": "", "mem-per-gpu": "", "mincpus": "", "network": "", "nice": "",
+    "no-kill": "k", "no-requeue": "", "nodefile": "F", "nodelist": "w", "nodes": "N", "ntasks": "n",
+    "ntasks-per-core": "", "ntasks-per-gpu": "", "ntasks-per-node": "", "ntasks-per-socket": "", "open-mode": "",
+    "output": "o", "overcommit": "O", "oversubscribe": "s", "parsable": "", "partition": "p", "power": "",
+    "prefer": "", "priority": "", "profile": "", "propagate": "", "qos": "q", "quiet": "Q", "reboot": "",
+    "requeue": "", "reservation": "", "signal": "", "sockets-per-node": "", "spread-job": "", "switches": "",
+    "test-only": "", "thread-spec": "", "threads-per-core": "", "time": "t", "time-min": "", "tmp": "",
+    "tres-per-task": "", "uid": "", "usage": "", "use-min-nodes": "", "verbose": "v", "version": "V", "wait": "W",
+    "wait-all-nodes": "", "wckey": "", "wrap": "",
+}  # fmt: skip
