@@ -356,32 +356,35 @@ def is_sbatch(raw: Any) -> bool:
     return isinstance(raw, str) and re.search(r"^#SBATCH\s", raw, re.M) is not None
 
 
-def parse_sbatch(text: str) -> dict[str, Any]:
-    """An sbatch script as the mapping :func:`parse` gives for its launch command (the first line that runs a
-    launcher, ``srun`` in front kept as the wrapper), plus ``slurm``: its ``#SBATCH`` options by long name.
-    ``$SLURM_NNODES`` in the command is the script's ``--nodes`` count when that is a number."""
+def _sbatch_directives(lines: list[str]) -> dict[str, Any]:
+    """The ``#SBATCH`` options of a script by long name (``-N 4``, ``-N4``, ``--nodes=4``, ``--nodes 4``)."""
     from torsh.concepts.launch import SBATCH_OPTIONS
 
     short = {v: k for k, v in SBATCH_OPTIONS.items() if v}
     options: dict[str, Any] = {}
-    lines = re.sub(r"\\\n", " ", text).splitlines()
-    for line in lines:
-        found = _SBATCH_LINE.match(line.strip())
-        if not found:
-            continue
-        tokens = shlex.split(found.group(1), comments=True)
+    for tokens in (shlex.split(m.group(1), comments=True) for m in map(_SBATCH_LINE.match, map(str.strip, lines))
+                   if m):  # fmt: skip
         while tokens:
             token = tokens.pop(0)
             name, _, value = token.lstrip("-").partition("=")
-            if token.startswith("-") and not token.startswith("--") and len(name) > 1 and name[0] in short:
-                name, value = name[0], name[1:]  # -N4
-            name = short.get(name, name) if not token.startswith("--") else name
+            if not token.startswith("--"):
+                name, value = (name[0], name[1:]) if len(name) > 1 and name[0] in short else (name, value)
+                name = short.get(name, name)
             if name not in SBATCH_OPTIONS:
                 raise ConfigError([Problem(f"#SBATCH {token}", None, "not an sbatch option",
                                            did_you_mean(name, list(SBATCH_OPTIONS)))], source="launch")
             if not value and tokens and not tokens[0].startswith("-"):
                 value = tokens.pop(0)
             options[name] = value or True
+    return options
+
+
+def parse_sbatch(text: str) -> dict[str, Any]:
+    """An sbatch script as the mapping :func:`parse` gives for its launch command (the first line that runs a
+    launcher, ``srun`` in front kept as the wrapper), plus ``slurm``: its ``#SBATCH`` options by long name.
+    ``$SLURM_NNODES`` in the command is the script's ``--nodes`` count when that is a number."""
+    lines = re.sub(r"\\\n", " ", text).splitlines()
+    options = _sbatch_directives(lines)
     for line in lines:
         if not line.strip() or line.lstrip().startswith("#"):
             continue

@@ -849,6 +849,24 @@ SLURM_PLACEHOLDERS = {"time": "<HH:MM:SS>", "partition": "<partition>"}
 _SLURM_ENDPOINT = "$head_node"
 
 
+def _slurm_notes(cfg: TorshConfig, managed: dict[str, Any], notes: list[Note]) -> list[Note]:
+    """The torchrun writer's notes without those about what Slurm manages, and notes for those fields instead."""
+    L = cfg.launch
+    notes = [n for n in notes if not n.source_path.startswith(tuple(f"launch.{k}" for k in managed
+                                                                    if k != "nproc_per_node"))]
+    if L.nnodes is not None:
+        notes.append(Note("launch.nnodes", "#SBATCH --nodes", L.nnodes, Fidelity.EXACT))
+    for key in ("hosts", "hostfile", "include", "exclude", "master_addr", "master_port", "node_rank", "rdzv_backend",
+                "rdzv_endpoint", "rdzv_id"):
+        value = get_path(cfg, f"launch.{key}")
+        if key.startswith("rdzv") and value == managed[key]:  # the rendezvous of a Slurm script read back
+            notes.append(Note(f"launch.{key}", f"torchrun --{key.replace('_', '-')}", value, Fidelity.EXACT))
+        elif value not in (None, [], False) and key != "master_port":
+            notes.append(Note(f"launch.{key}", None, value, Fidelity.APPROXIMATE, "Slurm picks the nodes (sbatch "
+                              "--nodelist / --exclude choose them) and torchrun meets on the first one"))
+    return notes
+
+
 def write_slurm(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
     """An sbatch script: one task per node, each running torchrun (``srun``), which starts the node's processes
     and meets the others through a c10d rendezvous on the job's first node."""
@@ -865,18 +883,7 @@ def write_slurm(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
     others = {k: v for k, v in kept.items() if not k.startswith("slurm.") and not (k == "wrapper" and v == "srun")}
     inner, notes = write_torchrun(cfg.model_copy(update={"launch": L.model_copy(update=managed),
                                                          "extensions": {**cfg.extensions, "launch": others}}))
-    notes = [n for n in notes if not n.source_path.startswith(tuple(f"launch.{k}" for k in managed
-                                                                    if k != "nproc_per_node"))]
-    if L.nnodes is not None:
-        notes.append(Note("launch.nnodes", "#SBATCH --nodes", L.nnodes, Fidelity.EXACT))
-    for key in ("hosts", "hostfile", "include", "exclude", "master_addr", "master_port", "node_rank", "rdzv_backend",
-                "rdzv_endpoint", "rdzv_id"):
-        value = get_path(cfg, f"launch.{key}")
-        if key.startswith("rdzv") and value == managed[key]:  # the rendezvous of a Slurm script read back
-            notes.append(Note(f"launch.{key}", f"torchrun --{key.replace('_', '-')}", value, Fidelity.EXACT))
-        elif value not in (None, [], False) and key != "master_port":
-            notes.append(Note(f"launch.{key}", None, value, Fidelity.APPROXIMATE, "Slurm picks the nodes (sbatch "
-                              "--nodelist / --exclude choose them) and torchrun meets on the first one"))
+    notes = _slurm_notes(cfg, managed, notes)
     sbatch = {"job-name": "torsh", **directives, "nodes": nnodes, "ntasks-per-node": 1}
     for key, placeholder in SLURM_PLACEHOLDERS.items():
         if key not in sbatch:
