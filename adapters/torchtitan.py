@@ -46,34 +46,42 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _read_data_parallel(seen: Seen) -> None:
+def _degrees(seen: Seen) -> tuple[Any, Any, Any] | None:
+    """The replicate and shard degrees and the reshard policy, kept as written; None after a problem."""
     ctx = seen.ctx
     for key in ("data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward"):
         if seen.has(f"parallelism.{key}"):  # written back as the file had them (a default stays spelt out)
             ctx.keep(f"parallelism.{key}", seen.value(f"parallelism.{key}"))
     replicate = seen.value("parallelism.data_parallel_replicate_degree", 1)
     shard = seen.value("parallelism.data_parallel_shard_degree", -1)
-    for key, value in (("data_parallel_replicate_degree", replicate), ("data_parallel_shard_degree", shard)):
-        if not _is_int(value) or value == 0 or value < -1:
-            ctx.problem(f"parallelism.{key}", value, "a degree is a positive number of ranks, or -1 for the ranks "
-                        "the other degrees leave")  # fmt: skip
-            return
+    bad = [(k, v) for k, v in (("data_parallel_replicate_degree", replicate), ("data_parallel_shard_degree", shard))
+           if not _is_int(v) or v == 0 or v < -1]  # fmt: skip
+    for key, value in bad:
+        ctx.problem(f"parallelism.{key}", value, "a degree is a positive number of ranks, or -1 for the ranks the "
+                    "other degrees leave")  # fmt: skip
     reshard = seen.value("parallelism.fsdp_reshard_after_forward", "default")
     if reshard not in ("default", "always", "never"):
         ctx.problem("parallelism.fsdp_reshard_after_forward", reshard, "expected default, always or never")
+        return None
+    return None if bad else (replicate, shard, reshard)
+
+
+def _read_data_parallel(seen: Seen) -> None:
+    degrees = _degrees(seen)
+    if degrees is None:
         return
+    replicate, shard, reshard = degrees
     stage = 0 if shard == 1 else 2 if reshard == "never" else 3
     why = ("data_parallel_shard_degree 1: DDP over the replicate degree" if stage == 0 else
            f"fully_shard over the data-parallel shard dimension, reshard_after_forward {reshard}: ZeRO-{stage}")
     seen.set("parallelism.data_parallel_shard_degree", "sharding.stage", stage, reason=why, default=stage)
-    if stage and isinstance(replicate, int) and replicate != 1:
-        if shard == -1:
-            seen.drop("parallelism.data_parallel_replicate_degree", f"HSDP with {replicate} replicas of groups of "
-                      "the remaining ranks: the group size depends on the world size; set data_parallel_shard_degree "
-                      "to it", Fidelity.APPROXIMATE)  # fmt: skip
-        else:
-            seen.set("parallelism.data_parallel_replicate_degree", "sharding.hybrid_shard_size", shard,
-                     reason=f"HSDP: {replicate} replicas of {shard}-rank shard groups")
+    if stage and replicate != 1 and shard == -1:
+        seen.drop("parallelism.data_parallel_replicate_degree", f"HSDP with {replicate} replicas of groups of the "
+                  "remaining ranks: the group size depends on the world size; set data_parallel_shard_degree to it",
+                  Fidelity.APPROXIMATE)  # fmt: skip
+    elif stage and replicate != 1:
+        seen.set("parallelism.data_parallel_replicate_degree", "sharding.hybrid_shard_size", shard,
+                 reason=f"HSDP: {replicate} replicas of {shard}-rank shard groups")
     else:
         seen.inert("parallelism.data_parallel_replicate_degree", "1: no replication beyond the shard dimension" if
                    replicate == 1 else "DDP: replicated over every rank")  # fmt: skip
@@ -315,6 +323,14 @@ def _field_map() -> dict[str, Any]:
 
 def _write_rest(cfg: TorshConfig, ctx: WriteContext) -> None:
     _write_offload(cfg, ctx)
+    _write_batch(cfg, ctx)
+    clip = cfg.gradients.clip_max_norm
+    if isinstance(clip, (int, float)):
+        ctx.put("training.max_norm", clip, "gradients.clip_max_norm")
+
+
+def _write_batch(cfg: TorshConfig, ctx: WriteContext) -> None:
+    """Local batch, and the global one that makes torchtitan accumulate what the source accumulates."""
     b = cfg.batch
     if isinstance(b.micro_batch_size, int):
         ctx.put("training.local_batch_size", b.micro_batch_size, "batch.micro_batch_size")
@@ -328,9 +344,6 @@ def _write_rest(cfg: TorshConfig, ctx: WriteContext) -> None:
         ctx.note("batch.gradient_accumulation_steps", Fidelity.APPROXIMATE, "torchtitan accumulates global_batch_size"
                  f" / (local_batch_size x ranks) micro-batches: set global_batch_size = local_batch_size x {steps} x "
                  "the number of ranks", steps)  # fmt: skip
-    clip = cfg.gradients.clip_max_norm
-    if isinstance(clip, (int, float)):
-        ctx.put("training.max_norm", clip, "gradients.clip_max_norm")
 
 
 class Torchtitan(Dialect):
