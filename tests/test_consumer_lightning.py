@@ -21,7 +21,7 @@ _PRECISION = {16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed", 32: "32-tr
 
 
 @pytest.fixture(scope="module")
-def strategies(monkeypatch_module=None):
+def strategies():
     pytest.importorskip("lightning", reason="Lightning 2.x is needed: pip install -r requirements-dev.txt")
     pytest.importorskip("deepspeed", reason="DeepSpeedStrategy imports DeepSpeed")
     from lightning.fabric.strategies.deepspeed import _format_precision_config
