@@ -10,6 +10,7 @@ did-you-mean, because guessing its arity would misplace the script.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from collections.abc import Sequence
@@ -349,6 +350,79 @@ def _python_command(launcher: str, options: dict[str, Any], positional: list[str
 # Slurm batch scripts
 
 _SBATCH_LINE = re.compile(r"^#SBATCH\s+(.*)$")
+
+
+def is_pytorchjob(raw: Any) -> bool:
+    """A Kubeflow PyTorchJob manifest (YAML text)."""
+    return isinstance(raw, str) and re.search(r"^kind:\s*[\"']?PyTorchJob\b", raw, re.M) is not None
+
+
+#: The torchrun options a PyTorchJob's command takes from the training operator's per-pod variables.
+_OPERATOR_SET = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_backend")
+
+
+def parse_pytorchjob(text: str) -> dict[str, Any]:
+    """A PyTorchJob manifest as the mapping :func:`parse` gives for the command of its pods, with what the training
+    operator hands torchrun written in: the node count (the pods, or the elastic range), the rendezvous, restarts,
+    processes per node and the container's variables. ``kubernetes``: the image and the job's name."""
+    from torsh.formats import parse_text
+
+    job = parse_text(text, "yaml")
+    spec = job.get("spec") if isinstance(job, dict) else None
+    replicas = spec.get("pytorchReplicaSpecs") if isinstance(spec, dict) else None
+    if not isinstance(replicas, dict) or not replicas:
+        raise ConfigError([Problem("spec.pytorchReplicaSpecs", None, "a PyTorchJob needs its Master/Worker "
+                                   "replica specs")], source="launch")  # fmt: skip
+    kind = "Master" if "Master" in replicas else next(iter(replicas))
+    where = f"spec.pytorchReplicaSpecs.{kind}"
+    try:
+        containers = replicas[kind]["template"]["spec"]["containers"]
+        container = next((c for c in containers if c.get("name") == "pytorch"), containers[0])
+        argv = [str(w) for w in [*(container.get("command") or []), *(container.get("args") or [])]]
+        counts = [int(r.get("replicas", 1)) for r in replicas.values()]
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError):
+        raise ConfigError([Problem(f"{where}.template.spec.containers", None, "expected a container (named "
+                                   "pytorch) with its command and the replicas as numbers")], source="launch") from None
+    if not argv:
+        raise ConfigError([Problem(f"{where}.template.spec.containers[0].command", None, "the container runs its "
+                                   "image's entry point: torsh needs the launch command written in the "
+                                   "manifest")], source="launch")  # fmt: skip
+    shell = len(argv) == 3 and os.path.basename(argv[0]) in ("sh", "bash") and argv[1] == "-c"
+    try:
+        parsed = parse(argv[2] if shell else argv)
+    except ConfigError:
+        if shell or not _PYTHON.match(os.path.basename(argv[0])):
+            raise
+        # `python train.py` in each pod: one process per pod, placed by the operator's RANK / WORLD_SIZE / MASTER_*
+        # variables, as torchrun would place one process per node
+        parsed = parse(["torchrun", "--nproc-per-node=1", *argv[1:]])
+    options = {k: v for k, v in parsed[parsed["launcher"]].items()
+               if not (k in _OPERATOR_SET and "$(" in str(v))}  # fmt: skip
+    policy = spec.get("elasticPolicy") if isinstance(spec.get("elasticPolicy"), dict) else None
+    if parsed["launcher"] == "torchrun":
+        if policy is not None:
+            low, high = policy.get("minReplicas"), policy.get("maxReplicas")
+            options["nnodes"] = f"{low}:{high}" if low is not None and high is not None else str(sum(counts))
+            options.setdefault("rdzv_backend", str(policy.get("rdzvBackend", "c10d")))
+            for key, dest in (("maxRestarts", "max_restarts"), ("rdzvId", "rdzv_id")):
+                if key in policy:
+                    options.setdefault(dest, str(policy[key]))
+        else:
+            options |= {"nnodes": str(sum(counts))} if sum(counts) > 1 else {}
+            ports = [p.get("containerPort") for p in container.get("ports") or []
+                     if isinstance(p, dict) and p.get("name") == "pytorchjob-port"]  # fmt: skip
+            options |= {"master_port": str(ports[0])} if ports and ports[0] is not None else {}
+        nproc = spec.get("nprocPerNode") or (policy or {}).get("nProcPerNode")
+        if nproc is not None:
+            options.setdefault("nproc_per_node", str(nproc))
+    parsed[parsed["launcher"]] = options
+    env = {str(e["name"]): str(e["value"]) for e in container.get("env") or []
+           if isinstance(e, dict) and "name" in e and "value" in e}  # fmt: skip
+    if env:
+        parsed["env"] = {**env, **parsed.get("env", {})}
+    name = job.get("metadata", {}).get("name") if isinstance(job.get("metadata"), dict) else None
+    parsed["kubernetes"] = {k: v for k, v in (("name", name), ("image", container.get("image"))) if v is not None}
+    return parsed
 
 
 def is_sbatch(raw: Any) -> bool:

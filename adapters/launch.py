@@ -25,7 +25,7 @@ from typing import Any
 
 from torsh.adapters import _cmdline
 from torsh.adapters._hostfile import parse_host_list, parse_hostfile
-from torsh.adapters._launch_writers import WRITERS, LaunchCommand, worker_environments
+from torsh.adapters._launch_writers import SCHEDULERS, WRITERS, LaunchCommand, worker_environments
 from torsh.concepts.launch import DEFAULT_LOCAL_RANK_ARGV, HOROVOD_LOG_LEVELS, LOCAL_RANK_VARIABLE, shell_references
 from torsh.config import TorshConfig
 from torsh.dialect import Dialect, Prepared
@@ -47,7 +47,7 @@ VERSIONS = tuple(WRITERS)
 WRITE_TARGETS = VERSIONS
 """FIELD_MAP is sectioned by launcher; each section's reverse map is checked on its own."""
 
-__all__ = ["NAME", "FIELD_MAP", "VALUE_MAPS", "ALIASES", "LaunchCommand", "read", "write", "sniff",
+__all__ = ["NAME", "FIELD_MAP", "VALUE_MAPS", "ALIASES", "LaunchCommand", "SCHEDULERS", "read", "write", "sniff",
            "worker_environments"]  # fmt: skip
 
 
@@ -303,6 +303,8 @@ FIELD_MAP = {
     # ---- an sbatch script's directives (the launch command inside it is read as above)
     "slurm.nodes": Ignored("the job's node count: torchrun's --nnodes reads it ($SLURM_NNODES)"),
     "slurm.*": Ignored("a Slurm scheduling setting (sbatch); kept for a Slurm script"),
+    # ---- a Kubeflow PyTorchJob manifest (its pods' command is read as above)
+    "kubernetes.*": Ignored("the PyTorchJob's container image or name; kept for a manifest"),
     "horovodrun.no_python": "launch.no_python",
     # ---- mpirun (Open MPI)
     "mpirun.np": Int("launch.world_size"),
@@ -448,6 +450,8 @@ class Launch(Dialect):
     def shape(self, raw: Any) -> Any:
         if isinstance(raw, Mapping):
             return raw
+        if _cmdline.is_pytorchjob(raw):
+            return _cmdline.parse_pytorchjob(raw)
         return _cmdline.parse_sbatch(raw) if _cmdline.is_sbatch(raw) else _cmdline.parse(raw)
 
     def check_schema(self, raw: Any) -> None:

@@ -71,7 +71,7 @@ def test_each_translation_round_trips_through_the_core_model(line, target):
     command = written.result
     assert command.launcher == target and command.commands
     lost = {n.source_path for n in written.lossy}
-    texts = [str(command)] if target == "slurm" else _lines(command)  # an sbatch script is read whole
+    texts = [str(command)] if target in launch.SCHEDULERS else _lines(command)  # a script or manifest: read whole
     backs = [launch.read(text, hostfile=command.files.get("hostfile")).result for text in texts]
     assert len(backs) == len(command.commands)
     want = _essence(original)

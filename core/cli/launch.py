@@ -15,8 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "Quote the command as one argument, or put it after --.")  # fmt: skip
     parser.add_argument("command", nargs="+", help="the launch command (one quoted string, or words after --)")
     parser.add_argument("--to", default="torchrun", metavar="LAUNCHER",
-                        help="torchrun, deepspeed, horovodrun, mpirun, all (those four) or slurm (an sbatch "
-                        "script; default: torchrun)")
+                        help="torchrun, deepspeed, horovodrun, mpirun, all (those four), slurm (an sbatch "
+                        "script) or kubernetes (a Kubeflow PyTorchJob manifest); default: torchrun")
     parser.add_argument("--hostfile", metavar="FILE", help="hostfile to read the hosts from (DeepSpeed or Horovod "
                         "grammar); default: none is read")  # fmt: skip
     parser.add_argument("--show-env", action="store_true", help="also list the variables every worker gets")
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from torsh.errors import ConfigError, Problem, did_you_mean
     from torsh.translate import ErrorLevel
 
-    targets = [t for t in launch.VERSIONS if t != "slurm"] if args.to == "all" else [args.to]
+    targets = [t for t in launch.VERSIONS if t not in launch.SCHEDULERS] if args.to == "all" else [args.to]
     if args.to not in (*launch.VERSIONS, "all"):
         raise ConfigError([Problem("--to", args.to, f"expected one of {', '.join(launch.VERSIONS)}, all",
                                    did_you_mean(args.to, launch.VERSIONS))])  # fmt: skip
