@@ -45,6 +45,7 @@ import os
 import random
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ from .ds_checkpoint import is_deepspeed_checkpoint
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "after_save", "load_checkpoint", "save_checkpoint"]
 
 LATEST = "latest"
 ENGINE_STATES = "engine_states.pt"
@@ -342,6 +343,19 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------------
 # save
 
+_AFTER_SAVE: list[Callable[[str, str], None]] = []
+
+
+def after_save(callback: Callable[[str, str], None], *, remove: bool = False) -> None:
+    """Call ``callback(directory, tag)`` on every rank after each checkpoint is complete and published (``torsh run
+    --on ray`` reports it to Ray Train this way); ``remove``: stop calling it."""
+    if remove:
+        if callback in _AFTER_SAVE:
+            _AFTER_SAVE.remove(callback)
+    elif callback not in _AFTER_SAVE:
+        _AFTER_SAVE.append(callback)
+
+
 
 def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimizer: Any, lr_scheduler: Any,
                     loss_scaler: Any, engine_state: dict, client_state: dict, save_latest: bool) -> bool:  # fmt: skip
@@ -407,6 +421,8 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     if rank == 0:
         _publish(root, staging, final, tag if save_latest else None)
     _barrier()
+    for callback in list(_AFTER_SAVE):
+        callback(str(final), tag)
     return True
 
 

@@ -53,14 +53,27 @@ def cli(argv: list[str] | None = None) -> int:
     """The ``torsh`` command: ``torsh run [torchrun options] script [args]``."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: torsh run [torchrun options] training_script [args...]\n\n"
+        print("usage: torsh run [--on ray] [torchrun options] training_script [args...]\n\n"
               "  run    launch like torchrun; `import deepspeed` in the workers resolves to torsh\n"
-              "         (see `torsh run --help` for the options, which are torchrun's)")  # fmt: skip
+              "         (see `torsh run --help` for the options, which are torchrun's)\n"
+              "         --on ray: the same job as a Ray Train TorchTrainer (--ray-address, --ray-storage, --ray-name)")  # fmt: skip
         return 0 if argv else 2
     if argv[0] != "run":
         print(f"torsh: unknown command {argv[0]!r}; the command is `torsh run [torchrun options] script [args]` "
               "(config conversion is `torsh-migrate`)", file=sys.stderr)  # fmt: skip
         return 2
-    sys.argv = ["torsh run", *argv[1:]]
-    main(argv[1:])
+    rest = argv[1:]
+    if rest[:1] == ["--on"] or (rest and rest[0].startswith("--on=")):
+        where = rest[0].partition("=")[2] if "=" in rest[0] else (rest[1] if len(rest) > 1 else "")
+        rest = rest[1:] if "=" in rest[0] else rest[2:]
+        if where != "ray":
+            print(f"torsh run: --on {where!r}: the one place torsh run hands a job to is ray (without --on it "
+                  "runs here, like torchrun)", file=sys.stderr)  # fmt: skip
+            return 2
+        from torsh.run import ray
+
+        sys.argv = ["torsh run --on ray", *rest]
+        return ray.main(rest)
+    sys.argv = ["torsh run", *rest]
+    main(rest)
     return 0
