@@ -453,19 +453,46 @@ def _sbatch_directives(lines: list[str]) -> dict[str, Any]:
     return options
 
 
+_ASSIGNED_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_]\w*)=(.*)$")
+
+
+def _note_assignment(line: str, assigned: dict[str, str]) -> None:
+    """Record ``NAME=value`` / ``export NAME="value"`` (a value with a command substitution is left unexpanded)."""
+    match = _ASSIGNED_LINE.match(line)
+    if not match:
+        return
+    value = match.group(2).strip()
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+        value = value[1:-1]
+    # a command substitution, or a parameter expansion with a default (`${PORT:-29500}`): known when the script runs
+    if not re.search(r"\$\((?!\()|`|\$\{[^}]*[:#%/]", value):
+        assigned[match.group(1)] = " ".join(_expand_assigned(value, assigned).split())
+
+
+def _expand_assigned(line: str, assigned: dict[str, str]) -> str:
+    """``$NAME`` / ``${NAME}`` replaced by the script's own earlier assignments (others are left as written)."""
+    return re.sub(r"\$(?:\{([A-Za-z_]\w*)\}|([A-Za-z_]\w*))",
+                  lambda m: assigned.get(m.group(1) or m.group(2), m.group(0)), line)  # fmt: skip
+
+
 def parse_sbatch(text: str) -> dict[str, Any]:
     """An sbatch script as the mapping :func:`parse` gives for its launch command (the first line that runs a
     launcher, ``srun`` in front kept as the wrapper), plus ``slurm``: its ``#SBATCH`` options by long name.
     ``$SLURM_NNODES`` in the command is the script's ``--nodes`` count when that is a number."""
     lines = re.sub(r"\\\n", " ", text).splitlines()
     options = _sbatch_directives(lines)
+    assigned: dict[str, str] = {}
     for line in lines:
         if not line.strip() or line.lstrip().startswith("#"):
             continue
+        # set -e, head_node=$(...), module load ...: not the launch. The launch may use what the script set before
+        # (`export CMD="$LAUNCHER $SCRIPT"` ... `srun $CMD`, as Accelerate's Slurm examples do): those are expanded
+        expanded = _expand_assigned(line, assigned)
+        _note_assignment(line, assigned)
         try:
-            parsed = parse(line)
+            parsed = parse(expanded)
         except ConfigError:
-            continue  # set -e, head_node=$(...), module load ...: not the launch
+            continue
         parsed["slurm"] = options
         nodes = str(options.get("nodes", ""))
         if nodes.isdigit():

@@ -378,6 +378,8 @@ def write_torchrun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
     standalone, nnodes = _torchrun_counts(w)
     addr, port = _port(w)
     common = standalone + _torchrun_common(w)
+    if dynamic and L.rdzv_endpoint is None and addr is not None:  # the source's rank-0 address is the rendezvous
+        common.append(f"--rdzv-endpoint={addr}:{port if port is not None else DEFAULT_PORT}")
     legacy = w.ext.get("program") == "python -m torch.distributed.launch"
     unknown_hosts = w.hosts_unknown_here()
     _topology_notes(w, "--nnodes/--nproc-per-node")
@@ -418,6 +420,11 @@ def _torchrun_topology(w: _Writer, nnodes: Any, node_rank: Any, node: Node | Non
     multi = nnodes not in (None, 1)
     argv = ["torchrun", *([f"--nnodes={nnodes}"] if multi else [])]
     nproc = node.nproc if node is not None else w.plan.nproc
+    if nproc is None and multi and w.launch.world_size is not None and w.launch.max_nnodes is None:
+        # a process count known when the command runs, over a node count: the shell divides them
+        nproc = f"$(( {w.launch.world_size} / {nnodes} ))"
+        w.notes = [n for n in w.notes if n.source_path != "launch.world_size"]
+        w.note("launch.world_size", Fidelity.EXACT, f"torchrun counts per node: {nproc}", "--nproc-per-node")
     argv += [f"--nproc-per-node={nproc}"] if nproc is not None else []
     if master is None:
         return argv

@@ -1,0 +1,48 @@
+"""Whole sbatch scripts and Kubeflow PyTorchJob manifests from public repositories (tests/fixtures/corpus/launch/
+scripts/, sources in SOURCES.md): each is read with the layout it describes, and written for every launcher and
+scheduler without an error; the manifests written are valid PyTorchJobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from torsh.adapters import launch
+
+from test_launch_kubernetes import pytorchjob_problems
+
+SCRIPTS = Path(__file__).parent / "fixtures" / "corpus" / "launch" / "scripts"
+FILES = sorted(SCRIPTS.iterdir())
+
+#: file -> (script, nnodes, max_nnodes, processes per node, world size) as the file says them
+LAYOUT = {
+    "pytorch-examples-sbatch-run.sh": ("/shared/examples/multinode_torchrun.py", 4, None, 1, None),  # rdzv id 2024
+    "accelerate-submit-multinode.sh": ("$PYTHON_FILE", 4, None, None, "$((SLURM_NNODES * GPUS_PER_NODE))"),
+    "accelerate-submit-multigpu.sh": ("/accelerate/examples/complete_nlp_example.py", None, None, None, 4),
+    "kubeflow-simple.yaml": ("/opt/mnist/src/mnist.py", 2, None, 1, None),
+    "kubeflow-elastic-imagenet.yaml": ("/workspace/examples/imagenet.py", 1, 3, 1, None),
+    "kubeflow-deepspeed-demo.yaml": ("/train_bert_ds.py", 2, None, 1, None),
+    "kubeflow-cpu-demo.yaml": ("demo.py", 2, None, 2, None),
+}
+
+
+def test_every_file_has_its_expected_layout():
+    assert sorted(LAYOUT) == [f.name for f in FILES]
+
+
+@pytest.mark.parametrize("path", FILES, ids=[f.name for f in FILES])
+def test_each_file_reads_as_the_job_it_describes(path):
+    L = launch.read(path.read_text()).result.launch
+    assert (L.script, L.nnodes, L.max_nnodes, L.nproc_per_node, L.world_size) == LAYOUT[path.name]
+
+
+@pytest.mark.parametrize("target", launch.VERSIONS)
+@pytest.mark.parametrize("path", FILES, ids=[f.name for f in FILES])
+def test_each_file_is_written_for_every_launcher(path, target):
+    read = launch.read(path.read_text()).result
+    written = launch.write(read, version=target)
+    assert written.result.commands
+    if target == "kubernetes":
+        assert pytorchjob_problems(yaml.safe_load(str(written.result))) == []
