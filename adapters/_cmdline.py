@@ -104,20 +104,42 @@ _MPIRUN_OPTIONS = {
 }  # fmt: skip
 _MPIRUN_FLAGS = {f"-{k}": v for k, v in _MPIRUN_OPTIONS.items()} | {f"--{k}": v for k, v in _MPIRUN_OPTIONS.items()}
 
+#: accelerate launch 1.15's options by destination (tests/test_key_tables.py checks them against its parser, through
+#: schemas/keys/accelerate.json): switches, then options taking a value; each is spelt ``--dest`` (``_`` or ``-``).
+ACCELERATE_SWITCHES = (
+    "quiet cpu multi_gpu tpu enable_cpu_affinity dynamo_use_fullgraph dynamo_use_dynamic dynamo_use_regional_compilation "
+    "use_deepspeed use_fsdp use_parallelism_config use_megatron_lm same_network module no_python tpu_use_sudo "
+    "downcast_bf16 fp8_use_autocast_during_eval debug").split()  # fmt: skip
+ACCELERATE_VALUED = (
+    "config_file mixed_precision num_processes num_machines num_cpu_threads_per_process dynamo_backend dynamo_mode "
+    "gpu_ids machine_rank main_process_ip main_process_port tee log_dir role rdzv_backend rdzv_conf max_restarts "
+    "monitor_interval vm env main_training_function deepspeed_config_file zero_stage offload_optimizer_device "
+    "offload_param_device offload_optimizer_nvme_path offload_param_nvme_path gradient_accumulation_steps "
+    "gradient_clipping zero3_init_flag zero3_save_16bit_model deepspeed_hostfile deepspeed_exclusion_filter "
+    "deepspeed_inclusion_filter deepspeed_multinode_launcher deepspeed_moe_layer_cls_names fsdp_version "
+    "fsdp_offload_params fsdp_min_num_params fsdp_sharding_strategy fsdp_reshard_after_forward fsdp_auto_wrap_policy "
+    "fsdp_transformer_layer_cls_to_wrap fsdp_backward_prefetch fsdp_state_dict_type fsdp_forward_prefetch "
+    "fsdp_use_orig_params fsdp_cpu_ram_efficient_loading fsdp_sync_module_states fsdp_activation_checkpointing "
+    "fsdp_activation_checkpointing_offload megatron_lm_tp_degree megatron_lm_use_custom_fsdp megatron_lm_no_load_optim "
+    "megatron_lm_eod_mask_loss megatron_lm_overlap_cpu_optimizer_d2h_h2d megatron_lm_no_save_optim "
+    "megatron_lm_optimizer_cpu_offload megatron_lm_use_precision_aware_optimizer "
+    "megatron_lm_decoder_last_pipeline_num_layers megatron_lm_pp_degree megatron_lm_num_micro_batches "
+    "megatron_lm_sequence_parallelism megatron_lm_recompute_activations megatron_lm_use_distributed_optimizer "
+    "megatron_lm_gradient_clipping megatron_lm_recompute_granularity megatron_lm_recompute_method "
+    "megatron_lm_recompute_num_layers megatron_lm_attention_backend megatron_lm_expert_model_parallel_size "
+    "megatron_lm_context_parallel_size megatron_lm_attention_dropout megatron_lm_hidden_dropout "
+    "megatron_lm_attention_softmax_in_fp32 megatron_lm_expert_tensor_parallel_size megatron_lm_calculate_per_token_loss "
+    "megatron_lm_use_rotary_position_embeddings fp8_backend fp8_margin fp8_interval fp8_format fp8_amax_history_len "
+    "fp8_amax_compute_algo fp8_override_linear_precision fp8_opt_level fp8_enable_fsdp_float8_all_gather "
+    "fp8_pad_inner_dim aws_access_key_id aws_secret_access_key mpirun_hostfile parallelism_config_dp_replicate_size "
+    "parallelism_config_dp_shard_size parallelism_config_tp_size parallelism_config_cp_size "
+    "parallelism_config_cp_backend parallelism_config_cp_comm_strategy parallelism_config_sp_size "
+    "parallelism_config_sp_backend parallelism_config_sp_seq_length parallelism_config_sp_seq_length_is_variable "
+    "parallelism_config_sp_attn_implementation").split()  # fmt: skip
 _ACCELERATE_FLAGS = {
-    "--config_file": ("config_file", 1), "--num_processes": ("num_processes", 1),
-    "--num_machines": ("num_machines", 1), "--machine_rank": ("machine_rank", 1),
-    "--main_process_ip": ("main_process_ip", 1), "--main_process_port": ("main_process_port", 1),
-    "--multi_gpu": ("multi_gpu", 0), "--cpu": ("cpu", 0), "--use_deepspeed": ("use_deepspeed", 0),
-    "--use_fsdp": ("use_fsdp", 0), "--mixed_precision": ("mixed_precision", 1), "--gpu_ids": ("gpu_ids", 1),
-    "--same_network": ("same_network", 0), "--rdzv_backend": ("rdzv_backend", 1),
-    "--max_restarts": ("max_restarts", 1), "--monitor_interval": ("monitor_interval", 1), "-m": ("module", 0),
-    "--module": ("module", 0), "--no_python": ("no_python", 0), "--main_training_function":
-    ("main_training_function", 1), "--num_cpu_threads_per_process": ("num_cpu_threads_per_process", 1),
-    "--dynamo_backend": ("dynamo_backend", 1), "--deepspeed_config_file": ("deepspeed_config_file", 1),
-    "--zero_stage": ("zero_stage", 1), "--gradient_accumulation_steps": ("gradient_accumulation_steps", 1),
-    "--quiet": ("quiet", 0), "-q": ("quiet", 0), "--debug": ("debug", 0), "--tee": ("tee", 1),
-    "--log_dir": ("log_dir", 1), "--role": ("role", 1),
+    **{f"--{dest}": (dest, 0) for dest in ACCELERATE_SWITCHES}, **{f"--{dest}": (dest, 1) for dest in ACCELERATE_VALUED},
+    "-q": ("quiet", 0), "-t": ("tee", 1), "-m": ("module", 0),
+    "--tpu_cluster": ("tpu_use_cluster", 0), "--no_tpu_cluster": ("no_tpu_cluster", 0),
 }  # fmt: skip
 
 #: Launcher -> (option table, normalise "_" to "-" in option names, options end at the first positional).
@@ -125,7 +147,8 @@ LAUNCHER_FLAGS: dict[str, dict[str, tuple[str, int]]] = {
     "torchrun": _TORCHRUN_FLAGS, "deepspeed": _DEEPSPEED_FLAGS, "horovodrun": _HOROVODRUN_FLAGS,
     "mpirun": _MPIRUN_FLAGS, "accelerate": _ACCELERATE_FLAGS,
 }  # fmt: skip
-_REPEATABLE = {("mpirun", "x"), ("mpirun", "mca"), ("horovodrun", "network_interface")}
+_REPEATABLE = {("mpirun", "x"), ("mpirun", "mca"), ("horovodrun", "network_interface"), ("accelerate", "vm"),
+               ("accelerate", "env")}  # fmt: skip
 
 _PYTHON = re.compile(r"^(.*/)?python(\d+(\.\d+)?)?$")
 _ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")
@@ -482,6 +505,7 @@ def parse_sbatch(text: str) -> dict[str, Any]:
     lines = re.sub(r"\\\n", " ", text).splitlines()
     options = _sbatch_directives(lines)
     assigned: dict[str, str] = {}
+    refused: ConfigError | None = None
     for line in lines:
         if not line.strip() or line.lstrip().startswith("#"):
             continue
@@ -491,7 +515,9 @@ def parse_sbatch(text: str) -> dict[str, Any]:
         _note_assignment(line, assigned)
         try:
             parsed = parse(expanded)
-        except ConfigError:
+        except ConfigError as exc:
+            if not any(p.reason.startswith("no launcher found") for p in exc.problems):
+                refused = refused or exc  # a launch line, refused: say why rather than that there is none
             continue
         parsed["slurm"] = options
         nodes = str(options.get("nodes", ""))
@@ -499,5 +525,7 @@ def parse_sbatch(text: str) -> dict[str, Any]:
             parsed[parsed["launcher"]] = {k: nodes if v in ("$SLURM_NNODES", "${SLURM_NNODES}") else v
                                           for k, v in parsed[parsed["launcher"]].items()}  # fmt: skip
         return parsed
+    if refused is not None:
+        raise refused
     raise ConfigError([Problem("script", None, "no launch command in the sbatch script (torchrun, deepspeed, "
                                "horovodrun, mpirun, python -m torch.distributed.run, ...)")], source="launch")

@@ -204,6 +204,10 @@ def _local_rank_argv(flag: str | None, reason: str) -> Via:
 _KEEP = "no effect on what runs where; kept for a round trip to the same launcher"
 _ELASTIC_HVD = "elastic Horovod (host discovery); torchrun's elastic range is per node: --nnodes=MIN:MAX"
 _TRAINING = "a training setting, not a launch one: convert the accelerate config with `torsh-migrate convert`"
+#: accelerate launch options that carry a training setting (what the accelerate config dialect reads), by prefix.
+_ACCELERATE_TRAINING = ("mixed_precision", "dynamo_", "use_", "deepspeed_config_file", "zero", "offload_",
+                        "gradient_", "deepspeed_moe", "fsdp_", "megatron_lm_", "fp8_", "parallelism_config_",
+                        "downcast_bf16")  # fmt: skip
 
 #: Source path (``launcher.option_dest``) -> core path or status. Unlisted options are rejected when parsing.
 FIELD_MAP = {
@@ -335,12 +339,20 @@ FIELD_MAP = {
                                    "counts, its master address and the environment accelerate launch gives the "
                                    "processes are carried (the file is opened from the working directory, as "
                                    "accelerate launch does)", v)),
-    **{f"accelerate.{k}": Unsupported(_TRAINING) for k in (
-        "mixed_precision", "use_deepspeed", "use_fsdp", "deepspeed_config_file", "zero_stage",
-        "gradient_accumulation_steps", "dynamo_backend")},
+    "accelerate.rdzv_conf": via(_rdzv_conf, "launch.rdzv_conf"),
+    "accelerate.deepspeed_hostfile": "launch.hostfile",
+    "accelerate.mpirun_hostfile": "launch.hostfile",
+    "accelerate.deepspeed_inclusion_filter": "launch.include",
+    "accelerate.deepspeed_exclusion_filter": "launch.exclude",
+    "accelerate.deepspeed_multinode_launcher": Ignored("how deepspeed reaches the other nodes (pdsh, openmpi, ...)"),
+    **{f"accelerate.{k}": Unsupported(_TRAINING) for k in _cmdline.ACCELERATE_SWITCHES + _cmdline.ACCELERATE_VALUED
+       if k.startswith(_ACCELERATE_TRAINING)},
     **{f"accelerate.{k}": Ignored(_KEEP) for k in (
         "multi_gpu", "cpu", "same_network", "monitor_interval", "num_cpu_threads_per_process", "quiet", "debug",
-        "tee", "log_dir", "role", "main_training_function")},
+        "tee", "log_dir", "role", "main_training_function", "enable_cpu_affinity", "aws_access_key_id",
+        "aws_secret_access_key")},
+    **{f"accelerate.{k}": Ignored("a TPU setting; kept for a round trip to accelerate launch") for k in (
+        "tpu", "tpu_use_cluster", "no_tpu_cluster", "tpu_use_sudo", "vm", "env")},
 }  # fmt: skip
 VALUE_MAPS: dict[str, dict[Any, Any]] = {}
 ALIASES: dict[str, str] = {}  # option spellings are resolved by the parser tables (_cmdline)

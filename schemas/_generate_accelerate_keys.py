@@ -230,6 +230,22 @@ def sections() -> dict[str, dict]:
     return out
 
 
+def launch_options() -> dict[str, dict]:
+    """Every option of ``accelerate launch``: its spellings, whether it takes a value, and its argument group."""
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    group_of = {id(action): group.title for group in parser._action_groups for action in group._group_actions}
+    out: dict[str, dict] = {}
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        entry = out.setdefault(action.dest, {"flags": [], "takes_value": action.nargs != 0,
+                                             "group": group_of.get(id(action))})  # fmt: skip
+        entry["flags"] += action.option_strings
+    return dict(sorted(out.items()))
+
+
 def build() -> dict:
     """The whole table."""
     import accelerate
@@ -245,6 +261,7 @@ def build() -> dict:
         "top_level": top_level(),
         "sagemaker": sagemaker_keys(),
         "sections": sections(),
+        "launch_options": launch_options(),
     }
 
 

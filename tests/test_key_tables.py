@@ -263,6 +263,38 @@ def test_accelerate_table_matches_the_installed_accelerate():
         "schemas/keys/accelerate.json is stale: python -m torsh.schemas._generate_accelerate_keys")
 
 
+def test_the_launch_reader_knows_every_accelerate_launch_option_and_its_arity():
+    """Every option of `accelerate launch` (each spelling) is parsed with the same arity, and every destination has
+    a meaning in the launch dialect: found missing by Accelerate's own Slurm example (`--mpirun_hostfile`)."""
+    from torsh.adapters import _cmdline, launch
+
+    table = _cmdline.LAUNCHER_FLAGS["accelerate"]
+    options = _table("accelerate")["launch_options"]
+    for dest, option in options.items():
+        for flag in option["flags"]:
+            name = _cmdline._normalise("accelerate", flag)
+            assert name in table, flag
+            assert table[name][1] == (1 if option["takes_value"] else 0), flag
+    spelled = {_cmdline._normalise("accelerate", f) for option in options.values() for f in option["flags"]}
+    assert set(table) <= spelled, set(table) - spelled  # nothing accelerate 1.15 does not have
+    for name, (dest, _) in table.items():
+        assert f"accelerate.{dest}" in launch.FIELD_MAP, name
+
+
+def test_accelerate_launch_options_read_with_their_meaning():
+    from torsh.adapters import launch
+    from torsh.translate import Fidelity
+
+    t = launch.read("accelerate launch --num_processes 4 --num_machines 2 --machine_rank 0 --main_process_ip h "
+                    "--main_process_port 29500 --mpirun_hostfile hosts --fsdp_sharding_strategy FULL_SHARD "
+                    "--tpu_use_sudo --env A=1 --env B=2 -t 3 train.py")  # fmt: skip
+    notes = {n.source_path: n for n in t.notes}
+    assert t.result.launch.hostfile == "hosts"
+    assert notes["accelerate.fsdp_sharding_strategy"].fidelity is Fidelity.UNSUPPORTED
+    assert notes["accelerate.tpu_use_sudo"].fidelity is Fidelity.IGNORED
+    assert t.result.extensions["launch"]["accelerate.env"] == ["A=1", "B=2"]
+
+
 #: A minimal valid file around a section's keys: the distributed_type under which Accelerate reads the section.
 _ACCELERATE_BASE = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_processes": 2,
                     "mixed_precision": "no"}  # fmt: skip
