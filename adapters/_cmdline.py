@@ -391,61 +391,73 @@ def parse_pytorchjob(text: str) -> dict[str, Any]:
     from torsh.formats import parse_text
 
     job = parse_text(text, "yaml")
-    spec = job.get("spec") if isinstance(job, dict) else None
-    replicas = spec.get("pytorchReplicaSpecs") if isinstance(spec, dict) else None
-    if not isinstance(replicas, dict) or not replicas:
-        raise ConfigError([Problem("spec.pytorchReplicaSpecs", None, "a PyTorchJob needs its Master/Worker "
-                                   "replica specs")], source="launch")  # fmt: skip
-    kind = "Master" if "Master" in replicas else next(iter(replicas))
-    where = f"spec.pytorchReplicaSpecs.{kind}"
-    try:
-        containers = replicas[kind]["template"]["spec"]["containers"]
-        container = next((c for c in containers if c.get("name") == "pytorch"), containers[0])
-        argv = [str(w) for w in [*(container.get("command") or []), *(container.get("args") or [])]]
-        counts = [int(r.get("replicas", 1)) for r in replicas.values()]
-    except (KeyError, IndexError, TypeError, AttributeError, ValueError):
-        raise ConfigError([Problem(f"{where}.template.spec.containers", None, "expected a container (named "
-                                   "pytorch) with its command and the replicas as numbers")], source="launch") from None
-    if not argv:
-        raise ConfigError([Problem(f"{where}.template.spec.containers[0].command", None, "the container runs its "
-                                   "image's entry point: torsh needs the launch command written in the "
-                                   "manifest")], source="launch")  # fmt: skip
-    shell = len(argv) == 3 and os.path.basename(argv[0]) in ("sh", "bash") and argv[1] == "-c"
-    try:
-        parsed = parse(argv[2] if shell else argv)
-    except ConfigError:
-        if shell or not _PYTHON.match(os.path.basename(argv[0])):
-            raise
-        # `python train.py` in each pod: one process per pod, placed by the operator's RANK / WORLD_SIZE / MASTER_*
-        # variables, as torchrun would place one process per node
-        parsed = parse(["torchrun", "--nproc-per-node=1", *argv[1:]])
+    spec, container, counts = _pytorchjob_parts(job)
+    parsed = _pod_command([str(w) for w in [*(container.get("command") or []), *(container.get("args") or [])]])
     options = {k: v for k, v in parsed[parsed["launcher"]].items()
                if not (k in _OPERATOR_SET and "$(" in str(v))}  # fmt: skip
-    policy = spec.get("elasticPolicy") if isinstance(spec.get("elasticPolicy"), dict) else None
     if parsed["launcher"] == "torchrun":
-        if policy is not None:
-            low, high = policy.get("minReplicas"), policy.get("maxReplicas")
-            options["nnodes"] = f"{low}:{high}" if low is not None and high is not None else str(sum(counts))
-            options.setdefault("rdzv_backend", str(policy.get("rdzvBackend", "c10d")))
-            for key, dest in (("maxRestarts", "max_restarts"), ("rdzvId", "rdzv_id")):
-                if key in policy:
-                    options.setdefault(dest, str(policy[key]))
-        else:
-            options |= {"nnodes": str(sum(counts))} if sum(counts) > 1 else {}
-            ports = [p.get("containerPort") for p in container.get("ports") or []
-                     if isinstance(p, dict) and p.get("name") == "pytorchjob-port"]  # fmt: skip
-            options |= {"master_port": str(ports[0])} if ports and ports[0] is not None else {}
-        nproc = spec.get("nprocPerNode") or (policy or {}).get("nProcPerNode")
-        if nproc is not None:
-            options.setdefault("nproc_per_node", str(nproc))
+        options = _operator_options(options, spec, container, counts)
     parsed[parsed["launcher"]] = options
     env = {str(e["name"]): str(e["value"]) for e in container.get("env") or []
            if isinstance(e, dict) and "name" in e and "value" in e}  # fmt: skip
     if env:
         parsed["env"] = {**env, **parsed.get("env", {})}
-    name = job.get("metadata", {}).get("name") if isinstance(job.get("metadata"), dict) else None
+    name = job["metadata"].get("name") if isinstance(job.get("metadata"), dict) else None
     parsed["kubernetes"] = {k: v for k, v in (("name", name), ("image", container.get("image"))) if v is not None}
     return parsed
+
+
+def _pytorchjob_parts(job: Any) -> tuple[dict, dict, list[int]]:
+    """The spec, the container of the Master pod (else the first replica's), and the replica counts."""
+    spec = job.get("spec") if isinstance(job, dict) else None
+    replicas = spec.get("pytorchReplicaSpecs") if isinstance(spec, dict) else None
+    if not isinstance(replicas, dict) or not replicas:
+        raise ConfigError([Problem("spec.pytorchReplicaSpecs", None, "a PyTorchJob needs its Master/Worker "
+                                   "replica specs")], source="launch")  # fmt: skip
+    where = f"spec.pytorchReplicaSpecs.{'Master' if 'Master' in replicas else next(iter(replicas))}"
+    try:
+        containers = replicas[where.rpartition(".")[2]]["template"]["spec"]["containers"]
+        container = next((c for c in containers if c.get("name") == "pytorch"), containers[0])
+        counts = [int(r.get("replicas", 1)) for r in replicas.values()]
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError):
+        raise ConfigError([Problem(f"{where}.template.spec.containers", None, "expected a container (named "
+                                   "pytorch) with its command and the replicas as numbers")], source="launch") from None
+    if not container.get("command") and not container.get("args"):
+        raise ConfigError([Problem(f"{where}.template.spec.containers[0].command", None, "the container runs its "
+                                   "image's entry point: torsh needs the launch command written in the "
+                                   "manifest")], source="launch")  # fmt: skip
+    return spec, container, counts
+
+
+def _pod_command(argv: list[str]) -> dict[str, Any]:
+    """A pod's command as :func:`parse` gives it: ``bash -c "<line>"`` is the line; ``python train.py`` is one
+    process per pod, placed by the operator's RANK / WORLD_SIZE / MASTER_* as torchrun places one per node."""
+    shell = len(argv) == 3 and os.path.basename(argv[0]) in ("sh", "bash") and argv[1] == "-c"
+    try:
+        return parse(argv[2] if shell else argv)
+    except ConfigError:
+        if shell or not _PYTHON.match(os.path.basename(argv[0])):
+            raise
+        return parse(["torchrun", "--nproc-per-node=1", *argv[1:]])
+
+
+def _operator_options(options: dict[str, Any], spec: dict, container: dict, counts: list[int]) -> dict[str, Any]:
+    """torchrun's options with what the training operator gives it: the node count (pods, or the elastic range),
+    the elastic policy's rendezvous and restarts, the Master's port, the processes per pod."""
+    policy = spec.get("elasticPolicy") if isinstance(spec.get("elasticPolicy"), dict) else None
+    if policy is not None:
+        low, high = policy.get("minReplicas"), policy.get("maxReplicas")
+        options["nnodes"] = f"{low}:{high}" if low is not None and high is not None else str(sum(counts))
+        options.setdefault("rdzv_backend", str(policy.get("rdzvBackend", "c10d")))
+        options |= {dest: str(policy[key]) for key, dest in (("maxRestarts", "max_restarts"), ("rdzvId", "rdzv_id"))
+                    if key in policy and dest not in options}  # fmt: skip
+    else:
+        options |= {"nnodes": str(sum(counts))} if sum(counts) > 1 else {}
+        ports = [p.get("containerPort") for p in container.get("ports") or []
+                 if isinstance(p, dict) and p.get("name") == "pytorchjob-port"]  # fmt: skip
+        options |= {"master_port": str(ports[0])} if ports and ports[0] is not None else {}
+    nproc = spec.get("nprocPerNode") or (policy or {}).get("nProcPerNode")
+    return options | ({"nproc_per_node": str(nproc)} if nproc is not None and "nproc_per_node" not in options else {})
 
 
 def is_sbatch(raw: Any) -> bool:

@@ -934,108 +934,82 @@ def write_kubernetes(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
                                    "--nnodes N (or MIN:MAX) in the launch line")])  # fmt: skip
     nproc = p.nproc if p.nproc is not None else L.nproc_per_node
     elastic = L.max_nnodes is not None or L.rdzv_backend not in (None, "static")
-    port = L.master_port if isinstance(L.master_port, int) else None
-    if elastic and L.rdzv_endpoint:
-        port = _endpoint(L.rdzv_endpoint)[1]
-    port = port if isinstance(port, int) else DEFAULT_PORT
     kept = cfg.extensions.get("launch", {})
     others = {k: v for k, v in kept.items() if not k.startswith(("slurm.", "kubernetes."))
               and k not in ("wrapper", "program")}  # fmt: skip
-    image = kept.get("kubernetes.image", KUBERNETES_PLACEHOLDERS["image"])
     managed = {key: _LAUNCH_DEFAULTS.get(key) for key in _PYTORCHJOB_MANAGED}
     inner, notes = write_torchrun(cfg.model_copy(update={
         "launch": L.model_copy(update={**managed, "nproc_per_node": nproc}),
         "extensions": {**cfg.extensions, "launch": others}}))  # fmt: skip
     notes = [n for n in notes if not n.source_path.startswith(tuple(f"launch.{k}" for k in _PYTORCHJOB_MANAGED))]
     notes += _kubernetes_notes(cfg, elastic, kept)
-    argv = list(inner.commands[0].argv)
-    variables = shell_references(argv)
-    if not elastic and nnodes > 1:
-        argv[1:1] = [f"--nnodes={nnodes}", "--node-rank=$(RANK)", "--master-addr=$(MASTER_ADDR)",
-                     "--master-port=$(MASTER_PORT)"]  # fmt: skip
-    if variables:  # a pod's command is not run by a shell: give it one, for the variables the line uses
-        argv = ["/bin/bash", "-c", NodeCommand(None, tuple(argv)).shell()]
-        notes.append(Note("launch", "spec.pytorchReplicaSpecs.*.template.spec.containers[0].env", variables,
-                          Fidelity.DEFERRED, f"the command uses {', '.join(variables)}: set them in the container's "
-                          "env (a pod's command runs under bash -c for them)"))  # fmt: skip
-    container: dict[str, Any] = {"name": _PYTORCHJOB_CONTAINER, "image": image,
-                                 "command": argv, "ports": [{"name": _PYTORCHJOB_PORT, "containerPort": port}]}
-    env = dict(inner.commands[0].env)
-    if env:
-        container["env"] = [{"name": k, "value": str(v)} for k, v in env.items()]
-    def replica(count: int) -> dict[str, Any]:  # a copy each: the YAML is written without anchors
-        return {"replicas": count, "restartPolicy": "OnFailure",
-                "template": {"spec": {"containers": [copy.deepcopy(container)]}}}  # fmt: skip
-
-    spec: dict[str, Any] = {} if nproc is None or shell_references(nproc) else {"nprocPerNode": str(nproc)}
-    if nproc is None:
-        notes.append(Note("launch.nproc_per_node", "spec.nprocPerNode", None, Fidelity.DEFERRED, "not in the launch "
-                          "line: the training operator's default applies (auto: one process per GPU, else one); "
-                          "set spec.nprocPerNode to choose"))  # fmt: skip
-    spec["runPolicy"] = {"cleanPodPolicy": "None"}
-    if elastic:
-        high = L.max_nnodes if L.max_nnodes is not None else nnodes
-        policy = {"rdzvBackend": "c10d", "minReplicas": nnodes, "maxReplicas": high}
-        policy |= {"maxRestarts": L.max_restarts} if isinstance(L.max_restarts, int) and L.max_restarts else {}
-        policy |= {"rdzvId": str(L.rdzv_id)} if L.rdzv_id is not None else {}
-        spec["elasticPolicy"] = policy
-        spec["pytorchReplicaSpecs"] = {"Worker": replica(high)}
-    else:
-        spec["pytorchReplicaSpecs"] = {"Master": replica(1), **({"Worker": replica(nnodes - 1)} if nnodes > 1 else {})}
-    name = kept.get("kubernetes.name", "torsh")
-    manifest = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name}, "spec": spec}
+    container = _pytorchjob_container(cfg, inner.commands[0], nnodes if not elastic else None, notes)
+    spec = _pytorchjob_spec(L, nnodes, nproc, elastic, container, notes)
+    manifest = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+                "metadata": {"name": kept.get("kubernetes.name", "torsh")}, "spec": spec}  # fmt: skip
     import yaml  # only here: reading a config does not load a YAML writer
 
     text = yaml.safe_dump(manifest, sort_keys=False, default_flow_style=False, width=1000)
     return LaunchCommand(text.rstrip("\n"), launcher="kubernetes", commands=inner.commands, files=inner.files), notes
 
 
+def _pytorchjob_spec(L: LaunchConfig, nnodes: int, nproc: Any, elastic: bool, container: dict[str, Any],
+                     notes: list[Note]) -> dict[str, Any]:  # fmt: skip
+    """The job's spec: processes per pod, and a Master with Workers or Workers under an elastic policy."""
+    spec: dict[str, Any] = {} if nproc is None or shell_references(nproc) else {"nprocPerNode": str(nproc)}
+    if nproc is None:
+        notes.append(Note("launch.nproc_per_node", "spec.nprocPerNode", None, Fidelity.DEFERRED, "not in the launch "
+                          "line: the training operator's default applies (auto: one process per GPU, else one); "
+                          "set spec.nprocPerNode to choose"))  # fmt: skip
+    spec["runPolicy"] = {"cleanPodPolicy": "None"}
+    if not elastic:
+        workers = {"Worker": _replica(nnodes - 1, container)} if nnodes > 1 else {}
+        return spec | {"pytorchReplicaSpecs": {"Master": _replica(1, container), **workers}}
+    high = L.max_nnodes if L.max_nnodes is not None else nnodes
+    policy = {"rdzvBackend": "c10d", "minReplicas": nnodes, "maxReplicas": high}
+    policy |= {"maxRestarts": L.max_restarts} if isinstance(L.max_restarts, int) and L.max_restarts else {}
+    policy |= {"rdzvId": str(L.rdzv_id)} if L.rdzv_id is not None else {}
+    return spec | {"elasticPolicy": policy, "pytorchReplicaSpecs": {"Worker": _replica(high, container)}}
+
+
+def _pytorchjob_container(cfg: TorshConfig, command: NodeCommand, fixed_nodes: int | None,
+                          notes: list[Note]) -> dict[str, Any]:  # fmt: skip
+    """The pod's container: torchrun (placed on the Master pod for ``fixed_nodes`` > 1), its variables, the port."""
+    L = cfg.launch
+    argv = list(command.argv)
+    variables = shell_references(argv)
+    if fixed_nodes is not None and fixed_nodes > 1:
+        argv[1:1] = [f"--nnodes={fixed_nodes}", "--node-rank=$(RANK)", "--master-addr=$(MASTER_ADDR)",
+                     "--master-port=$(MASTER_PORT)"]  # fmt: skip
+    if variables:  # a pod's command is not run by a shell: give it one, for the variables the line uses
+        argv = ["/bin/bash", "-c", NodeCommand(None, tuple(argv)).shell()]
+        notes.append(Note("launch", "spec.pytorchReplicaSpecs.*.template.spec.containers[0].env", variables,
+                          Fidelity.DEFERRED, f"the command uses {', '.join(variables)}: set them in the container's "
+                          "env (a pod's command runs under bash -c for them)"))  # fmt: skip
+    port = L.master_port if isinstance(L.master_port, int) and fixed_nodes is not None else None
+    if fixed_nodes is None and L.rdzv_endpoint:
+        port = _endpoint(L.rdzv_endpoint)[1]  # the operator's rendezvous port, on the first worker
+    image = cfg.extensions.get("launch", {}).get("kubernetes.image", KUBERNETES_PLACEHOLDERS["image"])
+    container: dict[str, Any] = {"name": _PYTORCHJOB_CONTAINER, "image": image, "command": argv, "ports": [
+        {"name": _PYTORCHJOB_PORT, "containerPort": port if isinstance(port, int) else DEFAULT_PORT}]}  # fmt: skip
+    if command.env:
+        container["env"] = [{"name": k, "value": str(v)} for k, v in command.env.items()]
+    return container
+
+
+def _replica(count: int, container: dict[str, Any]) -> dict[str, Any]:
+    """A replica spec of ``count`` pods running ``container`` (a copy each: the YAML is written without anchors)."""
+    return {"replicas": count, "restartPolicy": "OnFailure",
+            "template": {"spec": {"containers": [copy.deepcopy(container)]}}}  # fmt: skip
+
+
 def _kubernetes_notes(cfg: TorshConfig, elastic: bool, kept: Mapping[str, Any]) -> list[Note]:
     """Notes for the launch fields the PyTorchJob (rather than torchrun's options) carries, and for its placeholders."""
-    L = cfg.launch
-    image = "spec.pytorchReplicaSpecs.*.template.spec.containers[0].image"
-    if "kubernetes.image" in kept:
-        notes = [Note("extensions.launch.kubernetes.image", image, kept["kubernetes.image"], Fidelity.EXACT)]
-    else:
-        notes = [Note("image", image, "<image>", Fidelity.DEFERRED, "not in a launch line: replace <image> with an "
-                      "image holding your code, torch and torsh")]  # fmt: skip
-    if "kubernetes.name" in kept:
-        notes.append(Note("extensions.launch.kubernetes.name", "metadata.name", kept["kubernetes.name"], Fidelity.EXACT))
-    if L.nnodes is not None:
-        target = "spec.elasticPolicy.minReplicas" if elastic else "spec.pytorchReplicaSpecs (Master + Workers)"
-        notes.append(Note("launch.nnodes", target, L.nnodes, Fidelity.EXACT))
-    if L.max_nnodes is not None:
-        notes.append(Note("launch.max_nnodes", "spec.elasticPolicy.maxReplicas", L.max_nnodes, Fidelity.EXACT))
-    if L.rdzv_backend not in (None, "static", "c10d"):
-        notes.append(Note("launch.rdzv_backend", "spec.elasticPolicy.rdzvBackend", L.rdzv_backend,
-                          Fidelity.APPROXIMATE, "the training operator's rendezvous is c10d on the first worker"))
-    elif L.rdzv_backend is not None:
-        notes.append(Note("launch.rdzv_backend", "spec.elasticPolicy.rdzvBackend" if elastic else None,
-                          L.rdzv_backend, Fidelity.EXACT, "" if elastic else "torchrun meets on the Master pod"))
-    if L.rdzv_id is not None:
-        notes.append(Note("launch.rdzv_id", "spec.elasticPolicy.rdzvId" if elastic else None, L.rdzv_id,
-                          Fidelity.EXACT if elastic else Fidelity.DROPPED,
-                          "" if elastic else "a fixed-size job meets on the Master pod, without a run id"))
-    notes.append(Note("resources", "spec.pytorchReplicaSpecs.*.template.spec.containers[0].resources", None,
-                      Fidelity.DEFERRED, "not in a launch line: request each pod's GPUs (limits nvidia.com/gpu: "
-                      "the processes per node), CPUs and memory"))  # fmt: skip
-    if L.standalone:
-        notes.append(Note("launch.standalone", None, True, Fidelity.EXACT, "one pod, whose torchrun meets on itself"))
-    if L.max_restarts and elastic:
-        notes.append(Note("launch.max_restarts", "spec.elasticPolicy.maxRestarts", L.max_restarts, Fidelity.EXACT))
-    port = "spec.pytorchReplicaSpecs.*.template.spec.containers[0].ports[pytorchjob-port]"
-    if isinstance(L.master_port, int) and not elastic:
-        notes.append(Note("launch.master_port", port, L.master_port, Fidelity.EXACT, "the training operator's "
-                          "MASTER_PORT"))  # fmt: skip
-    if L.rdzv_endpoint and elastic and isinstance(_endpoint(L.rdzv_endpoint)[1], int):
-        notes.append(Note("launch.rdzv_endpoint", port, L.rdzv_endpoint, Fidelity.APPROXIMATE, "the rendezvous "
-                          "port; the training operator puts the rendezvous on the first worker pod"))  # fmt: skip
+    notes = _kubernetes_placeholders(kept) + _kubernetes_rendezvous(cfg.launch, elastic)
     for key in ("hosts", "hostfile", "include", "exclude", "master_addr", "master_port", "node_rank",
                 "rdzv_endpoint", "rdzv_conf", "world_size"):  # fmt: skip
-        if any(n.source_path == f"launch.{key}" for n in notes):
-            continue
         value = get_path(cfg, f"launch.{key}")
-        if value not in (None, [], {}, False):
+        if value not in (None, [], {}, False) and not any(n.source_path == f"launch.{key}" for n in notes):
             notes.append(Note(f"launch.{key}", None, value, Fidelity.APPROXIMATE, "Kubernetes places the pods "
                               "(nodeSelector / affinity choose the nodes) and the training operator gives torchrun "
                               "the rendezvous address"))  # fmt: skip
@@ -1044,6 +1018,52 @@ def _kubernetes_notes(cfg: TorshConfig, elastic: bool, kept: Mapping[str, Any]) 
     notes += [Note(f"extensions.launch.{k}", None, v, Fidelity.DROPPED, "a Slurm setting: Kubernetes schedules "
                    "with the pod's resources, nodeSelector and the operator's schedulingPolicy")
               for k, v in kept.items() if k.startswith("slurm.")]  # fmt: skip
+    return notes
+
+
+def _kubernetes_placeholders(kept: Mapping[str, Any]) -> list[Note]:
+    """The image and name (kept from a manifest read, else placeholders) and the pods' resources (a placeholder)."""
+    container = "spec.pytorchReplicaSpecs.*.template.spec.containers[0]"
+    if "kubernetes.image" in kept:
+        notes = [Note("extensions.launch.kubernetes.image", f"{container}.image", kept["kubernetes.image"],
+                      Fidelity.EXACT)]  # fmt: skip
+    else:
+        notes = [Note("image", f"{container}.image", "<image>", Fidelity.DEFERRED, "not in a launch line: replace "
+                      "<image> with an image holding your code, torch and torsh")]  # fmt: skip
+    if "kubernetes.name" in kept:
+        notes.append(Note("extensions.launch.kubernetes.name", "metadata.name", kept["kubernetes.name"], Fidelity.EXACT))
+    notes.append(Note("resources", f"{container}.resources", None, Fidelity.DEFERRED, "not in a launch line: request "
+                      "each pod's GPUs (limits nvidia.com/gpu: the processes per node), CPUs and memory"))  # fmt: skip
+    return notes
+
+
+def _kubernetes_rendezvous(L: LaunchConfig, elastic: bool) -> list[Note]:
+    """Where the node counts, the rendezvous and the port went in the PyTorchJob."""
+    policy, port = "spec.elasticPolicy", "spec.pytorchReplicaSpecs.*.template.spec.containers[0].ports[pytorchjob-port]"
+    notes = []
+    if L.nnodes is not None:
+        target = f"{policy}.minReplicas" if elastic else "spec.pytorchReplicaSpecs (Master + Workers)"
+        notes.append(Note("launch.nnodes", target, L.nnodes, Fidelity.EXACT))
+    if L.max_nnodes is not None:
+        notes.append(Note("launch.max_nnodes", f"{policy}.maxReplicas", L.max_nnodes, Fidelity.EXACT))
+    if L.rdzv_backend is not None:
+        other = L.rdzv_backend not in ("static", "c10d")
+        notes.append(Note("launch.rdzv_backend", f"{policy}.rdzvBackend" if elastic else None, L.rdzv_backend,
+                          Fidelity.APPROXIMATE if other else Fidelity.EXACT,
+                          "the training operator's rendezvous is c10d on the first worker" if other else
+                          "" if elastic else "torchrun meets on the Master pod"))  # fmt: skip
+    if L.rdzv_id is not None:
+        notes.append(Note("launch.rdzv_id", f"{policy}.rdzvId" if elastic else None, L.rdzv_id,
+                          Fidelity.EXACT if elastic else Fidelity.DROPPED,
+                          "" if elastic else "a fixed-size job meets on the Master pod, without a run id"))
+    if L.standalone:
+        notes.append(Note("launch.standalone", None, True, Fidelity.EXACT, "one pod, whose torchrun meets on itself"))
+    if isinstance(L.master_port, int) and not elastic:
+        notes.append(Note("launch.master_port", port, L.master_port, Fidelity.EXACT, "the training operator's "
+                          "MASTER_PORT"))  # fmt: skip
+    if L.rdzv_endpoint and elastic and isinstance(_endpoint(L.rdzv_endpoint)[1], int):
+        notes.append(Note("launch.rdzv_endpoint", port, L.rdzv_endpoint, Fidelity.APPROXIMATE, "the rendezvous "
+                          "port; the training operator puts the rendezvous on the first worker pod"))  # fmt: skip
     return notes
 
 
@@ -1074,8 +1094,8 @@ def worker_environments(cfg: TorshConfig, launcher: str = "torchrun") -> list[di
     envs = []
     for node_rank, node in enumerate(nodes):
         for local in range(node.nproc):
-            env = worker_env("torchrun" if launcher in SCHEDULERS else launcher, rank=len(envs), local=local, world=world, nproc=node.nproc, node=node_rank,
-                             nnodes=nnodes, host=node.host or "localhost", addr=addr, port=port,
+            env = worker_env("torchrun" if launcher in SCHEDULERS else launcher, rank=len(envs), local=local,
+                             world=world, nproc=node.nproc, node=node_rank, nnodes=nnodes, host=node.host or "localhost", addr=addr, port=port,
                              devices=",".join(map(str, node.devices or range(node.nproc))),
                              run_id=L.rdzv_id or "none", max_restarts=L.max_restarts or 0)  # fmt: skip
             envs.append({**L.env, **env})
