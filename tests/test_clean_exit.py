@@ -118,3 +118,54 @@ def test_an_engine_releases_its_reducer_at_exit(tmp_path):
     proc = _run([sys.executable, str(script)], env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["destroyed before exit: False", "destroyed at exit: True"]
+
+
+# ---- torsh run: how a worker ends ------------------------------------------------------------------------------------
+
+HELPER = """
+LOG = open("helper.log", "w")  # a module-level file nobody closes
+"""
+
+SCRIPT = """
+import atexit, sys, threading, time
+import torch.distributed as dist
+import helper
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+helper.LOG.write(f"rank {rank} wrote this without closing the file\\n")
+
+def late():
+    time.sleep(0.5)
+    with open(f"thread{rank}.txt", "w") as f:
+        f.write("a non-daemon thread finished its work")
+
+threading.Thread(target=late).start()
+atexit.register(lambda: open(f"atexit{rank}.txt", "w").write("atexit ran"))
+if len(sys.argv) > 1:
+    sys.exit(int(sys.argv[1]))
+"""
+
+
+def _torsh_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    (tmp_path / "helper.py").write_text(HELPER)
+    (tmp_path / "job.py").write_text(SCRIPT)
+    return _run([sys.executable, "-m", "torsh.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+                 "job.py", *args], cwd=tmp_path)  # fmt: skip
+
+
+def test_a_torsh_run_worker_ends_as_python_would_without_losing_data(tmp_path):
+    """The worker leaves without the C++ teardown after Python's exit (where a finished job could abort), but
+    only after what Python's exit does: non-daemon threads finish, atexit handlers run, open files are flushed."""
+    done = _torsh_run(tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"thread{rank}.txt").read_text() == "a non-daemon thread finished its work"
+        assert (tmp_path / f"atexit{rank}.txt").read_text() == "atexit ran"
+    assert "without closing the file" in (tmp_path / "helper.log").read_text()
+
+
+def test_a_torsh_run_worker_keeps_the_scripts_exit_status(tmp_path):
+    done = _torsh_run(tmp_path, "3")
+    assert done.returncode != 0
+    assert "exitcode  : 3" in done.stderr, done.stderr[-3000:]

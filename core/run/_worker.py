@@ -27,18 +27,64 @@ def _split(argv: list[str]) -> tuple[list[str], bool, str, list[str]]:
 
 
 def main(argv: list[str]) -> None:
-    """Install the alias and run the target."""
+    """Install the alias and run the target; a target that finishes (or exits) ends the process as described in
+    :func:`_finish`."""
     from torsh.compat import install_deepspeed_alias
 
     local_rank, as_module, target, rest = _split(list(argv))
     install_deepspeed_alias()
     sys.argv = [target, *local_rank, *rest]
-    if as_module:
-        sys.path[0] = os.getcwd()  # as `python -m`
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python script.py`
-        runpy.run_path(target, run_name="__main__")
+    try:
+        if as_module:
+            sys.path[0] = os.getcwd()  # as `python -m`
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python script.py`
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        _finish(exc.code)
+    _finish(0)
+
+
+def _finish(code: object) -> None:
+    """End the worker once its Python work is done, without the C++ teardown that follows interpreter exit.
+
+    A finished job's worker could still die of SIGABRT there ("terminate called without an active exception": a
+    thread of torch's distributed runtime destroyed while still running), and torchrun then reports the job
+    failed and stops the other ranks mid-way. So, in the order Python's own exit takes: wait for the script's
+    non-daemon threads, run the ``atexit`` handlers (torsh's distributed shutdown, logging's flush, the user's),
+    flush every open file, and leave with the script's exit status.
+    """
+    import atexit
+    import gc
+    import io
+    import threading
+
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # sys.exit("message"): printed, status 1, as Python does
+        print(code, file=sys.stderr)
+        status = 1
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    gc.collect()
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            try:
+                if not obj.closed:
+                    obj.flush()
+            except Exception:  # noqa: BLE001 - a file that cannot be flushed would lose its data at exit too
+                pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(status & 0xFF)
 
 
 if __name__ == "__main__":
