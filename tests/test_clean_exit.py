@@ -122,11 +122,11 @@ def test_an_engine_releases_its_reducer_at_exit(tmp_path):
 
 # ---- torsh run: how a worker ends ------------------------------------------------------------------------------------
 
-HELPER = """
+RUN_HELPER = """
 LOG = open("helper.log", "w")  # a module-level file nobody closes
 """
 
-SCRIPT = """
+RUN_SCRIPT = """
 import atexit, sys, threading, time
 import torch.distributed as dist
 import helper
@@ -148,8 +148,8 @@ if len(sys.argv) > 1:
 
 
 def _torsh_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    (tmp_path / "helper.py").write_text(HELPER)
-    (tmp_path / "job.py").write_text(SCRIPT)
+    (tmp_path / "helper.py").write_text(RUN_HELPER)
+    (tmp_path / "job.py").write_text(RUN_SCRIPT)
     return _run([sys.executable, "-m", "torsh.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
                  "job.py", *args], cwd=tmp_path)  # fmt: skip
 

@@ -42,8 +42,18 @@ def main(argv: list[str]) -> None:
             sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python script.py`
             runpy.run_path(target, run_name="__main__")
     except SystemExit as exc:
+        if _in_multiprocessing_child():
+            raise
         _finish(exc.code)
-    _finish(0)
+    if not _in_multiprocessing_child():
+        _finish(0)
+
+
+def _in_multiprocessing_child() -> bool:
+    """torchrun --run-path runs each worker as a multiprocessing child, which must return to report its result."""
+    import multiprocessing
+
+    return multiprocessing.parent_process() is not None
 
 
 def _finish(code: object) -> None:
