@@ -398,12 +398,18 @@ def parse_pytorchjob(text: str) -> dict[str, Any]:
     if parsed["launcher"] == "torchrun":
         options = _operator_options(options, spec, container, counts)
     parsed[parsed["launcher"]] = options
-    env = {str(e["name"]): str(e["value"]) for e in container.get("env") or []
-           if isinstance(e, dict) and "name" in e and "value" in e}  # fmt: skip
+    return _with_pod_settings(parsed, job, container)
+
+
+def _with_pod_settings(parsed: dict[str, Any], job: dict, container: dict) -> dict[str, Any]:
+    """The container's variables (those with a value: ``valueFrom`` ones are the cluster's) as the command's
+    environment, and the image and job name kept under ``kubernetes``."""
+    env = _valued_env(container.get("env"))
     if env:
         parsed["env"] = {**env, **parsed.get("env", {})}
-    name = job["metadata"].get("name") if isinstance(job.get("metadata"), dict) else None
-    parsed["kubernetes"] = {k: v for k, v in (("name", name), ("image", container.get("image"))) if v is not None}
+    metadata = job["metadata"] if isinstance(job.get("metadata"), dict) else {}
+    kept = {"name": metadata.get("name"), "image": container.get("image")}
+    parsed["kubernetes"] = {k: v for k, v in kept.items() if v is not None}
     return parsed
 
 
@@ -414,19 +420,31 @@ def _pytorchjob_parts(job: Any) -> tuple[dict, dict, list[int]]:
     if not isinstance(replicas, dict) or not replicas:
         raise ConfigError([Problem("spec.pytorchReplicaSpecs", None, "a PyTorchJob needs its Master/Worker "
                                    "replica specs")], source="launch")  # fmt: skip
-    where = f"spec.pytorchReplicaSpecs.{'Master' if 'Master' in replicas else next(iter(replicas))}"
-    try:
-        containers = replicas[where.rpartition(".")[2]]["template"]["spec"]["containers"]
-        container = next((c for c in containers if c.get("name") == "pytorch"), containers[0])
-        counts = [int(r.get("replicas", 1)) for r in replicas.values()]
-    except (KeyError, IndexError, TypeError, AttributeError, ValueError):
-        raise ConfigError([Problem(f"{where}.template.spec.containers", None, "expected a container (named "
-                                   "pytorch) with its command and the replicas as numbers")], source="launch") from None
+    where, container, counts = _master_container(replicas)
     if not container.get("command") and not container.get("args"):
         raise ConfigError([Problem(f"{where}.template.spec.containers[0].command", None, "the container runs its "
                                    "image's entry point: torsh needs the launch command written in the "
                                    "manifest")], source="launch")  # fmt: skip
     return spec, container, counts
+
+
+def _valued_env(entries: Any) -> dict[str, str]:
+    entries = [e for e in entries or [] if isinstance(e, dict)]
+    return {str(e["name"]): str(e["value"]) for e in entries if "name" in e and "value" in e}
+
+
+def _master_container(replicas: dict) -> tuple[str, dict, list[int]]:
+    """Where the Master pod's spec is (else the first replica's), its container named pytorch (else the first),
+    and every replica count."""
+    kind = "Master" if "Master" in replicas else next(iter(replicas))
+    where = f"spec.pytorchReplicaSpecs.{kind}"
+    try:
+        containers = replicas[kind]["template"]["spec"]["containers"]
+        container = next((c for c in containers if c.get("name") == "pytorch"), containers[0])
+        return where, container, [int(r.get("replicas", 1)) for r in replicas.values()]
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError):
+        raise ConfigError([Problem(f"{where}.template.spec.containers", None, "expected a container (named "
+                                   "pytorch) with its command and the replicas as numbers")], source="launch") from None
 
 
 def _pod_command(argv: list[str]) -> dict[str, Any]:
@@ -446,18 +464,27 @@ def _operator_options(options: dict[str, Any], spec: dict, container: dict, coun
     the elastic policy's rendezvous and restarts, the Master's port, the processes per pod."""
     policy = spec.get("elasticPolicy") if isinstance(spec.get("elasticPolicy"), dict) else None
     if policy is not None:
-        low, high = policy.get("minReplicas"), policy.get("maxReplicas")
-        options["nnodes"] = f"{low}:{high}" if low is not None and high is not None else str(sum(counts))
-        options.setdefault("rdzv_backend", str(policy.get("rdzvBackend", "c10d")))
-        options |= {dest: str(policy[key]) for key, dest in (("maxRestarts", "max_restarts"), ("rdzvId", "rdzv_id"))
-                    if key in policy and dest not in options}  # fmt: skip
+        options = _elastic_options(options, policy, sum(counts))
     else:
         options |= {"nnodes": str(sum(counts))} if sum(counts) > 1 else {}
-        ports = [p.get("containerPort") for p in container.get("ports") or []
-                 if isinstance(p, dict) and p.get("name") == "pytorchjob-port"]  # fmt: skip
-        options |= {"master_port": str(ports[0])} if ports and ports[0] is not None else {}
+        options |= _master_port(container)
     nproc = spec.get("nprocPerNode") or (policy or {}).get("nProcPerNode")
     return options | ({"nproc_per_node": str(nproc)} if nproc is not None and "nproc_per_node" not in options else {})
+
+
+def _master_port(container: dict) -> dict[str, str]:
+    """``master_port`` from the container's port the operator uses for the master (``pytorchjob-port``)."""
+    ports = [p for p in container.get("ports") or [] if isinstance(p, dict) and p.get("name") == "pytorchjob-port"]
+    return {"master_port": str(ports[0]["containerPort"])} if ports and "containerPort" in ports[0] else {}
+
+
+def _elastic_options(options: dict[str, Any], policy: dict, pods: int) -> dict[str, Any]:
+    """torchrun's options from an elastic policy: the node range, the rendezvous backend and id, the restarts."""
+    low, high = policy.get("minReplicas"), policy.get("maxReplicas")
+    options["nnodes"] = f"{low}:{high}" if low is not None and high is not None else str(pods)
+    options.setdefault("rdzv_backend", str(policy.get("rdzvBackend", "c10d")))
+    wanted = (("maxRestarts", "max_restarts"), ("rdzvId", "rdzv_id"))
+    return options | {dest: str(policy[key]) for key, dest in wanted if key in policy and dest not in options}
 
 
 def is_sbatch(raw: Any) -> bool:
@@ -516,28 +543,29 @@ def parse_sbatch(text: str) -> dict[str, Any]:
     ``$SLURM_NNODES`` in the command is the script's ``--nodes`` count when that is a number."""
     lines = re.sub(r"\\\n", " ", text).splitlines()
     options = _sbatch_directives(lines)
+    parsed = _first_launch(lines)
+    parsed["slurm"] = options
+    nodes = str(options.get("nodes", ""))
+    if nodes.isdigit():
+        parsed[parsed["launcher"]] = {k: nodes if v in ("$SLURM_NNODES", "${SLURM_NNODES}") else v
+                                      for k, v in parsed[parsed["launcher"]].items()}  # fmt: skip
+    return parsed
+
+
+def _first_launch(lines: list[str]) -> dict[str, Any]:
+    """The first line of a script that runs a launcher, parsed. set -e, head_node=$(...), module load ...: not the
+    launch. It may use what the script set before (``export CMD="$LAUNCHER $SCRIPT"`` ... ``srun $CMD``, as
+    Accelerate's Slurm examples do): those are expanded. A launch line refused is the error, if none is found."""
     assigned: dict[str, str] = {}
     refused: ConfigError | None = None
-    for line in lines:
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        # set -e, head_node=$(...), module load ...: not the launch. The launch may use what the script set before
-        # (`export CMD="$LAUNCHER $SCRIPT"` ... `srun $CMD`, as Accelerate's Slurm examples do): those are expanded
+    for line in (line for line in lines if line.strip() and not line.lstrip().startswith("#")):
         expanded = _expand_assigned(line, assigned)
         _note_assignment(line, assigned)
         try:
-            parsed = parse(expanded)
+            return parse(expanded)
         except ConfigError as exc:
             if not any(p.reason.startswith("no launcher found") for p in exc.problems):
-                refused = refused or exc  # a launch line, refused: say why rather than that there is none
-            continue
-        parsed["slurm"] = options
-        nodes = str(options.get("nodes", ""))
-        if nodes.isdigit():
-            parsed[parsed["launcher"]] = {k: nodes if v in ("$SLURM_NNODES", "${SLURM_NNODES}") else v
-                                          for k, v in parsed[parsed["launcher"]].items()}  # fmt: skip
-        return parsed
-    if refused is not None:
-        raise refused
-    raise ConfigError([Problem("script", None, "no launch command in the sbatch script (torchrun, deepspeed, "
-                               "horovodrun, mpirun, python -m torch.distributed.run, ...)")], source="launch")
+                refused = refused or exc
+    raise refused or ConfigError([Problem("script", None, "no launch command in the sbatch script (torchrun, "
+                                          "deepspeed, horovodrun, mpirun, python -m torch.distributed.run, ...)")],
+                                 source="launch")  # fmt: skip

@@ -377,9 +377,7 @@ def write_torchrun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
     dynamic = L.rdzv_backend not in (None, "static")
     standalone, nnodes = _torchrun_counts(w)
     addr, port = _port(w)
-    common = standalone + _torchrun_common(w)
-    if dynamic and L.rdzv_endpoint is None and addr is not None:  # the source's rank-0 address is the rendezvous
-        common.append(f"--rdzv-endpoint={addr}:{port if port is not None else DEFAULT_PORT}")
+    common = standalone + _torchrun_common(w) + _endpoint_from_master(w, dynamic, addr, port)
     legacy = w.ext.get("program") == "python -m torch.distributed.launch"
     unknown_hosts = w.hosts_unknown_here()
     _topology_notes(w, "--nnodes/--nproc-per-node")
@@ -420,11 +418,8 @@ def _torchrun_topology(w: _Writer, nnodes: Any, node_rank: Any, node: Node | Non
     multi = nnodes not in (None, 1)
     argv = ["torchrun", *([f"--nnodes={nnodes}"] if multi else [])]
     nproc = node.nproc if node is not None else w.plan.nproc
-    if nproc is None and multi and w.launch.world_size is not None and w.launch.max_nnodes is None:
-        # a process count known when the command runs, over a node count: the shell divides them
-        nproc = f"$(( {w.launch.world_size} / {nnodes} ))"
-        w.notes = [n for n in w.notes if n.source_path != "launch.world_size"]
-        w.note("launch.world_size", Fidelity.EXACT, f"torchrun counts per node: {nproc}", "--nproc-per-node")
+    if nproc is None and multi:
+        nproc = _nproc_from_world(w, nnodes)
     argv += [f"--nproc-per-node={nproc}"] if nproc is not None else []
     if master is None:
         return argv
@@ -434,6 +429,24 @@ def _torchrun_topology(w: _Writer, nnodes: Any, node_rank: Any, node: Node | Non
                        f"--master-port={port if port is not None else DEFAULT_PORT}"]
     argv += [f"--master-addr={addr}"] if addr is not None and w.launch.master_addr is not None else []
     return argv + ([f"--master-port={port}"] if port is not None else [])
+
+
+def _endpoint_from_master(w: _Writer, dynamic: bool, addr: Any, port: Any) -> list[str]:
+    """A dynamic rendezvous without an endpoint meets at the source's rank-0 address (accelerate launch
+    --rdzv_backend c10d --main_process_ip)."""
+    if not dynamic or w.launch.rdzv_endpoint is not None or addr is None:
+        return []
+    return [f"--rdzv-endpoint={addr}:{port if port is not None else DEFAULT_PORT}"]
+
+
+def _nproc_from_world(w: _Writer, nnodes: Any) -> str | None:
+    """A process count known only when the command runs, over a node count: the shell divides them."""
+    if w.launch.world_size is None or w.launch.max_nnodes is not None:
+        return None
+    nproc = f"$(( {w.launch.world_size} / {nnodes} ))"
+    w.notes = [n for n in w.notes if n.source_path != "launch.world_size"]
+    w.note("launch.world_size", Fidelity.EXACT, f"torchrun counts per node: {nproc}", "--nproc-per-node")
+    return nproc
 
 
 def _torchrun_common(w: _Writer) -> list[str]:
@@ -927,21 +940,11 @@ def write_kubernetes(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
     rendezvous endpoint, backend, node range and restarts as ``PET_*`` variables.
     """
     L, p = cfg.launch, plan(cfg.launch)
-    nnodes = p.nnodes if p.nnodes is not None else 1
-    if not isinstance(nnodes, int) or not (L.max_nnodes is None or isinstance(L.max_nnodes, int)):
-        raise ConfigError([Problem("launch.nnodes", nnodes if L.max_nnodes is None else f"{nnodes}:{L.max_nnodes}",
-                                   "a PyTorchJob needs the node count as a number (its pod replicas): give "
-                                   "--nnodes N (or MIN:MAX) in the launch line")])  # fmt: skip
+    nnodes = _pytorchjob_nodes(L, p)
     nproc = p.nproc if p.nproc is not None else L.nproc_per_node
     elastic = L.max_nnodes is not None or L.rdzv_backend not in (None, "static")
     kept = cfg.extensions.get("launch", {})
-    others = {k: v for k, v in kept.items() if not k.startswith(("slurm.", "kubernetes."))
-              and k not in ("wrapper", "program")}  # fmt: skip
-    managed = {key: _LAUNCH_DEFAULTS.get(key) for key in _PYTORCHJOB_MANAGED}
-    inner, notes = write_torchrun(cfg.model_copy(update={
-        "launch": L.model_copy(update={**managed, "nproc_per_node": nproc}),
-        "extensions": {**cfg.extensions, "launch": others}}))  # fmt: skip
-    notes = [n for n in notes if not n.source_path.startswith(tuple(f"launch.{k}" for k in _PYTORCHJOB_MANAGED))]
+    inner, notes = _pod_torchrun(cfg, nproc)
     notes += _kubernetes_notes(cfg, elastic, kept)
     container = _pytorchjob_container(cfg, inner.commands[0], nnodes if not elastic else None, notes)
     spec = _pytorchjob_spec(L, nnodes, nproc, elastic, container, notes)
@@ -951,6 +954,28 @@ def write_kubernetes(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
 
     text = yaml.safe_dump(manifest, sort_keys=False, default_flow_style=False, width=1000)
     return LaunchCommand(text.rstrip("\n"), launcher="kubernetes", commands=inner.commands, files=inner.files), notes
+
+
+def _pytorchjob_nodes(L: LaunchConfig, p: Plan) -> int:
+    """The pods: a node count as a number (a PyTorchJob's replicas cannot wait for the shell)."""
+    nnodes = p.nnodes if p.nnodes is not None else 1
+    if not isinstance(nnodes, int) or not (L.max_nnodes is None or isinstance(L.max_nnodes, int)):
+        raise ConfigError([Problem("launch.nnodes", nnodes if L.max_nnodes is None else f"{nnodes}:{L.max_nnodes}",
+                                   "a PyTorchJob needs the node count as a number (its pod replicas): give "
+                                   "--nnodes N (or MIN:MAX) in the launch line")])  # fmt: skip
+    return nnodes
+
+
+def _pod_torchrun(cfg: TorshConfig, nproc: Any) -> tuple[LaunchCommand, list[Note]]:
+    """The torchrun line one pod runs for its processes, and its notes (what the PyTorchJob carries left out)."""
+    kept = cfg.extensions.get("launch", {})
+    others = {k: v for k, v in kept.items() if not k.startswith(("slurm.", "kubernetes."))
+              and k not in ("wrapper", "program")}  # fmt: skip
+    managed = {key: _LAUNCH_DEFAULTS.get(key) for key in _PYTORCHJOB_MANAGED}
+    inner, notes = write_torchrun(cfg.model_copy(update={
+        "launch": cfg.launch.model_copy(update={**managed, "nproc_per_node": nproc}),
+        "extensions": {**cfg.extensions, "launch": others}}))  # fmt: skip
+    return inner, [n for n in notes if not n.source_path.startswith(tuple(f"launch.{k}" for k in _PYTORCHJOB_MANAGED))]
 
 
 def _pytorchjob_spec(L: LaunchConfig, nnodes: int, nproc: Any, elastic: bool, container: dict[str, Any],
@@ -986,15 +1011,18 @@ def _pytorchjob_container(cfg: TorshConfig, command: NodeCommand, fixed_nodes: i
         notes.append(Note("launch", "spec.pytorchReplicaSpecs.*.template.spec.containers[0].env", variables,
                           Fidelity.DEFERRED, f"the command uses {', '.join(variables)}: set them in the container's "
                           "env (a pod's command runs under bash -c for them)"))  # fmt: skip
-    port = L.master_port if isinstance(L.master_port, int) and fixed_nodes is not None else None
-    if fixed_nodes is None and L.rdzv_endpoint:
-        port = _endpoint(L.rdzv_endpoint)[1]  # the operator's rendezvous port, on the first worker
     image = cfg.extensions.get("launch", {}).get("kubernetes.image", KUBERNETES_PLACEHOLDERS["image"])
     container: dict[str, Any] = {"name": _PYTORCHJOB_CONTAINER, "image": image, "command": argv, "ports": [
-        {"name": _PYTORCHJOB_PORT, "containerPort": port if isinstance(port, int) else DEFAULT_PORT}]}  # fmt: skip
+        {"name": _PYTORCHJOB_PORT, "containerPort": _pytorchjob_port(L, elastic=fixed_nodes is None)}]}  # fmt: skip
     if command.env:
         container["env"] = [{"name": k, "value": str(v)} for k, v in command.env.items()]
     return container
+
+
+def _pytorchjob_port(L: LaunchConfig, elastic: bool) -> int:
+    """The port the operator's rendezvous uses: the master's (fixed size) or the rendezvous endpoint's (elastic)."""
+    port = _endpoint(L.rdzv_endpoint)[1] if elastic and L.rdzv_endpoint else None if elastic else L.master_port
+    return port if isinstance(port, int) else DEFAULT_PORT
 
 
 def _replica(count: int, container: dict[str, Any]) -> dict[str, Any]:
@@ -1037,15 +1065,23 @@ def _kubernetes_placeholders(kept: Mapping[str, Any]) -> list[Note]:
     return notes
 
 
+def _kubernetes_counts(L: LaunchConfig, elastic: bool) -> list[Note]:
+    """Where the node counts went: the replicas, or the elastic policy's range."""
+    notes = []
+    if L.nnodes is not None:
+        target = "spec.elasticPolicy.minReplicas" if elastic else "spec.pytorchReplicaSpecs (Master + Workers)"
+        notes.append(Note("launch.nnodes", target, L.nnodes, Fidelity.EXACT))
+    if L.max_nnodes is not None:
+        notes.append(Note("launch.max_nnodes", "spec.elasticPolicy.maxReplicas", L.max_nnodes, Fidelity.EXACT))
+    if L.standalone:
+        notes.append(Note("launch.standalone", None, True, Fidelity.EXACT, "one pod, whose torchrun meets on itself"))
+    return notes
+
+
 def _kubernetes_rendezvous(L: LaunchConfig, elastic: bool) -> list[Note]:
     """Where the node counts, the rendezvous and the port went in the PyTorchJob."""
     policy, port = "spec.elasticPolicy", "spec.pytorchReplicaSpecs.*.template.spec.containers[0].ports[pytorchjob-port]"
-    notes = []
-    if L.nnodes is not None:
-        target = f"{policy}.minReplicas" if elastic else "spec.pytorchReplicaSpecs (Master + Workers)"
-        notes.append(Note("launch.nnodes", target, L.nnodes, Fidelity.EXACT))
-    if L.max_nnodes is not None:
-        notes.append(Note("launch.max_nnodes", f"{policy}.maxReplicas", L.max_nnodes, Fidelity.EXACT))
+    notes = _kubernetes_counts(L, elastic) + _kubernetes_ports(L, elastic, port)
     if L.rdzv_backend is not None:
         other = L.rdzv_backend not in ("static", "c10d")
         notes.append(Note("launch.rdzv_backend", f"{policy}.rdzvBackend" if elastic else None, L.rdzv_backend,
@@ -1056,15 +1092,17 @@ def _kubernetes_rendezvous(L: LaunchConfig, elastic: bool) -> list[Note]:
         notes.append(Note("launch.rdzv_id", f"{policy}.rdzvId" if elastic else None, L.rdzv_id,
                           Fidelity.EXACT if elastic else Fidelity.DROPPED,
                           "" if elastic else "a fixed-size job meets on the Master pod, without a run id"))
-    if L.standalone:
-        notes.append(Note("launch.standalone", None, True, Fidelity.EXACT, "one pod, whose torchrun meets on itself"))
-    if isinstance(L.master_port, int) and not elastic:
-        notes.append(Note("launch.master_port", port, L.master_port, Fidelity.EXACT, "the training operator's "
-                          "MASTER_PORT"))  # fmt: skip
-    if L.rdzv_endpoint and elastic and isinstance(_endpoint(L.rdzv_endpoint)[1], int):
-        notes.append(Note("launch.rdzv_endpoint", port, L.rdzv_endpoint, Fidelity.APPROXIMATE, "the rendezvous "
-                          "port; the training operator puts the rendezvous on the first worker pod"))  # fmt: skip
     return notes
+
+
+def _kubernetes_ports(L: LaunchConfig, elastic: bool, port: str) -> list[Note]:
+    """The master's port (fixed size) or the rendezvous endpoint's (elastic): the container's port."""
+    if isinstance(L.master_port, int) and not elastic:
+        return [Note("launch.master_port", port, L.master_port, Fidelity.EXACT, "the training operator's MASTER_PORT")]
+    if L.rdzv_endpoint and elastic and isinstance(_endpoint(L.rdzv_endpoint)[1], int):
+        return [Note("launch.rdzv_endpoint", port, L.rdzv_endpoint, Fidelity.APPROXIMATE, "the rendezvous port; the "
+                     "training operator puts the rendezvous on the first worker pod")]  # fmt: skip
+    return []
 
 
 WRITERS: dict[str, Callable[[TorshConfig], tuple[LaunchCommand, list[Note]]]] = {
