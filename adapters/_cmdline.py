@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torsh.errors import ConfigError, Problem, did_you_mean
@@ -376,7 +376,9 @@ _SBATCH_LINE = re.compile(r"^#SBATCH\s+(.*)$")
 
 
 def is_pytorchjob(raw: Any) -> bool:
-    """A Kubeflow PyTorchJob manifest (YAML text)."""
+    """A Kubeflow PyTorchJob manifest (YAML text, or the mapping a config loader made of it)."""
+    if isinstance(raw, Mapping):
+        return raw.get("kind") == "PyTorchJob"
     return isinstance(raw, str) and re.search(r"^kind:\s*[\"']?PyTorchJob\b", raw, re.M) is not None
 
 
@@ -384,13 +386,13 @@ def is_pytorchjob(raw: Any) -> bool:
 _OPERATOR_SET = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_backend")
 
 
-def parse_pytorchjob(text: str) -> dict[str, Any]:
+def parse_pytorchjob(text: str | Mapping[str, Any]) -> dict[str, Any]:
     """A PyTorchJob manifest as the mapping :func:`parse` gives for the command of its pods, with what the training
     operator hands torchrun written in: the node count (the pods, or the elastic range), the rendezvous, restarts,
     processes per node and the container's variables. ``kubernetes``: the image and the job's name."""
     from torsh.formats import parse_text
 
-    job = parse_text(text, "yaml")
+    job = dict(text) if isinstance(text, Mapping) else parse_text(text, "yaml")
     spec, container, counts = _pytorchjob_parts(job)
     parsed = _pod_command([str(w) for w in [*(container.get("command") or []), *(container.get("args") or [])]])
     options = {k: v for k, v in parsed[parsed["launcher"]].items()
@@ -421,6 +423,10 @@ def _pytorchjob_parts(job: Any) -> tuple[dict, dict, list[int]]:
         raise ConfigError([Problem("spec.pytorchReplicaSpecs", None, "a PyTorchJob needs its Master/Worker "
                                    "replica specs")], source="launch")  # fmt: skip
     where, container, counts = _master_container(replicas)
+    for key in ("command", "args"):
+        if not isinstance(container.get(key) or [], list):
+            raise ConfigError([Problem(f"{where}.template.spec.containers[0].{key}", container[key], "a list of "
+                                       "words, as Kubernetes takes it")], source="launch")  # fmt: skip
     if not container.get("command") and not container.get("args"):
         raise ConfigError([Problem(f"{where}.template.spec.containers[0].command", None, "the container runs its "
                                    "image's entry point: torsh needs the launch command written in the "
@@ -441,8 +447,11 @@ def _master_container(replicas: dict) -> tuple[str, dict, list[int]]:
     try:
         containers = replicas[kind]["template"]["spec"]["containers"]
         container = next((c for c in containers if c.get("name") == "pytorch"), containers[0])
-        return where, container, [int(r.get("replicas", 1)) for r in replicas.values()]
-    except (KeyError, IndexError, TypeError, AttributeError, ValueError):
+        counts = [int(r.get("replicas", 1)) for r in replicas.values()]
+        if not isinstance(container, dict) or min(counts) < 0:
+            raise TypeError
+        return where, container, counts
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, OverflowError):
         raise ConfigError([Problem(f"{where}.template.spec.containers", None, "expected a container (named "
                                    "pytorch) with its command and the replicas as numbers")], source="launch") from None
 

@@ -460,10 +460,10 @@ class Launch(Dialect):
         return version  # reading takes every launcher; the version names a write target
 
     def shape(self, raw: Any) -> Any:
-        if isinstance(raw, Mapping):
-            return raw
         if _cmdline.is_pytorchjob(raw):
             return _cmdline.parse_pytorchjob(raw)
+        if isinstance(raw, Mapping):
+            return raw
         return _cmdline.parse_sbatch(raw) if _cmdline.is_sbatch(raw) else _cmdline.parse(raw)
 
     def check_schema(self, raw: Any) -> None:
@@ -488,7 +488,10 @@ class Launch(Dialect):
         return Translation(command, notes, "torsh", target)
 
     def sniff(self, raw: Any) -> float:
-        """A command string or argv naming a launcher; never a mapping (those are config files)."""
+        """A command string or argv naming a launcher, or a Kubeflow PyTorchJob manifest; no other mapping (those
+        are config files)."""
+        if _cmdline.is_pytorchjob(raw):
+            return 1.0
         if isinstance(raw, str) or (isinstance(raw, (list, tuple)) and raw and all(isinstance(t, str) for t in raw)):
             try:
                 _cmdline.parse(raw)

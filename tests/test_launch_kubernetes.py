@@ -378,6 +378,16 @@ def test_shell_variables_run_under_bash_and_are_named():
     ("kind: PyTorchJob\nspec:\n  pytorchReplicaSpecs:\n    Master:\n      template:\n        spec:\n"
      "          containers: [{name: pytorch, image: x}]\n", "entry point"),
     ("kind: PyTorchJob\nspec: [\n", "not valid YAML"),
+    ("kind: PyTorchJob\nspec:\n  pytorchReplicaSpecs:\n    Master:\n      template:\n        spec:\n"
+     "          containers: [{name: pytorch, command: python train.py}]\n", "a list of words"),
+    ("kind: PyTorchJob\nspec:\n  pytorchReplicaSpecs:\n    Master:\n      template:\n        spec:\n"
+     "          containers: [pytorch]\n", "container"),
+    ("kind: PyTorchJob\nspec:\n  pytorchReplicaSpecs:\n    Master:\n      replicas: -2\n      template:\n"
+     "        spec:\n          containers: [{name: pytorch, command: [torchrun, t.py]}]\n", "replicas as numbers"),
+    ("kind: PyTorchJob\nspec:\n  pytorchReplicaSpecs:\n    Master:\n      replicas: .inf\n      template:\n"
+     "        spec:\n          containers: [{name: pytorch, command: [torchrun, t.py]}]\n", "replicas"),
+    ("kind: PyTorchJob\nspec:\n  pytorchReplicaSpecs: [Master]\n", "spec.pytorchReplicaSpecs"),
+    ("kind: PyTorchJob\n", "spec.pytorchReplicaSpecs"),
 ])  # fmt: skip
 def test_a_broken_manifest_is_a_clear_error(text, message):
     with pytest.raises(ConfigError, match=message):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from torsh import adapters
 from torsh.adapters import launch
 from torsh.errors import ConfigError
 
@@ -56,3 +57,14 @@ def test_each_file_is_written_for_every_launcher(path, target):
     assert written.result.commands
     if target == "kubernetes":
         assert pytorchjob_problems(yaml.safe_load(str(written.result))) == []
+
+
+@pytest.mark.parametrize("path", [f for f in FILES if f.suffix == ".yaml"], ids=lambda f: f.name)
+def test_a_manifest_file_is_recognised_as_a_launch_by_validate(path):
+    """As a file (loaded as YAML, then sniffed), a PyTorchJob manifest is the launch dialect, read the same way."""
+    from torsh.cli import main
+
+    assert main(["validate", str(path)]) == 0
+    from_file = adapters.load(path)
+    assert from_file.source == "launch"
+    assert from_file.result.launch == launch.read(path.read_text()).result.launch
