@@ -128,3 +128,26 @@ def test_the_ray_options_come_out_before_torchruns():
     ours, rest = _ray_options(["--ray-address", "auto", "--ray-storage=s3://b/p", "--nproc-per-node", "2", "t.py"])
     assert (ours.ray_address, ours.ray_storage, ours.ray_name) == ("auto", "s3://b/p", None)
     assert rest == ["--nproc-per-node", "2", "t.py"]
+
+
+def test_the_job_size_comes_from_the_flags_else_the_configs_launch_section(tmp_path):
+    from torsh.run.ray import _workers, parse
+
+    (tmp_path / "job.toml").write_text("[launch]\nnnodes = 2\nnproc_per_node = 3\nmax_restarts = 4\n")
+    config = ["--ray-config", str(tmp_path / "job.toml")]
+    ours, args = parse([*config, "t.py"])
+    assert (_workers(args)[0], args.max_restarts) == (6, 4)
+    ours, args = parse([*config, "--nproc-per-node", "1", "--max-restarts", "0", "t.py"])  # flags win
+    assert (_workers(args)[0], args.max_restarts) == (2, 0)
+    ours, args = parse(["t.py"])  # torchrun's defaults
+    assert (_workers(args)[0], args.max_restarts) == (1, 0)
+    (tmp_path / "world.json").write_text('{"launch": {"nnodes": 2, "world_size": 8}}')
+    ours, args = parse(["--ray-config", str(tmp_path / "world.json"), "t.py"])
+    assert _workers(args)[0] == 8
+
+
+def test_a_config_that_cannot_be_read_is_exit_2_naming_it(tmp_path, capsys):
+    from torsh.run import ray
+
+    assert ray.main(["--ray-config", str(tmp_path / "missing.toml"), "t.py"]) == 2
+    assert "--ray-config" in capsys.readouterr().err

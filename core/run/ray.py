@@ -2,7 +2,8 @@
 
 ``torsh run --on ray [torchrun options] train.py [args]`` takes torchrun's options (parsed by torchrun's own
 parser): ``--nnodes N --nproc-per-node M`` become ``N*M`` Ray Train workers, one process each, GPUs when the
-machine (or cluster) has them; ``--max-restarts`` becomes Ray's ``max_failures``. Each worker installs the
+machine (or cluster) has them; ``--max-restarts`` becomes Ray's ``max_failures``. What the flags leave out comes
+from the launch section of ``--ray-config FILE`` (any config torsh reads), else torchrun's defaults. Each worker installs the
 ``deepspeed`` alias, as ``torsh run`` does, and runs the unchanged script as ``__main__``. Ray Train has set up
 ``torch.distributed`` (gloo on CPU, NCCL on GPU) and the variables torchrun would set (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ...), so ``torsh.initialize`` / ``deepspeed.initialize`` inside the script runs as under torchrun.
@@ -40,6 +41,8 @@ def _ray_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--ray-address", default=None, help="a running Ray cluster (default: start a local one)")
     parser.add_argument("--ray-storage", default=None, help="where Ray persists checkpoints (a path or URI)")
     parser.add_argument("--ray-name", default=None, help="the run's name under the storage path")
+    parser.add_argument("--ray-config", default=None, help="a config (any dialect torsh reads) whose launch section "
+                        "gives the processes and restarts the flags leave out")  # fmt: skip
     ours, rest = [], list(argv)
     while rest and rest[0].startswith("--ray-"):  # torsh's options come before torchrun's and the script's
         ours.append(rest.pop(0))
@@ -159,15 +162,55 @@ def _report_checkpoint(directory: str, tag: str) -> None:
                      delete_local_checkpoint_after_upload=False)  # fmt: skip
 
 
-def main(argv: list[str]) -> int:
-    """``torsh run --on ray [--ray-address A] [--ray-storage S] [--ray-name N] [torchrun options] script [args]``."""
+#: torchrun's options that size the job, with torchrun's defaults: a ``--ray-config`` fills those not given.
+_SIZING = {"nnodes": "1:1", "nproc_per_node": "1", "max_restarts": 0}
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """torsh's ``--ray-*`` options and torchrun's (parsed by its own parser), the job's size taken from the flags,
+    else from the ``--ray-config`` file's launch section, else torchrun's defaults."""
     from torch.distributed import run as torchrun
 
     ours, rest = _ray_options(argv)
     parser = torchrun.get_args_parser()
     parser.prog = "torsh run --on ray"
+    for action in parser._actions:
+        if action.dest in _SIZING:
+            action.default = None  # to tell a flag given from one left out
     args = parser.parse_args(rest)
+    if ours.ray_config is not None:
+        _size_from_config(args, ours.ray_config)
+    for dest, default in _SIZING.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+    return ours, args
+
+
+def _size_from_config(args: argparse.Namespace, path: str) -> None:
+    """The node count, processes per node and restarts of a config's launch section, where no flag gave them."""
+    from torsh import adapters
+    from torsh.errors import ConfigError
+
     try:
+        launch = adapters.load(path).result.launch
+    except ConfigError as exc:
+        raise RayUsageError(f"--ray-config {path}: {exc}") from None
+    nnodes = launch.nnodes if isinstance(launch.nnodes, int) else 1
+    if args.nnodes is None and launch.nnodes is not None:
+        args.nnodes = str(launch.nnodes)
+    if args.nproc_per_node is None and launch.nproc_per_node is not None:
+        args.nproc_per_node = str(launch.nproc_per_node)
+    elif args.nproc_per_node is None and isinstance(launch.world_size, int) and launch.world_size % nnodes == 0:
+        args.nproc_per_node = str(launch.world_size // nnodes)
+    if args.max_restarts is None and isinstance(launch.max_restarts, int):
+        args.max_restarts = launch.max_restarts
+
+
+def main(argv: list[str]) -> int:
+    """``torsh run --on ray [--ray-address A] [--ray-storage S] [--ray-name N] [--ray-config F] [torchrun options]
+    script [args]``."""
+    try:
+        ours, args = parse(argv)
         num_workers, use_gpu = _workers(args)
         if args.no_python:
             raise RayUsageError("--no-python: Ray Train workers run Python; give the training script")
