@@ -9,10 +9,12 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("launch", help="translate a launch command (torchrun, deepspeed, horovodrun, mpirun)",
+    parser = sub.add_parser("launch", help="translate a launch command (torchrun, deepspeed, horovodrun, mpirun, "
+                            "an sbatch script, a Kubeflow PyTorchJob)",
                             description="Read a torchrun / python -m torch.distributed.run / deepspeed / horovodrun "
-                            "/ mpirun / accelerate launch command and write the same job for another launcher. "
-                            "Quote the command as one argument, or put it after --.")  # fmt: skip
+                            "/ mpirun / accelerate launch command (or an sbatch script or PyTorchJob manifest file) "
+                            "and write the same job for another launcher or scheduler. Quote the command as one "
+                            "argument, or put it after --.")  # fmt: skip
     parser.add_argument("command", nargs="+", help="the launch command (one quoted string, or words after --)")
     parser.add_argument("--to", default="torchrun", metavar="LAUNCHER",
                         help="torchrun, deepspeed, horovodrun, mpirun, all (those four), slurm (an sbatch "
