@@ -107,9 +107,9 @@ _MPIRUN_FLAGS = {f"-{k}": v for k, v in _MPIRUN_OPTIONS.items()} | {f"--{k}": v 
 #: accelerate launch 1.15's options by destination (tests/test_key_tables.py checks them against its parser, through
 #: schemas/keys/accelerate.json): switches, then options taking a value; each is spelt ``--dest`` (``_`` or ``-``).
 ACCELERATE_SWITCHES = (
-    "quiet cpu multi_gpu tpu enable_cpu_affinity dynamo_use_fullgraph dynamo_use_dynamic dynamo_use_regional_compilation "
-    "use_deepspeed use_fsdp use_parallelism_config use_megatron_lm same_network module no_python tpu_use_sudo "
-    "downcast_bf16 fp8_use_autocast_during_eval debug").split()  # fmt: skip
+    "quiet cpu multi_gpu tpu enable_cpu_affinity dynamo_use_fullgraph dynamo_use_dynamic "
+    "dynamo_use_regional_compilation use_deepspeed use_fsdp use_parallelism_config use_megatron_lm same_network "
+    "module no_python tpu_use_sudo downcast_bf16 fp8_use_autocast_during_eval debug").split()  # fmt: skip
 ACCELERATE_VALUED = (
     "config_file mixed_precision num_processes num_machines num_cpu_threads_per_process dynamo_backend dynamo_mode "
     "gpu_ids machine_rank main_process_ip main_process_port tee log_dir role rdzv_backend rdzv_conf max_restarts "
@@ -117,27 +117,28 @@ ACCELERATE_VALUED = (
     "offload_param_device offload_optimizer_nvme_path offload_param_nvme_path gradient_accumulation_steps "
     "gradient_clipping zero3_init_flag zero3_save_16bit_model deepspeed_hostfile deepspeed_exclusion_filter "
     "deepspeed_inclusion_filter deepspeed_multinode_launcher deepspeed_moe_layer_cls_names fsdp_version "
-    "fsdp_offload_params fsdp_min_num_params fsdp_sharding_strategy fsdp_reshard_after_forward fsdp_auto_wrap_policy "
-    "fsdp_transformer_layer_cls_to_wrap fsdp_backward_prefetch fsdp_state_dict_type fsdp_forward_prefetch "
-    "fsdp_use_orig_params fsdp_cpu_ram_efficient_loading fsdp_sync_module_states fsdp_activation_checkpointing "
-    "fsdp_activation_checkpointing_offload megatron_lm_tp_degree megatron_lm_use_custom_fsdp megatron_lm_no_load_optim "
-    "megatron_lm_eod_mask_loss megatron_lm_overlap_cpu_optimizer_d2h_h2d megatron_lm_no_save_optim "
-    "megatron_lm_optimizer_cpu_offload megatron_lm_use_precision_aware_optimizer "
-    "megatron_lm_decoder_last_pipeline_num_layers megatron_lm_pp_degree megatron_lm_num_micro_batches "
-    "megatron_lm_sequence_parallelism megatron_lm_recompute_activations megatron_lm_use_distributed_optimizer "
-    "megatron_lm_gradient_clipping megatron_lm_recompute_granularity megatron_lm_recompute_method "
-    "megatron_lm_recompute_num_layers megatron_lm_attention_backend megatron_lm_expert_model_parallel_size "
-    "megatron_lm_context_parallel_size megatron_lm_attention_dropout megatron_lm_hidden_dropout "
-    "megatron_lm_attention_softmax_in_fp32 megatron_lm_expert_tensor_parallel_size megatron_lm_calculate_per_token_loss "
-    "megatron_lm_use_rotary_position_embeddings fp8_backend fp8_margin fp8_interval fp8_format fp8_amax_history_len "
-    "fp8_amax_compute_algo fp8_override_linear_precision fp8_opt_level fp8_enable_fsdp_float8_all_gather "
-    "fp8_pad_inner_dim aws_access_key_id aws_secret_access_key mpirun_hostfile parallelism_config_dp_replicate_size "
-    "parallelism_config_dp_shard_size parallelism_config_tp_size parallelism_config_cp_size "
-    "parallelism_config_cp_backend parallelism_config_cp_comm_strategy parallelism_config_sp_size "
-    "parallelism_config_sp_backend parallelism_config_sp_seq_length parallelism_config_sp_seq_length_is_variable "
-    "parallelism_config_sp_attn_implementation").split()  # fmt: skip
+    "fsdp_offload_params fsdp_min_num_params fsdp_sharding_strategy fsdp_reshard_after_forward "
+    "fsdp_auto_wrap_policy fsdp_transformer_layer_cls_to_wrap fsdp_backward_prefetch fsdp_state_dict_type "
+    "fsdp_forward_prefetch fsdp_use_orig_params fsdp_cpu_ram_efficient_loading fsdp_sync_module_states "
+    "fsdp_activation_checkpointing fsdp_activation_checkpointing_offload megatron_lm_tp_degree "
+    "megatron_lm_use_custom_fsdp megatron_lm_no_load_optim megatron_lm_eod_mask_loss "
+    "megatron_lm_overlap_cpu_optimizer_d2h_h2d megatron_lm_no_save_optim megatron_lm_optimizer_cpu_offload "
+    "megatron_lm_use_precision_aware_optimizer megatron_lm_decoder_last_pipeline_num_layers megatron_lm_pp_degree "
+    "megatron_lm_num_micro_batches megatron_lm_sequence_parallelism megatron_lm_recompute_activations "
+    "megatron_lm_use_distributed_optimizer megatron_lm_gradient_clipping megatron_lm_recompute_granularity "
+    "megatron_lm_recompute_method megatron_lm_recompute_num_layers megatron_lm_attention_backend "
+    "megatron_lm_expert_model_parallel_size megatron_lm_context_parallel_size megatron_lm_attention_dropout "
+    "megatron_lm_hidden_dropout megatron_lm_attention_softmax_in_fp32 megatron_lm_expert_tensor_parallel_size "
+    "megatron_lm_calculate_per_token_loss megatron_lm_use_rotary_position_embeddings fp8_backend fp8_margin "
+    "fp8_interval fp8_format fp8_amax_history_len fp8_amax_compute_algo fp8_override_linear_precision fp8_opt_level "
+    "fp8_enable_fsdp_float8_all_gather fp8_pad_inner_dim aws_access_key_id aws_secret_access_key mpirun_hostfile "
+    "parallelism_config_dp_replicate_size parallelism_config_dp_shard_size parallelism_config_tp_size "
+    "parallelism_config_cp_size parallelism_config_cp_backend parallelism_config_cp_comm_strategy "
+    "parallelism_config_sp_size parallelism_config_sp_backend parallelism_config_sp_seq_length "
+    "parallelism_config_sp_seq_length_is_variable parallelism_config_sp_attn_implementation").split()  # fmt: skip
 _ACCELERATE_FLAGS = {
-    **{f"--{dest}": (dest, 0) for dest in ACCELERATE_SWITCHES}, **{f"--{dest}": (dest, 1) for dest in ACCELERATE_VALUED},
+    **{f"--{dest}": (dest, 0) for dest in ACCELERATE_SWITCHES},
+    **{f"--{dest}": (dest, 1) for dest in ACCELERATE_VALUED},
     "-q": ("quiet", 0), "-t": ("tee", 1), "-m": ("module", 0),
     "--tpu_cluster": ("tpu_use_cluster", 0), "--no_tpu_cluster": ("no_tpu_cluster", 0),
 }  # fmt: skip

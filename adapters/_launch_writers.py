@@ -1059,7 +1059,8 @@ def _kubernetes_placeholders(kept: Mapping[str, Any]) -> list[Note]:
         notes = [Note("image", f"{container}.image", "<image>", Fidelity.DEFERRED, "not in a launch line: replace "
                       "<image> with an image holding your code, torch and torsh")]  # fmt: skip
     if "kubernetes.name" in kept:
-        notes.append(Note("extensions.launch.kubernetes.name", "metadata.name", kept["kubernetes.name"], Fidelity.EXACT))
+        notes.append(Note("extensions.launch.kubernetes.name", "metadata.name", kept["kubernetes.name"],
+                          Fidelity.EXACT))
     notes.append(Note("resources", f"{container}.resources", None, Fidelity.DEFERRED, "not in a launch line: request "
                       "each pod's GPUs (limits nvidia.com/gpu: the processes per node), CPUs and memory"))  # fmt: skip
     return notes
@@ -1133,7 +1134,8 @@ def worker_environments(cfg: TorshConfig, launcher: str = "torchrun") -> list[di
     for node_rank, node in enumerate(nodes):
         for local in range(node.nproc):
             env = worker_env("torchrun" if launcher in SCHEDULERS else launcher, rank=len(envs), local=local,
-                             world=world, nproc=node.nproc, node=node_rank, nnodes=nnodes, host=node.host or "localhost", addr=addr, port=port,
+                             world=world, nproc=node.nproc, node=node_rank, nnodes=nnodes,
+                             host=node.host or "localhost", addr=addr, port=port,
                              devices=",".join(map(str, node.devices or range(node.nproc))),
                              run_id=L.rdzv_id or "none", max_restarts=L.max_restarts or 0)  # fmt: skip
             envs.append({**L.env, **env})

@@ -56,7 +56,8 @@ def cli(argv: list[str] | None = None) -> int:
         print("usage: torsh run [--on ray] [torchrun options] training_script [args...]\n\n"
               "  run    launch like torchrun; `import deepspeed` in the workers resolves to torsh\n"
               "         (see `torsh run --help` for the options, which are torchrun's)\n"
-              "         --on ray: the same job as a Ray Train TorchTrainer (--ray-address, --ray-storage, --ray-name)")  # fmt: skip
+              "         --on ray: the same job as a Ray Train TorchTrainer\n"
+              "         (--ray-address, --ray-storage, --ray-name, --ray-config)")  # fmt: skip
         return 0 if argv else 2
     if argv[0] != "run":
         print(f"torsh: unknown command {argv[0]!r}; the command is `torsh run [torchrun options] script [args]` "

@@ -2,11 +2,12 @@
 
 ``torsh run --on ray [torchrun options] train.py [args]`` takes torchrun's options (parsed by torchrun's own
 parser): ``--nnodes N --nproc-per-node M`` become ``N*M`` Ray Train workers, one process each, GPUs when the
-machine (or cluster) has them; ``--max-restarts`` becomes Ray's ``max_failures``. What the flags leave out comes
-from the launch section of ``--ray-config FILE`` (any config torsh reads), else torchrun's defaults. Each worker installs the
-``deepspeed`` alias, as ``torsh run`` does, and runs the unchanged script as ``__main__``. Ray Train has set up
-``torch.distributed`` (gloo on CPU, NCCL on GPU) and the variables torchrun would set (``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE``, ...), so ``torsh.initialize`` / ``deepspeed.initialize`` inside the script runs as under torchrun.
+machine (or cluster) has them; ``--max-restarts`` becomes Ray's ``max_failures``. What the flags leave out
+comes from the launch section of ``--ray-config FILE`` (any config torsh reads), else torchrun's defaults. Each
+worker installs the ``deepspeed`` alias, as ``torsh run`` does, and runs the unchanged script as ``__main__``.
+Ray Train has set up ``torch.distributed`` (gloo on CPU, NCCL on GPU) and the variables torchrun would set
+(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...), so ``torsh.initialize`` / ``deepspeed.initialize`` inside the
+script runs as under torchrun.
 Every checkpoint the script saves (``engine.save_checkpoint``) is reported to Ray and persisted under its storage
 path (``--ray-storage``, Ray's default otherwise), named by its tag.
 
