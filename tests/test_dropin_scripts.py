@@ -54,7 +54,15 @@ def _env(extra_path: str | None = None) -> dict:
     return env
 
 
-def _launch(launcher: list[str], name: str, tmp: Path, env: dict) -> dict:
+#: What a process that finished its work prints when it is killed by the C++ teardown after Python's exit.
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def _launch(launcher: list[str], name: str, tmp: Path, env: dict, *, reference: bool = False) -> dict:
+    """Run a case on 2 ranks and return rank 0's record. ``reference``: the run under real DeepSpeed, whose
+    processes can abort at exit after training (CPU/gloo, scripts that end without destroying their process
+    group; 2 of 15 reference runs in one day's full suites): such a run's record counts when it was written whole,
+    and a run that aborted before writing it is repeated once. torsh's own runs get no such allowance."""
     tmp.mkdir(parents=True, exist_ok=True)
     script, args, _, config = CASES[name]
     if config is not None:
@@ -62,10 +70,18 @@ def _launch(launcher: list[str], name: str, tmp: Path, env: dict) -> dict:
     out = tmp / "result.json"
     args = [a.format(tmp=tmp) for a in args]
     cmd = [*launcher, "--nproc-per-node", "2", str(SCRIPTS / f"{script}.py"), *args, "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and out.exists(), \
-        f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+    for attempt in range(2 if reference else 1):
+        out.unlink(missing_ok=True)
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+        if proc.returncode == 0 and out.exists():
+            return json.loads(out.read_text())
+        if not (reference and EXIT_ABORT in proc.stderr):
+            break
+        try:
+            return json.loads(out.read_text())  # the abort came after the record was written
+        except (OSError, ValueError):
+            continue
+    pytest.fail(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
 
 def _skip_without_needs(name: str) -> None:
@@ -114,7 +130,8 @@ def test_script_runs_unchanged_on_torsh_without_deepspeed(name, tmp_path):
 def test_script_losses_match_real_deepspeed(name, tmp_path):
     pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is installed by requirements-dev.txt")
     _skip_without_needs(name)
-    theirs = _launch([sys.executable, "-m", "torch.distributed.run"], name, tmp_path / "deepspeed", _env())
+    theirs = _launch([sys.executable, "-m", "torch.distributed.run"], name, tmp_path / "deepspeed", _env(),
+                     reference=True)
     ours = run_on_torsh(name, tmp_path)
     assert theirs["real_deepspeed_modules"] > 0 and len(ours["losses"]) == len(theirs["losses"])
     tolerance = TOLERANCE[CASES[name][2]]
@@ -124,3 +141,31 @@ def test_script_losses_match_real_deepspeed(name, tmp_path):
     print(f"{name}: {len(ours['losses'])} steps, worst relative loss difference {worst:.2e}")
     if name == "hf_causal_lm_style":
         assert _relative(ours["checksum"], theirs["checksum"]) <= 1e-2  # the full weights read back agree
+
+
+FAKE_LAUNCHER = """
+import json, os, sys
+out = sys.argv[sys.argv.index("--out") + 1]
+if os.environ.get("WRITE") == "1":
+    with open(out, "w") as f:
+        json.dump({"losses": [1.0]}, f)
+sys.stderr.write("terminate called without an active exception\\n")
+sys.stderr.flush()
+os.abort()
+"""
+
+
+@pytest.mark.parametrize("written", [True, False])
+def test_only_the_reference_run_may_abort_at_exit_and_only_after_its_record(tmp_path, written):
+    """The allowance for real DeepSpeed's exit abort: the record counts when written; torsh gets none."""
+    fake = tmp_path / "fake_launcher.py"
+    fake.write_text(FAKE_LAUNCHER)
+    env = {**_env(), "WRITE": "1" if written else "0"}
+    launcher = [sys.executable, str(fake)]
+    if written:
+        assert _launch(launcher, "cifar_style", tmp_path / "ref", env, reference=True) == {"losses": [1.0]}
+    else:
+        with pytest.raises(pytest.fail.Exception, match="failed"):
+            _launch(launcher, "cifar_style", tmp_path / "ref", env, reference=True)
+    with pytest.raises(pytest.fail.Exception, match="failed"):
+        _launch(launcher, "cifar_style", tmp_path / "ours", env)
