@@ -333,10 +333,9 @@ TOP_MAP = {
     "main_process_port": Hook(read=_read_nullable("launch.master_port")),
     "rdzv_backend": To("launch.rdzv_backend"),
     "same_network": Ignored("torchrun --master_addr when true, --rdzv_endpoint when false: same rendezvous"),
-    "max_restarts": Dropped("not a key of an Accelerate config file: accelerate launch 1.15 refuses the file "
-                            "(\"unknown keys\"); give it on the command line, accelerate launch --max_restarts N"),
-    "monitor_interval": Ignored(_LAUNCHER),
-    "num_cpu_threads_per_process": Ignored("OMP_NUM_THREADS of each process: " + _LAUNCHER),
+    **{key: Dropped(f"not a key of an Accelerate config file: accelerate launch 1.15 refuses the file (\"unknown "
+                    f"keys\"); give it on the command line, accelerate launch --{key} N")
+       for key in ("max_restarts", "monitor_interval", "num_cpu_threads_per_process")},
     "gpu_ids": Ignored("CUDA_VISIBLE_DEVICES: " + _LAUNCHER),
     "dynamo_backend": Hook(read=_read_dynamo),
     "dynamo_config": Hook(read=_read_dynamo),

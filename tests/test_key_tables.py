@@ -263,6 +263,20 @@ def test_accelerate_table_matches_the_installed_accelerate():
         "schemas/keys/accelerate.json is stale: python -m torsh.schemas._generate_accelerate_keys")
 
 
+def test_a_top_level_key_accelerate_refuses_is_never_kept_or_written():
+    """A key of the Accelerate dialect's map that is not in Accelerate's own table makes `accelerate launch` refuse
+    the file ("unknown keys"): it must be read as dropped, never kept for a round trip or written (max_restarts,
+    monitor_interval and num_cpu_threads_per_process were, as launcher flags mistaken for config keys)."""
+    from torsh.adapters import accelerate
+    from torsh.translate import Fidelity
+
+    table = _table("accelerate")
+    known = set(table["top_level"]) | set(table["sagemaker"]) | set(table["sections"])
+    for key, meaning in accelerate.TOP_MAP.items():
+        if key.split(".")[0] not in known:
+            assert getattr(meaning, "fidelity", None) is Fidelity.DROPPED, key
+
+
 def test_the_launch_reader_knows_every_accelerate_launch_option_and_its_arity():
     """Every option of `accelerate launch` (each spelling) is parsed with the same arity, and every destination has
     a meaning in the launch dialect: found missing by Accelerate's own Slurm example (`--mpirun_hostfile`)."""
