@@ -1021,7 +1021,10 @@ def _pytorchjob_container(cfg: TorshConfig, command: NodeCommand, fixed_nodes: i
 
 def _pytorchjob_port(L: LaunchConfig, elastic: bool) -> int:
     """The port the operator's rendezvous uses: the master's (fixed size) or the rendezvous endpoint's (elastic)."""
-    port = _endpoint(L.rdzv_endpoint)[1] if elastic and L.rdzv_endpoint else None if elastic else L.master_port
+    if elastic:
+        port = _endpoint(L.rdzv_endpoint)[1] if L.rdzv_endpoint else None
+    else:
+        port = L.master_port
     return port if isinstance(port, int) else DEFAULT_PORT
 
 

@@ -9,11 +9,14 @@ as the operator would run it.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import yaml
@@ -171,7 +174,10 @@ def test_the_cli_writes_the_manifest_to_stdout_and_all_leaves_schedulers_out(tmp
     assert done.returncode == 0, done.stderr
     assert pytorchjob_problems(yaml.safe_load(out.read_text())) == []
     assert "write kubernetes" in done.stderr
-    assert main(["launch", LINES[0], "--to", "all"]) == 0
+    with contextlib.redirect_stdout(io.StringIO()) as every, contextlib.redirect_stderr(io.StringIO()):
+        assert main(["launch", LINES[0], "--to", "all"]) == 0
+    written = re.findall(r"^# ---- (\w+)$", every.getvalue(), re.M)
+    assert written == ["torchrun", "deepspeed", "horovodrun", "mpirun"]  # the launch lines, no scheduler files
 
 
 # --------------------------------------------------------------------------------------------------
@@ -237,7 +243,7 @@ def test_torchrun_in_each_pod_sees_the_source_topology(line):
         else:
             assert int(args.nnodes) == len(pods) and int(args.node_rank) == node_rank
             assert len(pods) == 1 or args.master_addr == "torsh-master-0"
-        assert args.training_script == (source.script if not source.module else source.script)
+        assert args.training_script == source.script and args.module == source.module
 
 
 TRAIN = textwrap.dedent("""
@@ -282,87 +288,37 @@ def test_a_written_manifest_reads_back_to_the_same_job(line):
     assert str(again.nproc_per_node) == str(layout.nproc if layout.nproc is not None else source.nproc_per_node)
 
 
-ONE_PROCESS_PER_POD = """\
-apiVersion: "kubeflow.org/v1"
-kind: PyTorchJob
-metadata:
-  name: mnist-gloo
-spec:
-  pytorchReplicaSpecs:
-    Master:
-      replicas: 1
-      restartPolicy: OnFailure
-      template:
-        spec:
-          containers:
-            - name: pytorch
-              image: registry.example/mnist:1.0
-              args: ["--backend", "gloo"]
-              command: ["python3", "/opt/mnist/mnist.py", "--epochs=1"]
-    Worker:
-      replicas: 3
-      restartPolicy: OnFailure
-      template:
-        spec:
-          containers:
-            - name: pytorch
-              image: registry.example/mnist:1.0
-              command: ["python3", "/opt/mnist/mnist.py", "--epochs=1"]
-              args: ["--backend", "gloo"]
-"""
-
-ELASTIC = """\
-apiVersion: kubeflow.org/v1
-kind: PyTorchJob
-metadata:
-  name: elastic-imagenet
-spec:
-  elasticPolicy:
-    rdzvBackend: c10d
-    minReplicas: 1
-    maxReplicas: 3
-    maxRestarts: 100
-  pytorchReplicaSpecs:
-    Worker:
-      replicas: 2
-      restartPolicy: OnFailure
-      template:
-        spec:
-          containers:
-            - name: pytorch
-              image: registry.example/imagenet:latest
-              env:
-                - name: LOGLEVEL
-                  value: DEBUG
-              command:
-                - python
-                - -m
-                - torch.distributed.run
-                - --nproc_per_node=1
-                - /workspace/imagenet.py
-                - --arch=resnet18
-"""
+MANIFESTS = Path(__file__).parent / "fixtures" / "corpus" / "launch" / "scripts"  # real ones (SOURCES.md)
 
 
 def test_a_manifest_whose_pods_run_python_is_one_process_per_pod():
-    t = launch.read(ONE_PROCESS_PER_POD)
+    t = launch.read((MANIFESTS / "kubeflow-simple.yaml").read_text())
     L = t.result.launch
-    assert (L.nnodes, L.nproc_per_node, L.script) == (4, 1, "/opt/mnist/mnist.py")
-    assert L.script_args == ["--epochs=1", "--backend", "gloo"]
-    assert t.result.extensions["launch"]["kubernetes.image"] == "registry.example/mnist:1.0"
+    assert (L.nnodes, L.nproc_per_node, L.script, L.script_args) == (2, 1, "/opt/mnist/src/mnist.py", ["--epochs=1"])
+    assert t.result.extensions["launch"]["kubernetes.image"] == "docker.io/kubeflowkatib/pytorch-mnist:v1beta1-45c5727"
     torchrun = str(launch.write(t.result, version="torchrun").result)
-    assert "--nnodes=4" in torchrun and "--nproc-per-node=1" in torchrun
+    assert "--nnodes=2" in torchrun and "--nproc-per-node=1" in torchrun
+
+
+def test_a_containers_args_follow_its_command():
+    pod = {"containers": [{"name": "pytorch", "image": "x", "command": ["python3", "train.py"],
+                           "args": ["--backend", "gloo"]}]}  # fmt: skip
+    job = {"kind": "PyTorchJob", "spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1, "template": {"spec": pod}},
+                                                                   "Worker": {"replicas": 3, "template": {"spec": pod}}}}}
+    L = launch.read(job).result.launch
+    assert (L.nnodes, L.script, L.script_args) == (4, "train.py", ["--backend", "gloo"])
 
 
 def test_an_elastic_manifest_is_an_elastic_torchrun_job():
-    t = launch.read(ELASTIC)
+    t = launch.read((MANIFESTS / "kubeflow-elastic-imagenet.yaml").read_text())
     L = t.result.launch
     assert (L.nnodes, L.max_nnodes, L.max_restarts, L.rdzv_backend) == (1, 3, 100, "c10d")
-    assert L.env == {"LOGLEVEL": "DEBUG"} and L.script == "/workspace/imagenet.py"
-    job, _ = yaml.safe_load(str(launch.write(t.result, version="kubernetes").result)), None
+    assert L.env == {"LOGLEVEL": "DEBUG"} and L.script == "/workspace/examples/imagenet.py"
+    job = yaml.safe_load(str(launch.write(t.result, version="kubernetes").result))
     assert pytorchjob_problems(job) == []
-    assert job["metadata"]["name"] == "elastic-imagenet"
-    assert job["spec"]["elasticPolicy"]["maxRestarts"] == 100
+    assert job["metadata"]["name"] == "elastic-example-imagenet"
+    assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 1, "maxReplicas": 3,
+                                            "maxRestarts": 100}  # fmt: skip
 
 
 def test_shell_variables_run_under_bash_and_are_named():

@@ -5,6 +5,7 @@ scheduler without an error; the manifests written are valid PyTorchJobs."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,22 @@ def test_each_file_is_written_for_every_launcher(path, target):
     assert written.result.commands
     if target == "kubernetes":
         assert pytorchjob_problems(yaml.safe_load(str(written.result))) == []
+        return
+    text = str(written.result)
+    syntax = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+    assert syntax.returncode == 0, (text, syntax.stderr)  # what a shell (or sbatch) runs is shell
+    for command in written.result.commands:
+        if command.argv[0] == "torchrun":  # torchrun's own parser takes each node's line
+            pytest.importorskip("torch")
+            from torch.distributed import run as torchrun
+
+            args = torchrun.get_args_parser().parse_args([_as_the_shell_gives_it(w) for w in command.argv[1:]])
+            assert args.training_script == _as_the_shell_gives_it(read.launch.script)
+
+
+def _as_the_shell_gives_it(word: str) -> str:
+    """A word with its shell variables and arithmetic replaced by a value (1), as torchrun receives it."""
+    return re.sub(r"\$\(\(.*?\)\)|\$\{[^}]*\}|\$\w+", "1", word)
 
 
 @pytest.mark.parametrize("path", [f for f in FILES if f.suffix == ".yaml"], ids=lambda f: f.name)

@@ -21,11 +21,9 @@ import os
 import sys
 from typing import Any
 
-#: The variables a worker takes from the launching shell (the rest of the environment is the Ray node's own).
+#: The variables a worker takes from the launching shell (the rest of the environment is the Ray node's own, and
+#: the rank variables are Ray Train's).
 FORWARDED_PREFIXES = ("TORSH_", "DS_", "NCCL_", "TORCH_", "OMP_", "GLOO_", "HF_", "TRANSFORMERS_", "PYTHON")
-#: What Ray Train sets in each worker itself; never forwarded.
-_RAY_SETS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
-             "CUDA_VISIBLE_DEVICES")  # fmt: skip
 
 
 class RayRunError(RuntimeError):
@@ -93,7 +91,7 @@ def run(script: str, args: list[str] | tuple[str, ...] = (), *, num_workers: int
     if use_gpu is None:
         use_gpu = torch.cuda.is_available()
     if env is None:
-        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES) and k not in _RAY_SETS}
+        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
     script_path = script if module else os.path.abspath(script)
     if not module and not os.path.isfile(script_path):
         raise RayUsageError(f"{script}: no such training script")
