@@ -49,7 +49,7 @@ from ._deepspeed_precision import PRECISION
 
 _PERF = "a performance knob with no numerical effect; the torsh engine sizes this itself"
 _ZERO3_PERF = "a ZeRO-3 fetch/partition knob (FSDP2 prefetches implicitly); no numerical effect"
-#: The bucket sizes torsh.engine.units reads from the kept value (DDP buckets, FSDP2 unit sizes).
+#: The sizes torsh.engine.units reads from the kept value (DDP buckets, FSDP2 unit sizes, units kept gathered).
 _SIZES_UNITS = "no numerical effect; kept: the torsh engine sizes its DDP buckets / FSDP2 units from it (see explain)"
 _OFFLOAD_IO = "an offload I/O knob; no numerical effect"
 _LOGGING = "logging only; no effect on training"
@@ -108,10 +108,9 @@ FIELD_MAP: dict[str, Any] = {
         "load_from_fp32_weights", "elastic_checkpoint")},
     "zero_optimization.reduce_bucket_size": rules.positive_or_drop(Ignored(_SIZES_UNITS), "5e8"),
     **{f"zero_optimization.{k}": Ignored(_SIZES_UNITS) for k in (
-        "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters")},
+        "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance")},
     **{f"zero_optimization.{k}": Ignored(_ZERO3_PERF) for k in (
-        "param_persistence_threshold", "model_persistence_threshold", "max_reuse_distance",
-        "module_granularity_threshold",
+        "param_persistence_threshold", "model_persistence_threshold", "module_granularity_threshold",
         "use_all_reduce_for_fetch_params", "allgather_sequential")},
     **{f"zero_optimization.{k}": rules.unless_default(False, Unsupported("ZeRO++ quantized communication has no "
                                                                          "torch equivalent"))

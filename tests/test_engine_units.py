@@ -98,7 +98,40 @@ def test_every_unit_says_why():
     assert lines[0] == plan.summary and lines[-1].startswith("root: the remaining")
     assert "unit 0: layers.0 .. layers.2 (3 modules) (330 parameters)" in lines[1]
     assert "adding layers.3 (110) would exceed the target" in lines[1]
-    assert lines[3].endswith("the last blocks")
+    assert "the last blocks; kept gathered from forward to backward: reused within 280 parameters" in lines[3]
+
+
+@pytest.mark.parametrize("window,kept", [
+    (None, [True, True, True]),  # DeepSpeed's default 1e9: a small model is never freed between forward and backward
+    (1000, [False, True, True]),  # units 1 and 2 are reused within 720 and 280 parameters, unit 0 within 1380
+    (1, [False, False, False]),  # every unit freed after forward, as stage 3 implies
+])
+def test_stage3_units_reused_within_max_reuse_distance_stay_gathered(window, kept):
+    """DeepSpeed frees a parameter after forward only when its next use (in backward) is max_reuse_distance
+    elements or more away; the units it would keep are not resharded after forward."""
+    zero = {"stage3_prefetch_bucket_size": 3 * BLOCK}
+    if window is not None:
+        zero["stage3_max_reuse_distance"] = window
+    plan = u.plan_units(Stack(), ShardingConfig(stage=3), ds(3, **zero), source="deepspeed")
+    assert plan.root_numel == 70 + 70  # the embedding and the bias-free head
+    assert [unit.reshard_after_forward is False for unit in plan.units] == kept
+    assert all(unit.reshard_after_forward in (None, False) for unit in plan.units)
+    assert ["kept gathered" in unit.reason for unit in plan.units] == kept
+
+
+@pytest.mark.parametrize("sharding", [ShardingConfig(stage=2), ShardingConfig(stage=3, reshard_after_forward=True)])
+def test_reuse_distance_leaves_stage2_and_an_explicit_reshard_alone(sharding):
+    plan = u.plan_units(Stack(), sharding, ds(sharding.stage), source="deepspeed")
+    assert [unit.reshard_after_forward for unit in plan.units] == [None]
+
+
+def test_max_reuse_distance_is_read_under_both_spellings_and_checked():
+    assert u.bucket_settings({}).max_reuse_distance == 10**9
+    assert u.bucket_settings(ds(3, max_reuse_distance=5)).max_reuse_distance == 5
+    assert u.bucket_settings(ds(3, stage3_max_reuse_distance=7)).sources["max_reuse_distance"] == \
+        "zero_optimization.stage3_max_reuse_distance=7"  # fmt: skip
+    with pytest.raises(ConfigError, match="stage3_max_reuse_distance"):
+        u.bucket_settings(ds(3, stage3_max_reuse_distance=-1))
 
 
 def test_per_layer_stays_selectable():
@@ -277,9 +310,12 @@ class Stack(nn.Module):
 
 model = Stack()
 config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-          "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": BUCKET}}
+          "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": BUCKET, "stage3_max_reuse_distance": REUSE}}
 engine, *_ = torsh.initialize(model=model, model_parameters=model.parameters(), config=config)
-engine.backward(engine(torch.randint(0, 7, (2, 3))).sum())
+loss = engine(torch.randint(0, 7, (2, 3))).sum()
+from torch.distributed.tensor import DTensor
+print("gathered", [not isinstance(model.layers[i].weight, DTensor) for i in (0, 3, 6)])
+engine.backward(loss)
 engine.step()
 states = {id(m._get_fsdp_state()) for m in model.modules() if hasattr(m, "_get_fsdp_state")}
 print(len(states))
@@ -287,15 +323,21 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("bucket,states", [(3 * BLOCK, 4), (1, 9)])
-def test_initialize_shards_a_deepspeed_config_in_units_of_its_bucket_size(tmp_path, bucket, states):
-    """Through torsh.initialize: 8 blocks in units of 3 (3 units + the root), or each block alone (8 + root)."""
+@pytest.mark.parametrize("bucket,states,reuse,gathered", [
+    (3 * BLOCK, 4, 10**9, "[True, True, True]"),
+    (3 * BLOCK, 4, 1000, "[False, True, True]"),
+    (1, 9, 1, "[False, False, False]"),
+])
+def test_initialize_shards_a_deepspeed_config_in_units_of_its_bucket_size(tmp_path, bucket, states, reuse, gathered):
+    """Through torsh.initialize: 8 blocks in units of 3 (3 units + the root), or each block alone (8 + root);
+    after forward, the units reused within stage3_max_reuse_distance hold their gathered parameters."""
     from _engine_harness import free_port
 
     script = tmp_path / "job.py"
-    script.write_text(INITIALIZE_SCRIPT.replace("BUCKET", str(bucket)))
+    script.write_text(INITIALIZE_SCRIPT.replace("BUCKET", str(bucket)).replace("REUSE", str(reuse)))
     env = {"PATH": "/usr/bin:/bin", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "OMP_NUM_THREADS": "1"}  # fmt: skip
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] == str(states)
+    assert f"gathered {gathered}" in proc.stdout

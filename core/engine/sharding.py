@@ -294,7 +294,9 @@ def _apply_fsdp(model, sharding: ShardingConfig, offload: OffloadConfig, gradien
     targets = []  # the first module of each unit (a unit's modules share one FSDP2 state): the prefetch order
     for unit in plan.units:
         modules = [named[name] for name in unit.modules]
-        fully_shard(modules if len(modules) > 1 else modules[0], **kwargs)
+        own = kwargs if unit.reshard_after_forward is None else {**kwargs, "reshard_after_forward":
+                                                                  unit.reshard_after_forward}  # fmt: skip
+        fully_shard(modules if len(modules) > 1 else modules[0], **own)
         targets.append(modules[0])
     fully_shard(model, **kwargs)
     if sharding.forward_prefetch:

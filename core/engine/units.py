@@ -2,12 +2,14 @@
 
 DeepSpeed's config says how large its user wants the collectives: ZeRO reduces gradients in buckets of
 ``reduce_bucket_size`` elements, gathers stage-2 parameters in buckets of ``allgather_bucket_size``, fetches
-stage-3 parameters ``stage3_prefetch_bucket_size`` elements ahead and keeps at most
-``stage3_max_live_parameters`` gathered. FSDP2 issues one all-gather and one reduce-scatter per unit, so a unit's
+stage-3 parameters ``stage3_prefetch_bucket_size`` elements ahead, keeps at most
+``stage3_max_live_parameters`` gathered by prefetching, and does not free a parameter after forward when it is
+used again within ``stage3_max_reuse_distance`` elements (backward's use, for a model below that size). FSDP2 issues one all-gather and one reduce-scatter per unit, so a unit's
 parameter count *is* its collective size: small units (one block each) keep the fewest parameters gathered,
 large ones make fewer, larger collectives. :func:`plan_units` groups consecutive blocks until a group holds about
 one DeepSpeed bucket, never more than half of ``stage3_max_live_parameters`` at stage 3 (FSDP2 holds two units
-gathered at a time: the one computing and the one prefetched), and says why for every unit. DDP (stages 0/1)
+gathered at a time: the one computing and the one prefetched), keeps a stage-3 unit gathered from forward to
+backward when DeepSpeed would (:func:`reuse_within`), and says why for every unit. DDP (stages 0/1)
 counts its buckets in MiB of gradient bytes: :func:`ddp_bucket_cap_mb` converts ``reduce_bucket_size``.
 
 The DeepSpeed keys have no core field; the DeepSpeed reader keeps them in ``extensions["deepspeed"]`` under
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from torsh.config import DdpConfig, ShardingConfig, TorshConfig
@@ -41,6 +43,7 @@ DEEPSPEED_DEFAULTS = {
     "allgather_bucket_size": 500_000_000,
     "prefetch_bucket_size": 50_000_000,
     "max_live_parameters": 1_000_000_000,
+    "max_reuse_distance": 1_000_000_000,
 }
 #: Where each setting is kept in ``extensions["deepspeed"]``: the name users know first, then its other spelling.
 _PATHS = {
@@ -50,6 +53,8 @@ _PATHS = {
                              "zero_optimization.prefetch_bucket_size"),
     "max_live_parameters": ("zero_optimization.stage3_max_live_parameters",
                             "zero_optimization.max_live_parameters"),
+    "max_reuse_distance": ("zero_optimization.stage3_max_reuse_distance",
+                           "zero_optimization.max_reuse_distance"),
 }  # fmt: skip
 #: "auto" as the Hugging Face Trainer fills it (a factor of hidden_size**2); other "auto"s take DeepSpeed's default.
 _HF_AUTO = {"reduce_bucket_size": 1.0, "prefetch_bucket_size": 0.9}
@@ -63,12 +68,13 @@ _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True)
 class BucketSettings:
-    """DeepSpeed's four collective sizes in elements, and where each value came from."""
+    """DeepSpeed's collective sizes and parameter-reuse window in elements, and where each value came from."""
 
     reduce_bucket_size: int
     allgather_bucket_size: int
     prefetch_bucket_size: int
     max_live_parameters: int
+    max_reuse_distance: int
     sources: Mapping[str, str]
     """Per setting: ``"zero_optimization.reduce_bucket_size=2e+07"``, ``"DeepSpeed's default 5e+08"``, ..."""
 
@@ -194,6 +200,8 @@ class Unit:
     modules: tuple[str, ...]
     numel: int
     reason: str
+    reshard_after_forward: bool | None = None
+    """This unit's own ``reshard_after_forward``; None: the sharding section's (as the stage implies)."""
 
 
 @dataclass(frozen=True)
@@ -266,7 +274,32 @@ def plan_units(model: nn.Module, sharding: ShardingConfig, extensions: Mapping[s
         summary = (f"units (buckets): consecutive blocks of {container} grouped up to {_count(target)} parameters, "
                    f"the smaller of DeepSpeed's reduce and gather buckets: {target_why}"
                    + (f"; at most {_count(cap)} per unit, {cap_why}" if cap else ""))  # fmt: skip
+        if sharding.stage == 3 and sharding.reshard_after_forward is None:
+            units = reuse_within(units, total - sum(u.numel for u in units), settings)
     return UnitPlan(policy, units, total - sum(u.numel for u in units), summary)
+
+
+def reuse_within(units: tuple[Unit, ...], root_numel: int, settings: BucketSettings) -> tuple[Unit, ...]:
+    """Stage-3 units DeepSpeed would keep gathered from forward to backward: not resharded after forward.
+
+    After a submodule's forward, DeepSpeed's ZeRO-3 frees a parameter only if the modules that run before its next
+    use (the rest of forward, then backward down to it) hold ``stage3_max_reuse_distance`` elements or more; with
+    the default 1e9, a smaller model keeps every parameter gathered until backward, as FSDP2 does with
+    ``reshard_after_forward=False``. A unit's distance is bounded here by twice the parameters of the units after
+    it and of the root (which holds the head and final norm that run between): a unit below the window keeps its
+    parameters, the others are resharded as stage 3 implies.
+    """
+    window = settings.max_reuse_distance
+    later = [sum(u.numel for u in units[i + 1:]) for i in range(len(units))]
+    kept = []
+    for unit, after in zip(units, later):
+        distance = 2 * (after + root_numel)
+        if distance < window:
+            unit = replace(unit, reshard_after_forward=False,
+                           reason=f"{unit.reason}; kept gathered from forward to backward: reused within "
+                                  f"{_count(distance)} parameters, below {settings.describe('max_reuse_distance')}")
+        kept.append(unit)
+    return tuple(kept)
 
 
 def group_blocks(blocks: list[tuple[str, int]], target: int, cap: int | None = None) -> tuple[Unit, ...]:
@@ -389,6 +422,10 @@ def describe_policy(cfg: TorshConfig, *, source: str | None = None, requested: s
         cap, cap_why = unit_cap(settings, s.stage)
         line = (f"FSDP2 units: consecutive blocks grouped up to {_count(target)} parameters ({target_why})"
                 + (f", at most {_count(cap)} per unit ({cap_why})" if cap else ""))  # fmt: skip
+        if s.stage == 3 and s.reshard_after_forward is None:
+            return [line, "FSDP2 units whose parameters are used again within "
+                    f"{settings.describe('max_reuse_distance')} stay gathered from forward to backward, as DeepSpeed "
+                    "keeps them (a model smaller than half of it is never resharded after forward)"]
         return [line]
     return [{"per_layer": "FSDP2 units: one per block (memory first)",
              "wrap": "FSDP2 units: as sharding.wrap says",
