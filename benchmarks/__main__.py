@@ -95,7 +95,7 @@ def compile_sources() -> None:
 
 
 def run_case(impls: list[str], stage: str, precision: str, shape: str, steps: int, warmup: int,
-             nproc: int, cuda: bool = False, torsh_units: str = "per_layer") -> dict:  # fmt: skip
+             nproc: int, cuda: bool = False, torsh_units: str = "engine") -> dict:  # fmt: skip
     """One launch of ``impls`` (one implementation, or several with alternating steps) on ``nproc`` ranks."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = handle.name
@@ -305,7 +305,7 @@ def update_readme(table: str, readme: Path = ROOT / "README.md") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("--impls", default=",".join(("native", "torsh", "deepspeed")),
+    parser.add_argument("--impls", default=",".join(IMPL_NAMES),
                         help="of native, torsh, deepspeed and torsh-per-layer (torsh with one FSDP2 unit per block, "
                              "the memory-first setting, in a table of its own)")  # fmt: skip
     parser.add_argument("--stages", default="0,1,2,3,3+offload")
@@ -317,9 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--quick", action="store_true",
                         help="1 repeat, stages 0 and 3, fp32, the comm shape (unless --shapes is given)")
-    parser.add_argument("--torsh-units", choices=["per_layer", "engine"], default="per_layer",
-                        help="torsh's FSDP2 units: one per block as in the hand-written job (default), or the "
-                             "engine's own choice from the DeepSpeed config")  # fmt: skip
+    parser.add_argument("--torsh-units", choices=["per_layer", "engine"], default="engine",
+                        help="torsh's FSDP2 units and DDP buckets: the engine's own choice from the DeepSpeed config, "
+                             "which the hand-written job copies (default), or one unit per block and DDP's default "
+                             "buckets in the hand-written job")  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="one device's peak TFLOP/s in the measured precision (e.g. 989 for an H100 SXM in "
                              "bf16): the table then gives MFU")  # fmt: skip

@@ -133,6 +133,22 @@ def make_batch(shape: Shape, generator: torch.Generator) -> tuple[torch.Tensor, 
     return torch.randn(shape.batch, shape.width, generator=generator), torch.randn(shape.batch, 1, generator=generator)
 
 
+def torsh_wrapping(stage: str, precision: str, shape: Shape) -> dict:
+    """How torsh's engine wraps this case's model from its DeepSpeed config, for the hand-written job to do the
+    same: the blocks of each FSDP2 unit at stages 2/3, DDP's bucket size at stages 0/1 (``NativeJob``'s
+    keyword arguments). Imports torsh's config reader and unit planner only (no engine)."""
+    from torsh import adapters
+    from torsh.engine.units import ddp_bucket_cap_mb, grad_bytes, plan_units
+
+    cfg = adapters.load(deepspeed_config(stage, precision, shape)).result
+    if cfg.sharding.stage <= 1:
+        mb, _ = ddp_bucket_cap_mb(cfg.ddp, cfg.extensions, grad_bytes=grad_bytes(cfg), source="deepspeed")
+        return {"bucket_cap_mb": mb}
+    plan = plan_units(build(shape), cfg.sharding, cfg.extensions, source="deepspeed", hidden_size=shape.width)
+    return {"units": [list(unit.modules) for unit in plan.units],
+            "reshard": [unit.reshard_after_forward for unit in plan.units]}  # fmt: skip
+
+
 def loss_of(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean squared error for a regression target, cross-entropy over the vocabulary for next tokens (in fp32)."""
     if y.dtype == torch.long:
@@ -167,11 +183,16 @@ class NativeJob:
     bf16, gradients are reduced in bf16 and the optimizer steps fp32 master copies, which are copied back; at
     stages 2/3 FSDP2's ``MixedPrecisionPolicy`` casts fp32 shards to bf16 for compute and reduction. The
     gradient norm is clipped to 1.0 over the (master) gradients, and every block (``Layer``, or the
-    transformer's ``Block``) is its own FSDP2 unit, as torsh wraps it. A tied embedding stays one parameter:
-    ``Module.to`` converts it in place, and at stages 2/3 it belongs to the root unit with the head.
+    transformer's ``Block``) is its own FSDP2 unit, or ``units`` says which blocks share one (``fully_shard`` over
+    a list of modules) and ``reshard`` which of them keep their parameters gathered from forward to backward
+    (False), so that the job wraps the model as the torsh run it is compared with. ``bucket_cap_mb``
+    sizes DDP's buckets at stages 0/1 (None: DDP's default). A tied embedding stays one parameter: ``Module.to``
+    converts it in place, and at stages 2/3 it belongs to the root unit with the head.
     """
 
-    def __init__(self, model: nn.Module, stage: str, precision: str, device: torch.device):
+    def __init__(self, model: nn.Module, stage: str, precision: str, device: torch.device,
+                 units: list[list[str]] | None = None, reshard: list[bool | None] | None = None,
+                 bucket_cap_mb: float | None = None):  # fmt: skip
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
@@ -188,8 +209,12 @@ class NativeJob:
             kwargs = {"mp_policy": mp, "reshard_after_forward": level == 3}
             if offload is not None:
                 kwargs["offload_policy"] = offload
-            for layer in model.layers:
-                fully_shard(layer, **kwargs)
+            named = dict(model.named_modules())
+            units = units or [[f"layers.{i}"] for i in range(len(model.layers))]
+            for names, after_forward in zip(units, reshard or [None] * len(units)):
+                modules = [named[name] for name in names]
+                own = kwargs if after_forward is None else {**kwargs, "reshard_after_forward": after_forward}
+                fully_shard(modules if len(modules) > 1 else modules[0], **own)
             fully_shard(model, **kwargs)
             self.model = model
             step_params = list(model.parameters())
@@ -200,7 +225,8 @@ class NativeJob:
                 self.params = list(model.parameters())
                 self.masters = [nn.Parameter(p.detach().float().clone()) for p in self.params]
                 model = model.to(torch.bfloat16)
-            self.model = DistributedDataParallel(model)
+            self.model = DistributedDataParallel(model) if bucket_cap_mb is None \
+                else DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)  # fmt: skip
             step_params = self.masters or list(model.parameters())
             if level == 1:
                 self.optimizer = ZeroRedundancyOptimizer(step_params, optimizer_class=torch.optim.AdamW,

@@ -33,7 +33,7 @@ import torch.distributed.optim  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
 from benchmarks.cases import (SHAPES, NativeJob, Shape, build, deepspeed_config, loss_of, make_batch, num_params,
-                              unit_class)
+                              torsh_wrapping, unit_class)
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -43,14 +43,15 @@ def _rss_mib() -> float:
 
 
 def build_step(impl: str, stage: str, precision: str, shape: Shape, device: torch.device,
-               torsh_units: str = "per_layer") -> Step:  # fmt: skip
+               torsh_units: str = "engine", wrapping: dict | None = None) -> Step:  # fmt: skip
     """Set up one implementation's job on a fresh model (same seed for every implementation); its step.
-    ``torsh_units``: ``"per_layer"`` makes every block a unit in torsh as in the hand-written job; ``"engine"``
-    leaves the units to the engine (sized from the DeepSpeed config's buckets where the engine does that).
+    ``torsh_units``: ``"engine"`` leaves the units to the engine (sized from the DeepSpeed config's buckets) and
+    the hand-written job wraps the model as ``wrapping`` (:func:`torsh_wrapping`) says, the same units and DDP
+    buckets; ``"per_layer"`` makes every block a unit in torsh as in the hand-written job's default.
     ``torsh-per-layer`` is torsh with one unit per block whatever ``torsh_units`` says (the memory-first row)."""
     model = build(shape)
     if impl == "native":
-        return NativeJob(model, stage, precision, device).train_step
+        return NativeJob(model, stage, precision, device, **(wrapping or {})).train_step
     config = deepspeed_config(stage, precision, shape)
     if impl == "deepspeed":
         import deepspeed as backend
@@ -100,11 +101,14 @@ def run(spec: dict, device: torch.device, rank: int) -> dict:
         x = x.to(torch.bfloat16)  # every implementation gets bf16 inputs (torsh and DeepSpeed need them at 0/1)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    units = spec.get("torsh_units", "engine")
+    # The hand-written job wraps as torsh's engine does (decided before the clock: it is not the job's set-up).
+    wrapping = torsh_wrapping(stage, precision, shape) if units == "engine" and "native" in impls else None
     rss_before = _rss_mib()
     steps, init_s = {}, {}
     for impl in impls:
         started = time.perf_counter()
-        steps[impl] = build_step(impl, stage, precision, shape, device, spec.get("torsh_units", "per_layer"))
+        steps[impl] = build_step(impl, stage, precision, shape, device, units, wrapping)
         init_s[impl] = time.perf_counter() - started
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     for i in range(spec["warmup"] + spec["steps"]):
