@@ -79,13 +79,18 @@ def plan(launch: LaunchConfig) -> Plan:
     """Which nodes run how many processes, following the launchers' own rules."""
     hosts = [(h.name, h.slots) for h in launch.hosts]
     symbolic = _symbolic_plan(launch, hosts)
-    if not all(v is None or isinstance(v, int) for v in (launch.nnodes, launch.world_size, launch.nproc_per_node)):
-        return symbolic  # a shell variable or gpu/auto/cpu: known when the command runs
-    if not hosts and launch.exclude:
-        return symbolic  # all hosts but some, and the hosts are not known
+    if _decided_when_run(launch, hosts):
+        return symbolic
     if not hosts and launch.include:
         hosts = [(h, None) for h in _filter_hosts(launch.include)]
     return (_host_plan(launch, hosts) if hosts else _unnamed_plan(launch)) or symbolic
+
+
+def _decided_when_run(launch: LaunchConfig, hosts: list) -> bool:
+    """A count in a shell variable or gpu/auto/cpu (known when the command runs), or all hosts but some of
+    hosts that are not known."""
+    counts = (launch.nnodes, launch.world_size, launch.nproc_per_node)
+    return not all(v is None or isinstance(v, int) for v in counts) or (not hosts and bool(launch.exclude))
 
 
 def _unnamed_plan(launch: LaunchConfig) -> Plan | None:
@@ -159,12 +164,17 @@ class _Writer:
         if same_launcher and self.ext.get("program") is not None:  # the source's spelling of this launcher
             program = self.ext["program"].split()
             argv_per_node = [NodeCommand(c.host, (*program, *c.argv[1:]), c.env) for c in argv_per_node]
+        return LaunchCommand("\n".join(self._lines(argv_per_node, wrapper)), launcher=self.target,
+                             commands=tuple(argv_per_node), files=files)  # fmt: skip
+
+    def _lines(self, commands: list[NodeCommand], wrapper: str) -> list[str]:
+        """The shell text: each command, under a comment naming its node when there are several (or a host)."""
         lines = []
-        for cmd in argv_per_node:
-            if len(argv_per_node) > 1 or (cmd.host and self.target == "torchrun"):
+        for cmd in commands:
+            if len(commands) > 1 or (cmd.host and self.target == "torchrun"):
                 lines.append(f"# on {cmd.host or 'each node'}")
             lines.append(cmd.shell(wrapper, self.ext.get("redirect", "")))
-        return LaunchCommand("\n".join(lines), launcher=self.target, commands=tuple(argv_per_node), files=files)
+        return lines
 
     def _extension(self, key: str, value: Any) -> Note | None:
         """What becomes of a kept part of the source command (None: written back by option_flags)."""
@@ -355,19 +365,27 @@ def _options(w: _Writer, table: tuple[Option, ...]) -> list[str]:
     args = []
     for option in table:
         value = get_path(w.cfg, option.path)
-        if value in (None, "", {}) or (option.spell is None and not value) or (
-                option.needs and not get_path(w.cfg, option.needs)):
+        if _not_written(w, option, value):
             continue
         spelt = None if option.spell is None else option.spell(value)
         if option.spell is not None and spelt is None:
             w.note(option.path, Fidelity.DROPPED, f"{option.flag} does not take this value")
             continue
         args.append(option.flag if option.spell is None else f"{option.flag}={spelt}")
-        fidelity, reason = option.fidelity, option.reason
-        if option.spell is _whole_mib and value % (1024 * 1024):
-            fidelity, reason = Fidelity.APPROXIMATE, "whole MiB"
-        w.note(option.path, fidelity, reason, option.flag)
+        w.note(option.path, *_option_fidelity(option, value), option.flag)
     return args
+
+
+def _not_written(w: _Writer, option: Option, value: Any) -> bool:
+    """Unset, a switch that is off, or an option whose companion field is unset."""
+    return value in (None, "", {}) or (option.spell is None and not value) or bool(
+        option.needs and not get_path(w.cfg, option.needs))
+
+
+def _option_fidelity(option: Option, value: Any) -> tuple[Fidelity, str]:
+    if option.spell is _whole_mib and value % (1024 * 1024):
+        return Fidelity.APPROXIMATE, "whole MiB"
+    return option.fidelity, option.reason
 
 
 def write_torchrun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
@@ -389,15 +407,24 @@ def write_torchrun(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
     commands: list[NodeCommand] = []
     for node_rank, node in ranks:
         argv = _torchrun_topology(w, nnodes, node_rank, node, None if dynamic else (addr, port))
-        devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, node.devices))} if node and node.devices else {}
-        commands.append(NodeCommand(node.host if node else None, (*argv, *common, *script), {**L.env, **devices}))
+        commands.append(NodeCommand(node.host if node else None, (*argv, *common, *script),
+                                    {**L.env, **_visible_devices(node)}))  # fmt: skip
     _master_notes(w, "--master-addr/--master-port" if not dynamic else "--rdzv-endpoint")
     if L.hosts and not unknown_hosts:
-        where = "each command names its host" if len(commands) > 1 else "start the command on each host"
-        w.notes.append(Note("launch.hosts", None, [h.name for h in L.hosts], Fidelity.EXACT,
-                            f"torchrun runs once per node: {where}"))
-        w.done.add("launch.hosts")
+        _torchrun_hosts_note(w, len(commands))
     return w.finish(commands), w.notes
+
+
+def _visible_devices(node: Node | None) -> dict[str, str]:
+    """A node's device selection (``--include host:0,1``) as the variable its torchrun runs under."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, node.devices))} if node and node.devices else {}
+
+
+def _torchrun_hosts_note(w: _Writer, commands: int) -> None:
+    where = "each command names its host" if commands > 1 else "start the command on each host"
+    w.notes.append(Note("launch.hosts", None, [h.name for h in w.launch.hosts], Fidelity.EXACT,
+                        f"torchrun runs once per node: {where}"))
+    w.done.add("launch.hosts")
 
 
 def _torchrun_counts(w: _Writer) -> tuple[list[str], Any]:
@@ -421,13 +448,17 @@ def _torchrun_topology(w: _Writer, nnodes: Any, node_rank: Any, node: Node | Non
     if nproc is None and multi:
         nproc = _nproc_from_world(w, nnodes)
     argv += [f"--nproc-per-node={nproc}"] if nproc is not None else []
-    if master is None:
-        return argv
+    return argv if master is None else argv + _static_master(w, multi, node_rank, master)
+
+
+def _static_master(w: _Writer, multi: bool, node_rank: Any, master: tuple) -> list[str]:
+    """A static rendezvous: on several nodes the node rank and rank 0's address (a variable when unknown); on one,
+    the address and port as given."""
     addr, port = master
     if multi:
-        return argv + [f"--node-rank={node_rank}", f"--master-addr={addr if addr is not None else '$MASTER_ADDR'}",
-                       f"--master-port={port if port is not None else DEFAULT_PORT}"]
-    argv += [f"--master-addr={addr}"] if addr is not None and w.launch.master_addr is not None else []
+        return [f"--node-rank={node_rank}", f"--master-addr={addr if addr is not None else '$MASTER_ADDR'}",
+                f"--master-port={port if port is not None else DEFAULT_PORT}"]
+    argv = [f"--master-addr={addr}"] if addr is not None and w.launch.master_addr is not None else []
     return argv + ([f"--master-port={port}"] if port is not None else [])
 
 
@@ -607,16 +638,20 @@ def _deepspeed_hostfile(w: _Writer, hosts: list, multi: bool, files: dict[str, s
         return []
     named = _hostfile_lines(p, hosts)
     files["hostfile"] = format_hostfile(named)
-    if any(slots is None for _, slots in named):
-        w.notes.append(Note("launch.hosts", "hostfile", [h.name for h in L.hosts], Fidelity.APPROXIMATE,
-                            "deepspeed's hostfile needs slots=N on every line: fill them in"))
-    elif hosts:
-        w.notes.append(Note("launch.hosts", "hostfile", [h.name for h in L.hosts], Fidelity.EXACT,
-                            "written to the hostfile"))
-    else:
-        w.notes.append(Note("launch.nnodes", "hostfile", p.nnodes, Fidelity.APPROXIMATE, "deepspeed needs a "
-                            "hostfile naming the nodes: fill in the host names in the generated one"))
+    w.notes.append(_written_hostfile_note(w, named, bool(hosts)))
     return ["--hostfile=hostfile"]
+
+
+def _written_hostfile_note(w: _Writer, named: list[tuple[str, int | None]], hosts_named: bool) -> Note:
+    """What the generated hostfile holds: the hosts, or what is left to fill in (slots, host names)."""
+    names = [h.name for h in w.launch.hosts]
+    if any(slots is None for _, slots in named):
+        return Note("launch.hosts", "hostfile", names, Fidelity.APPROXIMATE,
+                    "deepspeed's hostfile needs slots=N on every line: fill them in")
+    if hosts_named:
+        return Note("launch.hosts", "hostfile", names, Fidelity.EXACT, "written to the hostfile")
+    return Note("launch.nnodes", "hostfile", w.plan.nnodes, Fidelity.APPROXIMATE, "deepspeed needs a hostfile "
+                "naming the nodes: fill in the host names in the generated one")
 
 
 def _hostfile_lines(p: Plan, hosts: list) -> list[tuple[str, int | None]]:
@@ -624,8 +659,11 @@ def _hostfile_lines(p: Plan, hosts: list) -> list[tuple[str, int | None]]:
     slots=N), the hosts, or placeholders for nodes that are not named."""
     if p.nodes and hosts and any(slots is None for _, slots in hosts):
         return [(n.host, n.nproc) for n in p.nodes]
-    if hosts:
-        return hosts
+    return hosts or _placeholder_lines(p)
+
+
+def _placeholder_lines(p: Plan) -> list[tuple[str, int | None]]:
+    """(host, slots) for nodes that are not named: <host-i>, with the counts that are known."""
     if p.nodes:
         return [(n.host or f"<host-{i}>", n.nproc) for i, n in enumerate(p.nodes)]
     count = p.nnodes if isinstance(p.nnodes, int) else 2
@@ -646,15 +684,20 @@ def _deepspeed_selection(w: _Writer, hosts: list) -> list[str] | None:
     """--include/--exclude as given, or an --include of the first slots when -np fills fewer than the hosts have."""
     L, nodes = w.launch, w.plan.nodes
     if L.include or L.exclude:
-        w.note("launch.include" if L.include else "launch.exclude", Fidelity.EXACT, target="--include/--exclude")
-        w.done |= {"launch.include", "launch.exclude"}
-        return [f"--include={L.include}" if L.include else f"--exclude={L.exclude}"]
+        return _filter_as_given(w)
     if not (nodes and hosts and L.world_size) or all(n.nproc == (s or n.nproc) for n, (_, s) in zip(nodes, hosts)):
         return None
     w.notes.append(Note("launch.world_size", "--include", L.world_size, Fidelity.EXACT,
                         "fewer processes than slots: the first slots of each host, as -np fills them"))
     w.done.add("launch.world_size")
     return ["--include=" + "@".join(f"{n.host}:{','.join(map(str, range(n.nproc)))}" for n in nodes)]
+
+
+def _filter_as_given(w: _Writer) -> list[str]:
+    L = w.launch
+    w.note("launch.include" if L.include else "launch.exclude", Fidelity.EXACT, target="--include/--exclude")
+    w.done |= {"launch.include", "launch.exclude"}
+    return [f"--include={L.include}" if L.include else f"--exclude={L.exclude}"]
 
 
 def _num_gpus(w: _Writer, hosts: list) -> list[str]:
@@ -679,6 +722,13 @@ def _deepspeed_rendezvous(w: _Writer, multi: bool) -> list[str]:
     if port is not None:
         args.append(f"--master_port={port}")
     _master_notes(w, "--master_addr/--master_port")
+    _static_rendezvous_notes(w)
+    return args
+
+
+def _static_rendezvous_notes(w: _Writer) -> None:
+    """torchrun's rendezvous settings, which deepspeed's static rendezvous has no place for."""
+    L = w.launch
     for key in ("rdzv_backend", "rdzv_endpoint"):
         if getattr(L, key) is not None:
             w.note(f"launch.{key}", Fidelity.APPROXIMATE, "deepspeed has a static rendezvous only: its address is "
@@ -689,7 +739,6 @@ def _deepspeed_rendezvous(w: _Writer, multi: bool) -> list[str]:
                    "settings or restarts")
     if L.standalone:
         w.note("launch.standalone", Fidelity.EXACT, "single-node deepspeed runs locally")
-    return args
 
 
 def _deepspeed_env(w: _Writer, multi: bool, files: dict[str, str]) -> dict[str, str]:
@@ -721,6 +770,14 @@ def _command_launcher(cfg: TorshConfig, target: str) -> tuple[_Writer, list[str]
     _filter_note(w, per_node_devices=False)
     args += _host_list(w, world)
     w.done |= {"launch.hosts", "launch.hostfile"}
+    _one_command_notes(w, target)
+    return w, args, env
+
+
+def _one_command_notes(w: _Writer, target: str) -> None:
+    """horovodrun and mpirun start every node from one command: what torchrun-style settings become there, and
+    which rank variables the workers get."""
+    L = w.launch
     if L.node_rank is not None:
         w.note("launch.node_rank", Fidelity.DROPPED, f"{target} starts all nodes from one command on one host")
     if L.max_nnodes is not None:
@@ -737,22 +794,22 @@ def _command_launcher(cfg: TorshConfig, target: str) -> tuple[_Writer, list[str]
         reason = (f"{target} sets no RANK, LOCAL_RANK or WORLD_SIZE (only {names}): a script reading them must use "
                   "torsh.ranks.discover()" + (" or hvd.init()" if target == "horovodrun" else ""))
         w.notes.append(Note("launch", None, ["RANK", "LOCAL_RANK", "WORLD_SIZE"], Fidelity.APPROXIMATE, reason))
-    return w, args, env
 
 
 def _process_count(w: _Writer) -> Any:
     """-np: the world size, or nodes x processes per node (a shell product when they are variables)."""
     p = w.plan
-    world = p.world_size
-    literal = p.nproc in ("gpu", "auto", "cpu")
-    if world is None and p.nproc is not None and not literal and p.nnodes in (None, 1):
-        world = p.nproc
-    elif world is None and p.nodes is None and p.nproc is not None and not literal:
-        world = f"$(({_cmdline.quote(str(p.nnodes))} * {_cmdline.quote(str(p.nproc))}))"
-    if world is None and literal:
+    if p.world_size is not None:
+        return p.world_size
+    if p.nproc in ("gpu", "auto", "cpu"):
         w.note("launch.nproc_per_node", Fidelity.UNSUPPORTED, f"{w.target} needs a process count (-np N); "
                f"'{p.nproc}' is decided by torchrun at start-up")
-    return world
+        return None
+    if p.nproc is None:
+        return None
+    if p.nnodes in (None, 1):
+        return p.nproc
+    return f"$(({_cmdline.quote(str(p.nnodes))} * {_cmdline.quote(str(p.nproc))}))" if p.nodes is None else None
 
 
 def _host_list(w: _Writer, world: Any) -> list[str]:
@@ -779,10 +836,15 @@ def _hosts_as_written(w: _Writer, world: Any) -> list[str] | None:
     hosts = w.launch.hosts
     if w.plan.nodes is not None or not hosts:
         return None
-    single = len(hosts) == 1 and world is not None and not shell_references(hosts[0].name)
+    single = _one_literal_host(hosts, world)
     w.notes.append(Note("launch.hosts", "-H", [h.name for h in hosts], Fidelity.EXACT, "a single host's "
                         "slots are the process count" if single else ""))  # fmt: skip
     return ["-H", ",".join(f"{h.name}:{h.slots or world}" if h.slots or single else h.name for h in hosts)]
+
+
+def _one_literal_host(hosts: list, world: Any) -> bool:
+    """One host named literally and a known process count: the host's slots are that count."""
+    return len(hosts) == 1 and world is not None and not shell_references(hosts[0].name)
 
 
 def _hostfile_option(w: _Writer, world: Any) -> list[str] | None:
@@ -879,13 +941,20 @@ def _slurm_notes(cfg: TorshConfig, managed: dict[str, Any], notes: list[Note]) -
         notes.append(Note("launch.nnodes", "#SBATCH --nodes", L.nnodes, Fidelity.EXACT))
     for key in ("hosts", "hostfile", "include", "exclude", "master_addr", "master_port", "node_rank", "rdzv_backend",
                 "rdzv_endpoint", "rdzv_id"):
-        value = get_path(cfg, f"launch.{key}")
-        if key.startswith("rdzv") and value == managed[key]:  # the rendezvous of a Slurm script read back
-            notes.append(Note(f"launch.{key}", f"torchrun --{key.replace('_', '-')}", value, Fidelity.EXACT))
-        elif value not in (None, [], False) and key != "master_port":
-            notes.append(Note(f"launch.{key}", None, value, Fidelity.APPROXIMATE, "Slurm picks the nodes (sbatch "
-                              "--nodelist / --exclude choose them) and torchrun meets on the first one"))
+        note = _slurm_managed_note(key, get_path(cfg, f"launch.{key}"), managed)
+        if note is not None:
+            notes.append(note)
     return notes
+
+
+def _slurm_managed_note(key: str, value: Any, managed: dict[str, Any]) -> Note | None:
+    """A node-choosing or rendezvous setting under Slurm: Slurm's own rendezvous read back, or left to Slurm."""
+    if key.startswith("rdzv") and value == managed[key]:  # the rendezvous of a Slurm script read back
+        return Note(f"launch.{key}", f"torchrun --{key.replace('_', '-')}", value, Fidelity.EXACT)
+    if value in (None, [], False) or key == "master_port":
+        return None
+    return Note(f"launch.{key}", None, value, Fidelity.APPROXIMATE, "Slurm picks the nodes (sbatch --nodelist / "
+                "--exclude choose them) and torchrun meets on the first one")
 
 
 def write_slurm(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
@@ -899,26 +968,41 @@ def write_slurm(cfg: TorshConfig) -> tuple[LaunchCommand, list[Note]]:
                "exclude": None, "node_rank": None, "master_addr": None, "master_port": None, "world_size": None,
                "nproc_per_node": nproc, "rdzv_backend": "c10d", "rdzv_endpoint": f"{_SLURM_ENDPOINT}:{port}",
                "rdzv_id": "$SLURM_JOB_ID", "standalone": False}  # fmt: skip
-    kept = cfg.extensions.get("launch", {})
-    directives = {k.removeprefix("slurm."): v for k, v in kept.items() if k.startswith("slurm.")}
-    others = {k: v for k, v in kept.items() if not k.startswith("slurm.") and not (k == "wrapper" and v == "srun")}
+    directives, others = _split_kept_slurm(cfg.extensions.get("launch", {}))
     inner, notes = write_torchrun(cfg.model_copy(update={"launch": L.model_copy(update=managed),
                                                          "extensions": {**cfg.extensions, "launch": others}}))
     notes = _slurm_notes(cfg, managed, notes)
     sbatch = {"job-name": "torsh", **directives, "nodes": nnodes, "ntasks-per-node": 1}
-    for key, placeholder in SLURM_PLACEHOLDERS.items():
-        if key not in sbatch:
-            sbatch[key] = placeholder
-            notes.append(Note(f"slurm.{key}", f"#SBATCH --{key}", placeholder, Fidelity.DEFERRED, f"not in a launch "
-                              f"line: replace {placeholder} with your cluster's {key}"))  # fmt: skip
-    notes += [Note(f"extensions.launch.slurm.{k}", f"#SBATCH --{k}", v, Fidelity.EXACT, "kept from the source "
-                   "script") for k, v in directives.items() if k not in ("nodes", "ntasks-per-node")]  # fmt: skip
+    notes += _sbatch_placeholders(sbatch) + _kept_directive_notes(directives)
     lines = ["#!/bin/bash", *(f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={v}" for k, v in sbatch.items()),
              "", "set -euo pipefail",
              "# torchrun on every node meets the others on the first one (c10d rendezvous)",
              'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
              *(command.shell("srun") for command in inner.commands)]  # fmt: skip
     return LaunchCommand("\n".join(lines), launcher="slurm", commands=inner.commands, files=inner.files), notes
+
+
+def _split_kept_slurm(kept: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A source script's #SBATCH directives (``slurm.*``), and the rest of its kept command without its srun."""
+    directives = {k.removeprefix("slurm."): v for k, v in kept.items() if k.startswith("slurm.")}
+    others = {k: v for k, v in kept.items() if not k.startswith("slurm.") and not (k == "wrapper" and v == "srun")}
+    return directives, others
+
+
+def _sbatch_placeholders(sbatch: dict[str, Any]) -> list[Note]:
+    """Fill the #SBATCH values a launch line does not say with placeholders (in ``sbatch``), each noted."""
+    notes = []
+    for key, placeholder in SLURM_PLACEHOLDERS.items():
+        if key not in sbatch:
+            sbatch[key] = placeholder
+            notes.append(Note(f"slurm.{key}", f"#SBATCH --{key}", placeholder, Fidelity.DEFERRED, f"not in a launch "
+                              f"line: replace {placeholder} with your cluster's {key}"))  # fmt: skip
+    return notes
+
+
+def _kept_directive_notes(directives: dict[str, Any]) -> list[Note]:
+    return [Note(f"extensions.launch.slurm.{k}", f"#SBATCH --{k}", v, Fidelity.EXACT, "kept from the source script")
+            for k, v in directives.items() if k not in ("nodes", "ntasks-per-node")]  # fmt: skip
 
 
 #: The PyTorchJob values no launch line says: placeholders the report names.
@@ -1127,22 +1211,25 @@ def worker_environments(cfg: TorshConfig, launcher: str = "torchrun") -> list[di
 
     Includes ``launch.env``. Raises ConfigError when the topology is not concrete (shell variables, ``gpu``).
     """
-    L = cfg.launch
     nodes = _concrete_nodes(cfg, launcher)
-    addr, port = _port(_Writer(cfg, launcher))
-    addr = addr or "127.0.0.1"
-    port = str(port or DEFAULT_PORT)
-    world, nnodes = sum(n.nproc for n in nodes), len(nodes)
+    shared = _shared_worker_values(cfg, launcher, nodes)
+    starter = "torchrun" if launcher in SCHEDULERS else launcher
     envs = []
     for node_rank, node in enumerate(nodes):
         for local in range(node.nproc):
-            env = worker_env("torchrun" if launcher in SCHEDULERS else launcher, rank=len(envs), local=local,
-                             world=world, nproc=node.nproc, node=node_rank, nnodes=nnodes,
-                             host=node.host or "localhost", addr=addr, port=port,
-                             devices=",".join(map(str, node.devices or range(node.nproc))),
-                             run_id=L.rdzv_id or "none", max_restarts=L.max_restarts or 0)  # fmt: skip
-            envs.append({**L.env, **env})
+            env = worker_env(starter, rank=len(envs), local=local, nproc=node.nproc, node=node_rank,
+                             host=node.host or "localhost",
+                             devices=",".join(map(str, node.devices or range(node.nproc))), **shared)  # fmt: skip
+            envs.append({**cfg.launch.env, **env})
     return envs
+
+
+def _shared_worker_values(cfg: TorshConfig, launcher: str, nodes: list[Node]) -> dict[str, Any]:
+    """What every worker of the job is told alike: the world and node counts, the rendezvous, the run settings."""
+    L = cfg.launch
+    addr, port = _port(_Writer(cfg, launcher))
+    return {"world": sum(n.nproc for n in nodes), "nnodes": len(nodes), "addr": addr or "127.0.0.1",
+            "port": str(port or DEFAULT_PORT), "run_id": L.rdzv_id or "none", "max_restarts": L.max_restarts or 0}
 
 
 def _concrete_nodes(cfg: TorshConfig, launcher: str) -> list[Node]:

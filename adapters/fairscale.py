@@ -204,23 +204,33 @@ def _finalize_fsdp(ctx: ReadContext, state: dict) -> None:
     if fp32_rs and fp32_rs[0] and not mp[0]:
         ctx.problem(fp32_rs[1], fp32_rs[2], "FairScale raises: fp32_reduce_scatter needs mixed_precision=True")
         return
-    compute = state.get("compute_dtype")
     if mp[0]:
-        param = compute[0] if compute else "fp16"
-        ctx.set("precision.param_dtype", param, compute[1] if compute else mp[1], Fidelity.EXACT if compute else
-                Fidelity.DEFAULTED, "" if compute else "FairScale mixed_precision computes in fp16 by default")
-        ctx.set("precision.reduce_dtype", "fp32" if fp32_rs and fp32_rs[0] else param, fp32_rs[1] if fp32_rs else
-                mp[1], Fidelity.EXACT, "gradients reduced in fp32" if fp32_rs and fp32_rs[0] else "")  # fmt: skip
-        buffer = state.get("buffer_dtype")
-        ctx.set("precision.buffer_dtype", buffer[0] if buffer and buffer[0] else param, buffer[1] if buffer else mp[1],
-                Fidelity.EXACT, "" if buffer else "FairScale default: the compute dtype")  # fmt: skip
-        ctx.set("precision.cast_forward_inputs", True, mp[1], Fidelity.EXACT, "the root casts its inputs")
+        _read_mixed_precision(ctx, state, mp, fp32_rs)
     else:
         ctx.note(mp[1], Fidelity.EXACT, "full precision", mp[2], "precision.param_dtype")
         for key in ("compute_dtype", "buffer_dtype", "fp32_reduce_scatter"):
             if key in state:
                 ctx.keep(state[key][1], state[key][2])
                 ctx.note(state[key][1], Fidelity.IGNORED, "read only with mixed_precision=True", state[key][2])
+    _read_fsdp_offload(ctx, state)
+
+
+def _read_mixed_precision(ctx: ReadContext, state: dict, mp: tuple, fp32_rs: tuple | None) -> None:
+    """FSDP(mixed_precision=True): the compute, reduce and buffer dtypes with FairScale's defaults."""
+    compute = state.get("compute_dtype")
+    param = compute[0] if compute else "fp16"
+    ctx.set("precision.param_dtype", param, compute[1] if compute else mp[1], Fidelity.EXACT if compute else
+            Fidelity.DEFAULTED, "" if compute else "FairScale mixed_precision computes in fp16 by default")
+    ctx.set("precision.reduce_dtype", "fp32" if fp32_rs and fp32_rs[0] else param, fp32_rs[1] if fp32_rs else
+            mp[1], Fidelity.EXACT, "gradients reduced in fp32" if fp32_rs and fp32_rs[0] else "")  # fmt: skip
+    buffer = state.get("buffer_dtype")
+    ctx.set("precision.buffer_dtype", buffer[0] if buffer and buffer[0] else param, buffer[1] if buffer else mp[1],
+            Fidelity.EXACT, "" if buffer else "FairScale default: the compute dtype")  # fmt: skip
+    ctx.set("precision.cast_forward_inputs", True, mp[1], Fidelity.EXACT, "the root casts its inputs")
+
+
+def _read_fsdp_offload(ctx: ReadContext, state: dict) -> None:
+    """move_params_to_cpu (with move_grads_to_cpu, which torsh offloads together)."""
     offload = state.get("offload")
     if offload:
         if offload[0]:

@@ -1,16 +1,16 @@
 """Sharding units and DDP buckets sized from DeepSpeed's own settings.
 
 DeepSpeed's config says how large its user wants the collectives: ZeRO reduces gradients in buckets of
-``reduce_bucket_size`` elements, gathers stage-2 parameters in buckets of ``allgather_bucket_size``, fetches
-stage-3 parameters ``stage3_prefetch_bucket_size`` elements ahead, keeps at most
-``stage3_max_live_parameters`` gathered by prefetching, and does not free a parameter after forward when it is
-used again within ``stage3_max_reuse_distance`` elements (backward's use, for a model below that size). FSDP2 issues one all-gather and one reduce-scatter per unit, so a unit's
-parameter count *is* its collective size: small units (one block each) keep the fewest parameters gathered,
-large ones make fewer, larger collectives. :func:`plan_units` groups consecutive blocks until a group holds about
-one DeepSpeed bucket, never more than half of ``stage3_max_live_parameters`` at stage 3 (FSDP2 holds two units
-gathered at a time: the one computing and the one prefetched), keeps a stage-3 unit gathered from forward to
-backward when DeepSpeed would (:func:`reuse_within`), and says why for every unit. DDP (stages 0/1)
-counts its buckets in MiB of gradient bytes: :func:`ddp_bucket_cap_mb` converts ``reduce_bucket_size``.
+``reduce_bucket_size`` elements, gathers stage-2 parameters in buckets of ``allgather_bucket_size``, fetches stage-3
+parameters ``stage3_prefetch_bucket_size`` elements ahead, keeps at most ``stage3_max_live_parameters`` gathered by
+prefetching, and does not free a parameter after forward when it is used again within ``stage3_max_reuse_distance``
+elements (backward's use, for a model below that size). FSDP2 issues one all-gather and one reduce-scatter per unit,
+so a unit's parameter count *is* its collective size: small units (one block each) keep the fewest parameters
+gathered, large ones make fewer, larger collectives. :func:`plan_units` groups consecutive blocks until a group
+holds about one DeepSpeed bucket, never more than half of ``stage3_max_live_parameters`` at stage 3 (FSDP2 holds two
+units gathered at a time: the one computing and the one prefetched), keeps a stage-3 unit gathered from forward to
+backward when DeepSpeed would (:func:`reuse_within`), and says why for every unit. DDP (stages 0/1) counts its
+buckets in MiB of gradient bytes: :func:`ddp_bucket_cap_mb` converts ``reduce_bucket_size``.
 
 The DeepSpeed keys have no core field; the DeepSpeed reader keeps them in ``extensions["deepspeed"]`` under
 their dotted path as written (``zero_optimization.stage3_prefetch_bucket_size`` or its newer spelling
