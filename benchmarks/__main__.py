@@ -236,9 +236,9 @@ def markdown(report: dict) -> str:
              + (f"per step / step time / ({peak:g} TFLOP/s x ranks)." if peak else "per step / step time / peak "
                 "(not computed: no --peak-tflops)."), "",
              "| shape | stage | precision | step native / torsh, one launch | torsh/native "
-             f"| step torsh / DeepSpeed, own launches | torsh/DeepSpeed | {memory} torsh/native "
-             "| init torsh − native (s) | tokens/s torsh | MFU torsh |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             f"| step torsh / DeepSpeed, own launches | torsh/DeepSpeed | {memory} torsh/DeepSpeed "
+             f"| {memory} torsh/native | init torsh − native (s) | tokens/s torsh | MFU torsh |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
 
     def ms(row, impl):
         cell = row.get(f"{impl}.step_s")
@@ -257,7 +257,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {row['shape']} | {row['stage']} | {row['precision']} | {ms(row, 'native (paired)')} / "
                      f"{ms(row, 'torsh (paired)')} | {ratio(row, 'step torsh/native')} | {ms(row, 'torsh')} / "
                      f"{ms(row, 'deepspeed')} | {ratio(row, 'step torsh/deepspeed')} | "
-                     f"{ratio(row, 'peak memory torsh/native')} | "
+                     f"{ratio(row, 'peak memory torsh/deepspeed')} | {ratio(row, 'peak memory torsh/native')} | "
                      f"{ratio(row, 'initialize torsh - native (s)', '{:+.2f}')} | "
                      f"{median(row, 'torsh.tokens_per_s', '{:.0f}')} | {median(row, 'torsh.mfu', '{:.1%}')} |")
     per_layer = [row for row in report["rows"] if "torsh-per-layer.step_s" in row]

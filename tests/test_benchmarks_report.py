@@ -93,7 +93,8 @@ def test_markdown_table_names_the_run_and_every_case():
     results = [result("native", ms) for ms in (100, 120)] + [result("torsh", ms) for ms in (101, 103)]
     text = bench.markdown(report_of(results, [0.2, 0.3]))
     assert "Measured 2026-01-01 on test machine with `python -m benchmarks --quick`" in text
-    assert "| comm | 0 | fp32 | – / – | 0.93 | 102.0 (101.0–103.0) / – | – | 1.00 | +0.00 | – | – |" in text
+    assert "| comm | 0 | fp32 | – / – | 0.93 | 102.0 (101.0–103.0) / – | – | – | 1.00 | +0.00 | – | – |" in text
+    assert "| peak RSS torsh/DeepSpeed | peak RSS torsh/native |" in text
     assert "2 ranks, gloo" in text and "peak RSS torsh/native" in text and "no --peak-tflops" in text
     assert "| `torsh-migrate convert` | 0.250 | 0.200–0.300 |" in text
     assert "- convert cold start (s) ≤ 0.3: holds (worst 0.250)" in text
@@ -200,6 +201,8 @@ def test_memory_against_deepspeed_is_a_target_and_per_layer_has_its_own_table():
     assert row["peak memory torsh/deepspeed"] == pytest.approx(1.1)
     assert row["step torsh-per-layer/deepspeed"] == pytest.approx(1.2)
     assert row["peak memory torsh-per-layer/deepspeed"] == pytest.approx(0.9)
+    main_table = bench.markdown({**report, "date": "d", "machine": "m", "command": "c", "repeats": 1, "steps": 1})
+    assert "| 0.90 | 1.10 | 1.10 | +0.00 |" in main_table  # step, then memory against DeepSpeed and native
     assert "peak memory torsh/deepspeed ≤ 1.0: MISSED (worst 1.100)" in report["targets"]
     text = bench.markdown(report)
     assert "| comm | 0 | fp32 | 120.0 / 100.0 | 1.20 | 0.90 |" in text  # the memory-first row
