@@ -73,3 +73,36 @@ def test_capturable_is_refused_with_cpu_offload():
     cfg = OptimizerConfig(name="AdamW", kwargs={"capturable": True})
     with pytest.raises(ConfigError, match="offload"):
         build_optimizer(cfg, _params(), offload=True)
+
+
+def test_fsdp2_shards_are_stepped_with_foreach_ops_unless_the_config_says(tmp_path):
+    """FSDP2's parameters are DTensors: torch would step them one by one on the CPU (a DTensor dispatch per
+    parameter and op); the engine asks for one foreach op per list. The update is the same; an explicit
+    ``foreach`` in the config wins, and plain tensors and iterators are left to torch's own choice."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already running in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        sharded = list(model.parameters())
+        opt = build_optimizer(OptimizerConfig(name="AdamW"), sharded, offload=False)
+        assert opt.defaults["foreach"] is True
+        grouped = build_optimizer(OptimizerConfig(name="AdamW"), [{"params": sharded[0]}, {"params": sharded[1:]}],
+                                  offload=False)  # fmt: skip
+        assert grouped.defaults["foreach"] is True
+        told = build_optimizer(OptimizerConfig(name="AdamW", kwargs={"foreach": False}), sharded, offload=False)
+        assert told.defaults["foreach"] is False
+        assert build_optimizer(OptimizerConfig(name="AdamW"), _params(), offload=False).defaults["foreach"] is None
+        lazy = build_optimizer(OptimizerConfig(name="AdamW"), iter(sharded), offload=False)
+        assert lazy.defaults["foreach"] is None and len(lazy.param_groups[0]["params"]) == 4
+        model(torch.ones(2, 4)).sum().backward()
+        before = {id(p): p.detach().full_tensor().clone() for p in sharded}
+        opt.step()
+        assert all(not torch.equal(p.detach().full_tensor(), before[id(p)]) for p in sharded)
+    finally:
+        dist.destroy_process_group()

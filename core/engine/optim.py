@@ -90,4 +90,28 @@ def build_optimizer(cfg: Any, params: Any, *, offload: bool) -> Any:
     values = {key: value for key, (_, value) in kwargs.items()}
     if "betas" in values:
         values["betas"] = tuple(values["betas"])
+    if "foreach" in accepted and "foreach" not in values and _all_sharded(params):
+        # torch steps CPU tensors one at a time unless told otherwise; for FSDP2's DTensors every one of those
+        # per-parameter ops is a DTensor dispatch (about 2.5 ms of a 28 ms ZeRO-2 step on 2 CPU ranks). One
+        # foreach op per list dispatches once; on CUDA torch chooses foreach by itself.
+        values["foreach"] = True
     return cls(params, **values)
+
+
+def _all_sharded(params: Any) -> bool:
+    """Every parameter is an FSDP2 shard (a DTensor), in a list of tensors or of param groups."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(params, (list, tuple)):
+        return False  # an iterator: looking would consume it
+    tensors = []
+    for item in params:
+        group = item["params"] if isinstance(item, dict) else item
+        if isinstance(group, torch.Tensor):
+            tensors.append(group)
+        elif isinstance(group, (list, tuple)):
+            tensors += group
+        else:
+            return False
+    return bool(tensors) and all(isinstance(t, DTensor) for t in tensors)
