@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from torsh.engine.distributed import elastic_store, register_exit_handler
+from torsh.engine.distributed import shutdown as _teardown
 from torsh.ranks import RankInfo, discover
 
 _KV_SCOPE = "torsh"
@@ -163,7 +164,9 @@ def shutdown() -> None:
     """Leave the job; destroys the process group only when ``init`` created it."""
     global _state
     if _state is not None and _state.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+        # The engine's order: release what holds the group, collect, destroy it, collect again, so that gloo's
+        # threads are joined now rather than while the interpreter is being torn down (SIGABRT at exit).
+        _teardown()
     _state = None
 
 
