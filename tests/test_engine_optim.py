@@ -100,9 +100,20 @@ def test_fsdp2_shards_are_stepped_with_foreach_ops_unless_the_config_says(tmp_pa
         assert build_optimizer(OptimizerConfig(name="AdamW"), _params(), offload=False).defaults["foreach"] is None
         lazy = build_optimizer(OptimizerConfig(name="AdamW"), iter(sharded), offload=False)
         assert lazy.defaults["foreach"] is None and len(lazy.param_groups[0]["params"]) == 4
-        model(torch.ones(2, 4)).sum().backward()
+        # the same update as torch's one-at-a-time loop, bit for bit, on a copy of the model
+        twin = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        twin.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+        fully_shard(twin, mesh=init_device_mesh("cpu", (1,)))
+        looped = build_optimizer(OptimizerConfig(name="AdamW", kwargs={"foreach": False}), list(twin.parameters()),
+                                 offload=False)  # fmt: skip
         before = {id(p): p.detach().full_tensor().clone() for p in sharded}
-        opt.step()
+        for _ in range(3):
+            for net, optimizer in ((model, opt), (twin, looped)):
+                net(torch.ones(2, 4)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
         assert all(not torch.equal(p.detach().full_tensor(), before[id(p)]) for p in sharded)
+        for ours, theirs in zip(sharded, twin.parameters()):
+            assert torch.equal(ours.detach().full_tensor(), theirs.detach().full_tensor())
     finally:
         dist.destroy_process_group()
