@@ -56,21 +56,19 @@ def build_step(impl: str, stage: str, precision: str, shape: Shape, device: torc
     if impl == "deepspeed":
         import deepspeed as backend
     else:
-        # The DeepSpeed config read as torsh reads it, with one addition: every block (``Layer``, ``Block``) is
-        # its own FSDP2 unit, as the hand-written job wraps it (torsh's default would make the whole ``layers``
-        # Sequential one unit, a direct child of the model, and split a tied embedding from its head).
-        # DeepSpeed gathers per module.
         import torsh as backend
-        from torsh import adapters
 
-        config = adapters.load(config).result
         if torsh_units == "per_layer" or impl == "torsh-per-layer":
+            # The DeepSpeed config read as torsh reads it, with one addition: every block (``Layer``, ``Block``)
+            # is its own FSDP2 unit, as the hand-written job's default wraps it. Otherwise the DeepSpeed JSON goes
+            # to initialize as is: the engine's own units need to know the config is DeepSpeed's.
+            from torsh import adapters
+
+            config = adapters.load(config).result
             config.sharding.wrap.module_classes = [unit_class(model)]
             # A config object no longer says it came from DeepSpeed: its effective reduce bucket (DeepSpeed's
             # default) is written out, so that DDP's buckets at stages 0/1 are sized from it as from the JSON.
             config.extensions.setdefault("deepspeed", {}).setdefault("zero_optimization.reduce_bucket_size", 5e8)
-        else:  # the engine's own choice needs to know the config is DeepSpeed's: pass it as DeepSpeed JSON
-            config = deepspeed_config(stage, precision, shape)
     engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
