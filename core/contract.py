@@ -1,4 +1,5 @@
-"""What a config means at run time, in words: batch math, the precision contract, loss scaling, the engine plan.
+"""What a config means at run time, in words: batch math, the precision contract, loss scaling, the engine plan
+(:mod:`torsh.plan`'s decisions, as ``torsh.initialize`` runs them).
 
 Pure functions of the core model (no torch): ``torsh-migrate explain`` prints them for a config of any dialect,
 and the engine shows the same contract when it starts, so what a user reads before a run is what runs.
@@ -107,54 +108,12 @@ def loss_scaling_rule(precision: PrecisionConfig) -> str:
     return f"Dynamic loss scaling, {rule}; {skip}."
 
 
-def engine_plan(cfg: TorshConfig, source: str | None = None) -> list[str]:
-    """What ``torsh.initialize`` builds for this config, in build order (``source``: the dialect it was read
-    from, which decides whether DeepSpeed's bucket sizes size the units)."""
-    from torsh.engine.units import describe_policy  # torch-free: the sizes, not the model
-    s, o, p = cfg.sharding, cfg.offload, cfg.precision
-    steps = []
-    if cfg.activation_checkpointing.enabled:
-        which = ", ".join(cfg.activation_checkpointing.modules) or "each sharding unit"
-        steps.append(f"activation checkpointing of {which}"
-                     + (" (saved activations on the CPU)" if cfg.activation_checkpointing.cpu_offload else ""))
-    if s.stage == 0:
-        steps.append("DDP (DistributedDataParallel): parameters, gradients and optimizer state replicated")
-    elif s.stage == 1:
-        steps.append("ZeRO-1: DDP + ZeroRedundancyOptimizer (optimizer state sharded, parameters replicated)")
-    else:
-        reshard = s.effective_reshard_after_forward
-        mesh = (f"HSDP on a 2-D mesh (shard within groups of {s.hybrid_shard_size}, replicate across groups)"
-                if s.hybrid_shard_size else "sharded over all data-parallel ranks")  # fmt: skip
-        steps.append(f"FSDP2 fully_shard(reshard_after_forward={reshard}) - ZeRO-{s.stage}-like, {mesh}")
-    steps += describe_policy(cfg, source=source)
-    if p.param_dtype != "fp32" and not p.autocast:
-        if s.stage >= 2:
-            steps.append(f"MixedPrecisionPolicy(param_dtype={_dtype(p.param_dtype)}, "
-                         f"reduce_dtype={_dtype(p.effective_reduce_dtype)}) with fp32 sharded parameters")
-        else:
-            steps.append(f"parameters cast to {_dtype(p.param_dtype)} for compute, "
-                         f"{_dtype(p.master_dtype)} master weights in the optimizer")  # fmt: skip
-    elif p.autocast:
-        steps.append(f"torch.autocast({_dtype(p.param_dtype)}) around forward")
-    if o.params != "none" or o.optimizer != "none":
-        parts = [f"parameters -> {o.params}" if o.params != "none" else "", f"optimizer -> {o.optimizer}"
-                 if o.optimizer != "none" else ""]  # fmt: skip
-        how = "CPUOffloadPolicy(pin_memory=%s)" % o.pin_memory if "nvme" not in (o.params, o.optimizer) else (
-            "NVMe offload is not supported by the engine")
-        steps.append(f"offload ({', '.join(x for x in parts if x)}): {how}")
-    if cfg.compression.method != "none":
-        steps.append(f"gradient compression: {cfg.compression.method} communication hook")
-    opt = cfg.optimizer
-    if opt is not None and opt.name:
-        steps.append(f"optimizer {opt.name} built after sharding")
-    if cfg.scheduler is not None:
-        steps.append(f"LR scheduler {cfg.scheduler.name}")
-    if p.loss_scaling.mode != "none" and (p.param_dtype == "fp16" or isinstance(p.param_dtype, Deferred)):
-        steps.append(f"loss scaler ({p.loss_scaling.mode}, {p.loss_scaling.semantics} rules)")
-    clip = cfg.gradients.clip_max_norm
-    steps.append(f"gradient clipping at global norm {clip}" if clip and not isinstance(clip, Deferred)
-                 else "gradient clipping: " + ("auto" if isinstance(clip, Deferred) else "off"))
-    return steps
+def engine_plan(cfg: TorshConfig, source: str | None = None, world_size: int | None = None) -> list[str]:
+    """What ``torsh.initialize`` builds for this config, in build order: :func:`torsh.plan.plan`'s steps
+    (``source``: the dialect it was read from; ``world_size`` None: the config's own, else 1)."""
+    from .plan import plan
+
+    return list(plan(cfg, _world_size(cfg, world_size), source=source).steps)
 
 
 def batch_math(batch: BatchConfig, world_size: int) -> str:
@@ -192,21 +151,27 @@ def config_world_size(cfg: TorshConfig) -> tuple[int, str] | None:
     return None
 
 
+def _world_size(cfg: TorshConfig, world_size: int | None) -> int:
+    if world_size is not None:
+        return world_size
+    stated = config_world_size(cfg)
+    return stated[0] if stated else 1
+
+
 def explain(cfg: TorshConfig, world_size: int | None = None, source: str | None = None) -> dict:
     """Everything ``torsh-migrate explain`` prints, as data; ``world_size`` None: the config's own, else 1."""
-    from .plan import refusals
+    from .plan import plan
 
-    if world_size is None:
-        stated = config_world_size(cfg)
-        world_size = stated[0] if stated else 1
+    world_size = _world_size(cfg, world_size)
+    decided = plan(cfg, world_size, source=source)  # an optimizer assumed passed to initialize
     return {
         "world_size": world_size,
         "batch": batch_math(cfg.batch, world_size),
         "precision_contract": precision_contract(cfg.precision, cfg.sharding, cfg.offload, cfg.checkpoint,
                                                  cfg.gradients.reduce_op),
         "loss_scaling": loss_scaling_rule(cfg.precision),
-        "engine": engine_plan(cfg, source),
+        "engine": list(decided.steps),
         "deferred": cfg.deferred_paths(),
-        # what torsh.initialize would refuse before touching the model (an optimizer assumed passed to it)
-        "refused": [str(p) for p in refusals(cfg, world_size=world_size)],
+        # what torsh.initialize would refuse before touching the model
+        "refused": [str(p) for p in decided.refused],
     }

@@ -1,16 +1,156 @@
-"""What the engine refuses to run, decided from the config and the world size alone, before a tensor is touched.
+"""The engine plan: everything ``torsh.initialize`` decides, from the config and the world size alone.
 
-``torsh.initialize`` calls :func:`check` once the process group exists and before it casts, wraps or shards the
-model, so a refused config leaves the user's model as it was and every reason is reported at once. ``explain``
-can call it without torch: this module imports none.
+:func:`plan` decides the data-parallel kind and mesh, the unit policy, the dtypes (with a low-precision
+"compression" folded into the reduce dtype under FSDP2), where master weights live, offload, compression, the
+optimizer wrapper, the loss scaler and the engine's step policy, and collects every refusal. ``initialize`` raises
+the refusals (:meth:`EnginePlan.check`) once the process group exists and before it casts, wraps or shards the
+model, so a refused config leaves the user's model as it was and every reason is reported at once; then it runs
+the plan's ``apply_*`` steps. ``torsh-migrate explain`` prints :attr:`EnginePlan.steps`, the same decisions in
+words. This module imports no torch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 from .compression_rules import fsdp_compression_problems
-from .config import TorshConfig
-from .deferred import is_deferred
+from .config import DdpConfig, GradientsConfig, TorshConfig
+from .deferred import Deferred, is_deferred
 from .errors import ConfigError, Problem
+
+DataParallel = Literal["ddp", "zero1", "fsdp2", "hsdp"]
+
+
+@dataclass(frozen=True)
+class StepPolicy:
+    """What the engine's forward, backward and step read from the config; the Engine decides from this alone."""
+
+    stage: int
+    """The ZeRO stage (``engine.zero_optimization_stage()``)."""
+    param_dtype: str
+    """The compute dtype's name (``fp16_enabled()``, ``bfloat16_enabled()``)."""
+    clip_max_norm: float
+    """Clip the global gradient norm to this (0: no clipping)."""
+    loss_scaling: bool
+    """Scale the loss and unscale the gradients (fp16 with a loss scaler)."""
+    skip_step_on_nonfinite: bool
+    """Skip the optimizer step when a gradient is not finite (also without loss scaling)."""
+    steps_per_print: int | None
+    """Log one line every this many optimizer steps."""
+    activations_on_cpu: bool
+    """Keep saved activations on the CPU during forward (activation checkpointing's CPU offload)."""
+    ddp: DdpConfig
+    """DDP's settings (stages 0/1: unused-parameter handling, bucket view)."""
+    gradients: GradientsConfig
+    """The gradient reduction (operation, pre/post scaling) outside DDP."""
+    compressed: bool
+    """A compression hook reduces DDP's gradients (so the engine's own reduce hook is not registered)."""
+
+    @property
+    def probe_unused(self) -> bool:
+        """Stages 0/1: reduce the first step outside DDP to find parameters the forward does not use."""
+        return not self.ddp.find_unused_parameters and not self.ddp.static_graph and not self.compressed
+
+    @property
+    def finds_unused(self) -> bool:
+        """DDP already looks for unused parameters."""
+        return self.ddp.find_unused_parameters or self.ddp.static_graph
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What ``torsh.initialize`` builds for a config on ``world_size`` ranks, in build order."""
+
+    world_size: int
+    data_parallel: DataParallel
+    """``ddp`` (stage 0), ``zero1`` (DDP + ZeroRedundancyOptimizer), ``fsdp2`` (stages 2/3), ``hsdp`` (FSDP2
+    on a 2-D mesh: shard within groups, replicate across them)."""
+    mesh: tuple[int, ...] | None
+    """FSDP2's mesh shape: ``(world,)`` or ``(replicate, shard)``; None under DDP or while it is "auto"."""
+    reshard_after_forward: bool | None
+    """FSDP2: free the gathered parameters after forward (per unit, the reuse rule may keep them)."""
+    param_dtype: str | Deferred
+    master_dtype: str | Deferred
+    reduce_dtype: str | Deferred
+    """The gradient reduction's dtype; under FSDP2 a fp16/bf16 "compression" is this dtype."""
+    autocast: bool
+    """Forward under ``torch.autocast``; the parameters stay in the master dtype."""
+    fsdp_mixed_precision: bool
+    """FSDP2 gets a ``MixedPrecisionPolicy`` (compute or reduce dtype differs from the fp32 shards)."""
+    masters_on_cpu: bool
+    """Stages 0/1 under optimizer offload: the fp32 master weights (and so the optimizer step) on the CPU."""
+    fsdp_cpu_offload: bool
+    """FSDP2's ``CPUOffloadPolicy``: sharded parameters, gradients and the optimizer step on the CPU."""
+    compression: Literal["none", "comm_hook", "reduce_dtype"]
+    """How gradient compression runs: a DDP communication hook, or FSDP2's reduce dtype."""
+    optimizer_wrapper: Literal["ZeroRedundancyOptimizer"] | None
+    """The wrapper around the step optimizer (ZeRO-1: state sharded)."""
+    optimizer_on_cpu: bool
+    """The configured optimizer is built for CPU tensors (offload)."""
+    loss_scaler: bool
+    """A loss scaler is used (fp16, scaling not "none")."""
+    step: StepPolicy
+    refused: tuple[Problem, ...]
+    """Every reason the engine cannot run the config (empty: it can)."""
+    steps: tuple[str, ...]
+    """The plan in words, in build order (``explain`` prints these)."""
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 wraps the model (stages 2/3, also on a hybrid mesh); otherwise DDP."""
+        return self.data_parallel in ("fsdp2", "hsdp")
+
+    def check(self) -> None:
+        """Raise one ConfigError listing every refusal; return when the engine can run the config."""
+        if self.refused:
+            raise ConfigError(list(self.refused))
+
+
+def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimizer_given: bool = True) -> EnginePlan:
+    """Decide how the engine runs ``cfg`` on ``world_size`` ranks (``source``: the dialect it was read from, which
+    decides whether DeepSpeed's bucket sizes size the units; ``optimizer_given``: the caller passes an optimizer
+    to ``initialize``). Refusals are collected, not raised: :meth:`EnginePlan.check` raises them."""
+    s, o, p = cfg.sharding, cfg.offload, cfg.precision
+    stage = s.stage
+    hybrid = s.hybrid_shard_size
+    fsdp = stage >= 2
+    if not fsdp:
+        dp: DataParallel = "ddp" if stage == 0 else "zero1"
+    else:
+        dp = "hsdp" if hybrid and hybrid != world_size else "fsdp2"
+    mesh = None  # DDP, an "auto" shard group, or one that does not divide the world (refused below)
+    if dp == "fsdp2":
+        mesh = (world_size,)
+    elif dp == "hsdp" and not is_deferred(hybrid) and world_size % hybrid == 0:
+        mesh = (world_size // hybrid, hybrid)
+    if p.autocast:
+        reduce = p.reduce_dtype or p.master_dtype
+    elif fsdp and cfg.compression.method in ("fp16", "bf16"):
+        reduce = cfg.compression.method  # FSDP2 has no comm hook: a low-precision "compression" is its reduce dtype
+    else:
+        reduce = p.effective_reduce_dtype
+    compressed = cfg.compression.method != "none"
+    scaler = p.loss_scaling.mode != "none" and (p.param_dtype == "fp16" or is_deferred(p.param_dtype))
+    clip = cfg.gradients.clip_max_norm
+    step = StepPolicy(stage=stage, param_dtype=p.param_dtype, clip_max_norm=0.0 if is_deferred(clip) else
+                      float(clip or 0.0), loss_scaling=p.loss_scaling.mode != "none",
+                      skip_step_on_nonfinite=p.skip_step_on_nonfinite, steps_per_print=cfg.monitoring.steps_per_print,
+                      activations_on_cpu=cfg.activation_checkpointing.enabled
+                      and cfg.activation_checkpointing.cpu_offload, ddp=cfg.ddp, gradients=cfg.gradients,
+                      compressed=compressed)  # fmt: skip
+    decided = EnginePlan(
+        world_size=world_size, data_parallel=dp, mesh=mesh,
+        reshard_after_forward=s.effective_reshard_after_forward if fsdp else None,
+        param_dtype=p.param_dtype, master_dtype=p.master_dtype, reduce_dtype=reduce, autocast=p.autocast,
+        fsdp_mixed_precision=fsdp and not p.autocast and (p.param_dtype != p.master_dtype or reduce != p.param_dtype),
+        masters_on_cpu=not fsdp and o.optimizer == "cpu", fsdp_cpu_offload=fsdp and "cpu" in (o.params, o.optimizer),
+        compression="none" if not compressed else "reduce_dtype" if fsdp else "comm_hook",
+        optimizer_wrapper="ZeroRedundancyOptimizer" if stage == 1 else None,
+        optimizer_on_cpu="cpu" in (o.params, o.optimizer), loss_scaler=scaler, step=step,
+        refused=tuple(refusals(cfg, world_size=world_size, optimizer_given=optimizer_given)), steps=(),
+    )  # fmt: skip
+    return _with_steps(decided, cfg, source)
 
 
 def refusals(cfg: TorshConfig, *, world_size: int, optimizer_given: bool = True) -> list[Problem]:
@@ -52,3 +192,73 @@ def check(cfg: TorshConfig, *, world_size: int, optimizer_given: bool = True) ->
     problems = refusals(cfg, world_size=world_size, optimizer_given=optimizer_given)
     if problems:
         raise ConfigError(problems)
+
+
+# ------------------------------------------------------------------------------------------------
+# the plan in words
+
+
+def _dtype(value: object) -> str:
+    return "auto (chosen at start-up)" if isinstance(value, Deferred) else str(value)
+
+
+def _with_steps(decided: EnginePlan, cfg: TorshConfig, source: str | None) -> EnginePlan:
+    from dataclasses import replace
+
+    from .engine.units import describe_policy  # torch-free: the sizes, not the model
+
+    steps = []
+    ac = cfg.activation_checkpointing
+    if ac.enabled:
+        which = ", ".join(ac.modules) or "each sharding unit"
+        steps.append(f"activation checkpointing of {which}" + (" (saved activations on the CPU)" if ac.cpu_offload
+                                                                 else ""))  # fmt: skip
+    steps.append(_sharding_step(decided, cfg))
+    steps += describe_policy(cfg, source=source)
+    steps += _precision_steps(decided)
+    o = cfg.offload
+    if o.params != "none" or o.optimizer != "none":
+        parts = [f"parameters -> {o.params}" if o.params != "none" else "", f"optimizer -> {o.optimizer}"
+                 if o.optimizer != "none" else ""]  # fmt: skip
+        how = "CPUOffloadPolicy(pin_memory=%s)" % o.pin_memory if "nvme" not in (o.params, o.optimizer) else (
+            "NVMe offload is not supported by the engine")
+        steps.append(f"offload ({', '.join(x for x in parts if x)}): {how}")
+    if decided.compression == "comm_hook":
+        steps.append(f"gradient compression: {cfg.compression.method} communication hook")
+    elif decided.compression == "reduce_dtype":
+        steps.append(f"gradient compression: {cfg.compression.method} as FSDP2's reduce dtype")
+    if cfg.optimizer is not None and cfg.optimizer.name:
+        steps.append(f"optimizer {cfg.optimizer.name} built after sharding")
+    if cfg.scheduler is not None:
+        steps.append(f"LR scheduler {cfg.scheduler.name}")
+    ls = cfg.precision.loss_scaling
+    if decided.loss_scaler:
+        steps.append(f"loss scaler ({ls.mode}, {ls.semantics} rules)")
+    clip = cfg.gradients.clip_max_norm
+    steps.append(f"gradient clipping at global norm {clip}" if clip and not is_deferred(clip)
+                 else "gradient clipping: " + ("auto" if is_deferred(clip) else "off"))
+    return replace(decided, steps=tuple(steps))
+
+
+def _sharding_step(decided: EnginePlan, cfg: TorshConfig) -> str:
+    if decided.data_parallel == "ddp":
+        return "DDP (DistributedDataParallel): parameters, gradients and optimizer state replicated"
+    if decided.data_parallel == "zero1":
+        return "ZeRO-1: DDP + ZeroRedundancyOptimizer (optimizer state sharded, parameters replicated)"
+    mesh = (f"HSDP on a 2-D mesh (shard within groups of {cfg.sharding.hybrid_shard_size}, replicate across groups)"
+            if decided.data_parallel == "hsdp" else "sharded over all data-parallel ranks")  # fmt: skip
+    return (f"FSDP2 fully_shard(reshard_after_forward={decided.reshard_after_forward}) - "
+            f"ZeRO-{cfg.sharding.stage}-like, {mesh}")
+
+
+def _precision_steps(decided: EnginePlan) -> list[str]:
+    if decided.autocast:
+        return [f"torch.autocast({_dtype(decided.param_dtype)}) around forward"]
+    if decided.fsdp_mixed_precision:
+        return [f"MixedPrecisionPolicy(param_dtype={_dtype(decided.param_dtype)}, "
+                f"reduce_dtype={_dtype(decided.reduce_dtype)}) with fp32 sharded parameters"]
+    if decided.data_parallel in ("ddp", "zero1") and decided.param_dtype != "fp32":
+        where = " on the CPU" if decided.masters_on_cpu else ""
+        return [f"parameters cast to {_dtype(decided.param_dtype)} for compute, "
+                f"{_dtype(decided.master_dtype)} master weights in the optimizer{where}"]
+    return []

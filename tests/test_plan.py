@@ -107,3 +107,96 @@ def test_explain_lists_what_initialize_would_refuse(tmp_path, capsys):
     assert [r.split(":")[0] for r in json.loads(capsys.readouterr().out)["refused"]] == ["gradients.reduce_op"]
     assert main(["explain", str(path)]) == 0
     assert "Refused by torsh.initialize" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("sections", "world", "expected"), [
+    ({}, 2, {"data_parallel": "ddp", "mesh": None, "optimizer_wrapper": None, "reduce_dtype": "fp32"}),
+    ({"sharding": {"stage": 1}, "precision": {"param_dtype": "bf16"}, "offload": {"optimizer": "cpu"}}, 2,
+     {"data_parallel": "zero1", "optimizer_wrapper": "ZeroRedundancyOptimizer", "masters_on_cpu": True,
+      "fsdp_cpu_offload": False, "reduce_dtype": "bf16", "optimizer_on_cpu": True}),
+    ({"sharding": {"stage": 2}}, 4, {"data_parallel": "fsdp2", "mesh": (4,), "reshard_after_forward": False,
+                                     "fsdp_mixed_precision": False}),
+    ({"sharding": {"stage": 3, "hybrid_shard_size": 2}}, 4, {"data_parallel": "hsdp", "mesh": (2, 2),
+                                                              "reshard_after_forward": True}),
+    ({"sharding": {"stage": 3, "hybrid_shard_size": 4}}, 4, {"data_parallel": "fsdp2", "mesh": (4,)}),
+    ({"sharding": {"stage": 3}, "compression": {"method": "bf16"}}, 2,
+     {"compression": "reduce_dtype", "reduce_dtype": "bf16", "fsdp_mixed_precision": True}),
+    ({"sharding": {"stage": 0}, "compression": {"method": "powersgd"}}, 2, {"compression": "comm_hook"}),
+    ({"sharding": {"stage": 3}, "offload": {"optimizer": "cpu"}}, 2,
+     {"fsdp_cpu_offload": True, "masters_on_cpu": False, "optimizer_on_cpu": True}),
+    ({"precision": {"param_dtype": "fp16", "loss_scaling": {"mode": "dynamic"}}}, 2,
+     {"loss_scaler": True, "reduce_dtype": "fp16"}),
+    ({"precision": {"param_dtype": "bf16", "loss_scaling": {"mode": "dynamic"}}}, 2, {"loss_scaler": False}),
+    ({"precision": {"param_dtype": "bf16", "autocast": True}}, 2, {"autocast": True, "reduce_dtype": "fp32",
+                                                                   "loss_scaler": False}),
+])  # fmt: skip
+def test_the_plan_decides_each_step(sections, world, expected):
+    decided = plan.plan(_cfg(**sections), world)
+    assert {k: getattr(decided, k) for k in expected} == expected
+    assert decided.refused == ()
+
+
+def test_the_step_policy_carries_what_the_engine_steps_with():
+    cfg = _cfg(gradients={"clip_max_norm": 1.5}, precision={"param_dtype": "fp16", "skip_step_on_nonfinite": True,
+                                                            "loss_scaling": {"mode": "static", "static_scale": 128}},
+               monitoring={"steps_per_print": 7}, ddp={"static_graph": True})
+    step = plan.plan(cfg, 2).step
+    assert (step.clip_max_norm, step.loss_scaling, step.skip_step_on_nonfinite, step.steps_per_print) == (
+        1.5, True, True, 7)
+    assert (step.probe_unused, step.finds_unused) == (False, True)
+    assert plan.plan(_cfg(compression={"method": "powersgd"}), 2).step.probe_unused is False
+    assert plan.plan(_cfg(), 2).step.probe_unused is True
+
+
+def test_refusals_are_part_of_the_plan_and_raised_by_check():
+    decided = plan.plan(_cfg(sharding={"stage": 3, "hybrid_shard_size": 2}), 3)
+    assert [p.path for p in decided.refused] == ["sharding.hybrid_shard_size"] and decided.mesh is None
+    with pytest.raises(ConfigError):
+        decided.check()
+
+
+@pytest.mark.parametrize(("sections", "world", "says", "not_says"), [
+    # the reduce dtype FSDP2 runs with, a bf16 "compression" folded in (it said nothing of it before the plan)
+    ({"sharding": {"stage": 3}, "compression": {"method": "bf16"}}, 2,
+     "MixedPrecisionPolicy(param_dtype=fp32, reduce_dtype=bf16)", "communication hook"),
+    # a shard group as large as the world is one mesh dimension, as the engine builds it
+    ({"sharding": {"stage": 3, "hybrid_shard_size": 2}}, 2, "sharded over all data-parallel ranks", "HSDP"),
+    ({"sharding": {"stage": 1}, "precision": {"param_dtype": "bf16"}, "offload": {"optimizer": "cpu"}}, 2,
+     "fp32 master weights in the optimizer on the CPU", None),
+])  # fmt: skip
+def test_explain_prints_the_plan_the_engine_runs(tmp_path, capsys, sections, world, says, not_says):
+    from torsh.cli import main
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(sections))
+    assert main(["explain", str(path), "--world-size", str(world), "--report", "json"]) == 0
+    steps = json.loads(capsys.readouterr().out)["engine"]
+    assert steps == list(plan.plan(_cfg(**sections), world, source="torsh").steps)
+    assert any(says in s for s in steps), steps
+    assert not_says is None or not any(not_says in s for s in steps), steps
+
+
+RUNS = """
+import json, sys
+import torch, torsh
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+engine, *_ = torsh.initialize(model=model, config=json.loads(sys.argv[1]), optimizer=torch.optim.SGD(
+    model.parameters(), lr=0.1))
+policy = engine.wrapped._get_fsdp_state()._mp_policy
+print(json.dumps({"reduce_dtype": str(policy.reduce_dtype), "param_dtype": str(policy.param_dtype)}))
+"""
+
+
+def test_the_engine_runs_the_reduce_dtype_explain_prints():
+    pytest.importorskip("torch")
+    config = {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 3}, "compression": {"method": "bf16"}}
+    decided = plan.plan(_cfg(**config), 1)
+    assert (decided.param_dtype, decided.reduce_dtype) == ("fp32", "bf16")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("TORCHELASTIC_")}
+    env["MASTER_PORT"] = str(29700 + os.getpid() % 1000)
+    proc = subprocess.run([sys.executable, "-c", RUNS, json.dumps(config)], capture_output=True, text=True, env=env,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"reduce_dtype": "torch.bfloat16",
+                                                                 "param_dtype": "torch.float32"}

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from torsh.config import ResolvedBatch, TorshConfig
+from torsh.plan import StepPolicy
 
 from .distributed import DistInfo, on_shutdown
 from .precision import PrecisionPlan
@@ -28,11 +29,12 @@ log = logging.getLogger("torsh.engine")
 class Engine(nn.Module):
     """A running job built by :func:`torsh.initialize`; behaves like ``deepspeed.DeepSpeedEngine``."""
 
-    def __init__(self, *, config: TorshConfig, batch: ResolvedBatch, info: DistInfo, shard: ShardPlan,
-                 precision: PrecisionPlan, optimizer: Any, lr_scheduler: Any, loss_scaler: Any,
+    def __init__(self, *, config: TorshConfig, policy: StepPolicy, batch: ResolvedBatch, info: DistInfo,
+                 shard: ShardPlan, precision: PrecisionPlan, optimizer: Any, lr_scheduler: Any, loss_scaler: Any,
                  training_dataloader: Any = None):  # fmt: skip
         super().__init__()
-        self._config = config
+        self._config = config  # engine.config and deepspeed_io; the steps read only the policy
+        self._policy = policy
         self._batch = batch
         self._info = info
         self._shard = shard
@@ -55,20 +57,18 @@ class Engine(nn.Module):
         self._global_grad_norm: float | None = None
         self._master_module: nn.Module | None = None
         self._forward_synced = True
-        self._clip = float(config.gradients.clip_max_norm or 0.0)
-        self._scaling = loss_scaler is not None and config.precision.loss_scaling.mode != "none"
-        self._check_overflow = self._scaling or config.precision.skip_step_on_nonfinite
+        self._clip = policy.clip_max_norm
+        self._scaling = loss_scaler is not None and policy.loss_scaling
+        self._check_overflow = self._scaling or policy.skip_step_on_nonfinite
         self._destroyed = False
         self._wrapper_forward = False  # engine(...) ran (with grad) since the last backward: DDP will reduce
-        ddp = config.ddp
         # Stages 0/1: the first optimizer step is reduced outside DDP and shows whether the model has parameters
         # its forward does not use (DeepSpeed needs no flag for them; DDP without find_unused_parameters fails);
         # only then is DDP rebuilt with find_unused_parameters, so other models do not pay for it.
-        self._probe_unused = (shard.kind == "ddp" and not ddp.find_unused_parameters and not ddp.static_graph
-                              and config.compression.method == "none")  # fmt: skip
-        self._finds_unused = shard.kind == "ddp" and (ddp.find_unused_parameters or ddp.static_graph)
+        self._probe_unused = shard.kind == "ddp" and policy.probe_unused
+        self._finds_unused = shard.kind == "ddp" and policy.finds_unused
         self.__dict__["tput_timer"] = ThroughputTimer(batch.global_batch_size,
-                                                      steps_per_output=config.monitoring.steps_per_print)  # fmt: skip
+                                                      steps_per_output=policy.steps_per_print)  # fmt: skip
         self.__dict__["_offloaded"] = None
         self.loaded_checkpoint_dp_world_size: int | None = None  # world sizes of the last loaded checkpoint
         self.loaded_checkpoint_mp_world_size: int | None = None
@@ -153,7 +153,7 @@ class Engine(nn.Module):
 
     def steps_per_print(self) -> int | None:
         """The logging interval in optimizer steps (None: no periodic log line)."""
-        return self._config.monitoring.steps_per_print
+        return self._policy.steps_per_print
 
     @property
     def device(self) -> torch.device:
@@ -179,19 +179,19 @@ class Engine(nn.Module):
 
     def fp16_enabled(self) -> bool:
         """Whether compute runs in fp16."""
-        return self._config.precision.param_dtype == "fp16"
+        return self._policy.param_dtype == "fp16"
 
     def bfloat16_enabled(self) -> bool:
         """Whether compute runs in bf16."""
-        return self._config.precision.param_dtype == "bf16"
+        return self._policy.param_dtype == "bf16"
 
     def zero_optimization_stage(self) -> int:
         """The ZeRO stage (0-3) the engine runs."""
-        return self._config.sharding.stage
+        return self._policy.stage
 
     def zero_optimization(self) -> bool:
         """Whether a ZeRO stage above 0 runs."""
-        return self._config.sharding.stage > 0
+        return self._policy.stage > 0
 
     def gradient_clipping(self) -> float:
         """The max global gradient norm (0: no clipping)."""
@@ -257,7 +257,7 @@ class Engine(nn.Module):
         with contextlib.ExitStack() as stack:
             if self._precision.autocast_dtype is not None:
                 stack.enter_context(torch.autocast(self.device.type, dtype=self._precision.autocast_dtype))
-            if self._config.activation_checkpointing.enabled and self._config.activation_checkpointing.cpu_offload:
+            if self._policy.activations_on_cpu:
                 stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()))
             return self.wrapped(*inputs, **kwargs)
 
@@ -295,7 +295,7 @@ class Engine(nn.Module):
         from .sharding import allreduce_gradients
 
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        allreduce_gradients(grads, self._config.gradients, self._precision, self.world_size)
+        allreduce_gradients(grads, self._policy.gradients, self._precision, self.world_size)
 
     def _check_ddp_finished(self) -> None:
         """A parameter used in earlier steps but not in this one leaves DDP's reduction unfinished (one C++
@@ -306,8 +306,8 @@ class Engine(nn.Module):
             return
         except RuntimeError:
             pass
-        if self._config.ddp.gradient_as_bucket_view or self._config.compression.method != "none":
-            setting = "gradient_as_bucket_view" if self._config.ddp.gradient_as_bucket_view else "compression"
+        if self._policy.ddp.gradient_as_bucket_view or self._policy.compressed:
+            setting = "gradient_as_bucket_view" if self._policy.ddp.gradient_as_bucket_view else "compression"
             raise RuntimeError(f"a parameter received no gradient in this step, and DDP (with {setting}) has "
                                "reduced only part of the gradients: set ddp.find_unused_parameters=true in the torsh "
                                "config so that DDP looks for unused parameters from the first step")  # fmt: skip
@@ -323,8 +323,8 @@ class Engine(nn.Module):
         if self.global_rank == 0:
             log.info("the model has parameters its forward does not use (%s%s): DDP runs with "
                      "find_unused_parameters", ", ".join(unused[:4]), ", ..." if len(unused) > 4 else "")  # fmt: skip
-        cfg = self._config
-        self._shard = rebuild_ddp_for_unused(self._shard, cfg.ddp, cfg.gradients, self._precision, self._info,
+        policy = self._policy
+        self._shard = rebuild_ddp_for_unused(self._shard, policy.ddp, policy.gradients, self._precision, self._info,
                                              reduce_hook=True)  # fmt: skip
         self.__dict__["wrapped"] = self._shard.model
         self._finds_unused = True
@@ -354,7 +354,7 @@ class Engine(nn.Module):
             self.global_samples += self.train_batch_size()
         self.tput_timer.stop(global_step=boundary)
         if boundary and self.optimizer is not None:
-            every = self._config.monitoring.steps_per_print
+            every = self._policy.steps_per_print
             if every and self.global_steps % every == 0 and self.global_rank == 0:
                 log.info("step=%d, skipped=%d, lr=%s, grad_norm=%s, samples/s=%.2f", self.global_steps,
                          self.skipped_steps, self.get_lr(), self._global_grad_norm,

@@ -1,8 +1,8 @@
 """``torsh.initialize``: ``deepspeed.initialize``'s signature and return values, any dialect's config, native PyTorch.
 
-Reads top to bottom: load the config, start the process group, resolve batch and "auto", then the ordered
-``apply_*`` steps (the order is the contract: precision before sharding so that FSDP2 shards fp32 masters;
-the optimizer after sharding so that it holds the tensors the step updates), then the engine.
+Reads top to bottom: load the config, start the process group, resolve batch and "auto", decide the plan
+(:func:`torsh.plan.plan`, which raises every refusal before the model is touched), then the plan's ``apply_*``
+steps in order, then the engine, which gets the plan's step policy.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from torsh import plan
 from torsh.config import TorshConfig
 from torsh.errors import ConfigError, Problem
+from torsh.plan import EnginePlan, plan
 from torsh.translate import Translation
 
 from .activations import apply_activation_checkpointing
@@ -66,38 +66,40 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     log_resolved(resolved, info.rank)
     source = translation.source if translation is not None else None
     cfg = with_deepspeed_buckets(cfg, source=source, rank=info.rank)  # DDP buckets from reduce_bucket_size
-    # Every refusal now, before the model is cast, wrapped or sharded: a refused config leaves it as it was.
-    plan.check(cfg, world_size=info.world_size, optimizer_given=optimizer is not None)
+    # Every decision, and every refusal raised now, before the model is cast, wrapped or sharded: a refused
+    # config leaves it as it was. `torsh-migrate explain` prints this same plan.
+    decided = plan(cfg, info.world_size, source=source, optimizer_given=optimizer is not None)
+    decided.check()
 
     # Names are the identity that survives casting and sharding (fully_shard replaces the parameters).
     name_of = {id(p): n for n, p in model.named_parameters()}
     groups = named_groups(model_parameters, name_of, list(name_of.values()))
 
+    # The apply_* steps, in the plan's order: every rank starts from rank 0's weights; checkpointing wraps the
+    # blocks before sharding sees them; precision before sharding, so that FSDP2 shards fp32 master weights.
     sync_module_states(model, info.device, cfg.sharding)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.sharding.wrap)
-    offload_to_cpu = cfg.offload.optimizer == "cpu" and cfg.sharding.stage < 2
-    precision = apply_precision(model, cfg.precision, stage=cfg.sharding.stage, compression=cfg.compression,
-                                master_device=torch.device("cpu") if offload_to_cpu else None)  # fmt: skip
-    shard = apply_sharding(model, cfg.sharding, cfg.ddp, cfg.offload, cfg.gradients, precision, info,
-                           reduce_hook=cfg.compression.method == "none", extensions=cfg.extensions,
-                           source=source)  # fmt: skip
-    compression_state = apply_compression(shard, cfg)
+    precision = apply_precision(model, cfg.precision, decided)
+    shard = apply_sharding(model, cfg, decided, precision, info, source=source)
+    compression_state = apply_compression(shard, cfg, decided)
 
+    # The optimizer after sharding, so that it holds the tensors the step updates; then what steps with it.
     if optimizer is not None and cfg.optimizer is not None and cfg.optimizer.name and info.rank == 0:
         log.warning("optimizer.name=%s is not built: the optimizer passed to initialize is used (as DeepSpeed "
                     "does); its \"auto\" values were filled from it", cfg.optimizer.name)  # fmt: skip
     step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
     optimizer = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
-                                by_name=step_params, zero_stage1=cfg.sharding.stage == 1,
-                                offload="cpu" in (cfg.offload.params, cfg.offload.optimizer))  # fmt: skip
+                                     by_name=step_params, wrapper=decided.optimizer_wrapper,
+                                     offload=decided.optimizer_on_cpu)  # fmt: skip
     lr_scheduler = _build_scheduler(cfg, lr_scheduler, optimizer)
     loss_scaler = _build_loss_scaler(cfg)
     dataloader = None
     if training_data is not None:
         dataloader = build_dataloader(training_data, micro_batch_size=batch.micro_batch_size, data=cfg.data,
                                       rank=info.rank, world_size=info.world_size, collate_fn=collate_fn)  # fmt: skip
-    engine = Engine(config=cfg, batch=batch, info=info, shard=shard, precision=precision, optimizer=optimizer,
-                    lr_scheduler=lr_scheduler, loss_scaler=loss_scaler, training_dataloader=dataloader)  # fmt: skip
+    engine = Engine(config=cfg, policy=decided.step, batch=batch, info=info, shard=shard, precision=precision,
+                    optimizer=optimizer, lr_scheduler=lr_scheduler, loss_scaler=loss_scaler,
+                    training_dataloader=dataloader)  # fmt: skip
     engine.compression_state = compression_state  # byte counts of the compressed reduction (None: dense)
     if info.rank == 0:
         log.info("torsh engine: stage %d (%s), %s compute, world size %d, batch %d = %d x %d x %d",
@@ -138,16 +140,14 @@ def _log_translation(translation: Translation | None, rank: int) -> None:
         log.warning("config: %s", note)
 
 
-def apply_compression(shard, cfg: TorshConfig) -> object | None:
-    """Gradient compression on the data-parallel reduction: a DDP comm hook (stages 0/1); under FSDP2 only
-    fp16/bf16, as its reduce dtype (``apply_precision`` set it; :func:`torsh.plan.check` refused anything else)."""
-    if cfg.compression.method == "none":
+def apply_compression(shard, cfg: TorshConfig, decided: EnginePlan) -> object | None:
+    """Gradient compression on the data-parallel reduction: a DDP comm hook (stages 0/1). Under FSDP2 a fp16/bf16
+    "compression" is the reduce dtype ``apply_precision`` set; the plan refused the other methods there."""
+    if decided.compression != "comm_hook":
         return None
     from . import compression
 
-    if shard.kind == "ddp":
-        return compression.apply_compression(shard.model, cfg.compression, process_group=None)
-    return None  # FSDP2: fp16/bf16 is the reduce dtype apply_precision set; torsh.plan refused the other methods
+    return compression.apply_compression(shard.model, cfg.compression, process_group=None)
 
 
 def _build_scheduler(cfg: TorshConfig, client: Any, optimizer: Any) -> Any:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from torsh.config import CompressionConfig, PrecisionConfig
+from torsh.config import PrecisionConfig
+from torsh.plan import EnginePlan
 
 log = logging.getLogger("torsh.engine")
 
@@ -77,16 +78,12 @@ class PrecisionPlan:
     ZeRO does, instead of accumulating low-precision gradients locally until the boundary."""
 
 
-def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, *, stage: int, compression: CompressionConfig,
-                    master_device: torch.device | None = None) -> PrecisionPlan:
-    """Cast ``model`` per the precision contract and return the plan; ``master_device`` places master copies
-    (the CPU under optimizer offload)."""
-    param_dtype = DTYPES[precision.param_dtype]
-    master_dtype = DTYPES[precision.master_dtype]
-    reduce_dtype = DTYPES[precision.effective_reduce_dtype]
-    if stage >= 2 and compression.method in ("fp16", "bf16"):
-        # FSDP2 has no comm hook: a low-precision "compression" is its reduce dtype.
-        reduce_dtype = DTYPES[compression.method]
+def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, decided: EnginePlan) -> PrecisionPlan:
+    """Cast ``model`` per the precision contract and the plan's dtypes (:func:`torsh.plan.plan`) and return what
+    the later steps need; master copies go to the CPU under optimizer offload (stages 0/1)."""
+    param_dtype = DTYPES[decided.param_dtype]
+    master_dtype = DTYPES[decided.master_dtype]
+    reduce_dtype = DTYPES[decided.reduce_dtype]  # under FSDP2, a fp16/bf16 "compression" is folded in
     if precision.buffer_dtype is not None:
         for b in model.buffers():
             if b.is_floating_point():
@@ -100,23 +97,23 @@ def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, *, stage
     plan = PrecisionPlan(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                          cast_forward_inputs=precision.cast_forward_inputs)  # fmt: skip
 
-    if precision.autocast:
+    if decided.autocast:
         # torch_autocast: parameters stay in the master dtype; op-level autocast chooses compute dtypes.
         _cast_params(model, master_dtype)
         plan.autocast_dtype, plan.param_dtype = param_dtype, master_dtype
-        plan.reduce_dtype = DTYPES[precision.reduce_dtype] if precision.reduce_dtype else master_dtype
         return plan
     plan.reduce_every_micro_step = DTYPES[precision.effective_grad_accum_dtype] != param_dtype
-    if stage >= 2:
+    if decided.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         _cast_params(model, master_dtype)  # the shards are the master weights, also for a bf16-loaded model
-        if param_dtype != master_dtype or reduce_dtype != param_dtype:
+        if decided.fsdp_mixed_precision:
             plan.fsdp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                                     cast_forward_inputs=precision.cast_forward_inputs)  # fmt: skip
             plan.cast_forward_inputs = False  # the policy does it
         return plan
     # stages 0/1: compute parameters in param_dtype; separate masters when their dtype or device differs.
+    master_device = torch.device("cpu") if decided.masters_on_cpu else None
     offloaded = master_device is not None and any(p.device != master_device for p in model.parameters())
     if master_dtype == param_dtype and not offloaded:
         _cast_params(model, param_dtype)

@@ -77,14 +77,14 @@ def _accepted(cls: type, kwargs: dict) -> dict:
 
 
 def build_step_optimizer(*, section: OptimizerConfig | None, client: Any, groups: list[dict],
-                    name_of: dict[int, str], by_name: dict[str, torch.Tensor], zero_stage1: bool,
+                    name_of: dict[int, str], by_name: dict[str, torch.Tensor], wrapper: str | None,
                     offload: bool) -> torch.optim.Optimizer | None:  # fmt: skip
     """The optimizer over ``by_name`` (the tensors the step updates), or None when there is none.
 
     ``client`` is what the script passed (an optimizer, a callable, or None); it overrides ``section``,
     which is built by :func:`torsh.engine.optim.build_optimizer`. ``groups`` are ``model_parameters`` as
-    names (:func:`named_groups`, taken before sharding replaced the tensors). ``zero_stage1`` wraps the
-    result in ``ZeroRedundancyOptimizer`` (optimizer state sharded, ZeRO-1).
+    names (:func:`named_groups`, taken before sharding replaced the tensors). ``wrapper`` is the plan's
+    (:attr:`torsh.plan.EnginePlan.optimizer_wrapper`): ``"ZeroRedundancyOptimizer"`` shards the state (ZeRO-1).
     """
     if isinstance(client, torch.optim.Optimizer):
         cls, defaults, named = rebuild_optimizer(client, name_of, by_name)
@@ -97,7 +97,7 @@ def build_step_optimizer(*, section: OptimizerConfig | None, client: Any, groups
         built = build_configured(section, _resolve(groups, by_name), offload=offload)
     else:
         return None
-    if not zero_stage1:
+    if wrapper is None:
         return built
     # ZeRO-1: the same class, hyper-parameters and groups, with the state sharded across ranks.
     from torch.distributed.optim import ZeroRedundancyOptimizer

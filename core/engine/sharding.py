@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torsh.config import DdpConfig, GradientsConfig, OffloadConfig, ShardingConfig, WrapPolicy
+from torsh.config import DdpConfig, GradientsConfig, ShardingConfig, TorshConfig, WrapPolicy
 from torsh.errors import ConfigError, Problem
+from torsh.plan import EnginePlan
 
 from .distributed import DistInfo
 from .precision import PrecisionPlan
@@ -147,16 +148,14 @@ def _post_order(module: nn.Module):
     yield module
 
 
-def apply_sharding(model: nn.Module, sharding: ShardingConfig, ddp: DdpConfig, offload: OffloadConfig,
-                   gradients: GradientsConfig, precision: PrecisionPlan, info: DistInfo, *,
-                   reduce_hook: bool = True, extensions: dict | None = None,
-                   source: str | None = None) -> ShardPlan:  # fmt: skip
-    """Wrap ``model`` for its stage. ``reduce_hook`` False leaves DDP's reduction to a compression hook.
-    ``extensions`` (the config's) and ``source`` (the dialect it was read from) carry DeepSpeed's bucket sizes,
-    which size the FSDP2 units (:func:`.units.plan_units`)."""
-    if sharding.stage <= 1:
-        return _apply_ddp(model, ddp, gradients, precision, info, reduce_hook)
-    return _apply_fsdp(model, sharding, offload, gradients, precision, info, extensions or {}, source)
+def apply_sharding(model: nn.Module, cfg: TorshConfig, decided: EnginePlan, precision: PrecisionPlan, info: DistInfo,
+                   *, source: str | None = None) -> ShardPlan:  # fmt: skip
+    """Wrap ``model`` as the plan says: DDP (stages 0/1; its own reduction unless a compression hook replaces it)
+    or FSDP2 on the plan's mesh. ``source`` (the dialect the config was read from) says whether DeepSpeed's
+    bucket sizes in ``cfg.extensions`` size the FSDP2 units (:func:`.units.plan_units`)."""
+    if not decided.fsdp:
+        return _apply_ddp(model, cfg.ddp, cfg.gradients, precision, info, decided.compression != "comm_hook")
+    return _apply_fsdp(model, cfg, decided, precision, info, source)
 
 
 def _apply_ddp(model, ddp: DdpConfig, gradients: GradientsConfig, precision: PrecisionPlan, info: DistInfo,
@@ -261,32 +260,26 @@ def rebuild_ddp_for_unused(shard: ShardPlan, ddp: DdpConfig, gradients: Gradient
                       info, reduce_hook)  # fmt: skip
 
 
-def _apply_fsdp(model, sharding: ShardingConfig, offload: OffloadConfig, gradients: GradientsConfig,
-                precision: PrecisionPlan, info: DistInfo, extensions: dict | None = None,
-                source: str | None = None) -> ShardPlan:  # fmt: skip
+def _apply_fsdp(model, cfg: TorshConfig, decided: EnginePlan, precision: PrecisionPlan, info: DistInfo,
+                source: str | None) -> ShardPlan:  # fmt: skip
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    sharding, offload, gradients = cfg.sharding, cfg.offload, cfg.gradients
     if offload.optimizer == "cpu" and offload.params == "none":
         log.info("offload.optimizer=cpu under FSDP2: CPUOffloadPolicy offloads parameters and gradients too "
                  "and steps the optimizer on the CPU")  # fmt: skip
-    world = info.world_size
-    device_type = info.device.type
-    if sharding.hybrid_shard_size and sharding.hybrid_shard_size != world:
-        shard = sharding.hybrid_shard_size
-        mesh = init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    offloaded = "cpu" in (offload.params, offload.optimizer)
+    names = ("replicate", "shard") if len(decided.mesh) == 2 else ("shard",)
+    mesh = init_device_mesh(info.device.type, decided.mesh, mesh_dim_names=names)
     kwargs = dict(
         mesh=mesh,
-        reshard_after_forward=sharding.effective_reshard_after_forward,
+        reshard_after_forward=decided.reshard_after_forward,
         mp_policy=precision.fsdp_policy or MixedPrecisionPolicy(),
         offload_policy=CPUOffloadPolicy(pin_memory=offload.pin_memory and torch.cuda.is_available())
-        if offloaded else OffloadPolicy(),
+        if decided.fsdp_cpu_offload else OffloadPolicy(),
     )  # fmt: skip
     # Units: sharding.wrap as written; for a DeepSpeed config, consecutive blocks grouped to its bucket sizes.
-    plan = plan_units(model, sharding, extensions, source=source)
+    plan = plan_units(model, sharding, cfg.extensions, source=source)
     if info.rank == 0:
         for line in plan.describe():
             log.info("sharding: %s", line)
