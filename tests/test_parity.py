@@ -38,3 +38,36 @@ def test_a_stale_deepspeed_build_lock_is_named_instead_of_waiting_forever(tmp_pa
     monkeypatch.setattr(parity, "deepspeed_available", lambda: True)
     with pytest.raises(parity.ParityRunError, match="deepspeed_shm_comm/lock; delete it"):
         parity.run([], "deepspeed", workdir=tmp_path / "work")
+
+
+WRITES_THEN_ABORTS = """
+import json, os, sys
+spec = json.load(open(sys.argv[-1]))
+if {write}:
+    open(spec["out"], "w").write(json.dumps({{"engine": spec["engine"], "scenarios": {{}}}}))
+sys.stderr.write("terminate called without an active exception\\n")
+sys.stderr.flush()
+os.abort()
+"""
+
+
+@pytest.mark.parametrize(("engine", "write", "counts"), [("deepspeed", True, True), ("deepspeed", False, False),
+                                                         ("torsh", True, False)])  # fmt: skip
+def test_only_the_reference_may_abort_at_exit_and_only_after_writing_its_records(tmp_path, monkeypatch, engine,
+                                                                                 write, counts):  # fmt: skip
+    """Real DeepSpeed can abort at interpreter exit after the job finished: its records count when written whole.
+    A reference that aborted before writing them, and any torsh run that aborts, is a failed run."""
+    from torsh import parity
+
+    monkeypatch.setattr(parity, "deepspeed_available", lambda: True)
+    monkeypatch.setattr(parity, "_check_no_stale_build_lock", lambda: None)
+    real_popen = parity.subprocess.Popen
+    code = WRITES_THEN_ABORTS.format(write=write)
+    monkeypatch.setattr(parity.subprocess, "Popen", lambda command, **kw: real_popen(
+        [sys.executable, "-c", code, command[-1]], **kw))
+    if counts:
+        results = parity.run([], engine, workdir=tmp_path)
+        assert results["scenarios"] == {} and "after every record was written" in results["exit"]
+    else:
+        with pytest.raises(parity.ParityRunError, match=f"the {engine} run failed"):
+            parity.run([], engine, workdir=tmp_path)

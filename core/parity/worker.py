@@ -124,7 +124,11 @@ def main(spec_path: str) -> int:
     if dist.get_rank() == 0:
         Path(spec["out"]).write_text(json.dumps(results, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
+    # The engine's teardown order (release, collect, destroy, collect): left to interpreter exit, a gloo thread
+    # can drop the last reference to a tensor mid-finalisation and abort a finished job.
+    from torsh.engine.distributed import shutdown
+
+    shutdown()
     return 0
 
 
