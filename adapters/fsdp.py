@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from torsh import schemas
 from torsh.config import AUTO, TorshConfig, get_path
+from torsh.dialect import Dialect, Prepared
 from torsh.errors import ConfigError, Problem
 from torsh.translate import (
     NOTHING,
@@ -37,7 +37,6 @@ from torsh.translate import (
     Unsupported,
     WriteContext,
     check_version,
-    read_mapping,
     settle_auto,
     write_mapping,
 )
@@ -55,7 +54,6 @@ from ._torch_names import (
     explain_unsupported,
     mesh_description,
     mesh_shard_size,
-    merge_expressions,
     prune_defaults,
     split_expressions,
     to_bool,
@@ -344,7 +342,7 @@ def _finalize_read(version: str):
     return finalize
 
 
-def sniff(raw: Any) -> float:
+def _sniff(raw: Any) -> float:
     """FSDP kwargs: every top-level key is an FSDP1 kwarg, or the FSDP2 layout's ``fully_shard``."""
     if not isinstance(raw, dict) or not raw:
         return 0.0
@@ -367,32 +365,6 @@ def layout(raw: Any) -> str:
     if {"fully_shard", "apply_to"} & set(raw):
         return "fsdp2"
     return frameworks.layout(raw) or "fsdp1"
-
-
-def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
-    """Read FSDP1 or FSDP2 kwargs (the layout is detected; ``version`` may insist on one)."""
-    if version is not None:
-        check_version(NAME, version, VERSIONS)
-    problems = schemas.check(raw, NAME)
-    if problems:
-        raise ConfigError(problems, source=NAME)
-    found = layout(raw)
-    if version is not None and version != found:
-        raise ConfigError([Problem("", sorted(raw), f"expected {version} arguments, found {found} ones "
-                                   "(FSDP2 is written under \"fully_shard\")")], source=NAME)  # fmt: skip
-    if found == "fsdp2":
-        fsdp1 = sorted(set(raw) & {k.split(".")[0] for k in FSDP1_MAP})
-        if fsdp1:
-            raise ConfigError([Problem(k, raw[k], "an FSDP1 FullyShardedDataParallel argument next to FSDP2 "
-                                       "fully_shard: give one generation") for k in fsdp1], source=NAME)  # fmt: skip
-    if found in frameworks.LAYOUTS:  # a framework's config file: literal values, no run-time expressions
-        fmap, finalize = frameworks.field_map(found), frameworks.LAYOUTS[found][1]
-        clean, notes, kept = raw, [], {}
-    else:
-        fmap, finalize = _READ_MAPS[found], _finalize_read(found)
-        clean, notes, kept = split_expressions(raw, fmap, NAME, _KNOWN)
-    translation = read_mapping(clean, dialect=NAME, field_map=fmap, value_maps=VALUE_MAPS, finalize=finalize)
-    return merge_expressions(translation, notes, kept, NAME)
 
 
 # ---- writing --------------------------------------------------------------------------------------
@@ -592,16 +564,6 @@ def _finalize_write(version: str):
     return finalize
 
 
-def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
-    """Write FSDP2 ``fully_shard`` kwargs (default) or FSDP1 ``FullyShardedDataParallel`` kwargs."""
-    version = check_version(NAME, version, VERSIONS)
-    fmap = _V1_WRITE if version == "fsdp1" else _V2_WRITE
-    translation = write_mapping(cfg, dialect=NAME, field_map=fmap, value_maps=_WRITE_VALUES,
-                                finalize=_finalize_write(version))  # fmt: skip
-    _drop_other_generation(translation, version)
-    return translation
-
-
 def _drop_other_generation(translation: Translation[dict], version: str) -> None:
     """Kept keys of the other generation (or of a trainer framework) were restored as-is: notes instead."""
     own = {k.split(".")[0] for k in (FSDP1_MAP if version == "fsdp1" else FSDP2_MAP)} | {"state_dict_type"}
@@ -614,6 +576,59 @@ def _drop_other_generation(translation: Translation[dict], version: str) -> None
 
 
 _REMOVED_IN_FSDP2 = {"limit_all_gathers", "use_orig_params", "param_init_fn", "device_id"}
+
+
+# ---- the dialect -----------------------------------------------------------------------------------
+
+
+class Fsdp(Dialect):
+    """FSDP1 and FSDP2 kwargs, and the FSDP settings of trainer frameworks: the input's layout picks the map."""
+
+    NAME = NAME
+    VERSIONS = VERSIONS
+    FIELD_MAP = FIELD_MAP
+    VALUE_MAPS = VALUE_MAPS
+    ALIASES = ALIASES
+
+    def check_version(self, version: str | None) -> str | None:
+        # Reading tells the generation from the layout; a version given insists on one.
+        return None if version is None else super().check_version(version)
+
+    def normalise(self, raw: Any, prepared: Prepared) -> Prepared:
+        found = layout(raw)
+        if prepared.version is not None and prepared.version != found:
+            raise ConfigError([Problem("", sorted(raw), f"expected {prepared.version} arguments, found {found} ones "
+                                       "(FSDP2 is written under \"fully_shard\")")], source=NAME)  # fmt: skip
+        if found == "fsdp2":
+            fsdp1 = sorted(set(raw) & {k.split(".")[0] for k in FSDP1_MAP})
+            if fsdp1:
+                raise ConfigError([Problem(k, raw[k], "an FSDP1 FullyShardedDataParallel argument next to FSDP2 "
+                                           "fully_shard: give one generation") for k in fsdp1], source=NAME)  # fmt: skip
+        if found in frameworks.LAYOUTS:  # a framework's config file: literal values, no run-time expressions
+            prepared.field_map, prepared.state["finalize"] = frameworks.field_map(found), frameworks.LAYOUTS[found][1]
+            return prepared
+        prepared.field_map, prepared.state["finalize"] = _READ_MAPS[found], _finalize_read(found)
+        prepared.data, prepared.notes, prepared.kept = split_expressions(raw, prepared.field_map, NAME, _KNOWN)
+        return prepared
+
+    def finalize(self, ctx: ReadContext, prepared: Prepared) -> None:
+        prepared.state["finalize"](ctx)
+
+    def write(self, cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
+        """Write FSDP2 ``fully_shard`` kwargs (default) or FSDP1 ``FullyShardedDataParallel`` kwargs."""
+        version = check_version(NAME, version, VERSIONS)
+        fmap = _V1_WRITE if version == "fsdp1" else _V2_WRITE
+        translation = write_mapping(cfg, dialect=NAME, field_map=fmap, value_maps=_WRITE_VALUES,
+                                    finalize=_finalize_write(version))  # fmt: skip
+        _drop_other_generation(translation, version)
+        return translation
+
+    def sniff(self, raw: Any) -> float:
+        return _sniff(raw)
+
+
+DIALECT = Fsdp()
+globals().update(DIALECT.exports())
 
 
 # ---- the FSDP2 snippet ----------------------------------------------------------------------------
