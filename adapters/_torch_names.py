@@ -145,16 +145,6 @@ def split_expressions(raw: Mapping[str, Any], fmap: FieldMap, dialect: str,
     return walk(raw, ""), notes, kept
 
 
-def merge_expressions(translation, notes: list[Note], kept: dict, dialect: str):
-    """Add the expression notes and kept values to a read translation (kept for same-dialect round trips)."""
-    if kept:
-        extensions = {k: dict(v) for k, v in translation.result.extensions.items()}
-        extensions.setdefault(dialect, {}).update(kept)
-        translation.result = translation.result.model_copy(update={"extensions": extensions})
-    translation.notes = notes + translation.notes
-    return translation
-
-
 def mesh_shard_size(mesh: Any, ctx: ReadContext, path: str) -> tuple[int, Any] | None:
     """Read a device-mesh description: ``(ndim, shard_size or None)``; notes every part of it.
 

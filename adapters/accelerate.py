@@ -15,12 +15,11 @@ DeepSpeed: deepspeed).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
-from torsh import schemas
 from torsh.config import AUTO, TorshConfig, get_path
+from torsh.dialect import Dialect, Prepared
 from torsh.errors import ConfigError, Problem
 from torsh.translate import (
     NOTHING,
@@ -36,7 +35,6 @@ from torsh.translate import (
     Translation,
     Unsupported,
     WriteContext,
-    read_mapping,
     settle_auto,
     write_mapping,
 )
@@ -399,7 +397,6 @@ VALUE_MAPS: dict[str, dict] = {}
 #: ``accelerate launch`` adds the ``fsdp_`` prefix to fsdp_config keys that lack it (commands/launch.py:1257-1272).
 ALIASES = {f"fsdp_config.{k.split('.', 1)[1].removeprefix('fsdp_')}": Alias(k, "accelerate launch adds the fsdp_ "
                                                                              "prefix") for k in FSDP_MAP}
-_FIELD_MAP = FieldMap(FIELD_MAP, ALIASES)
 
 
 def _mixed(value: Any, ctx: ReadContext, path: str) -> str | None:
@@ -618,32 +615,13 @@ def _finalize_precision(ctx: ReadContext, state: dict, kind: str) -> None:
 # ---- reading ------------------------------------------------------------------------------------------
 
 
-def sniff(raw: Any) -> float:
+def _sniff(raw: Any) -> float:
     """An accelerate config: ``distributed_type`` or its ``*_config`` sections next to the launch keys."""
     if not isinstance(raw, dict):
         return 0.0
     if "distributed_type" in raw or "compute_environment" in raw:
         return 1.0
     return 0.8 if {"fsdp_config", "deepspeed_config"} & set(raw) and "num_processes" in raw else 0.0
-
-
-def read(raw: Any, *, version: str | None = None, base_dir: str | os.PathLike[str] | None = None
-         ) -> Translation[TorshConfig]:  # fmt: skip
-    """Read an ``accelerate config`` YAML (parsed); ``base_dir`` resolves ``deepspeed_config_file``."""
-    if not isinstance(raw, dict):
-        raise ConfigError([Problem("", raw, "an accelerate config must be a mapping")], source=NAME)
-    raw, unset = _without_nulls(raw)
-    problems = schemas.check(raw, NAME)
-    if problems:
-        raise ConfigError(problems, source=NAME)
-    _check_ds_file_exclusive(raw)
-    clean, notes, kept = _inactive_sections(raw)
-    notes[:0] = unset
-    translation = read_mapping(clean, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS,
-                               finalize=lambda ctx: _finalize(ctx, base_dir))
-    from ._torch_names import merge_expressions
-
-    return merge_expressions(translation, notes, kept, NAME)
 
 
 def _check_ds_file_exclusive(raw: dict) -> None:
@@ -1009,11 +987,57 @@ def _finalize_write(backend: str):
     return finalize
 
 
-def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
-    """Write an ``accelerate config`` YAML (as data) for the backend ``version`` names or the stage implies."""
-    if version is not None and version not in VERSIONS:
-        raise ConfigError([Problem("version", version, f"expected one of {', '.join(VERSIONS)}")], source=NAME)
-    backend = _backend(cfg, version)
-    translation = write_mapping(cfg, dialect=NAME, field_map=_write_map(backend), finalize=_finalize_write(backend))
-    translation.result = {"compute_environment": "LOCAL_MACHINE", **translation.result}
-    return translation
+# ---- the dialect ---------------------------------------------------------------------------------------------
+
+
+class Accelerate(Dialect):
+    """``accelerate config`` YAML: nulls that mean "not set" and sections Accelerate does not read for the
+    ``distributed_type`` are taken out (with notes) before the map; ``deepspeed_config_file`` is read through the
+    DeepSpeed dialect. The version names the backend to write (reading is told by ``distributed_type``)."""
+
+    NAME = NAME
+    VERSIONS = VERSIONS
+    DEFAULT_FORMAT = DEFAULT_FORMAT
+    FIELD_MAP = FIELD_MAP
+    VALUE_MAPS = VALUE_MAPS
+    ALIASES = ALIASES
+    READS_RELATIVE_PATHS = READS_RELATIVE_PATHS
+
+    def check_version(self, version: str | None) -> str | None:
+        return version  # reading: distributed_type decides; writing checks it (below)
+
+    def shape(self, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            raise ConfigError([Problem("", raw, "an accelerate config must be a mapping")], source=NAME)
+        return raw
+
+    def check_schema(self, raw: Any) -> None:
+        raw, _ = _without_nulls(raw)
+        super().check_schema(raw)
+        _check_ds_file_exclusive(raw)
+
+    def normalise(self, raw: Any, prepared: Prepared) -> Prepared:
+        raw, unset = _without_nulls(raw)
+        prepared.data, notes, prepared.kept = _inactive_sections(raw)
+        prepared.notes = unset + notes
+        return prepared
+
+    def finalize(self, ctx: ReadContext, prepared: Prepared) -> None:
+        _finalize(ctx, prepared.base_dir)
+
+    def write(self, cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
+        """Write an ``accelerate config`` YAML (as data) for the backend ``version`` names or the stage implies."""
+        if version is not None and version not in VERSIONS:
+            raise ConfigError([Problem("version", version, f"expected one of {', '.join(VERSIONS)}")], source=NAME)
+        backend = _backend(cfg, version)
+        translation = write_mapping(cfg, dialect=NAME, field_map=_write_map(backend),
+                                    finalize=_finalize_write(backend))  # fmt: skip
+        translation.result = {"compute_environment": "LOCAL_MACHINE", **translation.result}
+        return translation
+
+    def sniff(self, raw: Any) -> float:
+        return _sniff(raw)
+
+
+DIALECT = Accelerate()
+globals().update(DIALECT.exports())

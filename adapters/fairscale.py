@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from torsh import schemas
 from torsh.concepts import dtypes
 from torsh.config import AUTO, TorshConfig, get_path
-from torsh.errors import ConfigError
+from torsh.dialect import Dialect, Prepared
 from torsh.translate import (
     NOTHING,
     Alias,
@@ -25,12 +24,8 @@ from torsh.translate import (
     Ignored,
     ReadContext,
     To,
-    Translation,
     WriteContext,
-    check_version,
-    read_mapping,
     settle_auto,
-    write_mapping,
 )
 
 from ._torch_names import (
@@ -38,7 +33,6 @@ from ._torch_names import (
     SCRIPT_SIDE,
     dtype,
     explain_unsupported,
-    merge_expressions,
     prune_defaults,
     split_expressions,
     to_bool,
@@ -165,7 +159,6 @@ FIELD_MAP = {
 }
 VALUE_MAPS: dict[str, dict] = {}
 ALIASES = {"fsdp.cpu_offload": Alias("fsdp.move_params_to_cpu", "0.4.13 keeps cpu_offload as a deprecated alias")}
-_FIELD_MAP = FieldMap(FIELD_MAP, ALIASES)
 
 
 # ---- reading: the keys that decide one core field together -----------------------------------------------
@@ -268,22 +261,11 @@ def _finalize_sdp(ctx: ReadContext, state: dict) -> None:
         ctx.note(fp16[1], Fidelity.EXACT, "no compression", fp16[2], "compression.method")
 
 
-def sniff(raw: Any) -> float:
+def _sniff(raw: Any) -> float:
     """FairScale: top-level ``fsdp`` / ``oss`` / ``sdp`` / ``scaler`` mappings only."""
     if not isinstance(raw, dict) or not raw or not set(raw) <= {"fsdp", "oss", "sdp", "scaler"}:
         return 0.0
     return 1.0 if all(isinstance(v, dict) for v in raw.values()) else 0.0
-
-
-def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
-    """Read FairScale constructor kwargs into the core model."""
-    check_version(NAME, version, VERSIONS)
-    problems = schemas.check(raw, NAME)
-    if problems:
-        raise ConfigError(problems, source=NAME)
-    clean, notes, kept = split_expressions(raw, _FIELD_MAP, NAME)
-    translation = read_mapping(clean, dialect=NAME, field_map=_FIELD_MAP, value_maps=VALUE_MAPS, finalize=_finalize)
-    return merge_expressions(translation, notes, kept, NAME)
 
 
 # ---- writing ------------------------------------------------------------------------------------------------
@@ -433,16 +415,44 @@ _WRITE_DEFAULTS = {"sdp.broadcast_buffers": True, "sdp.sync_models_at_startup": 
                    "scaler.growth_factor": 2.0, "scaler.backoff_factor": 0.5, "scaler.growth_interval": 2000}
 
 
-def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
-    """Write FairScale kwargs: OSS (stage 1), OSS + ShardedDataParallel (stage 2) or FSDP (stage 3)."""
-    check_version(NAME, version, VERSIONS)
-    return write_mapping(cfg, dialect=NAME, field_map=_WRITE_MAP, finalize=_finalize_write)
-
-
 def _finalize_write(ctx: WriteContext) -> None:
     settle_auto(ctx, AUTO_SETTERS)
     prune_defaults(ctx, _WRITE_DEFAULTS)
     explain_unsupported(ctx, SCRIPT_SIDE)
+
+
+# ---- the dialect ---------------------------------------------------------------------------------------------
+
+
+class FairScale(Dialect):
+    """FairScale constructor kwargs: script expressions are reported and kept, the rest walks the map; writing picks
+    OSS (stage 1), OSS + ShardedDataParallel (stage 2) or FSDP (stage 3)."""
+
+    NAME = NAME
+    VERSIONS = VERSIONS
+    FIELD_MAP = FIELD_MAP
+    VALUE_MAPS = VALUE_MAPS
+    ALIASES = ALIASES
+
+    def normalise(self, raw: Any, prepared: Prepared) -> Prepared:
+        prepared.data, prepared.notes, prepared.kept = split_expressions(raw, prepared.field_map, NAME)
+        return prepared
+
+    def finalize(self, ctx: ReadContext, prepared: Prepared) -> None:
+        _finalize(ctx)
+
+    def write_map(self, version: str | None) -> FieldMap:
+        return _WRITE_MAP
+
+    def finish_write(self, ctx: WriteContext, version: str | None) -> None:
+        _finalize_write(ctx)
+
+    def sniff(self, raw: Any) -> float:
+        return _sniff(raw)
+
+
+DIALECT = FairScale()
+globals().update(DIALECT.exports())
 
 
 def _is_number(value: Any) -> bool:
