@@ -216,13 +216,7 @@ def _with_steps(decided: EnginePlan, cfg: TorshConfig, source: str | None) -> En
     steps.append(_sharding_step(decided, cfg))
     steps += describe_policy(cfg, source=source)
     steps += _precision_steps(decided)
-    o = cfg.offload
-    if o.params != "none" or o.optimizer != "none":
-        parts = [f"parameters -> {o.params}" if o.params != "none" else "", f"optimizer -> {o.optimizer}"
-                 if o.optimizer != "none" else ""]  # fmt: skip
-        how = "CPUOffloadPolicy(pin_memory=%s)" % o.pin_memory if "nvme" not in (o.params, o.optimizer) else (
-            "NVMe offload is not supported by the engine")
-        steps.append(f"offload ({', '.join(x for x in parts if x)}): {how}")
+    steps += _offload_steps(decided, cfg)
     if decided.compression == "comm_hook":
         steps.append(f"gradient compression: {cfg.compression.method} communication hook")
     elif decided.compression == "reduce_dtype":
@@ -251,14 +245,29 @@ def _sharding_step(decided: EnginePlan, cfg: TorshConfig) -> str:
             f"ZeRO-{cfg.sharding.stage}-like, {mesh}")
 
 
+def _offload_steps(decided: EnginePlan, cfg: TorshConfig) -> list[str]:
+    o = cfg.offload
+    if o.params == "none" and o.optimizer == "none":
+        return []
+    parts = ", ".join(x for x in (f"parameters -> {o.params}" if o.params != "none" else "",
+                                  f"optimizer -> {o.optimizer}" if o.optimizer != "none" else "") if x)  # fmt: skip
+    if "nvme" in (o.params, o.optimizer):
+        how = "NVMe offload is not supported by the engine"
+    elif decided.fsdp_cpu_offload:
+        how = f"CPUOffloadPolicy(pin_memory={o.pin_memory})" + (
+            "; it keeps the sharded parameters and gradients on the CPU too" if o.params == "none" else "")
+    else:
+        how = "the fp32 master weights, their gradients and the optimizer step on the CPU"
+    return [f"offload ({parts}): {how}"]
+
+
 def _precision_steps(decided: EnginePlan) -> list[str]:
     if decided.autocast:
         return [f"torch.autocast({_dtype(decided.param_dtype)}) around forward"]
     if decided.fsdp_mixed_precision:
         return [f"MixedPrecisionPolicy(param_dtype={_dtype(decided.param_dtype)}, "
                 f"reduce_dtype={_dtype(decided.reduce_dtype)}) with fp32 sharded parameters"]
-    if decided.data_parallel in ("ddp", "zero1") and decided.param_dtype != "fp32":
-        where = " on the CPU" if decided.masters_on_cpu else ""
+    if not decided.fsdp and decided.param_dtype != "fp32":
         return [f"parameters cast to {_dtype(decided.param_dtype)} for compute, "
-                f"{_dtype(decided.master_dtype)} master weights in the optimizer{where}"]
+                f"{_dtype(decided.master_dtype)} master weights in the optimizer"]
     return []

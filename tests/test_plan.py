@@ -161,8 +161,12 @@ def test_refusals_are_part_of_the_plan_and_raised_by_check():
      "MixedPrecisionPolicy(param_dtype=fp32, reduce_dtype=bf16)", "communication hook"),
     # a shard group as large as the world is one mesh dimension, as the engine builds it
     ({"sharding": {"stage": 3, "hybrid_shard_size": 2}}, 2, "sharded over all data-parallel ranks", "HSDP"),
+    # ZeRO-1 offload is CPU master weights, not FSDP2's CPUOffloadPolicy
     ({"sharding": {"stage": 1}, "precision": {"param_dtype": "bf16"}, "offload": {"optimizer": "cpu"}}, 2,
-     "fp32 master weights in the optimizer on the CPU", None),
+     "offload (optimizer -> cpu): the fp32 master weights, their gradients and the optimizer step on the CPU",
+     "CPUOffloadPolicy"),
+    ({"sharding": {"stage": 3}, "offload": {"optimizer": "cpu"}}, 2, "CPUOffloadPolicy(pin_memory=True); it keeps "
+     "the sharded parameters and gradients on the CPU too", None),
 ])  # fmt: skip
 def test_explain_prints_the_plan_the_engine_runs(tmp_path, capsys, sections, world, says, not_says):
     from torsh.cli import main

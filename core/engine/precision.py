@@ -40,7 +40,7 @@ class MasterWeights:
             if p.grad is None:
                 continue
             m = self.masters[name]
-            g = p.grad.to(m.dtype)
+            g = p.grad.to(device=m.device, dtype=m.dtype)  # masters may be on the CPU (optimizer offload)
             m.grad = g if (m.grad is None or not accumulate) else m.grad.add_(g)
             p.grad = None
 
