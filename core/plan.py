@@ -33,7 +33,7 @@ class StepPolicy:
     clip_max_norm: float
     """Clip the global gradient norm to this (0: no clipping)."""
     loss_scaling: bool
-    """Scale the loss and unscale the gradients (fp16 with a loss scaler)."""
+    """Scale the loss and unscale the gradients (``precision.loss_scaling.mode`` is not "none")."""
     skip_step_on_nonfinite: bool
     """Skip the optimizer step when a gradient is not finite (also without loss scaling)."""
     steps_per_print: int | None
@@ -89,7 +89,7 @@ class EnginePlan:
     optimizer_on_cpu: bool
     """The configured optimizer is built for CPU tensors (offload)."""
     loss_scaler: bool
-    """A loss scaler is used (fp16, scaling not "none")."""
+    """A loss scaler scales the loss (``precision.loss_scaling.mode`` is not "none")."""
     step: StepPolicy
     refused: tuple[Problem, ...]
     """Every reason the engine cannot run the config (empty: it can)."""
@@ -131,10 +131,10 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
     else:
         reduce = p.effective_reduce_dtype
     compressed = cfg.compression.method != "none"
-    scaler = p.loss_scaling.mode != "none" and (p.param_dtype == "fp16" or is_deferred(p.param_dtype))
+    scaler = p.loss_scaling.mode != "none"  # the engine scales whenever it is set; DeepSpeed's reader sets it for fp16
     clip = cfg.gradients.clip_max_norm
     step = StepPolicy(stage=stage, param_dtype=p.param_dtype, clip_max_norm=0.0 if is_deferred(clip) else
-                      float(clip or 0.0), loss_scaling=p.loss_scaling.mode != "none",
+                      float(clip or 0.0), loss_scaling=scaler,
                       skip_step_on_nonfinite=p.skip_step_on_nonfinite, steps_per_print=cfg.monitoring.steps_per_print,
                       activations_on_cpu=cfg.activation_checkpointing.enabled
                       and cfg.activation_checkpointing.cpu_offload, ddp=cfg.ddp, gradients=cfg.gradients,
@@ -208,9 +208,11 @@ def _with_steps(decided: EnginePlan, cfg: TorshConfig, source: str | None) -> En
     from .engine.units import describe_policy  # torch-free: the sizes, not the model
 
     steps = []
-    ac = cfg.activation_checkpointing
-    if ac.enabled:
-        which = ", ".join(ac.modules) or "each sharding unit"
+    ac, wrap = cfg.activation_checkpointing, cfg.sharding.wrap
+    if ac.enabled:  # the modules apply_activation_checkpointing picks: its own list, else sharding.wrap's
+        which = (", ".join(ac.modules) if ac.modules else "each " + ", ".join(wrap.module_classes)
+                 if wrap.module_classes else f"each module of at least {wrap.min_num_params} parameters"
+                 if wrap.min_num_params else "each direct child holding parameters (looking into ModuleLists)")
         steps.append(f"activation checkpointing of {which}" + (" (saved activations on the CPU)" if ac.cpu_offload
                                                                  else ""))  # fmt: skip
     steps.append(_sharding_step(decided, cfg))

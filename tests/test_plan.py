@@ -126,7 +126,9 @@ def test_explain_lists_what_initialize_would_refuse(tmp_path, capsys):
      {"fsdp_cpu_offload": True, "masters_on_cpu": False, "optimizer_on_cpu": True}),
     ({"precision": {"param_dtype": "fp16", "loss_scaling": {"mode": "dynamic"}}}, 2,
      {"loss_scaler": True, "reduce_dtype": "fp16"}),
-    ({"precision": {"param_dtype": "bf16", "loss_scaling": {"mode": "dynamic"}}}, 2, {"loss_scaler": False}),
+    # the engine scales whenever scaling is set, as a torch script with GradScaler and bf16 autocast does
+    ({"precision": {"param_dtype": "bf16", "loss_scaling": {"mode": "dynamic"}}}, 2, {"loss_scaler": True}),
+    ({"precision": {"param_dtype": "bf16"}}, 2, {"loss_scaler": False}),
     ({"precision": {"param_dtype": "bf16", "autocast": True}}, 2, {"autocast": True, "reduce_dtype": "fp32",
                                                                    "loss_scaler": False}),
 ])  # fmt: skip
@@ -165,6 +167,9 @@ def test_refusals_are_part_of_the_plan_and_raised_by_check():
     ({"sharding": {"stage": 1}, "precision": {"param_dtype": "bf16"}, "offload": {"optimizer": "cpu"}}, 2,
      "offload (optimizer -> cpu): the fp32 master weights, their gradients and the optimizer step on the CPU",
      "CPUOffloadPolicy"),
+    # the modules activation checkpointing wraps: sharding.wrap's, not the units grouped from DeepSpeed's buckets
+    ({"sharding": {"stage": 3, "wrap": {"module_classes": ["Block"]}}, "activation_checkpointing": {"enabled": True}},
+     2, "activation checkpointing of each Block", "each sharding unit"),
     ({"sharding": {"stage": 3}, "offload": {"optimizer": "cpu"}}, 2, "CPUOffloadPolicy(pin_memory=True); it keeps "
      "the sharded parameters and gradients on the CPU too", None),
 ])  # fmt: skip
