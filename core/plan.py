@@ -124,12 +124,12 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
         mesh = (world_size,)
     elif dp == "hsdp" and not is_deferred(hybrid) and world_size % hybrid == 0:
         mesh = (world_size // hybrid, hybrid)
-    if p.autocast:
-        reduce = p.reduce_dtype or p.master_dtype
-    elif fsdp and cfg.compression.method in ("fp16", "bf16"):
+    # The parameters FSDP2 holds in compute: the compute dtype, or the fp32 masters themselves under autocast.
+    held = p.master_dtype if p.autocast else p.param_dtype
+    if fsdp and cfg.compression.method in ("fp16", "bf16"):
         reduce = cfg.compression.method  # FSDP2 has no comm hook: a low-precision "compression" is its reduce dtype
     else:
-        reduce = p.effective_reduce_dtype
+        reduce = p.reduce_dtype or held
     compressed = cfg.compression.method != "none"
     scaler = p.loss_scaling.mode != "none"  # the engine scales whenever it is set; DeepSpeed's reader sets it for fp16
     clip = cfg.gradients.clip_max_norm
@@ -143,7 +143,7 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
         world_size=world_size, data_parallel=dp, mesh=mesh,
         reshard_after_forward=s.effective_reshard_after_forward if fsdp else None,
         param_dtype=p.param_dtype, master_dtype=p.master_dtype, reduce_dtype=reduce, autocast=p.autocast,
-        fsdp_mixed_precision=fsdp and not p.autocast and (p.param_dtype != p.master_dtype or reduce != p.param_dtype),
+        fsdp_mixed_precision=fsdp and (held != p.master_dtype or reduce != held),
         masters_on_cpu=not fsdp and o.optimizer == "cpu", fsdp_cpu_offload=fsdp and "cpu" in (o.params, o.optimizer),
         compression="none" if not compressed else "reduce_dtype" if fsdp else "comm_hook",
         optimizer_wrapper="ZeroRedundancyOptimizer" if stage == 1 else None,
@@ -265,7 +265,9 @@ def _offload_steps(decided: EnginePlan, cfg: TorshConfig) -> list[str]:
 
 def _precision_steps(decided: EnginePlan) -> list[str]:
     if decided.autocast:
-        return [f"torch.autocast({_dtype(decided.param_dtype)}) around forward"]
+        return [f"torch.autocast({_dtype(decided.param_dtype)}) around forward"] + (
+            [f"MixedPrecisionPolicy(reduce_dtype={_dtype(decided.reduce_dtype)}) with fp32 sharded parameters"]
+            if decided.fsdp_mixed_precision else [])  # fmt: skip
     if decided.fsdp_mixed_precision:
         return [f"MixedPrecisionPolicy(param_dtype={_dtype(decided.param_dtype)}, "
                 f"reduce_dtype={_dtype(decided.reduce_dtype)}) with fp32 sharded parameters"]

@@ -196,16 +196,23 @@ print(json.dumps({"reduce_dtype": str(policy.reduce_dtype), "param_dtype": str(p
 """
 
 
-def test_the_engine_runs_the_reduce_dtype_explain_prints():
+@pytest.mark.parametrize("config", [
+    {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 3}, "compression": {"method": "bf16"}},
+    # torch.autocast: the parameters stay fp32, and the reduction still runs in the dtype the config asks for
+    {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 3}, "precision": {"param_dtype": "bf16",
+                                                                                  "autocast": True, "reduce_dtype": "bf16"}},
+    {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 2}, "precision": {"param_dtype": "bf16", "autocast": True},
+     "compression": {"method": "bf16"}},
+])  # fmt: skip
+def test_the_engine_runs_the_reduce_dtype_explain_prints(config):
     pytest.importorskip("torch")
-    config = {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 3}, "compression": {"method": "bf16"}}
     decided = plan.plan(_cfg(**config), 1)
-    assert (decided.param_dtype, decided.reduce_dtype) == ("fp32", "bf16")
+    assert (decided.reduce_dtype, decided.fsdp_mixed_precision) == ("bf16", True)
+    assert any("reduce_dtype=bf16" in step for step in decided.steps), decided.steps
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("TORCHELASTIC_")}
     env["MASTER_PORT"] = str(29700 + os.getpid() % 1000)
     proc = subprocess.run([sys.executable, "-c", RUNS, json.dumps(config)], capture_output=True, text=True, env=env,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"reduce_dtype": "torch.bfloat16",
-                                                                 "param_dtype": "torch.float32"}
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["reduce_dtype"] == "torch.bfloat16"

@@ -101,6 +101,10 @@ def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, decided:
         # torch_autocast: parameters stay in the master dtype; op-level autocast chooses compute dtypes.
         _cast_params(model, master_dtype)
         plan.autocast_dtype, plan.param_dtype = param_dtype, master_dtype
+        if decided.fsdp_mixed_precision:  # FSDP2 reduces in the planned dtype; the fp32 shards are not cast
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            plan.fsdp_policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
         return plan
     plan.reduce_every_micro_step = DTYPES[precision.effective_grad_accum_dtype] != param_dtype
     if decided.fsdp:
