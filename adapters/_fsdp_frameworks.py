@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from torsh.concepts.precision import GRAD_SCALER, GRAD_SCALER_RULES
 from torsh.config import AUTO, get_path
 from torsh.translate import NOTHING, Fidelity, FieldMap, Hook, Ignored, ReadContext, To, Unsupported
 
@@ -63,8 +64,8 @@ def _trainer_precision(dtype_name: str):
                                 ("precision.buffer_dtype", dtype_name), ("precision.cast_forward_inputs", True)):
             ctx.set(core_path, item, path, note=core_path == "precision.param_dtype")
         if dtype_name == "fp16":
-            for key, item in (("mode", "dynamic"), ("semantics", "torch_grad_scaler"), ("growth_interval", 2000)):
-                ctx.set(f"precision.loss_scaling.{key}", item, path, note=False)
+            for key in GRAD_SCALER_RULES:
+                ctx.set(f"precision.loss_scaling.{key}", GRAD_SCALER[key], path, note=False)
 
     return hook
 

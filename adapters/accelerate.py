@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from torsh.concepts import precision as pc
 from torsh.config import AUTO, TorshConfig, get_path
 from torsh.dialect import Dialect, Prepared
 from torsh.errors import ConfigError, Problem
@@ -586,11 +587,11 @@ def _precision_contract(backend: str, dtype: str, stage: int) -> dict[str, Any]:
         if backend == "fsdp1":
             out["precision.buffer_dtype"] = dtype
     if dtype == "fp16" and backend == "deepspeed":
-        out.update({"precision.loss_scaling.mode": "dynamic", "precision.loss_scaling.growth_interval": 1000,
-                    "precision.loss_scaling.semantics": "deepspeed_zero" if stage else "deepspeed_stage0"})
+        out.update({"precision.loss_scaling.mode": "dynamic", "precision.loss_scaling.semantics":
+                    pc.deepspeed_semantics(stage), "precision.loss_scaling.growth_interval":
+                    pc.DEEPSPEED_FP16["loss_scale_window"]})  # fmt: skip
     elif dtype == "fp16":  # torch GradScaler with its defaults
-        out.update({"precision.loss_scaling.mode": "dynamic", "precision.loss_scaling.growth_interval": 2000,
-                    "precision.loss_scaling.semantics": "torch_grad_scaler"})
+        out.update({f"precision.loss_scaling.{key}": pc.GRAD_SCALER[key] for key in pc.GRAD_SCALER_RULES})
     return out
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from torsh.concepts import dtypes
+from torsh.concepts.precision import GRAD_SCALER, GRAD_SCALER_KWARGS
 from torsh.config import AUTO, TorshConfig, get_path
 from torsh.dialect import Dialect, Prepared
 from torsh.translate import (
@@ -150,10 +151,8 @@ FIELD_MAP = {
     "sdp.auto_refresh_trainable": Ignored("re-checks which parameters are trainable"),
     "sdp.warn_on_trainable_params_changed": Ignored("a warning"),
     "sdp.process_group": Ignored("the process group object: all ranks"),
-    "scaler.init_scale": To("precision.loss_scaling.initial_scale", default=65536.0),
-    "scaler.growth_factor": To("precision.loss_scaling.growth_factor", default=2.0),
-    "scaler.backoff_factor": To("precision.loss_scaling.backoff_factor", default=0.5),
-    "scaler.growth_interval": To("precision.loss_scaling.growth_interval", default=2000),
+    **{f"scaler.{kwarg}": To(f"precision.loss_scaling.{field}", default=GRAD_SCALER[field])
+       for kwarg, field in GRAD_SCALER_KWARGS.items()},
     "scaler.enabled": Hook(read=_remember("scaler_enabled", to_bool)),
     "scaler.process_group": Ignored("the process group object: all ranks"),
 }
@@ -411,8 +410,8 @@ _WRITE_MAP = FieldMap({
 })  # fmt: skip
 
 
-_WRITE_DEFAULTS = {"sdp.broadcast_buffers": True, "sdp.sync_models_at_startup": True, "scaler.init_scale": 65536.0,
-                   "scaler.growth_factor": 2.0, "scaler.backoff_factor": 0.5, "scaler.growth_interval": 2000}
+_WRITE_DEFAULTS = {"sdp.broadcast_buffers": True, "sdp.sync_models_at_startup": True,
+                   **{f"scaler.{kwarg}": GRAD_SCALER[field] for kwarg, field in GRAD_SCALER_KWARGS.items()}}
 
 
 def _finalize_write(ctx: WriteContext) -> None:

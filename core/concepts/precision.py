@@ -15,6 +15,11 @@ from __future__ import annotations
 #: ``torch.amp.GradScaler()``'s defaults, in the core model's names (``init_scale`` is ``initial_scale``).
 GRAD_SCALER = {"mode": "dynamic", "semantics": "torch_grad_scaler", "initial_scale": 65536.0,
                "growth_interval": 2000, "growth_factor": 2.0, "backoff_factor": 0.5}  # fmt: skip
+#: ``GradScaler``'s keyword arguments (also FairScale's ``ShardedGradScaler``'s) -> the core field.
+GRAD_SCALER_KWARGS = {"init_scale": "initial_scale", "growth_factor": "growth_factor",
+                      "backoff_factor": "backoff_factor", "growth_interval": "growth_interval"}  # fmt: skip
+#: The core fields a framework that hands fp16 to ``GradScaler()`` sets: its rules, and its defaults.
+GRAD_SCALER_RULES = ("mode", "semantics", "growth_interval")
 
 #: DeepSpeed 0.19.8's ``fp16`` section: key -> default (``precision_config.py``).
 DEEPSPEED_FP16 = {"enabled": False, "auto_cast": False, "loss_scale": 0, "initial_scale_power": 16,
@@ -34,9 +39,9 @@ SEMANTICS = {
 }
 
 
-def deepspeed_semantics(stage: int) -> str:
-    """Whose rules DeepSpeed's fp16 scaler follows at a ZeRO stage."""
-    return "deepspeed_zero" if stage >= 1 else "deepspeed_stage0"
+def deepspeed_semantics(stage: object) -> str:
+    """Whose rules DeepSpeed's fp16 scaler follows at a ZeRO stage (an "auto" stage is a ZeRO one)."""
+    return "deepspeed_stage0" if stage == 0 else "deepspeed_zero"
 
 
 #: DeepSpeed's fp16 scaler keys with the same meaning and value as a core ``precision.loss_scaling`` field.
