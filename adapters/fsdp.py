@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from torsh.concepts import dtypes
 from torsh.config import AUTO, TorshConfig, get_path
 from torsh.dialect import Dialect, Prepared
 from torsh.errors import ConfigError, Problem
@@ -545,7 +546,7 @@ _WRITE_DEFAULTS = {
               "forward_prefetch": False},
     "fsdp2": {"state_dict_type": "SHARDED_STATE_DICT", "fully_shard.mp_policy.cast_forward_inputs": True},
 }
-_WRITE_VALUES = {k: {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"} for k in VALUE_MAPS}
+_WRITE_VALUES = {k: {torch_name: core for core, torch_name in dtypes.TORCH.items()} for k in VALUE_MAPS}
 
 
 def _finalize_write(version: str):
@@ -633,8 +634,6 @@ globals().update(DIALECT.exports())
 
 # ---- the FSDP2 snippet ----------------------------------------------------------------------------
 
-_TORCH_DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
-
 
 def snippet(cfg: TorshConfig) -> str:
     """Python that applies ``fully_shard`` to ``model`` as ``cfg`` says: mesh, policies, the modules to shard."""
@@ -659,9 +658,9 @@ def snippet(cfg: TorshConfig) -> str:
     if p.param_dtype is AUTO:
         lines.append('# precision "auto": add mp_policy=MixedPrecisionPolicy(param_dtype=...) for the training dtype')
     elif p.param_dtype != "fp32":
-        mp.append(f"param_dtype={_TORCH_DTYPES[p.param_dtype]}")
+        mp.append(f"param_dtype={dtypes.TORCH[p.param_dtype]}")
     if p.reduce_dtype is not None and p.reduce_dtype != p.param_dtype:
-        mp.append(f"reduce_dtype={_TORCH_DTYPES[p.reduce_dtype]}")
+        mp.append(f"reduce_dtype={dtypes.TORCH[p.reduce_dtype]}")
     if mp and not p.cast_forward_inputs:
         mp.append("cast_forward_inputs=False")
     if mp:
