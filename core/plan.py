@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .compression_rules import fsdp_compression_problems
-from .config import DdpConfig, GradientsConfig, TorshConfig
+from .config import DataConfig, DdpConfig, GradientsConfig, TorshConfig
 from .deferred import Deferred, is_deferred
 from .errors import ConfigError, Problem
 
@@ -46,6 +46,8 @@ class StepPolicy:
     """The gradient reduction (operation, pre/post scaling) outside DDP."""
     compressed: bool
     """A compression hook reduces DDP's gradients (so the engine's own reduce hook is not registered)."""
+    data: DataConfig
+    """The dataloader settings ``engine.deepspeed_io`` builds with."""
 
     @property
     def probe_unused(self) -> bool:
@@ -138,7 +140,7 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
                       skip_step_on_nonfinite=p.skip_step_on_nonfinite, steps_per_print=cfg.monitoring.steps_per_print,
                       activations_on_cpu=cfg.activation_checkpointing.enabled
                       and cfg.activation_checkpointing.cpu_offload, ddp=cfg.ddp, gradients=cfg.gradients,
-                      compressed=compressed)  # fmt: skip
+                      compressed=compressed, data=cfg.data)  # fmt: skip
     decided = EnginePlan(
         world_size=world_size, data_parallel=dp, mesh=mesh,
         reshard_after_forward=s.effective_reshard_after_forward if fsdp else None,

@@ -239,6 +239,7 @@ SCENARIOS = {"loop": loop, "first_norm": first_norm, "dataloader": dataloader, "
 def api(rank: int, world_size: int, scenario: dict) -> dict:
     """initialize()'s return rules and argument handling, one check per key."""
     import argparse
+    import base64
 
     import torch
 
@@ -287,6 +288,15 @@ def api(rank: int, world_size: int, scenario: dict) -> dict:
     model = build_model()
     engine, opt, _, _ = torsh.initialize(args=args, model=model, model_parameters=model.parameters())
     out["args"] = [args.local_rank, engine.train_micro_batch_size_per_gpu(), type(opt).__name__]
+    # engine.config is the config as a dict, as DeepSpeed's: a file's content, a dict itself, base64 text decoded
+    from pathlib import Path
+
+    written = json.loads(Path(scenario["config_path"]).read_text())
+    encoded = base64.urlsafe_b64encode(json.dumps(cfg0).encode()).decode()
+    by_b64, *_ = torsh.initialize(model=build_model(), config=encoded)
+    by_dict, *_ = torsh.initialize(model=build_model(), config=cfg0)
+    out["config_attribute"] = [engine.config == written, by_dict.config is cfg0, by_b64.config == cfg0,
+                               by_b64.train_micro_batch_size_per_gpu()]  # fmt: skip
     try:
         torsh.initialize(args=args, model=build_model(), config=cfg0)
         out["both_configs"] = "no error"

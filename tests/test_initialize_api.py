@@ -161,6 +161,13 @@ def test_args_deepspeed_config(api):
 
 
 @pytest.mark.slow
+def test_engine_config_is_the_config_dict_as_deepspeeds(api):
+    """DeepSpeed's engine.config is the config dict: the file's content for a path, the dict passed, and base64
+    JSON text decoded (deepspeed.initialize takes all three)."""
+    assert api["config_attribute"] == [True, True, True, 2]
+
+
+@pytest.mark.slow
 def test_deepspeed_json_config(api):
     assert api["deepspeed"] == [2, True, 1.0, "AdamW", 0.0, 4]  # DeepSpeed's Adam is AdamW with decay 0
     assert api["deepspeed_auto"] == [2, 1, 2, 1.0, 0.02, 0.1, True]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torsh.config import ResolvedBatch, TorshConfig
+from torsh.config import ResolvedBatch
 from torsh.plan import StepPolicy
 
 from .distributed import DistInfo, on_shutdown
@@ -29,11 +29,11 @@ log = logging.getLogger("torsh.engine")
 class Engine(nn.Module):
     """A running job built by :func:`torsh.initialize`; behaves like ``deepspeed.DeepSpeedEngine``."""
 
-    def __init__(self, *, config: TorshConfig, policy: StepPolicy, batch: ResolvedBatch, info: DistInfo,
+    def __init__(self, *, config: dict, policy: StepPolicy, batch: ResolvedBatch, info: DistInfo,
                  shard: ShardPlan, precision: PrecisionPlan, optimizer: Any, lr_scheduler: Any, loss_scaler: Any,
                  training_dataloader: Any = None):  # fmt: skip
         super().__init__()
-        self._config = config  # engine.config and deepspeed_io; the steps read only the policy
+        self.config = config  # DeepSpeed's engine.config: the config as given (a dict); the engine reads the policy
         self._policy = policy
         self._batch = batch
         self._info = info
@@ -159,11 +159,6 @@ class Engine(nn.Module):
     def device(self) -> torch.device:
         """The device this rank computes on."""
         return self._info.device
-
-    @property
-    def config(self) -> TorshConfig:
-        """The resolved core config the engine runs."""
-        return self._config
 
     def train_batch_size(self) -> int:
         """Samples per optimizer step over all ranks."""
@@ -539,7 +534,7 @@ class Engine(nn.Module):
         """A DataLoader over a DistributedSampler of this job (DeepSpeed's ``deepspeed_io``)."""
         from .data import build_dataloader
 
-        data = self._config.data
+        data = self._policy.data
         if num_local_io_workers is not None:
             data = data.model_copy(update={"num_workers": num_local_io_workers})
         if data_sampler is not None:

@@ -8,7 +8,10 @@ steps in order, then the engine, which gets the plan's step policy.
 from __future__ import annotations
 
 import argparse
+import base64
+import json
 import logging
+import os
 from typing import Any
 
 import torch
@@ -52,7 +55,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raise ConfigError([Problem("mpu" if mpu is not None else "mesh_param", type(mpu or mesh_param).__name__,
                                    "model/sequence parallelism is not supported by the torsh engine; "
                                    "data parallelism and sharding only")])  # fmt: skip
-    cfg, translation = load_config(args, config, config_params)
+    config = choose_config(args, config, config_params)
+    cfg, translation = read_config(config)
     info = start_process_group(cfg.communication, dist_init_required=dist_init_required,
                                distributed_port=distributed_port)  # fmt: skip
     _setup_logging(info.rank)
@@ -97,7 +101,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if training_data is not None:
         dataloader = build_dataloader(training_data, micro_batch_size=batch.micro_batch_size, data=cfg.data,
                                       rank=info.rank, world_size=info.world_size, collate_fn=collate_fn)  # fmt: skip
-    engine = Engine(config=cfg, policy=decided.step, batch=batch, info=info, shard=shard, precision=precision,
+    engine = Engine(config=config_as_dict(config), policy=decided.step, batch=batch, info=info, shard=shard, precision=precision,
                     optimizer=optimizer, lr_scheduler=lr_scheduler, loss_scaler=loss_scaler,
                     training_dataloader=dataloader)  # fmt: skip
     engine.compression_state = compression_state  # byte counts of the compressed reduction (None: dense)
@@ -112,6 +116,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
 def load_config(args: Any, config: Any, config_params: Any) -> tuple[TorshConfig, Translation | None]:
     """The config from ``config``, ``config_params`` or ``args.deepspeed_config`` (DeepSpeed's precedence),
     and the translation that produced it (None for a TorshConfig)."""
+    return read_config(choose_config(args, config, config_params))
+
+
+def choose_config(args: Any, config: Any, config_params: Any) -> Any:
+    """What ``deepspeed.initialize`` would take as the config: ``config``, else ``config_params``, else
+    ``args.deepspeed_config`` (a dict, a path or a TorshConfig)."""
     if config is None and config_params is not None:
         config = config_params
     from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
@@ -122,12 +132,41 @@ def load_config(args: Any, config: Any, config_params: Any) -> tuple[TorshConfig
     if config is None:
         raise ConfigError([Problem("config", None, "initialize needs a config: pass config=<dict, path or "
                                    "TorshConfig> or --deepspeed_config PATH")])  # fmt: skip
+    return _decoded(config)
+
+
+def _decoded(config: Any) -> Any:
+    """DeepSpeed also takes the JSON as URL-safe base64 text (a string that is not a file): that is the dict; any
+    other string stays a path, whose absence the loader reports."""
+    if not isinstance(config, str) or os.path.exists(config):
+        return config
+    try:
+        decoded = json.loads(base64.urlsafe_b64decode(config.encode("ascii")).decode("utf-8"))
+    except (ValueError, UnicodeError):
+        return config
+    return decoded if isinstance(decoded, dict) else config
+
+
+def read_config(config: Any) -> tuple[TorshConfig, Translation | None]:
+    """The core model of a chosen config, and its translation (None for a TorshConfig)."""
     if isinstance(config, TorshConfig):
         return config, None
     from torsh import adapters
 
     translation = adapters.load(config)
     return translation.result, translation
+
+
+def config_as_dict(config: Any) -> dict:
+    """``engine.config``: the config as a dict, as DeepSpeed's engine holds it (a path is the file's content; a
+    TorshConfig its JSON form)."""
+    if isinstance(config, TorshConfig):
+        return config.model_dump(mode="json")
+    if isinstance(config, dict):
+        return config
+    from torsh.formats import load_file
+
+    return load_file(config)[0]
 
 
 def _log_translation(translation: Translation | None, rank: int) -> None:
