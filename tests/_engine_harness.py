@@ -303,6 +303,31 @@ def api(rank: int, world_size: int, scenario: dict) -> dict:
     except ConfigError as exc:
         out["both_configs"] = str(exc)
 
+    # batch ramp-up (Megatron-DeepSpeed) and freeing gathered parameters after an evaluation forward (DeepSpeed-Chat)
+    from torch.distributed.tensor import DTensor
+
+    engine, *_ = torsh.initialize(model=build_model(), config={**cfg0, "sharding": {"stage": 3, "reshard_after_forward":
+                                  False}, "optimizer": {"name": "SGD", "lr": 0.1}})  # fmt: skip
+    engine.set_train_batch_size(8)
+    ramp = [engine.gradient_accumulation_steps(), engine.train_batch_size()]
+    for step in range(4):
+        x, y = batch(step, rank, 2)
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    ramp.append(engine.global_steps)
+    try:
+        engine.set_train_batch_size(7)
+    except ValueError as exc:
+        ramp.append(str(exc))
+    engine.set_train_micro_batch_size(4)
+    ramp += [engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(), engine.train_batch_size()]
+    out["batch_ramp"] = ramp
+    with torch.no_grad():
+        engine(batch(0, rank, 2)[0])
+    gathered = [any(not isinstance(p, DTensor) for p in engine.module.parameters())]
+    engine.empty_partition_cache()
+    out["empty_partition_cache"] = gathered + [any(not isinstance(p, DTensor) for p in engine.module.parameters())]
+
     # DeepSpeed JSON through the adapter, when it is installed
     from torsh import adapters
 

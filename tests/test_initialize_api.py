@@ -168,6 +168,18 @@ def test_engine_config_is_the_config_dict_as_deepspeeds(api):
 
 
 @pytest.mark.slow
+def test_batch_ramp_up_and_empty_partition_cache_as_deepspeeds(api):
+    """set_train_batch_size changes the accumulation steps (a size that does not divide is DeepSpeed's ValueError);
+    set_train_micro_batch_size keeps them; empty_partition_cache frees parameters an evaluation forward left
+    gathered."""
+    gas, size, steps, error, micro, gas_after, size_after = api["batch_ramp"]
+    assert (gas, size, steps) == (4, 8, 1)
+    assert error.startswith("Train batch size must be divisible by micro-batch data parallelism")
+    assert (micro, gas_after, size_after) == (4, 4, 16)
+    assert api["empty_partition_cache"] == [True, False]
+
+
+@pytest.mark.slow
 def test_deepspeed_json_config(api):
     assert api["deepspeed"] == [2, True, 1.0, "AdamW", 0.0, 4]  # DeepSpeed's Adam is AdamW with decay 0
     assert api["deepspeed_auto"] == [2, 1, 2, 1.0, 0.02, 0.1, True]

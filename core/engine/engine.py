@@ -8,9 +8,11 @@ step); the counters move exactly as DeepSpeed's (reference: deepspeed.md §2).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -171,6 +173,37 @@ class Engine(nn.Module):
     def gradient_accumulation_steps(self) -> int:
         """Micro-batches per optimizer step."""
         return self._batch.gradient_accumulation_steps
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch by changing the gradient accumulation steps (the micro batch stays); a size
+        that is not a multiple of micro batch x data-parallel ranks is a ValueError, as in DeepSpeed."""
+        per_micro_step = self._batch.micro_batch_size * self.world_size
+        if train_batch_size % per_micro_step != 0:
+            raise ValueError(f"Train batch size must be divisible by micro-batch data parallelism: "
+                             f"{train_batch_size} is not a multiple of micro batch {self._batch.micro_batch_size} "
+                             f"x {self.world_size} rank(s)")  # fmt: skip
+        self._batch = replace(self._batch, global_batch_size=train_batch_size,
+                              gradient_accumulation_steps=train_batch_size // per_micro_step)  # fmt: skip
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Change the micro batch and keep the gradient accumulation steps (the global batch follows), as DeepSpeed;
+        a dataloader already built keeps its batch size."""
+        self._batch = replace(self._batch, micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size
+                              * self._batch.gradient_accumulation_steps * self.world_size)  # fmt: skip
+
+    def empty_partition_cache(self) -> None:
+        """Free the parameters FSDP2 holds gathered (a unit kept gathered after an evaluation or generation
+        forward), as DeepSpeed's ZeRO-3 does; the next forward gathers them again. Nothing to free under DDP."""
+        if self._shard.kind != "fsdp":
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.wrapped.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def fp16_enabled(self) -> bool:
         """Whether compute runs in fp16."""
