@@ -604,7 +604,8 @@ class Fsdp(Dialect):
             fsdp1 = sorted(set(raw) & {k.split(".")[0] for k in FSDP1_MAP})
             if fsdp1:
                 raise ConfigError([Problem(k, raw[k], "an FSDP1 FullyShardedDataParallel argument next to FSDP2 "
-                                           "fully_shard: give one generation") for k in fsdp1], source=NAME)  # fmt: skip
+                                           "fully_shard: give one generation") for k in fsdp1],
+                                  source=NAME)  # fmt: skip
         if found in frameworks.LAYOUTS:  # a framework's config file: literal values, no run-time expressions
             prepared.field_map, prepared.state["finalize"] = frameworks.field_map(found), frameworks.LAYOUTS[found][1]
             return prepared

@@ -328,6 +328,16 @@ def api(rank: int, world_size: int, scenario: dict) -> dict:
     engine.empty_partition_cache()
     out["empty_partition_cache"] = gathered + [any(not isinstance(p, DTensor) for p in engine.module.parameters())]
 
+    # engine.monitor.write_events (DeepSpeed-Chat and DeepSpeedExamples log their metrics through it)
+    engine.monitor.write_events([("Train/Samples/loss", 1.5, 8)])  # nothing enabled: nothing written, no error
+    out_dir = str(Path(scenario["config_path"]).parent / "csv")
+    engine, *_ = torsh.initialize(model=build_model(), config={**cfg0, "monitoring": {"csv": {
+        "enabled": True, "output_path": out_dir, "job_name": "job"}}})  # fmt: skip
+    engine.monitor.write_events([("Train/Samples/loss", 1.5, 8), ("eval acc", 0.25, 8)])
+    engine.monitor.write_events([("Train/Samples/loss", 1.25, 16)])
+    out["monitor"] = [engine.monitor.enabled, sorted(os.listdir(os.path.join(out_dir, "job"))),
+                      Path(out_dir, "job", "Train_Samples_loss.csv").read_text().splitlines()]  # fmt: skip
+
     # DeepSpeed JSON through the adapter, when it is installed
     from torsh import adapters
 

@@ -180,6 +180,13 @@ def test_batch_ramp_up_and_empty_partition_cache_as_deepspeeds(api):
 
 
 @pytest.mark.slow
+def test_engine_monitor_writes_the_scripts_events_as_deepspeeds_csv_monitor(api):
+    enabled, files, rows = api["monitor"]
+    assert enabled and files == ["Train_Samples_loss.csv", "eval_acc.csv"]
+    assert rows == ["step,loss", "8,1.5", "16,1.25"]
+
+
+@pytest.mark.slow
 def test_deepspeed_json_config(api):
     assert api["deepspeed"] == [2, True, 1.0, "AdamW", 0.0, 4]  # DeepSpeed's Adam is AdamW with decay 0
     assert api["deepspeed_auto"] == [2, 1, 2, 1.0, 0.02, 0.1, True]

@@ -199,8 +199,8 @@ print(json.dumps({"reduce_dtype": str(policy.reduce_dtype), "param_dtype": str(p
 @pytest.mark.parametrize("config", [
     {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 3}, "compression": {"method": "bf16"}},
     # torch.autocast: the parameters stay fp32, and the reduction still runs in the dtype the config asks for
-    {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 3}, "precision": {"param_dtype": "bf16",
-                                                                                  "autocast": True, "reduce_dtype": "bf16"}},
+    {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 3},
+     "precision": {"param_dtype": "bf16", "autocast": True, "reduce_dtype": "bf16"}},
     {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 2}, "precision": {"param_dtype": "bf16", "autocast": True},
      "compression": {"method": "bf16"}},
 ])  # fmt: skip

@@ -22,6 +22,7 @@ from torsh.config import ResolvedBatch
 from torsh.plan import StepPolicy
 
 from .distributed import DistInfo, on_shutdown
+from .monitor import Monitor
 from .precision import PrecisionPlan
 from .sharding import ShardPlan
 
@@ -31,12 +32,13 @@ log = logging.getLogger("torsh.engine")
 class Engine(nn.Module):
     """A running job built by :func:`torsh.initialize`; behaves like ``deepspeed.DeepSpeedEngine``."""
 
-    def __init__(self, *, config: dict, policy: StepPolicy, batch: ResolvedBatch, info: DistInfo,
+    def __init__(self, *, config: dict, policy: StepPolicy, monitor: Monitor, batch: ResolvedBatch, info: DistInfo,
                  shard: ShardPlan, precision: PrecisionPlan, optimizer: Any, lr_scheduler: Any, loss_scaler: Any,
                  training_dataloader: Any = None):  # fmt: skip
         super().__init__()
         self.config = config  # DeepSpeed's engine.config: the config as given (a dict); the engine reads the policy
         self._policy = policy
+        self.monitor = monitor  # DeepSpeed's MonitorMaster surface: write_events
         self._batch = batch
         self._info = info
         self._shard = shard

@@ -27,6 +27,7 @@ from .data import build_dataloader
 from .distributed import DistInfo
 from .distributed import init_distributed as start_process_group
 from .engine import Engine
+from .monitor import Monitor
 from .rebuild import build_step_optimizer, named_groups, rebind_scheduler
 from .precision import apply_precision
 from .sharding import apply_sharding, sync_module_states
@@ -101,7 +102,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if training_data is not None:
         dataloader = build_dataloader(training_data, micro_batch_size=batch.micro_batch_size, data=cfg.data,
                                       rank=info.rank, world_size=info.world_size, collate_fn=collate_fn)  # fmt: skip
-    engine = Engine(config=config_as_dict(config), policy=decided.step, batch=batch, info=info, shard=shard, precision=precision,
+    engine = Engine(config=config_as_dict(config), policy=decided.step, monitor=Monitor(cfg.monitoring, info.rank),
+                    batch=batch, info=info, shard=shard, precision=precision,
                     optimizer=optimizer, lr_scheduler=lr_scheduler, loss_scaler=loss_scaler,
                     training_dataloader=dataloader)  # fmt: skip
     engine.compression_state = compression_state  # byte counts of the compressed reduction (None: dense)
@@ -209,13 +211,19 @@ def _build_loss_scaler(cfg: TorshConfig) -> Any:
     return build_loss_scaler(cfg.precision.loss_scaling)
 
 
-#: Settings the engine carries but does not act on; each is named once at start-up (never silently dropped).
+_OWN_EVENTS = ("the engine writes none of DeepSpeed's own Train/Samples events; engine.monitor.write_events writes "
+               "the script's")
+#: Settings the engine carries but does not act on (fully); each is named once at start-up (never silently dropped).
 NOT_EXECUTED = {
-    "monitoring.tensorboard.enabled": "TensorBoard events", "monitoring.csv.enabled": "CSV metrics",
-    "monitoring.wandb.enabled": "wandb logging", "monitoring.profiler.enabled": "the FLOPs profiler",
-    "monitoring.wall_clock_breakdown": "the wall-clock breakdown",
-    "checkpoint.interval_steps": "periodic checkpoints (call engine.save_checkpoint)",
-    "checkpoint.keep_last": "checkpoint rotation",
+    "monitoring.tensorboard.enabled": _OWN_EVENTS + " (with the tensorboard package installed)",
+    "monitoring.csv.enabled": _OWN_EVENTS,
+    "monitoring.wandb.enabled": "wandb logging is not provided by the torsh engine; the setting has no effect",
+    "monitoring.profiler.enabled": "the FLOPs profiler is not provided by the torsh engine; the setting has no effect",
+    "monitoring.wall_clock_breakdown": "the wall-clock breakdown is not provided by the torsh engine; the setting has "
+                                       "no effect",
+    "checkpoint.interval_steps": "periodic checkpoints are not provided by the torsh engine (call "
+                                 "engine.save_checkpoint); the setting has no effect",
+    "checkpoint.keep_last": "checkpoint rotation is not provided by the torsh engine; the setting has no effect",
 }  # fmt: skip
 
 
@@ -226,7 +234,7 @@ def _warn_not_executed(cfg: TorshConfig, rank: int) -> None:
 
     for path, what in NOT_EXECUTED.items():
         if get_path(cfg, path):
-            log.warning("%s is set: %s is not provided by the torsh engine; the setting has no effect", path, what)
+            log.warning("%s is set: %s", path, what)
 
 
 def _is_optimizer(obj: Any) -> bool:
