@@ -11,7 +11,7 @@ words. This module imports no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from .compression_rules import fsdp_compression_problems
@@ -24,7 +24,8 @@ DataParallel = Literal["ddp", "zero1", "fsdp2", "hsdp"]
 
 @dataclass(frozen=True)
 class StepPolicy:
-    """What the engine's forward, backward and step read from the config; the Engine decides from this alone."""
+    """What the engine reads from the config (its forward, backward and step, and ``deepspeed_io``); the Engine
+    holds nothing else of it."""
 
     stage: int
     """The ZeRO stage (``engine.zero_optimization_stage()``)."""
@@ -134,13 +135,12 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
         reduce = p.reduce_dtype or held
     compressed = cfg.compression.method != "none"
     scaler = p.loss_scaling.mode != "none"  # the engine scales whenever it is set; DeepSpeed's reader sets it for fp16
-    clip = cfg.gradients.clip_max_norm
-    step = StepPolicy(stage=stage, param_dtype=p.param_dtype, clip_max_norm=0.0 if is_deferred(clip) else
-                      float(clip or 0.0), loss_scaling=scaler,
+    clip, ac = cfg.gradients.clip_max_norm, cfg.activation_checkpointing
+    step = StepPolicy(stage=stage, param_dtype=p.param_dtype, loss_scaling=scaler, compressed=compressed,
+                      clip_max_norm=0.0 if is_deferred(clip) else float(clip or 0.0),
                       skip_step_on_nonfinite=p.skip_step_on_nonfinite, steps_per_print=cfg.monitoring.steps_per_print,
-                      activations_on_cpu=cfg.activation_checkpointing.enabled
-                      and cfg.activation_checkpointing.cpu_offload, ddp=cfg.ddp, gradients=cfg.gradients,
-                      compressed=compressed, data=cfg.data)  # fmt: skip
+                      activations_on_cpu=ac.enabled and ac.cpu_offload, ddp=cfg.ddp, gradients=cfg.gradients,
+                      data=cfg.data)  # fmt: skip
     decided = EnginePlan(
         world_size=world_size, data_parallel=dp, mesh=mesh,
         reshard_after_forward=s.effective_reshard_after_forward if fsdp else None,
@@ -191,9 +191,7 @@ def _fsdp_refusals(cfg: TorshConfig, world_size: int) -> list[Problem]:
 
 def check(cfg: TorshConfig, *, world_size: int, optimizer_given: bool = True) -> None:
     """Raise one ConfigError listing every refusal of :func:`refusals`; return when the engine can run ``cfg``."""
-    problems = refusals(cfg, world_size=world_size, optimizer_given=optimizer_given)
-    if problems:
-        raise ConfigError(problems)
+    plan(cfg, world_size, optimizer_given=optimizer_given).check()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -205,8 +203,6 @@ def _dtype(value: object) -> str:
 
 
 def _with_steps(decided: EnginePlan, cfg: TorshConfig, source: str | None) -> EnginePlan:
-    from dataclasses import replace
-
     from .engine.units import describe_policy  # torch-free: the sizes, not the model
 
     steps = []

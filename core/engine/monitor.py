@@ -2,8 +2,8 @@
 
 ``write_events([(name, value, step), ...])`` writes on rank 0, as DeepSpeed's does: CSV files laid out as DeepSpeed's
 ``csv_monitor`` (``<output_path>/<job_name>/<name with / and spaces as _>.csv``, a ``step,<last part of the name>``
-header, then one row per event), and TensorBoard scalars when the ``tensorboard`` package is installed. wandb and
-comet are not written; that is said once, at the first event. The engine writes no events of its own.
+header, then one row per event), and TensorBoard scalars when the ``tensorboard`` package is installed. wandb is
+not written; that is said once, at the first event. The engine writes no events of its own.
 """
 
 from __future__ import annotations
