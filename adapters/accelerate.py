@@ -996,13 +996,8 @@ class Accelerate(Dialect):
     ``distributed_type`` are taken out (with notes) before the map; ``deepspeed_config_file`` is read through the
     DeepSpeed dialect. The version names the backend to write (reading is told by ``distributed_type``)."""
 
-    NAME = NAME
-    VERSIONS = VERSIONS
-    DEFAULT_FORMAT = DEFAULT_FORMAT
-    FIELD_MAP = FIELD_MAP
-    VALUE_MAPS = VALUE_MAPS
-    ALIASES = ALIASES
-    READS_RELATIVE_PATHS = READS_RELATIVE_PATHS
+    NAME, VERSIONS, DEFAULT_FORMAT, READS_RELATIVE_PATHS = NAME, VERSIONS, DEFAULT_FORMAT, READS_RELATIVE_PATHS
+    FIELD_MAP, VALUE_MAPS, ALIASES = FIELD_MAP, VALUE_MAPS, ALIASES
 
     def check_version(self, version: str | None) -> str | None:
         return version  # reading: distributed_type decides; writing checks it (below)

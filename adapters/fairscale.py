@@ -427,11 +427,8 @@ class FairScale(Dialect):
     """FairScale constructor kwargs: script expressions are reported and kept, the rest walks the map; writing picks
     OSS (stage 1), OSS + ShardedDataParallel (stage 2) or FSDP (stage 3)."""
 
-    NAME = NAME
-    VERSIONS = VERSIONS
-    FIELD_MAP = FIELD_MAP
-    VALUE_MAPS = VALUE_MAPS
-    ALIASES = ALIASES
+    NAME, VERSIONS = NAME, VERSIONS
+    FIELD_MAP, VALUE_MAPS, ALIASES = FIELD_MAP, VALUE_MAPS, ALIASES
 
     def normalise(self, raw: Any, prepared: Prepared) -> Prepared:
         prepared.data, prepared.notes, prepared.kept = split_expressions(raw, prepared.field_map, NAME)

@@ -585,11 +585,8 @@ _REMOVED_IN_FSDP2 = {"limit_all_gathers", "use_orig_params", "param_init_fn", "d
 class Fsdp(Dialect):
     """FSDP1 and FSDP2 kwargs, and the FSDP settings of trainer frameworks: the input's layout picks the map."""
 
-    NAME = NAME
-    VERSIONS = VERSIONS
-    FIELD_MAP = FIELD_MAP
-    VALUE_MAPS = VALUE_MAPS
-    ALIASES = ALIASES
+    NAME, VERSIONS = NAME, VERSIONS
+    FIELD_MAP, VALUE_MAPS, ALIASES = FIELD_MAP, VALUE_MAPS, ALIASES
 
     def check_version(self, version: str | None) -> str | None:
         # Reading tells the generation from the layout; a version given insists on one.
