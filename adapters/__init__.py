@@ -64,7 +64,9 @@ def sniff(raw: Any) -> str:
     """The dialect a parsed config is written in, decided by its content (never its file name)."""
     scores = sorted(((get(n).sniff(raw), n) for n in names()), reverse=True)
     if not scores or scores[0][0] <= 0:
-        what = "" if isinstance(raw, dict) else f"the content is a {type(raw).__name__}, not a mapping of keys; "
+        what = ("" if isinstance(raw, dict) else "the content is text with no launch command in it (torchrun, "
+                "deepspeed, horovodrun, mpirun, accelerate launch, ...), not a mapping of keys; "
+                if isinstance(raw, str) else f"the content is a {type(raw).__name__}, not a mapping of keys; ")
         keys = ", ".join(map(str, list(raw)[:8])) if isinstance(raw, dict) else raw
         raise ConfigError([Problem("", keys, f"{what}cannot tell which dialect this is; pass the dialect "
                                    f"explicitly (--from with one of: {', '.join(names())})")])  # fmt: skip

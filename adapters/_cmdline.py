@@ -547,6 +547,22 @@ def _expand_assigned(line: str, assigned: dict[str, str]) -> str:
                   lambda m: assigned.get(m.group(1) or m.group(2), m.group(0)), line)  # fmt: skip
 
 
+def is_script(raw: Any) -> bool:
+    """A shell script rather than one command: a ``#!`` line, or several lines once continuations are joined."""
+    if not isinstance(raw, str):
+        return False
+    lines = [line for line in re.sub(r"\\\n", " ", raw).splitlines() if line.strip()]
+    return raw.lstrip().startswith("#!") or len(lines) > 1
+
+
+def parse_script(text: str) -> dict[str, Any]:
+    """A shell script (or sbatch script) as the mapping :func:`parse` gives for its launch command: the first line
+    that runs a launcher (see :func:`_first_launch`); an sbatch script's directives too (:func:`parse_sbatch`)."""
+    if is_sbatch(text):
+        return parse_sbatch(text)
+    return _first_launch(re.sub(r"\\\n", " ", text).splitlines(), "script")
+
+
 def parse_sbatch(text: str) -> dict[str, Any]:
     """An sbatch script as the mapping :func:`parse` gives for its launch command (the first line that runs a
     launcher, ``srun`` in front kept as the wrapper), plus ``slurm``: its ``#SBATCH`` options by long name.
@@ -562,7 +578,7 @@ def parse_sbatch(text: str) -> dict[str, Any]:
     return parsed
 
 
-def _first_launch(lines: list[str]) -> dict[str, Any]:
+def _first_launch(lines: list[str], what: str = "sbatch script") -> dict[str, Any]:
     """The first line of a script that runs a launcher, parsed. set -e, head_node=$(...), module load ...: not the
     launch. It may use what the script set before (``export CMD="$LAUNCHER $SCRIPT"`` ... ``srun $CMD``, as
     Accelerate's Slurm examples do): those are expanded. A launch line refused is the error, if none is found."""
@@ -576,6 +592,6 @@ def _first_launch(lines: list[str]) -> dict[str, Any]:
         except ConfigError as exc:
             if not any(p.reason.startswith("no launcher found") for p in exc.problems):
                 refused = refused or exc
-    raise refused or ConfigError([Problem("script", None, "no launch command in the sbatch script (torchrun, "
+    raise refused or ConfigError([Problem("script", None, f"no launch command in the {what} (torchrun, "
                                           "deepspeed, horovodrun, mpirun, python -m torch.distributed.run, ...)")],
                                  source="launch")  # fmt: skip

@@ -464,7 +464,7 @@ class Launch(Dialect):
             return _cmdline.parse_pytorchjob(raw)
         if isinstance(raw, Mapping):
             return raw
-        return _cmdline.parse_sbatch(raw) if _cmdline.is_sbatch(raw) else _cmdline.parse(raw)
+        return _cmdline.parse_script(raw) if _cmdline.is_script(raw) else _cmdline.parse(raw)
 
     def check_schema(self, raw: Any) -> None:
         """The command-line parser has checked the text (the launch schema describes the text, not its parse)."""
@@ -488,13 +488,13 @@ class Launch(Dialect):
         return Translation(command, notes, "torsh", target)
 
     def sniff(self, raw: Any) -> float:
-        """A command string or argv naming a launcher, or a Kubeflow PyTorchJob manifest; no other mapping (those
-        are config files)."""
-        if _cmdline.is_pytorchjob(raw):
+        """A command string or argv naming a launcher, a shell or sbatch script running one, or a Kubeflow
+        PyTorchJob manifest; no other mapping (those are config files)."""
+        if _cmdline.is_pytorchjob(raw) or _cmdline.is_sbatch(raw):
             return 1.0
         if isinstance(raw, str) or (isinstance(raw, (list, tuple)) and raw and all(isinstance(t, str) for t in raw)):
             try:
-                _cmdline.parse(raw)
+                _cmdline.parse_script(raw) if _cmdline.is_script(raw) else _cmdline.parse(raw)
             except Exception:  # noqa: BLE001 - sniffing must never raise
                 return 0.0
             return 1.0

@@ -26,6 +26,8 @@ from .errors import MISSING, ConfigError, Problem
 
 FORMATS = ("json", "yaml", "toml")
 _SUFFIXES = {".json": "json", ".hjson": "json", ".yaml": "yaml", ".yml": "yaml", ".toml": "toml"}
+#: Suffixes of shell scripts (an sbatch script, a launch line in a file): read as text, for the launch dialect.
+SHELL_SUFFIXES = (".sh", ".bash", ".sbatch", ".slurm")
 
 #: Largest config file read, in bytes (the largest real config in the corpus is ~20 KB).
 MAX_BYTES = 10 * 1024 * 1024
@@ -65,6 +67,8 @@ def load_document(path: str | os.PathLike[str]) -> Document:
     text = read_text(path)
     fmt = format_for(path)
     notes: list[str] = []
+    if fmt is None and (path.suffix.lower() in SHELL_SUFFIXES or text.startswith("#!")):
+        return Document(text, "shell", notes)  # the launch dialect reads the commands and #SBATCH directives
     try:
         if fmt:
             data = _parse(text, fmt, notes)

@@ -85,3 +85,38 @@ def test_a_manifest_file_is_recognised_as_a_launch_by_validate(path):
     from_file = adapters.load(path)
     assert from_file.source == "launch"
     assert from_file.result.launch == launch.read(path.read_text()).result.launch
+
+
+@pytest.mark.parametrize("path", [f for f in FILES if f.suffix == ".sh"], ids=lambda f: f.name)
+def test_a_script_file_is_read_by_validate_and_convert_as_by_launch(path, capsys):
+    """validate and convert take an sbatch (or shell) script file as the launch command inside it, as launch does."""
+    from torsh.cli import main
+
+    assert main(["validate", str(path)]) == 0
+    from_file = adapters.load(path)
+    assert from_file.source == "launch"
+    assert from_file.result.launch == launch.read(path.read_text()).result.launch
+    capsys.readouterr()
+    assert main(["convert", str(path), "--to", "launch", "--variant", "torchrun"]) == 0
+    assert "torchrun" in capsys.readouterr().out
+
+
+def test_a_shell_script_is_read_as_its_launch_line_not_as_one_command(tmp_path):
+    """The lines before the launch (shebang, set -e, exports) are the script's, not a wrapper of the command."""
+    script = tmp_path / "run.sh"
+    script.write_text("#!/bin/bash\nset -e\nexport OMP_NUM_THREADS=4\ntorchrun --nproc-per-node 2 train.py --lr 1\n")
+    read = adapters.load(script)
+    cfg = read.result
+    assert (cfg.launch.script, cfg.launch.nproc_per_node, cfg.launch.script_args) == ("train.py", 2, ["--lr", "1"])
+    assert "wrapper" not in cfg.extensions.get("launch", {})
+
+
+def test_a_shell_script_without_a_launch_command_is_a_clear_error(tmp_path, capsys):
+    from torsh.cli import main
+
+    script = tmp_path / "run.sh"
+    script.write_text("#!/bin/bash\necho hello\n")
+    assert main(["validate", str(script)]) == 2
+    assert "text with no launch command in it" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="no launch command in the script"):
+        launch.read(script.read_text())
