@@ -238,8 +238,18 @@ def dump_text(data: Any, fmt: str) -> str:
     raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
 
 
+def null_paths(data: Any, prefix: str = "") -> list[str]:
+    """The dotted paths of the None values in ``data`` (list items as ``[i]``): what TOML output leaves out."""
+    if isinstance(data, dict):
+        return [p for k, v in data.items() for p in null_paths(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(data, list):
+        return [p for i, v in enumerate(data) for p in null_paths(v, f"{prefix}[{i}]")]
+    return [prefix] if data is None else []
+
+
 def _drop_none(data: Any) -> Any:
-    """TOML has no null: drop None values (None means "default" throughout the core model)."""
+    """TOML has no null: drop None values (None means "default" throughout the core model; the writer's report says
+    which keys were left out, :func:`null_paths`)."""
     if isinstance(data, dict):
         return {k: _drop_none(v) for k, v in data.items() if v is not None}
     if isinstance(data, list):

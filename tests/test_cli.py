@@ -132,3 +132,18 @@ def test_reading_a_valid_deepspeed_dict_or_a_torsh_file_imports_no_parser_or_val
 def test_main_returns_exit_code(capsys):
     assert main(["validate", str(SEED)]) == 0
     assert main(["validate", "nope.toml"]) == 2
+
+
+def test_toml_output_reports_each_null_it_leaves_out(tmp_path, capsys):
+    """TOML has no null: a null kept from a torchtune file is left out of a TOML file and reported as dropped (not
+    exact); YAML output keeps it."""
+    src = Path(__file__).parent / "fixtures" / "corpus" / "torchtune" / "pytorch__torchtune__dev__3B_full_grpo.yaml"
+    assert main(["convert", str(src), "--to", "torsh", "-o", str(tmp_path / "c.toml"), "--report", "json"]) == 0
+    notes = {n["source_path"]: n for n in json.loads(capsys.readouterr().out)["write"]["notes"]}
+    left_out = notes["extensions.torchtune.tokenizer.max_seq_len"]
+    assert (left_out["fidelity"], left_out["target_path"]) == ("dropped", None)
+    assert "max_seq_len" not in (tmp_path / "c.toml").read_text()
+    assert main(["convert", str(src), "--to", "torsh", "-o", str(tmp_path / "c.yaml"), "--report", "json"]) == 0
+    notes = {n["source_path"]: n for n in json.loads(capsys.readouterr().out)["write"]["notes"]}
+    assert notes["extensions.torchtune.tokenizer.max_seq_len"]["fidelity"] == "exact"
+    assert "max_seq_len: null" in (tmp_path / "c.yaml").read_text()

@@ -7,7 +7,7 @@ import json
 import sys
 
 from torsh.cli._common import add_deprecated_alias, add_input_options, print_report, write_output
-from torsh.formats import FORMATS, dump_text, format_for
+from torsh.formats import FORMATS, dump_text, format_for, null_paths
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +40,15 @@ def run(args: argparse.Namespace) -> int:
     adapter = adapters.get(args.to)
     read = adapters.load(args.file, args.dialect)
     written = _write(adapter, read.result, args)
+    payload = written.result
+    if isinstance(payload, str):
+        text = payload if payload.endswith("\n") else payload + "\n"
+    else:
+        fmt = args.format or (format_for(args.output) if args.output else None) or getattr(
+            adapter, "DEFAULT_FORMAT", "json")
+        text = dump_text(payload, fmt)
+        if fmt == "toml":
+            _report_nulls_left_out(written, null_paths(payload))
     report_stream = sys.stderr if _is_stdout(args.output) else sys.stdout
     if args.report == "json":
         json.dump({"file": args.file, "output": args.output or "-", "read": read.to_dict(),
@@ -51,15 +60,23 @@ def run(args: argparse.Namespace) -> int:
     if args.strict:
         read.check(ErrorLevel.RAISE)
         written.check(ErrorLevel.RAISE)
-    payload = written.result
-    if isinstance(payload, str):
-        text = payload if payload.endswith("\n") else payload + "\n"
-    else:
-        fmt = args.format or (format_for(args.output) if args.output else None) or getattr(
-            adapter, "DEFAULT_FORMAT", "json")
-        text = dump_text(payload, fmt)
     write_output(text, args.output, args.force)
     return 0
+
+
+def _report_nulls_left_out(written, paths: list[str]) -> None:
+    """TOML has no null: each key whose value is null is left out of the file, and its note says so."""
+    from dataclasses import replace
+
+    from torsh.translate import Fidelity, Note
+
+    reason = "TOML has no null: left out of the file (YAML or JSON output keep it)"
+    for path in paths:
+        at = [i for i, n in enumerate(written.notes) if n.target_path == path]
+        for i in at:
+            written.notes[i] = replace(written.notes[i], target_path=None, fidelity=Fidelity.DROPPED, reason=reason)
+        if not at:
+            written.notes.append(Note(path, None, None, Fidelity.DROPPED, reason))
 
 
 def _write(adapter: object, cfg: object, args: argparse.Namespace):
