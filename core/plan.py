@@ -115,18 +115,8 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
     decides whether DeepSpeed's bucket sizes size the units; ``optimizer_given``: the caller passes an optimizer
     to ``initialize``). Refusals are collected, not raised: :meth:`EnginePlan.check` raises them."""
     s, o, p = cfg.sharding, cfg.offload, cfg.precision
-    stage = s.stage
-    hybrid = s.hybrid_shard_size
-    fsdp = stage >= 2
-    if not fsdp:
-        dp: DataParallel = "ddp" if stage == 0 else "zero1"
-    else:
-        dp = "hsdp" if hybrid and hybrid != world_size else "fsdp2"
-    mesh = None  # DDP, an "auto" shard group, or one that does not divide the world (refused below)
-    if dp == "fsdp2":
-        mesh = (world_size,)
-    elif dp == "hsdp" and not is_deferred(hybrid) and world_size % hybrid == 0:
-        mesh = (world_size // hybrid, hybrid)
+    fsdp = s.stage >= 2
+    dp, mesh = _data_parallel(s.stage, s.hybrid_shard_size, world_size)
     # The parameters FSDP2 holds in compute: the compute dtype, or the fp32 masters themselves under autocast.
     held = p.master_dtype if p.autocast else p.param_dtype
     if fsdp and cfg.compression.method in ("fp16", "bf16"):
@@ -135,12 +125,6 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
         reduce = p.reduce_dtype or held
     compressed = cfg.compression.method != "none"
     scaler = p.loss_scaling.mode != "none"  # the engine scales whenever it is set; DeepSpeed's reader sets it for fp16
-    clip, ac = cfg.gradients.clip_max_norm, cfg.activation_checkpointing
-    step = StepPolicy(stage=stage, param_dtype=p.param_dtype, loss_scaling=scaler, compressed=compressed,
-                      clip_max_norm=0.0 if is_deferred(clip) else float(clip or 0.0),
-                      skip_step_on_nonfinite=p.skip_step_on_nonfinite, steps_per_print=cfg.monitoring.steps_per_print,
-                      activations_on_cpu=ac.enabled and ac.cpu_offload, ddp=cfg.ddp, gradients=cfg.gradients,
-                      data=cfg.data)  # fmt: skip
     decided = EnginePlan(
         world_size=world_size, data_parallel=dp, mesh=mesh,
         reshard_after_forward=s.effective_reshard_after_forward if fsdp else None,
@@ -148,11 +132,33 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
         fsdp_mixed_precision=fsdp and (held != p.master_dtype or reduce != held),
         masters_on_cpu=not fsdp and o.optimizer == "cpu", fsdp_cpu_offload=fsdp and "cpu" in (o.params, o.optimizer),
         compression="none" if not compressed else "reduce_dtype" if fsdp else "comm_hook",
-        optimizer_wrapper="ZeroRedundancyOptimizer" if stage == 1 else None,
-        optimizer_on_cpu="cpu" in (o.params, o.optimizer), loss_scaler=scaler, step=step,
+        optimizer_wrapper="ZeroRedundancyOptimizer" if s.stage == 1 else None,
+        optimizer_on_cpu="cpu" in (o.params, o.optimizer), loss_scaler=scaler,
+        step=_step_policy(cfg, scaling=scaler, compressed=compressed),
         refused=tuple(refusals(cfg, world_size=world_size, optimizer_given=optimizer_given)), steps=(),
     )  # fmt: skip
     return _with_steps(decided, cfg, source)
+
+
+def _data_parallel(stage: int, hybrid: object, world_size: int) -> tuple[DataParallel, tuple[int, ...] | None]:
+    """The data-parallel kind and FSDP2's mesh shape (None under DDP, for an "auto" shard group, or for one that
+    does not divide the world, which is refused)."""
+    if stage < 2:
+        return ("ddp" if stage == 0 else "zero1"), None
+    if not hybrid or hybrid == world_size:
+        return "fsdp2", (world_size,)
+    if is_deferred(hybrid) or world_size % hybrid:
+        return "hsdp", None
+    return "hsdp", (world_size // hybrid, hybrid)
+
+
+def _step_policy(cfg: TorshConfig, *, scaling: bool, compressed: bool) -> StepPolicy:
+    clip, ac = cfg.gradients.clip_max_norm, cfg.activation_checkpointing
+    return StepPolicy(stage=cfg.sharding.stage, param_dtype=cfg.precision.param_dtype, loss_scaling=scaling,
+                      compressed=compressed, clip_max_norm=0.0 if is_deferred(clip) else float(clip or 0.0),
+                      skip_step_on_nonfinite=cfg.precision.skip_step_on_nonfinite,
+                      steps_per_print=cfg.monitoring.steps_per_print, activations_on_cpu=ac.enabled and ac.cpu_offload,
+                      ddp=cfg.ddp, gradients=cfg.gradients, data=cfg.data)  # fmt: skip
 
 
 def refusals(cfg: TorshConfig, *, world_size: int, optimizer_given: bool = True) -> list[Problem]:
@@ -205,22 +211,14 @@ def _dtype(value: object) -> str:
 def _with_steps(decided: EnginePlan, cfg: TorshConfig, source: str | None) -> EnginePlan:
     from .engine.units import describe_policy  # torch-free: the sizes, not the model
 
-    steps = []
-    ac, wrap = cfg.activation_checkpointing, cfg.sharding.wrap
-    if ac.enabled:  # the modules apply_activation_checkpointing picks: its own list, else sharding.wrap's
-        which = (", ".join(ac.modules) if ac.modules else "each " + ", ".join(wrap.module_classes)
-                 if wrap.module_classes else f"each module of at least {wrap.min_num_params} parameters"
-                 if wrap.min_num_params else "each direct child holding parameters (looking into ModuleLists)")
-        steps.append(f"activation checkpointing of {which}" + (" (saved activations on the CPU)" if ac.cpu_offload
-                                                                 else ""))  # fmt: skip
+    steps = _checkpointing_steps(cfg)
     steps.append(_sharding_step(decided, cfg))
     steps += describe_policy(cfg, source=source)
     steps += _precision_steps(decided)
     steps += _offload_steps(decided, cfg)
-    if decided.compression == "comm_hook":
-        steps.append(f"gradient compression: {cfg.compression.method} communication hook")
-    elif decided.compression == "reduce_dtype":
-        steps.append(f"gradient compression: {cfg.compression.method} as FSDP2's reduce dtype")
+    if decided.compression != "none":
+        how = "communication hook" if decided.compression == "comm_hook" else "as FSDP2's reduce dtype"
+        steps.append(f"gradient compression: {cfg.compression.method} {how}")
     if cfg.optimizer is not None and cfg.optimizer.name:
         steps.append(f"optimizer {cfg.optimizer.name} built after sharding")
     if cfg.scheduler is not None:
@@ -232,6 +230,22 @@ def _with_steps(decided: EnginePlan, cfg: TorshConfig, source: str | None) -> En
     steps.append(f"gradient clipping at global norm {clip}" if clip and not is_deferred(clip)
                  else "gradient clipping: " + ("auto" if is_deferred(clip) else "off"))
     return replace(decided, steps=tuple(steps))
+
+
+def _checkpointing_steps(cfg: TorshConfig) -> list[str]:
+    """The modules apply_activation_checkpointing wraps: its own list, else sharding.wrap's, else each child."""
+    ac, wrap = cfg.activation_checkpointing, cfg.sharding.wrap
+    if not ac.enabled:
+        return []
+    if ac.modules:
+        which = ", ".join(ac.modules)
+    elif wrap.module_classes:
+        which = "each " + ", ".join(wrap.module_classes)
+    elif wrap.min_num_params:
+        which = f"each module of at least {wrap.min_num_params} parameters"
+    else:
+        which = "each direct child holding parameters (looking into ModuleLists)"
+    return [f"activation checkpointing of {which}" + (" (saved activations on the CPU)" if ac.cpu_offload else "")]
 
 
 def _sharding_step(decided: EnginePlan, cfg: TorshConfig) -> str:
