@@ -525,20 +525,22 @@ def _sbatch_directives(lines: list[str]) -> dict[str, Any]:
     return options
 
 
-_ASSIGNED_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_]\w*)=(.*)$")
-
-
 def _note_assignment(line: str, assigned: dict[str, str]) -> None:
-    """Record ``NAME=value`` / ``export NAME="value"`` (a value with a command substitution is left unexpanded)."""
-    match = _ASSIGNED_LINE.match(line)
-    if not match:
+    """Record ``NAME=value`` / ``export NAME="value"`` lines (a value with a command substitution or a default is left
+    unexpanded). ``NAME=value command ...`` sets NAME for that command only: not an assignment of the script."""
+    try:
+        tokens = shlex.split(line, comments=True)
+    except ValueError:  # an unbalanced quote: not a line this reader understands
         return
-    value = match.group(2).strip()
-    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
-        value = value[1:-1]
-    # a command substitution, or a parameter expansion with a default (`${PORT:-29500}`): known when the script runs
-    if not re.search(r"\$\((?!\()|`|\$\{[^}]*[:#%/]", value):
-        assigned[match.group(1)] = " ".join(_expand_assigned(value, assigned).split())
+    if tokens[:1] == ["export"]:
+        tokens = tokens[1:]
+    if not tokens or not all(_ASSIGNMENT.match(t) for t in tokens):
+        return
+    for token in tokens:
+        name, _, value = token.partition("=")
+        # a command substitution, or a parameter expansion with a default (`${PORT:-29500}`): known when it runs
+        if not re.search(r"\$\((?!\()|`|\$\{[^}]*[:#%/]", value):
+            assigned[name] = " ".join(_expand_assigned(value, assigned).split())
 
 
 def _expand_assigned(line: str, assigned: dict[str, str]) -> str:

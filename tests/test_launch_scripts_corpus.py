@@ -31,6 +31,7 @@ LAYOUT = {
     "kubeflow-elastic-imagenet.yaml": ("/workspace/examples/imagenet.py", 1, 3, 1, None),
     "kubeflow-deepspeed-demo.yaml": ("/train_bert_ds.py", 2, None, 1, None),
     "kubeflow-cpu-demo.yaml": ("demo.py", 2, None, 2, None),
+    "torchtitan-run-train.sh": ("torchtitan.train", None, None, "${NGPU}", None),
 }
 
 
@@ -101,13 +102,12 @@ def test_a_script_file_is_read_by_validate_and_convert_as_by_launch(path, capsys
     assert "torchrun" in capsys.readouterr().out
 
 
-def test_a_shell_script_is_read_as_its_launch_line_not_as_one_command(tmp_path):
-    """The lines before the launch (shebang, set -e, exports) are the script's, not a wrapper of the command."""
-    script = tmp_path / "run.sh"
-    script.write_text("#!/bin/bash\nset -e\nexport OMP_NUM_THREADS=4\ntorchrun --nproc-per-node 2 train.py --lr 1\n")
-    read = adapters.load(script)
-    cfg = read.result
-    assert (cfg.launch.script, cfg.launch.nproc_per_node, cfg.launch.script_args) == ("train.py", 2, ["--lr", "1"])
+def test_a_shell_script_is_read_as_its_launch_line_not_as_one_command():
+    """torchtitan's run_train.sh: its earlier lines (shebang, set -ex, variable defaults, a dry-run branch whose
+    command sets NGPU for itself) are the script's, not a wrapper of the command nor a value of ${NGPU}."""
+    cfg = adapters.load(SCRIPTS / "torchtitan-run-train.sh").result
+    assert (cfg.launch.nproc_per_node, cfg.launch.module, cfg.launch.env["PYTORCH_ALLOC_CONF"]) == (
+        "${NGPU}", True, "expandable_segments:True")
     assert "wrapper" not in cfg.extensions.get("launch", {})
 
 
