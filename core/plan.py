@@ -91,13 +91,16 @@ class EnginePlan:
     """The wrapper around the step optimizer (ZeRO-1: state sharded)."""
     optimizer_on_cpu: bool
     """The configured optimizer is built for CPU tensors (offload)."""
-    loss_scaler: bool
-    """A loss scaler scales the loss (``precision.loss_scaling.mode`` is not "none")."""
     step: StepPolicy
     refused: tuple[Problem, ...]
     """Every reason the engine cannot run the config (empty: it can)."""
     steps: tuple[str, ...]
     """The plan in words, in build order (``explain`` prints these)."""
+
+    @property
+    def loss_scaler(self) -> bool:
+        """A loss scaler scales the loss (``precision.loss_scaling.mode`` is not "none")."""
+        return self.step.loss_scaling
 
     @property
     def fsdp(self) -> bool:
@@ -133,7 +136,7 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
         masters_on_cpu=not fsdp and o.optimizer == "cpu", fsdp_cpu_offload=fsdp and "cpu" in (o.params, o.optimizer),
         compression="none" if not compressed else "reduce_dtype" if fsdp else "comm_hook",
         optimizer_wrapper="ZeroRedundancyOptimizer" if s.stage == 1 else None,
-        optimizer_on_cpu="cpu" in (o.params, o.optimizer), loss_scaler=scaler,
+        optimizer_on_cpu="cpu" in (o.params, o.optimizer),
         step=_step_policy(cfg, scaling=scaler, compressed=compressed),
         refused=tuple(refusals(cfg, world_size=world_size, optimizer_given=optimizer_given)), steps=(),
     )  # fmt: skip
