@@ -97,6 +97,16 @@ def test_fsdp2_shards_are_stepped_with_foreach_ops_unless_the_config_says(tmp_pa
         assert grouped.defaults["foreach"] is True
         told = build_optimizer(OptimizerConfig(name="AdamW", kwargs={"foreach": False}), sharded, offload=False)
         assert told.defaults["foreach"] is False
+        # an optimizer the script built is rebuilt over the shards the same way, unless it chose foreach itself
+        from torsh.engine.rebuild import build_step_optimizer
+
+        names = {id(p): f"p{i}" for i, p in enumerate(sharded)}
+        by_name = {names[id(p)]: p for p in sharded}
+        for chosen, expected in ((None, True), (False, False)):
+            client = torch.optim.AdamW(sharded, lr=0.1, foreach=chosen)
+            rebuilt = build_step_optimizer(section=None, client=client, groups=[], name_of=names, by_name=by_name,
+                                           wrapper=None, offload=False)  # fmt: skip
+            assert rebuilt.defaults["foreach"] is expected
         assert build_optimizer(OptimizerConfig(name="AdamW"), _params(), offload=False).defaults["foreach"] is None
         lazy = build_optimizer(OptimizerConfig(name="AdamW"), iter(sharded), offload=False)
         assert lazy.defaults["foreach"] is None and len(lazy.param_groups[0]["params"]) == 4

@@ -90,7 +90,7 @@ def build_optimizer(cfg: Any, params: Any, *, offload: bool) -> Any:
     values = {key: value for key, (_, value) in kwargs.items()}
     if "betas" in values:
         values["betas"] = tuple(values["betas"])
-    if "foreach" in accepted and "foreach" not in values and _all_sharded(params):
+    if "foreach" in accepted and "foreach" not in values and all_sharded(params):
         # torch steps CPU tensors one at a time unless told otherwise; for FSDP2's DTensors every one of those
         # per-parameter ops is a DTensor dispatch (about 2.5 ms of a 28 ms ZeRO-2 step on 2 CPU ranks). One
         # foreach op per list dispatches once; on CUDA torch chooses foreach by itself.
@@ -98,8 +98,9 @@ def build_optimizer(cfg: Any, params: Any, *, offload: bool) -> Any:
     return cls(params, **values)
 
 
-def _all_sharded(params: Any) -> bool:
-    """Every parameter is an FSDP2 shard (a DTensor), in a list of tensors or of param groups."""
+def all_sharded(params: Any) -> bool:
+    """Every parameter is an FSDP2 shard (a DTensor), in a list of tensors or of param groups (also used when an
+    optimizer the script passed is rebuilt, :func:`torsh.engine.rebuild.build_step_optimizer`)."""
     import torch
     from torch.distributed.tensor import DTensor
 

@@ -19,6 +19,8 @@ import torch
 from torsh.config import OptimizerConfig
 from torsh.errors import ConfigError, Problem
 
+from .optim import all_sharded
+
 log = logging.getLogger("torsh.engine")
 
 
@@ -88,7 +90,10 @@ def build_step_optimizer(*, section: OptimizerConfig | None, client: Any, groups
     """
     if isinstance(client, torch.optim.Optimizer):
         cls, defaults, named = rebuild_optimizer(client, name_of, by_name)
-        built = cls(_resolve(named, by_name), **defaults)
+        params = _resolve(named, by_name)
+        if defaults.get("foreach", False) is None and all_sharded(params):
+            defaults["foreach"] = True  # left to torch by the script: foreach over FSDP2 shards, as configured ones
+        built = cls(params, **defaults)
     elif callable(client):
         built = client(_resolve(groups, by_name))
     elif section is not None and section.name:
