@@ -49,6 +49,10 @@ class StepPolicy:
     """A compression hook reduces DDP's gradients (so the engine's own reduce hook is not registered)."""
     data: DataConfig
     """The dataloader settings ``engine.deepspeed_io`` builds with."""
+    save_full_weights: bool
+    """ZeRO-3 16-bit weights are gathered on save (``zero_gather_16bit_weights_on_model_save()``)."""
+    optimizer_offload: str
+    """Where the optimizer state lives: none, cpu or nvme (``zero_cpu_offload()``)."""
 
     @property
     def probe_unused(self) -> bool:
@@ -161,7 +165,8 @@ def _step_policy(cfg: TorshConfig, *, scaling: bool, compressed: bool) -> StepPo
                       compressed=compressed, clip_max_norm=0.0 if is_deferred(clip) else float(clip or 0.0),
                       skip_step_on_nonfinite=cfg.precision.skip_step_on_nonfinite,
                       steps_per_print=cfg.monitoring.steps_per_print, activations_on_cpu=ac.enabled and ac.cpu_offload,
-                      ddp=cfg.ddp, gradients=cfg.gradients, data=cfg.data)  # fmt: skip
+                      ddp=cfg.ddp, gradients=cfg.gradients, data=cfg.data, optimizer_offload=cfg.offload.optimizer,
+                      save_full_weights=cfg.checkpoint.save_full_weights is True)  # fmt: skip
 
 
 def refusals(cfg: TorshConfig, *, world_size: int, optimizer_given: bool = True) -> list[Problem]:

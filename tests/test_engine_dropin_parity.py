@@ -4,7 +4,9 @@ on 2 gloo ranks (DeepSpeed JSON, ``backend.initialize``), per-step losses compar
 - tied weights at stages 2/3 (an output head sharing the embedding's weight): trains, saves, loads, stays tied;
 - a parameter unused in forward (a BERT-style pooler) at stages 0/1, without any config key;
 - a script that calls the raw model, then ``engine.backward``/``engine.step``: averaged gradients, equal ranks;
-- fp16 with BatchNorm (stages 0 and 2).
+- fp16 with BatchNorm (stages 0 and 2);
+- saving at ZeRO-3 as Trainer scripts do: ``zero_optimization_partition_weights()``,
+  ``zero_gather_16bit_weights_on_model_save()``, then ``_zero3_consolidated_16bit_state_dict()`` on every rank.
 """
 
 from __future__ import annotations
@@ -175,6 +177,30 @@ def fp16_bn(rank: int, world_size: int, scenario: dict) -> dict:
     return {"losses": losses, "stats": stats, "running_mean": float(engine.module[1].running_mean.float().sum())}
 
 
+def _gathered(engine) -> dict | None:
+    state = engine._zero3_consolidated_16bit_state_dict()
+    if state is None:
+        return None
+    return {"tied": state["head.weight"] is state["embed.weight"],
+            "state": {k: [str(v.dtype), str(v.device), list(v.shape), float(v.double().sum())]
+                      for k, v in state.items()}}  # fmt: skip
+
+
+def save16(rank: int, world_size: int, scenario: dict) -> dict:
+    """Ask what a save needs and gather the 16-bit weights as Trainer scripts do, before and after 2 steps."""
+    backend = _backend(scenario["engine"])
+    model = tied_model(0)
+    engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=scenario["config"])
+    flags = [engine.zero_optimization_partition_gradients(), engine.zero_optimization_partition_weights(),
+             engine.zero_gather_16bit_weights_on_model_save(), engine.zero_cpu_offload()]  # fmt: skip
+    try:
+        before = _gathered(engine)
+    except ValueError as exc:
+        return {"flags": flags, "refused": str(exc)}
+    losses = _train(engine, rank, 0, 2)
+    return {"flags": flags, "before": before, "losses": losses, "after": _gathered(engine)}
+
+
 ENGINES = ("torsh", "deepspeed")
 
 
@@ -201,6 +227,12 @@ def _scenarios(tmp: str) -> list[dict]:
             if engine == "deepspeed":
                 out.append({"name": f"fp16bn_nokey_s{stage}", "kind": "call", "target": f"{MODULE}:fp16_bn",
                             "engine": engine, "config": ds_config(stage, fp16=fp16)})  # fmt: skip
+        for stage, dtype in ((3, "fp32"), (3, "bf16"), (2, "bf16")):
+            extra = {"bf16": {"enabled": True}} if dtype == "bf16" else {}
+            zero = {"stage": stage, "gather_16bit_weights_on_model_save": dtype == "bf16",
+                    "offload_optimizer": {"device": "cpu"} if stage == 2 else {"device": "none"}}  # fmt: skip
+            out.append({"name": f"save16_{dtype}_s{stage}_{engine}", "kind": "call", "target": f"{MODULE}:save16",
+                        "engine": engine, "config": ds_config(stage, zero_optimization=zero, **extra)})  # fmt: skip
         for stage in (0, 1, 2):
             out.append({"name": f"raw_s{stage}_{engine}", "kind": "call", "target": f"{MODULE}:raw", "engine": engine,
                         "config": ds_config(stage, gradient_accumulation_steps=2)})  # fmt: skip
@@ -272,3 +304,30 @@ def test_fp16_with_batchnorm(records, stage):
                               "1.num_batches_tracked": "torch.int64"}  # fmt: skip
     # DeepSpeed 0.19.8 without data_types.buffer_dtype: the fp32 running statistics fail the fp16 BatchNorm
     assert "expected scalar type Half but found Float" in records[0][f"fp16bn_nokey_s{stage}"]["error"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_zero3_consolidated_state_dict_like_deepspeed(records, dtype):
+    """Rank 0 gets every key in the compute dtype on the CPU, a tied weight once under both keys, with DeepSpeed's
+    values (bf16 training is not bit-equal between the engines, so its trained values are not compared); rank 1
+    gets None."""
+    torsh_ranks, ds_ranks = _both(records, f"save16_{dtype}_s3")
+    for t, d in zip(torsh_ranks, ds_ranks):
+        assert t["flags"] == d["flags"] == [True, True, dtype == "bf16", False]
+    assert torsh_ranks[1]["before"] is torsh_ranks[1]["after"] is ds_ranks[1]["after"] is None
+    t, d = torsh_ranks[0], ds_ranks[0]
+    assert t["before"] == d["before"]  # the initial weights, cast: equal to the last bit
+    assert t["after"]["tied"] is d["after"]["tied"] is True
+    assert t["after"]["state"].keys() == d["after"]["state"].keys()
+    for key, (dtype_name, device, shape, total) in d["after"]["state"].items():
+        assert t["after"]["state"][key][:3] == [dtype_name, device, shape], key
+        if dtype == "fp32":
+            assert t["after"]["state"][key][3] == pytest.approx(total, rel=FP32, abs=1e-6), key
+    assert t["after"]["state"]["embed.weight"] != t["before"]["state"]["embed.weight"]  # the trained weights
+
+
+def test_zero3_consolidated_state_dict_refused_below_stage_3(records):
+    torsh_ranks, ds_ranks = _both(records, "save16_bf16_s2")
+    for t, d in zip(torsh_ranks, ds_ranks):
+        assert t["flags"] == d["flags"] == [True, False, True, True]
+        assert t["refused"] == d["refused"] == "this function requires ZeRO-3 mode"

@@ -223,6 +223,23 @@ class Engine(nn.Module):
         """Whether a ZeRO stage above 0 runs."""
         return self._policy.stage > 0
 
+    def zero_optimization_partition_gradients(self) -> bool:
+        """Whether gradients are sharded (stage 2 and above)."""
+        return self._policy.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        """Whether parameters are sharded (stage 3): scripts ask it before gathering the weights to save them."""
+        return self._policy.stage >= 3
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's ``gather_16bit_weights_on_model_save`` (``checkpoint.save_full_weights``), as DeepSpeed
+        returns it; torsh's ``save_16bit_model`` writes the full weights either way."""
+        return self._policy.save_full_weights
+
+    def zero_cpu_offload(self) -> bool:
+        """Whether the optimizer state is offloaded to the CPU."""
+        return self._policy.optimizer_offload == "cpu"
+
     def gradient_clipping(self) -> float:
         """The max global gradient norm (0: no clipping)."""
         return self._clip
@@ -588,16 +605,8 @@ class Engine(nn.Module):
         ``save_dir/save_filename`` on rank 0; every rank must call it. Returns True."""
         import os
 
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
-        if self.global_rank == 0:
-            dtype = self._precision.param_dtype
-            names = {n for n, _ in self.module.named_parameters()}
-            state = {k: v.to(dtype) if k in names and v.is_floating_point() else v for k, v in state.items()}
+        state = self._full_16bit_state(exclude_frozen_parameters)
+        if state is not None:
             os.makedirs(save_dir, exist_ok=True)
             path = os.path.join(save_dir, save_filename)
             torch.save(state, path + ".tmp")
@@ -605,6 +614,30 @@ class Engine(nn.Module):
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """DeepSpeed's ZeRO-3 gather for saving (Accelerate's ``get_state_dict`` and many Trainer scripts call it):
+        the full model state in the compute dtype, on the CPU, on rank 0; None on the other ranks. Every rank must
+        call it. Below stage 3 it raises DeepSpeed's ValueError."""
+        if not self.zero_optimization_partition_weights():
+            raise ValueError("this function requires ZeRO-3 mode")
+        return self._full_16bit_state(exclude_frozen_parameters)
+
+    def _full_16bit_state(self, exclude_frozen_parameters: bool) -> dict | None:
+        """The gathered model state on rank 0, parameters in the compute dtype (None on the other ranks)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.global_rank != 0:
+            return None
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        dtype = self._precision.param_dtype
+        owner: dict[int, str] = {}  # a tied parameter: its first name; the others share that tensor, as DeepSpeed's
+        names = {n: owner.setdefault(id(p), n) for n, p in self.module.named_parameters(remove_duplicate=False)}
+        state = {k: v.to(dtype) if k in names and v.is_floating_point() else v for k, v in state.items()}
+        return {k: state[names[k]] if names.get(k, k) in state else v for k, v in state.items()}
 
     save_fp16_model = save_16bit_model
 
