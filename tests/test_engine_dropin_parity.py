@@ -5,12 +5,14 @@ on 2 gloo ranks (DeepSpeed JSON, ``backend.initialize``), per-step losses compar
 - a parameter unused in forward (a BERT-style pooler) at stages 0/1, without any config key;
 - a script that calls the raw model, then ``engine.backward``/``engine.step``: averaged gradients, equal ranks;
 - fp16 with BatchNorm (stages 0 and 2);
+- ``deepspeed.utils.zero_to_fp32`` on the tied model's checkpoints (torsh's and DeepSpeed's), against DeepSpeed's own;
 - saving at ZeRO-3 as Trainer scripts do: ``zero_optimization_partition_weights()``,
   ``zero_gather_16bit_weights_on_model_save()``, then ``_zero3_consolidated_16bit_state_dict()`` on every rank.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -240,8 +242,14 @@ def _scenarios(tmp: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    return h.run(_scenarios(str(tmp_path_factory.mktemp("dropin"))))
+def saved(tmp_path_factory):
+    """The directory the scenarios save their checkpoints under."""
+    return tmp_path_factory.mktemp("dropin")
+
+
+@pytest.fixture(scope="module")
+def records(saved):
+    return h.run(_scenarios(str(saved)))
 
 
 def _both(records, name: str) -> tuple[list[dict], list[dict]]:
@@ -331,3 +339,59 @@ def test_zero3_consolidated_state_dict_refused_below_stage_3(records):
     for t, d in zip(torsh_ranks, ds_ranks):
         assert t["flags"] == d["flags"] == [True, False, True, True]
         assert t["refused"] == d["refused"] == "this function requires ZeRO-3 mode"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_to_fp32_gives_deepspeeds_weights_from_either_checkpoint(records, saved, stage):
+    """torsh's ``deepspeed.utils.zero_to_fp32`` on DeepSpeed's checkpoint gives DeepSpeed's own function's tensors,
+    bit for bit; on torsh's checkpoint of the same training, the same weights (fp32 parity)."""
+    import torch
+    from deepspeed.utils import zero_to_fp32 as real
+
+    from torsh.compat.deepspeed.utils import zero_to_fp32 as ours
+
+    _both(records, f"tied_s{stage}")  # the runs that wrote the checkpoints succeeded
+    torsh_dir, ds_dir = (saved / f"tied_s{stage}_{engine}" for engine in ENGINES)
+    reference = real.get_fp32_state_dict_from_zero_checkpoint(str(ds_dir))
+    from_ds = ours.get_fp32_state_dict_from_zero_checkpoint(str(ds_dir))
+    from_torsh = ours.get_fp32_state_dict_from_zero_checkpoint(torsh_dir, tag="t", lazy_mode=True)
+    assert list(from_ds) == list(reference) and sorted(from_torsh) == sorted(reference)
+    for key, tensor in reference.items():
+        assert from_ds[key].dtype == tensor.dtype == torch.float32 and torch.equal(from_ds[key], tensor), key
+        assert from_torsh[key].dtype == torch.float32, key
+        torch.testing.assert_close(from_torsh[key].contiguous(), tensor, rtol=FP32, atol=1e-6)
+    # the helpers on top: load into a model (moved to the CPU), and write the file DeepSpeed writes
+    model = ours.load_state_dict_from_zero_checkpoint(tied_model(7), torsh_dir)
+    assert all(torch.equal(model.state_dict()[k], from_torsh[k]) for k in from_torsh)
+    ours.convert_zero_checkpoint_to_fp32_state_dict(torsh_dir, saved / f"out_s{stage}_torsh")
+    real.convert_zero_checkpoint_to_fp32_state_dict(str(ds_dir), str(saved / f"out_s{stage}_deepspeed"))
+    names = [sorted(p.name for p in (saved / f"out_s{stage}_{engine}").iterdir()) for engine in ENGINES]
+    assert names[0] == names[1] == ["pytorch_model.bin"]
+    written = torch.load(saved / f"out_s{stage}_torsh" / "pytorch_model.bin", weights_only=True)
+    assert all(torch.equal(written[k], from_torsh[k]) for k in reference) and written.keys() == reference.keys()
+    # shards with Hugging Face's index; safetensors with the tied weight (DeepSpeed's own raises on shared memory)
+    ours.convert_zero_checkpoint_to_fp32_state_dict(torsh_dir, saved / f"sharded_s{stage}", max_shard_size="2KB")
+    index = json.loads((saved / f"sharded_s{stage}" / "pytorch_model.bin.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(reference) and len(set(index["weight_map"].values())) > 1
+    ours.convert_zero_checkpoint_to_fp32_state_dict(torsh_dir, saved / f"safe_s{stage}", safe_serialization=True)
+    from safetensors.torch import load_file
+
+    assert sorted(load_file(saved / f"safe_s{stage}" / "model.safetensors")) == sorted(reference)
+    with pytest.raises(ValueError, match="exclude_frozen_parameters.*does not record which parameters were frozen"):
+        ours.get_fp32_state_dict_from_zero_checkpoint(torsh_dir, exclude_frozen_parameters=True)
+    assert len(ours.get_fp32_state_dict_from_zero_checkpoint(ds_dir, exclude_frozen_parameters=True)) == 8
+
+
+def test_zero_to_fp32_errors_are_deepspeeds(tmp_path):
+    from deepspeed.utils import zero_to_fp32 as real
+
+    from torsh.compat.deepspeed.utils import zero_to_fp32 as ours
+
+    errors = []
+    for module in (real, ours):
+        for tag in (None, "nope"):
+            with pytest.raises((ValueError, FileNotFoundError)) as info:
+                module.get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag=tag)
+            errors.append((type(info.value), str(info.value)))
+    assert errors[:2] == errors[2:]
+    assert errors[0][0] is ValueError and errors[1][0] is FileNotFoundError

@@ -50,10 +50,7 @@ def run(args: argparse.Namespace) -> int:
     kind = _output_kind(output, args.force)
     _require_torch()
     path = resolve(Path(args.checkpoint), args.tag)
-    if _is_deepspeed(path):
-        state, note = merge_deepspeed_state_dict(path)
-    else:
-        state, note = merge_state_dict(path), ""
+    state, note, _ = merged_weights(path)
     write(state, output, kind)
     count = sum(t.numel() for t in state.values() if hasattr(t, "numel"))
     print(f"merged {path}: {len(state)} tensors, {count:,} elements -> {output}")
@@ -135,6 +132,28 @@ def _tags(root: Path) -> str:
     return ", ".join(p.name for p in _subdirs(root) if _is_checkpoint(p))
 
 
+def merged_weights(path: Path) -> tuple[dict[str, Any], str, frozenset[str] | None]:
+    """The model's full state dict from a torsh or DeepSpeed checkpoint directory ``path``, a note (or ""), and
+    the names of its frozen parameters (None: a torsh checkpoint, which does not record them).
+
+    DeepSpeed ZeRO 1-3: the fp32 weights reassembled from every rank's flat partitions (what ``zero_to_fp32.py``
+    writes), frozen and tied parameters included, buffers as saved. Stage 0 saves whole weights in the model's
+    dtype; with bf16/fp16 its fp32 masters are in the optimizer state, by position in the model's parameter order,
+    and are used when they line up with the parameters shape for shape.
+    """
+    if not _is_deepspeed(path):
+        return merge_state_dict(path), "", None
+    from torsh.engine.checkpoint_io import CheckpointError
+    from torsh.engine.ds_checkpoint import _read_checked  # the engine's safe DeepSpeed reader
+
+    try:
+        restored = _read_checked(path, with_optimizer=False)
+    except CheckpointError as exc:
+        raise ConfigError([Problem("CHECKPOINT", str(path), str(exc))]) from None
+    state, note = _stage0_masters(dict(restored.weights), restored.model_states)
+    return state, note, frozenset(restored.model_states.get("frozen_param_shapes") or ())
+
+
 def merge_state_dict(path: Path) -> dict[str, Any]:
     """The model's full (unsharded) state dict from the checkpoint directory ``path``, on the CPU.
 
@@ -167,24 +186,6 @@ def merge_state_dict(path: Path) -> dict[str, Any]:
     except CheckpointError as exc:
         raise ConfigError([Problem("CHECKPOINT", str(path), str(exc))]) from None
     return {key[len(MODEL_PREFIX):]: value for key, value in template.items()}
-
-
-def merge_deepspeed_state_dict(path: Path) -> tuple[dict[str, Any], str]:
-    """The model's full state dict from the DeepSpeed checkpoint directory ``path``, and a note (or "").
-
-    ZeRO 1-3: the fp32 weights reassembled from every rank's flat partitions (what ``zero_to_fp32.py`` writes),
-    frozen and tied parameters included, buffers as saved. Stage 0 saves whole weights in the model's dtype; with
-    bf16/fp16 its fp32 masters are in the optimizer state, by position in the model's parameter order, and are
-    used when they line up with the parameters shape for shape.
-    """
-    from torsh.engine.checkpoint_io import CheckpointError
-    from torsh.engine.ds_checkpoint import _read_checked  # the engine's safe DeepSpeed reader
-
-    try:
-        restored = _read_checked(path, with_optimizer=False)
-    except CheckpointError as exc:
-        raise ConfigError([Problem("CHECKPOINT", str(path), str(exc))]) from None
-    return _stage0_masters(dict(restored.weights), restored.model_states)
 
 
 def _stage0_masters(weights: dict[str, Any], model_states: dict[str, Any]) -> tuple[dict[str, Any], str]:

@@ -1,13 +1,151 @@
-"""``deepspeed.utils.zero_to_fp32``: consolidating a DeepSpeed ZeRO checkpoint directory."""
+"""``deepspeed.utils.zero_to_fp32``: one full fp32 state dict from a checkpoint directory, as DeepSpeed's functions
+give it (same names, arguments and return values).
 
-from .._unsupported import unsupported_function
+Both kinds of checkpoint are read: torsh's (``engine.save_checkpoint``, ``torch.distributed.checkpoint`` shards)
+and DeepSpeed's own ZeRO 0-3 files, through the reader of ``torsh-migrate merge``, which never runs code from the
+checkpoint. The weights are the fp32 master weights when the job kept them, and buffers are as saved.
+"""
 
-_INSTEAD = ("torsh checkpoints are torch.distributed.checkpoint directories; load them into the engine with "
-            "engine.load_checkpoint, or read the weights with engine.module.state_dict() inside "
-            "deepspeed.zero.GatheredParameters(engine.module.parameters())")
-get_fp32_state_dict_from_zero_checkpoint = unsupported_function(
-    "utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint", _INSTEAD)
-convert_zero_checkpoint_to_fp32_state_dict = unsupported_function(
-    "utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict", _INSTEAD)
-load_state_dict_from_zero_checkpoint = unsupported_function(
-    "utils.zero_to_fp32.load_state_dict_from_zero_checkpoint", _INSTEAD)
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from torsh.errors import ConfigError, Problem
+
+__all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_state_dict",
+           "convert_zero_checkpoint_to_fp32_state_dict", "load_state_dict_from_zero_checkpoint"]  # fmt: skip
+
+
+def _tag_dir(checkpoint_dir: Any, tag: Any) -> Path:
+    """``checkpoint_dir/<tag>``, the tag from ``latest`` when not given; DeepSpeed's errors when either is missing."""
+    root = Path(checkpoint_dir)
+    if tag is None:
+        latest = root / "latest"
+        if not latest.is_file():
+            raise ValueError(f"Unable to find 'latest' file at {latest}")
+        tag = latest.read_text(encoding="utf-8", errors="replace").strip()
+    path = root / str(tag)
+    if not path.is_dir():
+        raise FileNotFoundError(f"Directory '{path}' doesn't exist")
+    return path
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters=False,
+                                             lazy_mode=False) -> dict[str, Any]:  # fmt: skip
+    """The model's full state dict on the CPU (fp32 weights; buffers as saved). ``lazy_mode`` gives the same
+    tensors (already loaded; ``.contiguous()`` returns them)."""
+    from torsh.cli.merge import merged_weights
+
+    path = _tag_dir(checkpoint_dir, tag)
+    state, _, frozen = merged_weights(path)
+    if exclude_frozen_parameters:
+        if frozen is None:
+            raise ConfigError([Problem("exclude_frozen_parameters", True, f"{path} is a torsh checkpoint, which does "
+                                       "not record which parameters were frozen; load it without this argument and "
+                                       "drop the names of parameters whose requires_grad is False")])  # fmt: skip
+        state = {k: v for k, v in state.items() if k not in frozen}
+    return state
+
+
+def convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, dtype=None, max_shard_size="5GB",
+                                          safe_serialization=False, tag=None, exclude_frozen_parameters=False) -> None:
+    """Write the state dict to ``output_dir`` as ``pytorch_model.bin`` or ``model.safetensors``, floating-point
+    tensors in ``dtype`` (default fp32), in shards of at most ``max_shard_size`` with the Hugging Face index file
+    when it is larger (the shards are planned by ``huggingface_hub``, as DeepSpeed does)."""
+    import torch
+
+    dtype = _output_dtype(dtype)
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
+    shards, index = _shards(state, name, max_shard_size)
+    os.makedirs(output_dir, exist_ok=True)
+    for file, keys in shards.items():
+        part = {k: state[k] for k in keys}
+        target = os.path.join(output_dir, file)
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            save_file(_unshared(part), target, metadata={"format": "pt"})
+        else:
+            torch.save(part, target)
+    if index is not None:
+        import json
+
+        index_name = "model.safetensors.index.json" if safe_serialization else "pytorch_model.bin.index.json"
+        with open(os.path.join(output_dir, index_name), "w", encoding="utf-8") as f:
+            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_shard_size="5GB",
+                                               safe_serialization=False, tag=None,
+                                               exclude_frozen_parameters=False) -> None:  # fmt: skip
+    """:func:`convert_zero_checkpoint_to_state_dict` in fp32."""
+    convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, dtype=None, max_shard_size=max_shard_size,
+                                          safe_serialization=safe_serialization, tag=tag,
+                                          exclude_frozen_parameters=exclude_frozen_parameters)  # fmt: skip
+
+
+def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
+    """Move ``model`` to the CPU, load the checkpoint's fp32 weights into it (``strict=False``) and return it."""
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def _output_dtype(dtype: Any) -> Any:
+    import torch
+
+    names = {None: torch.float32, "fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
+             "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}  # fmt: skip
+    if dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return dtype
+    key = dtype.lower().removeprefix("torch.") if isinstance(dtype, str) else dtype
+    if key not in names:
+        raise ValueError(f"dtype must be float32, float16 or bfloat16 (a torch dtype or its name), got {dtype!r}")
+    return names[key]
+
+
+def _shards(state: dict[str, Any], name: str, max_shard_size: Any) -> tuple[dict[str, list[str]], dict | None]:
+    """``{file: keys}`` and the index (None: one file), split as ``huggingface_hub`` splits a state dict."""
+    if max_shard_size is None:
+        return {name: list(state)}, None
+    try:
+        from huggingface_hub import split_torch_state_dict_into_shards
+    except ModuleNotFoundError:
+        total = sum(v.numel() * v.element_size() for v in state.values())
+        if total <= _bytes(max_shard_size):
+            return {name: list(state)}, None
+        raise ValueError(f"the state dict ({total:,} bytes) is larger than max_shard_size={max_shard_size!r}: "
+                         "splitting it needs the huggingface_hub package (pip install huggingface_hub), or pass "
+                         "max_shard_size=None for one file") from None
+    pattern = name.replace(".bin", "{suffix}.bin").replace(".safetensors", "{suffix}.safetensors")
+    split = split_torch_state_dict_into_shards(state, filename_pattern=pattern, max_shard_size=max_shard_size)
+    index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename} if split.is_sharded else None
+    return dict(split.filename_to_tensors), index
+
+
+def _bytes(size: Any) -> int:
+    """A size as Hugging Face writes it (``"5GB"``, ``"500MB"``, or a number of bytes)."""
+    if isinstance(size, int):
+        return size
+    text = str(size).strip().upper()
+    for unit, factor in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6),
+                         ("KB", 10**3), ("B", 1)):  # fmt: skip
+        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(text[: -len(unit)]) * factor)
+    raise ValueError(f"max_shard_size must be a number of bytes or a size such as '5GB', got {size!r}")
+
+
+def _unshared(part: dict[str, Any]) -> dict[str, Any]:
+    """safetensors refuses tensors that share memory (tied weights): each gets its own copy."""
+    seen: set[int] = set()
+    out = {}
+    for key, value in part.items():
+        ptr = value.untyped_storage().data_ptr()
+        out[key] = value.clone() if ptr in seen else value.contiguous()
+        seen.add(ptr)
+    return out
