@@ -33,9 +33,10 @@ CASES = {
     "bert_unused_raw_style": ("bert_unused_raw_style", [], "fp32", None),
     "hf_causal_lm_style": ("hf_causal_lm_style", [], "bf16", None),
     "hf_trainer_style": ("hf_trainer_style", [], "fp32", None),
+    "hf_trainer_zero3_style": ("hf_trainer_style", ["--zero_stage", "3"], "fp32", None),
 }
 #: Cases whose script needs packages beyond the engine's (skipped, with the reason, when they are missing).
-NEEDS = {"hf_trainer_style": ("transformers", "accelerate")}
+NEEDS = {"hf_trainer_style": ("transformers", "accelerate"), "hf_trainer_zero3_style": ("transformers", "accelerate")}
 #: Cases real DeepSpeed 0.19.8 cannot run on the CPU, and why (they run on torsh only).
 DEEPSPEED_CANNOT = {"cifar_style_fp16": "DeepSpeed 0.19.8 on the CPU accelerator fails in BatchNorm with fp16 "
                                         "('expected scalar type Half but found Float')"}
@@ -119,8 +120,11 @@ def test_script_runs_unchanged_on_torsh_without_deepspeed(name, tmp_path):
         assert result["losses"][-4:] == pytest.approx(result["after_save"], rel=1e-6)  # resume continues exactly
     if name == "bert_unused_raw_style":
         assert result["ranks_agree"] and result["pooler_grad_is_none"]
-    if name == "hf_trainer_style":
+    if name.startswith("hf_trainer"):
         assert result["metadata_version"] == "0.19.8+torsh"  # Accelerate/Trainer see the package metadata
+        # resume_from_checkpoint at step 2 continues exactly; save_model wrote the whole model
+        assert result["resumed"][2:] == pytest.approx(result["losses"][2:], rel=1e-6)
+        assert result["saved"]["transformer.wte.weight"][:2] == [[64, 32], "torch.float32"]
     if name == "hf_causal_lm_style":
         assert result["tied"] and result["shapes"]["lm_head.weight"] == [64, 32]
 
@@ -141,6 +145,11 @@ def test_script_losses_match_real_deepspeed(name, tmp_path):
     print(f"{name}: {len(ours['losses'])} steps, worst relative loss difference {worst:.2e}")
     if name == "hf_causal_lm_style":
         assert _relative(ours["checksum"], theirs["checksum"]) <= 1e-2  # the full weights read back agree
+    if name.startswith("hf_trainer"):  # the model save_model wrote: the same tensors as DeepSpeed's
+        assert ours["saved"].keys() == theirs["saved"].keys()
+        for key, (shape, dtype, total) in theirs["saved"].items():
+            assert ours["saved"][key][:2] == [shape, dtype] and ours["saved"][key][2] == pytest.approx(
+                total, rel=tolerance, abs=1e-5), key
 
 
 FAKE_LAUNCHER = """

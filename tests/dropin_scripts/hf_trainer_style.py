@@ -2,7 +2,9 @@
 config (Accelerate drives ``deepspeed.init_distributed`` / ``deepspeed.initialize`` and the engine's
 ``backward`` / ``step``), as the fine-tuning repositories built on the Trainer run DeepSpeed, on a small
 ``GPT2LMHeadModel`` built from a config (tied embeddings; nothing downloaded). ZeRO-2 in fp32 by default
-(``--zero_stage``, ``--bf16``)."""
+(``--zero_stage``, ``--bf16``). It saves as fine-tuning runs do: a checkpoint every 2 steps and ``save_model`` at
+the end (Accelerate's ``get_state_dict``: ``clone_tensors_for_torch_save`` at ZeRO 0-2, the 16-bit gather at
+ZeRO-3), and a second Trainer resumes from the first checkpoint (``resume_from_checkpoint``)."""
 
 import argparse
 import json
@@ -40,19 +42,35 @@ def main():
     args = parser.parse_args()
     config_path = os.path.join(os.path.dirname(args.out), "hf_ds_config.json")
     with open(config_path, "w") as f:
-        json.dump({**DS_CONFIG, "zero_optimization": {"stage": args.zero_stage}}, f)
-    torch.manual_seed(0)
-    training_args = TrainingArguments(output_dir=os.path.dirname(args.out) + "/trainer", max_steps=4,
-                                      per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                      learning_rate=5e-3, warmup_steps=2, logging_steps=1, save_strategy="no",
-                                      report_to=[], use_cpu=True, bf16=args.bf16, deepspeed=config_path)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
-    trainer = Trainer(model=model, args=training_args, train_dataset=Tokens())
-    trainer.train()
+        json.dump({**DS_CONFIG, "zero_optimization": {"stage": args.zero_stage,
+                                                       "stage3_gather_16bit_weights_on_model_save": True}}, f)
+    out_dir = os.path.dirname(args.out)
+    losses = _train(config_path, out_dir, args.bf16, seed=0)
+    trainer = losses.pop()
+    trainer.save_model(out_dir + "/final")
+    resumed = _train(config_path, out_dir, args.bf16, seed=1, resume=out_dir + "/trainer/checkpoint-2")
+    resumed.pop()
+    from safetensors.torch import load_file
+
+    saved = load_file(out_dir + "/final/model.safetensors") if int(os.environ.get("RANK", "0")) == 0 else {}
     import importlib.metadata
 
-    write_result(args.out, [h["loss"] for h in trainer.state.log_history if "loss" in h],
-                 metadata_version=importlib.metadata.version("deepspeed"))
+    write_result(args.out, losses, metadata_version=importlib.metadata.version("deepspeed"), resumed=resumed,
+                 saved={k: [list(v.shape), str(v.dtype), float(v.double().sum())] for k, v in saved.items()})
+
+
+def _train(config_path, out_dir, bf16, *, seed, resume=None):
+    """Per-step losses of 4 steps (from ``resume`` on: the steps after it), then the Trainer."""
+    torch.manual_seed(seed)
+    training_args = TrainingArguments(output_dir=out_dir + ("/resumed" if resume else "/trainer"), max_steps=4,
+                                      per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                      learning_rate=5e-3, warmup_steps=2, logging_steps=1, save_strategy="steps",
+                                      save_steps=2, report_to=[], use_cpu=True, bf16=bf16,
+                                      deepspeed=config_path)  # fmt: skip
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    trainer = Trainer(model=model, args=training_args, train_dataset=Tokens())
+    trainer.train(resume_from_checkpoint=resume)
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h] + [trainer]
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ git_branch = None
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
-_SUBMODULES = {"comm", "accelerator", "runtime", "utils", "ops", "moe", "pipe", "profiling"}
+_SUBMODULES = {"comm", "accelerator", "runtime", "utils", "ops", "moe", "pipe", "profiling", "checkpoint"}
 
 #: name -> (module, attribute); attribute None: the module itself.
 _LAZY = {
