@@ -104,8 +104,10 @@ FIELD_MAP: dict[str, Any] = {
         "allgather_partitions", "overlap_comm", "round_robin_gradients",
         "sub_group_size", "memory_efficient_linear", "parameter_alignment", "log_trace_cache_warnings",
         "enable_sanity_checks", "override_module_apply", "pipeline_loading_checkpoint",
-        "save_muon_momentum_buffer_in_memory", "leaf_module", "compute_grad_norm", "ignore_unused_parameters",
+        "save_muon_momentum_buffer_in_memory", "compute_grad_norm", "ignore_unused_parameters",
         "load_from_fp32_weights", "elastic_checkpoint")},
+    "zero_optimization.leaf_module": Ignored("kept: the torsh engine never splits these modules (default: the Mixtral "
+                                             "and Qwen MoE blocks) into FSDP2 units, as DeepSpeed gathers them whole"),
     "zero_optimization.reduce_bucket_size": rules.positive_or_drop(Ignored(_SIZES_UNITS), "5e8"),
     **{f"zero_optimization.{k}": Ignored(_SIZES_UNITS) for k in (
         "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance")},

@@ -6,12 +6,15 @@ on 2 gloo ranks (DeepSpeed JSON, ``backend.initialize``), per-step losses compar
 - a script that calls the raw model, then ``engine.backward``/``engine.step``: averaged gradients, equal ranks;
 - fp16 with BatchNorm (stages 0 and 2);
 - ``deepspeed.utils.zero_to_fp32`` on the tied model's checkpoints (torsh's and DeepSpeed's), against DeepSpeed's own;
+- a Mixture-of-Experts block flagged with ``deepspeed.utils.set_z3_leaf_modules`` at ZeRO-3, each rank routing
+  its tokens to other experts;
 - saving at ZeRO-3 as Trainer scripts do: ``zero_optimization_partition_weights()``,
   ``zero_gather_16bit_weights_on_model_save()``, then ``_zero3_consolidated_16bit_state_dict()`` on every rank.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -203,6 +206,80 @@ def save16(rank: int, world_size: int, scenario: dict) -> dict:
     return {"flags": flags, "before": before, "losses": losses, "after": _gathered(engine)}
 
 
+def moe_model(seed: int):
+    """Embedding, a top-1 routed MoE block whose 4 experts hold most parameters, head."""
+    import torch
+    from torch import nn
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(h.HIDDEN, 4)
+            self.experts = nn.ModuleList(nn.Sequential(nn.Linear(h.HIDDEN, 4 * h.HIDDEN), nn.GELU(),
+                                                       nn.Linear(4 * h.HIDDEN, h.HIDDEN)) for _ in range(4))
+
+        def forward(self, x):
+            choice = self.router(x).argmax(-1)
+            out = torch.zeros_like(x)
+            for i, expert in enumerate(self.experts):
+                picked = choice == i
+                if picked.any():  # as MoE blocks do: an expert no token picked does not run
+                    out[picked] = expert(x[picked])
+            return x + out
+
+    class MoeLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(h.VOCAB, h.HIDDEN)
+            self.moe = Experts()
+            self.head = nn.Linear(h.HIDDEN, h.VOCAB)
+
+        def forward(self, tokens):
+            return self.head(self.moe(self.embed(tokens)))
+
+    torch.manual_seed(seed)
+    return MoeLM()
+
+
+def moe(rank: int, world_size: int, scenario: dict) -> dict:
+    """The MoE block flagged as a leaf, 4 steps; which experts each rank ran at each step."""
+    backend = _backend(scenario["engine"])
+    model = moe_model(0)
+    leaves = [type(m).__name__ for m in backend.utils.set_z3_leaf_modules(model, ["Experts"])]
+    engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=scenario["config"])
+    ran: list[set] = []
+    for n, expert in enumerate(model.moe.experts):
+        expert.register_forward_pre_hook(lambda m, i, n=n: ran[-1].add(n))
+    losses = []
+    for step in range(4):
+        ran.append(set())
+        losses += _train(engine, rank, step, 1)
+    return {"losses": losses, "leaves": leaves, "ran": [sorted(r) for r in ran],
+            "leaf": backend.utils.z3_leaf_module(model.moe), "found": len(backend.utils.get_z3_leaf_modules(model))}
+
+
+def mixtral(rank: int, world_size: int, scenario: dict) -> dict:
+    """A tiny Hugging Face Mixtral, nothing flagged by the script: DeepSpeed's default leaf classes apply."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    backend = _backend(scenario["engine"])
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=h.VOCAB, hidden_size=h.HIDDEN, intermediate_size=32,
+                                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                             num_local_experts=4, num_experts_per_tok=1))  # fmt: skip
+    engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=scenario["config"])
+    losses = []
+    for step in range(3):
+        x, y = h.batch(step, rank, 2)
+        loss = h.lm_loss(engine(input_ids=x).logits, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    leaves = [type(m).__name__ for m in model.modules() if getattr(m, "_z3_leaf", False)]
+    return {"losses": losses, "leaves": leaves}
+
+
 ENGINES = ("torsh", "deepspeed")
 
 
@@ -229,6 +306,11 @@ def _scenarios(tmp: str) -> list[dict]:
             if engine == "deepspeed":
                 out.append({"name": f"fp16bn_nokey_s{stage}", "kind": "call", "target": f"{MODULE}:fp16_bn",
                             "engine": engine, "config": ds_config(stage, fp16=fp16)})  # fmt: skip
+        out.append({"name": f"moe_s3_{engine}", "kind": "call", "target": f"{MODULE}:moe", "engine": engine,
+                    "config": ds_config(3)})
+        if importlib.util.find_spec("transformers"):
+            out.append({"name": f"mixtral_s3_{engine}", "kind": "call", "target": f"{MODULE}:mixtral",
+                        "engine": engine, "config": ds_config(3)})
         for stage, dtype in ((3, "fp32"), (3, "bf16"), (2, "bf16")):
             extra = {"bf16": {"enabled": True}} if dtype == "bf16" else {}
             zero = {"stage": stage, "gather_16bit_weights_on_model_save": dtype == "bf16",
@@ -395,3 +477,60 @@ def test_zero_to_fp32_errors_are_deepspeeds(tmp_path):
             errors.append((type(info.value), str(info.value)))
     assert errors[:2] == errors[2:]
     assert errors[0][0] is ValueError and errors[1][0] is FileNotFoundError
+
+
+def test_moe_leaf_module_trains_like_deepspeed(records):
+    """Each rank runs other experts; with the block a leaf, its parameters are gathered together (no per-expert
+    unit waits on a rank that never calls it), and the losses are DeepSpeed's."""
+    torsh_ranks, ds_ranks = _both(records, "moe_s3")
+    for t, d in zip(torsh_ranks, ds_ranks):
+        assert t["losses"] == pytest.approx(d["losses"], rel=FP32)
+        assert t["leaves"] == d["leaves"] == ["Experts"] and t["leaf"] is d["leaf"] is True and t["found"] == 1
+    assert torsh_ranks[0]["ran"] != torsh_ranks[1]["ran"]  # the ranks routed to different experts
+    assert any(len(r) < 4 for r in torsh_ranks[0]["ran"] + torsh_ranks[1]["ran"])  # and some expert did not run
+
+
+def test_units_never_split_a_leaf_module():
+    """Without the flag the experts are the model's largest repeated blocks and become units (per-expert gathers);
+    with it the block is whole, under every unit policy."""
+    from torsh.compat.deepspeed.utils import set_z3_leaf_modules, unset_z3_leaf_modules
+    from torsh.config import ShardingConfig
+    from torsh.engine.units import plan_units
+
+    model = moe_model(0)
+    sharding = ShardingConfig(stage=3)
+    assert [u.modules for u in plan_units(model, sharding, policy="per_layer").units][:2] == [
+        ("moe.experts.0",), ("moe.experts.1",)]
+    set_z3_leaf_modules(model, ["Experts"])
+    for policy in ("buckets", "per_layer", "children"):
+        units = [name for u in plan_units(model, sharding, policy=policy).units for name in u.modules]
+        assert not any(name.startswith("moe.") for name in units), (policy, units)
+    wrapped = ShardingConfig(stage=3, wrap={"module_classes": ["Sequential"]})
+    assert [u.modules for u in plan_units(model, wrapped, policy="wrap").units] == [("moe",)]
+    with pytest.raises(ValueError, match="No modules of type"):
+        set_z3_leaf_modules(model, ["NoSuchBlock"])
+    assert unset_z3_leaf_modules(model, ["Experts"]) == [model.moe]
+
+
+def test_mixtral_moe_blocks_are_leaves_by_default_like_deepspeed(records):
+    """DeepSpeed flags the Mixtral and Qwen MoE blocks as leaf modules without being asked (its leaf_module
+    defaults); so does torsh, and a Hugging Face Mixtral trains at ZeRO-3 with DeepSpeed's losses."""
+    pytest.importorskip("transformers", reason="transformers is installed by requirements-dev.txt in CI")
+    torsh_ranks, ds_ranks = _both(records, "mixtral_s3")
+    for t, d in zip(torsh_ranks, ds_ranks):
+        assert t["leaves"] == d["leaves"] == ["MixtralSparseMoeBlock"] * 2
+        assert t["losses"] == pytest.approx(d["losses"], rel=FP32)
+
+
+def test_leaf_module_config_names_modules():
+    """zero_optimization.leaf_module as DeepSpeed reads it: classes (default: the Mixtral/Qwen MoE blocks),
+    names and name suffixes."""
+    from torsh.engine import leaves
+
+    model = moe_model(0)
+    assert leaves.apply_config(model, {}) == []  # no default class in this model
+    config = {"deepspeed": {"zero_optimization.leaf_module": {"classes": [], "name_suffixes": ["moe"]}}}
+    assert leaves.apply_config(model, config) == [model.moe]
+    model = moe_model(0)
+    config = {"deepspeed": {"zero_optimization.leaf_module": {"names": ["moe.experts.1"]}}}
+    assert leaves.apply_config(model, config) == [model.moe.experts[1]]

@@ -18,6 +18,7 @@ from torsh.config import DdpConfig, GradientsConfig, ShardingConfig, TorshConfig
 from torsh.errors import ConfigError, Problem
 from torsh.plan import EnginePlan
 
+from . import leaves
 from .distributed import DistInfo
 from .precision import PrecisionPlan
 from .units import plan_units
@@ -279,6 +280,7 @@ def _apply_fsdp(model, cfg: TorshConfig, decided: EnginePlan, precision: Precisi
         if decided.fsdp_cpu_offload else OffloadPolicy(),
     )  # fmt: skip
     # Units: sharding.wrap as written; for a DeepSpeed config, consecutive blocks grouped to its bucket sizes.
+    leaves.apply_config(model, cfg.extensions)  # before the units: they never split a leaf module
     plan = plan_units(model, sharding, cfg.extensions, source=source)
     if info.rank == 0:
         for line in plan.describe():
@@ -292,6 +294,8 @@ def _apply_fsdp(model, cfg: TorshConfig, decided: EnginePlan, precision: Precisi
         fully_shard(modules if len(modules) > 1 else modules[0], **own)
         targets.append(modules[0])
     fully_shard(model, **kwargs)
+    for leaf in leaves.get_z3_leaf_modules(model):
+        leaf.register_forward_hook(leaves.grads_for_every_parameter, prepend=True)  # before FSDP2 reshards it
     if sharding.forward_prefetch:
         # Each unit issues the next one's all-gather as soon as its own is copied out, so that the transfer
         # overlaps this unit's forward. Without it, a unit's all-gather starts only when its forward does: on

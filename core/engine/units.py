@@ -335,13 +335,17 @@ def _group_reason(group, numel: int, following, target: int, cap: int | None) ->
 def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, int]]] | None:
     """The model's repeated-block container and its blocks ``(name, parameters)``: the ``ModuleList`` or
     ``Sequential`` of two or more children of one class that holds the most parameters (``layers``, ``h``,
-    ``encoder.layer`` ...). Blocks sharing a parameter with modules outside them (tied weights) are left out:
-    a shared parameter must stay in one unit, the root. None when the model has no such container."""
+    ``encoder.layer`` ...), never one inside a ZeRO-3 leaf module (an MoE block's experts). Blocks sharing a
+    parameter with modules outside them (tied weights) are left out: a shared parameter must stay in one unit, the
+    root. None when the model has no such container."""
     from torch import nn
 
+    from .leaves import inside_leaves
+
+    in_leaf = inside_leaves(model)
     best, best_size = None, 0
     for name, module in model.named_modules():
-        if module is model or not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        if module is model or not isinstance(module, (nn.ModuleList, nn.Sequential)) or id(module) in in_leaf:
             continue
         children = list(module.named_children())
         if len(children) < 2 or len({type(c) for _, c in children}) != 1:
@@ -368,13 +372,14 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, int]]] | None:
 
 
 def _plan_from_wrap(model: nn.Module, sharding: ShardingConfig, policy: str) -> UnitPlan:
+    from .leaves import keep_leaves_whole
     from .sharding import keep_ties_in_one_unit, wrap_targets  # the engine's own policies (imports torch)
 
     from torsh.config import WrapPolicy
 
     wrap = sharding.wrap if policy == "wrap" else WrapPolicy()
     names = {id(m): n for n, m in model.named_modules()}
-    targets = keep_ties_in_one_unit(model, wrap_targets(model, wrap))
+    targets = keep_ties_in_one_unit(model, keep_leaves_whole(model, wrap_targets(model, wrap)))
     why = ("sharding.wrap.module_classes" if wrap.module_classes else
            f"sharding.wrap.min_num_params={wrap.min_num_params}" if wrap.min_num_params else
            "each direct child holding parameters")  # fmt: skip

@@ -8,6 +8,16 @@ import torch
 
 from ..runtime.dataloader import RepeatingLoader  # noqa: F401
 from .._unsupported import unsupported_function
+from .z3_leaf_module import (  # noqa: F401 (as DeepSpeed, the function shadows its module's name)
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
 
 logger = logging.getLogger("DeepSpeed")
 if not logger.handlers:
@@ -100,6 +110,6 @@ def __getattr__(name: str):
     if name in ("zero_to_fp32", "logging"):
         import importlib
 
-        return importlib.import_module(__name__ + ".zero_to_fp32")
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'deepspeed.utils' (torsh's DeepSpeed compatibility package) has no attribute "
                          f"{name!r}")  # fmt: skip
