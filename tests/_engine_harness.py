@@ -393,6 +393,7 @@ def overflow(rank: int, world_size: int, scenario: dict) -> dict:
         rec["lrs"].append(engine.get_lr()[0])
         rec["scales"].append(engine.loss_scale())
         rec["skipped"].append(engine.skipped_steps)
+        rec.setdefault("overflow", []).append(engine.optimizer.overflow)
         rec["unchanged"].append(all(bool((a == b.detach()).all()) for a, b in zip(before, engine.module.parameters())))
     rec["global_steps"] = engine.global_steps
     return rec

@@ -280,6 +280,22 @@ def mixtral(rank: int, world_size: int, scenario: dict) -> dict:
     return {"losses": losses, "leaves": leaves}
 
 
+def overflow_flag(rank: int, world_size: int, scenario: dict) -> dict:
+    """``engine.optimizer.overflow`` after each step, the second step's loss made infinite (DeepSpeed-Chat and
+    GPT-NeoX read it to count skipped steps)."""
+    backend = _backend(scenario["engine"])
+    model = h.build_model(0)
+    engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=scenario["config"])
+    flags = []
+    for step in range(3):
+        x, y = h.batch(step, rank, 2)
+        loss = h.lm_loss(engine(x), y)
+        engine.backward(loss * float("inf") if step == 1 else loss)
+        engine.step()
+        flags.append(engine.optimizer.overflow)
+    return {"flags": flags}
+
+
 ENGINES = ("torsh", "deepspeed")
 
 
@@ -306,6 +322,11 @@ def _scenarios(tmp: str) -> list[dict]:
             if engine == "deepspeed":
                 out.append({"name": f"fp16bn_nokey_s{stage}", "kind": "call", "target": f"{MODULE}:fp16_bn",
                             "engine": engine, "config": ds_config(stage, fp16=fp16)})  # fmt: skip
+        for dtype, stage in (("fp16", 0), ("fp16", 2), ("bf16", 0)):
+            out.append({"name": f"overflow_{dtype}_s{stage}_{engine}", "kind": "call", "engine": engine,
+                        "target": f"{MODULE}:overflow_flag",
+                        "config": ds_config(stage, **{dtype: {"enabled": True, **(
+                            {"initial_scale_power": 10} if dtype == "fp16" else {})}})})  # fmt: skip
         out.append({"name": f"moe_s3_{engine}", "kind": "call", "target": f"{MODULE}:moe", "engine": engine,
                     "config": ds_config(3)})
         if importlib.util.find_spec("transformers"):
@@ -534,3 +555,10 @@ def test_leaf_module_config_names_modules():
     model = moe_model(0)
     config = {"deepspeed": {"zero_optimization.leaf_module": {"names": ["moe.experts.1"]}}}
     assert leaves.apply_config(model, config) == [model.moe.experts[1]]
+
+
+@pytest.mark.parametrize("case", ["fp16_s0", "fp16_s2", "bf16_s0"])
+def test_optimizer_overflow_flag_like_deepspeed(records, case):
+    torsh_ranks, ds_ranks = _both(records, f"overflow_{case}")
+    for t, d in zip(torsh_ranks, ds_ranks):
+        assert t["flags"] == d["flags"] == [False, True, False]

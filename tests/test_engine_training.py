@@ -240,6 +240,7 @@ def test_training_data_becomes_a_distributed_dataloader(runs):
 def test_fp16_overflow_skips_the_step_and_backs_off(runs, name):
     rec = _rec(runs, name)
     assert rec["applied"] == [True, False, True, True]
+    assert rec["overflow"] == [False, True, False, False]  # engine.optimizer.overflow, as DeepSpeed's optimizers
     assert rec["unchanged"] == [False, True, False, False]  # the skipped step leaves the weights alone
     assert rec["skipped"] == [0, 1, 1, 1] and rec["global_steps"] == 4  # counted, as DeepSpeed counts it
     assert rec["scales"] == [1024.0, 512.0, 512.0, 512.0]
@@ -249,6 +250,7 @@ def test_fp16_overflow_skips_the_step_and_backs_off(runs, name):
 def test_bf16_nonfinite_gradient_skips_the_step(runs):
     rec = _rec(runs, "bf16_nonfinite_s2")
     assert rec["applied"] == [True, True, False, True] and rec["unchanged"][2]
+    assert rec["overflow"] == [False, False, True, False]
     assert rec["skipped"][-1] == 1 and rec["scales"] == [1.0] * 4
     assert rec["lrs"] == pytest.approx([0.005, 0.0025, 0.0025, 0.00125])
 

@@ -48,6 +48,8 @@ class Engine(nn.Module):
         self.module = shard.module
         self.__dict__["wrapped"] = shard.model
         self.__dict__["optimizer"] = optimizer
+        if optimizer is not None:
+            optimizer.overflow = False  # DeepSpeed's optimizer attribute (scripts and Accelerate read it)
         self.__dict__["lr_scheduler"] = lr_scheduler
         self.__dict__["loss_scaler"] = loss_scaler
         self.__dict__["training_dataloader"] = training_dataloader
@@ -431,6 +433,7 @@ class Engine(nn.Module):
         norm = _global_norm([p.grad for p in params]) * inv_scale
         self._global_grad_norm = norm
         overflow = self._check_overflow and not math.isfinite(norm)
+        self.optimizer.overflow = overflow  # DeepSpeed's optimizers say whether the last step was skipped
         if overflow:
             self._step_applied = False
             self.skipped_steps += 1
