@@ -8,6 +8,7 @@ on 2 gloo ranks (DeepSpeed JSON, ``backend.initialize``), per-step losses compar
 - ``deepspeed.utils.zero_to_fp32`` on the tied model's checkpoints (torsh's and DeepSpeed's), against DeepSpeed's own;
 - a Mixture-of-Experts block flagged with ``deepspeed.utils.set_z3_leaf_modules`` at ZeRO-3, each rank routing
   its tokens to other experts;
+- a LoRA-style job (frozen parameters, only the trainable ones passed) at stages 0, 2 and 3;
 - saving at ZeRO-3 as Trainer scripts do: ``zero_optimization_partition_weights()``,
   ``zero_gather_16bit_weights_on_model_save()``, then ``_zero3_consolidated_16bit_state_dict()`` on every rank.
 """
@@ -296,6 +297,21 @@ def overflow_flag(rank: int, world_size: int, scenario: dict) -> dict:
     return {"flags": flags}
 
 
+def frozen(rank: int, world_size: int, scenario: dict) -> dict:
+    """A LoRA-style job: the embedding and each block's ``up`` frozen, only the trainable parameters given to
+    ``initialize`` (``filter(lambda p: p.requires_grad, ...)``, as PEFT scripts pass them); 4 steps."""
+    backend = _backend(scenario["engine"])
+    model = h.build_model(0)
+    for module in (model.embed, *(block.up for block in model.blocks)):
+        module.requires_grad_(False)
+    engine, *_ = backend.initialize(model=model, config=scenario["config"],
+                                    model_parameters=filter(lambda p: p.requires_grad, model.parameters()))
+    losses = _train(engine, rank, 0, 4)
+    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in engine.module.named_parameters()}
+    return {"losses": losses, "frozen": {n: float(p.detach().double().sum()) for n, p in full.items()
+                                         if not p.requires_grad}}  # fmt: skip
+
+
 ENGINES = ("torsh", "deepspeed")
 
 
@@ -327,6 +343,9 @@ def _scenarios(tmp: str) -> list[dict]:
                         "target": f"{MODULE}:overflow_flag",
                         "config": ds_config(stage, **{dtype: {"enabled": True, **(
                             {"initial_scale_power": 10} if dtype == "fp16" else {})}})})  # fmt: skip
+        for stage in (0, 2, 3):
+            out.append({"name": f"frozen_s{stage}_{engine}", "kind": "call", "target": f"{MODULE}:frozen",
+                        "engine": engine, "config": ds_config(stage, gradient_accumulation_steps=2)})
         out.append({"name": f"moe_s3_{engine}", "kind": "call", "target": f"{MODULE}:moe", "engine": engine,
                     "config": ds_config(3)})
         if importlib.util.find_spec("transformers"):
@@ -562,3 +581,13 @@ def test_optimizer_overflow_flag_like_deepspeed(records, case):
     torsh_ranks, ds_ranks = _both(records, f"overflow_{case}")
     for t, d in zip(torsh_ranks, ds_ranks):
         assert t["flags"] == d["flags"] == [False, True, False]
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_frozen_parameters_lora_style_like_deepspeed(records, stage):
+    """Only the trainable parameters passed to initialize, gradient accumulation 2: DeepSpeed's losses, and the
+    frozen weights stay as they were."""
+    torsh_ranks, ds_ranks = _both(records, f"frozen_s{stage}")
+    for t, d in zip(torsh_ranks, ds_ranks):
+        assert t["losses"] == pytest.approx(d["losses"], rel=FP32)
+        assert t["frozen"] == d["frozen"] and len(t["frozen"]) == 5
