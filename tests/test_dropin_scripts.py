@@ -34,9 +34,12 @@ CASES = {
     "hf_causal_lm_style": ("hf_causal_lm_style", [], "bf16", None),
     "hf_trainer_style": ("hf_trainer_style", [], "fp32", None),
     "hf_trainer_zero3_style": ("hf_trainer_style", ["--zero_stage", "3"], "fp32", None),
+    "accelerate_style": ("accelerate_style", [], "fp32", None),
+    "accelerate_zero3_style": ("accelerate_style", ["--zero_stage", "3"], "fp32", None),
 }
 #: Cases whose script needs packages beyond the engine's (skipped, with the reason, when they are missing).
-NEEDS = {"hf_trainer_style": ("transformers", "accelerate"), "hf_trainer_zero3_style": ("transformers", "accelerate")}
+NEEDS = {"hf_trainer_style": ("transformers", "accelerate"), "hf_trainer_zero3_style": ("transformers", "accelerate"),
+         "accelerate_style": ("accelerate",), "accelerate_zero3_style": ("accelerate",)}
 #: Cases real DeepSpeed 0.19.8 cannot run on the CPU, and why (they run on torsh only).
 DEEPSPEED_CANNOT = {"cifar_style_fp16": "DeepSpeed 0.19.8 on the CPU accelerator fails in BatchNorm with fp16 "
                                         "('expected scalar type Half but found Float')"}
@@ -145,6 +148,11 @@ def test_script_losses_match_real_deepspeed(name, tmp_path):
     print(f"{name}: {len(ours['losses'])} steps, worst relative loss difference {worst:.2e}")
     if name == "hf_causal_lm_style":
         assert _relative(ours["checksum"], theirs["checksum"]) <= 1e-2  # the full weights read back agree
+    if name.startswith("accelerate"):  # get_state_dict, and the loss after load_state
+        assert ours["state"].keys() == theirs["state"].keys() and len(ours["state"]) == 5
+        for key, (shape, total) in theirs["state"].items():
+            assert ours["state"][key][0] == shape and ours["state"][key][1] == pytest.approx(total, rel=tolerance)
+        assert ours["after_load"] == pytest.approx(theirs["after_load"], rel=tolerance)
     if name.startswith("hf_trainer"):  # the model save_model wrote: the same tensors as DeepSpeed's
         assert ours["saved"].keys() == theirs["saved"].keys()
         for key, (shape, dtype, total) in theirs["saved"].items():
