@@ -8,16 +8,7 @@ import torch
 
 from ..runtime.dataloader import RepeatingLoader  # noqa: F401
 from .._unsupported import unsupported_function
-from .z3_leaf_module import (  # noqa: F401 (as DeepSpeed, the function shadows its module's name)
-    get_z3_leaf_modules,
-    set_z3_leaf_module,
-    set_z3_leaf_modules,
-    set_z3_leaf_modules_by_name,
-    set_z3_leaf_modules_by_suffix,
-    unset_z3_leaf_modules,
-    z3_leaf_module,
-    z3_leaf_parameter,
-)
+from .z3_leaf_module import *  # noqa: F401,F403 (as in DeepSpeed, the function shadows its module's name)
 
 logger = logging.getLogger("DeepSpeed")
 if not logger.handlers:
