@@ -8,7 +8,7 @@ on 2 gloo ranks (DeepSpeed JSON, ``backend.initialize``), per-step losses compar
 - ``deepspeed.utils.zero_to_fp32`` on the tied model's checkpoints (torsh's and DeepSpeed's), against DeepSpeed's own;
 - a Mixture-of-Experts block flagged with ``deepspeed.utils.set_z3_leaf_modules`` at ZeRO-3, each rank routing
   its tokens to other experts;
-- a LoRA-style job (frozen parameters, only the trainable ones passed) at stages 0, 2 and 3;
+- a LoRA-style job (frozen parameters, only the trainable ones passed, checkpoints without them) at stages 0-3;
 - saving at ZeRO-3 as Trainer scripts do: ``zero_optimization_partition_weights()``,
   ``zero_gather_16bit_weights_on_model_save()``, then ``_zero3_consolidated_16bit_state_dict()`` on every rank.
 """
@@ -297,19 +297,50 @@ def overflow_flag(rank: int, world_size: int, scenario: dict) -> dict:
     return {"flags": flags}
 
 
-def frozen(rank: int, world_size: int, scenario: dict) -> dict:
-    """A LoRA-style job: the embedding and each block's ``up`` frozen, only the trainable parameters given to
-    ``initialize`` (``filter(lambda p: p.requires_grad, ...)``, as PEFT scripts pass them); 4 steps."""
-    backend = _backend(scenario["engine"])
+def _lora_style(seed_trainable: int):
+    """``h.build_model(0)`` with the embedding and each block's ``up`` frozen (the base model, loaded the same every
+    time) and the other parameters from ``seed_trainable`` (the adapters)."""
+    import torch
+
     model = h.build_model(0)
-    for module in (model.embed, *(block.up for block in model.blocks)):
+    frozen = (model.embed, *(block.up for block in model.blocks))
+    for module in frozen:
         module.requires_grad_(False)
-    engine, *_ = backend.initialize(model=model, config=scenario["config"],
-                                    model_parameters=filter(lambda p: p.requires_grad, model.parameters()))
+    if seed_trainable:
+        torch.manual_seed(seed_trainable)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.normal_()
+    return model
+
+
+def frozen(rank: int, world_size: int, scenario: dict) -> dict:
+    """A LoRA-style job: only the trainable parameters given to ``initialize`` (``filter(lambda p:
+    p.requires_grad, ...)``, as PEFT scripts pass them); 4 steps, a checkpoint without the frozen parameters (the
+    Trainer's ``exclude_frozen_parameters=True`` for PEFT models), 2 more steps; a fresh job loads it with
+    ``load_module_strict=False`` and repeats those 2 steps."""
+    backend = _backend(scenario["engine"])
+
+    def start(seed):
+        model = _lora_style(seed)
+        return backend.initialize(model=model, config=scenario["config"],
+                                  model_parameters=filter(lambda p: p.requires_grad, model.parameters()))[0]
+
+    engine = start(0)
     losses = _train(engine, rank, 0, 4)
+    engine.save_checkpoint(scenario["dir"], tag="f", exclude_frozen_parameters=True)
+    after = _train(engine, rank, 4, 2)
     full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in engine.module.named_parameters()}
-    return {"losses": losses, "frozen": {n: float(p.detach().double().sum()) for n, p in full.items()
-                                         if not p.requires_grad}}  # fmt: skip
+    fresh = start(5)
+    try:  # DeepSpeed's default is a strict load, which both refuse
+        fresh.load_checkpoint(scenario["dir"], tag="f")
+        strict = ""
+    except Exception as exc:  # noqa: BLE001 - DeepSpeed's RuntimeError, torsh's CheckpointError
+        strict = str(exc)
+    fresh.load_checkpoint(scenario["dir"], tag="f", load_module_strict=False)
+    return {"losses": losses, "after": after, "resumed": _train(fresh, rank, 4, 2), "strict": strict,
+            "frozen": {n: float(p.detach().double().sum()) for n, p in full.items() if not p.requires_grad}}
 
 
 ENGINES = ("torsh", "deepspeed")
@@ -345,7 +376,8 @@ def _scenarios(tmp: str) -> list[dict]:
                             {"initial_scale_power": 10} if dtype == "fp16" else {})}})})  # fmt: skip
         for stage in (0, 2, 3):
             out.append({"name": f"frozen_s{stage}_{engine}", "kind": "call", "target": f"{MODULE}:frozen",
-                        "engine": engine, "config": ds_config(stage, gradient_accumulation_steps=2)})
+                        "engine": engine, "config": ds_config(stage, gradient_accumulation_steps=2),
+                        "dir": f"{tmp}/frozen_s{stage}_{engine}"})
         out.append({"name": f"moe_s3_{engine}", "kind": "call", "target": f"{MODULE}:moe", "engine": engine,
                     "config": ds_config(3)})
         if importlib.util.find_spec("transformers"):
@@ -584,10 +616,21 @@ def test_optimizer_overflow_flag_like_deepspeed(records, case):
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
-def test_frozen_parameters_lora_style_like_deepspeed(records, stage):
-    """Only the trainable parameters passed to initialize, gradient accumulation 2: DeepSpeed's losses, and the
-    frozen weights stay as they were."""
+def test_frozen_parameters_lora_style_like_deepspeed(records, saved, stage):
+    """Only the trainable parameters passed to initialize, gradient accumulation 2: DeepSpeed's losses, the frozen
+    weights stay as they were, and a checkpoint that leaves them out resumes exactly."""
     torsh_ranks, ds_ranks = _both(records, f"frozen_s{stage}")
     for t, d in zip(torsh_ranks, ds_ranks):
-        assert t["losses"] == pytest.approx(d["losses"], rel=FP32)
+        assert t["losses"] + t["after"] == pytest.approx(d["losses"] + d["after"], rel=FP32)
         assert t["frozen"] == d["frozen"] and len(t["frozen"]) == 5
+        assert t["resumed"] == pytest.approx(t["after"], rel=FP32)  # the checkpoint without the base model resumes
+        assert d["resumed"] == pytest.approx(d["after"], rel=FP32)
+        assert "embed.weight" in d["strict"] and "load with load_module_strict=False" not in d["strict"]
+        assert "Missing key in checkpoint state_dict: model.embed.weight" in t["strict"]
+        assert "load it with load_module_strict=False" in t["strict"]  # and torsh says what to do
+    # torsh's checkpoint holds the trainable parameters only, as DeepSpeed's
+    from torsh.cli.merge import merged_weights
+
+    weights, _, _ = merged_weights(saved / f"frozen_s{stage}_torsh" / "f")
+    assert sorted(weights) == ["blocks.0.down.bias", "blocks.0.down.weight", "blocks.1.down.bias",
+                               "blocks.1.down.weight", "gain", "head.bias", "head.weight", "norm.bias", "norm.weight"]

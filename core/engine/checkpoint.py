@@ -358,12 +358,15 @@ def after_save(callback: Callable[[str, str], None], *, remove: bool = False) ->
 
 
 def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimizer: Any, lr_scheduler: Any,
-                    loss_scaler: Any, engine_state: dict, client_state: dict, save_latest: bool) -> bool:  # fmt: skip
+                    loss_scaler: Any, engine_state: dict, client_state: dict, save_latest: bool,
+                    frozen: frozenset[str] = frozenset()) -> bool:  # fmt: skip
     """Write a checkpoint to ``save_dir/<tag>/`` atomically; collective (every rank calls it). Returns True.
 
     ``tag`` None means ``global_step{engine_state['global_steps']}`` (DeepSpeed's default). ``client_state`` is
     returned by :func:`load_checkpoint`; it must hold tensors, numbers, strings and containers of those.
-    With ``save_latest`` rank 0 points ``save_dir/latest`` at the tag once the checkpoint is complete.
+    With ``save_latest`` rank 0 points ``save_dir/latest`` at the tag once the checkpoint is complete. The
+    parameters named in ``frozen`` are left out of the model state (DeepSpeed's ``exclude_frozen_parameters``:
+    a LoRA job's checkpoints hold its adapters, not the base model; load them with ``load_module_strict=False``).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
@@ -402,6 +405,7 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+    state["model"] = {k: v for k, v in state["model"].items() if k not in frozen}
     with _quiet_without_dist():
         dcp.save(state, checkpoint_id=staging)
 
@@ -617,9 +621,18 @@ def _dcp_load(state: dict[str, Any], path: Path, *, allow_partial_load: bool) ->
     except CheckpointError:
         raise
     except CheckpointException as exc:  # a BaseException: it would pass `except Exception` in user code
-        raise CheckpointError(_failures_text(path, exc)) from None
+        raise CheckpointError(_failures_text(path, exc) + _partial_hint(exc)) from None
     except Exception as exc:  # noqa: BLE001 - named and re-raised
-        raise CheckpointError(f"cannot load checkpoint {path}: {exc}") from None
+        raise CheckpointError(f"cannot load checkpoint {path}: {exc}{_partial_hint(exc)}") from None
+
+
+def _partial_hint(exc: BaseException) -> str:
+    """What to do when the model's keys are missing: a checkpoint saved with ``exclude_frozen_parameters``."""
+    if "Missing key in checkpoint state_dict: model." not in str(exc) and not any(
+            "Missing key in checkpoint state_dict: model." in str(f) for f in getattr(exc, "failures", {}).values()):
+        return ""
+    return (" (a checkpoint saved with exclude_frozen_parameters=True holds only the trainable parameters: load it "
+            "with load_module_strict=False, as the Hugging Face Trainer does for PEFT models)")
 
 
 def _failures_text(path: Path, exc: Any) -> str:

@@ -652,16 +652,17 @@ class Engine(nn.Module):
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
                         exclude_frozen_parameters=False) -> bool:  # fmt: skip
         """Save model, optimizer, scheduler, loss scaler, counters and ``client_state`` under
-        ``save_dir/<tag>/`` (tag default ``global_step{N}``) and, if ``save_latest``, ``save_dir/latest``."""
+        ``save_dir/<tag>/`` (tag default ``global_step{N}``) and, if ``save_latest``, ``save_dir/latest``;
+        ``exclude_frozen_parameters`` leaves out the parameters that do not require a gradient."""
         from .checkpoint import save_checkpoint
 
-        if exclude_frozen_parameters:
-            log.info("save_checkpoint(exclude_frozen_parameters=True): frozen parameters are saved too")
+        frozen = frozenset(n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad)
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         return save_checkpoint(save_dir, tag, model=self._checkpoint_module(), optimizer=self.optimizer,
                                lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler,
                                engine_state=self._engine_state(), client_state=dict(client_state or {}),
-                               save_latest=save_latest)  # fmt: skip
+                               save_latest=save_latest, frozen=frozen if exclude_frozen_parameters else frozenset())
+
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):  # fmt: skip
