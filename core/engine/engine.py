@@ -640,7 +640,7 @@ class Engine(nn.Module):
         owner: dict[int, str] = {}  # a tied parameter: its first name; the others share that tensor, as DeepSpeed's
         names = {n: owner.setdefault(id(p), n) for n, p in self.module.named_parameters(remove_duplicate=False)}
         state = {k: v.to(dtype) if k in names and v.is_floating_point() else v for k, v in state.items()}
-        return {k: state[names[k]] if names.get(k, k) in state else v for k, v in state.items()}
+        return {k: state[names[k]] if k in names and names[k] in state else v for k, v in state.items()}
 
     save_fp16_model = save_16bit_model
 
