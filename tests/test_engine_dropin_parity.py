@@ -579,6 +579,11 @@ def test_units_never_split_a_leaf_module():
         assert not any(name.startswith("moe.") for name in units), (policy, units)
     wrapped = ShardingConfig(stage=3, wrap={"module_classes": ["Sequential"]})
     assert [u.modules for u in plan_units(model, wrapped, policy="wrap").units] == [("moe",)]
+    unset_z3_leaf_modules(model, ["Experts"])
+    set_z3_leaf_modules(model, ["ModuleList"])  # the experts' container itself a leaf: its experts are not units
+    units = [name for u in plan_units(model, sharding, policy="per_layer").units for name in u.modules]
+    assert not any(name.startswith("moe.experts.") for name in units), units
+    set_z3_leaf_modules(model, ["Experts"])
     with pytest.raises(ValueError, match="No modules of type"):
         set_z3_leaf_modules(model, ["NoSuchBlock"])
     assert unset_z3_leaf_modules(model, ["Experts"]) == [model.moe]

@@ -663,7 +663,6 @@ class Engine(nn.Module):
                                engine_state=self._engine_state(), client_state=dict(client_state or {}),
                                save_latest=save_latest, frozen=frozen if exclude_frozen_parameters else frozenset())
 
-
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):  # fmt: skip
         """Load a checkpoint written by :meth:`save_checkpoint` (at any world size); returns

@@ -340,12 +340,13 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, int]]] | None:
     root. None when the model has no such container."""
     from torch import nn
 
-    from .leaves import inside_leaves
+    from .leaves import inside_leaves, z3_leaf_module
 
     in_leaf = inside_leaves(model)
     best, best_size = None, 0
     for name, module in model.named_modules():
-        if module is model or not isinstance(module, (nn.ModuleList, nn.Sequential)) or id(module) in in_leaf:
+        if module is model or not isinstance(module, (nn.ModuleList, nn.Sequential)) or id(module) in in_leaf \
+                or z3_leaf_module(module):
             continue
         children = list(module.named_children())
         if len(children) < 2 or len({type(c) for _, c in children}) != 1:
