@@ -244,7 +244,7 @@ def write(state: dict[str, Any], output: Path, kind: str) -> None:
         if kind == "safetensors":
             from safetensors.torch import save_file
 
-            save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata={"format": "pt"})
+            save_file(_unshared(state), tmp, metadata={"format": "pt"})
         else:
             torch.save(state, tmp)
         os.replace(tmp, output)
@@ -252,3 +252,13 @@ def write(state: dict[str, Any], output: Path, kind: str) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
 
+
+def _unshared(state: dict[str, Any]) -> dict[str, Any]:
+    """safetensors refuses tensors that share memory (a tied weight under two names): each gets its own copy."""
+    seen: set[int] = set()
+    out = {}
+    for key, value in state.items():
+        ptr = value.untyped_storage().data_ptr()
+        out[key] = value.clone() if ptr in seen else value.contiguous()
+        seen.add(ptr)
+    return out

@@ -12,13 +12,12 @@ def clone_tensors_for_torch_save(item: Any, device: Any = torch.device("cpu")) -
     DeepSpeed's. A parameter sharded by the torsh engine (a DTensor at stages 2/3, where DeepSpeed's ZeRO-2 keeps
     whole parameters) is gathered into its full tensor first, so the copy holds the whole weights: every rank
     must then call it, as Accelerate's ``get_state_dict`` does."""
-    from torch.distributed.tensor import DTensor
+    from ..utils import _full  # a sharded parameter's full value (collective), else the tensor detached
 
-    if isinstance(item, DTensor):
-        item = item.full_tensor()
     if torch.is_tensor(item):
+        item = _full(item)
         device = torch.device(device) if isinstance(device, str) else device
-        return item.detach().clone() if item.device == device else item.detach().to(device)
+        return item.clone() if item.device == device else item.to(device)
     if isinstance(item, list):
         return [clone_tensors_for_torch_save(v, device) for v in item]
     if isinstance(item, tuple):

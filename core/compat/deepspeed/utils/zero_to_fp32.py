@@ -53,8 +53,10 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, dtype=None
                                           safe_serialization=False, tag=None, exclude_frozen_parameters=False) -> None:
     """Write the state dict to ``output_dir`` as ``pytorch_model.bin`` or ``model.safetensors``, floating-point
     tensors in ``dtype`` (default fp32), in shards of at most ``max_shard_size`` with the Hugging Face index file
-    when it is larger (the shards are planned by ``huggingface_hub``, as DeepSpeed does)."""
-    import torch
+    when it is larger (the shards are planned by ``huggingface_hub``, as DeepSpeed does); each file is written as
+    ``torsh-migrate merge`` writes it (atomically; a tied weight as two tensors in ``.safetensors``)."""
+
+    from torsh.cli.merge import write
 
     dtype = _output_dtype(dtype)
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
@@ -63,14 +65,7 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, dtype=None
     shards, index = _shards(state, name, max_shard_size)
     os.makedirs(output_dir, exist_ok=True)
     for file, keys in shards.items():
-        part = {k: state[k] for k in keys}
-        target = os.path.join(output_dir, file)
-        if safe_serialization:
-            from safetensors.torch import save_file
-
-            save_file(_unshared(part), target, metadata={"format": "pt"})
-        else:
-            torch.save(part, target)
+        write({k: state[k] for k in keys}, Path(output_dir) / file, "safetensors" if safe_serialization else "torch")
     if index is not None:
         import json
 
@@ -110,42 +105,16 @@ def _output_dtype(dtype: Any) -> Any:
 
 
 def _shards(state: dict[str, Any], name: str, max_shard_size: Any) -> tuple[dict[str, list[str]], dict | None]:
-    """``{file: keys}`` and the index (None: one file), split as ``huggingface_hub`` splits a state dict."""
+    """``{file: keys}`` and the index (None: one file), split by ``huggingface_hub`` as DeepSpeed splits it."""
     if max_shard_size is None:
         return {name: list(state)}, None
     try:
         from huggingface_hub import split_torch_state_dict_into_shards
     except ModuleNotFoundError:
-        total = sum(v.numel() * v.element_size() for v in state.values())
-        if total <= _bytes(max_shard_size):
-            return {name: list(state)}, None
-        raise ValueError(f"the state dict ({total:,} bytes) is larger than max_shard_size={max_shard_size!r}: "
-                         "splitting it needs the huggingface_hub package (pip install huggingface_hub), or pass "
-                         "max_shard_size=None for one file") from None
+        raise ModuleNotFoundError("splitting the state dict into max_shard_size shards needs huggingface_hub (pip "
+                                  "install huggingface_hub), as DeepSpeed's; or pass max_shard_size=None for one "
+                                  "file") from None  # fmt: skip
     pattern = name.replace(".bin", "{suffix}.bin").replace(".safetensors", "{suffix}.safetensors")
     split = split_torch_state_dict_into_shards(state, filename_pattern=pattern, max_shard_size=max_shard_size)
     index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename} if split.is_sharded else None
     return dict(split.filename_to_tensors), index
-
-
-def _bytes(size: Any) -> int:
-    """A size as Hugging Face writes it (``"5GB"``, ``"500MB"``, or a number of bytes)."""
-    if isinstance(size, int):
-        return size
-    text = str(size).strip().upper()
-    for unit, factor in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6),
-                         ("KB", 10**3), ("B", 1)):  # fmt: skip
-        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
-            return int(float(text[: -len(unit)]) * factor)
-    raise ValueError(f"max_shard_size must be a number of bytes or a size such as '5GB', got {size!r}")
-
-
-def _unshared(part: dict[str, Any]) -> dict[str, Any]:
-    """safetensors refuses tensors that share memory (tied weights): each gets its own copy."""
-    seen: set[int] = set()
-    out = {}
-    for key, value in part.items():
-        ptr = value.untyped_storage().data_ptr()
-        out[key] = value.clone() if ptr in seen else value.contiguous()
-        seen.add(ptr)
-    return out
