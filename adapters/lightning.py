@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from torsh import schemas
-from torsh.config import TorshConfig
+from torsh.config import MAX_PROCESSES, MAX_PROCESSES_PER_NODE, TorshConfig
 from torsh.errors import ConfigError, Problem
 from torsh.translate import Fidelity, Note, Translation
 
@@ -75,12 +75,25 @@ def _launch_notes(section: str, args: dict, notes: list[Note]) -> str | None:
                 notes.append(Note(path, None, value, Fidelity.DROPPED, "not one of Lightning's precisions (an "
                                   "expression of the script?): the precision is not known"))  # fmt: skip
         elif key in ("devices", "num_nodes"):
+            count = _count(path, value)
             notes.append(Note(path, f"launch.{'nproc_per_node' if key == 'devices' else 'nnodes'}", value,
-                              Fidelity.EXACT if isinstance(value, int) else Fidelity.DROPPED,
-                              "" if isinstance(value, int) else "decided when the script runs"))
+                              Fidelity.DROPPED if count is None else Fidelity.EXACT,
+                              "decided when the script runs" if count is None else ""))
         else:
             notes.append(Note(path, None, value, Fidelity.IGNORED, "not a distributed setting"))
     return precision
+
+
+def _count(path: str, value: Any) -> int | None:
+    """A whole ``devices`` / ``num_nodes`` count (None: a list, a string, ``devices=-1``: known when it runs)."""
+    if not isinstance(value, int) or isinstance(value, bool) or (path.endswith("devices") and value == -1):
+        return None
+    limit = MAX_PROCESSES_PER_NODE if path.endswith("devices") else MAX_PROCESSES
+    if not 0 < value <= limit:
+        raise ConfigError([Problem(path, value, f"Lightning needs a count from 1 to {limit} here"
+                                   + (" (or -1: every device of the node)" if path.endswith("devices") else ""))],
+                          source=NAME)  # fmt: skip
+    return value
 
 
 def _deepspeed_config(args: dict, notes: list[Note]) -> tuple[dict, dict[str, str]]:
@@ -226,9 +239,9 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
             renamed.append(replace(note, source_path=source, fidelity=Fidelity.DEFAULTED,
                                    reason=f"not set; {strategy}'s default") if built else
                            replace(note, source_path=source))  # fmt: skip
-    counts = {core: value for section in LAUNCH for key, core in (("devices", "nproc_per_node"),
+    counts = {core: count for section in LAUNCH for key, core in (("devices", "nproc_per_node"),
                                                                   ("num_nodes", "nnodes"))
-              if isinstance(value := raw.get(section, {}).get(key), int) and not isinstance(value, bool)}
+              if (count := _count(f"{section}.{key}", raw.get(section, {}).get(key))) is not None}
     # What the inner dialect kept is this strategy's: a DeepSpeed JSON written from it is a standalone one.
     kept = {f"{prefix}{k}": v for keys in inner.result.extensions.values() for k, v in keys.items()}
     cfg = inner.result.model_copy(update={"launch": inner.result.launch.model_copy(update=counts),

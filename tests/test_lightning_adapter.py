@@ -71,6 +71,19 @@ def test_bad_input_is_refused_with_the_key(raw):
         read(raw)
 
 
+@pytest.mark.parametrize(("section", "key", "value"), [("Fabric", "num_nodes", -1), ("Trainer", "num_nodes", 2**64),
+                                                       ("Trainer", "devices", 0), ("Fabric", "devices", 10**6)])
+def test_a_process_count_out_of_range_is_refused_with_its_key(section, key, value):
+    with pytest.raises(ConfigError, match=f"{section}.{key}: Lightning needs a count from 1"):
+        read({section: {key: value}, "DeepSpeedStrategy": {"stage": 2}})
+
+
+def test_devices_minus_one_is_every_device_known_when_the_script_runs():
+    translation = read({"Trainer": {"devices": -1, "num_nodes": 2}, "DeepSpeedStrategy": {"stage": 2}})
+    assert translation.result.launch.nproc_per_node is None and translation.result.launch.nnodes == 2
+    assert [n.fidelity for n in translation.notes if n.source_path == "Trainer.devices"] == [Fidelity.DROPPED]
+
+
 def test_the_deepspeed_example_converts_to_its_golden():
     example = ROOT / "migration_examples" / "lightning"
     written = adapters.write(adapters.load(example / "deepspeed_zero3_offload.json").result, "deepspeed")
