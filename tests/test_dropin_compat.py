@@ -271,6 +271,22 @@ with deepspeed.zero.GatheredParameters([engine.module[2].weight]):
 with deepspeed.zero.GatheredParameters([engine.module[2].weight]):
     record["discarded"] = engine.module[2].weight.eq(2.0).all().item()
 record["shard_restored"] = engine.module[2].weight is sharded
+# the handle a script kept (named_parameters() before the context), as the ZeRO-3 save helpers use it
+status = deepspeed.runtime.zero.partition_parameters.ZeroParamStatus
+record["ds_attributes"] = [sharded.ds_status == status.NOT_AVAILABLE, list(sharded.ds_shape), sharded.ds_numel,
+                           isinstance(sharded.ds_id, int)]
+with deepspeed.zero.GatheredParameters([sharded], modifier_rank=0):
+    record["handle_data"] = [type(sharded.data).__name__, list(sharded.data.shape), sharded.ds_status.name]
+    if rank == 0:
+        sharded.data[0].fill_(3.0)  # written back on exit
+with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+    with deepspeed.zero.GatheredParameters([sharded]):  # nested: already whole
+        record["nested"] = [sharded.data[0].eq(3.0).all().item(), sharded.data[1].eq(2.0).all().item()]
+try:
+    with deepspeed.zero.GatheredParameters([sharded]):
+        raise KeyError("in the context")
+except KeyError:
+    record["after_error"] = [type(sharded).__name__, sharded.ds_status.name, type(sharded.data).__name__]
 loss = engine(torch.ones(2, 6)).sum()
 engine.backward(loss)
 engine.step()
@@ -294,7 +310,9 @@ def test_gathered_parameters_under_zero_init_and_fsdp2(tmp_path):
     assert [r.pop("sharded_local_rows") for r in records] == [2, 1]  # 3 rows sharded over 2 ranks
     for record in records:
         assert record == {"init_broadcast": True, "full_shape_inside": [3, 4], "state_dict_full": [3, 4],
-                          "written_back": True, "discarded": True, "shard_restored": True, "trains": True}
+                          "written_back": True, "discarded": True, "shard_restored": True, "trains": True,
+                          "ds_attributes": [True, [3, 4], 12, True], "handle_data": ["Tensor", [3, 4], "AVAILABLE"],
+                          "nested": [True, True], "after_error": ["DTensor", "NOT_AVAILABLE", "DTensor"]}
 
 
 def test_deepspeed_config_reads_back_what_scripts_ask(tmp_path):

@@ -32,6 +32,7 @@ CASES = {
     "comm_checkpoint_style": ("comm_checkpoint_style", ["--ckpt_dir", "{tmp}/checkpoints"], "fp32", None),
     "bert_unused_raw_style": ("bert_unused_raw_style", [], "fp32", None),
     "hf_causal_lm_style": ("hf_causal_lm_style", [], "bf16", None),
+    "hf_causal_lm_zero2_style": ("hf_causal_lm_style", ["--zero_stage", "2", "--dtype", "fp32"], "fp32", None),
     "hf_trainer_style": ("hf_trainer_style", [], "fp32", None),
     "hf_trainer_zero3_style": ("hf_trainer_style", ["--zero_stage", "3"], "fp32", None),
     "accelerate_style": ("accelerate_style", [], "fp32", None),
@@ -128,8 +129,12 @@ def test_script_runs_unchanged_on_torsh_without_deepspeed(name, tmp_path):
         # resume_from_checkpoint at step 2 continues exactly; save_model wrote the whole model
         assert result["resumed"][2:] == pytest.approx(result["losses"][2:], rel=1e-6)
         assert result["saved"]["transformer.wte.weight"][:2] == [[64, 32], "torch.float32"]
-    if name == "hf_causal_lm_style":
+    if name.startswith("hf_causal_lm"):
         assert result["tied"] and result["shapes"]["lm_head.weight"] == [64, 32]
+        # the save helpers that gather when hasattr(p, "ds_id") get whole plain tensors at stages 2 and 3
+        for saved in (result["copies"], result["saved"]) if name == "hf_causal_lm_style" else (result["copies"],):
+            assert {k: v[:2] for k, v in saved.items()} == {k: [s, "Tensor"] for k, s in result["shapes"].items()
+                                                            if k != "lm_head.weight"}, saved  # tied: listed once
 
 
 @pytest.mark.slow
@@ -146,8 +151,16 @@ def test_script_losses_match_real_deepspeed(name, tmp_path):
     assert worst <= tolerance, f"{name}: losses differ by {worst:.3g} relative (> {tolerance:g}):\n" \
                                f"torsh     {ours['losses']}\ndeepspeed {theirs['losses']}"
     print(f"{name}: {len(ours['losses'])} steps, worst relative loss difference {worst:.2e}")
-    if name == "hf_causal_lm_style":
+    if name.startswith("hf_causal_lm"):
         assert _relative(ours["checksum"], theirs["checksum"]) <= 1e-2  # the full weights read back agree
+        # the save helpers' copies: DeepSpeed's keys, shapes, tensor types and dtypes; the values within 1e-3 of
+        # the tensor's size (Adam's step turns a gradient's last-bit differences into whole lr-sized updates)
+        assert ours["statuses"] == theirs["statuses"] and ours["numel"] == theirs["numel"]
+        for helper in ("copies", "saved"):
+            assert ours[helper].keys() == theirs[helper].keys()
+            for key, (shape, kind, dtype, total, size) in theirs[helper].items():
+                assert ours[helper][key][:3] == [shape, kind, dtype], (helper, key)
+                assert abs(ours[helper][key][3] - total) <= max(tolerance, 1e-3) * size, (helper, key)
     if name.startswith("accelerate"):  # get_state_dict, and the loss after load_state
         assert ours["state"].keys() == theirs["state"].keys() and len(ours["state"]) == 5
         for key, (shape, total) in theirs["state"].items():

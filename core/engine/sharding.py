@@ -18,7 +18,7 @@ from torsh.config import DdpConfig, GradientsConfig, ShardingConfig, TorshConfig
 from torsh.errors import ConfigError, Problem
 from torsh.plan import EnginePlan
 
-from . import leaves
+from . import leaves, zero_params
 from .distributed import DistInfo
 from .precision import PrecisionPlan
 from .units import plan_units
@@ -296,6 +296,7 @@ def _apply_fsdp(model, cfg: TorshConfig, decided: EnginePlan, precision: Precisi
     fully_shard(model, **kwargs)
     for leaf in leaves.get_z3_leaf_modules(model):
         leaf.register_forward_hook(leaves.grads_for_every_parameter, prepend=True)  # before FSDP2 reshards it
+    zero_params.mark_partitioned(model, precision.param_dtype)  # what DeepSpeed scripts test before gathering
     if sharding.forward_prefetch:
         # Each unit issues the next one's all-gather as soon as its own is copied out, so that the transfer
         # overlaps this unit's forward. Without it, a unit's all-gather starts only when its forward does: on

@@ -3,7 +3,10 @@
 ``main.py`` and its ``dschat/utils``: the model built under ``deepspeed.zero.Init``, "pretrained" weights
 loaded layer by layer inside ``GatheredParameters(..., modifier_rank=0)`` by rank 0, parameter groups without
 weight decay for biases and norms, the loss averaged over ranks, and the full weights read back under
-``GatheredParameters`` after training. ZeRO-3 in bf16 by default (``--zero_stage`` / ``--dtype`` change it)."""
+``GatheredParameters`` after training, then parameter by parameter through the two save helpers such scripts
+keep (a ``maybe_zero_3``-style copy that gathers when ``hasattr(p, "ds_id")``, as LLaVA's and FastChat's do, and
+DeepSpeed-Chat's ``save_zero_three_model`` loop over the parameters still ``NOT_AVAILABLE``). ZeRO-3 in bf16 by
+default (``--zero_stage`` / ``--dtype`` change it)."""
 
 import argparse
 import math
@@ -13,7 +16,7 @@ import torch
 import torch.nn as nn
 from deepspeed import get_accelerator
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam  # noqa: F401  (DS-Chat picks one; see --optimizer)
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: F401
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from _common import write_result
 
@@ -86,6 +89,39 @@ def get_all_reduce_mean(tensor):
     return tensor / torch.distributed.get_world_size()
 
 
+def copy_maybe_gathered(param):
+    """A CPU copy of a parameter's whole value: gathered first when ZeRO partitions it."""
+    if hasattr(param, "ds_id"):
+        with deepspeed.zero.GatheredParameters([param]):
+            return param.data.detach().cpu().clone()
+    return param.detach().cpu().clone()
+
+
+def not_available(params):
+    return [p for p in params if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+
+
+def zero3_save_loop(module, zero_stage):
+    """Every parameter's value for ``torch.save`` as the ZeRO-3 save loop reads it: ``p.data`` while gathered."""
+    state, statuses = {}, set()
+    for name, param in module.named_parameters():
+        if hasattr(param, "ds_id"):
+            statuses.add(param.ds_status.name)
+            with deepspeed.zero.GatheredParameters(not_available([param]), enabled=zero_stage == 3):
+                statuses.add(param.ds_status.name)
+                state[name] = param.data.cpu()
+            statuses.add(param.ds_status.name)
+        else:
+            state[name] = param.cpu()
+    return state, sorted(statuses)
+
+
+def summary(state):
+    """What a saved tensor must be: its shape, a plain tensor, its dtype, the sum of its values and of their sizes."""
+    return {k: [list(v.shape), type(v).__name__, str(v.dtype), math.fsum(v.double().flatten().tolist()),
+                math.fsum(v.double().abs().flatten().tolist())] for k, v in state.items()}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
@@ -129,8 +165,12 @@ def main():
     with deepspeed.zero.GatheredParameters(list(model.module.parameters()), modifier_rank=None):
         state = {k: v.detach().float().cpu() for k, v in model.module.state_dict().items()}
     checksum = math.fsum(v.double().abs().sum().item() for v in state.values())
+    copies = {name: copy_maybe_gathered(p) for name, p in model.module.named_parameters()}
+    saved, statuses = zero3_save_loop(model.module, args.zero_stage) if args.zero_stage == 3 else ({}, [])
     write_result(args.out, losses, checksum=checksum, shapes={k: list(v.shape) for k, v in state.items()},
-                 tied=bool(torch.equal(state["lm_head.weight"], state["embed_tokens.weight"])))
+                 tied=bool(torch.equal(state["lm_head.weight"], state["embed_tokens.weight"])),
+                 copies=summary(copies), saved=summary(saved), statuses=statuses,
+                 numel=sum(getattr(p, "ds_numel", p.numel()) for p in model.module.parameters()))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@
 torsh shards at ``initialize`` (FSDP2 at stages 2/3), not while the model is built, so ``zero.Init`` builds the
 model normally (full parameters on every rank); it only marks the parameters it saw created, so that
 ``GatheredParameters(..., modifier_rank=r)`` on them broadcasts rank ``r``'s values, as DeepSpeed's partitioned
-parameters do. After ``initialize`` at stages 2/3 the parameters are DTensor shards: ``GatheredParameters``
-puts full parameters on their modules inside the context and, with a ``modifier_rank``, writes that rank's
-values back into every rank's shard on exit. Plain (DDP) parameters are left alone, as DeepSpeed leaves
-parameters ZeRO did not partition.
+parameters do. After ``initialize`` at stages 2/3 the parameters are DTensor shards carrying DeepSpeed's
+``ds_id``/``ds_status`` (:mod:`torsh.engine.zero_params`): ``GatheredParameters`` puts full parameters on their
+modules inside the context, makes ``param.data`` the whole value (what DeepSpeed scripts read there) and, with a
+``modifier_rank``, writes that rank's values back into every rank's shard on exit. Plain (DDP) parameters are
+left alone, as DeepSpeed leaves parameters ZeRO did not partition.
 """
 
 from __future__ import annotations
@@ -19,15 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torsh.engine.zero_params import COMPUTE_DTYPE, ZeroParamStatus
+
 _ZERO_INIT_MARK = "_torsh_zero_init"
-
-
-class ZeroParamStatus(Enum):
-    """Where a ZeRO-3 parameter's data is (DeepSpeed's enum; torsh parameters carry no ``ds_status``)."""
-
-    AVAILABLE = 1
-    NOT_AVAILABLE = 2
-    INFLIGHT = 3
+_GATHERED = "_torsh_gathered"
 
 
 class ZeroParamType(Enum):
@@ -148,7 +144,7 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.fwd_module = fwd_module
         params = _as_list(params) if enabled else []
-        self._sharded = [p for p in params if _is_sharded(p)]
+        self._sharded = [p for p in params if _is_sharded(p) and _GATHERED not in p.__dict__]  # not already gathered
         self._built_in_init = [p for p in params if not _is_sharded(p) and getattr(p, _ZERO_INIT_MARK, False)]
         self._full: list[nn.Parameter] = []
         self._owners: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -163,6 +159,7 @@ class GatheredParameters:
             self._full.append(full)
             for module, name in self._owners[id(p)]:
                 module._parameters[name] = full
+            _show_whole(p, full, writable=self.modifier_rank is not None)
         return None
 
     @torch.no_grad()
@@ -177,6 +174,7 @@ class GatheredParameters:
             for p in self._sharded:
                 for module, name in self._owners.get(id(p), ()):
                     module._parameters[name] = p
+                _show_shard(p)
             self._full = []
         return False
 
@@ -187,6 +185,45 @@ class GatheredParameters:
             dist.broadcast(full.data, src=self.modifier_rank)
             shard = distribute_tensor(full.data.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
             p.to_local().copy_(shard.to_local())
+
+
+class _WholeData:
+    """Mixed into a sharded parameter's class inside :class:`GatheredParameters`: ``param.data`` is its whole value,
+    as on a gathered DeepSpeed parameter (``with GatheredParameters([p]): p.data.cpu()``)."""
+
+    @property
+    def data(self):
+        return self.__dict__[_GATHERED][0]
+
+    @data.setter
+    def data(self, value):  # kept, and written back on exit when the context has a modifier_rank
+        view, full = self.__dict__[_GATHERED]
+        if full is not None:
+            full.data = value.to(full.dtype)
+        self.__dict__[_GATHERED] = (value, full)
+
+
+_whole_types: dict[type, type] = {}
+
+
+def _show_whole(p, full: nn.Parameter, *, writable: bool) -> None:
+    """``p.data`` becomes ``full``'s value: the fp32 master itself when the context writes it back, else (a
+    read) a copy in the dtype DeepSpeed's parameter has, the compute dtype."""
+    dtype = getattr(p, COMPUTE_DTYPE, None)
+    view = full.data if writable or dtype is None else full.data.to(dtype)
+    base = type(p)
+    p.__dict__[_GATHERED] = (view, full if writable else None)
+    p.__class__ = _whole_types.setdefault(base, type(f"Gathered{base.__name__}", (_WholeData, base), {}))
+    if hasattr(p, "ds_status"):
+        p.ds_status = ZeroParamStatus.AVAILABLE
+
+
+def _show_shard(p) -> None:
+    if _GATHERED in p.__dict__:
+        p.__class__ = type(p).__bases__[1]  # (_WholeData, the class it had)
+        del p.__dict__[_GATHERED]
+    if hasattr(p, "ds_status"):
+        p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
 def _multi_process() -> bool:

@@ -1,0 +1,39 @@
+"""DeepSpeed's ZeRO attributes on the parameters torsh shards (FSDP2 DTensors, stages 2/3).
+
+Scripts written for DeepSpeed ask ``hasattr(p, "ds_id")`` to decide whether a parameter must be gathered before
+its value is read: LLaVA's and FastChat's ``maybe_zero_3``, DeepSpeed-Chat's ``save_zero_three_model`` (which also
+keeps only the parameters whose ``ds_status`` is ``NOT_AVAILABLE``), OpenRLHF's weight broadcast (``ds_shape``).
+Without the attributes they take their other branch and copy this rank's shard. So every sharded parameter
+carries them: at stage 3 as in DeepSpeed, and at stage 2 too, because torsh shards parameters there as well
+(DeepSpeed does not), and the gathering branch is the one that reads the whole value.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import nn
+
+COMPUTE_DTYPE = "_torsh_compute_dtype"
+"""The dtype DeepSpeed's parameter would have (its module is cast to the compute dtype; torsh keeps fp32 shards)."""
+
+
+class ZeroParamStatus(Enum):
+    """Where a partitioned parameter's whole value is (DeepSpeed's enum, ``param.ds_status``)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+def mark_partitioned(model: nn.Module, compute_dtype: torch.dtype) -> int:
+    """Give each sharded parameter of ``model`` DeepSpeed's ``ds_id``, ``ds_status``, ``ds_shape`` and
+    ``ds_numel`` (whole shape and size); returns how many were marked."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [p for p in model.parameters() if isinstance(p, DTensor)]  # a tied weight once
+    for ds_id, p in enumerate(sharded):
+        p.ds_id, p.ds_status, p.ds_shape, p.ds_numel = ds_id, ZeroParamStatus.NOT_AVAILABLE, p.shape, p.numel()
+        setattr(p, COMPUTE_DTYPE, compute_dtype)
+    return len(sharded)
