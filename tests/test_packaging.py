@@ -165,3 +165,14 @@ def test_python_dash_m_torsh_runs_the_cli():
     result = subprocess.run([sys.executable, "-m", "torsh", "--version"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "torsh-migrate 0.1.0"
+
+
+def test_every_package_of_the_source_tree_is_listed_for_the_wheel():
+    """A subpackage missing from pyproject's list is left out of the wheel: its imports fail only when installed."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(("torsh", *p.parent.relative_to(root / "core").parts))
+             for p in (root / "core").rglob("__init__.py")}
+    assert found - listed == set()
