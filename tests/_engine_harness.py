@@ -74,6 +74,11 @@ def batch(step: int, rank: int, micro_batch: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def _number(value):
+    """A tensor the engine returns (``get_global_grad_norm()``), as a JSON number (None stays None)."""
+    return None if value is None else float(value)
+
+
 def lm_loss(logits, targets):
     import torch
 
@@ -141,7 +146,7 @@ def loop(rank: int, world_size: int, scenario: dict) -> dict:
         engine.step()
         rec["losses"].append(loss.item())
         if rec["boundaries"][-1]:
-            rec["norms"].append(engine.get_global_grad_norm())
+            rec["norms"].append(_number(engine.get_global_grad_norm()))
             rec["lrs"].append(engine.get_lr()[0])
     rec.update(global_steps=engine.global_steps, global_samples=engine.global_samples, micro_steps=engine.micro_steps,
                skipped_steps=engine.skipped_steps, applied=engine.was_step_applied(),
@@ -197,7 +202,7 @@ def first_norm(rank: int, world_size: int, scenario: dict) -> dict:
     total = sum(lm_loss(reference(batch(0, r, mbs)[0]), batch(0, r, mbs)[1]) for r in range(world_size)) / world_size
     total.backward()
     ref = torch.sqrt(sum(p.grad.pow(2).sum() for p in reference.parameters()))
-    return {"engine": engine.get_global_grad_norm(), "reference": float(ref)}
+    return {"engine": _number(engine.get_global_grad_norm()), "reference": float(ref)}
 
 
 def dataloader(rank: int, world_size: int, scenario: dict) -> dict:
@@ -230,7 +235,7 @@ def accelerate_order(rank: int, world_size: int, scenario: dict) -> dict:
         if sync:
             engine.step()
         losses.append(float(loss))
-    return {"losses": losses, "global_steps": engine.global_steps, "norm": engine.get_global_grad_norm()}
+    return {"losses": losses, "global_steps": engine.global_steps, "norm": _number(engine.get_global_grad_norm())}
 
 
 SCENARIOS = {"loop": loop, "first_norm": first_norm, "dataloader": dataloader, "accelerate": accelerate_order}

@@ -327,3 +327,32 @@ def test_deepspeed_config_reads_back_what_scripts_ask(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(DeepSpeedConfigError, match="bad.json"):
         DeepSpeedConfig(str(tmp_path / "bad.json"))
+
+
+def test_deepspeed_chat_lora_helpers_import_and_act_as_deepspeeds():
+    """DeepSpeed-Chat's ``dschat/utils/module/lora.py`` imports them from the deprecated compression.helper."""
+    proc = _python("""
+        import warnings
+        import torch
+        from torsh.compat import install_deepspeed_alias
+        install_deepspeed_alias()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            from deepspeed.compression.helper import recursive_getattr, recursive_setattr
+        assert [w.category for w in caught] == [FutureWarning], caught  # deprecated, as in DeepSpeed 0.19.8
+        from deepspeed.utils.module_utils import recursive_getattr as same
+        assert same is recursive_getattr
+    """)
+    assert proc.returncode == 0, proc.stderr
+    real = pytest.importorskip("deepspeed.utils.module_utils", reason="DeepSpeed 0.19.8 is installed by "
+                               "requirements-dev.txt")  # fmt: skip
+    from torsh.compat.deepspeed.utils import module_utils as ours
+
+    results = []
+    for helpers in (real, ours):
+        model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 3)), torch.nn.ReLU())
+        found = [helpers.recursive_getattr(model, "0.0.weight").shape, type(helpers.recursive_getattr(model, "1"))]
+        helpers.recursive_setattr(model, "0.0", torch.nn.Identity())
+        helpers.recursive_setattr(model, "1", torch.nn.Tanh())
+        results.append([*found, repr(model)])
+    assert results[0] == results[1]

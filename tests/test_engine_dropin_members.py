@@ -1,6 +1,8 @@
 """Engine members real DeepSpeed scripts use, with DeepSpeed 0.19.8's behaviour, on 2 gloo ranks: ``destroy()``,
 ``tput_timer``, ``offload_states()``/``reload_states()``, ``data_parallel_group``, ``state_dict()`` keys with
-DeepSpeed's ``module.`` prefix, the data-parallel rank helpers, and the error naming a member the engine lacks."""
+DeepSpeed's ``module.`` prefix, the data-parallel rank helpers, ``compile()``, ``_config``,
+``_consolidated_16bit_state_dict()``, ``get_global_grad_norm()`` as a tensor, and the error naming a member the
+engine lacks."""
 
 from __future__ import annotations
 
@@ -36,7 +38,18 @@ def members(rank: int, world_size: int, scenario: dict) -> dict:
     rec: dict = {}
     engine, opt, _, _ = torsh.initialize(model=h.build_model(0), config=scenario["config"])
     rec["timer_before"] = engine.tput_timer.avg_samples_per_sec()
+    rec["norm_before"] = engine.get_global_grad_norm()
     rec["losses"] = _train(engine, rank, 2)
+    norm = engine.get_global_grad_norm()  # a tensor, as DeepSpeed's ZeRO optimizers give: scripts call .item()
+    rec["norm"] = [type(norm).__name__, norm.dim(), norm.item() > 0]
+    ds = engine._config  # DeepSpeed's DeepSpeedConfig, with the batch sizes the engine runs with
+    rec["ds_config"] = [ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps,
+                        ds.zero_optimization_stage, ds.bfloat16_enabled]
+    try:
+        state = engine._consolidated_16bit_state_dict()
+        rec["consolidated"] = None if state is None else sorted(state)
+    except ValueError as exc:
+        rec["consolidated"] = str(exc)
     # offload/reload around a step: training continues exactly as without (CPU run: nothing moves)
     engine.offload_states()
     inner = getattr(opt, "optim", opt)
@@ -67,11 +80,15 @@ def members(rank: int, world_size: int, scenario: dict) -> dict:
     x, y = h.batch(9, rank, 2)
     with torch.no_grad():
         rec["same_after_load"] = float((engine(x) - other(x)).abs().max())
+    other.compile(backend="eager", compile_kwargs={"dynamic": False})  # what Accelerate calls with a dynamo backend
+    other.compile(backend="eager")  # twice: nothing more happens
+    rec["compiled"] = [other.is_compiled, engine.is_compiled]
     rec["other_losses"] = _train(other, rank, 1, start=4)
     rec["engine_losses"] = _train(engine, rank, 1, start=4)
     # the errors: a DeepSpeed member we lack, a name nobody has; the fall-through to the model still works
     rec["fallthrough"] = type(engine.embed).__name__
-    for key, name in (("missing_ds", "flops_profiler_enabled"), ("missing_any", "no_such_member")):
+    for key, name in (("missing_ds", "flops_profiler_enabled"), ("missing_any", "no_such_member"),
+                      ("missing_private", "_no_such_member")):
         try:
             getattr(engine, name)
             rec[key] = "no error"
@@ -130,7 +147,16 @@ def test_engine_members(records, name):
     assert "DeepSpeedEngine has this member; the torsh engine does not implement it" in r0["missing_ds"]
     assert "nor has the wrapped model (TinyLM)" in r0["missing_any"]
     assert "has no such member either" in r0["missing_any"]
+    assert "not in DeepSpeed 0.19.8's public engine API either" in r0["missing_private"]
     assert r0["hasattr"] is False
+    assert r0["norm_before"] is None and r0["norm"] == ["Tensor", 0, True]
+    stage, bf16 = {"s0": (0, False), "s1": (1, False), "s3": (3, False), "bf16_s0": (0, True)}[name]
+    assert r0["ds_config"] == [4, 2, 1, stage, bf16]
+    if stage == 3:  # rank 0 gets the whole state, the others None (DeepSpeed's)
+        assert r0["consolidated"] == sorted(r0["module_keys"]) and r1["consolidated"] is None
+    else:
+        assert r0["consolidated"].startswith("consolidated_16bit_state_dict is only applicable")
+    assert r0["compiled"] == [True, False]
     assert r0["forward_after_destroy"] == [2, h.SEQ, h.VOCAB]
     assert "after engine.destroy()" in r0["backward_after_destroy"]
     assert r0["raw_after_destroy"] == "ok"

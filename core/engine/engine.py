@@ -97,12 +97,48 @@ class Engine(nn.Module):
         # Neither has it: name the engine (not the user's model) and say whether DeepSpeed's engine has it.
         if name in DEEPSPEED_ENGINE_MEMBERS:
             detail = "DeepSpeed 0.19.8's DeepSpeedEngine has this member; the torsh engine does not implement it"
+        elif name.startswith("_"):
+            detail = "it is not in DeepSpeed 0.19.8's public engine API either (a private member of DeepSpeed's?)"
         else:
             detail = "DeepSpeed 0.19.8's DeepSpeedEngine has no such member either"
         raise AttributeError(f"'Engine' (torsh's DeepSpeedEngine) has no attribute '{name}', nor has the wrapped "
                              f"model ({_model_class(shard.module)}): {detail}")
 
     # ---- attributes DeepSpeed scripts read ----------------------------------------------------
+
+    @property
+    def _config(self) -> Any:
+        """DeepSpeed's ``DeepSpeedConfig`` of this engine (``engine._config.train_micro_batch_size_per_gpu``),
+        its batch sizes the ones the engine runs with."""
+        if "_ds_config" not in self.__dict__:
+            from torsh.compat.deepspeed.runtime.config import DeepSpeedConfig
+
+            ds = DeepSpeedConfig(self.config)
+            ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps = (
+                self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps())
+            self.__dict__["_ds_config"] = ds
+        return self.__dict__["_ds_config"]
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether :meth:`compile` ran."""
+        return self.__dict__.get("_is_compiled", False)
+
+    def compile(self, backend: str | None = None, compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:  # fmt: skip
+        """DeepSpeed's ``engine.compile`` (Accelerate calls it when a dynamo backend is set): ``torch.compile``
+        the model (``engine.module.compile``) once; ``backend`` defaults to inductor, as DeepSpeed's on CPU and
+        CUDA. DeepCompile ``schedule`` passes are DeepSpeed's own and refused."""
+        if schedule is not None:
+            raise ValueError("engine.compile(schedule=...): DeepCompile schedules are DeepSpeed's compiler passes; "
+                             "torsh compiles with torch.compile only: leave schedule unset")  # fmt: skip
+        if self.is_compiled:
+            return
+        if compiled_autograd_enabled:
+            log.warning("engine.compile(compiled_autograd_enabled=True): the backward is not compiled by torsh "
+                        "(it runs eagerly; the results are the same)")  # fmt: skip
+        self.module.compile(**{**(compile_kwargs or {}), "backend": backend or "inductor"})
+        self.__dict__["_is_compiled"] = True
 
     @property
     def basic_optimizer(self) -> Any:
@@ -260,10 +296,11 @@ class Engine(nn.Module):
         """Adam betas (or SGD momentum) of every parameter group."""
         return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
 
-    def get_global_grad_norm(self) -> float | None:
-        """The gradient norm over all parameters of all ranks at the last boundary (unscaled, before clipping);
-        None before the first step. Under FSDP2 it is the full DTensor norm, not this rank's shard."""
-        return self._global_grad_norm
+    def get_global_grad_norm(self) -> torch.Tensor | None:
+        """The gradient norm over all parameters of all ranks at the last boundary (unscaled, before clipping), a
+        0-dim tensor as DeepSpeed's ZeRO and bf16 optimizers give (scripts call ``.item()`` on it); None before
+        the first step. Under FSDP2 it is the full DTensor norm, not this rank's shard."""
+        return None if self._global_grad_norm is None else torch.tensor(self._global_grad_norm, dtype=torch.float64)
 
     def was_step_applied(self) -> bool:
         """Whether the last boundary ``step()`` updated the weights (False on an overflow/non-finite skip)."""
@@ -624,6 +661,15 @@ class Engine(nn.Module):
         call it. Below stage 3 it raises DeepSpeed's ValueError."""
         if not self.zero_optimization_partition_weights():
             raise ValueError("this function requires ZeRO-3 mode")
+        return self._full_16bit_state(exclude_frozen_parameters)
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """DeepSpeed's gather of partitioned weights (OpenRLHF's ``save_model`` at ZeRO-3): at stage 3 what
+        :meth:`_zero3_consolidated_16bit_state_dict` gives; below it DeepSpeed's ValueError (torsh runs no tensor
+        parallelism, DeepSpeed's other case)."""
+        if not self.zero_optimization_partition_weights():
+            raise ValueError("consolidated_16bit_state_dict is only applicable to cases where weights are "
+                             "partitioned, including Zero Stage 3 and tensor parallelism.")  # fmt: skip
         return self._full_16bit_state(exclude_frozen_parameters)
 
     def _full_16bit_state(self, exclude_frozen_parameters: bool) -> dict | None:
