@@ -32,6 +32,31 @@ class ZeroParamType(Enum):
     REMOTE = 3
 
 
+# The torch constructors as they were before any ``zero.Init``, and DeepSpeed's wrapper for them. torsh's ``Init``
+# does not wrap constructors (the model is built normally and sharded at ``initialize``), but transformers swaps
+# the wrapper for one of its own around ``zero.Init`` (``prevent_arange_dtype_change``, every ``from_pretrained``
+# at ZeRO-3) and compares the constructor with ``_orig_torch_arange``.
+_orig_torch_tensor, _orig_torch_empty, _orig_torch_zeros, _orig_torch_ones = (torch.tensor, torch.empty, torch.zeros,
+                                                                              torch.ones)  # fmt: skip
+_orig_torch_full, _orig_torch_arange, _orig_torch_eye, _orig_torch_randn = (torch.full, torch.arange, torch.eye,
+                                                                            torch.randn)  # fmt: skip
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype, target_device):
+    """``fn`` making its tensors on ``target_device`` (when no device is given) and floating ones in
+    ``target_fp_dtype`` (DeepSpeed's signature and behaviour)."""
+
+    def wrapped_fn(*args, **kwargs):
+        if kwargs.get("device") is None and target_device is not None:
+            kwargs["device"] = target_device
+        tensor = fn(*args, **kwargs)
+        if target_fp_dtype is not None and tensor.is_floating_point():
+            tensor.data = tensor.data.to(target_fp_dtype)
+        return tensor
+
+    return wrapped_fn
+
+
 _init_lock = threading.Lock()
 _init_depth = 0
 _original_register_parameter = nn.Module.register_parameter
