@@ -56,6 +56,9 @@ def members(rank: int, world_size: int, scenario: dict) -> dict:
     rec["state_devices"] = sorted({str(v.device) for st in inner.state.values() for v in st.values()
                                    if torch.is_tensor(v)})  # fmt: skip
     engine.reload_states()
+    # the same through the optimizer, as OpenRLHF calls DeepSpeed's ZeRO optimizer
+    opt.offload_states(include=["optim_states", "hp_params"], device="cpu", pin_memory=True, non_blocking=True)
+    opt.reload_states(non_blocking=True)
     rec["losses"] += _train(engine, rank, 2, start=2)
     timer = engine.tput_timer
     rec["timer"] = [timer.global_step_count, timer.micro_step_count, timer.batch_size, timer.start_step,

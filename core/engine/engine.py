@@ -12,6 +12,7 @@ import gc
 import logging
 import math
 import time
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -50,6 +51,10 @@ class Engine(nn.Module):
         self.__dict__["optimizer"] = optimizer
         if optimizer is not None:
             optimizer.overflow = False  # DeepSpeed's optimizer attribute (scripts and Accelerate read it)
+            # DeepSpeed's ZeRO optimizer moves its own state (OpenRLHF: engine.optimizer.offload_states(...))
+            for name in ("offload_states", "reload_states"):
+                if not hasattr(optimizer, name):
+                    setattr(optimizer, name, _engine_method(self, name))
         self.__dict__["lr_scheduler"] = lr_scheduler
         self.__dict__["loss_scaler"] = loss_scaler
         self.__dict__["training_dataloader"] = training_dataloader
@@ -844,6 +849,16 @@ class ThroughputTimer:
                 return 0.0
             return self.batch_size / (self.total_elapsed_time / timed_steps)
         return float("-inf")
+
+
+def _engine_method(engine: Engine, name: str):
+    """``engine.<name>`` for the optimizer to carry, holding the engine weakly (no engine-optimizer cycle)."""
+    ref = weakref.ref(engine)
+
+    def call(*args, **kwargs):
+        return getattr(ref(), name)(*args, **kwargs)
+
+    return call
 
 
 #: Public members of DeepSpeed 0.19.8's ``DeepSpeedEngine`` (methods and attributes), for the error that names
