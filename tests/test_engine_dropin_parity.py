@@ -287,14 +287,16 @@ def overflow_flag(rank: int, world_size: int, scenario: dict) -> dict:
     backend = _backend(scenario["engine"])
     model = h.build_model(0)
     engine, *_ = backend.initialize(model=model, model_parameters=model.parameters(), config=scenario["config"])
-    flags = []
+    flags, scales = [], []
     for step in range(3):
         x, y = h.batch(step, rank, 2)
         loss = h.lm_loss(engine(x), y)
         engine.backward(loss * float("inf") if step == 1 else loss)
         engine.step()
         flags.append(engine.optimizer.overflow)
-    return {"flags": flags}
+        # fp16: the loss scale, which GPT-NeoX and Megatron-DeepSpeed log from the optimizer
+        scales.append([getattr(engine.optimizer, "cur_scale", None), getattr(engine.optimizer, "loss_scale", None)])
+    return {"flags": flags, "scales": scales}
 
 
 def _lora_style(seed_trainable: int):
@@ -620,6 +622,10 @@ def test_optimizer_overflow_flag_like_deepspeed(records, case):
     torsh_ranks, ds_ranks = _both(records, f"overflow_{case}")
     for t, d in zip(torsh_ranks, ds_ranks):
         assert t["flags"] == d["flags"] == [False, True, False]
+        # the optimizer's cur_scale / loss_scale where DeepSpeed's optimizer has them (None: it has not)
+        assert t["scales"] == d["scales"], (t["scales"], d["scales"])
+    if case == "fp16_s0":  # the scale halves at the overflow (stage 2's hysteresis of 2 keeps it)
+        assert [s[1] for s in torsh_ranks[0]["scales"]] == [1024.0, 512.0, 512.0]
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])

@@ -70,6 +70,7 @@ class Engine(nn.Module):
         self._forward_synced = True
         self._clip = policy.clip_max_norm
         self._scaling = loss_scaler is not None and policy.loss_scaling
+        self._publish_scale()
         self._check_overflow = self._scaling or policy.skip_step_on_nonfinite
         self._destroyed = False
         self._wrapper_forward = False  # engine(...) ran (with grad) since the last backward: DDP will reduce
@@ -282,6 +283,18 @@ class Engine(nn.Module):
     def zero_cpu_offload(self) -> bool:
         """Whether the optimizer state is offloaded to the CPU."""
         return self._policy.optimizer_offload == "cpu"
+
+    def _publish_scale(self) -> None:
+        """The loss scale on the optimizer where DeepSpeed's optimizer has it (GPT-NeoX and Megatron-DeepSpeed
+        log it from there): ``cur_scale`` and ``loss_scale`` on the ZeRO optimizers (stages 1-3), ``loss_scale``
+        on the fp16/bf16 optimizers of stage 0; 1.0 without loss scaling."""
+        if self.optimizer is None:
+            return
+        scale = float(self.loss_scaler.cur_scale) if self._scaling else 1.0
+        if self._policy.stage >= 1:
+            self.optimizer.cur_scale = scale
+        if self._policy.stage >= 1 or self._policy.param_dtype != "fp32":
+            self.optimizer.loss_scale = scale
 
     def gradient_clipping(self) -> float:
         """The max global gradient norm (0: no clipping)."""
@@ -496,6 +509,7 @@ class Engine(nn.Module):
             self._step_applied = True
         if self._scaling:
             self.loss_scaler.update(overflow)
+            self._publish_scale()
         if not overflow and self.lr_scheduler is not None:
             try:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
@@ -740,6 +754,7 @@ class Engine(nn.Module):
             self.loaded_checkpoint_dp_world_size = state.get("dp_world_size")
         if self._precision.masters is not None:
             self._precision.masters.master_to_params()  # the checkpoint holds the fp32 masters
+        self._publish_scale()  # the loaded loss scale
         return path, client_state
 
     def _checkpoint_module(self) -> nn.Module:
