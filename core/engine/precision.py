@@ -23,6 +23,10 @@ log = logging.getLogger("torsh.engine")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+MASTER = "_torsh_master"
+"""The attribute of a low-precision parameter holding its fp32 master copy (stages 0/1)."""
+
+
 @dataclass
 class MasterWeights:
     """fp32 copies of low-precision parameters, by name; the optimizer steps these (stages 0 and 1)."""
@@ -127,6 +131,8 @@ def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, decided:
                                      requires_grad=p.requires_grad) for n, p in params.items()}  # fmt: skip
     _cast_params(model, param_dtype)
     plan.masters = MasterWeights(params, masters, accumulate_in_master=plan.reduce_every_micro_step)
+    for name, p in params.items():
+        setattr(p, MASTER, masters[name])  # what DeepSpeed's safe_get_full_fp32_param reads (its hp param)
     return plan
 
 

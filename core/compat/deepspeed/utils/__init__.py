@@ -6,6 +6,8 @@ import logging
 
 import torch
 
+from torsh.engine.precision import MASTER
+
 from ..runtime.dataloader import RepeatingLoader  # noqa: F401
 from .._unsupported import unsupported_function
 from .z3_leaf_module import *  # noqa: F401,F403 (as in DeepSpeed, the function shadows its module's name)
@@ -52,21 +54,30 @@ def _full(param) -> torch.Tensor:
     return param.full_tensor() if isinstance(param, DTensor) else param.detach()
 
 
+def _fp32(param):
+    """The fp32 tensor the optimizer steps for ``param``: its master copy (stages 0/1 in fp16/bf16, DeepSpeed's
+    hp param), else the parameter itself (under FSDP2 the shards are the fp32 masters)."""
+    return getattr(param, MASTER, param)
+
+
 def safe_get_full_fp32_param(param) -> torch.Tensor:
     """The full fp32 value of ``param`` (gathered when sharded); collective under sharding: call on every rank."""
-    return _full(param).float().clone()
+    return _full(_fp32(param)).float().clone()
 
 
 def safe_get_full_grad(param) -> torch.Tensor | None:
-    """The full gradient of ``param`` (gathered when sharded), or None; collective under sharding."""
-    return None if param.grad is None else _full(param.grad).clone()
+    """The full gradient of ``param`` (gathered when sharded; the fp32 master's once it holds it), or None;
+    collective under sharding."""
+    grad = param.grad if _fp32(param).grad is None else _fp32(param).grad
+    return None if grad is None else _full(grad).clone()
 
 
 def safe_get_local_fp32_param(param) -> torch.Tensor:
     """This rank's part of ``param`` in fp32 (its shard when sharded)."""
     from torch.distributed.tensor import DTensor
 
-    return (param.to_local() if isinstance(param, DTensor) else param.detach()).float()
+    source = _fp32(param)
+    return (source.to_local() if isinstance(source, DTensor) else source.detach()).float()
 
 
 class OnDevice:
