@@ -871,7 +871,10 @@ def _engine_method(engine: Engine, name: str):
     ref = weakref.ref(engine)
 
     def call(*args, **kwargs):
-        return getattr(ref(), name)(*args, **kwargs)
+        owner = ref()
+        if owner is None:
+            raise RuntimeError(f"optimizer.{name}(): the engine of this optimizer no longer exists")
+        return getattr(owner, name)(*args, **kwargs)
 
     return call
 

@@ -222,7 +222,7 @@ class _WholeData:
 
     @data.setter
     def data(self, value):  # kept, and written back on exit when the context has a modifier_rank
-        view, full = self.__dict__[_GATHERED]
+        full = self.__dict__[_GATHERED][1]
         if full is not None:
             full.data = value.to(full.dtype)
         self.__dict__[_GATHERED] = (value, full)
