@@ -356,3 +356,31 @@ def test_deepspeed_chat_lora_helpers_import_and_act_as_deepspeeds():
         helpers.recursive_setattr(model, "1", torch.nn.Tanh())
         results.append([*found, repr(model)])
     assert results[0] == results[1]
+
+
+def test_the_weights_only_safe_globals_idiom_imports_as_on_deepspeed():
+    """Training scripts register DeepSpeed's checkpoint classes with torch's ``weights_only`` loader at import."""
+    proc = _python("""
+        import torch
+        from torsh.compat import install_deepspeed_alias
+        install_deepspeed_alias()
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler, DynamicLossScaler
+        torch.serialization.add_safe_globals([LossScaler, ZeroStageEnum, DynamicLossScaler])
+        import deepspeed
+        assert deepspeed.runtime.fp16.loss_scaler.LossScaler is LossScaler
+        try:
+            LossScaler(scale=1.0)
+        except NotImplementedError as e:
+            assert "scales the loss itself" in str(e), e
+        else:
+            raise AssertionError("LossScaler constructed")
+        print({m.name: int(m) for m in ZeroStageEnum.__members__.values()})
+    """)
+    assert proc.returncode == 0, proc.stderr
+    real = pytest.importorskip("deepspeed.runtime.zero.config", reason="DeepSpeed 0.19.8 is installed by "
+                               "requirements-dev.txt")  # fmt: skip
+    from torsh.compat.deepspeed.runtime.zero.config import ZeroStageEnum
+
+    assert {k: int(v) for k, v in ZeroStageEnum.__members__.items()} == {
+        k: int(v) for k, v in real.ZeroStageEnum.__members__.items()}

@@ -1,0 +1,1 @@
+"""``deepspeed.runtime.fp16``: only ``loss_scaler``'s names (see :mod:`.loss_scaler`)."""
