@@ -86,6 +86,7 @@ def members(rank: int, world_size: int, scenario: dict) -> dict:
     other.compile(backend="eager", compile_kwargs={"dynamic": False})  # what Accelerate calls with a dynamo backend
     other.compile(backend="eager")  # twice: nothing more happens
     rec["compiled"] = [other.is_compiled, engine.is_compiled]
+    rec["plain"] = [engine.mpu, engine.has_moe_layers, engine.sequence_parallel_size, engine.wall_clock_breakdown()]
     rec["other_losses"] = _train(other, rank, 1, start=4)
     rec["engine_losses"] = _train(engine, rank, 1, start=4)
     # the errors: a DeepSpeed member we lack, a name nobody has; the fall-through to the model still works
@@ -160,6 +161,7 @@ def test_engine_members(records, name):
     else:
         assert r0["consolidated"].startswith("consolidated_16bit_state_dict is only applicable")
     assert r0["compiled"] == [True, False]
+    assert r0["plain"] == [None, False, 1, False]
     assert r0["forward_after_destroy"] == [2, h.SEQ, h.VOCAB]
     assert "after engine.destroy()" in r0["backward_after_destroy"]
     assert r0["raw_after_destroy"] == "ok"

@@ -125,6 +125,18 @@ class Engine(nn.Module):
             self.__dict__["_ds_config"] = ds
         return self.__dict__["_ds_config"]
 
+    mpu = None
+    """DeepSpeed's model-parallel unit: torsh runs data parallelism only (``initialize`` refuses an ``mpu``)."""
+    has_moe_layers = False
+    """DeepSpeed's MoE layers (``deepspeed.moe``) are not run by torsh; an MoE block written in torch trains."""
+    sequence_parallel_size = 1
+    """DeepSpeed's Ulysses sequence parallelism is not run by torsh."""
+
+    def wall_clock_breakdown(self) -> bool:
+        """False: the torsh engine keeps no per-phase timers (said at start-up when the config asks for them), so
+        scripts that read ``engine.timers(...)`` after this check skip it."""
+        return False
+
     @property
     def is_compiled(self) -> bool:
         """Whether :meth:`compile` ran."""
