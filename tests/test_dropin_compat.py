@@ -384,3 +384,51 @@ def test_the_weights_only_safe_globals_idiom_imports_as_on_deepspeed():
 
     assert {k: int(v) for k, v in ZeroStageEnum.__members__.items()} == {
         k: int(v) for k, v in real.ZeroStageEnum.__members__.items()}
+
+
+def test_more_deepspeed_import_forms_of_real_scripts_resolve():
+    """Import forms real scripts and libraries use: Lightning Fabric's checkpoint loading (base_optimizer),
+    OpenFold (``deepspeed.comm.comm``), start-up memory estimates, the optimizers' defining modules."""
+    proc = _python("""
+        from torsh.compat import install_deepspeed_alias
+        install_deepspeed_alias()
+        import torch
+        import deepspeed
+        from deepspeed.comm import comm
+        from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_live
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_live
+        from deepspeed.ops.adam.cpu_adam import DeepSpeedCPUAdam
+        from deepspeed.ops.adam.fused_adam import FusedAdam
+        assert comm is deepspeed.comm and deepspeed.comm.comm.is_initialized() is False
+        assert DeepSpeedCPUAdam is deepspeed.ops.adam.DeepSpeedCPUAdam and FusedAdam is deepspeed.ops.adam.FusedAdam
+        assert issubclass(ZeROOptimizer, DeepSpeedOptimizer)
+        assert not isinstance(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), DeepSpeedOptimizer)
+        model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 10))
+        estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node=8)
+        estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node=8, num_nodes=2)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "ZeRO-3 estimate" in proc.stdout and "ZeRO-2 estimate" in proc.stdout and "offload_param=cpu" in proc.stdout
+
+
+def test_memory_estimates_equal_deepspeeds():
+    stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3", reason="DeepSpeed 0.19.8 is installed by "
+                                 "requirements-dev.txt")  # fmt: skip
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    from torsh.compat.deepspeed.runtime.zero import stage3 as ours3
+    from torsh.compat.deepspeed.runtime.zero import stage_1_and_2 as ours2
+
+    for params, largest, gpus, nodes, factor in ((7_000_000_000, 500_000_000, 8, 1, 1.5), (123_457, 4_097, 3, 5, 1.0),
+                                                 (1, 1, 1, 1, 2.0)):  # fmt: skip
+        for offload in (True, False):
+            assert ours2.estimate_zero2_model_states_mem_needs(params, gpus, nodes, offload, factor) == \
+                stage_1_and_2.estimate_zero2_model_states_mem_needs(params, gpus, nodes, offload, factor)
+            for offload_params in (True, False):
+                for zero_init in (True, False):
+                    args = (params, largest, gpus, nodes, offload, offload_params, zero_init, factor)
+                    assert ours3.estimate_zero3_model_states_mem_needs(*args) == \
+                        stage3.estimate_zero3_model_states_mem_needs(*args), args

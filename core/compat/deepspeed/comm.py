@@ -7,6 +7,8 @@ sum divided by the group size, as DeepSpeed does.
 
 from __future__ import annotations
 
+import sys
+
 import datetime
 from enum import Enum
 
@@ -252,3 +254,7 @@ def get_local_rank_from_launcher() -> int:
 
 
 __all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "datetime", "Enum", "torch", "dist")]
+
+# DeepSpeed's ``deepspeed.comm`` is a package whose functions live in ``deepspeed.comm.comm``; scripts reach them
+# there too (``deepspeed.comm.comm.is_initialized()``, ``from deepspeed.comm import comm``).
+comm = sys.modules[__name__]
