@@ -253,7 +253,8 @@ def get_local_rank_from_launcher() -> int:
     return get_local_rank()
 
 
-__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "datetime", "Enum", "torch", "dist")]
+__all__ = [n for n in dir() if not n.startswith("_")
+           and n not in ("annotations", "datetime", "Enum", "torch", "dist", "sys")]  # fmt: skip
 
 # DeepSpeed's ``deepspeed.comm`` is a package whose functions live in ``deepspeed.comm.comm``; scripts reach them
 # there too (``deepspeed.comm.comm.is_initialized()``, ``from deepspeed.comm import comm``).
