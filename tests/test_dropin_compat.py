@@ -432,3 +432,20 @@ def test_memory_estimates_equal_deepspeeds():
                     args = (params, largest, gpus, nodes, offload, offload_params, zero_init, factor)
                     assert ours3.estimate_zero3_model_states_mem_needs(*args) == \
                         stage3.estimate_zero3_model_states_mem_needs(*args), args
+
+
+def test_detach_variable_acts_as_deepspeeds():
+    real = pytest.importorskip("deepspeed.runtime.activation_checkpointing.checkpointing", reason="DeepSpeed 0.19.8 "
+                               "is installed by requirements-dev.txt")  # fmt: skip
+    from torsh.compat.deepspeed.runtime.activation_checkpointing import checkpointing as ours
+
+    leaf = torch.ones(2, requires_grad=True)
+    inputs = (leaf * 2, torch.zeros(3), "mask", None)
+    results = [helpers.detach_variable(inputs) for helpers in (real, ours)]
+    for got in results:
+        assert [type(x).__name__ for x in got] == ["Tensor", "Tensor", "str", "NoneType"]
+        assert got[0].requires_grad and got[0].grad_fn is None and not got[1].requires_grad
+        assert torch.equal(got[0], inputs[0]) and got[2] == "mask"
+    for helpers in (real, ours):
+        with pytest.raises(RuntimeError):
+            helpers.detach_variable([leaf])

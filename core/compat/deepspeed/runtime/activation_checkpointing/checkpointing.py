@@ -33,6 +33,21 @@ def checkpoint(function, *args, **kwargs):
 non_reentrant_checkpoint = checkpoint
 
 
+def detach_variable(inputs, device=None):
+    """Each tensor of the tuple ``inputs`` detached from its graph (moved to ``device`` first when given), keeping
+    whether it requires a gradient; other items unchanged (DeepSpeed's helper, which checkpointing code imports)."""
+    if not isinstance(inputs, tuple):
+        raise RuntimeError(f"detach_variable takes a tuple of tensors, not {type(inputs).__name__}")
+    out = []
+    for item in inputs:
+        if isinstance(item, torch.Tensor):
+            detached = (item if device is None else item.to(device=device)).detach()
+            detached.requires_grad = item.requires_grad
+            item = detached
+        out.append(item)
+    return tuple(out)
+
+
 def configure(mpu_=None, deepspeed_config=None, partition_activations=None, contiguous_checkpointing=None,
               num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None, profile=None):  # fmt: skip
     """Record DeepSpeed's activation-checkpointing options (from the arguments, else the config's
