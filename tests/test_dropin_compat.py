@@ -449,3 +449,25 @@ def test_detach_variable_acts_as_deepspeeds():
     for helpers in (real, ours):
         with pytest.raises(RuntimeError):
             helpers.detach_variable([leaf])
+
+
+def test_deepspeed_utils_logging_is_deepspeeds_submodule_and_lightning_strategies_construct():
+    """``deepspeed.utils.logging.logger`` (Lightning's DeepSpeedStrategy sets its level in ``__init__``) is the
+    DeepSpeed logger, not Python's logging module; set_log_level_from_string still works after the import."""
+    pytest.importorskip("lightning", reason="Lightning 2.6.6 is installed by requirements-dev.txt")
+    proc = _python("""
+        from torsh.compat import install_deepspeed_alias
+        install_deepspeed_alias()
+        import logging
+        import deepspeed
+        assert deepspeed.utils.logging.logger is deepspeed.utils.logger
+        from deepspeed.utils.logging import logger
+        deepspeed.utils.set_log_level_from_string("error")
+        assert logger.level == logging.ERROR
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+        from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeedStrategy
+        DeepSpeedStrategy(stage=3, logging_level=logging.WARNING)
+        FabricDeepSpeedStrategy(stage=2)
+        assert logger.level == logging.WARNING  # Fabric's default logging_level is WARN as well
+    """)
+    assert proc.returncode == 0, proc.stderr

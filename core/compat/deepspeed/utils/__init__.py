@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+import logging as _logging  # not ``logging``: that name is DeepSpeed's submodule deepspeed.utils.logging
 
 import torch
 
@@ -12,12 +12,12 @@ from ..runtime.dataloader import RepeatingLoader  # noqa: F401
 from .._unsupported import unsupported_function
 from .z3_leaf_module import *  # noqa: F401,F403 (as in DeepSpeed, the function shadows its module's name)
 
-logger = logging.getLogger("DeepSpeed")
+logger = _logging.getLogger("DeepSpeed")
 if not logger.handlers:
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d] %(message)s"))
+    _handler = _logging.StreamHandler()
+    _handler.setFormatter(_logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d] %(message)s"))
     logger.addHandler(_handler)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(_logging.INFO)
     logger.propagate = False
 
 
@@ -27,7 +27,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
 
 
-def log_dist(message, ranks=None, level=logging.INFO) -> None:
+def log_dist(message, ranks=None, level=_logging.INFO) -> None:
     """Log ``message`` on the listed ranks (all ranks when ``ranks`` holds -1; every process before the process
     group exists)."""
     rank = _rank()
@@ -38,14 +38,14 @@ def log_dist(message, ranks=None, level=logging.INFO) -> None:
 _logged_once: set = set()
 
 
-def log_dist_once(message, ranks=None, level=logging.INFO) -> None:
+def log_dist_once(message, ranks=None, level=_logging.INFO) -> None:
     if message not in _logged_once:
         _logged_once.add(message)
         log_dist(message, ranks=ranks, level=level)
 
 
 def set_log_level_from_string(log_level_str, custom_logger=None) -> None:
-    (custom_logger or logger).setLevel(getattr(logging, str(log_level_str).upper()))
+    (custom_logger or logger).setLevel(getattr(_logging, str(log_level_str).upper()))
 
 
 def _full(param) -> torch.Tensor:
