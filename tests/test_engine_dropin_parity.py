@@ -312,7 +312,13 @@ def fp32_param(rank: int, world_size: int, scenario: dict) -> dict:
     full = {n: backend.utils.safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
     none = sorted(n for n, v in full.items() if v is None)
     full = {n: v for n, v in full.items() if v is not None}
-    return {"none": none, "dtypes": sorted({str(v.dtype) for v in full.values()}),
+    # safe_set_full_fp32_param writes the fp32 weights the optimizer steps; a second step trains from them
+    head = dict(engine.module.named_parameters())["head.weight"]
+    backend.utils.safe_set_full_fp32_param(head, torch.full(tuple(head.shape), 0.5))
+    written = backend.utils.safe_get_full_fp32_param(head)
+    set_value = None if written is None else sorted(set(written.flatten().tolist()))
+    return {"set": set_value, "after_set": _train(engine, rank, 2, 2), "none": none,
+            "dtypes": sorted({str(v.dtype) for v in full.values()}),
             "fp32_bits": any(not torch.equal(v, v.bfloat16().float()) for v in full.values()),
             "sums": {n: [math.fsum(v.double().flatten().tolist()), math.fsum(v.double().abs().flatten().tolist())]
                      for n, v in full.items()}}  # fmt: skip
@@ -652,14 +658,18 @@ def test_optimizer_overflow_flag_like_deepspeed(records, case):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_safe_get_full_fp32_param_is_the_fp32_master_like_deepspeed(records, stage):
-    """bf16 training: the function returns the fp32 master weights (values beyond bf16's precision), as DeepSpeed's."""
+    """bf16 training: the function returns the fp32 master weights (values beyond bf16's precision), as DeepSpeed's;
+    safe_set_full_fp32_param writes them (read back the same on both)."""
     torsh_ranks, ds_ranks = _both(records, f"fp32param_s{stage}")
     for t, d in zip(torsh_ranks, ds_ranks):
-        assert t["none"] == [] and t["dtypes"] == ["torch.float32"] and t["fp32_bits"]
+        assert t["none"] == [] and t["dtypes"] == ["torch.float32"] and t["fp32_bits"] and t["set"] == [0.5]
+        assert all(loss == loss for loss in t["after_set"])  # training goes on from the written weights
         if stage == 0:  # DeepSpeed 0.19.8's bf16 stage 0 keeps no mapping to its masters: None for every parameter
-            assert d["none"] == sorted(t["sums"]) and not d["sums"]
+            assert d["none"] == sorted(t["sums"]) and not d["sums"] and d["set"] is None
             continue
-        assert d["none"] == [] and d["dtypes"] == ["torch.float32"] and d["fp32_bits"]
+        assert d["none"] == [] and d["dtypes"] == ["torch.float32"] and d["fp32_bits"] and d["set"] == [0.5]
+        # the step after the write still computes with the old weights, then updates from the written ones
+        assert t["after_set"] == pytest.approx(d["after_set"], rel=4e-3)
         assert t["sums"].keys() == d["sums"].keys()
         for name, (total, size) in d["sums"].items():
             assert abs(t["sums"][name][0] - total) <= 4e-3 * size, name  # bf16 steps: measured up to 9.2e-4

@@ -22,6 +22,7 @@ from torch import nn
 from torsh.config import ResolvedBatch
 from torsh.plan import StepPolicy
 
+from . import zero_params
 from .distributed import DistInfo, on_shutdown
 from .monitor import Monitor
 from .precision import PrecisionPlan
@@ -515,6 +516,7 @@ class Engine(nn.Module):
                 with torch.no_grad():
                     # one foreach op over the list: under FSDP2 a DTensor dispatch per step, not per parameter
                     torch._foreach_mul_([p.grad for p in params], coef)
+            zero_params.write_pending(params)  # safe_set_full_fp32_param's values: the weights this step updates
             self.optimizer.step()
             if masters is not None:
                 masters.master_to_params()

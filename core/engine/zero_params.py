@@ -17,6 +17,10 @@ from torch import nn
 
 COMPUTE_DTYPE = "_torsh_compute_dtype"
 """The dtype DeepSpeed's parameter would have (its module is cast to the compute dtype; torsh keeps fp32 shards)."""
+PENDING_FP32 = "_torsh_pending_fp32"
+"""A whole value ``deepspeed.utils.safe_set_full_fp32_param`` wrote for a parameter the optimizer steps directly:
+held until the next optimizer step updates from it, as DeepSpeed writes its fp32 partition, which the forward
+does not read until that step copies it into the weights."""
 
 
 class ZeroParamStatus(Enum):
@@ -37,3 +41,25 @@ def mark_partitioned(model: nn.Module, compute_dtype: torch.dtype) -> int:
         p.ds_id, p.ds_status, p.ds_shape, p.ds_numel = ds_id, ZeroParamStatus.NOT_AVAILABLE, p.shape, p.numel()
         setattr(p, COMPUTE_DTYPE, compute_dtype)
     return len(sharded)
+
+
+@torch.no_grad()
+def write_whole(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Write the whole ``value`` into ``param``: under FSDP2 this rank's shard of it (every rank holds the same
+    value, so nothing is communicated)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        local = param.to_local()
+        whole = value.detach().reshape(param.shape).to(device=local.device, dtype=local.dtype)
+        local.copy_(distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local())
+    else:
+        param.copy_(value.detach().reshape(param.shape))
+
+
+def write_pending(params: list[torch.Tensor]) -> None:
+    """Before an optimizer step: the values :data:`PENDING_FP32` holds, written into the weights it updates."""
+    for p in params:
+        value = p.__dict__.pop(PENDING_FP32, None)
+        if value is not None:
+            write_whole(p, value)

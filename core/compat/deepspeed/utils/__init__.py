@@ -7,6 +7,7 @@ import logging as _logging  # not ``logging``: that name is DeepSpeed's submodul
 import torch
 
 from torsh.engine.precision import MASTER
+from torsh.engine.zero_params import PENDING_FP32, write_whole
 
 from ..runtime.dataloader import RepeatingLoader  # noqa: F401
 from .._unsupported import unsupported_function
@@ -61,8 +62,10 @@ def _fp32(param):
 
 
 def safe_get_full_fp32_param(param) -> torch.Tensor:
-    """The full fp32 value of ``param`` (gathered when sharded); collective under sharding: call on every rank."""
-    return _full(_fp32(param)).float().clone()
+    """The full fp32 value of ``param`` (gathered when sharded; what :func:`safe_set_full_fp32_param` wrote);
+    collective under sharding: call on every rank."""
+    pending = getattr(param, PENDING_FP32, None)
+    return pending.float().clone() if pending is not None else _full(_fp32(param)).float().clone()
 
 
 def safe_get_full_grad(param) -> torch.Tensor | None:
@@ -70,6 +73,23 @@ def safe_get_full_grad(param) -> torch.Tensor | None:
     collective under sharding."""
     grad = param.grad if _fp32(param).grad is None else _fp32(param).grad
     return None if grad is None else _full(grad).clone()
+
+
+def safe_set_full_fp32_param(param, value) -> None:
+    """Write ``value`` (the whole parameter, the same on every rank) into the fp32 weights the optimizer steps, as
+    DeepSpeed's: the master copy at stages 0/1 under fp16/bf16; a parameter the optimizer steps directly (fp32,
+    FSDP2 shards) takes it at the next optimizer step, before the update, so until then the forward uses the old
+    weights, as DeepSpeed's. A parameter that does not train is left alone, as DeepSpeed leaves it."""
+    if not param.requires_grad:
+        return
+    target = _fp32(param)
+    if value.numel() != target.numel():
+        raise ValueError(f"safe_set_full_fp32_param: the value has {value.numel()} elements, the parameter "
+                         f"{target.numel()} (pass the whole parameter, shape {tuple(target.shape)})")  # fmt: skip
+    if target is param:
+        setattr(param, PENDING_FP32, value.detach().clone())
+    else:
+        write_whole(target, value)
 
 
 def safe_get_local_fp32_param(param) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torsh.engine.zero_params import COMPUTE_DTYPE, ZeroParamStatus
+from torsh.engine.zero_params import COMPUTE_DTYPE, ZeroParamStatus, write_whole
 
 _ZERO_INIT_MARK = "_torsh_zero_init"
 _GATHERED = "_torsh_gathered"
@@ -204,12 +204,9 @@ class GatheredParameters:
         return False
 
     def _write_back(self) -> None:
-        from torch.distributed.tensor import distribute_tensor
-
         for p, full in zip(self._sharded, self._full):
             dist.broadcast(full.data, src=self.modifier_rank)
-            shard = distribute_tensor(full.data.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
-            p.to_local().copy_(shard.to_local())
+            write_whole(p, full.data)
 
 
 class _WholeData:
