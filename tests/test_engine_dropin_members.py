@@ -85,7 +85,8 @@ def members(rank: int, world_size: int, scenario: dict) -> dict:
         rec["same_after_load"] = float((engine(x) - other(x)).abs().max())
     other.compile(backend="eager", compile_kwargs={"dynamic": False})  # what Accelerate calls with a dynamo backend
     other.compile(backend="eager")  # twice: nothing more happens
-    rec["compiled"] = [other.is_compiled, engine.is_compiled]
+    rec["compiled"] = [other.is_compiled, engine.is_compiled, other.module._compiled_call_impl is not None,
+                       engine.module._compiled_call_impl is None]  # torch.compile wraps the model's call
     rec["plain"] = [engine.mpu, engine.has_moe_layers, engine.sequence_parallel_size, engine.wall_clock_breakdown()]
     rec["other_losses"] = _train(other, rank, 1, start=4)
     rec["engine_losses"] = _train(engine, rank, 1, start=4)
@@ -160,7 +161,7 @@ def test_engine_members(records, name):
         assert r0["consolidated"] == sorted(r0["module_keys"]) and r1["consolidated"] is None
     else:
         assert r0["consolidated"].startswith("consolidated_16bit_state_dict is only applicable")
-    assert r0["compiled"] == [True, False]
+    assert r0["compiled"] == [True, False, True, True]
     assert r0["plain"] == [None, False, 1, False]
     assert r0["forward_after_destroy"] == [2, h.SEQ, h.VOCAB]
     assert "after engine.destroy()" in r0["backward_after_destroy"]

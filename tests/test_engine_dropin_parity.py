@@ -312,12 +312,19 @@ def fp32_param(rank: int, world_size: int, scenario: dict) -> dict:
     full = {n: backend.utils.safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
     none = sorted(n for n, v in full.items() if v is None)
     full = {n: v for n, v in full.items() if v is not None}
-    # safe_set_full_fp32_param writes the fp32 weights the optimizer steps; a second step trains from them
+    # safe_get_full_grad between backward and step
     head = dict(engine.module.named_parameters())["head.weight"]
+    x, y = h.batch(9, rank, 2)
+    engine.backward(h.lm_loss(engine(x), y))
+    grad = backend.utils.safe_get_full_grad(head)
+    grad = None if grad is None else [str(grad.dtype), math.fsum(grad.double().flatten().tolist()),
+                                      math.fsum(grad.double().abs().flatten().tolist())]  # fmt: skip
+    engine.step()
+    # safe_set_full_fp32_param writes the fp32 weights the optimizer steps; a second step trains from them
     backend.utils.safe_set_full_fp32_param(head, torch.full(tuple(head.shape), 0.5))
     written = backend.utils.safe_get_full_fp32_param(head)
     set_value = None if written is None else sorted(set(written.flatten().tolist()))
-    return {"set": set_value, "after_set": _train(engine, rank, 2, 2), "none": none,
+    return {"grad": grad, "set": set_value, "after_set": _train(engine, rank, 3, 2), "none": none,
             "dtypes": sorted({str(v.dtype) for v in full.values()}),
             "fp32_bits": any(not torch.equal(v, v.bfloat16().float()) for v in full.values()),
             "sums": {n: [math.fsum(v.double().flatten().tolist()), math.fsum(v.double().abs().flatten().tolist())]
@@ -659,15 +666,18 @@ def test_optimizer_overflow_flag_like_deepspeed(records, case):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_safe_get_full_fp32_param_is_the_fp32_master_like_deepspeed(records, stage):
     """bf16 training: the function returns the fp32 master weights (values beyond bf16's precision), as DeepSpeed's;
-    safe_set_full_fp32_param writes them (read back the same on both)."""
+    safe_get_full_grad gives their fp32 gradient; safe_set_full_fp32_param writes them (read back the same on both,
+    and the next steps' losses agree)."""
     torsh_ranks, ds_ranks = _both(records, f"fp32param_s{stage}")
     for t, d in zip(torsh_ranks, ds_ranks):
         assert t["none"] == [] and t["dtypes"] == ["torch.float32"] and t["fp32_bits"] and t["set"] == [0.5]
+        assert t["grad"][0] == "torch.float32"  # safe_get_full_grad: the gradient of the fp32 weights
         assert all(loss == loss for loss in t["after_set"])  # training goes on from the written weights
         if stage == 0:  # DeepSpeed 0.19.8's bf16 stage 0 keeps no mapping to its masters: None for every parameter
             assert d["none"] == sorted(t["sums"]) and not d["sums"] and d["set"] is None
             continue
         assert d["none"] == [] and d["dtypes"] == ["torch.float32"] and d["fp32_bits"] and d["set"] == [0.5]
+        assert t["grad"][0] == d["grad"][0] and abs(t["grad"][1] - d["grad"][1]) <= 1e-3 * d["grad"][2]
         # the step after the write still computes with the old weights, then updates from the written ones
         assert t["after_set"] == pytest.approx(d["after_set"], rel=4e-3)
         assert t["sums"].keys() == d["sums"].keys()

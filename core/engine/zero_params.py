@@ -31,16 +31,15 @@ class ZeroParamStatus(Enum):
     INFLIGHT = 3
 
 
-def mark_partitioned(model: nn.Module, compute_dtype: torch.dtype) -> int:
+def mark_partitioned(model: nn.Module, compute_dtype: torch.dtype) -> None:
     """Give each sharded parameter of ``model`` DeepSpeed's ``ds_id``, ``ds_status``, ``ds_shape`` and
-    ``ds_numel`` (whole shape and size); returns how many were marked."""
+    ``ds_numel`` (whole shape and size)."""
     from torch.distributed.tensor import DTensor
 
     sharded = [p for p in model.parameters() if isinstance(p, DTensor)]  # a tied weight once
     for ds_id, p in enumerate(sharded):
         p.ds_id, p.ds_status, p.ds_shape, p.ds_numel = ds_id, ZeroParamStatus.NOT_AVAILABLE, p.shape, p.numel()
         setattr(p, COMPUTE_DTYPE, compute_dtype)
-    return len(sharded)
 
 
 @torch.no_grad()

@@ -69,10 +69,11 @@ def safe_get_full_fp32_param(param) -> torch.Tensor:
 
 
 def safe_get_full_grad(param) -> torch.Tensor | None:
-    """The full gradient of ``param`` (gathered when sharded; the fp32 master's once it holds it), or None;
-    collective under sharding."""
-    grad = param.grad if _fp32(param).grad is None else _fp32(param).grad
-    return None if grad is None else _full(grad).clone()
+    """The full gradient of ``param`` in the dtype of the weights the optimizer steps (fp32 under fp16/bf16, as
+    DeepSpeed's ZeRO optimizers give it), gathered when sharded; None before backward. Collective under sharding."""
+    source = _fp32(param)
+    grad = source.grad if source.grad is not None else param.grad
+    return None if grad is None else _full(grad).to(source.dtype, copy=True)
 
 
 def safe_set_full_fp32_param(param, value) -> None:
