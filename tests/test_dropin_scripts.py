@@ -37,10 +37,12 @@ CASES = {
     "hf_trainer_zero3_style": ("hf_trainer_style", ["--zero_stage", "3"], "fp32", None),
     "accelerate_style": ("accelerate_style", [], "fp32", None),
     "accelerate_zero3_style": ("accelerate_style", ["--zero_stage", "3"], "fp32", None),
+    "accelerate_compile_style": ("accelerate_style", ["--dynamo_backend", "eager"], "fp32", None),
 }
 #: Cases whose script needs packages beyond the engine's (skipped, with the reason, when they are missing).
 NEEDS = {"hf_trainer_style": ("transformers", "accelerate"), "hf_trainer_zero3_style": ("transformers", "accelerate"),
-         "accelerate_style": ("accelerate",), "accelerate_zero3_style": ("accelerate",)}
+         "accelerate_style": ("accelerate",), "accelerate_zero3_style": ("accelerate",),
+         "accelerate_compile_style": ("accelerate",)}
 #: Cases real DeepSpeed 0.19.8 cannot run on the CPU, and why (they run on torsh only).
 DEEPSPEED_CANNOT = {"cifar_style_fp16": "DeepSpeed 0.19.8 on the CPU accelerator fails in BatchNorm with fp16 "
                                         "('expected scalar type Half but found Float')"}
@@ -161,7 +163,9 @@ def test_script_losses_match_real_deepspeed(name, tmp_path):
             for key, (shape, kind, dtype, total, size) in theirs[helper].items():
                 assert ours[helper][key][:3] == [shape, kind, dtype], (helper, key)
                 assert abs(ours[helper][key][3] - total) <= max(tolerance, 1e-3) * size, (helper, key)
-    if name.startswith("accelerate"):  # get_state_dict, and the loss after load_state
+    if name.startswith("accelerate"):  # get_state_dict, the loss after load_state, engine.compile through Accelerate
+        assert (ours["engine"], theirs["engine"]) == ("Engine", "DeepSpeedEngine")  # prepare took DeepSpeed's path
+        assert ours["compiled"] == theirs["compiled"] == (name == "accelerate_compile_style")
         assert ours["state"].keys() == theirs["state"].keys() and len(ours["state"]) == 5
         for key, (shape, total) in theirs["state"].items():
             assert ours["state"][key][0] == shape and ours["state"][key][1] == pytest.approx(total, rel=tolerance)
