@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # environments sharing the default cache do not rebuild it back and forth.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: run test venv schemas bench goldens clean fuzz
+.PHONY: run test venv schemas bench goldens clean fuzz docs
 
 $(STAMP): requirements-dev.txt requirements-nodeps.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,3 +50,7 @@ FUZZ_INPUTS ?= 100000
 FUZZ_TIMEOUT ?= 10
 fuzz: $(STAMP)
 	$(PY) tests/fuzz_long.py --inputs $(FUZZ_INPUTS) --timeout $(FUZZ_TIMEOUT)
+
+## The documentation site (mkdocs.yml, docs/) built into site/; --strict fails on any broken link or reference.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
