@@ -177,13 +177,13 @@ def test_deepspeed_nvme_offload_is_unsupported_in_fsdp():
         assert note.fidelity.value == U and "NVMe" in note.reason
 
 
-def test_readme_sharding_table_is_the_generated_one():
+def test_docs_sharding_table_is_the_generated_one():
     from pathlib import Path
 
     from torsh.adapters._equivalence import render, table_in
 
-    readme = Path(__file__).resolve().parent.parent / "README.md"
-    assert table_in(readme) == render(), "regenerate it: python -m torsh.adapters._equivalence README.md"
+    page = Path(__file__).resolve().parent.parent / "docs" / "guides" / "fsdp.md"
+    assert table_in(page) == render(), "regenerate it: python -m torsh.adapters._equivalence docs/guides/fsdp.md"
 
 
 @pytest.mark.parametrize("dialect", ["fsdp", "fsdp1", "fsdp2", "fairscale", "accelerate"])
