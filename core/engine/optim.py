@@ -90,10 +90,10 @@ def build_optimizer(cfg: Any, params: Any, *, offload: bool) -> Any:
     values = {key: value for key, (_, value) in kwargs.items()}
     if "betas" in values:
         values["betas"] = tuple(values["betas"])
-    if "foreach" in accepted and "foreach" not in values and all_sharded(params):
+    if "foreach" in accepted and "foreach" not in values and not values.get("fused") and all_sharded(params):
         # torch steps CPU tensors one at a time unless told otherwise; for FSDP2's DTensors every one of those
         # per-parameter ops is a DTensor dispatch (about 2.5 ms of a 28 ms ZeRO-2 step on 2 CPU ranks). One
-        # foreach op per list dispatches once; on CUDA torch chooses foreach by itself.
+        # foreach op per list dispatches once; on CUDA torch chooses foreach by itself. (fused excludes it.)
         values["foreach"] = True
     return cls(params, **values)
 

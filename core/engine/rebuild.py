@@ -71,6 +71,64 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
     return type(optimizer), _accepted(type(optimizer), optimizer.defaults), groups
 
 
+#: Implementation switches of torch optimizers: how the step runs, not what it computes (per group and default).
+_SWITCHES = ("fused", "foreach", "capturable", "differentiable")
+
+
+def adopt_construction(cls: type, defaults: dict, groups: list[dict]) -> tuple[dict, list[dict]]:
+    """The script's implementation switches (``fused``, ``foreach``, ``capturable``, ``differentiable``), kept as
+    torch allows them on the tensors the step updates; each one changed is logged.
+
+    The script chose them for its own parameters; the step tensors may differ (fp32 masters, FSDP2 shards, CPU
+    offload): ``fused`` needs floating-point tensors on a device with fused kernels (the CPU has them), and
+    ``capturable`` a device with CUDA-graph support. ``fused`` excludes ``foreach``; when the script left
+    ``foreach`` to torch (None, not fused), FSDP2 shards get ``foreach=True``, as a configured optimizer does
+    (:func:`torsh.engine.optim.build_optimizer`): one DTensor dispatch per list instead of one per tensor.
+    """
+    from torch.optim.optimizer import _get_capturable_supported_devices
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    tensors = [t for g in groups for t in g["params"]]
+    devices = {t.device.type for t in tensors}
+    where = "/".join(sorted(devices)) or "no device"
+    floating = all(t.is_floating_point() for t in tensors)
+    fused_ok = devices <= set(_get_fused_kernels_supported_devices()) and floating
+    capturable_devices = _get_capturable_supported_devices()
+    sharded = all_sharded(groups)
+    notes: dict[str, None] = {}  # each change logged once, not once per group
+
+    def adjusted(values: dict) -> dict:
+        values = dict(values)
+        if values.get("fused") and values.get("differentiable"):
+            notes["fused=True does not support differentiable=True: fused=False"] = None
+            values["fused"] = False
+        if values.get("fused") and not fused_ok:
+            notes[f"fused=True needs floating-point tensors on a device with fused kernels; the step tensors are "
+                  f"{'floating point' if floating else 'not all floating point'} on {where}: fused=False"] = None
+            values["fused"] = False
+        if values.get("fused") and values.get("foreach"):
+            notes["fused=True and foreach=True cannot be combined: fused is kept, foreach=None"] = None
+            values["foreach"] = None
+        if values.get("capturable") and devices - set(capturable_devices):
+            notes[f"capturable=True needs the step tensors on {'/'.join(capturable_devices)}; they are on "
+                  f"{where}: capturable=False"] = None
+            values["capturable"] = False
+        if "foreach" in values and values["foreach"] is None and not values.get("fused") and sharded:
+            values["foreach"] = True  # left to torch by the script: foreach over FSDP2 shards, as configured ones
+        return values
+
+    new_defaults = adjusted(defaults)
+    new_groups = []
+    for g in groups:
+        if any(k in g for k in _SWITCHES):
+            # torch copies the defaults into every group, so the group's own switches are the ones used
+            g = {**g, **{k: v for k, v in adjusted(g).items() if k in _SWITCHES}}
+        new_groups.append(g)
+    for note in notes:
+        log.warning("%s rebuilt over the step tensors: %s", cls.__name__, note)
+    return new_defaults, new_groups
+
+
 def _accepted(cls: type, kwargs: dict) -> dict:
     params = inspect.signature(cls.__init__).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
@@ -91,8 +149,7 @@ def build_step_optimizer(*, section: OptimizerConfig | None, client: Any, groups
     if isinstance(client, torch.optim.Optimizer):
         cls, defaults, named = rebuild_optimizer(client, name_of, by_name)
         params = _resolve(named, by_name)
-        if defaults.get("foreach", False) is None and all_sharded(params):
-            defaults["foreach"] = True  # left to torch by the script: foreach over FSDP2 shards, as configured ones
+        defaults, params = adopt_construction(cls, defaults, params)
         built = cls(params, **defaults)
     elif callable(client):
         built = client(_resolve(groups, by_name))
@@ -102,13 +159,43 @@ def build_step_optimizer(*, section: OptimizerConfig | None, client: Any, groups
         built = build_configured(section, _resolve(groups, by_name), offload=offload)
     else:
         return None
-    if wrapper is None:
-        return built
-    # ZeRO-1: the same class, hyper-parameters and groups, with the state sharded across ranks.
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    if wrapper is not None:
+        # ZeRO-1: the same class, hyper-parameters and groups, with the state sharded across ranks.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    groups = [dict(g) for g in built.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(built), **_accepted(type(built), built.defaults))
+        groups = [dict(g) for g in built.param_groups]
+        built = ZeroRedundancyOptimizer(groups, optimizer_class=type(built), **_accepted(type(built), built.defaults))
+    if isinstance(client, torch.optim.Optimizer):
+        forward_client(client, built)  # schedulers on the script's optimizer drive the one that steps
+    return built
+
+
+def forward_client(client: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> None:
+    """Make the script's optimizer a view of the rebuilt one: the same ``param_groups`` (list and dicts) and ``state``.
+
+    Under DeepSpeed the script's optimizer keeps stepping (its ZeRO optimizer wraps it and steps it over the flat
+    fp32 partitions), so everything that holds the script's object sees the learning rate that is used: a
+    scheduler built before ``initialize`` and not passed to it (the Trainer of transformers 4.x, Accelerate's
+    ``prepare`` of a torch scheduler), one built after on the object the script still holds, and a script's own
+    ``for g in optimizer.param_groups: g["lr"] = ...``. Re-pointing ``scheduler.optimizer`` reaches only a
+    scheduler passed to ``initialize`` (:func:`rebind_scheduler`); the others cannot be found from here. Sharing
+    the groups reaches all of them in any order, since a scheduler reads ``optimizer.param_groups`` at every
+    step. The groups were copied with ``lr``/``initial_lr``, so a schedule already started continues. torch's
+    "lr_scheduler.step() before optimizer.step()" check reads ``_opt_called`` on the script's object: the
+    rebuilt optimizer's step sets it there too.
+    """
+    if client is optimizer:
+        return
+    client.param_groups = optimizer.param_groups
+    client.state = optimizer.state
+    ref = weakref.ref(client)
+
+    def mark_stepped(*_args, **_kwargs):
+        opt = ref()
+        if opt is not None:
+            opt._opt_called = True  # type: ignore[attr-defined]
+
+    optimizer.register_step_post_hook(mark_stepped)
 
 
 def rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
