@@ -5,7 +5,7 @@ the launches are interleaved (native, torsh, deepspeed, native, ...) and repeate
 torsh/native, which is held to 2%, is also measured in one launch running both jobs with alternating steps
 (see ``benchmarks.worker``): separate launches on a shared machine differ by more than that. Medians and
 min-max are reported with the ratios and whether each target holds. Writes ``benchmarks/results/latest.json``
-and ``latest.md`` and, with ``--update-readme``, the table in README.md.
+and ``latest.md``, which the documentation's results page (docs/benchmarks.md) includes when the site is built.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SHAPE_NAMES = ("compute", "comm", "transformer")
 IMPL_NAMES = ("native", "torsh", "deepspeed", "torsh-per-layer")
 RESULTS = ROOT / "benchmarks" / "results"
+#: The documentation page of the results: it includes ``latest.md`` when the site is built, so no table is copied.
+RESULTS_PAGE = ROOT / "docs" / "benchmarks.md"
 TARGETS = {
     "step torsh/native": 1.02,
     "step torsh/deepspeed": 0.9,
@@ -292,15 +294,13 @@ def check_targets(report: dict) -> list[str]:
     return out
 
 
-def update_readme(table: str, readme: Path = ROOT / "README.md") -> None:
-    """Replace the table between the benchmark markers; add a ``## Benchmarks`` section with them if missing."""
-    text = readme.read_text()
-    start, end = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
-    if start not in text or end not in text:
-        text = text.rstrip("\n") + f"\n\n## Benchmarks\n\n{start}\n{end}\n"
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    readme.write_text(f"{head}{start}\n{table}{end}{tail}")
+def check_results_page(page: Path = RESULTS_PAGE) -> str:
+    """Where the new table shows: the results page includes ``latest.md``; an error if it no longer does."""
+    latest = (RESULTS / "latest.md").relative_to(ROOT).as_posix()
+    include = f'--8<-- "{latest}"'
+    if not page.is_file() or include not in page.read_text():
+        raise SystemExit(f"error: {page} does not include the results ({include}): add that line to the page")
+    return f"{page.relative_to(ROOT).as_posix()} includes {latest}: `make docs` shows this run"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="one device's peak TFLOP/s in the measured precision (e.g. 989 for an H100 SXM in "
                              "bf16): the table then gives MFU")  # fmt: skip
-    parser.add_argument("--update-readme", action="store_true")
+    parser.add_argument("--update-readme", action="store_true",
+                        help="check that the documentation's results page includes latest.md (the README no longer "
+                             "holds the table)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         shapes_given = any(a == "--shapes" or a.startswith("--shapes=") for a in (argv or sys.argv[1:]))
@@ -381,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     (RESULTS / "latest.md").write_text(table)
     print(table)
     if args.update_readme:
-        update_readme(table)
+        print(check_results_page())
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The benchmark's arithmetic on synthetic results: medians, ratios, targets, the table and the README block.
+"""The benchmark's arithmetic on synthetic results: medians, ratios, targets, the table and the results page.
 
 Nothing here is timed: the numbers are made up so that each target's verdict is known in advance.
 """
@@ -100,15 +100,14 @@ def test_markdown_table_names_the_run_and_every_case():
     assert "- convert cold start (s) ≤ 0.3: holds (worst 0.250)" in text
 
 
-def test_readme_block_is_replaced_and_the_rest_kept(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text("# torsh\n\nintro\n")
-    bench.update_readme("| old |\n", readme)  # no markers yet: a Benchmarks section is added
-    bench.update_readme("| new |\n", readme)
-    text = readme.read_text()
-    assert text.startswith("# torsh\n\nintro\n\n## Benchmarks\n")
-    assert "<!-- benchmarks:start -->\n| new |\n<!-- benchmarks:end -->" in text and "| old |" not in text
-    assert text.count("## Benchmarks") == 1
+def test_results_page_includes_the_table_every_run_writes(tmp_path):
+    message = bench.check_results_page()  # the real page: docs/benchmarks.md includes latest.md
+    assert message.startswith("docs/benchmarks.md includes benchmarks/results/latest.md")
+    assert "<!-- benchmarks:start -->" not in (bench.ROOT / "README.md").read_text()  # no copy of the numbers
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmark results\n\n| old |\n")
+    with pytest.raises(SystemExit, match="does not include the results"):
+        bench.check_results_page(page)
 
 
 # ---- the transformer shape, tokens/s, MFU and GPU memory ------------------------------------------------
