@@ -35,7 +35,7 @@ def _torch_missing(what: str, exc: ModuleNotFoundError) -> ModuleNotFoundError:
     """The error for ``what`` needing PyTorch when ``exc`` says torch is not installed (``exc`` itself otherwise)."""
     if exc.name is None or exc.name.split(".")[0] != "torch":
         return exc
-    # The README's Install section says how to get a CPU-only build (the default wheel on Linux is a CUDA one).
+    # docs/getting-started.md (Install) says how to get a CPU-only build (the default wheel on Linux is a CUDA one).
     return ModuleNotFoundError(f"{what} needs PyTorch: {_ENGINE_EXTRA}", name=exc.name)
 
 

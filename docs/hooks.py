@@ -112,7 +112,8 @@ def _value_of(action: argparse.Action) -> str:
     metavar = action.metavar or (action.dest.upper() if action.option_strings else "")
     if isinstance(metavar, tuple):
         metavar = " ".join(metavar)
-    suffix = {"*": " ...", "+": " ...", "?": " (optional)"}.get(action.nargs, "") if isinstance(action.nargs, str) else ""
+    nargs = action.nargs if isinstance(action.nargs, str) else None
+    suffix = {"*": " ...", "+": " ...", "?": " (optional)"}.get(nargs, "")
     return f"`{metavar}`{suffix}" if metavar else suffix.strip()
 
 

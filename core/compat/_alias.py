@@ -56,7 +56,7 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(
                 f"No module named {fullname!r}: DeepSpeed runs on torsh here (torsh run), and torsh's DeepSpeed "
                 f"compatibility package does not provide {fullname!r}. Import it from real DeepSpeed under the "
-                "deepspeed launcher, or use the torch equivalent (the README lists the covered API).",
+                "deepspeed launcher, or use the torch equivalent (docs/torsh-run.md lists the covered API).",
                 name=fullname) from None  # fmt: skip
         return importlib.util.spec_from_loader(fullname, _AliasLoader(module),
                                                is_package=hasattr(module, "__path__"))  # fmt: skip

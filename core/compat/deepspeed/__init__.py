@@ -57,7 +57,7 @@ def __getattr__(name: str):
             value = getattr(value, attribute)
     else:
         raise AttributeError(f"module 'deepspeed' (torsh's DeepSpeed compatibility package) has no attribute "
-                             f"{name!r}; the README lists the DeepSpeed API torsh covers")  # fmt: skip
+                             f"{name!r}; docs/torsh-run.md lists the DeepSpeed API torsh covers")  # fmt: skip
     globals()[name] = value
     return value
 
