@@ -57,7 +57,13 @@ DEFAULT_FORMAT = "yaml"
 READS_RELATIVE_PATHS = True
 _DDP_TYPES = {"MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_HPU",
               "MULTI_NEURON"}  # fmt: skip
-_OTHER_TYPES = {"NO", "FSDP", "DEEPSPEED", "MEGATRON_LM", "TP", "XLA"}
+_OTHER_TYPES = {"NO", "FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"}
+#: SageMakerDistributedType: the kinds of a compute_environment AMAZON_SAGEMAKER file (SageMaker launches them).
+_SAGEMAKER_TYPES = {"NO", "DATA_PARALLEL", "MODEL_PARALLEL"}
+#: The kinds ``accelerate launch`` starts through torchrun (its multi-GPU and single-machine DeepSpeed launchers):
+#: the only ones where a num_processes that is not an int reaches a launcher that reads it (torchrun's
+#: --nproc_per_node takes "auto" and a number as text). The others compare num_processes with 1 first and fail.
+_TORCHRUN_TYPES = (_DDP_TYPES - {"MULTI_CPU"}) | {"FSDP", "DEEPSPEED", "MEGATRON_LM"}
 _WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 _PREFETCH = {"BACKWARD_PRE": "backward_pre", "BACKWARD_POST": "backward_post", "NO_PREFETCH": "none"}
 _STATE_DICTS = ("FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT")
@@ -68,8 +74,15 @@ _DS_FILE_EXCLUSIVE = ("zero_stage", "gradient_accumulation_steps", "gradient_cli
                       "zero3_save_16bit_model")  # fmt: skip
 
 
+def _kind_of(value: Any) -> str:
+    """The distributed_type as Accelerate's launcher acts on it: YAML reads an unquoted ``NO``/``no`` as false (and
+    ``yes`` as true); ClusterConfig keeps the boolean, and ``accelerate launch`` then picks none of its multi-process
+    launchers: a single process, as NO."""
+    return "NO" if isinstance(value, bool) else str(value).upper()
+
+
 def _kind(ctx: Any) -> str:
-    return str(ctx.raw.get("distributed_type", "NO")).upper()
+    return _kind_of(ctx.raw.get("distributed_type", "NO"))
 
 
 def _fsdp_version(ctx: Any) -> int:
@@ -104,18 +117,34 @@ def _remember(key: str, convert=lambda v, ctx, path: v):
 
 
 def _read_distributed_type(value: Any, ctx: ReadContext, path: str) -> None:
+    """Accelerate's enums match the exact spelling (DistributedType("multi_gpu") raises); a YAML boolean is kept by
+    its loader and launched as a single process (see :func:`_kind_of`)."""
+    sagemaker = str(ctx.raw.get("compute_environment", "")).upper() == "AMAZON_SAGEMAKER"
+    known = sorted(_SAGEMAKER_TYPES if sagemaker else _DDP_TYPES | _OTHER_TYPES)
+    if isinstance(value, bool):
+        ask = "" if "num_processes" in ctx.raw else ("; with no num_processes, accelerate launch asks for "
+                                                      "--num_processes (Accelerate gives 1 only to the string 'NO')")
+        ctx.note(path, Fidelity.EXACT, f"{str(value).lower()}: YAML reads an unquoted no/yes as a boolean; "
+                 f"accelerate launch runs it as NO, a single process (write 'NO', quoted){ask}", value)
+        ctx.keep(path, "NO")
+        ctx.set("sharding.stage", 0, path, Fidelity.EXACT, "a single process", note=False)
+        return
     kind = str(value).upper()
-    if kind not in _DDP_TYPES | _OTHER_TYPES:
+    if value not in known:
         from torsh.errors import did_you_mean
 
-        known = sorted(_DDP_TYPES | _OTHER_TYPES)
-        ctx.problem(path, value, f"unknown distributed_type; expected one of {', '.join(known)}",
-                    did_you_mean(kind, known))
+        why = (f"Accelerate spells it {kind} (its enum matches capitals only)" if kind in known else
+               f"unknown distributed_type; expected one of {', '.join(known)}")  # fmt: skip
+        ctx.problem(path, value, why, did_you_mean(kind, known))
         return
     ctx.keep(path, kind)
+    if kind in _SAGEMAKER_TYPES - {"NO"}:
+        ctx.note(path, Fidelity.UNSUPPORTED, f"{kind}: SageMaker's own distributed library; torsh runs "
+                 "torch.distributed jobs", value)  # fmt: skip
+        return
     if kind in ("NO",) or kind in _DDP_TYPES:
         ctx.set("sharding.stage", 0, path, Fidelity.EXACT, "DDP" if kind != "NO" else "a single process")
-    elif kind in ("MEGATRON_LM", "TP", "XLA"):
+    elif kind in ("MEGATRON_LM", "XLA"):
         ctx.note(path, Fidelity.UNSUPPORTED, f"{kind}: tensor/model parallel or TPU training; torsh runs data "
                  "parallel jobs", value)  # fmt: skip
     else:
@@ -124,8 +153,25 @@ def _read_distributed_type(value: Any, ctx: ReadContext, path: str) -> None:
 
 def _read_num_processes(value: Any, ctx: ReadContext, path: str) -> None:
     """num_processes: a positive count; -1 is Accelerate's own "not stated" default (``accelerate launch`` then
-    demands --num_processes); null lets the launcher count the visible accelerators. Anything else is refused."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+    demands --num_processes); null lets the launcher count the visible accelerators. "auto" and a number as text
+    reach torchrun's --nproc_per_node as they are, for the kinds launched through torchrun on one machine (the
+    other launchers compare the value with 1 and fail). Anything else is refused."""
+    text = isinstance(value, str)
+    if text and value.strip().isdigit() and int(value) > 0 or value == "auto":
+        kind, machines = _kind(ctx), ctx.raw.get("num_machines", 1)
+        one_machine = isinstance(machines, int) and machines <= 1 or machines is None
+        if kind not in _TORCHRUN_TYPES or not one_machine:
+            where = (f"distributed_type {kind}" if kind not in _TORCHRUN_TYPES else
+                     f"num_machines {machines} (it divides num_processes by it)")  # fmt: skip
+            raise ConfigError([Problem(path, value, f"accelerate launch fails on a num_processes that is not a "
+                                       f"number with {where}; give the number of processes over all machines")],
+                              source=NAME)  # fmt: skip
+        if value == "auto":
+            ctx.note(path, Fidelity.DEFERRED, "one process per visible accelerator: accelerate launch passes it to "
+                     "torchrun --nproc_per_node auto", value)  # fmt: skip
+            return
+        ctx.set("launch.world_size", int(value), path, Fidelity.EXACT, "a number as text: torchrun reads it as one")
+    elif isinstance(value, int) and not isinstance(value, bool) and value > 0:
         ctx.set("launch.world_size", value, path, Fidelity.EXACT, "processes over all machines")
     elif value == -1 and not isinstance(value, bool):
         ctx.note(path, Fidelity.EXACT, "-1 is Accelerate's 'not stated': accelerate launch refuses this file unless "
@@ -627,7 +673,7 @@ def _sniff(raw: Any) -> float:
 
 def _check_ds_file_exclusive(raw: dict) -> None:
     ds = raw.get("deepspeed_config") or {}
-    if str(raw.get("distributed_type", "")).upper() == "DEEPSPEED" and "deepspeed_config_file" in ds:
+    if _kind_of(raw.get("distributed_type", "")) == "DEEPSPEED" and "deepspeed_config_file" in ds:
         mixed = [k for k in _DS_FILE_EXCLUSIVE if k in ds]
         if mixed:
             raise ConfigError([Problem(f"deepspeed_config.{k}", ds[k], "Accelerate refuses this key next to "
@@ -640,6 +686,12 @@ def _check_ds_file_exclusive(raw: dict) -> None:
 #: meaning of their own: their rules read it.)
 _NULL_IS_DEFAULT = ("mixed_precision", "deepspeed_config", "fsdp_config", "parallelism_config", "fp8_config",
                     "megatron_lm_config", "mpirun_config", "tpu_vm")  # fmt: skip
+#: Top-level keys whose null ClusterConfig loads but ``accelerate launch`` cannot use without a flag: left to the
+#: launch (DEFERRED), with what to do.
+_NULL_IS_LEFT_TO_LAUNCH = {
+    "num_machines": "null: accelerate launch fails on it (it compares it with 1) unless --num_machines N is passed; "
+                    "write 1 for one machine. torsh reads one machine",
+}
 _SECTIONS = ("deepspeed_config", "fsdp_config")
 
 
@@ -650,6 +702,9 @@ def _without_nulls(raw: dict) -> tuple[dict, list[Note]]:
     for key, value in raw.items():
         if value is None and key in _NULL_IS_DEFAULT:
             notes.append(Note(key, None, None, Fidelity.EXACT, "null: not set, Accelerate's default applies"))
+            continue
+        if value is None and key in _NULL_IS_LEFT_TO_LAUNCH:
+            notes.append(Note(key, None, None, Fidelity.DEFERRED, _NULL_IS_LEFT_TO_LAUNCH[key]))
             continue
         if key in _SECTIONS and isinstance(value, dict) and None in value.values():
             notes += [Note(f"{key}.{k}", None, None, Fidelity.EXACT, "null: not set, Accelerate's default applies")
@@ -683,7 +738,7 @@ def _unread_section_keys(key: str, section: dict) -> tuple[dict, list[Note], dic
 def _inactive_sections(raw: dict) -> tuple[dict, list[Note], dict]:
     """Sections Accelerate does not read for this distributed_type, and empty ones: noted, kept, not mapped; keys of
     the active section that nothing reads: noted, kept, not mapped."""
-    kind = str(raw.get("distributed_type", "NO")).upper()
+    kind = _kind_of(raw.get("distributed_type", "NO"))
     active = {"fsdp_config": kind == "FSDP", "deepspeed_config": kind == "DEEPSPEED"}
     clean, notes, kept = {}, [], {}
     for key, value in raw.items():

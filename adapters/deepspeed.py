@@ -307,6 +307,19 @@ def _schema_check(raw: Mapping[str, Any]) -> list[Any]:
     return [e for e in errors if e.validator == "additionalProperties" and e.absolute_path]
 
 
+#: Values DeepSpeedConfig accepts for a key whose core type cannot hold them, and what they mean to whoever runs the
+#: file: (key, value) -> (fidelity, reason). Read before the map, kept out of the core model.
+_VALUES_BEFORE_THE_MAP: dict[tuple[str, Any], tuple[Fidelity, str]] = {
+    ("steps_per_print", float("inf")): (_IGNORED, "inf: never print (Accelerate's way to silence DeepSpeed's progress "
+                                        "lines); logging only"),
+    # DeepSpeedConfig stores the string as it is; Accelerate's DeepSpeedPlugin (also under the HF Trainer) replaces
+    # it with inf. DeepSpeed's engine alone would compute (step + 1) % "auto" at its first step() and fail.
+    ("steps_per_print", "auto"): (_DEFERRED, "\"auto\": Accelerate and the HF Trainer replace it with inf (never "
+                                  "print); logging only. deepspeed.initialize alone accepts the file but fails at the "
+                                  "first step() (it computes step % \"auto\"): give a number there"),
+}
+
+
 def _before_the_map(raw: dict) -> tuple[dict, list[Note]]:
     """Values read before the map: the legacy ``"zero_optimization": true|false``, and what Accelerate passes
     (``steps_per_print: inf``) or DeepSpeed accepts without effect (a negative ``flops_profiler.profile_step``)."""
@@ -316,9 +329,9 @@ def _before_the_map(raw: dict) -> tuple[dict, list[Note]]:
         notes.append(Note("zero_optimization", "sharding.stage", zero, Fidelity.EXACT,
                           f"legacy boolean form: {str(zero).lower()} means stage {int(zero)}"))  # fmt: skip
         raw["zero_optimization"] = {"stage": int(zero)}
-    if raw.get("steps_per_print") == float("inf"):
-        notes.append(Note("steps_per_print", None, raw.pop("steps_per_print"), _IGNORED, "inf: never print "
-                          "(Accelerate's way to silence DeepSpeed's progress lines); logging only"))  # fmt: skip
+    for (key, value), (fidelity, why) in _VALUES_BEFORE_THE_MAP.items():
+        if key in raw and raw[key] == value and type(raw[key]) is type(value):
+            notes.append(Note(key, None, raw.pop(key), fidelity, why))
     clip, every = raw.get("gradient_clipping"), raw.get("steps_per_print")
     if _number(clip) and clip < 0:
         notes.append(Note("gradient_clipping", "gradients.clip_max_norm", clip, Fidelity.EXACT, f"{clip}: no "

@@ -36,6 +36,17 @@ _V1_DEFAULTS = {"backward_prefetch": "NO_PREFETCH", "forward_prefetch": False, "
 _V2_ONLY = frozenset({"reshard_after_forward", "cpu_ram_efficient_loading", "activation_checkpointing"})
 _XLA = frozenset({"xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings"})
 _TRAINER_OPTIONS = {"full_shard": True, "shard_grad_op": False}
+#: How transformers 5.x reads each boolean setting it passes on (training_args.py, _process_fsdp_args): "text" is
+#: ``str_to_bool(str(value).lower())`` (true/false, yes/no, on/off, t/f, y/n, 1/0; anything else raises), "truth" is
+#: ``if fsdp_config.get(key)`` (any non-empty text is true, the text "false" too).
+#: Each key with the FSDP versions for which transformers reads it.
+_BOOLEANS = {**dict.fromkeys(("cpu_ram_efficient_loading", "activation_checkpointing"), ("text", (1, 2))),
+             "reshard_after_forward": ("text", (2,)),
+             **dict.fromkeys(("forward_prefetch", "use_orig_params", "sync_module_states", "limit_all_gathers"),
+                             ("text", (1,))),
+             **dict.fromkeys(("cpu_offload", *_XLA - {"xla_fsdp_settings"}), ("truth", (1, 2)))}  # fmt: skip
+_STR_TO_BOOL = {"y": True, "yes": True, "t": True, "true": True, "on": True, "1": True,
+                "n": False, "no": False, "f": False, "false": False, "off": False, "0": False}  # fmt: skip
 
 
 def _plain_keys(config: dict, notes: list[Note]) -> dict:
@@ -67,10 +78,31 @@ def _apply_options(options: Any, config: dict, notes: list[Note]) -> None:
                       "transformers applies them"))  # fmt: skip
 
 
+def _as_transformers_reads(key: str, value: Any, fsdp_version: int, source: str, notes: list[Note]) -> Any:
+    """A boolean setting as transformers reads it (see ``_BOOLEANS``); a value it raises on is refused here too."""
+    how, versions = _BOOLEANS.get(key, (None, ()))
+    if fsdp_version not in versions or isinstance(value, bool):
+        return value
+    if how == "truth":
+        if isinstance(value, str) and value.strip().lower() in _STR_TO_BOOL and bool(value) != _STR_TO_BOOL[
+                value.strip().lower()]:  # fmt: skip
+            notes.append(Note(source, None, value, Fidelity.APPROXIMATE, f"transformers tests this key for truth: "
+                              f"the text {value!r} is true; write true or false"))  # fmt: skip
+        return bool(value)
+    text = str(value).lower()
+    if text not in _STR_TO_BOOL:
+        raise ConfigError([Problem(source, value, "transformers raises on it (invalid truth value); write true or "
+                                   "false")], source=NAME)  # fmt: skip
+    return _STR_TO_BOOL[text]
+
+
 def _unread_reason(key: str, value: Any, fsdp_version: int) -> tuple[Fidelity, str] | None:
     """Why transformers does not pass a key on to the plugin (None: it does)."""
     if key in _XLA:
         return (Fidelity.UNSUPPORTED, "the XLA (TPU) FSDP path") if value else (Fidelity.EXACT, "off")
+    if key == "offload_params":
+        return Fidelity.IGNORED, ("transformers 5.x does not read it: it offloads with cpu_offload or the fsdp option "
+                                  "'offload' (fsdp_offload_params is an accelerate config YAML key)")
     if key == "limit_all_gathers":
         return Fidelity.IGNORED, "no effect on the training (FSDP1's rate limiter)"
     if fsdp_version == 2 and key in (*_V1_DEFAULTS, "sharding_strategy"):
@@ -108,6 +140,7 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
     section, spelling = {}, {}  # Accelerate's fsdp_config, and where each of its keys came from
     for key, (written, value) in config.items():
         source = written if written == "fsdp" else where(written)
+        value = _as_transformers_reads(key, value, fsdp_version, source, notes)
         unread = _unread_reason(key, value, fsdp_version)
         if unread:
             notes.append(Note(source, None, value, *unread))

@@ -316,6 +316,37 @@ _RUNTIME = "set per process or per job by horovodrun at run time, not a setting"
 _LAUNCH_ONLY = "a horovodrun launch option with no training meaning; the launch dialect translates launch commands"
 
 
+def _config_file_keys_read(config: dict, notes: list[Note]) -> dict:
+    """The config file without the keys horovodrun's config parser does not read: it takes each key it knows with
+    ``section.get(key)`` and passes over every other one (a section it does not know, too), so these are DROPPED
+    notes with a did-you-mean, never errors."""
+    from torsh.errors import did_you_mean
+
+    known = {k.split(".", 1)[1] for k in FIELD_MAP if k.startswith("config_file.")}
+    sections = {k.split(".", 1)[0] for k in known}
+    kept: dict = {}
+    for section, value in config.items():
+        if section not in sections:
+            guess = did_you_mean(str(section), sorted(sections))
+            notes.append(Note(f"config_file.{section}", None, value, Fidelity.DROPPED, "horovodrun 0.28.1 reads no "
+                              "such section (it passes over it)" + (f"; did you mean '{guess}'?" if guess else "")))
+            continue
+        if not isinstance(value, dict):
+            kept[section] = value  # a section that is not a mapping: horovodrun fails on it, the schema says so
+            continue
+        kept[section] = {}
+        for key, item in value.items():
+            if f"{section}.{key}" in known or not isinstance(key, str):
+                kept[section][key] = item
+                continue
+            leaves = sorted(k.split(".", 1)[1] for k in known - set(_OLD_CONFIG_KEYS) if k.startswith(f"{section}."))
+            guess = did_you_mean(key, leaves)
+            notes.append(Note(f"config_file.{section}.{key}", None, item, Fidelity.DROPPED, "horovodrun 0.28.1 does "
+                              "not read this key (it passes over it), so it has no effect"
+                              + (f"; did you mean '{guess}'?" if guess else "")))  # fmt: skip
+    return kept
+
+
 def _field_map() -> dict[str, Any]:
     fmap: dict[str, Any] = {}
     for t in TUNABLES:
@@ -462,6 +493,8 @@ class Horovod(Dialect):
         ordered = {k: raw[k] for k in SECTIONS if k in raw} | {k: v for k, v in raw.items() if k not in SECTIONS}
         if "env" in ordered:
             ordered["env"] = env
+        if isinstance(ordered.get("config_file"), dict):
+            ordered["config_file"] = _config_file_keys_read(ordered["config_file"], prepared.notes)
         super().check_schema(ordered)
         prepared.data = ordered
         return prepared

@@ -1,0 +1,231 @@
+"""torsh's readers accept what each framework accepts: the framework's own parser and torsh's reader run on the same
+inputs and must agree.
+
+Agreement, per input:
+* the framework accepts -> torsh reads it (notes may say what the framework does with the value);
+* the framework refuses -> torsh refuses with a located error, or reads it with a lossy note on that key (so
+  ``--strict`` fails): torsh is a migration tool and reads keys a framework version removed, to say what replaces them.
+Where torsh refuses what a framework accepts on purpose, the case is listed in the dialect's ``DELIBERATE`` table with
+the reason, and asserted to stay refused.
+
+Inputs: every corpus file of the dialect, plus deterministic mutations of them driven by their keys (drop a key, add
+an unknown one, null, "auto", booleans and numbers as text, a wrong type). The real frameworks are the installed ones
+(DeepSpeed 0.19.8, accelerate 1.15, transformers 5.x, torchtitan 0.2.2); Horovod 0.28.1 does not build here, so its
+config parser is loaded alone from the sdist in ``.venv/sdist``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import random
+import sys
+import tarfile
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torsh import adapters
+from torsh.errors import ConfigError
+from torsh.formats import load_file
+from torsh.translate import Fidelity, Translation
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "tests" / "fixtures" / "corpus"
+HOROVOD_SDIST = ROOT / ".venv" / "sdist" / "horovod-0.28.1.tar.gz"
+#: Mutated inputs per dialect in this (fast) run; tests/fuzz_long.py may raise it.
+MUTATIONS = int(os.environ.get("TORSH_DIFFERENTIAL_MUTATIONS", "120"))
+
+
+def torsh_reads(raw: Any, dialect: str, **kw: Any) -> Translation | ConfigError:
+    try:
+        return adapters.read(copy.deepcopy(raw), dialect, **kw)
+    except ConfigError as exc:
+        return exc
+
+
+def lossy_at(result: Translation, key: str) -> bool:
+    """A lossy note on ``key`` or inside it (what ``--strict`` fails on)."""
+    return any(n.lossy and (n.source_path == key or n.source_path.startswith(key + ".")) for n in result.notes)
+
+
+def notes_at(result: Translation, key: str) -> list:
+    return [n for n in result.notes if n.source_path == key]
+
+
+# ---- the listed cases ---------------------------------------------------------------------------------------------
+
+
+def test_deepspeed_steps_per_print_auto_is_read_as_deepspeed_accepts_it():
+    """DeepSpeedConfig keeps "auto" as it is; Accelerate's DeepSpeed plugin (also under the HF Trainer) replaces
+    it with inf. torsh reads it with a deferred note that says so, and what plain DeepSpeed would do."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    raw = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": "auto"}
+    assert DeepSpeedConfig(dict(raw)).steps_per_print == "auto"
+    t = torsh_reads(raw, "deepspeed")
+    assert isinstance(t, Translation)
+    (note,) = notes_at(t, "steps_per_print")
+    assert note.fidelity is Fidelity.DEFERRED and "inf" in note.reason and "first step()" in note.reason
+    assert t.result.monitoring.steps_per_print is None
+
+
+def _accelerate_launch_accepts(path: Path) -> bool | str:
+    """``accelerate launch --config_file path train.py`` up to the launcher's command: its loader, its argument
+    checks, and the arguments its launcher builds (torchrun's own parsing of them for the torchrun launchers)."""
+    import torch.distributed.run as distrib_run
+    from accelerate.commands.launch import _filter_args, _validate_launch_command, launch_command_parser
+    from accelerate.utils import launch as helpers
+
+    try:
+        args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+        args, _, _ = _validate_launch_command(args)
+        torchrun = not args.cpu and (args.use_fsdp or args.multi_gpu or args.use_megatron_lm)
+        if args.use_deepspeed and not args.cpu:
+            args.deepspeed_fields_from_accelerate_config = ""
+            helpers.prepare_deepspeed_cmd_env(args)
+            torchrun = args.num_machines <= 1
+        elif torchrun:
+            helpers.prepare_multi_gpu_env(args)
+        else:
+            helpers.prepare_simple_launcher_cmd_env(args)
+        if torchrun:
+            distrib_run.config_from_args(_filter_args(args, distrib_run.get_args_parser(), [
+                "--training_script", args.training_script, "--training_script_args", args.training_script_args]))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return True
+
+
+def _accelerate_loads(path: Path) -> bool | str:
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    try:
+        load_config_from_file(str(path))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return True
+
+
+@pytest.fixture
+def accelerate_file(tmp_path: Path, monkeypatch) -> Callable[[str], Path]:
+    pytest.importorskip("accelerate")
+    monkeypatch.chdir(tmp_path)
+    for key in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
+        monkeypatch.delenv(key)
+
+    def write(text: str) -> Path:
+        path = tmp_path / f"accelerate_{abs(hash(text))}.yaml"
+        path.write_text(text, encoding="utf-8")
+        return path
+
+    return write
+
+
+def test_accelerate_num_processes_auto_is_read_where_accelerate_launch_runs_it(accelerate_file):
+    """``accelerate launch`` hands "auto" to torchrun's --nproc_per_node (one process per device) for the kinds it
+    launches through torchrun on one machine; its single-process and CPU launchers compare it with 1 and fail."""
+    for kind, launches in (("MULTI_GPU", True), ("FSDP", True), ("DEEPSPEED", True), ("'NO'", False),
+                           ("MULTI_CPU", False)):  # fmt: skip
+        path = accelerate_file(f"distributed_type: {kind}\nnum_processes: auto\n")
+        assert (_accelerate_launch_accepts(path) is True) is launches, kind
+        t = adapters.load(path) if launches else None
+        if launches:
+            (note,) = notes_at(t, "num_processes")
+            assert note.fidelity is Fidelity.DEFERRED and "nproc_per_node auto" in note.reason
+        else:
+            with pytest.raises(ConfigError) as exc:
+                adapters.load(path)
+            assert exc.value.problems[0].path == "num_processes"
+    path = accelerate_file("distributed_type: MULTI_GPU\nnum_processes: auto\nnum_machines: 2\n")
+    assert _accelerate_launch_accepts(path) is not True
+    with pytest.raises(ConfigError, match="num_machines 2"):
+        adapters.load(path)
+
+
+def test_accelerate_distributed_type_no_unquoted_is_a_single_process(accelerate_file):
+    """YAML reads an unquoted ``no``/``NO`` as false; Accelerate's loader keeps it and its launcher runs one process.
+    Without num_processes, Accelerate does not give it the 1 it gives the string 'NO', so the launch asks for one."""
+    path = accelerate_file("distributed_type: no\nnum_processes: 1\nmixed_precision: 'no'\n")
+    assert _accelerate_loads(path) is True and _accelerate_launch_accepts(path) is True
+    t = adapters.load(path)
+    (note,) = notes_at(t, "distributed_type")
+    assert "single process" in note.reason and t.result.sharding.stage == 0
+    bare = accelerate_file("distributed_type: NO\n")
+    assert "num_processes" in str(_accelerate_launch_accepts(bare))
+    assert "--num_processes" in notes_at(adapters.load(bare), "distributed_type")[0].reason
+
+
+def test_accelerate_distributed_type_is_matched_in_capitals_as_accelerate_does(accelerate_file):
+    path = accelerate_file("distributed_type: multi_gpu\nnum_processes: 2\n")
+    assert "not a valid DistributedType" in str(_accelerate_loads(path))
+    with pytest.raises(ConfigError) as exc:
+        adapters.load(path)
+    assert exc.value.problems[0].path == "distributed_type" and exc.value.problems[0].suggestion == "MULTI_GPU"
+
+
+def test_accelerate_num_machines_null_loads_and_is_left_to_the_launch(accelerate_file):
+    """ClusterConfig loads a null num_machines; accelerate launch then compares it with 1 and fails unless
+    --num_machines is passed: torsh reads it (one machine) with a deferred note naming the flag."""
+    path = accelerate_file("distributed_type: MULTI_GPU\nnum_processes: 2\nnum_machines:\n")
+    assert _accelerate_loads(path) is True
+    assert "NoneType" in str(_accelerate_launch_accepts(path))
+    t = adapters.load(path)
+    (note,) = notes_at(t, "num_machines")
+    assert note.fidelity is Fidelity.DEFERRED and "--num_machines" in note.reason
+    assert t.result.launch.world_size == 2
+
+
+def _transformers_plugin_args(config: dict, tmp_path: Path) -> dict | str:
+    transformers = pytest.importorskip("transformers")
+    try:
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), fsdp=True, fsdp_config=dict(config),
+                                              use_cpu=True, report_to=[])  # fmt: skip
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return args.fsdp_plugin_args
+
+
+#: transformers 5.x's boolean fsdp_config keys, with the version (1/2) under which it reads each.
+_TRANSFORMERS_BOOLEANS = {"cpu_ram_efficient_loading": 2, "activation_checkpointing": 2, "reshard_after_forward": 2,
+                          "forward_prefetch": 1, "use_orig_params": 1, "sync_module_states": 1,
+                          "limit_all_gathers": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize("key", sorted(_TRANSFORMERS_BOOLEANS))
+def test_fsdp_config_string_booleans_are_read_as_the_trainer_reads_them(key, tmp_path, monkeypatch):
+    for name in [k for k in os.environ if k.startswith("FSDP_")]:
+        monkeypatch.delenv(name)
+    version = _TRANSFORMERS_BOOLEANS[key]
+    for text, meaning in (("true", True), ("False", False), ("yes", True), ("0", False)):
+        config = {"version": version, f"fsdp_{key}": text}
+        args = _transformers_plugin_args(config, tmp_path)
+        assert isinstance(args, dict), args
+        t = torsh_reads(config, "fsdp_plugin")
+        assert isinstance(t, Translation), (config, t)
+        if key in args and key != "limit_all_gathers":
+            assert args[key] is meaning
+    bad = {"version": version, f"fsdp_{key}": "maybe"}
+    assert "invalid truth value" in str(_transformers_plugin_args(bad, tmp_path))
+    result = torsh_reads(bad, "fsdp_plugin")
+    assert isinstance(result, ConfigError) and result.problems[0].path == f"fsdp_{key}"
+
+
+def test_fsdp_config_offload_params_is_not_read_by_the_trainer(tmp_path):
+    """transformers 5.x offloads with cpu_offload (or the fsdp option "offload"); fsdp_offload_params, the accelerate
+    YAML's key, is passed over whatever its value, so it is an ignored note, not an offload."""
+    for value in (True, "true", "nonsense"):
+        args = _transformers_plugin_args({"fsdp_offload_params": value}, tmp_path)
+        assert isinstance(args, dict) and "cpu_offload" not in args
+        t = torsh_reads({"fsdp_offload_params": value}, "fsdp_plugin")
+        assert isinstance(t, Translation) and t.result.offload.params == "none"
+        assert notes_at(t, "fsdp_offload_params")[0].fidelity is Fidelity.IGNORED
+    args = _transformers_plugin_args({"cpu_offload": "false"}, tmp_path)  # a truth test: the text "false" is true
+    t = torsh_reads({"cpu_offload": "false"}, "fsdp_plugin")
+    assert args["cpu_offload"] is True and t.result.offload.params == "cpu" and lossy_at(t, "cpu_offload")
