@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import importlib.util
 import os
 import re
 import shutil
@@ -30,6 +31,14 @@ def site(tmp_path_factory) -> Path:
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     return out
+
+
+def docs_hooks():
+    """docs/hooks.py, the MkDocs hook that generates the references (loaded by path, as MkDocs loads it)."""
+    spec = importlib.util.spec_from_file_location("torsh_docs_hooks", DOCS / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def page_of(site: Path, doc: str) -> Path:
@@ -73,11 +82,7 @@ def test_benchmark_page_includes_the_latest_results_file(site):
 
 
 def test_cli_reference_lists_every_subcommand_and_option_of_the_parser(site):
-    sys.path.insert(0, str(DOCS))
-    try:
-        import hooks
-    finally:
-        sys.path.remove(str(DOCS))
+    hooks = docs_hooks()
     from torsh.cli import build_parser
 
     parser = build_parser()
@@ -104,6 +109,24 @@ def test_config_reference_lists_every_section_and_key_of_the_schema(site):
         if ref:
             for key in defs[ref.rsplit("/", 1)[-1]].get("properties", {}):
                 assert f"<code>{section}.{key}</code>" in html, f"{section}.{key}"
+
+
+def test_the_references_refuse_to_publish_an_empty_page(monkeypatch):
+    import argparse
+
+    hooks = docs_hooks()
+    import torsh.cli
+    import torsh.schemas
+
+    monkeypatch.setattr(torsh.cli, "build_parser", lambda: argparse.ArgumentParser(prog="torsh-migrate"))
+    with pytest.raises(RuntimeError, match="no sub-commands"):
+        hooks.cli_reference()
+    monkeypatch.setattr(torsh.schemas, "load", lambda dialect: {})
+    with pytest.raises(RuntimeError, match="no sections"):
+        hooks.config_reference()
+    page = "# CLI\n\n<!-- generated: cli-reference -->\n"
+    monkeypatch.undo()
+    assert "<!-- generated" not in hooks.on_page_markdown(page, None, None, None)
 
 
 # ---- a real browser ------------------------------------------------------------------------------------------
