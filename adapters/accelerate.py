@@ -955,7 +955,8 @@ def _write_num_processes(cfg: TorshConfig, ctx: WriteContext) -> None:
                 "of all machines")  # fmt: skip
     else:
         ctx.note("launch.world_size", Fidelity.DEFERRED, "the config does not say how many processes: num_processes "
-                 "not written; pass accelerate launch --num_processes N (it refuses the file otherwise)", None)
+                 "not written; pass accelerate launch --num_processes N (it refuses the file otherwise), or convert "
+                 "with --world-size N", None)
     # num_machines: written from launch.nnodes when the config says; absent, Accelerate runs on one machine.
 
 

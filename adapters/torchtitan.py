@@ -346,12 +346,72 @@ def _write_batch(cfg: TorshConfig, ctx: WriteContext) -> None:
                  "the number of ranks", steps)  # fmt: skip
 
 
+#: Keys of torchtitan job configs from before 0.2 (its 2024 TOMLs) that torchtitan 0.2.2 refuses, each with what
+#: replaced it: data, so a file of any torchtitan version is recognised and told what to rename. The degrees that
+#: moved from [training] / [experimental] to [parallelism] are found by name (``_moved_to_parallelism``).
+RENAMED_BEFORE_0_2: dict[str, str | None] = {  # None: removed
+    "float8": "[quantize.linear.float8] (and model.converters = [\"quantize.linear.float8\"] to turn it on)",
+    "float8.enable_float8_linear": "model.converters = [\"quantize.linear.float8\"]",
+    "checkpoint.enable_checkpoint": "checkpoint.enable",
+    "checkpoint.model_weights_only": "checkpoint.last_save_model_only",
+    "checkpoint.interval_type": "checkpoint.interval (always in steps now; remove interval_type)",
+    "validation.enabled": "validation.enable",
+    "training.batch_size": "training.local_batch_size",
+    "training.warmup_steps": "lr_scheduler.warmup_steps",
+    "training.compile": "compile.enable (with compile.components)",
+    "training.enable_loss_parallel": "parallelism.disable_loss_parallel (inverted)",
+    "metrics.enable_color_printing": "metrics.disable_color_printing (inverted)",
+    "model.norm_type": None,  # the model flavor decides its norm
+    "job.use_for_integration_test": None,
+}
+
+
+def _moved_to_parallelism(section: str, key: str) -> str | None:
+    parallelism = key_table()["sections"]["parallelism"]
+    return f"parallelism.{key}" if section in ("training", "experimental") and key in parallelism else None
+
+
+def _renamed_keys(raw: Any) -> list:
+    """One problem per key of a pre-0.2 torchtitan file, naming its current spelling (torchtitan 0.2.2 refuses
+    such a file naming only its first unknown section)."""
+    from torsh.errors import Problem
+
+    sections, problems = key_table()["sections"], []
+    for section, table in raw.items():
+        if section in RENAMED_BEFORE_0_2 and section not in sections:
+            problems.append(Problem(section, table, f"moved in torchtitan 0.2 (0.2.2 refuses the old section): "
+                                    f"write {RENAMED_BEFORE_0_2[section]}"))  # fmt: skip
+        if not isinstance(table, dict):
+            continue
+        for key, value in table.items():
+            path = f"{section}.{key}"
+            if key in sections.get(section, {}):
+                continue
+            current = _moved_to_parallelism(section, key) or RENAMED_BEFORE_0_2.get(path, "")
+            plain = current if current and " " not in current else None  # a dotted path: the did-you-mean
+            if current:
+                problems.append(Problem(path, value, "renamed in torchtitan 0.2 (0.2.2 refuses the old name)" +
+                                        ("" if plain else f": write {current}"), plain))  # fmt: skip
+            elif path in RENAMED_BEFORE_0_2:
+                problems.append(Problem(path, value, "removed in torchtitan 0.2 (0.2.2 refuses it): delete it"))
+    return problems
+
+
 class Torchtitan(Dialect):
     NAME = NAME
     DEFAULT_FORMAT = "toml"
     FIELD_MAP = _field_map()
     GROUPS = _GROUPS
     SCHEMA_NAMES_UNKNOWN_KEYS = False  # the map refuses them, with a did-you-mean
+
+    def check_schema(self, raw: Any) -> None:
+        """A file written for torchtitan before 0.2 gets one error per renamed key, with its current spelling."""
+        renamed = _renamed_keys(raw)
+        if renamed:
+            from torsh.errors import ConfigError
+
+            raise ConfigError(renamed, source=NAME)
+        super().check_schema(raw)
 
     def write_map(self, version: str | None):
         from torsh.translate import FieldMap, Hook
@@ -370,6 +430,7 @@ class Torchtitan(Dialect):
         if not isinstance(raw, dict) or not ({"parallelism", "job"} & set(raw)):
             return 0.0
         known = set(key_table()["sections"]) | {s for e in key_table()["extensions"].values() for s in e}
+        known |= {k for k in RENAMED_BEFORE_0_2 if "." not in k}  # a torchtitan file of any version
         tables = {k for k, v in raw.items() if isinstance(v, dict)}
         return 0.97 if tables and tables <= known and {"training", "model", "job"} & tables else 0.0
 

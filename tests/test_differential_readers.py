@@ -229,3 +229,100 @@ def test_fsdp_config_offload_params_is_not_read_by_the_trainer(tmp_path):
     args = _transformers_plugin_args({"cpu_offload": "false"}, tmp_path)  # a truth test: the text "false" is true
     t = torsh_reads({"cpu_offload": "false"}, "fsdp_plugin")
     assert args["cpu_offload"] is True and t.result.offload.params == "cpu" and lossy_at(t, "cpu_offload")
+
+
+@pytest.fixture(scope="module")
+def titan_parse():
+    """torchtitan 0.2.2's ConfigManager, without torchtitan's package __init__ (it imports GPU kernels)."""
+    pytest.importorskip("tyro")
+    from consumers import without_package_init
+
+    without_package_init("torchtitan", "0.2.2")
+    import contextlib
+    import io
+
+    from torchtitan.config.manager import ConfigManager
+
+    def parse(path: Path) -> bool | str:
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                ConfigManager().parse_args(["--job.config_file", str(path)])
+        except (ValueError, TypeError, KeyError, AttributeError, SystemExit) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return True
+
+    return parse
+
+
+@pytest.mark.parametrize("path", sorted(CORPUS.glob("torchtitan/*__2024__*.toml")), ids=lambda p: p.stem)
+def test_torchtitan_files_from_before_0_2_are_torchtitan_and_name_each_renamed_key(path, titan_parse):
+    """torchtitan 0.2.2 refuses its 2024 job configs naming the first old section; torsh recognises them as
+    torchtitan (no --from) and names every renamed key with its current spelling."""
+    assert "Invalid field names" in str(titan_parse(path))
+    raw, _ = load_file(path)
+    assert adapters.sniff(raw) == "torchtitan"
+    with pytest.raises(ConfigError) as exc:
+        adapters.load(path)
+    problems = {p.path: p for p in exc.value.problems}
+    assert all("torchtitan 0.2" in p.reason for p in problems.values())
+    assert problems["training.data_parallel_shard_degree"].suggestion == "parallelism.data_parallel_shard_degree"
+    assert "quantize.linear.float8" in problems["float8"].reason
+    assert problems["checkpoint.enable_checkpoint"].suggestion == "checkpoint.enable"
+
+
+def test_torchtitan_renamed_keys_applied_give_a_file_torchtitan_reads(titan_parse, tmp_path):
+    """Each suggestion is torchtitan 0.2.2's spelling: a 2024 file with every suggestion applied (and the removed
+    keys deleted) is read by torchtitan and by torsh."""
+    from torsh.formats import dump_text
+
+    raw, _ = load_file(CORPUS / "torchtitan" / "pytorch__torchtitan__2024__llama3_8b.toml")
+    with pytest.raises(ConfigError) as exc:
+        adapters.read(raw, "torchtitan")
+    fixed = copy.deepcopy(raw)
+    for problem in exc.value.problems:
+        section, _, key = problem.path.partition(".")
+        if section not in fixed:  # inside a section already removed
+            continue
+        value = fixed[section].pop(key) if key else fixed.pop(section)
+        if problem.suggestion:
+            new_section, new_key = problem.suggestion.split(".")
+            fixed.setdefault(new_section, {})[new_key] = value
+    path = tmp_path / "upgraded.toml"
+    path.write_text(dump_text(fixed, "toml"), encoding="utf-8")
+    assert titan_parse(path) is True
+    assert adapters.load(path).result.sharding.stage == 3
+
+
+def test_convert_world_size_makes_an_accelerate_yaml_accelerate_launch_runs(accelerate_file, tmp_path, capsys):
+    """A DeepSpeed JSON says nothing of the process count: converted without --world-size, the YAML has no
+    num_processes and accelerate launch refuses it (the report names the flag); with it, the YAML launches."""
+    from torsh.cli import main
+
+    source = tmp_path / "ds.json"
+    source.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}))
+    bare, sized, nodes = tmp_path / "bare.yaml", tmp_path / "sized.yaml", tmp_path / "nodes.yaml"
+    assert main(["convert", str(source), "--to", "accelerate", "-o", str(bare)]) == 0
+    assert "--world-size N" in capsys.readouterr().out
+    assert "--num_processes" in str(_accelerate_launch_accepts(bare))
+    assert main(["convert", str(source), "--to", "accelerate", "--world-size", "4", "-o", str(sized)]) == 0
+    assert "num_processes: 4" in sized.read_text() and _accelerate_launch_accepts(sized) is True
+    assert main(["convert", str(source), "--to", "accelerate", "--nnodes", "1", "--nproc-per-node", "2",
+                 "-o", str(nodes)]) == 0  # fmt: skip
+    assert "num_processes: 2" in nodes.read_text() and _accelerate_launch_accepts(nodes) is True
+
+
+@pytest.mark.parametrize("flags, source, message", [
+    (["--world-size", "3"], {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+                             "gradient_accumulation_steps": 2}, "implies 4"),
+    (["--nnodes", "2", "--nproc-per-node", "4", "--world-size", "5"], {"train_micro_batch_size_per_gpu": 2},
+     "is not --nnodes 2 x --nproc-per-node 4"),
+    (["--world-size", "0"], {"train_micro_batch_size_per_gpu": 2}, "at least 1"),
+])  # fmt: skip
+def test_convert_launch_flags_that_contradict_the_source_are_refused(flags, source, message, tmp_path, capsys):
+    from torsh.cli import main
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(source))
+    assert main(["convert", str(path), "--to", "accelerate", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -79,7 +79,12 @@ def test_keys_torchtitan_dropped_since_2024_are_refused_with_a_suggestion():
     with pytest.raises(ConfigError) as exc:
         read(raw)
     by_path = {p.path: p for p in exc.value.problems}
-    assert by_path["training.batch_size"].suggestion == "local_batch_size"
+    assert by_path["training.batch_size"].suggestion == "training.local_batch_size"
+    assert by_path["training.data_parallel_shard_degree"].suggestion == "parallelism.data_parallel_shard_degree"
+    assert "quantize.linear.float8" in by_path["float8"].reason and "delete it" in by_path["model.norm_type"].reason
+    # only the renamed keys: the file is recognised as torchtitan, not read as a torsh file of unknown keys
+    assert all("torchtitan 0.2" in p.reason for p in exc.value.problems)
+    assert adapters.sniff(raw) == "torchtitan"
 
 
 def test_every_key_of_a_real_file_is_kept_for_a_round_trip():

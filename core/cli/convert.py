@@ -29,6 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any key is approximated, dropped or "
                         "unsupported")  # fmt: skip
+    for flag, what in (("--world-size", "processes over all nodes"), ("--nnodes", "nodes"),
+                       ("--nproc-per-node", "processes per node")):  # fmt: skip
+        parser.add_argument(flag, type=int, default=None, metavar="N", help=f"{what}, where the source leaves it to "
+                            "the launcher (so an Accelerate YAML gets num_processes); must agree with the source")
     add_input_options(parser)
     parser.set_defaults(run=run)
 
@@ -39,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     adapter = adapters.get(args.to)
     read = adapters.load(args.file, args.dialect)
+    read.result = _with_launch_sizes(read.result, args)
     written = _write(adapter, read.result, args)
     payload = written.result
     if isinstance(payload, str):
@@ -77,6 +82,42 @@ def _report_nulls_left_out(written, paths: list[str]) -> None:
             written.notes[i] = replace(written.notes[i], target_path=None, fidelity=Fidelity.DROPPED, reason=reason)
         if not at:
             written.notes.append(Note(path, None, None, Fidelity.DROPPED, reason))
+
+
+#: The launch sizes convert fills from its flags: flag -> (argparse dest, launch field).
+_LAUNCH_FLAGS = {"--world-size": ("world_size", "world_size"), "--nnodes": ("nnodes", "nnodes"),
+                 "--nproc-per-node": ("nproc_per_node", "nproc_per_node")}  # fmt: skip
+
+
+def _with_launch_sizes(cfg, args: argparse.Namespace):
+    """The config with the process counts the flags give; a flag that contradicts the source is refused (the
+    source's own count wins nowhere silently), as are counts that do not multiply out."""
+    from torsh.contract import config_world_size
+    from torsh.errors import ConfigError, Problem
+
+    given = {flag: getattr(args, dest) for flag, (dest, _) in _LAUNCH_FLAGS.items() if getattr(args, dest) is not None}
+    if not given:
+        return cfg
+    problems = [Problem(flag, n, "must be at least 1") for flag, n in given.items() if n < 1]
+    launch = cfg.launch.model_dump()
+    for flag, value in given.items():
+        field = _LAUNCH_FLAGS[flag][1]
+        if launch[field] not in (None, value):
+            problems.append(Problem(flag, value, f"the source says launch.{field} = {launch[field]!r}; drop the flag "
+                                    "or give the same number"))  # fmt: skip
+        launch[field] = value
+    nodes, per_node, world = launch["nnodes"], launch["nproc_per_node"], launch["world_size"]
+    if all(isinstance(v, int) for v in (nodes, per_node, world)) and nodes * per_node != world:
+        problems.append(Problem("--world-size", world, f"is not --nnodes {nodes} x --nproc-per-node {per_node}"))
+    if problems:
+        raise ConfigError(problems)
+    updated = cfg.model_copy(update={"launch": type(cfg.launch).model_validate(launch)})
+    stated, now = config_world_size(cfg), config_world_size(updated)
+    if stated is not None and now is not None and stated[0] != now[0]:
+        flag = next(iter(given))
+        raise ConfigError([Problem(flag, given[flag], f"gives {now[0]} processes but the source implies {stated[0]} "
+                                   f"({stated[1]}); drop the flag or make them agree")])  # fmt: skip
+    return updated
 
 
 def _write(adapter: object, cfg: object, args: argparse.Namespace):
