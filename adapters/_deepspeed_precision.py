@@ -112,6 +112,9 @@ def _read_fp16(seen: _Seen, stage: int) -> None:
     _read_loss_scaling(seen, stage)
     seen.set("fp16.auto_cast", "precision.cast_forward_inputs", seen.value("fp16.auto_cast", False), default=False)
     master = seen.value("fp16.fp16_master_weights_and_grads", False)
+    if master and stage == 0:  # DeepSpeedConfig asserts it
+        seen.ctx.problem("fp16.fp16_master_weights_and_grads", master, "DeepSpeed 0.19.8 refuses fp16 master weights "
+                         "without ZeRO: set zero_optimization.stage to 1, 2 or 3, or remove the key")  # fmt: skip
     seen.set("fp16.fp16_master_weights_and_grads", "precision.master_dtype", "fp16" if master else "fp32",
              default="fp32", reason="" if seen.has("fp16.fp16_master_weights_and_grads") else _KEEPS_FP32)
 

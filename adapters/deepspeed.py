@@ -250,8 +250,11 @@ class DeepSpeed(Dialect):
         """One schema pass, then one walk: unknown keys become DROPPED notes (DeepSpeed ignores unknown top-level
         keys; the ones its strict sections would refuse are errors), legacy forms and Accelerate's values are read
         before the map."""
+        raw, lax = _as_pydantic_reads(raw)
         extra = _schema_check(raw)
+        _check_validator_bounds(raw)
         data, notes = _before_the_map(copy.deepcopy(dict(raw)))
+        notes = lax + notes
         nested, unknown = _Unknown(), _Unknown()
         _prune_whole_sections(data, extra, prepared.field_map, nested)
         prepared.data = _split(data, prepared.field_map, unknown)
@@ -307,6 +310,24 @@ def _schema_check(raw: Mapping[str, Any]) -> list[Any]:
     return [e for e in errors if e.validator == "additionalProperties" and e.absolute_path]
 
 
+#: Bounds DeepSpeed's config models enforce in validators the generated schema cannot state: dotted key -> (lowest
+#: allowed value, what DeepSpeed says). Checked whether or not the section is enabled, as DeepSpeedConfig does.
+_VALIDATOR_BOUNDS = {
+    "fp16.loss_scale": (0, "must be >= 0 (0 enables dynamic loss scaling); DeepSpeedConfig refuses it"),
+}
+
+
+def _check_validator_bounds(raw: Mapping[str, Any]) -> None:
+    problems = []
+    for key, (lowest, why) in _VALIDATOR_BOUNDS.items():
+        section, leaf = key.split(".")
+        value = raw.get(section, {}).get(leaf) if isinstance(raw.get(section), dict) else None
+        if _number(value) and value < lowest:
+            problems.append(Problem(key, value, why))
+    if problems:
+        raise ConfigError(problems, source=NAME)
+
+
 #: Values DeepSpeedConfig accepts for a key whose core type cannot hold them, and what they mean to whoever runs the
 #: file: (key, value) -> (fidelity, reason). Read before the map, kept out of the core model.
 _VALUES_BEFORE_THE_MAP: dict[tuple[str, Any], tuple[Fidelity, str]] = {
@@ -341,6 +362,11 @@ def _before_the_map(raw: dict) -> tuple[dict, list[Note]]:
         notes.append(Note("steps_per_print", "monitoring.steps_per_print", every, Fidelity.EXACT, f"{every}: the "
                           f"same as {-every} (DeepSpeed prints when (step + 1) % {every} == 0)"))
         raw["steps_per_print"] = -every
+    zero = raw.get("zero_optimization")
+    for key in ("offload_param", "offload_optimizer"):
+        if isinstance(zero, dict) and key in zero and zero[key] is None:
+            notes.append(Note(f"zero_optimization.{key}", None, zero.pop(key), Fidelity.EXACT, "null: no offload, "
+                              "DeepSpeed's default (its config model reads null as not set)"))  # fmt: skip
     profiler = raw.get("flops_profiler")
     step = profiler.get("profile_step") if isinstance(profiler, dict) else None
     if isinstance(step, int) and not isinstance(step, bool) and step < 0:
@@ -351,6 +377,79 @@ def _before_the_map(raw: dict) -> tuple[dict, list[Note]]:
         if not profiler:
             del raw["flops_profiler"]
     return raw, notes
+
+
+#: The JSON types DeepSpeed's pydantic sections coerce text (and 0/1) into, as pydantic's lax mode does, in the
+#: order tried: "true"/"yes"/"on"/"1" for a boolean, "16" or "1e9"-free "1000000000.0" for an integer, "1e-3" for a
+#: number. DeepSpeed reads them with that meaning; the keys it reads with plain dict.get keep the text as it is.
+_LAX_TYPES = ("boolean", "integer", "number")
+
+
+def _as_pydantic_reads(raw: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[Note]]:
+    """The values of DeepSpeed's pydantic sections (``rules.STRICT_SECTIONS``) given as text, coerced as its config
+    models coerce them, each with a note; the input itself when there is none."""
+    schema, notes, out = schemas.load(NAME), [], None
+    for section in rules.STRICT_SECTIONS:
+        value = raw.get(section)
+        if isinstance(value, dict):
+            coerced = _coerce_section(value, schema["properties"].get(section, {}), section, notes)
+            if coerced is not value:
+                out = out if out is not None else dict(raw)
+                out[section] = coerced
+    return (raw if out is None else out), notes
+
+
+def _coerce_section(section: dict, schema: Mapping[str, Any], path: str, notes: list[Note]) -> dict:
+    out = section
+    for key, value in section.items():
+        sub = schema.get("properties", {}).get(key) if isinstance(schema, Mapping) else None
+        if sub is None:
+            continue
+        new = (_coerce_section(value, sub, f"{path}.{key}", notes) if isinstance(value, dict) else
+               _coerced(value, sub, f"{path}.{key}", notes))  # fmt: skip
+        if new is not value:
+            out = out if out is not section else dict(section)
+            out[key] = new
+    return out
+
+
+def _coerced(value: Any, schema: Mapping[str, Any], path: str, notes: list[Note]) -> Any:
+    """``value`` as pydantic's lax mode reads it for the field ``schema`` describes (itself when nothing applies)."""
+    if not isinstance(value, (str, int)) or isinstance(value, bool) or value == "auto" or schemas.conforms(value,
+                                                                                                          schema):
+        return value
+    branches = _branches(schema)
+    from pydantic import TypeAdapter, ValidationError
+
+    for kind, python in zip(_LAX_TYPES, (bool, int, float), strict=True):
+        wanted = [b for b in branches if kind in _types(b) or kind == "integer" and "enum" in b]
+        if not wanted or (kind == "boolean" and not isinstance(value, (str, int))):
+            continue
+        try:
+            read = TypeAdapter(python).validate_python(value)
+        except ValidationError:
+            continue
+        if any(schemas.conforms(read, b) for b in wanted):
+            notes.append(Note(path, None, value, Fidelity.EXACT, f"{value!r} is read as {json_text(read)}, as "
+                              "DeepSpeed's config model (pydantic) reads it"))  # fmt: skip
+            return read
+    return value
+
+
+def _branches(schema: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The alternatives of a field's schema, nested anyOf flattened."""
+    if "anyOf" not in schema:
+        return [schema]
+    return [leaf for branch in schema["anyOf"] for leaf in _branches(branch)]
+
+
+def _types(schema: Mapping[str, Any]) -> tuple[str, ...]:
+    kind = schema.get("type", ())
+    return (kind,) if isinstance(kind, str) else tuple(kind)
+
+
+def json_text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def _number(value: Any) -> bool:

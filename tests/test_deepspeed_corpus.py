@@ -20,14 +20,16 @@ from torsh.translate import Fidelity
 
 CORPUS = Path(__file__).parent / "fixtures" / "corpus" / "deepspeed"
 #: Corpus files DeepSpeed 0.19.8 itself refuses, and the key it names: torsh refuses them too (a ConfigError).
+#: (Open-Assistant's deepspeed_rl*.json: their fp16 "enabled": "true" is read as DeepSpeed's fp16 model reads it,
+#: as true; their top-level "gradient_accumulation_steps": "8" DeepSpeed keeps as text and fails on.)
 REFUSED = {"microsoft__DeepSpeedExamples__ds_zero_stage_infinity_config.json":
            "zero_optimization.stage3_param_persitance_threshold",
            "CarperAI__trlx__ds_config_gpt_j.json": "fp16.opt_level", "CarperAI__trlx__ds_config_gptj.json":
            "fp16.opt_level", "CarperAI__trlx__ds_config_trlx_gptj_summarize.json": "fp16.min_loss_scale",
            "EleutherAI__gpt-neox__small_tune.json": "zero_optimization.stage",
            "EleutherAI__gpt-neox__tune_1-3B.json": "fp16.fp16", "EleutherAI__gpt-neox__tune_6-7B.json":
-           "zero_optimization.stage", "LAION-AI__Open-Assistant__deepspeed_rl.json": "fp16.enabled",
-           "LAION-AI__Open-Assistant__deepspeed_rl_zero3.json": "fp16.enabled",
+           "zero_optimization.stage", "LAION-AI__Open-Assistant__deepspeed_rl.json": "gradient_accumulation_steps",
+           "LAION-AI__Open-Assistant__deepspeed_rl_zero3.json": "gradient_accumulation_steps",
            "axolotl-ai-cloud__axolotl__zero1_torch_compile.json": "compile.disable",
            "axolotl-ai-cloud__axolotl__zero2_torch_compile.json": "compile.disable",
            "ymcui__Chinese-LLaMA-Alpaca__ds_zero2_no_offload.json": "fp16.min_loss_scale"}  # fmt: skip

@@ -326,3 +326,185 @@ def test_convert_launch_flags_that_contradict_the_source_are_refused(flags, sour
     assert main(["convert", str(path), "--to", "accelerate", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+# ---- the differential engine ---------------------------------------------------------------------------------------
+
+AUTO_TEXT = "auto"
+UNKNOWN_KEY = "zz_not_a_key"
+
+
+def _leaves(raw: dict, depth: int = 2, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            continue
+        yield (*prefix, key), value
+        if isinstance(value, dict) and depth > 1:
+            yield from _leaves(value, depth - 1, (*prefix, key))
+
+
+def _as_text(value: Any) -> Any:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return str(value)
+    return None
+
+
+def _candidates(raw: dict) -> Iterator[tuple[str, tuple, Any]]:
+    """Every mutation of one input this suite knows: (kind, key path, new value); a value of ``_DROP`` drops it."""
+    sections = [()] + [path for path, value in _leaves(raw) if isinstance(value, dict)]
+    for section in sections:
+        yield "unknown key", (*section, UNKNOWN_KEY), 1
+    for path, value in _leaves(raw):
+        yield "drop", path, _DROP
+        yield "null", path, None
+        yield "auto", path, AUTO_TEXT
+        if _as_text(value) is not None:
+            yield "as text", path, _as_text(value)
+        if not isinstance(value, (dict, list)):
+            yield "wrong type", path, [value]
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield "out of range", path, -1 - abs(value)
+        if isinstance(value, bool) or value in ("true", "false"):
+            yield "yaml boolean", path, "yes" if value in (True, "true") else "off"
+
+
+_DROP = object()
+
+
+def _apply(raw: dict, path: tuple, value: Any) -> dict:
+    out = copy.deepcopy(raw)
+    node = out
+    for part in path[:-1]:
+        node = node[part]
+    if value is _DROP:
+        node.pop(path[-1], None)
+    else:
+        node[path[-1]] = value
+    return out
+
+
+def inputs(files: list[Path], count: int, framework: Callable[[dict], bool | str], seed: int = 0
+           ) -> list[tuple[str, dict, str, tuple]]:  # fmt: skip
+    """Every file as it is, then ``count`` mutations of the files the framework accepts (a mutation of a file it
+    refuses anyway says nothing): (label, data, kind, key path)."""
+    rnd = random.Random(seed)
+    seeds = [(p.name, load_file(p)[0]) for p in files]
+    out = [(name, data, "corpus", (), None) for name, data in seeds]
+    pool = [(name, data, kind, path, value) for name, data in seeds
+            if isinstance(data, dict) and framework(copy.deepcopy(data)) is True
+            for kind, path, value in _candidates(data)]  # fmt: skip
+    for name, data, kind, path, value in rnd.sample(pool, min(count, len(pool))):
+        out.append((f"{name}: {kind} at {'.'.join(path)}", _apply(data, path, value), kind, path, _at(data, path)))
+    return out
+
+
+def disagreements(dialect: str, cases: list, framework: Callable[[dict], bool | str],
+                  deliberate: dict[str, Callable[..., bool]], read: Callable[[dict], Any] | None = None) -> dict:
+    """Each input through the framework and through torsh; returns the disagreements that are not deliberate, and
+    counts every outcome. A framework refusal agrees with a torsh refusal or with a lossy note at the key (for a
+    corpus file: anywhere)."""
+    read = read or (lambda data: torsh_reads(data, dialect))
+    found: dict[str, list] = {"disagree": [], "deliberate": [], "agree": []}
+    for label, data, kind, path, original in cases:
+        verdict = framework(copy.deepcopy(data))
+        result = read(copy.deepcopy(data))
+        accepted = isinstance(result, Translation)
+        key = ".".join(path)
+        if verdict is True and accepted:
+            found["agree"].append(label)
+        elif verdict is not True and (not accepted or (lossy_at(result, key) if path else result.lossy)):
+            found["agree"].append(label)
+        else:
+            located = isinstance(result, ConfigError) and any(
+                p.path == key or p.path.startswith(key + ".") or key.startswith(p.path + ".") for p in result.problems)
+            why = located and next((name for name, rule in deliberate.items()
+                                    if rule(original, kind, path, verdict, result)), None)  # fmt: skip
+            entry = (label, verdict if verdict is not True else str(result)[:300])
+            found["deliberate" if why else "disagree"].append((*entry, why) if why else entry)
+    return found
+
+
+def _report(found: dict) -> str:
+    return "\n".join(f"{label}\n    {detail}" for label, detail in found["disagree"][:25])
+
+
+# ---- DeepSpeed ---------------------------------------------------------------------------------------------------
+
+
+def _deepspeed_accepts(raw: dict) -> bool | str:
+    """DeepSpeedConfig on the file after the Hugging Face "auto" fill (the HF Trainer and Accelerate fill it before
+    DeepSpeed sees it; torsh.parity.resolve_auto is that fill). Built without a job: it falls back to one rank."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from torsh import parity
+
+    try:
+        filled, _ = parity.resolve_auto(raw, nproc=1, steps=10)
+    except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError) as exc:
+        return f"the HF fill fails: {type(exc).__name__}: {exc}"
+    try:
+        DeepSpeedConfig(filled)
+    except Exception as exc:  # DeepSpeed raises assertion, pydantic, its own and plain errors alike
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return True
+
+
+def _read_with_dict_get(path: tuple) -> bool:
+    """A key DeepSpeed reads with plain ``dict.get`` (a top-level scalar, a section that is no pydantic model): it
+    keeps whatever value it finds, unconverted and unchecked."""
+    from torsh.adapters._deepspeed_rules import STRICT_SECTIONS
+
+    return path[0] not in STRICT_SECTIONS
+
+
+#: Where torsh refuses what DeepSpeedConfig accepts, on purpose (each refusal names the key). DeepSpeedConfig parses
+#: these and stores them as they are; deepspeed.initialize or the training step then fails or misreads them, so a
+#: migration tool that read them would translate a meaning DeepSpeed does not have. Each rule: (original, mutation
+#: kind, key path, DeepSpeed's verdict, torsh's result) -> True when it applies; ``original`` is the value the
+#: mutation replaced.
+DEEPSPEED_DELIBERATE: dict[str, Callable[..., bool]] = {
+    # get_scalar_param keeps the text: "false" is then true to DeepSpeed's `if`, "2000" fails `step % every`.
+    "text, a YAML boolean or a list where DeepSpeed reads the value with dict.get and uses it unconverted":
+        lambda original, kind, path, *_: kind in ("as text", "yaml boolean", "wrong type") and _read_with_dict_get(path),
+    # A null section or value is stored as None; the engine then calls methods on it, compares it or tests it.
+    "null where DeepSpeed expects a value or a section (it stores None; delete the key for the default)":
+        lambda original, kind, *_: kind == "null",
+    # The Hugging Face convention fills "auto" only in numbers (sizes, rates, clipping) and in fp16/bf16.enabled.
+    "\"auto\" where neither the HF Trainer nor Accelerate fills it (a section, a boolean, a name)":
+        lambda original, kind, *_: kind == "auto" and not _is_number(original),
+    # DeepSpeed leaves these bounds to its loss scaler and schedulers, which then never back off or divide by 0.
+    "a negative count or scale DeepSpeed does not bound (loss-scale window, hysteresis, minimum scale, steps)":
+        lambda original, kind, *_: kind == "out of range",
+    # The optimizer and scheduler are built in deepspeed.initialize: without a type or the params a scheduler
+    # needs, DeepSpeed fails there (or silently keeps the client's optimizer), not in DeepSpeedConfig.
+    "an optimizer or scheduler section without what deepspeed.initialize needs to build it":
+        lambda original, kind, path, *_: kind == "drop" and path[0] in ("optimizer", "scheduler"),
+}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _at(data: dict, path: tuple) -> Any:
+    node = data
+    for part in path:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+@pytest.fixture(scope="module")
+def deepspeed_ready():
+    pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is the parser compared with")
+    import logging
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+def test_deepspeed_reader_agrees_with_deepspeedconfig(deepspeed_ready):
+    files = sorted((CORPUS / "deepspeed").glob("*.json")) + sorted((CORPUS / "deepspeed_config_templates").glob("*"))
+    cases = inputs([p for p in files if p.suffix == ".json"], MUTATIONS * 3, _deepspeed_accepts)
+    found = disagreements("deepspeed", cases, _deepspeed_accepts, DEEPSPEED_DELIBERATE)
+    assert not found["disagree"], _report(found)
