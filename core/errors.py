@@ -46,6 +46,9 @@ class _Missing:
     def __repr__(self) -> str:
         return "MISSING"
 
+    def __reduce__(self) -> str:
+        return "MISSING"  # pickled by name: the one sentinel after unpickling too (``value is MISSING`` holds)
+
 
 MISSING: Any = _Missing()
 
@@ -62,6 +65,11 @@ class ConfigError(ValueError):
         self.problems = list(problems)
         self.source = source
         super().__init__(self._message())
+
+    def __reduce__(self):
+        # Rebuilt from its problems (the default would call ConfigError(message), one problem per character):
+        # the error crosses process boundaries (multiprocessing pools, spawned ranks) unchanged.
+        return (_rebuild_config_error, (type(self), self.problems, self.source), dict(self.__dict__))
 
     def _message(self) -> str:
         head = f"{self.source}: " if self.source else ""
@@ -86,6 +94,10 @@ class ConfigError(ValueError):
             [replace(p, path=_join(prefix, p.path)) for p in self.problems],
             source=self.source,
         )
+
+
+def _rebuild_config_error(cls: type, problems: list, source: str | None) -> ConfigError:
+    return cls(problems, source=source)
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:

@@ -71,7 +71,7 @@ SCENARIOS += [
     {"name": "accelerate_s3", "kind": "accelerate", "gas": 4,
      "config": h.base_config(**{"sharding.stage": 3, "batch.gradient_accumulation_steps": 4})},
     {"name": "nosync_s0", "kind": "nosync", "config": h.base_config(**{"batch.gradient_accumulation_steps": 4})},
-    {"name": "nosync_s2", "kind": "nosync", "config": h.base_config(**{"sharding.stage": 2,
+    {"name": "nosync_s1", "kind": "nosync", "config": h.base_config(**{"sharding.stage": 1,
                                                                        "batch.gradient_accumulation_steps": 4})},
     {"name": "data", "kind": "dataloader", "config": h.base_config(**{"data.drop_last": True})},
 ]
@@ -263,10 +263,11 @@ def test_reduce_op_sum_adds_the_ranks_gradients(runs):
 
 
 def test_no_sync_accumulates_like_the_counter(runs):
-    for stage in (0, 2):
-        rec = _rec(runs, f"nosync_s{stage}")
+    # stage 1 steps as stage 0 does (no_sync is refused at stages 2/3, as DeepSpeed refuses it)
+    for name in ("nosync_s0", "nosync_s1"):
+        rec = _rec(runs, name)
         assert rec["refused"] is True and rec["global_steps"] == 2
-        _close(rec["losses"], _rec(runs, f"s{stage}_gas4")["losses"], 1e-5)
+        _close(rec["losses"], _rec(runs, "s0_gas4")["losses"], 1e-5)
 
 
 def test_compressed_reduction_trains_close_to_dense(runs):

@@ -196,15 +196,28 @@ def _check_tag(tag: Any) -> str:
     return tag
 
 
-def _check_same_tag(tag: str) -> None:
-    """Every rank must save under the same tag (DeepSpeed's tag validation); all ranks raise together."""
+class TagMismatchError(AssertionError, ValueError):
+    """Ranks saved under different tags with ``checkpoint.tag_validation: FAIL`` (DeepSpeed: AssertionError)."""
+
+
+def _check_same_tag(tag: str, mode: str = "fail") -> str:
+    """The tag every rank saves under (DeepSpeed's tag validation, ``mode`` warn/ignore/fail). Tags that differ
+    across ranks raise on all ranks together under ``fail``; under ``warn`` (logged) and ``ignore`` the one sharded
+    checkpoint is saved under rank 0's tag (DeepSpeed writes each rank's files under its own tag)."""
     dist = _dist()
     if not dist:
-        return
+        return tag
     tags: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(tags, tag)
-    if len(set(tags)) > 1:
-        raise ValueError(f"ranks save under different checkpoint tags {tags}: pass the same tag on every rank")
+    if len(set(tags)) == 1:
+        return tag
+    if str(mode).lower() == "fail":
+        raise TagMismatchError(f"ranks save under different checkpoint tags {tags}: pass the same tag on every "
+                               "rank (checkpoint.tag_validation is FAIL)")  # fmt: skip
+    if str(mode).lower() == "warn" and _rank() == 0:
+        log.warning("ranks save under different checkpoint tags %s: the checkpoint is saved under rank 0's tag "
+                    "%r (checkpoint.tag_validation WARN; IGNORE says nothing, FAIL raises)", tags, tags[0])  # fmt: skip
+    return tags[0]
 
 
 def _is_complete(path: Path) -> bool:
@@ -359,7 +372,7 @@ def after_save(callback: Callable[[str, str], None], *, remove: bool = False) ->
 
 def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimizer: Any, lr_scheduler: Any,
                     loss_scaler: Any, engine_state: dict, client_state: dict, save_latest: bool,
-                    frozen: frozenset[str] = frozenset()) -> bool:  # fmt: skip
+                    frozen: frozenset[str] = frozenset(), tag_validation: str = "fail") -> bool:  # fmt: skip
     """Write a checkpoint to ``save_dir/<tag>/`` atomically; collective (every rank calls it). Returns True.
 
     ``tag`` None means ``global_step{engine_state['global_steps']}`` (DeepSpeed's default). ``client_state`` is
@@ -385,7 +398,7 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
         "client_state": dict(client_state or {}),
     }, "client_state / engine state")  # fmt: skip
     rng_bytes = _torch_bytes(_rng_state(), "RNG state")
-    _check_same_tag(tag)
+    tag = _check_same_tag(tag, tag_validation)
     root = Path(save_dir)
     final, staging = root / tag, root / f".tmp-{tag}"
     rank = _rank()

@@ -52,6 +52,10 @@ class Engine(nn.Module):
         self.__dict__["optimizer"] = optimizer
         if optimizer is not None:
             optimizer.overflow = False  # DeepSpeed's optimizer attribute (scripts and Accelerate read it)
+            if hasattr(optimizer, "optim") and not hasattr(optimizer, "optimizer"):
+                # stage 1 (ZeroRedundancyOptimizer): the torch optimizer of this rank's partition, where DeepSpeed's
+                # ZeRO optimizer has its own (engine.optimizer.optimizer.param_groups)
+                optimizer.optimizer = optimizer.optim
             # DeepSpeed's ZeRO optimizer moves its own state (OpenRLHF: engine.optimizer.offload_states(...))
             for name in ("offload_states", "reload_states"):
                 if not hasattr(optimizer, name):
@@ -120,10 +124,7 @@ class Engine(nn.Module):
         if "_ds_config" not in self.__dict__:
             from torsh.compat.deepspeed.runtime.config import DeepSpeedConfig
 
-            ds = DeepSpeedConfig(self.config)
-            ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps = (
-                self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps())
-            self.__dict__["_ds_config"] = ds
+            self.__dict__["_ds_config"] = DeepSpeedConfig._of_engine(self)
         return self.__dict__["_ds_config"]
 
     mpu = None
@@ -313,6 +314,10 @@ class Engine(nn.Module):
         """The max global gradient norm (0: no clipping)."""
         return self._clip
 
+    def log_level(self) -> str | None:
+        """The config's ``log_level`` (None: not set; DeepSpeed's logger keeps its level)."""
+        return getattr(self._config, "log_level", None)
+
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without loss scaling)."""
         return float(self.loss_scaler.cur_scale) if self._scaling else 1.0
@@ -462,11 +467,15 @@ class Engine(nn.Module):
         """Call every micro-batch: at the boundary, unscale, clip, step the optimizer and scheduler (unless the
         step is skipped for a non-finite gradient) and update the counters."""
         if self._in_no_sync:
-            raise RuntimeError("engine.step() inside engine.no_sync(): leave the context before stepping")
+            raise NoSyncError("It is illegal to call Engine.step() inside no_sync context manager: leave the "
+                              "context before stepping")  # fmt: skip
         self._check_alive("step")
         boundary = self.is_gradient_accumulation_boundary()
+        self._step_applied = False  # DeepSpeed: whether this step() call updated the weights
         if boundary and self.optimizer is not None:
             self._take_optimizer_step(lr_kwargs)
+            if self._shard.keep_whole:  # stage 2: whole parameters between steps, as DeepSpeed's
+                whole_params.make_whole(self._shard.model)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
         self.tput_timer.stop(global_step=boundary)
@@ -544,9 +553,14 @@ class Engine(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Skip the gradient reduction inside the context (the gradients accumulate locally)."""
+        """Skip the gradient reduction inside the context (the gradients accumulate locally). As DeepSpeed's,
+        refused at ZeRO stages 2/3 (their gradients are partitioned by the reduction) and not re-entrant."""
+        if self.zero_optimization_stage() >= 2:
+            raise NoSyncError("no_sync context manager is incompatible with gradient partitioning logic of ZeRO "
+                              f"stage {self.zero_optimization_stage()}: accumulate with gradient_accumulation_steps "
+                              "(the reduction happens once per boundary) or use ZeRO stage 0/1")  # fmt: skip
         if self._in_no_sync:
-            raise RuntimeError("engine.no_sync() is not re-entrant")
+            raise NoSyncError("no_sync context manager reentry is unsupported")
         self._in_no_sync = True
         try:
             yield
@@ -735,8 +749,12 @@ class Engine(nn.Module):
         ``exclude_frozen_parameters`` leaves out the parameters that do not require a gradient."""
         from .checkpoint import save_checkpoint
 
+        if not save_dir:  # DeepSpeed's check: None or "" would write into the working directory
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         frozen = frozenset(n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad)
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        section = self.config.get("checkpoint") if isinstance(self.config, dict) else None
+        validation = section.get("tag_validation", "warn") if isinstance(section, dict) else "warn"
         return save_checkpoint(save_dir, tag, model=self._checkpoint_module(), optimizer=self.optimizer,
                                lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler,
                                engine_state=self._engine_state(), client_state=dict(client_state or {}),
@@ -785,6 +803,10 @@ class Engine(nn.Module):
                 _attach(root, name, buf, parameter=False)
             self.__dict__["_master_module"] = root  # not a submodule: engine.parameters() stays the model's
         return self._master_module
+
+
+class NoSyncError(AssertionError, RuntimeError):
+    """``engine.no_sync()`` misused: DeepSpeed raises ``AssertionError`` (earlier torsh releases RuntimeError)."""
 
 
 def _model_class(module: nn.Module) -> str:

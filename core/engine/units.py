@@ -56,6 +56,8 @@ _PATHS = {
     "max_reuse_distance": ("zero_optimization.stage3_max_reuse_distance",
                            "zero_optimization.max_reuse_distance"),
 }  # fmt: skip
+#: The settings DeepSpeed 0.19.8 accepts at 0 (its ``ge=0``): no prefetch, no bucketing, no reuse window.
+_ZERO_ALLOWED = frozenset({"allgather_bucket_size", "prefetch_bucket_size", "max_reuse_distance"})
 #: "auto" as the Hugging Face Trainer fills it (a factor of hidden_size**2); other "auto"s take DeepSpeed's default.
 _HF_AUTO = {"reduce_bucket_size": 1.0, "prefetch_bucket_size": 0.9}
 #: Bytes per element of the gradients DDP buckets (the compute dtype of the parameters).
@@ -88,7 +90,8 @@ def bucket_settings(extensions: Mapping[str, Any], *, hidden_size: int | None = 
 
     ``"auto"`` is filled as the Hugging Face Trainer does (``hidden_size**2`` elements for the reduce bucket,
     0.9 of that for the prefetch bucket) when ``hidden_size`` is given, else DeepSpeed's default applies. A value
-    that is not a positive number is a :class:`ConfigError` naming its key.
+    outside DeepSpeed's bounds (below 1 for ``reduce_bucket_size`` and ``stage3_max_live_parameters``, below 0 for
+    the others) is a :class:`ConfigError` naming its key.
     """
     kept = extensions.get("deepspeed", {}) or {}
     values, sources, problems = {}, {}, []
@@ -106,9 +109,11 @@ def bucket_settings(extensions: Mapping[str, Any], *, hidden_size: int | None = 
             else:
                 values[key], sources[key] = default, f"{path}=auto: DeepSpeed's default {default:.3g}"
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            problems.append(Problem(f"extensions.deepspeed.{path}", value, "must be a positive number of "
-                                    f"elements (DeepSpeed's default is {default:.3g})"))  # fmt: skip
+        low = 0 if key in _ZERO_ALLOWED else 1  # DeepSpeed's bounds: 0 is no prefetch / no reuse for these
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
+            kind = "non-negative" if low == 0 else "positive"
+            problems.append(Problem(f"extensions.deepspeed.{path}", value, f"must be a {kind} number of elements "
+                                    f"(DeepSpeed's default is {default:.3g})"))  # fmt: skip
             continue
         values[key], sources[key] = int(value), f"{path}={value:.3g}"
     if problems:
@@ -124,7 +129,9 @@ def unit_target(settings: BucketSettings, stage: int) -> tuple[int, str]:
     step (``allgather_bucket_size``). The smaller of the two keeps both collectives within DeepSpeed's sizes.
     """
     gather = "prefetch_bucket_size" if stage == 3 else "allgather_bucket_size"
-    key = min(("reduce_bucket_size", gather), key=lambda k: getattr(settings, k))
+    # a gather size of 0 (DeepSpeed: no prefetch / no bucketing) bounds nothing: the reduce bucket sizes the units
+    keys = ("reduce_bucket_size", gather) if getattr(settings, gather) > 0 else ("reduce_bucket_size",)
+    key = min(keys, key=lambda k: getattr(settings, k))
     return getattr(settings, key), settings.describe(key)
 
 

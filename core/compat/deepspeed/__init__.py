@@ -16,10 +16,12 @@ __version_major__, __version_minor__, __version_patch__ = 0, 19, 8
 version = __version__
 git_hash = None
 git_branch = None
+__git_hash__, __git_branch__ = git_hash, git_branch
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
-_SUBMODULES = {"comm", "accelerator", "runtime", "utils", "ops", "moe", "pipe", "profiling", "checkpoint"}
+_SUBMODULES = {"comm", "accelerator", "runtime", "utils", "ops", "moe", "pipe", "profiling", "checkpoint",
+               "git_version_info"}
 
 #: name -> (module, attribute); attribute None: the module itself.
 _LAZY = {

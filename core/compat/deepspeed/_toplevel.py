@@ -29,9 +29,24 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     the libraries that drive it (the DeepSpeed reader reads Accelerate's ``steps_per_print: inf`` as "never
     print")."""
     from torsh.engine.initialize import initialize as torsh_initialize
+    from torsh.errors import ConfigError
 
-    return torsh_initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                            training_data=training_data, lr_scheduler=lr_scheduler,
-                            distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
-                            collate_fn=collate_fn, config=config, mesh_param=mesh_param,
-                            config_params=config_params)  # fmt: skip
+    from .runtime.config import InvalidConfig
+
+    try:
+        result = torsh_initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                  training_data=training_data, lr_scheduler=lr_scheduler,
+                                  distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
+                                  collate_fn=collate_fn, config=config, mesh_param=mesh_param,
+                                  config_params=config_params)  # fmt: skip
+    except ConfigError as exc:
+        if isinstance(exc, InvalidConfig):
+            raise
+        # the same problems, as an error `except deepspeed.DeepSpeedConfigError` catches too (and ValueError)
+        raise InvalidConfig(exc.problems, source=exc.source) from None
+    level = result[0].log_level()
+    if level is not None:  # DeepSpeed sets its logger's level from the config's log_level
+        from .utils import set_log_level_from_string
+
+        set_log_level_from_string(level)
+    return result

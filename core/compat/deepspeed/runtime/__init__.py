@@ -1,7 +1,9 @@
 """``deepspeed.runtime``: the submodules training scripts import (``utils``, ``zero``, ``engine``,
-``lr_schedules``, ``dataloader``, ``activation_checkpointing``, ``pipe``, ``config``, ``fp16``)."""
+``lr_schedules``, ``dataloader``, ``activation_checkpointing``, ``pipe``, ``config``, ``config_utils``,
+``constants``, ``precision_config``, ``fp16``, ``bf16_optimizer``)."""
 
 from .._lazy import submodule_getattr
 
 __getattr__ = submodule_getattr(__name__, {"utils", "zero", "engine", "lr_schedules", "dataloader",
-                                           "activation_checkpointing", "pipe", "config", "fp16"})  # fmt: skip
+                                           "activation_checkpointing", "pipe", "config", "config_utils", "constants",
+                                           "precision_config", "fp16", "bf16_optimizer", "base_optimizer"})  # fmt: skip

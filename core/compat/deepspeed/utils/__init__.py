@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging as _logging  # not ``logging``: that name is DeepSpeed's submodule deepspeed.utils.logging
 
-import torch
+import torch as _torch  # not ``torch``: that name is the submodule deepspeed.utils.torch once imported
 
 from torsh.engine.precision import MASTER
 from torsh.engine.zero_params import PENDING_FP32, write_whole
@@ -49,7 +49,7 @@ def set_log_level_from_string(log_level_str, custom_logger=None) -> None:
     (custom_logger or logger).setLevel(getattr(_logging, str(log_level_str).upper()))
 
 
-def _full(param) -> torch.Tensor:
+def _full(param) -> _torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return param.full_tensor() if isinstance(param, DTensor) else param.detach()
@@ -61,14 +61,14 @@ def _fp32(param):
     return getattr(param, MASTER, param)
 
 
-def safe_get_full_fp32_param(param) -> torch.Tensor:
+def safe_get_full_fp32_param(param) -> _torch.Tensor:
     """The full fp32 value of ``param`` (gathered when sharded; what :func:`safe_set_full_fp32_param` wrote);
     collective under sharding: call on every rank."""
     pending = getattr(param, PENDING_FP32, None)
     return pending.float().clone() if pending is not None else _full(_fp32(param)).float().clone()
 
 
-def safe_get_full_grad(param) -> torch.Tensor | None:
+def safe_get_full_grad(param) -> _torch.Tensor | None:
     """The full gradient of ``param`` in the dtype of the weights the optimizer steps (fp32 under fp16/bf16, as
     DeepSpeed's ZeRO optimizers give it), gathered when sharded; None before backward. Collective under sharding."""
     source = _fp32(param)
@@ -93,12 +93,48 @@ def safe_set_full_fp32_param(param, value) -> None:
         write_whole(target, value)
 
 
-def safe_get_local_fp32_param(param) -> torch.Tensor:
+def safe_get_local_fp32_param(param) -> _torch.Tensor:
     """This rank's part of ``param`` in fp32 (its shard when sharded)."""
     from torch.distributed.tensor import DTensor
 
     source = _fp32(param)
     return (source.to_local() if isinstance(source, DTensor) else source.detach()).float()
+
+
+def _local(tensor):
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def safe_get_local_grad(param) -> _torch.Tensor | None:
+    """This rank's part of ``param``'s gradient (its shard under ZeRO-3 / FSDP2, the whole gradient otherwise), in
+    the dtype of the weights the optimizer steps (fp32 under fp16/bf16), as DeepSpeed gives it; None before
+    backward. Not collective."""
+    source = _fp32(param)
+    grad = source.grad if source.grad is not None else param.grad
+    return None if grad is None else _local(grad).to(_local(source).dtype, copy=True)
+
+
+def safe_set_local_grad(param, value) -> None:
+    """Write ``value`` (shaped as :func:`safe_get_local_grad` gives it) as this rank's part of ``param``'s
+    gradient, the one the next optimizer step uses (custom clipping between backward and step)."""
+    source = _fp32(param)
+    grad = source.grad if source.grad is not None else param.grad
+    if grad is not None:
+        local = _local(grad)
+        if value.shape != local.shape:
+            raise ValueError(f"safe_set_local_grad: the value has shape {tuple(value.shape)}, this rank's part of "
+                             f"the gradient {tuple(local.shape)} (pass what safe_get_local_grad gave)")  # fmt: skip
+        with _torch.no_grad():
+            local.copy_(value)
+        return
+    from torch.distributed.tensor import DTensor
+
+    value = value.detach().to(_local(source).dtype, copy=True)
+    if isinstance(source, DTensor):
+        value = DTensor.from_local(value, source.device_mesh, source.placements, run_check=False)
+    source.grad = value
 
 
 class OnDevice:
@@ -111,17 +147,17 @@ class OnDevice:
 
     def __enter__(self):
         if self.enabled:
-            self._dtype = torch.get_default_dtype()
+            self._dtype = _torch.get_default_dtype()
             if self.dtype is not None and self.dtype.is_floating_point:
-                torch.set_default_dtype(self.dtype)
-            self._ctx = torch.device(self.device)
+                _torch.set_default_dtype(self.dtype)
+            self._ctx = _torch.device(self.device)
             self._ctx.__enter__()
         return self
 
     def __exit__(self, *exc):
         if self.enabled:
             self._ctx.__exit__(*exc)
-            torch.set_default_dtype(self._dtype)
+            _torch.set_default_dtype(self._dtype)
         return False
 
 
@@ -130,7 +166,7 @@ safe_get_full_optimizer_state = unsupported_function(
 
 
 def __getattr__(name: str):
-    if name in ("zero_to_fp32", "logging"):
+    if name in ("zero_to_fp32", "logging", "groups", "torch", "module_utils", "z3_leaf_module"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")

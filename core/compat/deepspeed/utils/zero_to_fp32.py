@@ -15,7 +15,36 @@ from typing import Any
 from torsh.errors import ConfigError, Problem
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_state_dict",
-           "convert_zero_checkpoint_to_fp32_state_dict", "load_state_dict_from_zero_checkpoint"]  # fmt: skip
+           "convert_zero_checkpoint_to_fp32_state_dict", "load_state_dict_from_zero_checkpoint", "get_optim_files",
+           "get_model_state_files"]  # fmt: skip
+
+
+def _natural_key(path: str) -> list:
+    import re
+
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+def _files(checkpoint_dir: Any, pattern: str) -> list[str]:
+    import glob
+
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"Directory '{checkpoint_dir}' doesn't exist")
+    files = sorted(glob.glob(os.path.join(str(checkpoint_dir), pattern)), key=_natural_key)
+    if not files:
+        raise FileNotFoundError(f"can't find {pattern} files in directory '{checkpoint_dir}'")
+    return files
+
+
+def get_optim_files(checkpoint_dir) -> list[str]:
+    """The ``*_optim_states.pt`` files of a DeepSpeed checkpoint tag directory, in rank order (``zero_2`` before
+    ``zero_10``); ``FileNotFoundError`` when there are none."""
+    return _files(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir) -> list[str]:
+    """The ``*_model_states.pt`` files of a DeepSpeed checkpoint tag directory, in rank order."""
+    return _files(checkpoint_dir, "*_model_states.pt")
 
 
 def _tag_dir(checkpoint_dir: Any, tag: Any) -> Path:

@@ -1,1 +1,1 @@
-"""``deepspeed.runtime.fp16``: only ``loss_scaler``'s names (see :mod:`.loss_scaler`)."""
+"""``deepspeed.runtime.fp16``: ``loss_scaler``, ``fused_optimizer`` and ``unfused_optimizer``'s names."""
