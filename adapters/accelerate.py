@@ -176,12 +176,28 @@ def _read_num_processes(value: Any, ctx: ReadContext, path: str) -> None:
     elif value == -1 and not isinstance(value, bool):
         ctx.note(path, Fidelity.EXACT, "-1 is Accelerate's 'not stated': accelerate launch refuses this file unless "
                  "--num_processes N is passed", value)  # fmt: skip
+    elif value is None and _kind(ctx) in _TORCHRUN_TYPES:
+        ctx.note(path, Fidelity.DEFERRED, "null: accelerate launch hands it to torchrun, which fails on it, unless "
+                 "--num_processes N is passed", value)  # fmt: skip
     elif value is None:
         ctx.note(path, Fidelity.EXACT, "every visible accelerator (decided at launch)", value)
     else:
         raise ConfigError([Problem(path, value, "num_processes must be a positive process count (or -1 for 'pass "
                                    "--num_processes at launch'); set it to the number of processes over all "
                                    "machines")], source=NAME)  # fmt: skip
+
+
+def _read_gpu_ids(value: Any, ctx: ReadContext, path: str) -> None:
+    """CUDA_VISIBLE_DEVICES; accelerate launch refuses fewer than two ids for a multi-GPU job on one machine."""
+    machines = ctx.raw.get("num_machines", 1)
+    multi = _kind(ctx) in _TORCHRUN_TYPES - {"DEEPSPEED", "FSDP", "MEGATRON_LM"} and not (
+        isinstance(machines, int) and machines > 1)  # fmt: skip
+    if multi and isinstance(value, str) and value != "all" and len(value.split(",")) < 2:
+        ctx.problem(path, value, "accelerate launch refuses fewer than two GPU ids for a multi-GPU job: give two or "
+                    "more, comma-separated, or all")  # fmt: skip
+        return
+    ctx.note(path, Fidelity.IGNORED, "CUDA_VISIBLE_DEVICES: " + _LAUNCHER, value)
+    ctx.keep(path, value)
 
 
 def _read_nullable(core_path: str):
@@ -214,6 +230,12 @@ def _read_reshard(value: Any, ctx: ReadContext, path: str) -> Any:
         ctx.keep(path, value)
         ctx.note(path, Fidelity.DROPPED, "a bool is what FSDP2 reads; Accelerate's FSDP1 plugin does not read this "
                  "key (fsdp_sharding_strategy decides): set fsdp_version: 2 if the file is meant for FSDP2", value)
+        return None
+    if str(value).upper() not in SHARDING_STRATEGIES and str(value).upper() not in STRATEGY_ALIASES and not (
+            str(value).isdigit() and 1 <= int(value) <= len(SHARDING_STRATEGIES)):  # fmt: skip
+        ctx.keep(path, value)  # what accelerate config writes is a strategy name; anything else the plugin passes over
+        ctx.note(path, Fidelity.DROPPED, "not a sharding strategy, and Accelerate's FSDP1 plugin does not read this "
+                 "key (fsdp_sharding_strategy decides)", value)  # fmt: skip
         return None
     return _strategy(value, ctx, path)
 
@@ -324,7 +346,9 @@ def _read_parallelism(value: Any, ctx: ReadContext, path: str) -> None:
     if key in ("dp_replicate_size", "dp_shard_size") and _kind(ctx) == "FSDP":
         _state(ctx)[key] = (value, path, value)
         return
-    if key.endswith("_size") and value in (None, 1):
+    if key.endswith("_size") and value is None:
+        ctx.problem(path, value, "null: accelerate launch compares it with 1 and fails; write 1 for none")
+    elif key.endswith("_size") and value == 1:
         ctx.note(path, Fidelity.EXACT, "1: no such parallelism", value)
     elif key.startswith("dp_"):
         ctx.keep(path, value)
@@ -381,7 +405,7 @@ TOP_MAP = {
     **{key: Dropped(f"not a key of an Accelerate config file: accelerate launch 1.15 refuses the file (\"unknown "
                     f"keys\"); give it on the command line, accelerate launch --{key} N")
        for key in ("max_restarts", "monitor_interval", "num_cpu_threads_per_process")},
-    "gpu_ids": Ignored("CUDA_VISIBLE_DEVICES: " + _LAUNCHER),
+    "gpu_ids": Hook(read=lambda v, c, p: _read_gpu_ids(v, c, p)),
     "dynamo_backend": Hook(read=_read_dynamo),
     "dynamo_config": Hook(read=_read_dynamo),
     "ipex_config.*": Dropped("removed from Accelerate (IPEX is used when installed): accelerate launch 1.15 refuses a "
@@ -693,6 +717,11 @@ _NULL_IS_LEFT_TO_LAUNCH = {
                     "write 1 for one machine. torsh reads one machine",
 }
 _SECTIONS = ("deepspeed_config", "fsdp_config")
+#: fsdp_config keys accelerate launch always writes into the FSDP plugin's environment (``str(value)``): a null
+#: becomes the text "None", which the plugin refuses. It tests the others with ``is not None`` (null: the default).
+_FSDP_NULL_REFUSED = tuple(f"fsdp_{k}" for k in (
+    "version", "sharding_strategy", "reshard_after_forward", "offload_params", "min_num_params", "forward_prefetch",
+    "use_orig_params", "cpu_ram_efficient_loading", "sync_module_states", "activation_checkpointing"))
 
 
 def _without_nulls(raw: dict) -> tuple[dict, list[Note]]:
@@ -706,6 +735,11 @@ def _without_nulls(raw: dict) -> tuple[dict, list[Note]]:
         if value is None and key in _NULL_IS_LEFT_TO_LAUNCH:
             notes.append(Note(key, None, None, Fidelity.DEFERRED, _NULL_IS_LEFT_TO_LAUNCH[key]))
             continue
+        if key == "fsdp_config" and isinstance(value, dict) and set(_FSDP_NULL_REFUSED) & {
+                k for k, v in value.items() if v is None}:  # fmt: skip
+            raise ConfigError([Problem(f"{key}.{k}", None, "null: accelerate launch passes it on as the text 'None', "
+                                       "which Accelerate's FSDP plugin refuses; remove the key for its default")
+                               for k, v in value.items() if v is None and k in _FSDP_NULL_REFUSED], source=NAME)
         if key in _SECTIONS and isinstance(value, dict) and None in value.values():
             notes += [Note(f"{key}.{k}", None, None, Fidelity.EXACT, "null: not set, Accelerate's default applies")
                       for k, v in value.items() if v is None]  # fmt: skip
@@ -1061,6 +1095,9 @@ class Accelerate(Dialect):
     def shape(self, raw: Any) -> Any:
         if not isinstance(raw, dict):
             raise ConfigError([Problem("", raw, "an accelerate config must be a mapping")], source=NAME)
+        if "distributed_type" not in raw:  # Accelerate's loader raises
+            raise ConfigError([Problem("distributed_type", None, "Accelerate refuses a config file without it: add "
+                                       "distributed_type (NO, MULTI_GPU, FSDP, DEEPSPEED, ...)")], source=NAME)
         return raw
 
     def check_schema(self, raw: Any) -> None:
@@ -1071,6 +1108,9 @@ class Accelerate(Dialect):
     def normalise(self, raw: Any, prepared: Prepared) -> Prepared:
         raw, unset = _without_nulls(raw)
         prepared.data, notes, prepared.kept = _inactive_sections(raw)
+        if "num_processes" not in raw and raw.get("distributed_type") != "NO":
+            notes.append(Note("num_processes", None, None, Fidelity.DEFERRED, "not set: accelerate launch asks for "
+                              "--num_processes N (Accelerate gives 1 only to distributed_type 'NO')"))  # fmt: skip
         prepared.notes = unset + notes
         return prepared
 

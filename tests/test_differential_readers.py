@@ -98,9 +98,15 @@ def _accelerate_launch_accepts(path: Path) -> bool | str:
         if torchrun:
             distrib_run.config_from_args(_filter_args(args, distrib_run.get_args_parser(), [
                 "--training_script", args.training_script, "--training_script_args", args.training_script_args]))
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+    except RuntimeError as exc:
+        return f"{'machine: ' if _MACHINE.search(str(exc)) else ''}{type(exc).__name__}: {exc}"
+    except Exception as exc:  # accelerate's own checks raise ValueError; unchecked values fail as they are used
         return f"{type(exc).__name__}: {exc}"
     return True
+
+
+#: Refusals about this machine (no accelerator, no fp8 library), not about the file: such inputs are not compared.
+_MACHINE = __import__("re").compile(r"not available on this machine|no available devices|is not available")
 
 
 def _accelerate_loads(path: Path) -> bool | str:
@@ -385,19 +391,30 @@ def _apply(raw: dict, path: tuple, value: Any) -> dict:
     return out
 
 
-def inputs(files: list[Path], count: int, framework: Callable[[dict], bool | str], seed: int = 0
-           ) -> list[tuple[str, dict, str, tuple]]:  # fmt: skip
+def inputs(files: list[Path], count: int, framework: Callable[[dict], bool | str], seed: int = 0,
+           keys: Callable[[tuple], bool] = lambda path: True) -> list[tuple[str, dict, str, tuple]]:  # fmt: skip
     """Every file as it is, then ``count`` mutations of the files the framework accepts (a mutation of a file it
     refuses anyway says nothing): (label, data, kind, key path)."""
     rnd = random.Random(seed)
-    seeds = [(p.name, load_file(p)[0]) for p in files]
+    seeds = [(p.name, _parsed(p)) for p in files]
+    seeds = [(name, data) for name, data in seeds if data is not None]
     out = [(name, data, "corpus", (), None) for name, data in seeds]
     pool = [(name, data, kind, path, value) for name, data in seeds
             if isinstance(data, dict) and framework(copy.deepcopy(data)) is True
-            for kind, path, value in _candidates(data)]  # fmt: skip
+            for kind, path, value in _candidates(data) if keys(path)]  # fmt: skip
     for name, data, kind, path, value in rnd.sample(pool, min(count, len(pool))):
         out.append((f"{name}: {kind} at {'.'.join(path)}", _apply(data, path, value), kind, path, _at(data, path)))
     return out
+
+
+def _parsed(path: Path) -> Any:
+    """The file as torsh parses it; None for a file torsh's parser refuses on purpose: a key set twice (PyYAML
+    keeps the last one silently; torsh names the key: tests/test_input_limits.py)."""
+    try:
+        return load_file(path)[0]
+    except ConfigError as exc:
+        assert "duplicate key" in str(exc), exc
+        return None
 
 
 def disagreements(dialect: str, cases: list, framework: Callable[[dict], bool | str],
@@ -406,14 +423,20 @@ def disagreements(dialect: str, cases: list, framework: Callable[[dict], bool | 
     counts every outcome. A framework refusal agrees with a torsh refusal or with a lossy note at the key (for a
     corpus file: anywhere)."""
     read = read or (lambda data: torsh_reads(data, dialect))
-    found: dict[str, list] = {"disagree": [], "deliberate": [], "agree": []}
+    found: dict[str, list] = {"disagree": [], "deliberate": [], "agree": [], "machine": []}
     for label, data, kind, path, original in cases:
         verdict = framework(copy.deepcopy(data))
         result = read(copy.deepcopy(data))
         accepted = isinstance(result, Translation)
         key = ".".join(path)
-        if verdict is True and accepted:
+        if isinstance(verdict, str) and verdict.startswith("machine:"):  # the framework needs what is not here
+            found["machine"].append(label)
+        elif verdict is True and accepted:
             found["agree"].append(label)
+        elif isinstance(verdict, str) and verdict.startswith("flag:") and accepted:  # runs once the flag is given
+            flag = verdict.split(":", 1)[1]
+            says = any(flag in n.reason for n in result.notes)
+            found["agree" if says else "disagree"].append(label if says else (label, f"{verdict}; torsh: {result}"))
         elif verdict is not True and (not accepted or (lossy_at(result, key) if path else result.lossy)):
             found["agree"].append(label)
         else:
@@ -507,4 +530,99 @@ def test_deepspeed_reader_agrees_with_deepspeedconfig(deepspeed_ready):
     files = sorted((CORPUS / "deepspeed").glob("*.json")) + sorted((CORPUS / "deepspeed_config_templates").glob("*"))
     cases = inputs([p for p in files if p.suffix == ".json"], MUTATIONS * 3, _deepspeed_accepts)
     found = disagreements("deepspeed", cases, _deepspeed_accepts, DEEPSPEED_DELIBERATE)
+    assert not found["disagree"], _report(found)
+
+
+# ---- Accelerate ----------------------------------------------------------------------------------------------------
+
+def _launch_flag(data: dict, verdict: str) -> str | None:
+    """The flag with which ``accelerate launch`` runs a file it refused: what the file leaves out or null."""
+    if data.get("num_machines", 1) is None and "NoneType" in verdict:
+        return "--num_machines"
+    if data.get("num_processes", -1) in (None, -1) and ("--num_processes" in verdict or "None" in verdict):
+        return "--num_processes"
+    return None
+
+
+def _accelerate_verdict(data: dict, tmp: Path) -> bool | str:
+    """``accelerate launch``'s verdict on a config file: True, ``"flag:--x"`` when it runs only with that flag
+    passed, else the error. Past the launch, the training process builds its FSDP / DeepSpeed plugin from the
+    environment the launcher set; that is run too (the plugin refuses what the launcher passes on unchecked)."""
+    import yaml
+
+    path = tmp / "accelerate_config.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    loaded = _accelerate_loads(path)
+    if loaded is not True:
+        return loaded
+    verdict = _accelerate_launch_accepts(path)
+    if verdict is not True:
+        flag = _launch_flag(data, str(verdict))
+        return f"flag:{flag}" if flag else verdict
+    return _plugin_from_launch_env(path)
+
+
+def _plugin_from_launch_env(path: Path) -> bool | str:
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin, patch_environment
+    from accelerate.utils import launch as helpers
+
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    if not args.use_fsdp:
+        return True
+    env = {k: v for k, v in helpers.prepare_multi_gpu_env(args).items() if k.startswith(("FSDP_", "ACCELERATE_"))}
+    from unittest import mock
+
+    try:  # the plugin asks for the current accelerator with sync_module_states: this machine has none
+        with patch_environment(**env), mock.patch("accelerate.utils.dataclasses.is_cuda_available", lambda: True), \
+                mock.patch("torch.cuda.current_device", lambda: 0):  # fmt: skip
+            FullyShardedDataParallelPlugin()
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        return f"the FSDP plugin refuses it: {type(exc).__name__}: {exc}"
+    return True
+
+
+#: Launch values accelerate launch reads only for a job on several machines (it passes them over on one).
+_MULTI_NODE_ONLY = ("machine_rank", "rdzv_backend", "main_process_ip", "main_process_port", "same_network")
+
+
+#: Where torsh refuses what accelerate launch runs, on purpose (each refusal names the key).
+ACCELERATE_DELIBERATE: dict[str, Callable[..., bool]] = {
+    # They are wrong whatever the machine count; accelerate launch fails on them once num_machines > 1.
+    "a bad value of a launch key accelerate launch uses only on several machines (machine_rank, rdzv_backend, ...)":
+        lambda original, kind, path, *_: path[0] in _MULTI_NODE_ONLY,
+    # ClusterConfig keeps any value; accelerate launch then starts one process, whatever was meant.
+    "a distributed_type that names no kind (a list, null, text that is not a DistributedType)":
+        lambda original, kind, path, *_: path == ("distributed_type",),
+    # accelerate launch runs them as one process / one machine (it only asks `> 1`); torsh asks for a real count.
+    "a process or machine count below 1 (other than num_processes -1, Accelerate's 'not stated')":
+        lambda original, kind, path, *_: path in (("num_processes",), ("num_machines",)) and kind != "null",
+    # Read with str_to_bool by the one-process launcher (which fails on it); the multi-GPU launchers pass it over.
+    "a use_cpu that is neither a boolean nor its text":
+        lambda original, kind, path, *_: path == ("use_cpu",),
+    # accelerate launch compares only cp_size and sp_size with 1; it writes the other sizes into the environment as
+    # the text "None", which the training process cannot read back as a size.
+    "a null parallelism_config size":
+        lambda original, kind, path, *_: path[0] == "parallelism_config" and kind == "null",
+    # accelerate launch copies only mapping sections into its arguments; any other value is passed over.
+    "a section (fsdp_config, deepspeed_config, ...) that is not a mapping":
+        lambda original, kind, path, *_: len(path) == 1 and isinstance(original, dict),
+}
+
+
+def _mutable_in_accelerate(path: tuple) -> bool:
+    """Keys whose mutations are compared with accelerate launch: not deepspeed_config, which the launcher passes on
+    unchecked to DeepSpeed (the DeepSpeed reader is compared with DeepSpeed itself above)."""
+    return path[0] != "deepspeed_config"
+
+
+def test_accelerate_reader_agrees_with_accelerate_launch(tmp_path, monkeypatch):
+    pytest.importorskip("accelerate")
+    monkeypatch.chdir(tmp_path)
+    for key in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
+        monkeypatch.delenv(key)
+    files = [p for p in sorted((CORPUS / "accelerate").glob("*.yaml")) if "deepspeed_config_file" not in p.read_text()]
+    framework = lambda data: _accelerate_verdict(data, tmp_path)  # noqa: E731
+    cases = inputs(files, MUTATIONS, framework, keys=_mutable_in_accelerate)
+    found = disagreements("accelerate", cases, framework, ACCELERATE_DELIBERATE)
     assert not found["disagree"], _report(found)
