@@ -45,6 +45,8 @@ _BOOLEANS = {**dict.fromkeys(("cpu_ram_efficient_loading", "activation_checkpoin
              **dict.fromkeys(("forward_prefetch", "use_orig_params", "sync_module_states", "limit_all_gathers"),
                              ("text", (1,))),
              **dict.fromkeys(("cpu_offload", *_XLA - {"xla_fsdp_settings"}), ("truth", (1, 2)))}  # fmt: skip
+#: Keys transformers reads with ``fsdp_config.get(key)`` and passes on, where a null is the plugin's default.
+_NULL_IS_UNSET = frozenset({"state_dict_type", "transformer_layer_cls_to_wrap"})
 _STR_TO_BOOL = {"y": True, "yes": True, "t": True, "true": True, "on": True, "1": True,
                 "n": False, "no": False, "f": False, "false": False, "off": False, "0": False}  # fmt: skip
 
@@ -140,6 +142,9 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
     section, spelling = {}, {}  # Accelerate's fsdp_config, and where each of its keys came from
     for key, (written, value) in config.items():
         source = written if written == "fsdp" else where(written)
+        if value is None and key in _NULL_IS_UNSET:
+            notes.append(Note(source, None, None, Fidelity.EXACT, "null: not set, the default applies"))
+            continue
         value = _as_transformers_reads(key, value, fsdp_version, source, notes)
         unread = _unread_reason(key, value, fsdp_version)
         if unread:

@@ -51,8 +51,9 @@ def torsh_reads(raw: Any, dialect: str, **kw: Any) -> Translation | ConfigError:
 
 
 def lossy_at(result: Translation, key: str) -> bool:
-    """A lossy note on ``key`` or inside it (what ``--strict`` fails on)."""
-    return any(n.lossy and (n.source_path == key or n.source_path.startswith(key + ".")) for n in result.notes)
+    """A lossy note on ``key``, inside it or on a section holding it (what ``--strict`` fails on)."""
+    return any(n.lossy and (n.source_path == key or n.source_path.startswith(key + ".") or
+                            key.startswith(n.source_path + ".")) for n in result.notes)  # fmt: skip
 
 
 def notes_at(result: Translation, key: str) -> list:
@@ -188,12 +189,12 @@ def test_accelerate_num_machines_null_loads_and_is_left_to_the_launch(accelerate
     assert t.result.launch.world_size == 2
 
 
-def _transformers_plugin_args(config: dict, tmp_path: Path) -> dict | str:
+def _transformers_plugin_args(config: dict, tmp_path: Path, options: Any = True) -> dict | str | None:
     transformers = pytest.importorskip("transformers")
     try:
-        args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), fsdp=True, fsdp_config=dict(config),
-                                              use_cpu=True, report_to=[])  # fmt: skip
-    except (ValueError, TypeError) as exc:
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), fsdp=options,
+                                              fsdp_config=copy.deepcopy(config), use_cpu=True, report_to=[])
+    except Exception as exc:  # its own checks raise ValueError; unchecked values fail as they are used
         return f"{type(exc).__name__}: {exc}"
     return args.fsdp_plugin_args
 
@@ -625,4 +626,50 @@ def test_accelerate_reader_agrees_with_accelerate_launch(tmp_path, monkeypatch):
     framework = lambda data: _accelerate_verdict(data, tmp_path)  # noqa: E731
     cases = inputs(files, MUTATIONS, framework, keys=_mutable_in_accelerate)
     found = disagreements("accelerate", cases, framework, ACCELERATE_DELIBERATE)
+    assert not found["disagree"], _report(found)
+
+
+# ---- transformers' fsdp_config -------------------------------------------------------------------------------------
+
+
+def _trainer_verdict(data: dict, tmp: Path) -> bool | str:
+    """``TrainingArguments(fsdp=..., fsdp_config=...)``, then Accelerate's FSDP plugin from the arguments it builds
+    (as the Trainer does)."""
+    from unittest import mock
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    options, config = (data.get("fsdp", True), data["fsdp_config"]) if isinstance(data.get("fsdp_config"), dict) \
+        else (True, data)  # fmt: skip
+    args = _transformers_plugin_args(config, tmp, options)
+    if not isinstance(args, dict):
+        return args if args is not None else True  # None: the XLA path, which builds no plugin
+    try:
+        with mock.patch("accelerate.utils.dataclasses.is_cuda_available", lambda: True), \
+                mock.patch("torch.cuda.current_device", lambda: 0):  # fmt: skip
+            FullyShardedDataParallelPlugin(**args)
+    except Exception as exc:  # the plugin's own checks raise ValueError; others fail as they use the value
+        return f"the FSDP plugin refuses it: {type(exc).__name__}: {exc}"
+    return True
+
+
+#: Where torsh refuses what the Trainer accepts, on purpose.
+TRAINER_DELIBERATE: dict[str, Callable[..., bool]] = {
+    # transformers and the plugin keep such a value unconverted (a list where a name is read): nothing then uses it
+    # as meant, so torsh asks for the value's own type.
+    "a value of the wrong type (a list) that the plugin keeps unconverted":
+        lambda original, kind, *_: kind == "wrong type",
+    # Off, or given as a path on the command line: the file then holds no FSDP settings to translate.
+    "the Trainer-arguments form with fsdp null (FSDP off) or an fsdp_config that is no mapping":
+        lambda original, kind, path, *_: path in (("fsdp",), ("fsdp_config",)),
+}
+
+
+def test_fsdp_plugin_reader_agrees_with_trainingarguments(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    for name in [k for k in os.environ if k.startswith(("FSDP_", "ACCELERATE_"))]:
+        monkeypatch.delenv(name)
+    files = sorted((CORPUS / "fsdp_plugin_json").glob("*.json"))
+    framework = lambda data: _trainer_verdict(data, tmp_path)  # noqa: E731
+    found = disagreements("fsdp_plugin", inputs(files, MUTATIONS, framework), framework, TRAINER_DELIBERATE)
     assert not found["disagree"], _report(found)
