@@ -326,6 +326,9 @@ def _config_file_keys_read(config: dict, notes: list[Note]) -> dict:
     sections = {k.split(".", 1)[0] for k in known}
     kept: dict = {}
     for section, value in config.items():
+        if value is None:  # `if params:` / `if value is not None`: horovodrun skips it
+            notes.append(Note(f"config_file.{section}", None, None, Fidelity.EXACT, "null: horovodrun skips it"))
+            continue
         if section not in sections:
             guess = did_you_mean(str(section), sorted(sections))
             notes.append(Note(f"config_file.{section}", None, value, Fidelity.DROPPED, "horovodrun 0.28.1 reads no "
@@ -336,6 +339,10 @@ def _config_file_keys_read(config: dict, notes: list[Note]) -> dict:
             continue
         kept[section] = {}
         for key, item in value.items():
+            if item is None:  # _set_arg_from_config sets only what is not None
+                notes.append(Note(f"config_file.{section}.{key}", None, None, Fidelity.EXACT, "null: horovodrun "
+                                  "skips it, the flag's default applies"))  # fmt: skip
+                continue
             if f"{section}.{key}" in known or not isinstance(key, str):
                 kept[section][key] = item
                 continue
@@ -423,8 +430,11 @@ def _is_env(raw: Any) -> bool:
 
 
 def _is_config_file(raw: Any) -> bool:
-    return isinstance(raw, dict) and bool(raw) and set(raw) <= set(CONFIG_FILE_SECTIONS) and (
-        set(raw) - {"logging"} or isinstance(raw.get("logging"), dict))
+    """Mostly config-file sections (horovodrun passes over the other keys), none of the four-section layout's."""
+    if not isinstance(raw, dict) or not raw or set(raw) & set(SECTIONS):
+        return False
+    known = set(raw) & set(CONFIG_FILE_SECTIONS)
+    return 2 * len(known) >= len(raw) and bool(known - {"logging"} or isinstance(raw.get("logging"), dict))
 
 
 def _bare_section(raw: Any) -> str:

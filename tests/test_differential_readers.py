@@ -673,3 +673,59 @@ def test_fsdp_plugin_reader_agrees_with_trainingarguments(tmp_path, monkeypatch)
     framework = lambda data: _trainer_verdict(data, tmp_path)  # noqa: E731
     found = disagreements("fsdp_plugin", inputs(files, MUTATIONS, framework), framework, TRAINER_DELIBERATE)
     assert not found["disagree"], _report(found)
+
+
+# ---- Horovod's --config-file ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def horovod_config_parser() -> types.ModuleType:
+    """horovodrun's config parser (horovod/runner/common/util/config_parser.py), loaded alone from the 0.28.1 sdist:
+    Horovod does not build here, and the module imports nothing of Horovod."""
+    if not HOROVOD_SDIST.is_file():
+        pytest.skip(f"the Horovod sdist is not in .venv/sdist (make venv downloads it): {HOROVOD_SDIST.name}")
+    with tarfile.open(HOROVOD_SDIST) as sdist:
+        member = sdist.extractfile("horovod-0.28.1/horovod/runner/common/util/config_parser.py")
+        source = member.read().decode("utf-8")
+    module = types.ModuleType("horovod_config_parser")
+    exec(compile(source, "config_parser.py", "exec"), module.__dict__)  # noqa: S102 - Horovod's own module
+    return module
+
+
+class _HorovodrunArgs:
+    """horovodrun's parsed arguments with no flag given: every option None, every switch False (argparse's
+    defaults), as the config parser finds them."""
+
+    use_gloo = use_mpi = autotune = no_stall_check = False
+
+    def __getattr__(self, name: str) -> None:
+        return None
+
+
+def _horovodrun_verdict(config: dict, parser: types.ModuleType) -> bool | str:
+    """What horovodrun does with ``--config-file``: set the arguments from it, validate them, build the
+    environment of the workers from them."""
+    args = _HorovodrunArgs()
+    try:
+        parser.set_args_from_config(args, config, set())
+        parser.validate_config_args(args)
+        parser.set_env_from_args({}, args)
+    except Exception as exc:  # ValueError from its checks; unchecked values fail as they are used
+        return f"{type(exc).__name__}: {exc}"
+    return True
+
+
+#: Where torsh refuses what horovodrun accepts, on purpose.
+HOROVOD_DELIBERATE: dict[str, Callable[..., bool]] = {
+    # horovodrun sets the argument to the value as it is and exports `1 if value else 0`: the text "false" (or
+    # "off", a list [False]) turns the feature on. torsh asks for a boolean rather than translate that.
+    "text, a list or \"auto\" where horovodrun only tests the value for truth, or puts it in the environment as is":
+        lambda original, kind, *_: kind in ("as text", "yaml boolean", "auto", "wrong type"),
+}
+
+
+def test_horovod_reader_agrees_with_horovodruns_config_parser(horovod_config_parser):
+    files = sorted((CORPUS / "horovod").glob("*.yaml"))
+    framework = lambda data: _horovodrun_verdict(data, horovod_config_parser)  # noqa: E731
+    found = disagreements("horovod", inputs(files, MUTATIONS, framework), framework, HOROVOD_DELIBERATE)
+    assert not found["disagree"], _report(found)
