@@ -397,6 +397,27 @@ def _renamed_keys(raw: Any) -> list:
     return problems
 
 
+#: The checks torchtitan 0.2.2's JobConfig sections make when ConfigManager builds them (their __post_init__), on
+#: keys the reader otherwise keeps without a meaning: key -> (test of the value, what torchtitan says).
+POST_INIT_CHECKS = {
+    "validation.steps": (lambda v: not _is_int(v) or v > 0 or v == -1, "validation steps must be positive or -1"),
+    "parallelism.context_parallel_load_balancer": (lambda v: v != "", "cannot be an empty string; leave it out "
+                                                   "to disable load balancing"),
+}
+
+
+def _post_init_problems(raw: Any) -> list:
+    from torsh.errors import Problem
+
+    problems = []
+    for key, (ok, why) in POST_INIT_CHECKS.items():
+        section, leaf = key.split(".")
+        table = raw.get(section)
+        if isinstance(table, dict) and leaf in table and not ok(table[leaf]):
+            problems.append(Problem(key, table[leaf], f"{why} (torchtitan refuses the file)"))
+    return problems
+
+
 class Torchtitan(Dialect):
     NAME = NAME
     DEFAULT_FORMAT = "toml"
@@ -406,7 +427,7 @@ class Torchtitan(Dialect):
 
     def check_schema(self, raw: Any) -> None:
         """A file written for torchtitan before 0.2 gets one error per renamed key, with its current spelling."""
-        renamed = _renamed_keys(raw)
+        renamed = _renamed_keys(raw) + _post_init_problems(raw)
         if renamed:
             from torsh.errors import ConfigError
 
