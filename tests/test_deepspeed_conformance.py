@@ -216,6 +216,35 @@ def test_split_params_into_moe_groups_without_moe(engine):
     assert [id(p) for p in groups[0]["params"]] == [id(p) for p in model.parameters()]
 
 
+@both
+def test_partition_balanced(engine):
+    """unit/utils/test_partition_balanced.py: contiguous parts, the spread of their sums as small as DeepSpeed's."""
+    utils = _ds(engine, "runtime.utils")
+    for weights, parts, spread in (([1, 2, 1], 4, 2), ([1, 1, 1, 1], 4, 0), ([1, 1, 1, 1, 1], 4, 1),
+                                   ([1, 1, 1, 1, 0, 1], 4, 1)):  # fmt: skip
+        bounds = utils.partition_balanced(weights=weights, num_parts=parts)
+        sums = [sum(weights[b:e]) for b, e in zip(bounds[:-1], bounds[1:])]
+        assert len(bounds) == parts + 1 and max(sums) - min(sums) == spread
+
+
+@both
+def test_call_to_str(engine):
+    """unit/runtime/test_runtime_utils.py::test_call_to_str."""
+    c2s = _ds(engine, "runtime.utils").call_to_str
+    assert (c2s("int"), c2s("int", 3, "jeff"), c2s("hello", 1138, val=3)) == ("int()", "int(3, 'jeff')",
+                                                                                "hello(1138, val=3)")
+
+
+@both
+def test_engine_getters_read_the_config(engine):
+    """TestGradientClippingConfig / TestLogLevelConfig: the engine's getters read ``engine._config``."""
+    import types
+
+    cls = _ds(engine, "runtime.engine").DeepSpeedEngine
+    fake = types.SimpleNamespace(_config=types.SimpleNamespace(gradient_clipping=0.5, log_level="ERROR"))
+    assert (cls.gradient_clipping(fake), cls.log_level(fake)) == (0.5, "ERROR")
+
+
 def test_op_builder_reports_the_torch_implementations():
     """``deepspeed.ops.__compatible_ops__[FusedAdamBuilder.NAME]`` gates DeepSpeed's tests and libraries; torsh
     compiles no op (nothing installed, load() refuses) and reports as compatible exactly the ops whose Python API

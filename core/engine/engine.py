@@ -133,6 +133,8 @@ class Engine(nn.Module):
     """DeepSpeed's MoE layers (``deepspeed.moe``) are not run by torsh; an MoE block written in torch trains."""
     sequence_parallel_size = 1
     """DeepSpeed's Ulysses sequence parallelism is not run by torsh."""
+    sparse_tensor_module_names: frozenset = frozenset()
+    """DeepSpeed's modules reduced as sparse gradients (``sparse_gradients``): none, torsh reduces dense ones."""
 
     def wall_clock_breakdown(self) -> bool:
         """False: the torsh engine keeps no per-phase timers (said at start-up when the config asks for them), so
@@ -311,8 +313,8 @@ class Engine(nn.Module):
             self.optimizer.loss_scale = scale
 
     def gradient_clipping(self) -> float:
-        """The max global gradient norm (0: no clipping)."""
-        return self._clip
+        """The max global gradient norm (0: no clipping), read from the config as DeepSpeed's engine reads it."""
+        return self._config.gradient_clipping
 
     def log_level(self) -> str | None:
         """The config's ``log_level`` (None: not set; DeepSpeed's logger keeps its level)."""

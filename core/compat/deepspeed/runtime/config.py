@@ -259,7 +259,7 @@ class DeepSpeedConfig:
         self.zero_optimization_stage = engine.zero_optimization_stage()
         self.zero_enabled = self.zero_optimization_stage > 0
         self.fp16_enabled, self.bfloat16_enabled = engine.fp16_enabled(), engine.bfloat16_enabled()
-        self.gradient_clipping = engine.gradient_clipping()
+        self.gradient_clipping = engine._clip  # what the engine clips at
         return self
 
     @property

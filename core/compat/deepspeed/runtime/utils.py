@@ -71,3 +71,53 @@ def memory_status(msg, print_rank=-1, reset_max=False) -> None:
         from ..accelerator import get_accelerator
 
         get_accelerator().reset_max_memory_allocated()
+
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """Boundaries (``num_parts + 1`` indices) splitting ``num_items`` items into parts whose sizes differ by at
+    most one, the larger parts first."""
+    base, extra = divmod(num_items, num_parts)
+    bounds = [0]
+    for part in range(num_parts):
+        bounds.append(bounds[-1] + base + (1 if part < extra else 0))
+    return bounds
+
+
+def partition_balanced(weights, num_parts: int) -> list[int]:
+    """Boundaries (``num_parts + 1`` indices into ``weights``) of the split into ``num_parts`` contiguous parts
+    whose largest sum is the smallest possible, and among those the smallest sum the largest possible (parts may
+    be empty when there are fewer items than parts)."""
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # worst[k][i]: the smallest possible largest sum splitting the first i items into k parts
+    worst = [[inf] * (n + 1) for _ in range(num_parts + 1)]
+    worst[0][0] = 0
+    for k in range(1, num_parts + 1):
+        for i in range(n + 1):
+            worst[k][i] = min(max(worst[k - 1][j], prefix[i] - prefix[j]) for j in range(i + 1))
+    bound = worst[num_parts][n]
+    # best[k][i]: under that bound, the largest possible smallest sum; cut[k][i] the start of the k-th part
+    best = [[-inf] * (n + 1) for _ in range(num_parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
+    best[0][0] = inf
+    for k in range(1, num_parts + 1):
+        for i in range(n + 1):
+            for j in range(i + 1):
+                part = prefix[i] - prefix[j]
+                if part <= bound and best[k - 1][j] > -inf:
+                    value = min(best[k - 1][j], part)
+                    if value > best[k][i]:
+                        best[k][i], cut[k][i] = value, j
+    bounds = [n]
+    for k in range(num_parts, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+
+
+def call_to_str(base: str, *args, **kwargs) -> str:
+    """``base(arg, ..., key=value, ...)`` with the arguments' reprs, as DeepSpeed prints calls in its logs."""
+    parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+    return f"{base}({', '.join(parts)})"
