@@ -12,6 +12,7 @@ lists what each 0.6.1 recipe reads (generated from the recipes' source).
 from __future__ import annotations
 
 import json
+import math
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,16 @@ from torsh.translate import Fidelity, FieldMap, Group, Hook, Note, Seen, To, Uns
 NAME = "torchtune"
 _DTYPES = {"fp32": "fp32", "bf16": "bf16"}
 _OPTIMIZER_FIELDS = ("lr", "weight_decay", "betas", "eps", "momentum")
+#: The keyword arguments of the torch.optim classes recipes name (torch 2.x signatures): torchtune's instantiate
+#: passes every key of the component to the class, which refuses one it does not take.
+TORCH_OPTIMIZER_ARGUMENTS = {
+    "torch.optim.AdamW": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
+                          "differentiable", "fused"),
+    "torch.optim.Adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize", "capturable",
+                         "differentiable", "fused", "decoupled_weight_decay"),
+    "torch.optim.SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach",
+                        "differentiable", "fused"),
+}  # fmt: skip
 
 
 @cache
@@ -138,6 +149,10 @@ def _read_optimizer(seen: Seen) -> None:
     seen.ctx.keep("optimizer._component_", component)
     seen.set("optimizer._component_", "optimizer.name", name, reason="the class the component names")
     for key in list(fields):
+        problem = _optimizer_argument_problem(component, key, seen.value(f"optimizer.{key}"))
+        if problem:
+            seen.ctx.problem(f"optimizer.{key}", seen.value(f"optimizer.{key}"), problem[0], problem[1])
+            continue
         if key in _OPTIMIZER_FIELDS:
             value = seen.value(f"optimizer.{key}")
             seen.set(f"optimizer.{key}", f"optimizer.{key}", tuple(value) if key == "betas" and isinstance(
@@ -145,6 +160,34 @@ def _read_optimizer(seen: Seen) -> None:
         elif key != "_component_":
             seen.set(f"optimizer.{key}", f"optimizer.kwargs.{key}", seen.value(f"optimizer.{key}"),
                      reason="a keyword argument of the optimizer class")  # fmt: skip
+
+
+def _optimizer_argument_problem(component: Any, key: str, value: Any) -> tuple[str, str | None] | None:
+    """Why torch.optim refuses the argument when torchtune builds the optimizer (None: it takes it). torchtune has
+    no "auto": a number that is text, null or "auto" reaches torch.optim as it is."""
+    from torsh.errors import did_you_mean
+
+    known = TORCH_OPTIMIZER_ARGUMENTS.get(str(component))
+    if known is not None and key != "_component_" and key not in known:
+        return f"{component} takes no argument {key!r} (torchtune passes it on and torch.optim refuses it)", \
+            did_you_mean(key, list(known))  # fmt: skip
+    numbers = value if key == "betas" and isinstance(value, list) else [value]
+    if key in _OPTIMIZER_FIELDS and not _interpolation(value) and not all(map(_number_as_omegaconf_reads, numbers)):
+        return "a number (torch.optim refuses anything else when torchtune builds the optimizer)", None
+    return None
+
+
+def _number_as_omegaconf_reads(value: Any) -> bool:
+    """A number, or the text of one: OmegaConf's YAML loader reads ``1e-4`` as a float where YAML 1.1 (PyYAML, which
+    parsed the file here) gives the text."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return True
+    try:
+        return isinstance(value, str) and math.isfinite(float(value))
+    except ValueError:
+        return False
 
 
 def _write_optimizer(cfg: TorshConfig, ctx: WriteContext) -> None:
