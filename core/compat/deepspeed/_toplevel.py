@@ -31,6 +31,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     from torsh.engine.initialize import initialize as torsh_initialize
     from torsh.errors import ConfigError
 
+    assert model is not None, "deepspeed.initialize requires a model (pass model=your nn.Module)"
+
     from .runtime.config import InvalidConfig
 
     try:
