@@ -61,6 +61,7 @@ from .checkpoint_io import (
     write_manifest,
 )
 from .ds_checkpoint import is_deepspeed_checkpoint
+from .whole_params import sharded_state
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +272,46 @@ def _zero_param_groups(zero: Any, names: dict[int, str]) -> list[dict[str, Any]]
     return groups
 
 
+_RANK_STATE = "torsh_zero_partition"  # marks a ZeroRedundancyOptimizer state_dict() holding one rank's partition
+
+
+def give_rank_state_dict(optimizer: Any) -> None:
+    """``optimizer.state_dict()`` / ``load_state_dict()`` without a collective on a ZeroRedundancyOptimizer (ZeRO-1),
+    as on DeepSpeed's ZeRO optimizer, whose ``state_dict()`` is the calling rank's partition: scripts save it on
+    every rank with ``torch.save`` (DeepSpeed's ImageNet example). torch's own raises "Optimizer state has not been
+    consolidated on this rank" unless ``consolidate_state_dict`` ran on every rank first; once it has, its global
+    state is what ``state_dict()`` gives, as before. The partition is in torch's format (global parameter indices,
+    only the state of the parameters this rank owns), so torch's ``load_state_dict`` reads it back on this rank."""
+    import types
+
+    if not _is_zero(optimizer) or "state_dict" in optimizer.__dict__:
+        return
+    cls = type(optimizer)
+
+    def state_dict(self: Any) -> dict[str, Any]:
+        if self._all_state_dicts:  # consolidated here: torch's global state
+            return cls.state_dict(self)
+        from torch.optim import Optimizer
+
+        out = Optimizer.state_dict(self)  # the global parameter groups, parameters as global indices
+        index = self._param_to_index
+        out["state"] = {index[p]: dict(s) for p, s in self.optim.state.items() if s}
+        out[_RANK_STATE] = {"rank": self.rank, "world_size": self.world_size}
+        return out
+
+    def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get(_RANK_STATE) if isinstance(state_dict, dict) else None
+        if saved is not None and (saved["rank"], saved["world_size"]) != (self.rank, self.world_size):
+            raise ValueError(f"this optimizer state is rank {saved['rank']}'s partition of {saved['world_size']} "
+                             f"ranks; load it on rank {saved['rank']} of a job of that size (this is rank "
+                             f"{self.rank} of {self.world_size}), or save engine.save_checkpoint() checkpoints, "
+                             "which load at any world size")  # fmt: skip
+        cls.load_state_dict(self, {k: v for k, v in state_dict.items() if k != _RANK_STATE})
+
+    optimizer.state_dict = types.MethodType(state_dict, optimizer)
+    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
+
+
 def _zero_state_dict(zero: Any, names: dict[int, str]) -> dict[str, Any]:
     """This rank's share of a ZeroRedundancyOptimizer's state, keyed by parameter name."""
     state = {names[id(p)]: dict(s) for p, s in zero.optim.state.items() if s}
@@ -411,15 +452,15 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
 
     # 1. model and optimizer (sharded; every rank writes its part, rank 0 writes .metadata last)
     optimizer = _torch_optimizer(optimizer)
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-    elif _is_zero(optimizer):
-        state = {"model": get_model_state_dict(model), "optim": _zero_state_dict(optimizer, _param_names(model))}
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-    state["model"] = {k: v for k, v in state["model"].items() if k not in frozen}
-    with _quiet_without_dist():
+    with sharded_state(model), _quiet_without_dist():  # DCP writes each rank's shards
+        if optimizer is None:
+            state = {"model": get_model_state_dict(model)}
+        elif _is_zero(optimizer):
+            state = {"model": get_model_state_dict(model), "optim": _zero_state_dict(optimizer, _param_names(model))}
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+        state["model"] = {k: v for k, v in state["model"].items() if k not in frozen}
         dcp.save(state, checkpoint_id=staging)
 
     # 2. small states: rank 0 writes the shared ones, every rank its RNG
@@ -595,7 +636,7 @@ def load_checkpoint(load_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
         log.warning("checkpoint %s predates checksums; its files are not verified", path)
 
     with_optimizer = load_optimizer_states and not load_module_only and optimizer is not None
-    with _quiet_without_dist():
+    with sharded_state(model), _quiet_without_dist():
         _load_model_and_optimizer(path, model, _torch_optimizer(optimizer) if with_optimizer else None,
                                   strict=load_module_strict)  # fmt: skip
     if not load_module_only:
@@ -615,7 +656,7 @@ def _load_deepspeed(path: Path, **kwargs: Any) -> tuple[str, dict, dict | None]:
     from .ds_checkpoint import load_deepspeed_checkpoint
 
     log.info("loading DeepSpeed checkpoint %s", path)
-    with _quiet_without_dist():
+    with sharded_state(kwargs["model"]), _quiet_without_dist():
         result = load_deepspeed_checkpoint(path, **kwargs)
     _barrier()
     return result

@@ -212,6 +212,7 @@ class _Restored:
         self.model_states: dict[str, Any] = {}
         self.model_file: Path = Path()
         self.stage0: dict[str, Any] | None = None  # stage 0: the torch optimizer state, indexed by position
+        self.aliases: dict[str, str] = {}  # a tied parameter's other names -> the name it was saved under first
 
 
 def _read(layout: _Layout, with_optimizer: bool) -> _Restored:
@@ -219,6 +220,7 @@ def _read(layout: _Layout, with_optimizer: bool) -> _Restored:
     out.model_file = layout.model_files[0]
     ms = out.model_states = _load(out.model_file)
     module = _need(ms, "module", out.model_file)
+    out.aliases = _tied_names(module)
     buffers = set(ms.get("buffer_names") or [])
     out.weights.update({k: v for k, v in module.items() if k in buffers})
     if not layout.optim_files:  # stage 0: weights and the torch optimizer live in the model states
@@ -250,7 +252,26 @@ def _read(layout: _Layout, with_optimizer: bool) -> _Restored:
     for alias, source in (ms.get("shared_params") or {}).items():  # tied weights saved once
         if source in out.weights:
             out.weights.setdefault(alias, out.weights[source])
+            out.aliases.setdefault(alias, source)
     return out
+
+
+def _tied_names(module: dict[str, Any]) -> dict[str, str]:
+    """The names under which the module states hold a tensor already held under an earlier name: a tied weight
+    (``lm_head.decoder.weight`` *is* the word embeddings), which ``torch.save`` keeps as one storage."""
+    import torch
+
+    first: dict[tuple, str] = {}
+    aliases = {}
+    for name, value in module.items():
+        if not torch.is_tensor(value) or value.numel() == 0:
+            continue
+        where = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.stride())
+        if where in first:
+            aliases[name] = first[where]
+        else:
+            first[where] = name
+    return aliases
 
 
 def _read_checked(path: Path, with_optimizer: bool) -> _Restored:
@@ -423,7 +444,7 @@ def _install(restored: _Restored, model: Any, optimizer: Any, *, strict: bool, f
     if restored.stage0 is not None and optimizer is not None:
         _stage0_to_names(restored, ordered, file)
     weights = dict(restored.weights)
-    _check_keys(model, weights, strict, file)
+    _check_keys(model, weights, strict, file, restored.aliases)
     options = StateDictOptions(full_state_dict=True, strict=strict)
     try:
         if optimizer is None:
@@ -444,12 +465,16 @@ def _install(restored: _Restored, model: Any, optimizer: Any, *, strict: bool, f
         raise CheckpointError(f"the DeepSpeed checkpoint {file.parent} does not fit this model: {exc}") from None
 
 
-def _check_keys(model: Any, weights: dict[str, Any], strict: bool, file: Path) -> None:
+def _check_keys(model: Any, weights: dict[str, Any], strict: bool, file: Path, aliases: dict[str, str]) -> None:
     """With ``strict`` (DeepSpeed's ``load_module_strict``) the checkpoint and the model must hold the same
-    names; otherwise what the model lacks is dropped and what the checkpoint lacks keeps its current value."""
+    names; otherwise what the model lacks is dropped and what the checkpoint lacks keeps its current value.
+    Another name of a tied weight the model holds under its first name (the engine's fp32 masters name each
+    parameter once) is the same value, not an extra one: it is dropped, as loading it would write that value twice."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     expected = set(get_model_state_dict(model))
+    for alias in [a for a, source in aliases.items() if a in weights and a not in expected and source in expected]:
+        del weights[alias]
     missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
     if strict and (missing or unexpected):
         parts = [f"{label} {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"

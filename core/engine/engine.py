@@ -22,7 +22,7 @@ from torch import nn
 from torsh.config import ResolvedBatch
 from torsh.plan import StepPolicy
 
-from . import zero_params
+from . import whole_params, zero_params
 from .distributed import DistInfo, on_shutdown
 from .monitor import Monitor
 from .precision import PrecisionPlan
@@ -60,6 +60,9 @@ class Engine(nn.Module):
             for name in ("offload_states", "reload_states"):
                 if not hasattr(optimizer, name):
                     setattr(optimizer, name, _engine_method(self, name))
+            from .checkpoint import give_rank_state_dict
+
+            give_rank_state_dict(optimizer)  # ZeRO-1: state_dict() without consolidation, as DeepSpeed's
         self.__dict__["lr_scheduler"] = lr_scheduler
         self.__dict__["loss_scaler"] = loss_scaler
         self.__dict__["training_dataloader"] = training_dataloader
@@ -630,18 +633,22 @@ class Engine(nn.Module):
                     moved.append((m, None, m.device))
                     m.data = move(m.data)
         self.__dict__["_offloaded"] = moved
+        if self._shard.kind == "fsdp":  # the gathered parameters (stage 2 keeps them between steps) are freed
+            whole_params.reshard(self._shard.model)
         if moved and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Move what :meth:`offload_states` moved back to its device (a no-op when nothing was moved)."""
-        moved = self._offloaded or []
+        offloaded, moved = self._offloaded is not None, self._offloaded or []
         for holder, key, device in moved:
             if key is None:
                 holder.data = holder.data.to(device, non_blocking=non_blocking)
             else:
                 holder[key] = holder[key].to(device, non_blocking=non_blocking)
         self.__dict__["_offloaded"] = None
+        if offloaded and self._shard.keep_whole and not self._destroyed:  # stage 2: whole again, as after a step
+            whole_params.make_whole(self._shard.model)
 
     def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> dict:  # fmt: skip
@@ -801,8 +808,10 @@ class Engine(nn.Module):
             root = nn.Module()
             for name, tensor in masters.masters.items():
                 _attach(root, name, tensor, parameter=True)
-            for name, buf in self.module.named_buffers():
-                _attach(root, name, buf, parameter=False)
+            for prefix, sub in self.module.named_modules():  # the persistent buffers, as module.state_dict()
+                for name, buf in sub._buffers.items():
+                    if buf is not None and name not in sub._non_persistent_buffers_set:
+                        _attach(root, f"{prefix}.{name}" if prefix else name, buf, parameter=False)
             self.__dict__["_master_module"] = root  # not a submodule: engine.parameters() stays the model's
         return self._master_module
 

@@ -18,7 +18,7 @@ from torsh.config import DdpConfig, GradientsConfig, ShardingConfig, TorshConfig
 from torsh.errors import ConfigError, Problem
 from torsh.plan import EnginePlan
 
-from . import leaves, zero_params
+from . import leaves, whole_params, zero_params
 from .distributed import DistInfo
 from .precision import PrecisionPlan
 from .units import plan_units
@@ -38,6 +38,9 @@ class ShardPlan:
     """``"ddp"`` or ``"fsdp"``."""
     mesh: object | None = None
     """The FSDP2 device mesh."""
+    keep_whole: bool = False
+    """Stage 2: the units are gathered again after each optimizer step, so that between steps the parameters are
+    whole on every rank, as DeepSpeed's stage 2 keeps them (:func:`.whole_params.make_whole`)."""
 
 
 #: The most bytes one start-up broadcast carries (DDP's own parameter sync uses 250 MiB buckets).
@@ -294,6 +297,8 @@ def _apply_fsdp(model, cfg: TorshConfig, decided: EnginePlan, precision: Precisi
         fully_shard(modules if len(modules) > 1 else modules[0], **own)
         targets.append(modules[0])
     fully_shard(model, **kwargs)
+    # a state dict read on one rank changes nothing, and is whole where it can be
+    whole_params.install(model, mark_gathered=decided.reshard_after_forward is not False)
     for leaf in leaves.get_z3_leaf_modules(model):
         leaf.register_forward_hook(leaves.grads_for_every_parameter, prepend=True)  # before FSDP2 reshards it
     zero_params.mark_partitioned(model, precision.param_dtype)  # what DeepSpeed scripts test before gathering
@@ -316,4 +321,4 @@ def _apply_fsdp(model, cfg: TorshConfig, decided: EnginePlan, precision: Precisi
     if sharding.backward_prefetch:
         log.info("sharding.backward_prefetch: FSDP2 prefetches the next unit in backward implicitly; the setting "
                  "has no effect")  # fmt: skip
-    return ShardPlan(model, model, "fsdp", mesh)
+    return ShardPlan(model, model, "fsdp", mesh, keep_whole=decided.reshard_after_forward is False)

@@ -15,6 +15,8 @@ from enum import Enum
 import torch
 from torch import nn
 
+from . import whole_params
+
 COMPUTE_DTYPE = "_torsh_compute_dtype"
 """The dtype DeepSpeed's parameter would have (its module is cast to the compute dtype; torsh keeps fp32 shards)."""
 PENDING_FP32 = "_torsh_pending_fp32"
@@ -52,6 +54,7 @@ def write_whole(param: torch.Tensor, value: torch.Tensor) -> None:
         local = param.to_local()
         whole = value.detach().reshape(param.shape).to(device=local.device, dtype=local.dtype)
         local.copy_(distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local())
+        whole_params.stale(param)  # a gathered copy of the old value is not used again
     else:
         param.copy_(value.detach().reshape(param.shape))
 
