@@ -1,23 +1,27 @@
 """The Horovod PyTorch API on torch.distributed: replace ``import horovod.torch as hvd`` with
 ``import torsh.horovod as hvd`` and run the script under torchrun (or horovodrun, mpirun, srun).
 
+As in Horovod, collectives are requests matched across ranks *by name* and run by a background thread
+(``_controller``): handles are asynchronous (``poll`` / ``synchronize``), a rank may ``join`` early while the others
+go on reducing (it contributes zeros), and ranks that disagree (dtype, shape, broadcast root, operation) get
+Horovod's error messages as ``HorovodInternalError`` instead of a hang, an abort or wrong numbers.
+
 What is exact, approximate and unsupported (each function's docstring has the details):
 
-* exact: ``init`` / ``shutdown`` / ``is_initialized``, ``size``, ``rank``, ``local_rank``, ``local_size``,
-  ``cross_rank``, ``cross_size``, ``is_homogeneous``; ``DistributedOptimizer`` numerics (Average as
-  prescale 1/f, sum, postscale f/size; Sum, Min, Max, Product; ``Compression.none`` / ``fp16``;
-  ``backward_passes_per_step`` accumulation; ``named_parameters`` checks; ``synchronize`` /
-  ``skip_synchronize``; ``zero_grad`` and over-accumulation errors); ``allreduce`` / ``allreduce_``,
-  ``allgather`` (uneven first dimensions), ``broadcast`` / ``broadcast_`` and their gradients;
-  ``broadcast_parameters``, ``broadcast_optimizer_state``, ``broadcast_object``, ``allgather_object``,
-  ``barrier``, the ``*_async`` / ``synchronize`` / ``poll`` handles.
-* approximate: gradients are fused into fixed buckets (``HOROVOD_FUSION_THRESHOLD`` bytes, reverse
-  parameter order) launched in bucket order from the backward hooks, where Horovod fuses whatever is ready
-  each cycle (same numbers; a bucket waits for the ones before it); ``groups`` is only validated; sparse
-  gradients are reduced densely; ``join`` returns the last rank but joined ranks do not serve others'
-  allreduces.
-* unsupported (a clear error): ``op=Adasum``, process sets other than the global one, ``init(comm=...)``,
-  the timeline (``start_timeline``), ``hvd.elastic``.
+* exact: ``init`` / ``shutdown`` (and ``init`` again after ``shutdown``) / ``is_initialized``, ``size``, ``rank``,
+  ``local_rank``, ``local_size``, ``cross_rank``, ``cross_size``, ``is_homogeneous``; ``allreduce`` (Average, Sum,
+  Min, Max, Product; pre/postscale), ``allgather`` (uneven first dimensions), ``broadcast``, ``alltoall`` (uneven
+  splits), ``reducescatter`` (Horovod's split of the first dimension), their ``_async`` / in-place / ``grouped_``
+  forms and their gradients; ``sparse_allreduce_async``; process sets (``add_process_set``, ``remove_process_set``,
+  ``ProcessSet``, ``process_set=`` on every collective and on ``DistributedOptimizer``, each on its own
+  ``new_group``); ``join``; ``barrier``; ``DistributedOptimizer`` numerics; ``broadcast_parameters``,
+  ``broadcast_optimizer_state``, ``broadcast_object``, ``allgather_object``. int16, which gloo lacks, is carried
+  in int32 for reductions and cast back (exact, with int16 wrap-around).
+* approximate: the optimizer fuses gradients into fixed buckets (``HOROVOD_FUSION_THRESHOLD`` bytes, reverse
+  parameter order), where Horovod fuses whatever is ready each cycle (same numbers); ``groups`` is only validated.
+  ``TORSH_HOROVOD_CHECKS=0`` skips comparing ranks' requests (dtype, shape, factors, op, root) for speed.
+* unsupported (a clear error): ``op=Adasum``, ``init(comm=...)`` and process sets from MPI communicators, the
+  timeline (``start_timeline``), ``hvd.elastic``, ``hvd.SyncBatchNorm``.
 """
 
 try:  # a clear error naming the extra when PyTorch is missing (the rest of this package needs it)
@@ -51,6 +55,7 @@ from ._basics import (
     start_timeline,
     stop_timeline,
 )
+from ._controller import HorovodInternalError
 from ._ops import (
     Adasum,
     Average,
@@ -60,6 +65,7 @@ from ._ops import (
     ProcessSet,
     Product,
     Sum,
+    add_process_set,
     allgather,
     allgather_async,
     allgather_object,
@@ -67,6 +73,8 @@ from ._ops import (
     allreduce_,
     allreduce_async,
     allreduce_async_,
+    alltoall,
+    alltoall_async,
     barrier,
     broadcast,
     broadcast_,
@@ -74,10 +82,20 @@ from ._ops import (
     broadcast_async_,
     broadcast_object,
     global_process_set,
+    grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
     join,
     poll,
+    reducescatter,
+    reducescatter_async,
+    remove_process_set,
+    sparse_allreduce_async,
     synchronize,
 )
 from ._optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
@@ -85,12 +103,6 @@ from ._optimizer import DistributedOptimizer, broadcast_optimizer_state, broadca
 # Horovod names this module does not provide, and what to do instead (a clear message, not a bare AttributeError).
 _NOT_PROVIDED = {
     "elastic": "Horovod elastic training; use torchrun --nnodes MIN:MAX with --max-restarts and reload a checkpoint",
-    "add_process_set": "process sets; every collective runs over all ranks",
-    "remove_process_set": "process sets; every collective runs over all ranks",
-    "alltoall": "alltoall; use torch.distributed.all_to_all_single",
-    "reducescatter": "reducescatter; use torch.distributed.reduce_scatter_tensor",
-    "grouped_reducescatter": "reducescatter; use torch.distributed.reduce_scatter_tensor",
-    "grouped_allgather": "grouped allgather; call hvd.allgather on each tensor",
     "SyncBatchNorm": "Horovod's SyncBatchNorm; use torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)",
 }
 
@@ -101,7 +113,10 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'torsh.horovod' has no attribute {name!r}")
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "ProcessSet", "Product", "Sum",
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "ProcessSet",
+    "Product", "Sum", "add_process_set", "alltoall", "alltoall_async", "grouped_allgather", "grouped_allgather_async",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async",
+    "reducescatter", "reducescatter_async", "remove_process_set", "sparse_allreduce_async",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank",

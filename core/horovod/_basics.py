@@ -17,6 +17,7 @@ by global rank. So it is exact on heterogeneous clusters too.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
 import socket
@@ -49,30 +50,43 @@ class _State:
     homogeneous: bool
     owns_group: bool
     launcher: str
+    controller: object = None
 
 
 _state: _State | None = None
+_exit_registered = False
 _generation = 0  # one key per init() in the rendezvous server, so a re-init after shutdown never reads a stale one
 
 
 def init(comm=None, process_sets=None) -> None:
-    """Join the job: create the default process group (gloo on CPU, nccl with CUDA) or reuse an existing one.
+    """Join the job: create the default process group (gloo on CPU, nccl with CUDA) or reuse an existing one, and
+    start the background thread that matches collectives by name (see ``_controller``).
 
-    ``comm`` (an MPI communicator or a rank list) and ``process_sets`` are Horovod features without a
-    torch.distributed equivalent here: they raise NotImplementedError rather than silently using every rank.
+    ``process_sets`` (a list of ``hvd.ProcessSet``) are registered as by ``hvd.add_process_set``. ``comm`` (an
+    MPI communicator or a rank list) has no torch.distributed equivalent here: NotImplementedError.
     """
     global _state, _generation
-    if comm is not None or process_sets is not None:
-        raise NotImplementedError("torsh.horovod.init(): comm= and process_sets= are not supported; every "
-                                  "collective runs over all ranks (the global process set)")  # fmt: skip
+    if comm is not None:
+        raise NotImplementedError("torsh.horovod.init(): comm= is not supported (no MPI communicators); register "
+                                  "subsets of ranks with hvd.add_process_set(ranks) instead")  # fmt: skip
     if _state is not None:
         return
     owns = not dist.is_initialized()
     info = discover()
+    _generation += 1
     if owns:
-        _generation += 1
         _init_process_group(info)
-    _state = _topology(info, owns)
+    state = _topology(info, owns)
+    from ._controller import Controller
+    from ._ops import _init_process_sets
+
+    state.controller = Controller(state.rank, state.size)
+    _state = state
+    global _exit_registered
+    if not _exit_registered:  # registered after the process group's exit handler, so it runs before it
+        atexit.register(shutdown)
+        _exit_registered = True
+    _init_process_sets(process_sets)
 
 
 def _backend() -> str:
@@ -104,7 +118,9 @@ def _init_process_group(info: RankInfo) -> None:
         # Under torchrun the agent serves one store for the whole job: meet under this restart attempt's namespace,
         # or a restarted job reads the addresses of the killed attempt's processes.
         store = elastic_store(info.world_size, _timeout())
-        if store is None:
+        if store is not None:  # one namespace per init(): a re-init after shutdown must not read the last one's keys
+            store = dist.PrefixStore(f"horovod{_generation}/", store)
+        else:
             store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, info.rank == 0,
                                   timeout=_timeout())  # fmt: skip
     dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size, timeout=_timeout())
@@ -161,12 +177,21 @@ def _get() -> _State:
 
 
 def shutdown() -> None:
-    """Leave the job; destroys the process group only when ``init`` created it."""
+    """Leave the job: stop the background thread; destroys the process group only when ``init`` created it."""
     global _state
+    if _state is not None and _state.controller is not None:
+        _state.controller.stop()  # also destroys the groups it created
+        _state.controller = None
+        from . import _ops
+
+        _ops._handles = 0  # as Horovod: unnamed operations are numbered afresh after a shutdown
     if _state is not None and _state.owns_group and dist.is_initialized():
-        # The engine's order: release what holds the group, collect, destroy it, collect again, so that gloo's
-        # threads are joined now rather than while the interpreter is being torn down (SIGABRT at exit).
-        _teardown()
+        # No garbage collection here (init/shutdown cycles stay fast): nothing of ours refers to the group any more,
+        # so its gloo threads are joined as it is freed; the exit handler still collects before the interpreter ends.
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - shutdown never raises; the exit handler tears down what is left
+            _teardown()
     _state = None
 
 

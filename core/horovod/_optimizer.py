@@ -27,8 +27,9 @@ import torch
 from torch._utils import _flatten_dense_tensors
 
 from ._basics import size
-from ._ops import _ADASUM, Adasum, Average, Compression, _allreduce_launch, _check_process_set, broadcast_
-from ._ops import broadcast_object, global_process_set, resolve_op
+from ._ops import _ADASUM, Adasum, Average, Compression, ProcessSet, _allreduce_launch, broadcast_, broadcast_async_
+from ._ops import broadcast_object
+from ._ops import global_process_set, resolve_op
 
 _DEFAULT_FUSION_BYTES = 128 * 1024 * 1024  # horovodrun --fusion-threshold-mb default
 
@@ -42,8 +43,9 @@ class _DistributedOptimizer:
     """Mixed in before the user's optimizer class (see :func:`DistributedOptimizer`)."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense):  # fmt: skip
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set):  # fmt: skip
         super().__init__(params)
+        self.process_set = process_set
         self._compression = compression
         if named_parameters is not None:
             named_parameters = list(named_parameters)
@@ -75,7 +77,8 @@ class _DistributedOptimizer:
         self._should_synchronize = True
         self._requires_update = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._in_flight: list = []
-        if size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
+        # As Horovod: a rank outside the process set keeps its own gradients.
+        if process_set.included() and (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
             self._buckets = _bucket_layout(self._requires_update, compression)
             self._bucket_of = {p: i for i, bucket in enumerate(self._buckets) for p in bucket}
             self._next, self._ready = 0, [0] * len(self._buckets)
@@ -146,8 +149,14 @@ class _DistributedOptimizer:
             ctxs.append(ctx)
         flat = _flatten_dense_tensors(parts) if len(parts) > 1 else parts[0].clone()
         self._in_flight.append((bucket, flat, [(c, t.shape) for c, t in zip(ctxs, parts, strict=True)],
-                                _allreduce_launch(flat, self.op, prescale, postscale)))  # fmt: skip
+                                _allreduce_launch(flat, self.op, prescale, postscale, self.process_set,
+                                                  self._bucket_name(bucket))))  # fmt: skip
         self._next = index + 1
+
+    def _bucket_name(self, bucket) -> str:
+        # Matched across ranks by name, as Horovod names each gradient's allreduce after its parameter.
+        first = self._parameter_names[bucket[0]]
+        return first if len(bucket) == 1 else f"{first}+{len(bucket) - 1}"
 
     @contextmanager
     def skip_synchronize(self):
@@ -213,7 +222,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     Arguments are Horovod's. ``op=hvd.Adasum`` raises NotImplementedError (no torch.distributed equivalent).
     ``groups`` / ``num_groups`` are validated and accepted; gradients are fused by size instead (same numbers).
     """
-    _check_process_set(process_set)
+    if not isinstance(process_set, ProcessSet) or process_set.process_set_id is None:
+        raise ValueError("process_set must be an hvd.ProcessSet registered with hvd.add_process_set")
     if op == Adasum:
         raise NotImplementedError(_ADASUM)
     op = resolve_op(op, None)
@@ -230,7 +240,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("backward_passes_per_step must be > 0")
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, groups, sparse_as_dense)  # fmt: skip
+               gradient_predivide_factor, groups, sparse_as_dense, process_set)  # fmt: skip
 
 
 def broadcast_parameters(params, root_rank: int) -> None:
@@ -241,8 +251,10 @@ def broadcast_parameters(params, root_rank: int) -> None:
         params = [p if isinstance(p, tuple) else (None, p) for p in params]
     else:
         raise ValueError(f"invalid params of type: {type(params)}")
-    for _, p in params:
-        broadcast_(p, root_rank)
+    # Named after their keys, as in Horovod (matched across ranks by name), and negotiated together.
+    handles = [broadcast_async_(p, root_rank, name) for name, p in params if p is not None]
+    for handle in handles:
+        handle.wait()
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
@@ -281,12 +293,12 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
                 occurrences[name] += 1
                 key = f"{name}.{occurrences[name]}"
                 if torch.is_tensor(value):
-                    tensors.append(value)
+                    tensors.append((key, value))
                 else:
                     scalars[key] = value
                     setters[key] = (lambda v, s=state_dict["state"][pid], n=name: s.__setitem__(n, v))
-    for t in tensors:  # state_dict() tensors are the optimizer's own: broadcasting in place updates it
-        broadcast_(t, root_rank)
+    # state_dict() tensors are the optimizer's own: broadcasting in place updates it.
+    broadcast_parameters(tensors, root_rank)
     for key, value in broadcast_object(scalars, root_rank).items():
         setters[key](value)
 
