@@ -162,16 +162,16 @@ def sum_op_sums(hvd, torch):
 
 @case
 def backward_passes_per_step_accumulates_then_communicates_once(hvd, torch):
-    import torch.distributed as dist
+    from torsh.horovod import _optimizer
 
     model = _synced_model(hvd)
     batches = _rank_batches(hvd, n=2)
     local = _local_grads(model, batches)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), backward_passes_per_step=2)
-    calls = []
-    real = dist.all_reduce
-    dist.all_reduce = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    calls = []  # allreduces the optimizer starts (the background thread runs them)
+    real = _optimizer._allreduce_launch
+    _optimizer._allreduce_launch = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     try:
         model(batches[0]).pow(2).sum().backward()
         assert calls == [], "communicated during an accumulation pass"
@@ -180,7 +180,7 @@ def backward_passes_per_step_accumulates_then_communicates_once(hvd, torch):
         opt.step()
         assert len(calls) == 1, "step() communicated again"
     finally:
-        dist.all_reduce = real
+        _optimizer._allreduce_launch = real
     every = _every_rank(hvd, local)
     for i, p in enumerate(model.parameters()):
         torch.testing.assert_close(p.grad, (every[0][i] + every[1][i]) / 2, rtol=1e-6, atol=1e-7)
@@ -355,6 +355,85 @@ def broadcast_functions(hvd, torch):
 def join_returns_the_same_last_rank_everywhere(hvd, torch):
     last = hvd.join()
     assert last in (0, 1) and hvd.allgather_object(last) == [last, last]
+
+
+@case
+def int16_is_reduced_exactly_with_wraparound(hvd, torch):
+    # gloo has no int16: carried in int32 and cast back, with int16's own overflow.
+    x = torch.tensor([30000, -7, 1 + hvd.rank()], dtype=torch.int16)
+    out = hvd.allreduce(x, op=hvd.Sum)
+    assert out.dtype == torch.int16
+    assert out.tolist() == [-5536, -14, 3], out
+    assert hvd.allgather(x).tolist() == [30000, -7, 1, 30000, -7, 2]
+
+
+@case
+def mismatched_ranks_raise_horovods_errors(hvd, torch):
+    for bad, message in [
+        (lambda: hvd.allreduce(torch.ones(3) if hvd.rank() == 0 else torch.ones(3, dtype=torch.int32)),
+         "Mismatched data types: One rank had type HOROVOD_FLOAT32, but another rank had type HOROVOD_INT32."),
+        (lambda: hvd.allreduce(torch.ones(3 + hvd.rank())),
+         "Mismatched ALLREDUCE tensor shapes: One rank sent a tensor of shape [3], but another rank sent a tensor "
+         "of shape [4]."),
+        (lambda: hvd.broadcast(torch.ones(2), root_rank=hvd.rank()),
+         "Mismatched BROADCAST root ranks: One rank specified root rank 0, but another rank specified root rank 1."),
+    ]:  # fmt: skip
+        try:
+            bad()
+        except hvd.HorovodInternalError as exc:
+            assert isinstance(exc, RuntimeError) and str(exc) == message, exc
+        else:
+            raise AssertionError(f"no error for: {message}")
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [2.0, 2.0]  # and the job goes on
+
+
+@case
+def handles_are_asynchronous_and_matched_by_name(hvd, torch):
+    # Rank 1 starts the two allreduces in the opposite order: Horovod matches them by name, not by call order.
+    names = ["a", "b"] if hvd.rank() == 0 else ["b", "a"]
+    handles = {n: hvd.allreduce_async(torch.tensor([float(ord(n) + hvd.rank())]), name=n, op=hvd.Sum)
+               for n in names}  # fmt: skip
+    assert hvd.synchronize(handles["a"]).item() == 2 * ord("a") + 1
+    assert hvd.synchronize(handles["b"]).item() == 2 * ord("b") + 1
+    try:
+        hvd.allreduce_async(torch.ones(1), name="dup")
+        hvd.allreduce_async(torch.ones(1), name="dup")
+    except ValueError as exc:
+        assert "same name as another tensor that is currently being processed" in str(exc)
+    else:
+        raise AssertionError("a second pending operation with the same name was accepted")
+    hvd.barrier()
+
+
+@case
+def process_sets_and_new_collectives(hvd, torch):
+    mine = hvd.add_process_set([hvd.rank()])
+    other = hvd.add_process_set([1 - hvd.rank()])
+    assert mine.size() == 1 and mine.rank() == 0 and not other.included()
+    assert hvd.allreduce(torch.tensor([5.0]), process_set=mine, op=hvd.Sum).item() == 5.0
+    try:
+        hvd.allreduce(torch.ones(1), process_set=other)
+    except ValueError as exc:
+        assert "is not a member of the provided process set" in str(exc)
+    else:
+        raise AssertionError("an operation on a process set without this rank was accepted")
+    assert hvd.remove_process_set(mine) and hvd.remove_process_set(other)
+    # alltoall with uneven splits, reducescatter (Horovod's split of the first dimension), grouped allgather
+    x = torch.arange(3.0) + 10 * hvd.rank()
+    out, received = hvd.alltoall(x, torch.tensor([1, 2] if hvd.rank() == 0 else [2, 1], dtype=torch.int32))
+    assert out.tolist() == ([0.0, 10.0, 11.0] if hvd.rank() == 0 else [1.0, 2.0, 12.0])
+    assert received.tolist() == ([1, 2] if hvd.rank() == 0 else [2, 1])
+    rs = hvd.reducescatter(torch.arange(5.0), op=hvd.Sum)
+    assert rs.tolist() == ([0.0, 2.0, 4.0] if hvd.rank() == 0 else [6.0, 8.0])
+    a, b = hvd.grouped_allgather([torch.ones(1) * hvd.rank(), torch.ones(hvd.rank() + 1, 2)])
+    assert a.tolist() == [0.0, 1.0] and b.shape == (3, 2)
+
+
+@case
+def broadcast_object_with_none_elsewhere(hvd, torch):
+    # Horovod names the transfer after the type (dict on the root, NoneType elsewhere) and stalls; one name here.
+    got = hvd.broadcast_object({"step": 7} if hvd.rank() == 0 else None, root_rank=0)
+    assert got == {"step": 7}
 
 
 def _worker() -> None:
