@@ -136,6 +136,19 @@ ACCELERATE_VALUED = (
     "parallelism_config_cp_size parallelism_config_cp_backend parallelism_config_cp_comm_strategy "
     "parallelism_config_sp_size parallelism_config_sp_backend parallelism_config_sp_seq_length "
     "parallelism_config_sp_seq_length_is_variable parallelism_config_sp_attn_implementation").split()  # fmt: skip
+#: accelerate launch options it turns into a variable of the processes' environment (``utils/launch.py``:
+#: ``prepare_multi_gpu_env``, ``prepare_deepspeed_cmd_env``); the launch dialect carries them as that variable.
+ACCELERATE_OPTION_ENV = {
+    "mixed_precision": "ACCELERATE_MIXED_PRECISION", "use_deepspeed": "ACCELERATE_USE_DEEPSPEED",
+    "debug": "ACCELERATE_DEBUG_MODE", "enable_cpu_affinity": "ACCELERATE_CPU_AFFINITY",
+    "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE", "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+    "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING",
+    "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+    "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+    "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    "deepspeed_moe_layer_cls_names": "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES",
+}  # fmt: skip
 _ACCELERATE_FLAGS = {
     **{f"--{dest}": (dest, 0) for dest in ACCELERATE_SWITCHES},
     **{f"--{dest}": (dest, 1) for dest in ACCELERATE_VALUED},

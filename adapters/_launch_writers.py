@@ -158,6 +158,13 @@ class _Writer:
     def finish(self, argv_per_node: list[NodeCommand], files: dict[str, str] | None = None) -> LaunchCommand:
         """Account for every remaining field and extension, and build the LaunchCommand."""
         self.notes += [note for key, value in self.ext.items() if (note := self._extension(key, value))]
+        if (_launcher_of(self.ext) == "accelerate" != self.target
+                and self.launch.env.get("ACCELERATE_USE_DEEPSPEED") == "true"):  # fmt: skip
+            # accelerate's DeepSpeed launcher (prepare_deepspeed_cmd_env) puts its working directory on PYTHONPATH
+            self.notes.append(Note("launch.env.PYTHONPATH", None, ".", Fidelity.APPROXIMATE, "accelerate launch "
+                                   "puts its working directory first on PYTHONPATH for DeepSpeed jobs; "
+                                   f"{self.target} does not (the script's own folder is importable either way): "
+                                   "set PYTHONPATH=. when the script imports modules from the working directory"))
         self._remaining()
         same_launcher = _launcher_of(self.ext) == self.target
         wrapper = self.ext.get("wrapper", "") if same_launcher else ""
@@ -190,6 +197,9 @@ class _Writer:
         if key in ("python", "python_flags"):
             return Note(path, None, value, Fidelity.DROPPED, f"{self.target} starts Python itself")
         source = key.split(".")[0]
+        var = _cmdline.ACCELERATE_OPTION_ENV.get(key.removeprefix("accelerate.")) if source == "accelerate" else None
+        if source != self.target and var is not None and var in self.launch.env:
+            return Note(path, "environment", value, Fidelity.EXACT, f"as {var}, which accelerate launch exports for it")
         if source != self.target:
             return Note(path, None, value, Fidelity.DROPPED, f"a {source} option with no {self.target} counterpart")
         return None

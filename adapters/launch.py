@@ -385,8 +385,9 @@ def _from_config_file(key: str, value: Any, options: Mapping[str, Any]) -> bool:
     return key not in options and value is not None and not (key == "num_processes" and value in (-1, 0))
 
 
-def _accelerate_config_file(name: str, options: dict, ctx: ReadContext) -> None:
-    """``accelerate launch --config_file X``: the launch settings and the process environment the file gives."""
+def _accelerate_config_file(name: str, options: dict, ctx: ReadContext) -> dict | None:
+    """``accelerate launch --config_file X``: the launch settings the file gives; returns the file's content (None
+    when it cannot be read)."""
     from pathlib import Path
 
     from torsh.formats import is_regular_file, load_file
@@ -396,38 +397,103 @@ def _accelerate_config_file(name: str, options: dict, ctx: ReadContext) -> None:
         ctx.note("accelerate.config_file", Fidelity.UNSUPPORTED, "not found from the working directory (accelerate "
                  "launch opens it from there): its process count, machines and the environment it gives the "
                  "processes are not carried; translate from the folder that holds it", name)  # fmt: skip
-        return
+        return None
     try:
         data, _ = load_file(Path(name).expanduser())
     except ConfigError as exc:
         ctx.problems.extend(exc.with_prefix("accelerate.config_file").problems)
-        return
+        return None
     if not isinstance(data, dict) or "distributed_type" not in data:
         ctx.problem("accelerate.config_file", name, "not an accelerate config (no distributed_type)")
-        return
+        return None
     for key, core in _ACCELERATE_LAUNCH_KEYS.items():
         if _from_config_file(key, data.get(key), options):
             ctx.set(core, data[key], f"{name}:{key}", Fidelity.EXACT, "from the accelerate config file")
-    for var, value in _accelerate_env(data).items():
-        ctx.set(f"launch.env.{var}", value, f"{name}:{var}", Fidelity.EXACT, "exported by accelerate launch: the "
-                "script's Accelerator reads it")  # fmt: skip
+    return data
 
 
-def _accelerate_env(data: dict) -> dict[str, str]:
-    """The ACCELERATE_* / FSDP_* variables accelerate launch exports for this config (FSDP and precision)."""
-    def text(value: Any) -> str:
-        return str(value).lower() if isinstance(value, bool) else str(value)
+def _accelerate_environment(name: str | None, data: dict | None, options: dict, ctx: ReadContext) -> None:
+    """The variables accelerate launch exports to the processes (its Accelerator reads them), from the config file
+    ``name`` (``data``) and the command line, which wins over the file."""
+    env = _accelerate_env(data or {}, options)
+    carried = {dest for _, dest in env.values() if dest}
+    # an option accelerate turns into a variable is carried by it (not the "training setting" note of the map)
+    ctx.notes[:] = [n for n in ctx.notes if n.source_path.removeprefix("accelerate.") not in carried]
+    for var, (value, dest) in env.items():
+        source = f"accelerate.{dest}" if dest else f"{name}:{var}"
+        ctx.set(f"launch.env.{var}", value, source, Fidelity.EXACT, "exported by accelerate launch: the script's "
+                "Accelerator reads it")  # fmt: skip
+    if env.get("ACCELERATE_MIXED_PRECISION", ("", None))[0] == "fp8":
+        ctx.note("accelerate.mixed_precision", Fidelity.UNSUPPORTED, "fp8: accelerate launch also exports its "
+                 "ACCELERATE_FP8_* settings, which are not carried", "fp8")  # fmt: skip
+
+
+#: accelerate launch's DeepSpeed settings (an option, or a key of the config file's deepspeed_config) that
+#: ``prepare_deepspeed_cmd_env`` (accelerate 1.15 ``utils/launch.py``) exports when set; True: lower-cased.
+_DEEPSPEED_LOWER = {"zero_stage": False, "gradient_accumulation_steps": False, "gradient_clipping": True,
+                    "offload_optimizer_device": True, "offload_param_device": True, "zero3_init_flag": True,
+                    "zero3_save_16bit_model": True, "deepspeed_config_file": False,
+                    "deepspeed_moe_layer_cls_names": False}  # fmt: skip
+#: accelerate launch's switches that choose the kind of job (the config file's distributed_type applies without).
+_MODE_SWITCHES = ("multi_gpu", "tpu", "tpu_use_cluster", "use_deepspeed", "use_fsdp", "use_megatron_lm")
+
+
+def _is_deepspeed_job(data: dict, options: Mapping[str, Any]) -> bool:
+    """accelerate launch runs its DeepSpeed launcher: --use_deepspeed, or a DEEPSPEED config file and no other mode
+    switch; not with --cpu (``launch_command``)."""
+    if options.get("cpu"):
+        return False
+    if options.get("use_deepspeed"):
+        return True
+    kind = str(data.get("distributed_type", "NO")).upper()
+    return kind == "DEEPSPEED" and not any(options.get(k) for k in _MODE_SWITCHES)
+
+
+def _accelerate_env(data: dict, options: Mapping[str, Any]) -> dict[str, tuple[str, str | None]]:
+    """The ACCELERATE_* / FSDP_* variables accelerate launch exports for this config and command line (FSDP,
+    DeepSpeed and precision): variable -> (value, the option that gave it, None for the config file)."""
+    def text(value: Any, lower: bool = False) -> str:
+        return str(value).lower() if lower or isinstance(value, bool) else str(value)
 
     kind = str(data.get("distributed_type", "NO")).upper()
-    env = {"ACCELERATE_MIXED_PRECISION": text(data.get("mixed_precision") or "no")}
+    env: dict[str, tuple[str, str | None]] = {}
+    if _is_deepspeed_job(data, options):
+        # launch_command / _validate_launch_command: the file's deepspeed_config keys become the options unless
+        # the command line gives them; the precision too, and ACCELERATE_CONFIG_DS_FIELDS lists what came from
+        # the file.
+        ds = dict(data.get("deepspeed_config") or {}) if kind == "DEEPSPEED" or data else {}
+        fields = list(ds)
+        if options.get("mixed_precision"):
+            env["ACCELERATE_MIXED_PRECISION"] = (text(options["mixed_precision"], True), "mixed_precision")
+        else:
+            env["ACCELERATE_MIXED_PRECISION"] = (text(data.get("mixed_precision") or "no", True), None)
+            fields += ["mixed_precision"] if data.get("mixed_precision") is not None else []
+        if options.get("debug") or data.get("debug"):
+            env["ACCELERATE_DEBUG_MODE"] = ("true", "debug" if options.get("debug") else None)
+        env["ACCELERATE_CONFIG_DS_FIELDS"] = (",".join(fields).lower(), None)
+        env["ACCELERATE_USE_DEEPSPEED"] = ("true", "use_deepspeed" if options.get("use_deepspeed") else None)
+        for key, lower in _DEEPSPEED_LOWER.items():
+            var = _cmdline.ACCELERATE_OPTION_ENV[key]
+            if options.get(key) is not None:
+                env[var] = (text(options[key], lower), key)
+            elif ds.get(key) is not None:
+                env[var] = (text(ds[key], lower), None)
+        if options.get("enable_cpu_affinity") or data.get("enable_cpu_affinity"):
+            env["ACCELERATE_CPU_AFFINITY"] = ("1", "enable_cpu_affinity" if options.get("enable_cpu_affinity")
+                                              else None)  # fmt: skip
+        return env
+    if options.get("mixed_precision"):  # the command line wins over the file (prepare_multi_gpu_env)
+        env["ACCELERATE_MIXED_PRECISION"] = (text(options["mixed_precision"]), "mixed_precision")
+    else:
+        env["ACCELERATE_MIXED_PRECISION"] = (text(data.get("mixed_precision") or "no"), None)
     if kind == "FSDP":
         fsdp = {k if k.startswith("fsdp_") else f"fsdp_{k}": v for k, v in (data.get("fsdp_config") or {}).items()}
-        env["ACCELERATE_USE_FSDP"] = "true"
-        env["FSDP_VERSION"] = text(fsdp.get("fsdp_version", 1))
+        env["ACCELERATE_USE_FSDP"] = ("true", None)
+        env["FSDP_VERSION"] = (text(fsdp.get("fsdp_version", 1)), None)
         for key, (var, default) in _FSDP_ENV.items():
             value = fsdp.get(key, default)
             if value is not None:
-                env[var] = text(value)
+                env[var] = (text(value), None)
     return env
 
 
@@ -473,7 +539,12 @@ class Launch(Dialect):
         launcher = ctx.raw["launcher"]
         options = ctx.raw[launcher]
         if launcher == "accelerate" and options.get("config_file"):
-            _accelerate_config_file(str(options["config_file"]), options, ctx)
+            name = str(options["config_file"])
+            data = _accelerate_config_file(name, options, ctx)
+            if data is not None:
+                _accelerate_environment(name, data, options, ctx)
+        elif launcher == "accelerate" and _is_deepspeed_job({}, options):
+            _accelerate_environment(None, None, options, ctx)
         _default_process_count(launcher, options, ctx)
         _local_rank_argument(launcher, ctx.raw.get("program", launcher), options, ctx)
 
