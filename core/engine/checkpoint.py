@@ -478,6 +478,9 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     # 4. publish: rename the complete directory into place, then move `latest`
     if rank == 0:
         _publish(root, staging, final, tag if save_latest else None)
+        from .recovery_script import write_recovery_script
+
+        write_recovery_script(root)  # save_dir/zero_to_fp32.py, as DeepSpeed writes it
     _barrier()
     for callback in list(_AFTER_SAVE):
         callback(str(final), tag)
