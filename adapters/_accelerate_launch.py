@@ -1,0 +1,177 @@
+"""The launch keys of an ``accelerate config`` YAML as ``accelerate launch`` (1.15) reads them: the kind of job
+(``distributed_type``), the process and machine counts, the GPU ids, and which nulls mean "not set".
+
+ClusterConfig checks no types; ``accelerate launch`` compares the counts with 1, hands num_processes to torchrun's
+--nproc_per_node, and writes section keys into the environment of the training process. What it runs is read here
+(with a note where a flag must be passed at launch); what it fails on is refused, naming the key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torsh.errors import ConfigError, Problem
+from torsh.translate import Fidelity, Note, ReadContext
+
+NAME = "accelerate"
+_LAUNCHER = "a launcher or environment setting, not a training setting"
+
+_DDP_TYPES = {"MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_HPU",
+              "MULTI_NEURON"}  # fmt: skip
+_OTHER_TYPES = {"NO", "FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"}
+#: SageMakerDistributedType: the kinds of a compute_environment AMAZON_SAGEMAKER file (SageMaker launches them).
+_SAGEMAKER_TYPES = {"NO", "DATA_PARALLEL", "MODEL_PARALLEL"}
+#: The kinds ``accelerate launch`` starts through torchrun (its multi-GPU and single-machine DeepSpeed launchers):
+#: the only ones where a num_processes that is not an int reaches a launcher that reads it (torchrun's
+#: --nproc_per_node takes "auto" and a number as text). The others compare num_processes with 1 first and fail.
+_TORCHRUN_TYPES = (_DDP_TYPES - {"MULTI_CPU"}) | {"FSDP", "DEEPSPEED", "MEGATRON_LM"}
+
+
+def _kind_of(value: Any) -> str:
+    """The distributed_type as Accelerate's launcher acts on it: YAML reads an unquoted ``NO``/``no`` as false (and
+    ``yes`` as true); ClusterConfig keeps the boolean, and ``accelerate launch`` then picks none of its multi-process
+    launchers: a single process, as NO."""
+    return "NO" if isinstance(value, bool) else str(value).upper()
+
+
+def _kind(ctx: Any) -> str:
+    return _kind_of(ctx.raw.get("distributed_type", "NO"))
+
+
+def _read_distributed_type(value: Any, ctx: ReadContext, path: str) -> None:
+    """Accelerate's enums match the exact spelling (DistributedType("multi_gpu") raises); a YAML boolean is kept by
+    its loader and launched as a single process (see :func:`_kind_of`)."""
+    sagemaker = str(ctx.raw.get("compute_environment", "")).upper() == "AMAZON_SAGEMAKER"
+    known = sorted(_SAGEMAKER_TYPES if sagemaker else _DDP_TYPES | _OTHER_TYPES)
+    if isinstance(value, bool):
+        ask = "" if "num_processes" in ctx.raw else ("; with no num_processes, accelerate launch asks for "
+                                                      "--num_processes (Accelerate gives 1 only to the string 'NO')")
+        ctx.note(path, Fidelity.EXACT, f"{str(value).lower()}: YAML reads an unquoted no/yes as a boolean; "
+                 f"accelerate launch runs it as NO, a single process (write 'NO', quoted){ask}", value)
+        ctx.keep(path, "NO")
+        ctx.set("sharding.stage", 0, path, Fidelity.EXACT, "a single process", note=False)
+        return
+    kind = str(value).upper()
+    if value not in known:
+        from torsh.errors import did_you_mean
+
+        why = (f"Accelerate spells it {kind} (its enum matches capitals only)" if kind in known else
+               f"unknown distributed_type; expected one of {', '.join(known)}")  # fmt: skip
+        ctx.problem(path, value, why, did_you_mean(kind, known))
+        return
+    ctx.keep(path, kind)
+    if kind in _SAGEMAKER_TYPES - {"NO"}:
+        ctx.note(path, Fidelity.UNSUPPORTED, f"{kind}: SageMaker's own distributed library; torsh runs "
+                 "torch.distributed jobs", value)  # fmt: skip
+        return
+    if kind in ("NO",) or kind in _DDP_TYPES:
+        ctx.set("sharding.stage", 0, path, Fidelity.EXACT, "DDP" if kind != "NO" else "a single process")
+    elif kind in ("MEGATRON_LM", "XLA"):
+        ctx.note(path, Fidelity.UNSUPPORTED, f"{kind}: tensor/model parallel or TPU training; torsh runs data "
+                 "parallel jobs", value)  # fmt: skip
+    else:
+        ctx.note(path, Fidelity.EXACT, f"{kind}: read from {kind.lower()}_config", value)
+
+
+def _read_num_processes(value: Any, ctx: ReadContext, path: str) -> None:
+    """num_processes: a positive count; -1 is Accelerate's own "not stated" default (``accelerate launch`` then
+    demands --num_processes); null lets the launcher count the visible accelerators. "auto" and a number as text
+    reach torchrun's --nproc_per_node as they are, for the kinds launched through torchrun on one machine (the
+    other launchers compare the value with 1 and fail). Anything else is refused."""
+    text = isinstance(value, str)
+    if text and value.strip().isdigit() and int(value) > 0 or value == "auto":
+        kind, machines = _kind(ctx), ctx.raw.get("num_machines", 1)
+        one_machine = isinstance(machines, int) and machines <= 1 or machines is None
+        if kind not in _TORCHRUN_TYPES or not one_machine:
+            where = (f"distributed_type {kind}" if kind not in _TORCHRUN_TYPES else
+                     f"num_machines {machines} (it divides num_processes by it)")  # fmt: skip
+            raise ConfigError([Problem(path, value, f"accelerate launch fails on a num_processes that is not a "
+                                       f"number with {where}; give the number of processes over all machines")],
+                              source=NAME)  # fmt: skip
+        if value == "auto":
+            ctx.note(path, Fidelity.DEFERRED, "one process per visible accelerator: accelerate launch passes it to "
+                     "torchrun --nproc_per_node auto", value)  # fmt: skip
+            return
+        ctx.set("launch.world_size", int(value), path, Fidelity.EXACT, "a number as text: torchrun reads it as one")
+    elif isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        ctx.set("launch.world_size", value, path, Fidelity.EXACT, "processes over all machines")
+    elif value == -1 and not isinstance(value, bool):
+        ctx.note(path, Fidelity.EXACT, "-1 is Accelerate's 'not stated': accelerate launch refuses this file unless "
+                 "--num_processes N is passed", value)  # fmt: skip
+    elif value is None and _kind(ctx) in _TORCHRUN_TYPES:
+        ctx.note(path, Fidelity.DEFERRED, "null: accelerate launch hands it to torchrun, which fails on it, unless "
+                 "--num_processes N is passed", value)  # fmt: skip
+    elif value is None:
+        ctx.note(path, Fidelity.EXACT, "every visible accelerator (decided at launch)", value)
+    else:
+        raise ConfigError([Problem(path, value, "num_processes must be a positive process count (or -1 for 'pass "
+                                   "--num_processes at launch'); set it to the number of processes over all "
+                                   "machines")], source=NAME)  # fmt: skip
+
+
+def _read_gpu_ids(value: Any, ctx: ReadContext, path: str) -> None:
+    """CUDA_VISIBLE_DEVICES; accelerate launch refuses fewer than two ids for a multi-GPU job on one machine."""
+    machines = ctx.raw.get("num_machines", 1)
+    multi = _kind(ctx) in _TORCHRUN_TYPES - {"DEEPSPEED", "FSDP", "MEGATRON_LM"} and not (
+        isinstance(machines, int) and machines > 1)  # fmt: skip
+    if multi and isinstance(value, str) and value != "all" and len(value.split(",")) < 2:
+        ctx.problem(path, value, "accelerate launch refuses fewer than two GPU ids for a multi-GPU job: give two or "
+                    "more, comma-separated, or all")  # fmt: skip
+        return
+    ctx.note(path, Fidelity.IGNORED, "CUDA_VISIBLE_DEVICES: " + _LAUNCHER, value)
+    ctx.keep(path, value)
+
+
+def _read_nullable(core_path: str):
+    def hook(value: Any, ctx: ReadContext, path: str) -> None:
+        if value is None:
+            ctx.note(path, Fidelity.EXACT, "not set", None)
+        else:
+            ctx.set(core_path, value, path)
+
+    return hook
+
+
+#: Top-level keys whose null is Accelerate's "not set": ClusterConfig makes an empty section of a null one, and the
+#: launcher reads a null mixed_precision as "no". (num_processes, main_process_ip/port and dynamo_config give null a
+#: meaning of their own: their rules read it.)
+_NULL_IS_DEFAULT = ("mixed_precision", "deepspeed_config", "fsdp_config", "parallelism_config", "fp8_config",
+                    "megatron_lm_config", "mpirun_config", "tpu_vm")  # fmt: skip
+#: Top-level keys whose null ClusterConfig loads but ``accelerate launch`` cannot use without a flag: left to the
+#: launch (DEFERRED), with what to do.
+_NULL_IS_LEFT_TO_LAUNCH = {
+    "num_machines": "null: accelerate launch fails on it (it compares it with 1) unless --num_machines N is passed; "
+                    "write 1 for one machine. torsh reads one machine",
+}
+_SECTIONS = ("deepspeed_config", "fsdp_config")
+#: fsdp_config keys accelerate launch always writes into the FSDP plugin's environment (``str(value)``): a null
+#: becomes the text "None", which the plugin refuses. It tests the others with ``is not None`` (null: the default).
+_FSDP_NULL_REFUSED = tuple(f"fsdp_{k}" for k in (
+    "version", "sharding_strategy", "reshard_after_forward", "offload_params", "min_num_params", "forward_prefetch",
+    "use_orig_params", "cpu_ram_efficient_loading", "sync_module_states", "activation_checkpointing"))
+
+
+def _without_nulls(raw: dict) -> tuple[dict, list[Note]]:
+    """Nulls that mean "not set" to Accelerate (the launcher tests section keys with ``is not None``), taken out
+    with a note so the defaults apply as they do in Accelerate."""
+    notes, clean = [], {}
+    for key, value in raw.items():
+        if value is None and key in _NULL_IS_DEFAULT:
+            notes.append(Note(key, None, None, Fidelity.EXACT, "null: not set, Accelerate's default applies"))
+            continue
+        if value is None and key in _NULL_IS_LEFT_TO_LAUNCH:
+            notes.append(Note(key, None, None, Fidelity.DEFERRED, _NULL_IS_LEFT_TO_LAUNCH[key]))
+            continue
+        if key == "fsdp_config" and isinstance(value, dict) and set(_FSDP_NULL_REFUSED) & {
+                k for k, v in value.items() if v is None}:  # fmt: skip
+            raise ConfigError([Problem(f"{key}.{k}", None, "null: accelerate launch passes it on as the text 'None', "
+                                       "which Accelerate's FSDP plugin refuses; remove the key for its default")
+                               for k, v in value.items() if v is None and k in _FSDP_NULL_REFUSED], source=NAME)
+        if key in _SECTIONS and isinstance(value, dict) and None in value.values():
+            notes += [Note(f"{key}.{k}", None, None, Fidelity.EXACT, "null: not set, Accelerate's default applies")
+                      for k, v in value.items() if v is None]  # fmt: skip
+            value = {k: v for k, v in value.items() if v is not None}
+            if not value:
+                continue
+        clean[key] = value
+    return clean, notes
