@@ -68,6 +68,31 @@ def _marking_register_parameter(self, name, param):
     return _original_register_parameter(self, name, param)
 
 
+#: Said once per process, when a model was first built under ``zero.Init`` (the difference is documented here).
+CONSTRUCTION_DIFFERENCE = (
+    "deepspeed.zero.Init on torsh builds the model with whole parameters (they are sharded at initialize), so two "
+    "things differ from DeepSpeed, whose parameters are already partitioned (empty) when the module's constructor "
+    "returns: (1) initialisation applied after construction takes effect here and is lost under DeepSpeed - for a "
+    "transformers model built from a config (from_config, --model_type), _init_weights initialises every weight, "
+    "as it does without ZeRO-3, while DeepSpeed keeps the constructors' defaults (nn.Embedding N(0, 1)): the initial "
+    "weights and the loss curve differ; (2) that initialisation (also of resized or missing weights after "
+    "from_pretrained/resize_token_embeddings) draws from torch's random generator, which DeepSpeed's does not: "
+    "reseed after building the model (transformers.set_seed) for the same dropout and data order in both")
+_construction_warned = False
+
+
+def _warn_construction_difference() -> None:
+    global _construction_warned
+    if _construction_warned:
+        return
+    _construction_warned = True
+    import logging
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank == 0:
+        logging.getLogger("torsh.compat").warning(CONSTRUCTION_DIFFERENCE)
+
+
 class Init:
     """DeepSpeed's ZeRO-3 construction context: here the model is built normally and sharded at ``initialize``.
 
@@ -100,6 +125,7 @@ class Init:
                 _init_depth -= 1
                 if _init_depth == 0:
                     nn.Module.register_parameter = _original_register_parameter
+                    _warn_construction_difference()
         return False
 
     def __call__(self, fn):
