@@ -400,6 +400,28 @@ def local_grad(rank: int, world_size: int, scenario: dict) -> dict:
     return {"parts": all(parts), "zeroed": zeroed}
 
 
+def zero_to_fp32_load(rank: int, world_size: int, scenario: dict) -> dict:
+    """The use DeepSpeed's docs give: after training, ``load_state_dict_from_zero_checkpoint(engine.module,
+    checkpoint_dir)`` at ZeRO-2 puts the checkpoint's fp32 weights into the model."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    ds = _ds(scenario["engine"])
+    engine = _init(ds, _config(2))
+    engine.backward(_loss(engine, 0, rank))
+    engine.step()
+    engine.save_checkpoint(scenario["dir"])
+    fp32 = ds.utils.zero_to_fp32
+    expected = fp32.get_fp32_state_dict_from_zero_checkpoint(scenario["dir"])
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            p.zero_()
+    model = fp32.load_state_dict_from_zero_checkpoint(engine.module, scenario["dir"])
+    got = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}
+    return {"equal": sorted(expected) == sorted(got) and all(torch.equal(expected[k].float(), got[k].float())
+                                                             for k in expected)}  # fmt: skip
+
+
 def _scenarios(tmp: str) -> list[dict]:
     out = []
     for engine in ENGINES:
@@ -411,6 +433,8 @@ def _scenarios(tmp: str) -> list[dict]:
         out.append({**call, "name": f"tags_{engine}", "target": f"{MODULE}:checkpoint_tags", "dir": f"{tmp}/{engine}"})
         out.append({**call, "name": f"members_{engine}", "target": f"{MODULE}:engine_members"})
         out.append({**call, "name": f"localgrad_{engine}", "target": f"{MODULE}:local_grad"})
+        out.append({**call, "name": f"fp32load_{engine}", "target": f"{MODULE}:zero_to_fp32_load",
+                    "dir": f"{tmp}/fp32_{engine}"})
     return out
 
 
@@ -472,3 +496,9 @@ def test_engine_log_level_clipping_and_members(records, engine):
 def test_safe_get_set_local_grad_zero3(records, engine):
     for r in _ranks(records, "localgrad", engine):
         assert r == {"parts": True, "zeroed": True}
+
+
+@both
+def test_load_state_dict_from_zero_checkpoint_stage2(records, engine):
+    for r in _ranks(records, "fp32load", engine):
+        assert r == {"equal": True}

@@ -113,10 +113,19 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
 
 
 def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
-    """Move ``model`` to the CPU, load the checkpoint's fp32 weights into it (``strict=False``) and return it."""
+    """Move ``model`` to the CPU, load the checkpoint's fp32 weights into it (``strict=False``) and return it;
+    ``engine.module`` of a sharded job (ZeRO 2/3) takes each rank's shard of those weights."""
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
     model = model.cpu()
-    model.load_state_dict(state, strict=False)
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        # engine.module at ZeRO 2/3 (FSDP2-sharded): each rank takes its shard of the full fp32 values
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        model.load_state_dict(state, strict=False)
     return model
 
 
