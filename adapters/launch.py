@@ -545,6 +545,8 @@ class Launch(Dialect):
                 _accelerate_environment(name, data, options, ctx)
         elif launcher == "accelerate" and _is_deepspeed_job({}, options):
             _accelerate_environment(None, None, options, ctx)
+        if launcher == "accelerate":
+            _free_port(ctx)
         _default_process_count(launcher, options, ctx)
         _local_rank_argument(launcher, ctx.raw.get("program", launcher), options, ctx)
 
@@ -570,6 +572,24 @@ class Launch(Dialect):
                 return 0.0
             return 1.0
         return 0.0
+
+
+def _free_port(ctx: ReadContext) -> None:
+    """accelerate's main_process_port 0 (the file's or the option's) means "a free port" (``get_free_port``); a
+    torchrun port 0 would reach the processes as MASTER_PORT=0. On one machine that is torchrun's --standalone
+    (its own free port); on several there is no free-port equivalent (accelerate would pick one per machine)."""
+    launch_core = ctx.core.get("launch", {})
+    if launch_core.get("master_port") != 0:
+        return
+    source = ctx.origin.get("launch.master_port", "accelerate.main_process_port")
+    del launch_core["master_port"]
+    ctx.notes[:] = [n for n in ctx.notes if n.target_path != "launch.master_port"]
+    if launch_core.get("nnodes", 1) in (1, None):
+        ctx.set("launch.standalone", True, source, Fidelity.EXACT, "main_process_port 0: a free port on this "
+                "machine, as torchrun --standalone picks one")  # fmt: skip
+    else:
+        ctx.note(source, Fidelity.UNSUPPORTED, "main_process_port 0 picks a free port on each machine; give the "
+                 "nodes one port", 0)  # fmt: skip
 
 
 def _default_process_count(launcher: str, options: Mapping[str, Any], ctx: ReadContext) -> None:

@@ -143,7 +143,6 @@ def _run(argv: list[str], cwd: Path, env: dict, out: Path) -> dict:
 @pytest.mark.slow
 def test_accelerate_launch_runs_on_torsh_and_its_torchrun_translation_trains_the_same(tmp_path):
     pytest.importorskip("accelerate", reason="accelerate launch is the source launcher here")
-    from _engine_harness import free_port
     from test_dropin_scripts import BLOCKER
 
     import torsh.run
@@ -165,9 +164,9 @@ def test_accelerate_launch_runs_on_torsh_and_its_torchrun_translation_trains_the
                                tmp_path)  # fmt: skip
     command = written.result.commands[0]
     assert command.argv[0] == "torchrun"
-    # the file's main_process_port 0 means "a free one" to accelerate; torchrun would hand the workers port 0
-    argv = [a for a in command.argv[1:] if not a.startswith("--master-port")]
-    translated = _run([sys.executable, "-m", "torsh.run", f"--master-port={free_port()}", *argv], tmp_path,
+    # the file's main_process_port 0 ("a free port" to accelerate) is torchrun's --standalone, not a port 0
+    assert "--standalone" in command.argv and not any(a.startswith("--master-port") for a in command.argv)
+    translated = _run([sys.executable, "-m", "torsh.run", *command.argv[1:]], tmp_path,
                       {**base, "PYTHONPATH": os.pathsep.join([str(tmp_path / "blocker"), path]), **command.env},
                       tmp_path / "t.json")  # fmt: skip
     assert translated["env"] == ours["env"]  # every ACCELERATE_* variable accelerate launch gave the processes
