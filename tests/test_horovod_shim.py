@@ -407,8 +407,9 @@ def handles_are_asynchronous_and_matched_by_name(hvd, torch):
 
 @case
 def process_sets_and_new_collectives(hvd, torch):
-    mine = hvd.add_process_set([hvd.rank()])
-    other = hvd.add_process_set([1 - hvd.rank()])
+    # Every rank registers the same sets in the same order (Horovod's contract).
+    first, second = hvd.add_process_set([0]), hvd.add_process_set(hvd.ProcessSet([1]))
+    mine, other = (first, second) if hvd.rank() == 0 else (second, first)
     assert mine.size() == 1 and mine.rank() == 0 and not other.included()
     assert hvd.allreduce(torch.tensor([5.0]), process_set=mine, op=hvd.Sum).item() == 5.0
     try:
@@ -434,6 +435,26 @@ def broadcast_object_with_none_elsewhere(hvd, torch):
     # Horovod names the transfer after the type (dict on the root, NoneType elsewhere) and stalls; one name here.
     got = hvd.broadcast_object({"step": 7} if hvd.rank() == 0 else None, root_rank=0)
     assert got == {"step": 7}
+
+
+@case
+def checks_can_be_turned_off(hvd, torch):
+    # TORSH_HOROVOD_CHECKS=0 (read at init) skips comparing the ranks' requests: different prescale factors are
+    # then each rank's own business instead of Horovod's "Mismatched prescale" error.
+    from torsh.horovod import _basics
+
+    ctl = _basics._state.controller
+    try:
+        hvd.allreduce(torch.ones(1), op=hvd.Sum, prescale_factor=1.0 + hvd.rank(), name="factors")
+    except hvd.HorovodInternalError as exc:
+        assert "Mismatched prescale and/or postscale factors" in str(exc)
+    else:
+        raise AssertionError("mismatched prescale factors were not reported")
+    ctl.checks = False
+    try:
+        assert hvd.allreduce(torch.ones(1), op=hvd.Sum, prescale_factor=1.0 + hvd.rank(), name="factors").item() == 3
+    finally:
+        ctl.checks = True
 
 
 def _worker() -> None:

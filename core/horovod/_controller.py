@@ -14,8 +14,8 @@ operation is a *request* queued by the calling thread and a background thread ru
    the process set's own group; a mismatch fails the handle on every member with Horovod's message.
 
 Handles are real: ``poll`` is False until the background thread has run the operation, ``synchronize`` waits. The
-cost is one exchange of metadata per cycle (cycles pause, backing off to ``HOROVOD_CYCLE_TIME`` milliseconds, when
-nothing is queued). ``TORSH_HOROVOD_CHECKS=0`` skips comparing the requests (they are still matched by name).
+cost is one exchange of metadata per cycle (when nothing is queued, cycles pause, backing off to 5 ms or to
+``HOROVOD_CYCLE_TIME`` milliseconds). ``TORSH_HOROVOD_CHECKS=0`` skips comparing the requests (they are still matched by name).
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ class Controller:
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.outbox: list[Request] = []
-        self.local: dict[tuple, Handle] = {}  # this rank's pending operations by (process set, name)
-        self.table: dict[tuple, dict[int, Request]] = {}
+        self.local: dict[tuple, Handle] = {}  # this rank's pending operations by (process set ranks, name)
+        self.table: dict[tuple, dict[int, Request]] = {}  # (process set ranks, name) -> {rank: request}
         self.joined: list[int] = []
         self.join_handle: Handle | None = None
         self.stopping = False
@@ -175,7 +175,7 @@ class Controller:
         with self.lock:
             if self.dead is not None or self.stopping:
                 raise HorovodInternalError(self.dead or SHUT_DOWN_ERROR)
-            key = (request.process_set, request.name)
+            key = (request.ranks, request.name)  # by ranks, not by id: a set is the same set on every rank
             if key in self.local:
                 raise ValueError(DUPLICATE_NAME_ERROR)
             handle.request = request
@@ -230,7 +230,7 @@ class Controller:
                             if req.rank not in self.joined:
                                 self.joined.append(req.rank)
                         else:
-                            self.table.setdefault((req.process_set, req.name), {})[req.rank] = req
+                            self.table.setdefault((req.ranks, req.name), {})[req.rank] = req
                 self._process()
                 if news or self.table:
                     idle = 0.0
@@ -260,7 +260,7 @@ class Controller:
             requests = self.table[key]
             first = next(iter(requests.values()))
             members = first.ranks
-            if not all(r in requests or (r in joined and key[0] == 0) for r in members):
+            if not all(r in requests or (r in joined and len(members) == self.size) for r in members):
                 continue
             if not any(r in requests for r in members):
                 continue
@@ -276,7 +276,8 @@ class Controller:
                     handle.complete(error=HorovodInternalError(error))
                 continue
             try:
-                result = _EXECUTE[first.kind](self, ordered, handle, members, self.groups_for(key[0]))
+                set_id = handle.request.process_set if handle is not None else 0  # a joined rank: the global set
+                result = _EXECUTE[first.kind](self, ordered, handle, members, self.groups_for(set_id))
             except Exception as exc:  # noqa: BLE001 - reported to the caller's synchronize()
                 if handle is None:
                     raise
@@ -398,9 +399,14 @@ def _move(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(wire) if wire else tensor
 
 
+def _own(handle: Handle | None, first: Request) -> Request:
+    """This rank's own request (they agree unless checks are off), else the first one (a joined rank)."""
+    return handle.request if handle is not None and handle.request is not None else first
+
+
 def _allreduce(ctl, requests, handle, members, group):
-    first = requests[0]
-    buf = _local_or_zeros(handle, first).detach().clone().contiguous()
+    first = _own(handle, requests[0])
+    buf = _local_or_zeros(handle, requests[0]).detach().clone().contiguous()
     scale_(buf, first.prescale)
     _allreduce_into(buf, first.op, group)
     post = first.postscale / len(members) if first.op == AVERAGE else first.postscale
@@ -442,7 +448,7 @@ def reducescatter_rows(first_dim: int, n: int) -> list[int]:
 
 
 def _reducescatter(ctl, requests, handle, members, group):
-    first = requests[0]
+    first = _own(handle, requests[0])
     buf = handle.tensor.detach().clone().contiguous()
     scale_(buf, first.prescale)
     _allreduce_into(buf, first.op, group)
