@@ -15,7 +15,7 @@ operation is a *request* queued by the calling thread and a background thread ru
 
 Handles are real: ``poll`` is False until the background thread has run the operation, ``synchronize`` waits. The
 cost is one exchange of metadata per cycle (when nothing is queued, cycles pause, backing off to 5 ms or to
-``HOROVOD_CYCLE_TIME`` milliseconds). ``TORSH_HOROVOD_CHECKS=0`` skips comparing the requests (they are still matched by name).
+``HOROVOD_CYCLE_TIME`` milliseconds, and to 50 ms after a quiet second). ``TORSH_HOROVOD_CHECKS=0`` skips comparing the requests (they are still matched by name).
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ class Controller:
     # --- the background thread -------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        idle = 0.0
+        idle, quiet_since = 0.0, time.monotonic()
         try:
             while True:
                 with self.lock:
@@ -232,12 +232,15 @@ class Controller:
                         else:
                             self.table.setdefault((req.ranks, req.name), {})[req.rank] = req
                 self._process()
-                if news or self.table:
-                    idle = 0.0
+                if news:
+                    idle, quiet_since = 0.0, time.monotonic()
                     if self.table:  # waiting for another rank: let it catch up without spinning
                         self.wake.wait(0.0005)
                 else:
-                    idle = min(max(idle * 2, 0.0005), _cycle_seconds())
+                    # Nothing new anywhere: back off to the cycle time, and after a quiet second to 50 ms (an idle
+                    # or waiting job costs little CPU; the first request after a long pause waits up to that long).
+                    longest = _cycle_seconds() if time.monotonic() - quiet_since < 1.0 else max(_cycle_seconds(), 0.05)
+                    idle = min(max(idle * 2, 0.0005), longest)
                     self.wake.wait(idle)
                 self.wake.clear()
         except Exception as exc:  # noqa: BLE001 - a peer died or the group went away: fail what waits, stop
