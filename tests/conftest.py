@@ -1,4 +1,5 @@
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -9,6 +10,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Keep multi-process tests on CPU and quiet.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# `make test` runs the modules in several pytest-xdist workers at once: a process group started without a launcher
+# (one process, DeepSpeed's default port 29500) would then take the same port in two workers. Each worker gets a
+# port of its own; tests and launches that choose their port still set it themselves.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ pytest.importorskip("torch")
 pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is installed by requirements-dev.txt in CI")
 
 import _engine_harness as h  # noqa: E402
+import capabilities  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -175,7 +176,7 @@ def fp16_bn(rank: int, world_size: int, scenario: dict) -> dict:
     for step in range(4):
         g = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(2, 3, 8, 8, generator=g), torch.randint(0, 4, (2,), generator=g)
-        loss = torch.nn.functional.cross_entropy(engine(x.half()).float(), y)
+        loss = torch.nn.functional.cross_entropy(engine(x.half() if scenario.get("half", True) else x).float(), y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -393,17 +394,24 @@ def _scenarios(tmp: str) -> list[dict]:
                             "engine": engine, "target": f"{MODULE}:unused", "extra_steps": extra_steps, "late": late,
                             "config": ds_config(stage, optimizer={"type": "AdamW", "params": {
                                 "lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}})})  # fmt: skip
+        ds_fp16 = engine == "torsh" or capabilities.deepspeed_fp16()
         for stage in (0, 2):
             fp16 = {"enabled": True, "initial_scale_power": 8}
             # DeepSpeed 0.19.8 keeps buffers in fp32 unless data_types.buffer_dtype says otherwise (and then
             # fails at the first BatchNorm, see the test); torsh needs no key
             extra = {"data_types": {"buffer_dtype": "fp16"}} if engine == "deepspeed" else {}
+            if not ds_fp16:  # DeepSpeed's fp32 run of the same script is the reference
+                out.append({"name": f"fp16bn_s{stage}_{engine}", "kind": "call", "target": f"{MODULE}:fp16_bn",
+                            "engine": engine, "config": ds_config(stage), "half": False})  # fmt: skip
+                continue
             out.append({"name": f"fp16bn_s{stage}_{engine}", "kind": "call", "target": f"{MODULE}:fp16_bn",
                         "engine": engine, "config": ds_config(stage, fp16=fp16, **extra)})  # fmt: skip
             if engine == "deepspeed":
                 out.append({"name": f"fp16bn_nokey_s{stage}", "kind": "call", "target": f"{MODULE}:fp16_bn",
                             "engine": engine, "config": ds_config(stage, fp16=fp16)})  # fmt: skip
         for dtype, stage in (("fp16", 0), ("fp16", 2), ("bf16", 0)):
+            if dtype == "fp16" and not ds_fp16:
+                continue  # compared with DeepSpeed's recorded behaviour (see the test)
             out.append({"name": f"overflow_{dtype}_s{stage}_{engine}", "kind": "call", "engine": engine,
                         "target": f"{MODULE}:overflow_flag",
                         "config": ds_config(stage, **{dtype: {"enabled": True, **(
@@ -495,14 +503,17 @@ def test_fp16_with_batchnorm(records, stage):
     torsh_ranks, ds_ranks = _both(records, f"fp16bn_s{stage}")
     for t, d in zip(torsh_ranks, ds_ranks):
         # the same fp16 forward from the same weights; later steps differ by fp16 rounding of the updates
-        # (the engines' fp16 paths are not bit-equal, also without BatchNorm), so they are only checked to train
-        assert t["losses"][0] == pytest.approx(d["losses"][0], rel=1e-6)
+        # (the engines' fp16 paths are not bit-equal, also without BatchNorm), so they are only checked to train.
+        # Without DeepSpeed fp16 on this CPU, its fp32 run is the reference: fp16 rounding apart (measured 3e-4).
+        rel = 1e-6 if capabilities.deepspeed_fp16() else 5e-3
+        assert t["losses"][0] == pytest.approx(d["losses"][0], rel=rel)
         assert all(math.isfinite(v) for v in t["losses"]) and t["losses"][1:] != t["losses"][:1] * 3
         assert math.isfinite(t["running_mean"]) and t["running_mean"] != 0.0
         assert t["stats"] == {"1.running_mean": "torch.float16", "1.running_var": "torch.float16",
                               "1.num_batches_tracked": "torch.int64"}  # fmt: skip
     # DeepSpeed 0.19.8 without data_types.buffer_dtype: the fp32 running statistics fail the fp16 BatchNorm
-    assert "expected scalar type Half but found Float" in records[0][f"fp16bn_nokey_s{stage}"]["error"]
+    if capabilities.deepspeed_fp16():
+        assert "expected scalar type Half but found Float" in records[0][f"fp16bn_nokey_s{stage}"]["error"]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -652,10 +663,21 @@ def test_leaf_module_config_names_modules():
     assert leaves.apply_config(model, config) == [model.moe.experts[1]]
 
 
+#: ``overflow_flag`` under DeepSpeed 0.19.8 in fp16 (initial scale 2**10): stage 0's FP16_Optimizer has only
+#: ``loss_scale`` and halves it at the overflow; stage 2's ZeRO optimizer has both and its hysteresis of 2 keeps it.
+OVERFLOW_FP16 = {"fp16_s0": {"flags": [False, True, False], "scales": [[None, 1024.0], [None, 512.0], [None, 512.0]]},
+                 "fp16_s2": {"flags": [False, True, False], "scales": [[1024.0, 1024.0]] * 3}}  # fmt: skip
+
+
 @pytest.mark.parametrize("case", ["fp16_s0", "fp16_s2", "bf16_s0"])
 def test_optimizer_overflow_flag_like_deepspeed(records, case):
-    torsh_ranks, ds_ranks = _both(records, f"overflow_{case}")
+    if case.startswith("fp16") and not capabilities.deepspeed_fp16():
+        # DeepSpeed 0.19.8's values, recorded on a CPU where it has fp16
+        torsh_ranks, ds_ranks = [records[r][f"overflow_{case}_torsh"] for r in (0, 1)], [OVERFLOW_FP16[case]] * 2
+    else:
+        torsh_ranks, ds_ranks = _both(records, f"overflow_{case}")
     for t, d in zip(torsh_ranks, ds_ranks):
+        assert "error" not in t, t.get("traceback")
         assert t["flags"] == d["flags"] == [False, True, False]
         # the optimizer's cur_scale / loss_scale where DeepSpeed's optimizer has them (None: it has not)
         assert t["scales"] == d["scales"], (t["scales"], d["scales"])
