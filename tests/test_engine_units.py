@@ -189,10 +189,16 @@ def test_auto_is_filled_as_the_hugging_face_trainer_does():
     assert u.bucket_settings(ext).reduce_bucket_size == 500_000_000  # no hidden size: DeepSpeed's default
 
 
-@pytest.mark.parametrize("bad", [-1, 0, "big", True])
-def test_a_bad_bucket_size_names_its_key(bad):
-    with pytest.raises(ConfigError, match="extensions.deepspeed.zero_optimization.allgather_bucket_size"):
-        u.bucket_settings(ds(3, allgather_bucket_size=bad))
+@pytest.mark.parametrize("key, bad", [("allgather_bucket_size", -1), ("allgather_bucket_size", "big"),
+                                      ("allgather_bucket_size", True), ("reduce_bucket_size", 0)])  # fmt: skip
+def test_a_bad_bucket_size_names_its_key(key, bad):
+    # DeepSpeed 0.19.8 bounds: reduce_bucket_size gt=0; allgather_bucket_size ge=0 (0 is accepted, see below)
+    with pytest.raises(ConfigError, match=f"extensions.deepspeed.zero_optimization.{key}"):
+        u.bucket_settings(ds(3, **{key: bad}))
+
+
+def test_a_zero_allgather_bucket_is_accepted_as_deepspeed_accepts_it():
+    assert u.bucket_settings(ds(2, allgather_bucket_size=0)).allgather_bucket_size == 0
 
 
 # ---- DDP ------------------------------------------------------------------------------------------
