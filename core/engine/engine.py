@@ -767,7 +767,8 @@ class Engine(nn.Module):
         return save_checkpoint(save_dir, tag, model=self._checkpoint_module(), optimizer=self.optimizer,
                                lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler,
                                engine_state=self._engine_state(), client_state=dict(client_state or {}),
-                               save_latest=save_latest, frozen=frozen if exclude_frozen_parameters else frozenset())
+                               save_latest=save_latest, frozen=frozen if exclude_frozen_parameters else frozenset(),
+                               tag_validation=str(validation))  # fmt: skip
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):  # fmt: skip
