@@ -25,9 +25,11 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(PY) -m torsh.demo
 
-## The whole test suite.
+## The whole test suite, its modules spread over TEST_WORKERS processes (pytest-xdist; each module stays in one
+## worker, so a module's shared multi-process run happens once). TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 ## Regenerate the schemas generated from code.
 schemas: $(STAMP)
