@@ -85,6 +85,25 @@ def lm_loss(logits, targets):
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
+def backend(name: str):
+    """The module a side-by-side scenario runs on: real DeepSpeed (its CPU accelerator) or torsh."""
+    if name == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        return deepspeed
+    import torsh
+
+    return torsh
+
+
+def ds_config(stage: int, **extra) -> dict:
+    """A DeepSpeed JSON for the side-by-side scenarios: micro batch 2, AdamW (torch's), ZeRO ``stage``."""
+    return {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0, "torch_adam": True}},
+            **extra}  # fmt: skip
+
+
 def base_config(**overrides: Any) -> dict:
     """A native torsh config dict for the scenarios (micro batch 2, AdamW, no clipping)."""
     cfg: dict[str, Any] = {

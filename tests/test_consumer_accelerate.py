@@ -29,6 +29,8 @@ from torsh.errors import ConfigError  # noqa: E402
 from torsh.formats import dump_text  # noqa: E402
 from torsh.translate import Fidelity  # noqa: E402
 
+pytestmark = pytest.mark.slow  # multi-process runs: started first by make test's workers
+
 HERE = Path(__file__).parent
 ROOTS = (HERE / "fixtures" / "corpus", HERE.parent / "migration_examples", HERE / "fixtures" / "consumer" / "auto")
 FILES = sorted(p for base in ROOTS for p in base.rglob("*") if p.suffix in (".json", ".yaml", ".yml", ".toml", ".conf"))

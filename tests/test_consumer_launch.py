@@ -21,6 +21,8 @@ from torsh.translate import Fidelity
 
 pytest.importorskip("accelerate", reason="the source launcher of this check is accelerate launch")
 
+pytestmark = pytest.mark.slow  # multi-process runs: started first by make test's workers
+
 PROBE = """
 import json, os, sys
 keep = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "GROUP_RANK")

@@ -23,6 +23,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import _engine_harness as h  # noqa: E402
 
+pytestmark = pytest.mark.slow  # multi-process runs: started first by make test's workers
+
 MODULE = "test_deepspeed_conformance"
 ENGINES = ("torsh", "deepspeed")
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 
 import pytest
 
@@ -34,21 +33,7 @@ MODULE = "test_engine_dropin_parity"
 FP32 = 1e-5
 
 
-def _backend(name: str):
-    if name == "deepspeed":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        import deepspeed
-
-        return deepspeed
-    import torsh
-
-    return torsh
-
-
-def ds_config(stage: int, **extra) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0, "torch_adam": True}},
-            **extra}  # fmt: skip
+_backend, ds_config = h.backend, h.ds_config
 
 
 def _train(engine, rank: int, start: int, steps: int, *, raw=None) -> list[float]:

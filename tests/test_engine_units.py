@@ -329,6 +329,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket,states,reuse,gathered", [
     (3 * BLOCK, 4, 10**9, "[True, True, True]"),
     (3 * BLOCK, 4, 1000, "[False, True, True]"),

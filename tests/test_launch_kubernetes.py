@@ -27,6 +27,8 @@ from torsh.adapters._launch_writers import plan
 from torsh.errors import ConfigError
 from torsh.translate import Fidelity
 
+pytestmark = pytest.mark.slow  # multi-process runs: started first by make test's workers
+
 LINES = [
     "torchrun --nnodes 4 --nproc-per-node 8 train.py --lr 1e-4",
     "deepspeed --num_nodes 2 --num_gpus 4 --master_port 29600 train.py --deepspeed ds.json",

@@ -77,6 +77,7 @@ except ConfigError as exc:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("config", "keys"), [
     ({"batch": {"micro_batch_size": 2}, "precision": {"param_dtype": "bf16", "reduce_dtype": "bf16"},
       "sharding": {"stage": 3}, "compression": {"method": "fp16"}}, ["compression.method"]),
@@ -196,6 +197,7 @@ print(json.dumps({"reduce_dtype": str(policy.reduce_dtype), "param_dtype": str(p
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [
     {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 3}, "compression": {"method": "bf16"}},
     # torch.autocast: the parameters stay fp32, and the reduction still runs in the dtype the config asks for

@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("ray.train.torch", reason="ray[train] (requirements-dev.txt; the [ray] extra)")
 
+pytestmark = pytest.mark.slow  # multi-process runs: started first by make test's workers
+
 SCRIPTS = Path(__file__).parent / "dropin_scripts"
 SCRIPT = SCRIPTS / "comm_checkpoint_style.py"
 TIMEOUT = 300
