@@ -104,6 +104,18 @@ def ds_config(stage: int, **extra) -> dict:
             **extra}  # fmt: skip
 
 
+def both(records: list[dict], name: str, engines: tuple[str, str] = ("torsh", "deepspeed")) -> tuple[list, list]:
+    """(torsh, deepspeed) records of scenario ``name`` (``{name}_{engine}``) on every rank; a worker error fails
+    with its traceback."""
+    out = []
+    for engine in engines:
+        ranks = [r[f"{name}_{engine}"] for r in records]
+        for r in ranks:
+            assert "error" not in r, f"{engine}: {r.get('traceback')}"
+        out.append(ranks)
+    return out[0], out[1]
+
+
 def base_config(**overrides: Any) -> dict:
     """A native torsh config dict for the scenarios (micro batch 2, AdamW, no clipping)."""
     cfg: dict[str, Any] = {

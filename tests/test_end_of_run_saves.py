@@ -303,13 +303,7 @@ def records(saved):
 
 
 def _both(records, name: str) -> tuple[list[dict], list[dict]]:
-    out = []
-    for engine in ENGINES:
-        ranks = [r[f"{name}_{engine}"] for r in records]
-        for r in ranks:
-            assert "error" not in r, f"{engine}: {r.get('traceback')}"
-        out.append(ranks)
-    return out[0], out[1]
+    return h.both(records, name, ENGINES)
 
 
 def _load(saved, name: str, file: str) -> dict:

@@ -437,14 +437,7 @@ def records(saved):
 
 
 def _both(records, name: str) -> tuple[list[dict], list[dict]]:
-    """(torsh, deepspeed) records of scenario ``name`` on every rank; a worker error fails with its traceback."""
-    out = []
-    for engine in ENGINES:
-        ranks = [r[f"{name}_{engine}"] for r in records]
-        for r in ranks:
-            assert "error" not in r, f"{engine}: {r.get('traceback')}"
-        out.append(ranks)
-    return out[0], out[1]
+    return h.both(records, name, ENGINES)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
