@@ -297,9 +297,11 @@ def test_a_unit_that_would_split_a_tied_weight_is_left_to_the_root():
 
 
 INITIALIZE_SCRIPT = """
+import json, os, socket, sys, traceback
 import torch, torsh
 from torch import nn
-import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torsh.engine.distributed import shutdown
 
 class Stack(nn.Module):
     def __init__(self):
@@ -314,37 +316,59 @@ class Stack(nn.Module):
             x = torch.relu(layer(x))
         return self.head(x)
 
-model = Stack()
-config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-          "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": BUCKET, "stage3_max_reuse_distance": REUSE}}
-engine, *_ = torsh.initialize(model=model, model_parameters=model.parameters(), config=config)
-loss = engine(torch.randint(0, 7, (2, 3))).sum()
-from torch.distributed.tensor import DTensor
-print("gathered", [not isinstance(model.layers[i].weight, DTensor) for i in (0, 3, 6)])
-engine.backward(loss)
-engine.step()
-states = {id(m._get_fsdp_state()) for m in model.modules() if hasattr(m, "_get_fsdp_state")}
-print(len(states))
-dist.destroy_process_group()
+def run(bucket, reuse):
+    model = Stack()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": bucket,
+                                    "stage3_max_reuse_distance": reuse}}
+    engine, *_ = torsh.initialize(model=model, model_parameters=model.parameters(), config=config)
+    loss = engine(torch.randint(0, 7, (2, 3))).sum()
+    gathered = [not isinstance(model.layers[i].weight, DTensor) for i in (0, 3, 6)]
+    engine.backward(loss)
+    engine.step()
+    states = {id(m._get_fsdp_state()) for m in model.modules() if hasattr(m, "_get_fsdp_state")}
+    return {"gathered": str(gathered), "states": len(states)}
+
+records = []
+for bucket, reuse in json.loads(sys.stdin.read()):
+    with socket.socket() as s:  # each case initialises its own process group, as a fresh process would
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    try:
+        records.append(run(bucket, reuse))
+    except Exception as exc:  # one case's failure is reported by its own test
+        records.append({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+    shutdown()
+print(json.dumps(records))
 """
 
-
-@pytest.mark.slow
-@pytest.mark.parametrize("bucket,states,reuse,gathered", [
+INITIALIZE_CASES = [
     (3 * BLOCK, 4, 10**9, "[True, True, True]"),
     (3 * BLOCK, 4, 1000, "[False, True, True]"),
     (1, 9, 1, "[False, False, False]"),
-])
-def test_initialize_shards_a_deepspeed_config_in_units_of_its_bucket_size(tmp_path, bucket, states, reuse, gathered):
+]
+
+
+@pytest.fixture(scope="module")
+def initialize_records() -> dict[tuple[int, int], dict]:
+    """Every case of INITIALIZE_CASES through torsh.initialize in one process; ``{(bucket, reuse): record}``."""
+    import json
+
+    cases = [(bucket, reuse) for bucket, _, reuse, _ in INITIALIZE_CASES]
+    env = {"PATH": "/usr/bin:/bin", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", INITIALIZE_SCRIPT], input=json.dumps(cases), env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(zip(cases, json.loads(proc.stdout.strip().splitlines()[-1])))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bucket,states,reuse,gathered", INITIALIZE_CASES)
+def test_initialize_shards_a_deepspeed_config_in_units_of_its_bucket_size(initialize_records, bucket, states, reuse,
+                                                                          gathered):
     """Through torsh.initialize: 8 blocks in units of 3 (3 units + the root), or each block alone (8 + root);
     after forward, the units reused within stage3_max_reuse_distance hold their gathered parameters."""
-    from _engine_harness import free_port
-
-    script = tmp_path / "job.py"
-    script.write_text(INITIALIZE_SCRIPT.replace("BUCKET", str(bucket)).replace("REUSE", str(reuse)))
-    env = {"PATH": "/usr/bin:/bin", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-1] == str(states)
-    assert f"gathered {gathered}" in proc.stdout
+    record = initialize_records[(bucket, reuse)]
+    assert "error" not in record, record.get("traceback")
+    assert record["states"] == states
+    assert record["gathered"] == gathered

@@ -248,20 +248,58 @@ print("ok")
 """
 
 
-@pytest.mark.slow
-def test_snippet_runs_on_one_cpu_rank():
-    pytest.importorskip("torch", reason="the snippet is run with torch")
+_JOBS = r"""
+import contextlib, io, json, os, sys, traceback
+import torch.distributed as dist
+
+records = {}
+for name, job in json.loads(sys.stdin.read()).items():  # each job as its own script: own globals, stdin, port
+    os.environ.update(job["env"])
+    sys.stdin = io.StringIO(job["stdin"])
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(job["code"], name, "exec"), {"__name__": "__main__"})
+        records[name] = {"stdout": out.getvalue()}
+    except BaseException:
+        records[name] = {"stdout": out.getvalue(), "error": traceback.format_exc()}
+    if dist.is_initialized():
+        dist.destroy_process_group()
+sys.stdout.write(json.dumps(records) + "\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def torch_jobs() -> dict[str, dict]:
+    """The module's scripts that run torch (the FSDP2 snippet, torch's FSDP1 built from the written kwargs), each
+    on a process group of one rank, in one Python process; ``{job: {"stdout", "error"?}}``."""
+    pytest.importorskip("torch", reason="the written configs are run with torch")
+    import json
     import socket
 
     from torsh.adapters.fsdp import snippet
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    env = {"SNIPPET": snippet(TorshConfig.from_dict(SNIPPET_CORE)), "PORT": port, "PATH": "",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", _RUN_SNIPPET], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+    def port() -> str:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return str(s.getsockname()[1])
+
+    jobs = {
+        "snippet": {"code": _RUN_SNIPPET, "stdin": "",
+                    "env": {"SNIPPET": snippet(TorshConfig.from_dict(SNIPPET_CORE)), "PORT": port()}},
+        "fsdp1": {"code": _BUILD_FSDP1, "stdin": json.dumps([adapters.write(TorshConfig.from_dict(c), "fsdp1").result
+                                                              for c in FSDP1_CORES]), "env": {"PORT": port()}},
+    }  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _JOBS], input=json.dumps(jobs), capture_output=True, text=True,
+                          env={"PATH": "", "OMP_NUM_THREADS": "1"}, timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_snippet_runs_on_one_cpu_rank(torch_jobs):
+    job = torch_jobs["snippet"]
+    assert "error" not in job and "ok" in job["stdout"], job.get("error")
 
 
 @pytest.mark.parametrize("dialect", ["fsdp", "fsdp1", "fsdp2", "fairscale", "accelerate"])
@@ -331,28 +369,22 @@ print("ok")
 """
 
 
-@pytest.mark.slow
-def test_written_fsdp1_kwargs_build_torch_fsdp():
-    import json
-    import socket
+FSDP1_CORES = [  # sync_module_states needs a GPU in FSDP1: off here
+    {"sharding": {"stage": 2, "sync_module_states": False, "wrap": {"module_classes": ["Block"]},
+                  "backward_prefetch": "backward_post"},
+     "precision": {"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "bf16",
+                   "cast_forward_inputs": True}},
+    {"sharding": {"stage": 3, "sync_module_states": False, "wrap": {"min_num_params": 10},
+                  "forward_prefetch": True, "backward_prefetch": "none"},
+     "offload": {"params": "cpu", "optimizer": "cpu"}, "checkpoint": {"state_dict_type": "sharded"}},
+]  # fmt: skip
 
-    pytest.importorskip("torch", reason="checks the written kwargs against torch's FullyShardedDataParallel")
-    cores = [  # sync_module_states needs a GPU in FSDP1: off here
-        {"sharding": {"stage": 2, "sync_module_states": False, "wrap": {"module_classes": ["Block"]},
-                      "backward_prefetch": "backward_post"},
-         "precision": {"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "bf16",
-                       "cast_forward_inputs": True}},
-        {"sharding": {"stage": 3, "sync_module_states": False, "wrap": {"min_num_params": 10},
-                      "forward_prefetch": True, "backward_prefetch": "none"},
-         "offload": {"params": "cpu", "optimizer": "cpu"}, "checkpoint": {"state_dict_type": "sharded"}},
-    ]  # fmt: skip
-    payloads = [adapters.write(TorshConfig.from_dict(c), "fsdp1").result for c in cores]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    proc = subprocess.run([sys.executable, "-c", _BUILD_FSDP1], input=json.dumps(payloads), capture_output=True,
-                          text=True, env={"PORT": port, "PATH": "", "OMP_NUM_THREADS": "1"}, timeout=180)  # fmt: skip
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+@pytest.mark.slow
+def test_written_fsdp1_kwargs_build_torch_fsdp(torch_jobs):
+    """Checks the written kwargs against torch's FullyShardedDataParallel."""
+    job = torch_jobs["fsdp1"]
+    assert "error" not in job and "ok" in job["stdout"], job.get("error")
 
 
 # ---- trainer frameworks' spellings (read only) -----------------------------------------------------------------

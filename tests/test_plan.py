@@ -61,40 +61,93 @@ def test_what_the_engine_runs_is_not_refused():
         assert plan.refusals(_cfg(**sections), world_size=4) == []
 
 
-PROBE = """
-import json, sys
-import torch, torsh
-from torsh.errors import ConfigError
-model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-before = [(id(p), p.dtype) for p in model.parameters()]
-try:
-    torsh.initialize(model=model, config=json.loads(sys.argv[1]))
-    print(json.dumps({"refused": None}))
-except ConfigError as exc:
-    after = [(id(p), p.dtype) for p in model.parameters()]
-    print(json.dumps({"refused": [p.path for p in exc.problems], "untouched": after == before,
-                      "wrapped": any(type(p).__name__ == "DTensor" for p in model.parameters())}))
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("config", "keys"), [
+# The configs torsh.initialize must refuse (with the keys it names), and the configs it must run with a bf16 reduction:
+# all of them go through one Python process (importing torch once), each case on a fresh process group.
+REFUSED = [
     ({"batch": {"micro_batch_size": 2}, "precision": {"param_dtype": "bf16", "reduce_dtype": "bf16"},
       "sharding": {"stage": 3}, "compression": {"method": "fp16"}}, ["compression.method"]),
     ({"batch": {"micro_batch_size": 2}, "precision": {"param_dtype": "bf16"}, "sharding": {"stage": 3},
       "gradients": {"reduce_op": "adasum"}}, ["gradients.reduce_op"]),
     ({"batch": {"micro_batch_size": 2}, "precision": {"param_dtype": "bf16"}, "sharding": {"stage": 1}},
      ["sharding.stage"]),
-])  # fmt: skip
-def test_initialize_refuses_before_the_model_is_touched(config, keys):
+]  # fmt: skip
+REDUCED_IN_BF16 = [
+    {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 3}, "compression": {"method": "bf16"}},
+    # torch.autocast: the parameters stay fp32, and the reduction still runs in the dtype the config asks for
+    {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 3},
+     "precision": {"param_dtype": "bf16", "autocast": True, "reduce_dtype": "bf16"}},
+    {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 2}, "precision": {"param_dtype": "bf16", "autocast": True},
+     "compression": {"method": "bf16"}},
+]  # fmt: skip
+
+CASES = """
+import json, os, socket, sys, traceback
+import torch, torsh
+from torsh.engine.distributed import shutdown
+from torsh.errors import ConfigError
+
+
+def refuse(config):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    before = [(id(p), p.dtype) for p in model.parameters()]
+    try:
+        torsh.initialize(model=model, config=config)
+        return {"refused": None}
+    except ConfigError as exc:
+        after = [(id(p), p.dtype) for p in model.parameters()]
+        return {"refused": [p.path for p in exc.problems], "untouched": after == before,
+                "wrapped": any(type(p).__name__ == "DTensor" for p in model.parameters())}
+
+
+def runs(config):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    engine, *_ = torsh.initialize(model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    policy = engine.wrapped._get_fsdp_state()._mp_policy
+    return {"reduce_dtype": str(policy.reduce_dtype), "param_dtype": str(policy.param_dtype)}
+
+
+records = []
+for kind, config in json.loads(sys.stdin.read()):
+    with socket.socket() as s:  # each case initialises its own process group, as a fresh process would
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    try:
+        records.append({"refuse": refuse, "runs": runs}[kind](config))
+    except Exception as exc:  # one case's failure is reported by its own test
+        records.append({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+    shutdown()
+print(json.dumps(records))
+"""
+
+
+@pytest.fixture(scope="module")
+def initialize_records() -> dict[str, dict]:
+    """One process runs torsh.initialize on every case of REFUSED and REDUCED_IN_BF16; ``{case: record}``."""
     pytest.importorskip("torch")
+    cases = [("refuse", config) for config, _ in REFUSED] + [("runs", config) for config in REDUCED_IN_BF16]
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("TORCHELASTIC_")}
-    env["MASTER_PORT"] = str(29600 + os.getpid() % 1000)
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(config)], capture_output=True, text=True,
-                          env=env, timeout=120)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", CASES], input=json.dumps(cases), capture_output=True, text=True,
+                          env=env, timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    records = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {_case(kind, config): record for (kind, config), record in zip(cases, records)}
+
+
+def _case(kind: str, config: dict) -> str:
+    return kind + json.dumps(config, sort_keys=True)
+
+
+def _record(records: dict[str, dict], kind: str, config: dict) -> dict:
+    record = records[_case(kind, config)]
+    assert "error" not in record, record.get("traceback")
+    return record
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "keys"), REFUSED)
+def test_initialize_refuses_before_the_model_is_touched(initialize_records, config, keys):
+    record = _record(initialize_records, "refuse", config)
     assert record["refused"] is not None and set(keys) <= set(record["refused"]), record
     assert record["untouched"] and not record["wrapped"]
 
@@ -186,35 +239,10 @@ def test_explain_prints_the_plan_the_engine_runs(tmp_path, capsys, sections, wor
     assert not_says is None or not any(not_says in s for s in steps), steps
 
 
-RUNS = """
-import json, sys
-import torch, torsh
-model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-engine, *_ = torsh.initialize(model=model, config=json.loads(sys.argv[1]), optimizer=torch.optim.SGD(
-    model.parameters(), lr=0.1))
-policy = engine.wrapped._get_fsdp_state()._mp_policy
-print(json.dumps({"reduce_dtype": str(policy.reduce_dtype), "param_dtype": str(policy.param_dtype)}))
-"""
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [
-    {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 3}, "compression": {"method": "bf16"}},
-    # torch.autocast: the parameters stay fp32, and the reduction still runs in the dtype the config asks for
-    {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 3},
-     "precision": {"param_dtype": "bf16", "autocast": True, "reduce_dtype": "bf16"}},
-    {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 2}, "precision": {"param_dtype": "bf16", "autocast": True},
-     "compression": {"method": "bf16"}},
-])  # fmt: skip
-def test_the_engine_runs_the_reduce_dtype_explain_prints(config):
-    pytest.importorskip("torch")
+@pytest.mark.parametrize("config", REDUCED_IN_BF16)
+def test_the_engine_runs_the_reduce_dtype_explain_prints(initialize_records, config):
     decided = plan.plan(_cfg(**config), 1)
     assert (decided.reduce_dtype, decided.fsdp_mixed_precision) == ("bf16", True)
     assert any("reduce_dtype=bf16" in step for step in decided.steps), decided.steps
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("TORCHELASTIC_")}
-    env["MASTER_PORT"] = str(29700 + os.getpid() % 1000)
-    proc = subprocess.run([sys.executable, "-c", RUNS, json.dumps(config)], capture_output=True, text=True, env=env,
-                          timeout=120)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["reduce_dtype"] == "torch.bfloat16"
+    assert _record(initialize_records, "runs", config)["reduce_dtype"] == "torch.bfloat16"
