@@ -1,12 +1,15 @@
 """DeepSpeed-style training scripts (tests/dropin_scripts/) run unchanged on torsh and on real DeepSpeed.
 
-Each script is launched twice on 2 CPU ranks: by ``torsh run`` with a ``deepspeed`` package on PYTHONPATH that
+Each script runs twice on 2 CPU ranks: launched by ``torsh run`` with a ``deepspeed`` package on PYTHONPATH that
 raises on import (so real DeepSpeed cannot be reached), and by ``torchrun`` with DeepSpeed 0.19.8. The
-per-step losses they write must agree: fp32 within 1e-5 relative, bf16 within the parity band.
+per-step losses they write must agree: fp32 within 1e-5 relative, bf16 within the parity band. The scripts of
+one side run one after the other in the ranks of one launch (tests/dropin_scripts/_run_cases.py), each unchanged
+as ``__main__`` and checked by its own test.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -50,9 +53,6 @@ TOLERANCE = {"fp32": parity.FP32_TOLERANCE["loss"], "bf16": parity.LOW_PRECISION
 
 BLOCKER = 'raise ImportError("real DeepSpeed was imported in a torsh run job")\n'
 
-_torsh_results: dict[str, dict] = {}
-
-
 def _env(extra_path: str | None = None) -> dict:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
@@ -63,32 +63,102 @@ def _env(extra_path: str | None = None) -> dict:
 
 #: What a process that finished its work prints when it is killed by the C++ teardown after Python's exit.
 EXIT_ABORT = "terminate called without an active exception"
+#: Runs several cases in the ranks of one launch (each script unchanged, as ``__main__``).
+RUNNER = SCRIPTS / "_run_cases.py"
+#: Cases that start a launch of their own: the Trainer scripts save per-rank weights before any process group
+#: exists (with one, Transformers' save_pretrained writes on rank 0 only).
+FIRST = ("hf_trainer_style", "hf_trainer_zero3_style")
+#: Cases that end a launch: the script destroys its process group.
+LAST = ("comm_checkpoint_style",)
+
+
+def _case(name: str, tmp: Path) -> dict:
+    """The case's script, arguments and working directory (``tmp/name``, its config written there)."""
+    cwd = tmp / name
+    cwd.mkdir(parents=True, exist_ok=True)
+    script, args, _, config = CASES[name]
+    if config is not None:
+        (cwd / "ds_config.json").write_text(json.dumps(config))
+    args = [a.format(tmp=cwd) for a in args]
+    return {"name": name, "script": str(SCRIPTS / f"{script}.py"), "args": [*args, "--out", str(cwd / "result.json")],
+            "cwd": str(cwd)}
+
+
+def _launches(names: list[str]) -> list[list[str]]:
+    """The cases in as few launches as FIRST and LAST allow."""
+    firsts = [name for name in names if name in FIRST]
+    rest = [name for name in names if name not in FIRST and name not in LAST]
+    launches = [[first] for first in firsts] or [[]]
+    launches[0] += rest
+    launches[-1] += [name for name in names if name in LAST]
+    return [launch for launch in launches if launch]
+
+
+def _launch_all(launcher: list[str], names: list[str], tmp: Path, env: dict, *,
+                reference: bool = False) -> dict[str, dict | str]:
+    """Run the cases ``names`` on 2 ranks in as few launches as they allow (:func:`_launches`); returns
+    ``{name: rank 0's record}``, or the failure (command and output) of a case that failed."""
+    results: dict[str, dict | str] = {}
+    for index, names_ in enumerate(_launches(names)):
+        results.update(_launch_cases(launcher, names_, tmp, tmp / f"cases{index}.json", env, reference=reference))
+    return results
+
+
+def _launch_cases(launcher: list[str], names: list[str], tmp: Path, spec: Path, env: dict, *,
+                  reference: bool) -> dict[str, dict | str]:
+    """Run the cases ``names`` in one launch, in order. A launch that ends before a case wrote its record failed at
+    that case, and the cases after it run again in a new launch. ``reference``: the runs under real
+    DeepSpeed, whose processes can abort at exit after training (CPU/gloo, scripts that end without destroying
+    their process group; 2 of 15 reference runs in one day's full suites): a record written whole counts, and a
+    case whose launch aborted before writing it is run once more. torsh's own runs get no such allowance: a launch
+    that wrote every record and exits non-zero fails all its cases."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    pending = list(names)
+    results: dict[str, dict | str] = {}
+    retried: set[str] = set()
+    while pending:
+        cases = [_case(name, tmp) for name in pending]
+        outs = {case["name"]: Path(case["args"][-1]) for case in cases}
+        for out in outs.values():
+            out.unlink(missing_ok=True)
+        spec.write_text(json.dumps(cases))
+        cmd = [*launcher, "--nproc-per-node", "2", str(RUNNER), str(spec)]
+        try:
+            proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True,
+                                  timeout=300 + 150 * len(cases))  # fmt: skip
+            output, code = f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}", proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            output, code = f"timed out after {exc.timeout:.0f} s\n{str(exc.stderr or '')[-6000:]}", None
+        written = {name: json.loads(out.read_text()) for name, out in outs.items() if out.exists()}
+        aborted = reference and EXIT_ABORT in output
+        failure = f"{' '.join(cmd)} (cases {', '.join(pending)}) failed:\n{output}"
+        if len(written) == len(pending):
+            for name in pending:
+                results[name] = written[name] if code == 0 or aborted else failure
+            break
+        failed = next(name for name in pending if name not in written)
+        for name in pending[:pending.index(failed)]:  # finished before the runner went on to the failed case
+            results[name] = written[name]
+        if aborted and failed not in retried:
+            retried.add(failed)
+            pending = pending[pending.index(failed):]
+        else:
+            results[failed] = failure
+            pending = pending[pending.index(failed) + 1:]
+    return results
 
 
 def _launch(launcher: list[str], name: str, tmp: Path, env: dict, *, reference: bool = False) -> dict:
-    """Run a case on 2 ranks and return rank 0's record. ``reference``: the run under real DeepSpeed, whose
-    processes can abort at exit after training (CPU/gloo, scripts that end without destroying their process
-    group; 2 of 15 reference runs in one day's full suites): such a run's record counts when it was written whole,
-    and a run that aborted before writing it is repeated once. torsh's own runs get no such allowance."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    script, args, _, config = CASES[name]
-    if config is not None:
-        (tmp / "ds_config.json").write_text(json.dumps(config))
-    out = tmp / "result.json"
-    args = [a.format(tmp=tmp) for a in args]
-    cmd = [*launcher, "--nproc-per-node", "2", str(SCRIPTS / f"{script}.py"), *args, "--out", str(out)]
-    for attempt in range(2 if reference else 1):
-        out.unlink(missing_ok=True)
-        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
-        if proc.returncode == 0 and out.exists():
-            return json.loads(out.read_text())
-        if not (reference and EXIT_ABORT in proc.stderr):
-            break
-        try:
-            return json.loads(out.read_text())  # the abort came after the record was written
-        except (OSError, ValueError):
-            continue
-    pytest.fail(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    """One case on 2 ranks (see :func:`_launch_all`): rank 0's record, or the test fails with the launch's
+    output."""
+    result = _launch_all(launcher, [name], tmp, env, reference=reference)[name]
+    if isinstance(result, str):
+        pytest.fail(result)
+    return result
+
+
+def _needs_met(name: str) -> bool:
+    return all(importlib.util.find_spec(package) is not None for package in NEEDS.get(name, ()))
 
 
 def _skip_without_needs(name: str) -> None:
@@ -96,16 +166,32 @@ def _skip_without_needs(name: str) -> None:
         pytest.importorskip(package, reason=f"{name} needs {package} (requirements-dev.txt installs it)")
 
 
-def run_on_torsh(name: str, tmp: Path) -> dict:
-    """The script under ``torsh run``, with an importable ``deepspeed`` on PYTHONPATH that raises."""
-    _skip_without_needs(name)
-    if name not in _torsh_results:
-        blocker = tmp / "blocker" / "deepspeed"
-        blocker.mkdir(parents=True, exist_ok=True)
-        (blocker / "__init__.py").write_text(BLOCKER)
-        env = _env(str(tmp / "blocker"))
-        _torsh_results[name] = _launch([sys.executable, "-m", "torsh.run"], name, tmp / "torsh", env)
-    return _torsh_results[name]
+def _record(results: dict[str, dict | str], name: str) -> dict:
+    if isinstance(results[name], str):
+        pytest.fail(results[name])
+    return results[name]
+
+
+@pytest.fixture(scope="module")
+def torsh_results(tmp_path_factory) -> dict[str, dict | str]:
+    """Every case (whose packages are installed) under ``torsh run``, with an importable ``deepspeed`` on
+    PYTHONPATH that raises, in as few launches as they allow."""
+    tmp = tmp_path_factory.mktemp("torsh")
+    blocker = tmp / "blocker" / "deepspeed"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text(BLOCKER)
+    names = [name for name in sorted(CASES) if _needs_met(name)]
+    return _launch_all([sys.executable, "-m", "torsh.run"], names, tmp / "runs", _env(str(tmp / "blocker")))
+
+
+@pytest.fixture(scope="module")
+def deepspeed_results(tmp_path_factory) -> dict[str, dict | str]:
+    """Every case real DeepSpeed runs here (whose packages are installed) under ``torchrun`` with DeepSpeed
+    0.19.8, in as few launches as they allow."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is installed by requirements-dev.txt")
+    names = [name for name in sorted(set(CASES) - set(DEEPSPEED_CANNOT)) if _needs_met(name)]
+    return _launch_all([sys.executable, "-m", "torch.distributed.run"], names, tmp_path_factory.mktemp("deepspeed"),
+                       _env(), reference=True)  # fmt: skip
 
 
 def _relative(a: float, b: float) -> float:
@@ -114,8 +200,9 @@ def _relative(a: float, b: float) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_script_runs_unchanged_on_torsh_without_deepspeed(name, tmp_path):
-    result = run_on_torsh(name, tmp_path)
+def test_script_runs_unchanged_on_torsh_without_deepspeed(name, torsh_results):
+    _skip_without_needs(name)
+    result = _record(torsh_results, name)
     assert result["deepspeed_file"].startswith(str(Path(__import__("torsh").__file__).parent))
     assert result["deepspeed_version"] == "0.19.8+torsh" and result["real_deepspeed_modules"] == 0
     assert all(l == l and l < 1e4 for l in result["losses"])  # finite
@@ -141,12 +228,10 @@ def test_script_runs_unchanged_on_torsh_without_deepspeed(name, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(CASES) - set(DEEPSPEED_CANNOT)))
-def test_script_losses_match_real_deepspeed(name, tmp_path):
-    pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is installed by requirements-dev.txt")
+def test_script_losses_match_real_deepspeed(name, deepspeed_results, torsh_results):
     _skip_without_needs(name)
-    theirs = _launch([sys.executable, "-m", "torch.distributed.run"], name, tmp_path / "deepspeed", _env(),
-                     reference=True)
-    ours = run_on_torsh(name, tmp_path)
+    theirs = _record(deepspeed_results, name)
+    ours = _record(torsh_results, name)
     assert theirs["real_deepspeed_modules"] > 0 and len(ours["losses"]) == len(theirs["losses"])
     tolerance = TOLERANCE[CASES[name][2]]
     worst = max(_relative(a, b) for a, b in zip(ours["losses"], theirs["losses"]))
@@ -179,7 +264,7 @@ def test_script_losses_match_real_deepspeed(name, tmp_path):
 
 FAKE_LAUNCHER = """
 import json, os, sys
-out = sys.argv[sys.argv.index("--out") + 1]
+out = json.load(open(sys.argv[-1]))[0]["args"][-1]  # the first case's --out
 if os.environ.get("WRITE") == "1":
     with open(out, "w") as f:
         json.dump({"losses": [1.0]}, f)
@@ -203,3 +288,30 @@ def test_only_the_reference_run_may_abort_at_exit_and_only_after_its_record(tmp_
             _launch(launcher, "cifar_style", tmp_path / "ref", env, reference=True)
     with pytest.raises(pytest.fail.Exception, match="failed"):
         _launch(launcher, "cifar_style", tmp_path / "ours", env)
+
+
+FAKE_RUNS = """
+import json, os, sys
+with open(os.path.join(os.path.dirname(sys.argv[-1]), "launches"), "a") as f:
+    f.write("x")
+for case in json.load(open(sys.argv[-1])):
+    if case["name"] == os.environ["FAIL"]:
+        sys.exit(1)
+    with open(case["args"][-1], "w") as f:
+        json.dump({"losses": [1.0]}, f)
+"""
+
+
+def test_a_case_failing_in_a_shared_launch_fails_alone_and_the_cases_after_it_run_again(tmp_path):
+    fake = tmp_path / "fake_launcher.py"
+    fake.write_text(FAKE_RUNS)
+    names = ["cifar_style", "bert_unused_raw_style", "accelerate_style", "comm_checkpoint_style"]
+    env = {**_env(), "FAIL": "bert_unused_raw_style"}
+    results = _launch_all([sys.executable, str(fake)], names, tmp_path / "runs", env)
+    assert (tmp_path / "runs" / "launches").read_text() == "xx"  # the failed launch, then one for the cases after
+    assert {name: results[name] for name in names if name != "bert_unused_raw_style"} == {
+        name: {"losses": [1.0]} for name in ("cifar_style", "accelerate_style", "comm_checkpoint_style")}
+    assert "failed" in results["bert_unused_raw_style"] and "bert_unused_raw_style" in results["bert_unused_raw_style"]
+    # the Trainer scripts start a launch each (no process group before they save), the group's destroyer ends one
+    assert _launches(["hf_trainer_style", "cifar_style", "comm_checkpoint_style", "hf_trainer_zero3_style"]) == [
+        ["hf_trainer_style", "cifar_style"], ["hf_trainer_zero3_style", "comm_checkpoint_style"]]
