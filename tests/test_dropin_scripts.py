@@ -72,11 +72,12 @@ FIRST = ("hf_trainer_style", "hf_trainer_zero3_style")
 LAST = ("comm_checkpoint_style",)
 
 
-def _case(name: str, tmp: Path) -> dict:
-    """The case's script, arguments and working directory (``tmp/name``, its config written there)."""
+def _case(name: str, tmp: Path, cases: dict | None = None) -> dict:
+    """The case's script, arguments and working directory (``tmp/name``, its config written there); ``cases``: the
+    table it is in (CASES by default)."""
     cwd = tmp / name
     cwd.mkdir(parents=True, exist_ok=True)
-    script, args, _, config = CASES[name]
+    script, args, _, config = (cases or CASES)[name]
     if config is not None:
         (cwd / "ds_config.json").write_text(json.dumps(config))
     args = [a.format(tmp=cwd) for a in args]
@@ -94,18 +95,20 @@ def _launches(names: list[str]) -> list[list[str]]:
     return [launch for launch in launches if launch]
 
 
-def _launch_all(launcher: list[str], names: list[str], tmp: Path, env: dict, *,
-                reference: bool = False) -> dict[str, dict | str]:
-    """Run the cases ``names`` on 2 ranks in as few launches as they allow (:func:`_launches`); returns
-    ``{name: rank 0's record}``, or the failure (command and output) of a case that failed."""
+def _launch_all(launcher: list[str], names: list[str], tmp: Path, env: dict, *, reference: bool = False,
+                cases: dict | None = None) -> dict[str, dict | str]:
+    """Run the cases ``names`` (of ``cases``, CASES by default) on 2 ranks in as few launches as they allow
+    (:func:`_launches`); returns ``{name: rank 0's record}``, or the failure (command and output) of a case that
+    failed."""
     results: dict[str, dict | str] = {}
     for index, names_ in enumerate(_launches(names)):
-        results.update(_launch_cases(launcher, names_, tmp, tmp / f"cases{index}.json", env, reference=reference))
+        results.update(_launch_cases(launcher, names_, tmp, tmp / f"cases{index}.json", env, reference=reference,
+                                     cases=cases))  # fmt: skip
     return results
 
 
-def _launch_cases(launcher: list[str], names: list[str], tmp: Path, spec: Path, env: dict, *,
-                  reference: bool) -> dict[str, dict | str]:
+def _launch_cases(launcher: list[str], names: list[str], tmp: Path, spec: Path, env: dict, *, reference: bool,
+                  cases: dict | None) -> dict[str, dict | str]:
     """Run the cases ``names`` in one launch, in order. A launch that ends before a case wrote its record failed at
     that case, and the cases after it run again in a new launch. ``reference``: the runs under real
     DeepSpeed, whose processes can abort at exit after training (CPU/gloo, scripts that end without destroying
@@ -117,15 +120,15 @@ def _launch_cases(launcher: list[str], names: list[str], tmp: Path, spec: Path, 
     results: dict[str, dict | str] = {}
     retried: set[str] = set()
     while pending:
-        cases = [_case(name, tmp) for name in pending]
-        outs = {case["name"]: Path(case["args"][-1]) for case in cases}
+        specs = [_case(name, tmp, cases) for name in pending]
+        outs = {case["name"]: Path(case["args"][-1]) for case in specs}
         for out in outs.values():
             out.unlink(missing_ok=True)
-        spec.write_text(json.dumps(cases))
+        spec.write_text(json.dumps(specs))
         cmd = [*launcher, "--nproc-per-node", "2", str(RUNNER), str(spec)]
         try:
             proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True,
-                                  timeout=300 + 150 * len(cases))  # fmt: skip
+                                  timeout=300 + 150 * len(specs))  # fmt: skip
             output, code = f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}", proc.returncode
         except subprocess.TimeoutExpired as exc:
             output, code = f"timed out after {exc.timeout:.0f} s\n{str(exc.stderr or '')[-6000:]}", None

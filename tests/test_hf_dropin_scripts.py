@@ -14,47 +14,47 @@ warm-up's, and the weights moved as far as DeepSpeed's.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from test_dropin_scripts import BLOCKER, EXIT_ABORT, SCRIPTS, TOLERANCE, _env, _relative
+from test_dropin_scripts import BLOCKER, TOLERANCE, _env, _launch_all, _relative
 
 pytest.importorskip("transformers", reason="these cases need transformers (requirements-dev.txt installs it)")
 pytest.importorskip("accelerate", reason="these cases need accelerate (requirements-dev.txt installs it)")
 
-#: case -> (script in tests/dropin_scripts, arguments)
-CASES = {"trainer_zero3": ("hf_trainer_client_optim", ["--zero_stage", "3"]),
-         "accelerate_scheduler_zero2": ("hf_accelerate_scheduler", ["--zero_stage", "2"])}  # fmt: skip
+#: case -> (script in tests/dropin_scripts, arguments, precision, config): test_dropin_scripts' case table
+CASES = {"trainer_zero3": ("hf_trainer_client_optim", ["--zero_stage", "3"], "fp32", None),
+         "accelerate_scheduler_zero2": ("hf_accelerate_scheduler", ["--zero_stage", "2"], "fp32", None)}  # fmt: skip
 
 
-def _launch(launcher: list[str], case: str, tmp: Path, env: dict, *, reference: bool = False) -> dict:
-    tmp.mkdir(parents=True, exist_ok=True)
-    out = tmp / "result.json"
-    script, args = CASES[case]
-    cmd = [*launcher, "--nproc-per-node", "2", str(SCRIPTS / f"{script}.py"), *args, "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
-    if out.exists() and (proc.returncode == 0 or (reference and EXIT_ABORT in proc.stderr)):
-        return json.loads(out.read_text())  # real DeepSpeed may abort at exit after writing its record
-    pytest.fail(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-
-
-def _both(case: str, tmp_path: Path) -> tuple[dict, dict | None]:
-    blocker = tmp_path / "blocker" / "deepspeed"
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[dict, dict | None]]:
+    """Both cases under ``torsh run`` without DeepSpeed, then under real DeepSpeed: one launch for each side (the
+    harness of tests/test_dropin_scripts.py); ``{case: (ours, theirs or None without DeepSpeed)}``."""
+    tmp = tmp_path_factory.mktemp("hf")
+    blocker = tmp / "blocker" / "deepspeed"
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text(BLOCKER)
-    ours = _launch([sys.executable, "-m", "torsh.run"], case, tmp_path / "torsh", _env(str(tmp_path / "blocker")))
-    assert ours["deepspeed_version"] == "0.19.8+torsh" and ours["real_deepspeed_modules"] == 0
+    ours = _launch_all([sys.executable, "-m", "torsh.run"], list(CASES), tmp / "torsh", _env(str(tmp / "blocker")),
+                       cases=CASES)  # fmt: skip
     try:
         import deepspeed  # noqa: F401
     except ImportError:
-        return ours, None
-    theirs = _launch([sys.executable, "-m", "torch.distributed.run"], case, tmp_path / "deepspeed", _env(),
-                     reference=True)
-    assert theirs["real_deepspeed_modules"] > 0
+        return {case: (ours[case], None) for case in CASES}
+    theirs = _launch_all([sys.executable, "-m", "torch.distributed.run"], list(CASES), tmp / "deepspeed", _env(),
+                         reference=True, cases=CASES)  # fmt: skip
+    return {case: (ours[case], theirs[case]) for case in CASES}
+
+
+def _both(case: str, runs: dict) -> tuple[dict, dict | None]:
+    ours, theirs = runs[case]
+    for record in (ours, theirs):
+        if isinstance(record, str):  # the launch failed at this case
+            pytest.fail(record)
+    assert ours["deepspeed_version"] == "0.19.8+torsh" and ours["real_deepspeed_modules"] == 0
+    if theirs is not None:
+        assert theirs["real_deepspeed_modules"] > 0
     return ours, theirs
 
 
@@ -66,8 +66,8 @@ def _same_losses(case: str, ours: list[float], theirs: list[float]) -> float:
 
 
 @pytest.mark.slow
-def test_trainer_builds_optimizer_and_scheduler_and_trains_as_under_deepspeed(tmp_path):
-    ours, theirs = _both("trainer_zero3", tmp_path)
+def test_trainer_builds_optimizer_and_scheduler_and_trains_as_under_deepspeed(runs):
+    ours, theirs = _both("trainer_zero3", runs)
     for optim, expected in (("default", "adamw_torch_fused"), ("adamw_torch", "adamw_torch")):
         run = ours["runs"][optim]
         assert run["optim"] == expected and run["fused"] is (expected == "adamw_torch_fused")
@@ -85,8 +85,8 @@ def test_trainer_builds_optimizer_and_scheduler_and_trains_as_under_deepspeed(tm
 
 
 @pytest.mark.slow
-def test_scheduler_built_before_prepare_drives_the_optimizer_that_steps(tmp_path):
-    ours, theirs = _both("accelerate_scheduler_zero2", tmp_path)
+def test_scheduler_built_before_prepare_drives_the_optimizer_that_steps(runs):
+    ours, theirs = _both("accelerate_scheduler_zero2", runs)
     assert ours["reported"][0] == 0.0 and max(ours["reported"]) > 0
     assert ours["held"] == pytest.approx(ours["reported"])  # the lr used at every step is the one reported
     assert ours["moved"] > 1e-3
