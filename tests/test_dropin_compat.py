@@ -291,6 +291,22 @@ loss = engine(torch.ones(2, 6)).sum()
 engine.backward(loss)
 engine.step()
 record["trains"] = True
+
+
+class Root(nn.Module):  # code in the forward reads a parameter of the root's unit (TRL's fused LM-head loss reads
+    def __init__(self):  # lm_head.weight so) and asks ds_status whether it must gather it first
+        super().__init__()
+        self.body, self.head = nn.Linear(6, 4), nn.Parameter(torch.ones(3, 4))
+
+    def forward(self, x):
+        seen.append([getattr(getattr(self.head, "ds_status", None), "name", None), list(self.head.shape)])
+        return nn.functional.linear(self.body(x), self.head)
+
+
+seen, model = [], Root()
+root, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+root.backward(root(torch.ones(2, 6)).sum())
+record["status_in_forward"] = seen[0]
 all_records = [None, None]
 torch.distributed.all_gather_object(all_records, record)
 if rank == 0:
@@ -311,6 +327,7 @@ def test_gathered_parameters_under_zero_init_and_fsdp2(tmp_path):
     for record in records:
         assert record == {"init_broadcast": True, "full_shape_inside": [3, 4], "state_dict_full": [3, 4],
                           "written_back": True, "discarded": True, "shard_restored": True, "trains": True,
+                          "status_in_forward": ["AVAILABLE", [3, 4]],
                           "ds_attributes": [True, [3, 4], 12, True], "handle_data": ["Tensor", [3, 4], "AVAILABLE"],
                           "nested": [True, True], "after_error": ["DTensor", "NOT_AVAILABLE", "DTensor"]}
 

@@ -69,9 +69,10 @@ def _owners(fsdp_param: Any) -> list[tuple[nn.Module, str]]:
 def install(model: nn.Module, *, mark_gathered: bool) -> None:
     """Hooks on every FSDP2 unit of ``model`` (right after ``fully_shard``): a state dict never reshards on
     the calling rank alone, and holds whole values wherever its unit is gathered. ``mark_gathered`` (stage 3):
-    a unit kept gathered after its forward shows its parameters as DeepSpeed shows a gathered ZeRO-3 parameter
-    (``ds_id``, ``ds_status`` AVAILABLE), so that scripts testing ``hasattr(p, "ds_id")`` take the same branch
-    as under DeepSpeed (where the parameter is partitioned again after the forward, and gathered by the script)."""
+    a unit gathered for its forward or kept gathered after it shows its parameters as DeepSpeed shows a gathered
+    ZeRO-3 parameter (``ds_id``, ``ds_status`` AVAILABLE), so that scripts testing ``hasattr(p, "ds_id")`` take
+    the same branch as under DeepSpeed (where the parameter is partitioned again after the forward, and gathered
+    by the script)."""
     for group in _groups(model):
         if getattr(group, _INSTALLED, False):
             continue
@@ -82,6 +83,10 @@ def install(model: nn.Module, *, mark_gathered: bool) -> None:
         for module in group.modules:
             module.register_forward_pre_hook(_show_gathered_hook(group), prepend=True)
             if mark_gathered:
+                # after FSDP2's own pre-forward hook (it gathers the unit): code run inside the forward that reads
+                # a parameter of a module whose forward it bypasses (TRL's fused LM-head loss reads lm_head.weight
+                # and gathers it unless ds_status says AVAILABLE) finds the gathered parameter marked
+                module.register_forward_pre_hook(_mark_gathered_pre_hook(group))
                 module.register_forward_hook(_mark_gathered_hook(group))
         for fsdp_param in group.fsdp_params:
             fsdp_param._torsh_group = group
@@ -120,16 +125,27 @@ def _show_gathered_hook(group: Any):
     return hook
 
 
+def _mark_gathered(group: Any) -> None:
+    from .zero_params import COMPUTE_DTYPE, ZeroParamStatus
+
+    for fsdp_param in group.fsdp_params:
+        whole, shard = getattr(fsdp_param, "_unsharded_param", None), fsdp_param.sharded_param
+        if whole is not None and hasattr(shard, "ds_id") and not hasattr(whole, "ds_id"):
+            whole.ds_id, whole.ds_shape, whole.ds_numel = shard.ds_id, shard.ds_shape, shard.ds_numel
+            whole.ds_status = ZeroParamStatus.AVAILABLE
+            setattr(whole, COMPUTE_DTYPE, getattr(shard, COMPUTE_DTYPE, None))
+
+
+def _mark_gathered_pre_hook(group: Any):
+    def hook(module: nn.Module, args: Any) -> None:
+        _mark_gathered(group)
+
+    return hook
+
+
 def _mark_gathered_hook(group: Any):
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        from .zero_params import COMPUTE_DTYPE, ZeroParamStatus
-
-        for fsdp_param in group.fsdp_params:
-            whole, shard = getattr(fsdp_param, "_unsharded_param", None), fsdp_param.sharded_param
-            if whole is not None and hasattr(shard, "ds_id") and not hasattr(whole, "ds_id"):
-                whole.ds_id, whole.ds_shape, whole.ds_numel = shard.ds_id, shard.ds_shape, shard.ds_numel
-                whole.ds_status = ZeroParamStatus.AVAILABLE
-                setattr(whole, COMPUTE_DTYPE, getattr(shard, COMPUTE_DTYPE, None))
+        _mark_gathered(group)
 
     return hook
 
