@@ -21,17 +21,26 @@ def test_module_lists_are_looked_through():
     assert by_size and not any(isinstance(u, torch.nn.ModuleList) for u in by_size)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage,bucket_bytes", [(0, 250 * 2**20), (3, 250 * 2**20), (3, 4096)])
-def test_every_rank_starts_from_rank_0s_weights(stage, bucket_bytes):
-    """sync_module_states broadcasts flattened buckets per dtype: every tensor arrives whole, whatever the bucket
-    size (4 KiB: a bucket per tensor or two) and the stage."""
+SYNC_CASES = [(0, 250 * 2**20), (3, 250 * 2**20), (3, 4096)]
+
+
+@pytest.fixture(scope="module")
+def synced_runs() -> list[dict[str, dict]]:
+    """Each case of SYNC_CASES as a scenario of one 2-rank launch (the engine harness); per rank ``{name: record}``."""
     import _engine_harness as h
 
-    config = {"batch": {"micro_batch_size": 2}, "sharding": {"stage": stage},
-              "optimizer": {"name": "AdamW", "lr": 1e-3}}  # fmt: skip
-    runs = h.run([{"name": "sync", "kind": "synced", "config": config, "bucket_bytes": bucket_bytes}])
-    rank0, rank1 = (r["sync"] for r in runs)
+    return h.run([{"name": f"sync-{stage}-{bucket_bytes}", "kind": "synced", "bucket_bytes": bucket_bytes,
+                   "config": {"batch": {"micro_batch_size": 2}, "sharding": {"stage": stage},
+                              "optimizer": {"name": "AdamW", "lr": 1e-3}}}
+                  for stage, bucket_bytes in SYNC_CASES])  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,bucket_bytes", SYNC_CASES)
+def test_every_rank_starts_from_rank_0s_weights(synced_runs, stage, bucket_bytes):
+    """sync_module_states broadcasts flattened buckets per dtype: every tensor arrives whole, whatever the bucket
+    size (4 KiB: a bucket per tensor or two) and the stage."""
+    rank0, rank1 = (r[f"sync-{stage}-{bucket_bytes}"] for r in synced_runs)
     assert "error" not in rank0 and "error" not in rank1, rank0.get("traceback") or rank1.get("traceback")
     assert rank0["weights"] == rank1["weights"]
     assert rank0["weights"] == pytest.approx(rank0["rank0_built"], rel=1e-6)  # fp32 compute: the head cast once
