@@ -32,29 +32,50 @@ def test_demo_converts_the_deepspeed_config_and_trains(capsys):
     assert "loss curve" in out and "over 4 steps (stage 2, world size 2" in out
 
 
-def _run(script: str, config: dict, tmp: Path, python: str = sys.executable) -> list[float]:
-    cfg, log = tmp / f"{script}.json", tmp / f"{script}.losses.json"
-    cfg.write_text(json.dumps(config))
+#: Runs several scripts in the ranks of one launch, each unchanged as ``__main__`` (see its docstring).
+RUNNER = Path(__file__).resolve().parent / "dropin_scripts" / "_run_cases.py"
+STAGES = (0, 3)
+
+
+def _run(script: str, tmp: Path) -> dict[int, list[float]]:
+    """The example at every stage of STAGES, one after the other in one 2-rank launch; ``{stage: losses}``."""
+    cases, logs = [], {}
+    for stage in STAGES:
+        config = json.loads((EXAMPLE / "train_config.json").read_text())
+        config["zero_optimization"]["stage"] = stage
+        cwd = tmp / f"{script}.{stage}"
+        cwd.mkdir()
+        (cwd / "config.json").write_text(json.dumps(config))
+        logs[stage] = cwd / "losses.json"
+        cases.append({"name": f"{script} stage {stage}", "script": str(EXAMPLE / script), "cwd": str(cwd),
+                      "args": ["--deepspeed_config", str(cwd / "config.json"), "--steps", "6", "--loss-log",
+                               str(logs[stage])]})  # fmt: skip
+    spec = tmp / f"{script}.cases.json"
+    spec.write_text(json.dumps(cases))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    subprocess.run([python, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
-                    str(EXAMPLE / script), "--deepspeed_config", str(cfg), "--steps", "6", "--loss-log", str(log)],
-                   env=env, check=True, capture_output=True, timeout=600)  # fmt: skip
-    return json.loads(log.read_text())
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
+                    str(RUNNER), str(spec)], env=env, check=True, capture_output=True, timeout=900)  # fmt: skip
+    return {stage: json.loads(log.read_text()) for stage, log in logs.items()}
+
+
+@pytest.fixture(scope="module")
+def example_losses(tmp_path_factory) -> dict[str, dict[int, list[float]]]:
+    """Per-step losses of the DeepSpeed example on real DeepSpeed and of its torsh twin, at every stage."""
+    pytest.importorskip("deepspeed", reason="real DeepSpeed 0.19.8 is needed for the comparison")
+    tmp = tmp_path_factory.mktemp("examples")
+    return {script: _run(script, tmp) for script in ("train_deepspeed.py", "train_torsh.py")}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 3])
-def test_same_losses_as_real_deepspeed(stage, tmp_path):
-    pytest.importorskip("deepspeed", reason="real DeepSpeed 0.19.8 is needed for the comparison")
-    config = json.loads((EXAMPLE / "train_config.json").read_text())
-    config["zero_optimization"]["stage"] = stage
-    reference = _run("train_deepspeed.py", config, tmp_path)
-    ours = _run("train_torsh.py", config, tmp_path)
+@pytest.mark.parametrize("stage", STAGES)
+def test_same_losses_as_real_deepspeed(stage, example_losses):
+    reference = example_losses["train_deepspeed.py"][stage]
+    ours = example_losses["train_torsh.py"][stage]
     assert len(ours) == len(reference) == 6
     for step, (a, b) in enumerate(zip(ours, reference)):
         assert a == pytest.approx(b, rel=1e-5), f"step {step + 1}: torsh {a} vs DeepSpeed {b}"
