@@ -35,6 +35,10 @@ TP2 = [
         "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
         "tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": False},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0, "torch_adam": True}}}},
+    # deepspeed.tp_model_init records the degree a config without tensor_parallel leaves out
+    {"name": "tp_model_init", "tp": 2, "tp_model_init": True, "config": {
+        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0, "torch_adam": True}}}},
     # tied input and output embeddings stay one parameter, replicated over the tp ranks
     {"name": "tied_embeddings", "tp": 2, "tied": True, "config": _native(parallelism={"tp": 2})},
     # a plan of the user's own: only the feed-forward projections are split
@@ -108,6 +112,22 @@ def test_tp2_splits_the_planned_layers_and_replicates_the_rest(tp2):
 def test_tp2_keeps_a_tied_embedding_one_parameter(tp2):
     assert all(rec["tied"] for rec in _records(tp2, "tied_embeddings"))
     assert not _records(tp2, "native_stage0")[0]["tied"]
+
+
+def test_tp_model_init_fills_a_missing_degree_and_a_different_one_is_an_error():
+    import torch
+
+    import torsh
+    from torsh.config import TorshConfig
+    from torsh.engine.initialize import _with_tp_model_init
+    from torsh.errors import ConfigError
+
+    model = torsh.tp_model_init(torch.nn.Linear(2, 2), tp_size=4, dtype=torch.bfloat16)
+    assert _with_tp_model_init(TorshConfig(), model).parallelism.tp == 4
+    with pytest.raises(ConfigError) as exc:
+        _with_tp_model_init(TorshConfig.from_dict({"parallelism": {"tp": 2}}), model)
+    assert exc.value.problems[0].path == "tensor_parallel.autotp_size"
+    assert _with_tp_model_init(TorshConfig(), torch.nn.Linear(2, 2)).parallelism.tp == 1
 
 
 def test_tp2_batch_is_split_over_the_data_parallel_ranks_only(tp2):

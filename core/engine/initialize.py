@@ -59,6 +59,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                    "the mesh")])  # fmt: skip
     config = choose_config(args, config, config_params)
     cfg, translation = read_config(config)
+    cfg = _with_tp_model_init(cfg, model)
     info = start_process_group(cfg.communication, dist_init_required=dist_init_required,
                                distributed_port=distributed_port)  # fmt: skip
     _setup_logging(info.rank)
@@ -117,6 +118,18 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                  batch.global_batch_size, batch.micro_batch_size, batch.gradient_accumulation_steps,
                  info.world_size)  # fmt: skip
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _with_tp_model_init(cfg: TorshConfig, model: torch.nn.Module) -> TorshConfig:
+    """The tensor-parallel degree ``deepspeed.tp_model_init`` recorded on the model: the config is canonical, a
+    missing degree is filled from it, a different one is an error (DeepSpeed's merge rules)."""
+    recorded = getattr(model, "_torsh_tp_model_init", None)
+    if recorded is None or recorded == cfg.parallelism.tp:
+        return cfg
+    if cfg.parallelism.tp != 1:
+        raise ConfigError([Problem("tensor_parallel.autotp_size", cfg.parallelism.tp, f"tp_model_init recorded "
+                                   f"tp_size={recorded}: give the same degree in both, or drop one")])  # fmt: skip
+    return cfg.resolve_deferred({"parallelism.tp": recorded})
 
 
 def _data_parallel_size(cfg: TorshConfig, world_size: int) -> int:

@@ -108,6 +108,8 @@ def run_scenario(rank: int, world: int, scenario: dict) -> dict:
     tied = scenario.get("tied", False)
     model = build_model(tied=tied)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if scenario.get("tp_model_init"):  # DeepSpeed's AutoTP training entry, before initialize
+        model = torsh.tp_model_init(model, tp_size=tp, dtype=torch.float32)
     engine, _, _, _ = torsh.initialize(model=model, config=scenario["config"])
     rec: dict = {"losses": [], "dp_world_size": dp, "train_batch_size": engine.train_batch_size()}
     for step in range(steps):
