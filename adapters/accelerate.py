@@ -257,11 +257,11 @@ def _read_megatron(value: Any, ctx: ReadContext, path: str) -> None:
     if key not in _MEGATRON_DEGREES:
         ctx.keep(path, value)
         ctx.note(path, Fidelity.UNSUPPORTED, "a Megatron-LM engine setting; torsh does not run Megatron-LM", value)
+    elif value is None or value == 1:
+        ctx.keep(path, value)
+        ctx.note(path, Fidelity.EXACT, "no such parallelism", value)
     elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
         ctx.problem(path, value, "a degree is a positive number of processes")
-    elif value == 1:
-        ctx.keep(path, value)
-        ctx.note(path, Fidelity.EXACT, "1: no such parallelism", value)
     else:
         ctx.set(_MEGATRON_DEGREES[key], value, path, Fidelity.APPROXIMATE, "the same degree; Megatron-LM's model "
                 "classes split themselves" + (", torsh splits the model's linear layers with DTensor"
