@@ -121,27 +121,85 @@ def positive_or_drop(status: Status, default: str) -> Hook:
     return Hook(read=read)
 
 
+#: The keys of DeepSpeed 0.19.8's ``tensor_parallel`` section (``TPTrainingConfig``) besides ``autotp_size``, read when
+#: AutoTP is on: (fidelity, reason); each is kept for a DeepSpeed round trip.
+_TP_KEYS = {
+    "tp_overlap_comm": (IGNORED, "overlaps AutoTP's all-reduce with computation; no numerical effect"),
+    "vocab_parallel_ce_backend": (IGNORED, "the cross-entropy kernel of a vocabulary-parallel head; the head stays "
+                                  "replicated"),
+    "dtype": (IGNORED, "AutoTP's model dtype for inference; training precision comes from bf16 / fp16"),
+    "injection_policy_tuple": (IGNORED, "an inference kernel-injection policy"),
+    "keep_module_on_host": (IGNORED, "where inference checkpoints are loaded"),
+    "replace_with_kernel_inject": (IGNORED, "inference kernel injection"),
+    "kernel_inject": (IGNORED, "inference kernel injection"),
+    "preset_model": (APPROXIMATE, "DeepSpeed's per-architecture preset; the default plan splits the same "
+                     "Hugging Face-style names (q/k/v/gate/up colwise, o/down rowwise)"),
+    "partition_config": (UNSUPPORTED, "DeepSpeed's layer specs (regular expressions over parameter names): write the "
+                         "plan as parallelism.tp_plan (module-name patterns -> colwise / rowwise)"),
+}
+
+
 def _tensor_parallel(value: Any, ctx: ReadContext, path: str) -> None:
     tp = value.get("autotp_size", 0) if isinstance(value, Mapping) else 0
     if not isinstance(tp, int) or isinstance(tp, bool):
         ctx.problem(f"{path}.autotp_size", tp, "DeepSpeed reads an integer here (<= 1: no tensor parallelism)")
         return
-    status = (Status(UNSUPPORTED, "AutoTP tensor parallelism is not run by torsh", True) if tp and tp > 1
-              else Status(IGNORED, "no tensor parallelism (autotp_size <= 1); no effect", True))  # fmt: skip
-    _status(ctx, path, value, status)
+    if tp <= 1:
+        _status(ctx, path, value, Status(IGNORED, "no tensor parallelism (autotp_size <= 1); no effect", True))
+        return
+    ctx.set("parallelism.tp", tp, f"{path}.autotp_size", APPROXIMATE, "DTensor tensor parallelism over groups of "
+            "this many ranks, composed with FSDP2 on the data-parallel ranks; the default plan splits the Hugging "
+            "Face-style names AutoTP recognises (q/k/v/gate/up colwise, o/down rowwise); AutoTP also splits a fused "
+            "qkv and the lm_head, which stay replicated here")  # fmt: skip
+    for key, sub in value.items():
+        where = f"{path}.{key}"
+        if key == "autotp_size":
+            continue
+        if key in ("tp", "tensor_parallel") and isinstance(sub, Mapping):
+            size = sub.get("tp_size", 1)
+            if size not in (1, tp):
+                ctx.problem(f"{where}.tp_size", size, f"DeepSpeed raises when it is neither 1 nor autotp_size ({tp})")
+                continue
+            ctx.keep(where, sub)
+            ctx.note(where, EXACT, "the inference TP group: 1 or autotp_size, which it follows", sub)
+        elif key == "vocab_parallel_lm_head":
+            ctx.keep(where, sub)
+            fidelity = UNSUPPORTED if sub is True else EXACT if sub is False else APPROXIMATE
+            ctx.note(where, fidelity, "the lm_head stays replicated over the tp ranks" + (
+                "; a vocabulary-parallel head is not run" if sub is True else
+                " (DeepSpeed's null splits a tied Hugging Face head by vocabulary)" if sub is None else ""), sub)
+        else:
+            fidelity, reason = _TP_KEYS.get(key, (UNSUPPORTED, "not a key of DeepSpeed 0.19.8's tensor_parallel"))
+            ctx.keep(where, sub)
+            ctx.note(where, fidelity, reason, sub)
+
+
+def _write_tensor_parallel(cfg: TorshConfig, ctx: WriteContext) -> None:
+    par = cfg.parallelism
+    if par.tp > 1:
+        ctx.put("tensor_parallel.autotp_size", par.tp, "parallelism.tp")
+    if par.tp_plan:
+        ctx.note("parallelism.tp_plan", UNSUPPORTED, "DeepSpeed's partition_config takes regular expressions over "
+                 "parameter names; not written: AutoTP's own parser chooses the layers", par.tp_plan)  # fmt: skip
+    for key, value in (("dp_replicate", par.dp_replicate), ("cp", par.cp)):
+        if value not in (None, 1):
+            ctx.note(f"parallelism.{key}", UNSUPPORTED, "DeepSpeed derives the data-parallel replicas from the world "
+                     "size and ZeRO++ hpZ" if key == "dp_replicate" else "DeepSpeed's sequence parallelism "
+                     "(Ulysses) is not context parallelism", value)  # fmt: skip
 
 
 def _pipeline_stages(value: Any, ctx: ReadContext, path: str) -> None:
     if value == "auto":
         _status(ctx, path, value, Status(IGNORED, "DeepSpeed's default: taken from the PipelineModule", True))
     else:
-        ctx.set("pipeline.stages", value, path, APPROXIMATE, "carried; torsh does not run pipelines yet")
+        ctx.set("parallelism.pp", value, path, APPROXIMATE, "the pipeline-parallel degree; DeepSpeed uses it only "
+                "with a PipelineModule")  # fmt: skip
 
 
 def _write_pipeline_stages(cfg: TorshConfig, ctx: WriteContext) -> None:
-    if cfg.pipeline.stages is not None:
-        ctx.put("pipeline.stages", cfg.pipeline.stages, "pipeline.stages", APPROXIMATE,
-                "used only with a DeepSpeed PipelineModule")  # fmt: skip
+    pp = cfg.parallelism.pp
+    if pp != 1:
+        ctx.put("pipeline.stages", pp, "parallelism.pp", APPROXIMATE, "used only with a DeepSpeed PipelineModule")
 
 
 #: "auto" on keys the core model keeps only in extensions: who fills it, and what DeepSpeed alone does.
@@ -347,7 +405,9 @@ HIERARCHICAL = _group("hierarchical partitioning", (_HPZ,), (
 
 FULL_WEIGHTS = Group("full weights", (), ("checkpoint.save_full_weights",), None, _save_full_write)
 CLIPPING_WRITE = Group("clipping", (), ("gradients.clip_max_norm",), None, _write_clipping)
-PIPELINE_WRITE = Group("pipeline stages", (), ("pipeline.stages",), None, _write_pipeline_stages)
+PIPELINE_WRITE = Group("pipeline stages", (), ("parallelism.pp",), None, _write_pipeline_stages)
+TENSOR_PARALLEL_WRITE = Group("tensor parallelism", (), ("parallelism.tp", "parallelism.tp_plan", "parallelism.cp",
+                                                         "parallelism.dp_replicate"), None, _write_tensor_parallel)
 
 #: Sections DeepSpeed 0.19.8 parses with pydantic models that forbid extra keys (DeepSpeedConfigModel,
 #: ``extra="forbid"``): an unknown key inside one makes ``DeepSpeedConfig`` raise a ValidationError at start-up.

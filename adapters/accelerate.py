@@ -237,6 +237,37 @@ def _deepspeed_json(file: Path, ctx: ReadContext, path: str, value: Any) -> dict
     return data
 
 
+#: Accelerate's model-parallel degrees (parallelism_config) -> the core degree, the fidelity and why.
+_DEGREES = {
+    "tp_size": ("parallelism.tp", Fidelity.APPROXIMATE, "DTensor tensor parallelism; Accelerate splits the layers of "
+                "the model's own Hugging Face tp_plan, torsh's default plan the same Hugging Face-style names "
+                "(q/k/v/gate/up colwise, o/down rowwise)"),
+    "cp_size": ("parallelism.cp", Fidelity.EXACT, "context parallelism"),
+}
+#: The Megatron-LM backend's degrees: Megatron's own model classes split themselves; the degree is the same.
+_MEGATRON_DEGREES = {
+    "megatron_lm_tp_degree": "parallelism.tp",
+    "megatron_lm_pp_degree": "parallelism.pp",
+    "megatron_lm_context_parallel_size": "parallelism.cp",
+}
+
+
+def _read_megatron(value: Any, ctx: ReadContext, path: str) -> None:
+    key = path.rsplit(".", 1)[-1]
+    if key not in _MEGATRON_DEGREES:
+        ctx.keep(path, value)
+        ctx.note(path, Fidelity.UNSUPPORTED, "a Megatron-LM engine setting; torsh does not run Megatron-LM", value)
+    elif value is None or value == 1:
+        ctx.keep(path, value)
+        ctx.note(path, Fidelity.EXACT, "no such parallelism", value)
+    elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        ctx.problem(path, value, "a degree is a positive number of processes")
+    else:
+        ctx.set(_MEGATRON_DEGREES[key], value, path, Fidelity.APPROXIMATE, "the same degree; Megatron-LM's model "
+                "classes split themselves" + (", torsh splits the model's linear layers with DTensor"
+                                              if key == "megatron_lm_tp_degree" else ""))  # fmt: skip
+
+
 def _read_parallelism(value: Any, ctx: ReadContext, path: str) -> None:
     key = path.rsplit(".", 1)[-1].removeprefix("parallelism_config_")
     if key in ("dp_replicate_size", "dp_shard_size") and _kind(ctx) == "FSDP":
@@ -246,14 +277,19 @@ def _read_parallelism(value: Any, ctx: ReadContext, path: str) -> None:
         ctx.problem(path, value, "null: accelerate launch compares it with 1 and fails; write 1 for none")
     elif key.endswith("_size") and value == 1:
         ctx.note(path, Fidelity.EXACT, "1: no such parallelism", value)
+    elif key in _DEGREES:
+        core, fidelity, reason = _DEGREES[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            ctx.problem(path, value, "a degree is a positive number of processes")
+        else:
+            ctx.set(core, value, path, fidelity, reason)
     elif key.startswith("dp_"):
         ctx.keep(path, value)
-        ctx.note(path, Fidelity.UNSUPPORTED, f"the data-parallel degree of a {_kind(ctx)} layout with sequence or "
-                 "tensor parallelism; torsh runs data parallel over every process", value)  # fmt: skip
+        ctx.note(path, Fidelity.UNSUPPORTED, f"the data-parallel degree of a {_kind(ctx)} layout; torsh's data "
+                 "parallelism takes every process the model-parallel degrees leave", value)  # fmt: skip
     else:
         ctx.keep(path, value)
-        ctx.note(path, Fidelity.UNSUPPORTED, "tensor / context / sequence parallelism; torsh runs data parallel "
-                 "jobs", value)  # fmt: skip
+        ctx.note(path, Fidelity.UNSUPPORTED, "sequence parallelism (and its settings) is not run by torsh", value)
 
 
 def _ignored_when_v2(core_path: str, what: str):
@@ -307,7 +343,7 @@ TOP_MAP = {
     "ipex_config.*": Dropped("removed from Accelerate (IPEX is used when installed): accelerate launch 1.15 refuses a "
                              "config file with this key (\"unknown keys\"); delete it"),
     "mpirun_config.*": Ignored("mpirun launcher settings: " + _LAUNCHER),
-    "megatron_lm_config.*": Unsupported("Megatron-LM tensor/pipeline parallelism; torsh runs data parallel jobs"),
+    "megatron_lm_config.*": Hook(read=_read_megatron),
     "fp8_config.*": Unsupported("fp8 training recipes (Transformer Engine / torchao); torsh computes in bf16/fp16"),
     "parallelism_config.*": Hook(read=_read_parallelism),
     **{f"tpu_{k}": Ignored("TPU only") for k in ("env", "use_cluster", "use_sudo", "name", "zone")},
@@ -709,6 +745,9 @@ def _write_fsdp_sharding(cfg: TorshConfig, ctx: WriteContext, version: int) -> N
     size, world = s.hybrid_shard_size, cfg.launch.world_size
     if size is None:
         return
+    model = cfg.parallelism.tp * cfg.parallelism.cp * (cfg.parallelism.pp if isinstance(cfg.parallelism.pp, int) else 1)
+    if isinstance(world, int) and world % model == 0:
+        world //= model  # the data-parallel processes
     if size is AUTO or world is None or world % size:
         ctx.note("sharding.hybrid_shard_size", Fidelity.UNSUPPORTED, "FSDP2 hybrid sharding in Accelerate is "
                  "parallelism_config dp_replicate_size x dp_shard_size: needs a known group size dividing "
@@ -716,6 +755,24 @@ def _write_fsdp_sharding(cfg: TorshConfig, ctx: WriteContext, version: int) -> N
         return
     ctx.put("parallelism_config.parallelism_config_dp_replicate_size", world // size, "sharding.hybrid_shard_size")
     ctx.put("parallelism_config.parallelism_config_dp_shard_size", size, "sharding.hybrid_shard_size")
+
+
+def _write_degrees(cfg: TorshConfig, ctx: WriteContext) -> None:
+    """parallelism_config's model-parallel degrees (Accelerate's ParallelismConfig)."""
+    par = cfg.parallelism
+    for key, core in (("tp_size", "parallelism.tp"), ("cp_size", "parallelism.cp")):
+        value = getattr(par, core.split(".")[1])
+        if value != 1:
+            ctx.put(f"parallelism_config.parallelism_config_{key}", value, core)
+    if par.pp != 1:
+        ctx.note("parallelism.pp", Fidelity.UNSUPPORTED, "Accelerate's parallelism_config has no pipeline degree "
+                 "(only its Megatron-LM backend does)", par.pp)  # fmt: skip
+    if par.tp_plan:
+        ctx.note("parallelism.tp_plan", Fidelity.UNSUPPORTED, "Accelerate splits the layers of the model's own "
+                 "tp_plan (transformers); not a config setting", par.tp_plan)  # fmt: skip
+    if par.dp_replicate is not None:
+        ctx.put("parallelism_config.parallelism_config_dp_replicate_size", par.dp_replicate,
+                "parallelism.dp_replicate")  # fmt: skip
 
 
 def _write_fsdp_rest(version: int):
@@ -862,6 +919,7 @@ def _write_map(backend: str) -> FieldMap:
             "main_process_ip", c.launch.master_addr, "launch.master_addr"), claims=("launch.master_addr",)),
         "main_process_port": Hook(write=lambda c, x: c.launch.master_port is not None and x.put(
             "main_process_port", c.launch.master_port, "launch.master_port"), claims=("launch.master_port",)),
+        "parallelism_config.(degrees)": Hook(write=_write_degrees, claims=("parallelism",)),
     }
     if backend.startswith("fsdp"):
         version = int(backend[-1])

@@ -163,7 +163,7 @@ FIELD_MAP: dict[str, Any] = {
     # parallelism and engines the core model only carries or does not have
     "pipeline.stages": rules.PIPELINE_STAGES,
     "pipeline.partition": To("pipeline.partition_method", fidelity=rules.APPROXIMATE,
-                             reason="used only with a DeepSpeed PipelineModule; torsh does not run pipelines yet"),
+                             reason="used only with a DeepSpeed PipelineModule"),
     "pipeline.activation_checkpoint_interval": To("pipeline.activation_checkpoint_interval"),
     **{f"pipeline.{k}": Ignored("a PipelineModule detail") for k in (
         "seed_layers", "pipe_partitioned", "grad_partitioned", "use_reentrant")},
@@ -235,7 +235,7 @@ class DeepSpeed(Dialect):
     #: Read in this order (stage "auto" first: the others depend on the stage); written in this order, which is
     #: DeepSpeed's own key order.
     GROUPS = (rules.FULL_WEIGHTS, rules.STAGE_AUTO, PRECISION, rules.OFFLOAD, rules.HIERARCHICAL, OPTIMIZER,
-              SCHEDULER, rules.CLIPPING_WRITE, rules.PIPELINE_WRITE)  # fmt: skip
+              SCHEDULER, rules.CLIPPING_WRITE, rules.PIPELINE_WRITE, rules.TENSOR_PARALLEL_WRITE)  # fmt: skip
     DEFERRED_SOURCES = rules.DEFERRED_SOURCES
 
     def shape(self, raw: Any) -> Any:

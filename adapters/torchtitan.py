@@ -76,9 +76,8 @@ def _read_data_parallel(seen: Seen) -> None:
            f"fully_shard over the data-parallel shard dimension, reshard_after_forward {reshard}: ZeRO-{stage}")
     seen.set("parallelism.data_parallel_shard_degree", "sharding.stage", stage, reason=why, default=stage)
     if stage and replicate != 1 and shard == -1:
-        seen.drop("parallelism.data_parallel_replicate_degree", f"HSDP with {replicate} replicas of groups of the "
-                  "remaining ranks: the group size depends on the world size; set data_parallel_shard_degree to it",
-                  Fidelity.APPROXIMATE)  # fmt: skip
+        seen.set("parallelism.data_parallel_replicate_degree", "parallelism.dp_replicate", replicate,
+                 reason=f"HSDP: {replicate} replicas of shard groups of the remaining ranks")  # fmt: skip
     elif stage and replicate != 1:
         seen.set("parallelism.data_parallel_replicate_degree", "sharding.hybrid_shard_size", shard,
                  reason=f"HSDP: {replicate} replicas of {shard}-rank shard groups")
@@ -89,10 +88,56 @@ def _read_data_parallel(seen: Seen) -> None:
         seen.inert("parallelism.fsdp_reshard_after_forward", "no effect without FSDP (shard degree 1)")
     else:
         seen.drop("parallelism.fsdp_reshard_after_forward", f"{reshard}: ZeRO-{stage}", Fidelity.EXACT)
+    _read_model_degrees(seen)
+
+
+#: torchtitan's model-parallel degrees -> the core degree, the fidelity and why.
+_MODEL_DEGREES = {
+    "tensor_parallel_degree": ("parallelism.tp", Fidelity.APPROXIMATE, "DTensor tensor parallelism of the linear "
+                               "layers; the default plan splits torchtitan's attention.wq/wk/wv/wo and "
+                               "feed_forward.w1/w2/w3 as torchtitan does, but not its embedding, norms (sequence "
+                               "parallel) or output head (loss parallel), which stay replicated"),
+    "pipeline_parallel_degree": ("parallelism.pp", Fidelity.EXACT, "pipeline stages"),
+    "context_parallel_degree": ("parallelism.cp", Fidelity.EXACT, "context parallelism"),
+}
+
+
+def _read_model_degrees(seen: Seen) -> None:
+    for key, (core, fidelity, reason) in _MODEL_DEGREES.items():
+        path = f"parallelism.{key}"
+        value = seen.value(path, 1)
+        if not _is_int(value) or value < 1:
+            seen.ctx.problem(path, value, "a degree is a positive number of ranks")
+        elif value == 1:
+            seen.inert(path, "1: no such parallelism")
+        else:
+            seen.set(path, core, value, fidelity, reason)
+
+def _write_model_degrees(cfg: TorshConfig, ctx: WriteContext) -> int:
+    """torchtitan's model-parallel degrees; returns their product (what the data-parallel degrees leave)."""
+    par, product = cfg.parallelism, 1
+    for key, (core, _, _) in _MODEL_DEGREES.items():
+        value = getattr(par, core.split(".")[1])
+        if _is_int(value) and value > 1:
+            ctx.put(f"parallelism.{key}", value, core)
+            product *= value
+        elif value != 1:
+            ctx.note(core, Fidelity.UNSUPPORTED, "torchtitan's degrees are numbers", value)
+    if par.tp_plan:
+        ctx.note("parallelism.tp_plan", Fidelity.UNSUPPORTED, "torchtitan's tensor-parallel plan is its model's "
+                 "parallelize function, not a setting", par.tp_plan)  # fmt: skip
+    return product
 
 
 def _write_data_parallel(cfg: TorshConfig, ctx: WriteContext) -> None:
     s, world = cfg.sharding, cfg.launch.world_size
+    model = _write_model_degrees(cfg, ctx)
+    if _is_int(world) and world % model == 0:
+        world //= model  # the data-parallel ranks
+    elif _is_int(world):
+        ctx.note("parallelism", Fidelity.UNSUPPORTED, f"the model-parallel degrees ({model}) do not divide the world "
+                 f"size {world}", model)  # fmt: skip
+        world = None
     if s.stage == 0:
         if _is_int(world):
             ctx.put("parallelism.data_parallel_shard_degree", 1, "sharding.stage", Fidelity.EXACT, "DDP")
@@ -109,6 +154,10 @@ def _write_data_parallel(cfg: TorshConfig, ctx: WriteContext) -> None:
     if s.stage in (1, 2) or s.reshard_after_forward is False:
         ctx.put("parallelism.fsdp_reshard_after_forward", "never", "sharding.stage", Fidelity.EXACT, "ZeRO-2")
     size = s.hybrid_shard_size
+    if cfg.parallelism.dp_replicate is not None:
+        ctx.put("parallelism.data_parallel_replicate_degree", cfg.parallelism.dp_replicate, "parallelism.dp_replicate",
+                Fidelity.EXACT, "HSDP over the remaining ranks (data_parallel_shard_degree -1)")  # fmt: skip
+        return
     if size is None:
         return
     if _is_int(size) and _is_int(world) and world % size == 0:
@@ -126,8 +175,7 @@ def _read_other_degree(value: Any, ctx: Any, path: str) -> None:
         ctx.note(path, Fidelity.EXACT, "1: no such parallelism", value)
     else:
         ctx.keep(path, value)
-        ctx.note(path, Fidelity.UNSUPPORTED, "tensor / pipeline / context / expert parallelism; torsh runs data "
-                 "parallel jobs", value)  # fmt: skip
+        ctx.note(path, Fidelity.UNSUPPORTED, "expert parallelism is not run by torsh", value)
 
 
 # ---- precision -------------------------------------------------------------------------------------------------
@@ -262,8 +310,9 @@ def _global_batch(value: Any, ctx: Any, path: str) -> None:
 
 _GROUPS = (
     Group("data parallelism", ("parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
-                               "parallelism.fsdp_reshard_after_forward"),
-          ("sharding.stage", "sharding.hybrid_shard_size", "sharding.reshard_after_forward"),
+                               "parallelism.fsdp_reshard_after_forward", "parallelism.tensor_parallel_degree",
+                               "parallelism.pipeline_parallel_degree", "parallelism.context_parallel_degree"),
+          ("sharding.stage", "sharding.hybrid_shard_size", "sharding.reshard_after_forward", "parallelism"),
           _read_data_parallel, _write_data_parallel),
     Group("precision", ("training.mixed_precision_param", "training.mixed_precision_reduce", "training.dtype"),
           ("precision",), _read_precision, _write_precision),

@@ -73,6 +73,10 @@ def _read_sharding(seen: Seen) -> None:
         seen.set("data_parallel_shard_dim", "sharding.hybrid_shard_size", shard, reason=f"HSDP: {replicate} "
                  f"replicas of {shard}-rank shard groups")  # fmt: skip
         seen.drop("data_parallel_replicate_dim", "with data_parallel_shard_dim: HSDP", Fidelity.EXACT)
+    elif isinstance(replicate, int) and replicate > 1 and shard == -1:
+        seen.set("data_parallel_replicate_dim", "parallelism.dp_replicate", replicate, reason=f"HSDP: {replicate} "
+                 "replicas of shard groups of the remaining ranks")  # fmt: skip
+        seen.drop("data_parallel_shard_dim", "-1: the remaining ranks", Fidelity.EXACT)
     else:
         for key in ("data_parallel_shard_dim", "data_parallel_replicate_dim"):
             value = seen.value(key)
@@ -94,8 +98,12 @@ def _write_sharding(cfg: TorshConfig, ctx: WriteContext) -> None:
         ctx.note("sharding.stage", Fidelity.APPROXIMATE, "torchtune's distributed recipes always shard with FSDP2: "
                  "written as ZeRO-2 (same numerics)", s.stage)  # fmt: skip
     ctx.put("fsdp_reshard_after_forward", s.stage >= 3 and s.reshard_after_forward is not False, "sharding.stage")
+    if cfg.parallelism.dp_replicate is not None:
+        ctx.put("data_parallel_replicate_dim", cfg.parallelism.dp_replicate, "parallelism.dp_replicate")
     if s.hybrid_shard_size is not None:
         world = cfg.launch.world_size
+        if isinstance(world, int) and world % cfg.parallelism.tp == 0:
+            world //= cfg.parallelism.tp  # the data-parallel ranks
         if isinstance(s.hybrid_shard_size, int) and isinstance(world, int) and world % s.hybrid_shard_size == 0:
             ctx.put("data_parallel_shard_dim", s.hybrid_shard_size, "sharding.hybrid_shard_size")
             ctx.put("data_parallel_replicate_dim", world // s.hybrid_shard_size, "sharding.hybrid_shard_size")
@@ -227,12 +235,39 @@ def _read_flag(what: str):
 
 
 def _read_tensor_parallel(value: Any, ctx: Any, path: str) -> None:
-    _read_flag("tensor parallelism; torsh runs data parallel jobs")(None if value == 1 else value, ctx, path)
+    if value == 1:
+        ctx.note(path, Fidelity.EXACT, "1: no tensor parallelism", value)
+    elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        ctx.problem(path, value, "the tensor-parallel degree is a positive number of ranks")
+    else:
+        ctx.set("parallelism.tp", value, path, Fidelity.APPROXIMATE, "DTensor tensor parallelism; torchtune splits "
+                "the layers of its tensor_parallel_plan, torsh's default plan the same names (q/k/v_proj, w1/w3 "
+                "colwise; output_proj, w2 rowwise), not the embedding or output head")  # fmt: skip
+
+
+def _read_tensor_parallel_plan(value: Any, ctx: Any, path: str) -> None:
+    ctx.keep(path, value)
+    ctx.note(path, Fidelity.APPROXIMATE, "torchtune's plan is a function of its model; the default plan splits the "
+             "same attention and feed-forward projections (give parallelism.tp_plan for another split)", value)
+
+
+def _write_tensor_parallel(cfg: TorshConfig, ctx: WriteContext) -> None:
+    par = cfg.parallelism
+    if par.tp > 1:
+        ctx.put("tensor_parallel_dim", par.tp, "parallelism.tp")
+    if par.tp_plan:
+        ctx.note("parallelism.tp_plan", Fidelity.UNSUPPORTED, "torchtune's tensor_parallel_plan is a component (a "
+                 "function of its model), not a list of names", par.tp_plan)  # fmt: skip
+    for key in ("pp", "cp"):
+        if getattr(par, key) != 1:
+            ctx.note(f"parallelism.{key}", Fidelity.UNSUPPORTED, "torchtune's distributed recipes have no such "
+                     "degree", getattr(par, key))  # fmt: skip
 
 
 _GROUPS = (
     Group("sharding", ("fsdp_reshard_after_forward", "fsdp_cpu_offload", "data_parallel_shard_dim",
-                       "data_parallel_replicate_dim"), ("sharding.stage", "sharding.hybrid_shard_size", "offload"),
+                       "data_parallel_replicate_dim"), ("sharding.stage", "sharding.hybrid_shard_size", "offload",
+                                                        "parallelism.dp_replicate"),
           _read_sharding, _write_sharding),
     Group("precision", ("dtype",), ("precision",), _read_dtype, _write_dtype),
     Group("optimizer", ("optimizer.*",), ("optimizer",), _read_optimizer, _write_optimizer),
@@ -247,7 +282,9 @@ _FIELDS = {
     "compile": Hook(read=_read_flag("torch.compile; torsh does not compile the model")),
     "optimizer_in_bwd": Hook(read=_read_flag("the optimizer steps each parameter during backward; torsh steps once "
                                              "per step")),
-    "tensor_parallel_dim": Hook(read=_read_tensor_parallel),
+    "tensor_parallel_dim": Hook(read=_read_tensor_parallel, write=_write_tensor_parallel, claims=("parallelism.tp",
+                                "parallelism.tp_plan", "parallelism.pp", "parallelism.cp")),
+    "tensor_parallel_plan": Hook(read=_read_tensor_parallel_plan),
     "lr_scheduler": Unsupported("torchtune's scheduler component; build the schedule in the training script"),
 }
 
@@ -278,7 +315,8 @@ class Torchtune(Dialect):
         return prepared
 
     def write_map(self, version: str | None) -> FieldMap:
-        return FieldMap({k: v for k, v in _FIELDS.items() if isinstance(v, To)}, groups=_GROUPS)
+        return FieldMap({k: v for k, v in _FIELDS.items() if isinstance(v, To) or (isinstance(v, Hook) and v.write)},
+                        groups=_GROUPS)  # fmt: skip
 
     def finish_write(self, ctx: WriteContext, version: str | None) -> None:
         from ._torch_names import AUTO_SETTERS

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from torsh.config import SECTION_NAMES, TorshConfig, iter_leaves
+from torsh.config import SECTION_NAMES, ParallelismConfig, TorshConfig, iter_leaves
 from torsh.dialect import Dialect
 from torsh.translate import Fidelity, Hook, Ignored, Note, ReadContext, To, Translation
 
@@ -107,7 +107,13 @@ class Torsh(Dialect):
             return 0.0
         if _is_seed_layout(raw):
             return 0.9
-        return 1.0 if set(raw) <= set(SECTION_NAMES) else 0.0
+        if not set(raw) <= set(SECTION_NAMES):
+            return 0.0
+        # torchtitan's job config has a [parallelism] section too, with its own keys (data_parallel_shard_degree)
+        par = raw.get("parallelism")
+        if isinstance(par, dict) and not set(par) <= set(ParallelismConfig.model_fields):
+            return 0.0
+        return 1.0
 
 
 DIALECT = Torsh()

@@ -819,11 +819,31 @@ class MonitoringConfig(Section):
     """Communication timeline."""
 
 
-class PipelineConfig(Section):
-    """Pipeline parallelism. Carried and reported; the engine does not execute pipelines yet."""
+class ParallelismConfig(Section):
+    """The parallel degrees of the job's device mesh, named as torchtitan and Accelerate name them.
 
-    stages: PositiveInt | MaybeAuto | None = None
-    """Pipeline stages. None: no pipeline parallelism."""
+    The data-parallel degree is what the others leave: world size / (tp x pp x cp). Within it, the shard group is
+    ``sharding.hybrid_shard_size`` (the dp_shard degree; None: every data-parallel rank) and ``dp_replicate`` the
+    number of groups; give one of the two, the other follows from the world size.
+    """
+
+    dp_replicate: PositiveInt | None = None
+    """Data-parallel replicas of the shard groups (HSDP). None: the data-parallel ranks / sharding.hybrid_shard_size;
+    set it instead of sharding.hybrid_shard_size when the group size depends on the world size."""
+    tp: Annotated[int, Field(gt=0, le=MAX_PROCESSES)] = 1
+    """Tensor-parallel degree: the model's linear layers are split over this many ranks (DTensor)."""
+    pp: Annotated[int, Field(gt=0, le=MAX_PROCESSES)] | MaybeAuto = 1
+    """Pipeline-parallel degree (pipeline stages). "auto": the stages of a DeepSpeed ``PipelineModule``."""
+    cp: Annotated[int, Field(gt=0, le=MAX_PROCESSES)] = 1
+    """Context (sequence) parallel degree."""
+    tp_plan: dict[str, Literal["colwise", "rowwise"]] | None = None
+    """Which linear layers tensor parallelism splits: module-name patterns (``*`` matches within one dotted name,
+    ``**`` across them) -> colwise or rowwise. None: the default plan for Hugging Face-style names."""
+
+
+class PipelineConfig(Section):
+    """Pipeline schedule settings (the number of stages is ``parallelism.pp``)."""
+
     micro_batches: PositiveInt | None = None
     """Micro-batches per pipeline step."""
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] | None = None
@@ -832,6 +852,14 @@ class PipelineConfig(Section):
     """How layers are assigned to stages (DeepSpeed ``partition``: parameters, uniform, type:...)."""
     activation_checkpoint_interval: NonNegativeInt = 0
     """Checkpoint every N layers (0: off)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stages_moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "stages" in data:
+            raise ValueError(f"pipeline.stages={data['stages']!r} moved to parallelism.pp (one place for every "
+                             "parallel degree): write it there")  # fmt: skip
+        return data
 
 
 class DataConfig(Section):
@@ -854,8 +882,8 @@ class DataConfig(Section):
 
 SECTION_NAMES = (
     "batch", "sharding", "ddp", "precision", "offload", "optimizer", "scheduler", "gradients", "compression",
-    "activation_checkpointing", "communication", "launch", "checkpoint", "monitoring", "pipeline", "data",
-    "extensions",
+    "activation_checkpointing", "communication", "launch", "checkpoint", "monitoring", "parallelism", "pipeline",
+    "data", "extensions",
 )  # fmt: skip
 
 
@@ -890,8 +918,10 @@ class TorshConfig(Section):
     """Checkpoints."""
     monitoring: MonitoringConfig = MonitoringConfig()
     """Logging and metrics."""
+    parallelism: ParallelismConfig = ParallelismConfig()
+    """Parallel degrees (data, tensor, pipeline, context)."""
     pipeline: PipelineConfig = PipelineConfig()
-    """Pipeline parallelism (reported, not executed)."""
+    """Pipeline schedule."""
     data: DataConfig = DataConfig()
     """Training dataloader."""
     extensions: dict[str, dict[str, Any]] = {}
@@ -913,6 +943,18 @@ class TorshConfig(Section):
                         if isinstance(item, float) and not math.isfinite(item):
                             raise ValueError(f"kept setting extensions.{dialect}.{key}{path[1:]} holds {item}: it "
                                              "must be a finite number")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _one_setting_per_degree(self) -> "TorshConfig":
+        replicate, shard = self.parallelism.dp_replicate, self.sharding.hybrid_shard_size
+        if replicate is not None and shard is not None:
+            raise ValueError(f"parallelism.dp_replicate ({replicate}) and sharding.hybrid_shard_size ({shard}) are "
+                             "one setting (replicas x shard group = the data-parallel ranks): give only one of "
+                             "them")  # fmt: skip
+        if replicate not in (None, 1) and self.sharding.stage < 2:
+            raise ValueError(f"parallelism.dp_replicate={replicate} needs sharding.stage 2 or 3 (HSDP: replicas of "
+                             f"shard groups; stage is {self.sharding.stage})")  # fmt: skip
         return self
 
     @model_validator(mode="after")

@@ -164,9 +164,13 @@ def explain(cfg: TorshConfig, world_size: int | None = None, source: str | None 
 
     world_size = _world_size(cfg, world_size)
     decided = plan(cfg, world_size, source=source)  # an optimizer assumed passed to initialize
+    laid = decided.degrees
+    dp = laid.dp if laid is not None else world_size  # the batch is split over the data-parallel ranks only
     return {
         "world_size": world_size,
-        "batch": batch_math(cfg.batch, world_size),
+        "data_parallel_size": dp,
+        "mesh": dict(laid.dims) if laid is not None else None,
+        "batch": batch_math(cfg.batch, dp),
         "precision_contract": precision_contract(cfg.precision, cfg.sharding, cfg.offload, cfg.checkpoint,
                                                  cfg.gradients.reduce_op),
         "loss_scaling": loss_scaling_rule(cfg.precision),

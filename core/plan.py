@@ -100,6 +100,13 @@ class EnginePlan:
     """Every reason the engine cannot run the config (empty: it can)."""
     steps: tuple[str, ...]
     """The plan in words, in build order (``explain`` prints these)."""
+    degrees: "Degrees | None" = None
+    """The parallel degrees on ``world_size`` ranks (None when they do not divide it, which is refused)."""
+
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel degree (1: none)."""
+        return self.degrees.tp if self.degrees is not None else 1
 
     @property
     def loss_scaler(self) -> bool:
@@ -117,13 +124,138 @@ class EnginePlan:
             raise ConfigError(list(self.refused))
 
 
+#: The mesh's dimensions, outermost first (torchtitan's order: pipeline stages outermost, tensor parallelism
+#: innermost, so that the ranks of one TP group are neighbours, on one node).
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """The parallel degrees of a job on ``world_size`` ranks (:func:`degrees`)."""
+
+    world_size: int
+    tp: int
+    pp: int
+    cp: int
+    dp_replicate: int
+    """Replicas of the data-parallel shard groups (1: no HSDP)."""
+    dp_shard: int
+    """Ranks of one data-parallel shard group (1 under DDP)."""
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree: the ranks the batch is split over."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dims(self) -> tuple[tuple[str, int], ...]:
+        """The device mesh, outermost first: each degree above 1, and the data-parallel dimension(s) always."""
+        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                 "tp": self.tp}  # fmt: skip
+        keep = [n for n in MESH_ORDER if sizes[n] > 1]
+        if self.dp_replicate == 1 and "dp_shard" not in keep:
+            keep.append("dp_shard")  # the data-parallel dimension is always there, even of size 1
+        return tuple((n, sizes[n]) for n in MESH_ORDER if n in keep)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where ``rank`` sits on each dimension of :attr:`dims` (row-major, as ``init_device_mesh`` lays out)."""
+        out, rest = {}, rank
+        for name, size in reversed(self.dims):
+            out[name] = rest % size
+            rest //= size
+        return out
+
+    def dp_rank(self, rank: int) -> int:
+        """``rank``'s index among the data-parallel ranks (which batch shard it reads)."""
+        at = self.coordinates(rank)
+        return at.get("dp_replicate", 0) * self.dp_shard + at.get("dp_shard", 0)
+
+
+def pipeline_degree(cfg: TorshConfig) -> int:
+    """The number of pipeline stages ``parallelism.pp`` asks for (1: no pipeline; "auto" counts as 1 here: the
+    stages of the model the script builds)."""
+    pp = cfg.parallelism.pp
+    return 1 if is_deferred(pp) else int(pp)
+
+
+def degrees(cfg: TorshConfig, world_size: int) -> Degrees | None:
+    """The parallel degrees of ``cfg`` on ``world_size`` ranks; None when they do not divide it (or the shard group
+    is still "auto"): :func:`degree_problems` says why."""
+    par, s = cfg.parallelism, cfg.sharding
+    tp, pp, cp = par.tp, pipeline_degree(cfg), par.cp
+    model = tp * pp * cp
+    if world_size < 1 or world_size % model:
+        return None
+    dp = world_size // model
+    if s.stage < 2:  # DDP replicates; with tensor parallelism FSDP2 shards over the data-parallel ranks (see plan)
+        return Degrees(world_size, tp, pp, cp, dp_replicate=1 if tp > 1 else dp, dp_shard=dp if tp > 1 else 1)
+    if par.dp_replicate is not None:
+        replicate = par.dp_replicate
+        if dp % replicate:
+            return None
+        return Degrees(world_size, tp, pp, cp, dp_replicate=replicate, dp_shard=dp // replicate)
+    shard = s.hybrid_shard_size
+    if shard is None:
+        return Degrees(world_size, tp, pp, cp, dp_replicate=1, dp_shard=dp)
+    if is_deferred(shard) or dp % shard:
+        return None
+    return Degrees(world_size, tp, pp, cp, dp_replicate=dp // shard, dp_shard=shard)
+
+
+def degree_problems(cfg: TorshConfig, world_size: int) -> list[Problem]:
+    """Why the degrees do not lay out on ``world_size`` ranks (each naming its key and what to do)."""
+    par, s = cfg.parallelism, cfg.sharding
+    named = {k: v for k, v in (("tp", par.tp), ("pp", pipeline_degree(cfg)), ("cp", par.cp)) if v > 1}
+    model = par.tp * pipeline_degree(cfg) * par.cp
+    if world_size % model:
+        product = " x ".join(f"{k} {v}" for k, v in named.items())
+        return [Problem("parallelism", dict(named), f"{product} = {model} does not divide the world size "
+                        f"{world_size}: launch a multiple of {model} processes, or lower "
+                        f"parallelism.{max(named, key=named.get)}")]  # fmt: skip
+    dp = world_size // model
+    problems = []
+    if s.stage >= 2 and par.dp_replicate is not None and dp % par.dp_replicate:
+        problems.append(Problem("parallelism.dp_replicate", par.dp_replicate, f"must divide the {dp} data-parallel "
+                                f"ranks (world size {world_size} / {model} for tp x pp x cp)"))  # fmt: skip
+    shard = s.hybrid_shard_size
+    if s.stage >= 2 and isinstance(shard, int) and dp % shard:
+        where = (f"the world size {world_size}" if model == 1 else
+                 f"the {dp} data-parallel ranks (world size {world_size} / {model} for tp x pp x cp)")
+        problems.append(Problem("sharding.hybrid_shard_size", shard, f"must divide {where}"))
+    return problems
+
+
+def _model_parallel_refusals(cfg: TorshConfig) -> list[Problem]:
+    """The degrees the engine does not run, each with its alternative."""
+    par, problems = cfg.parallelism, []
+    if par.cp > 1:
+        problems.append(Problem("parallelism.cp", par.cp, "context parallelism is not run by the torsh engine "
+                                "(torch's context_parallel is experimental and only splits scaled-dot-product "
+                                "attention); set it to 1 and fit long sequences with activation checkpointing, "
+                                "sharding.stage 3 or parallelism.tp"))  # fmt: skip
+    if pipeline_degree(cfg) > 1:
+        problems.append(Problem("parallelism.pp", par.pp, "pipeline parallelism is not run by the torsh engine; set "
+                                "it to 1 and use sharding.stage 3 (FSDP2) or parallelism.tp to fit the model"))
+    if par.tp > 1:
+        o = cfg.offload
+        if "cpu" in (o.params, o.optimizer) and "nvme" not in (o.params, o.optimizer):  # nvme: refused anyway
+            problems.append(Problem("offload", f"{o.params}/{o.optimizer}", "offload with tensor parallelism "
+                                    "(parallelism.tp > 1) is not run by the engine; set offload to 'none' or "
+                                    "parallelism.tp to 1"))  # fmt: skip
+    return problems
+
+
 def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimizer_given: bool = True) -> EnginePlan:
     """Decide how the engine runs ``cfg`` on ``world_size`` ranks (``source``: the dialect it was read from, which
     decides whether DeepSpeed's bucket sizes size the units; ``optimizer_given``: the caller passes an optimizer
     to ``initialize``). Refusals are collected, not raised: :meth:`EnginePlan.check` raises them."""
     s, o, p = cfg.sharding, cfg.offload, cfg.precision
-    fsdp = s.stage >= 2
-    dp, mesh = _data_parallel(s.stage, s.hybrid_shard_size, world_size)
+    laid = degrees(cfg, world_size)
+    tp = cfg.parallelism.tp
+    # Tensor parallelism composes with FSDP2 on the data-parallel sub-mesh (as torchtitan does); stages 0/1 run
+    # there as FSDP2 without resharding (ZeRO-2's layout, DDP's numerics).
+    fsdp = s.stage >= 2 or tp > 1
+    dp, mesh = _data_parallel(2 if tp > 1 and s.stage < 2 else s.stage, laid)
     # The parameters FSDP2 holds in compute: the compute dtype, or the fp32 masters themselves under autocast.
     held = p.master_dtype if p.autocast else p.param_dtype
     if fsdp and cfg.compression.method in ("fp16", "bf16"):
@@ -134,29 +266,29 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
     scaler = p.loss_scaling.mode != "none"  # the engine scales whenever it is set; DeepSpeed's reader sets it for fp16
     decided = EnginePlan(
         world_size=world_size, data_parallel=dp, mesh=mesh,
-        reshard_after_forward=s.effective_reshard_after_forward if fsdp else None,
+        reshard_after_forward=(s.effective_reshard_after_forward if s.stage >= 2 else False) if fsdp else None,
         param_dtype=p.param_dtype, master_dtype=p.master_dtype, reduce_dtype=reduce, autocast=p.autocast,
         fsdp_mixed_precision=fsdp and (held != p.master_dtype or reduce != held),
         masters_on_cpu=not fsdp and o.optimizer == "cpu", fsdp_cpu_offload=fsdp and "cpu" in (o.params, o.optimizer),
         compression="none" if not compressed else "reduce_dtype" if fsdp else "comm_hook",
-        optimizer_wrapper="ZeroRedundancyOptimizer" if s.stage == 1 else None,
+        optimizer_wrapper="ZeroRedundancyOptimizer" if s.stage == 1 and not fsdp else None,
         optimizer_on_cpu="cpu" in (o.params, o.optimizer),
         step=_step_policy(cfg, scaling=scaler, compressed=compressed),
-        refused=tuple(refusals(cfg, world_size=world_size, optimizer_given=optimizer_given)), steps=(),
+        refused=tuple(refusals(cfg, world_size=world_size, optimizer_given=optimizer_given)), steps=(), degrees=laid,
     )  # fmt: skip
     return _with_steps(decided, cfg, source)
 
 
-def _data_parallel(stage: int, hybrid: object, world_size: int) -> tuple[DataParallel, tuple[int, ...] | None]:
-    """The data-parallel kind and FSDP2's mesh shape (None under DDP, for an "auto" shard group, or for one that
-    does not divide the world, which is refused)."""
+def _data_parallel(stage: int, laid: Degrees | None) -> tuple[DataParallel, tuple[int, ...] | None]:
+    """The data-parallel kind and FSDP2's mesh shape over the data-parallel ranks (None under DDP, or when the
+    degrees do not lay out on the world, an "auto" shard group included, which is refused or resolved later)."""
     if stage < 2:
         return ("ddp" if stage == 0 else "zero1"), None
-    if not hybrid or hybrid == world_size:
-        return "fsdp2", (world_size,)
-    if is_deferred(hybrid) or world_size % hybrid:
+    if laid is None:
         return "hsdp", None
-    return "hsdp", (world_size // hybrid, hybrid)
+    if laid.dp_replicate == 1:
+        return "fsdp2", (laid.dp_shard,)
+    return "hsdp", (laid.dp_replicate, laid.dp_shard)
 
 
 def _step_policy(cfg: TorshConfig, *, scaling: bool, compressed: bool) -> StepPolicy:
@@ -176,28 +308,24 @@ def refusals(cfg: TorshConfig, *, world_size: int, optimizer_given: bool = True)
     """
     problems: list[Problem] = []
     stage = cfg.sharding.stage
-    if cfg.pipeline.stages not in (None, 1) and not is_deferred(cfg.pipeline.stages):
-        problems.append(Problem("pipeline.stages", cfg.pipeline.stages, "pipeline parallelism is not executed by "
-                                "the torsh engine; remove it or use torch.distributed.pipelining"))  # fmt: skip
+    problems += degree_problems(cfg, world_size)
+    problems += _model_parallel_refusals(cfg)
     if cfg.gradients.reduce_op == "adasum":
         problems.append(Problem("gradients.reduce_op", "adasum", "Adasum is Horovod-only and has no native "
                                 "PyTorch equivalent; use 'mean' or 'sum'"))  # fmt: skip
-    if stage >= 2:
-        problems += _fsdp_refusals(cfg, world_size)
+    if stage >= 2 or cfg.parallelism.tp > 1:  # tensor parallelism runs FSDP2 on the data-parallel sub-mesh
+        problems += _fsdp_refusals(cfg)
     if stage in (1, 2) and not optimizer_given and not (cfg.optimizer is not None and cfg.optimizer.name):
         problems.append(Problem("sharding.stage", stage, f"zero stage {stage} requires an optimizer: pass one to "
                                 "initialize or configure one"))  # fmt: skip
     return problems
 
 
-def _fsdp_refusals(cfg: TorshConfig, world_size: int) -> list[Problem]:
+def _fsdp_refusals(cfg: TorshConfig) -> list[Problem]:
     problems = []
     if "nvme" in (cfg.offload.params, cfg.offload.optimizer):
         problems.append(Problem("offload", "nvme", "NVMe offload has no native PyTorch equivalent; use 'cpu' or "
                                 "'none'"))  # fmt: skip
-    shard = cfg.sharding.hybrid_shard_size
-    if isinstance(shard, int) and shard != world_size and world_size % shard:
-        problems.append(Problem("sharding.hybrid_shard_size", shard, f"must divide the world size {world_size}"))
     if cfg.compression.method != "none":
         problems += fsdp_compression_problems(cfg.compression, cfg.precision.reduce_dtype)
     return problems
@@ -219,7 +347,10 @@ def _dtype(value: object) -> str:
 def _with_steps(decided: EnginePlan, cfg: TorshConfig, source: str | None) -> EnginePlan:
     from .engine.units import describe_policy  # torch-free: the sizes, not the model
 
-    steps = _checkpointing_steps(cfg)
+    steps = _mesh_steps(decided, cfg)
+    steps += _checkpointing_steps(cfg)
+    if decided.tp > 1:
+        steps.append(tp_plan_step(cfg))
     steps.append(_sharding_step(decided, cfg))
     steps += describe_policy(cfg, source=source)
     steps += _precision_steps(decided)
@@ -256,13 +387,73 @@ def _checkpointing_steps(cfg: TorshConfig) -> list[str]:
     return [f"activation checkpointing of {which}" + (" (saved activations on the CPU)" if ac.cpu_offload else "")]
 
 
+#: How many ranks ``explain`` lists one by one (a larger world is summarised).
+_RANKS_LISTED = 16
+
+
+def _mesh_steps(decided: EnginePlan, cfg: TorshConfig) -> list[str]:
+    """The device mesh and what runs where, when any degree other than data parallelism is above 1."""
+    laid, par = decided.degrees, cfg.parallelism
+    if laid is None:
+        if par.tp * pipeline_degree(cfg) * par.cp == 1:
+            return []
+        return [f"device mesh: the degrees (tp {par.tp}, pp {par.pp}, cp {par.cp}) do not lay out on "
+                f"{decided.world_size} rank(s) (refused below)"]  # fmt: skip
+    if laid.tp * laid.pp * laid.cp == 1:
+        return []
+    dims = " x ".join(f"{n} {k}" for n, k in laid.dims)
+    lines = [f"device mesh ({', '.join(n for n, _ in laid.dims)}) = ({dims}) on {decided.world_size} rank(s): "
+             f"data parallel over {laid.dp} rank(s) (the batch is split over them), tensor parallel over {laid.tp}, "
+             f"pipeline stages {laid.pp}, context parallel {laid.cp}"]  # fmt: skip
+    placed = []
+    for rank in range(min(decided.world_size, _RANKS_LISTED)):
+        at = laid.coordinates(rank)
+        placed.append(f"rank {rank}: " + ", ".join(f"{n} {at[n]}" for n, _ in laid.dims)
+                      + f" (batch shard {laid.dp_rank(rank)})")
+    more = f"; ... ({decided.world_size - _RANKS_LISTED} more)" if decided.world_size > _RANKS_LISTED else ""
+    lines.append("what runs where: " + "; ".join(placed) + more)
+    return lines
+
+
+#: The default tensor-parallel plan: a linear layer's last name -> how it is split (Hugging Face-style names, as
+#: DeepSpeed's AutoTP recognises them: the projections into a block are split by output columns, the projection out
+#: of it by input rows, so each pair needs one all-reduce).
+TP_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "query", "key", "value", "wq", "wk", "wv", "fc1",
+              "w1", "w3", "dense_h_to_4h", "c_fc")  # fmt: skip
+TP_ROWWISE = ("o_proj", "out_proj", "output_proj", "down_proj", "dense", "wo", "fc2", "w2", "dense_4h_to_h",
+              "c_proj")  # fmt: skip
+
+
+def tp_plan_step(cfg: TorshConfig) -> str:
+    """The tensor-parallel plan in words (the engine's :mod:`torsh.engine.tensor_parallel` applies it)."""
+    plan_ = cfg.parallelism.tp_plan
+    head = f"tensor parallelism over {cfg.parallelism.tp} ranks: DTensor parallelize_module on the tp sub-mesh, "
+    if plan_:
+        return head + "the configured plan (parallelism.tp_plan): " + ", ".join(
+            f"{pattern} -> {style}" for pattern, style in plan_.items())
+    return (head + "the default plan for Hugging Face-style names: ColwiseParallel on "
+            + "/".join(TP_COLWISE) + ", RowwiseParallel on " + "/".join(TP_ROWWISE)
+            + " (a block's linear layers are split only when all of them are named so and it has a rowwise one; "
+            "every other parameter is replicated over the tp ranks)")
+
+
 def _sharding_step(decided: EnginePlan, cfg: TorshConfig) -> str:
+    if cfg.parallelism.tp > 1 and cfg.sharding.stage < 2:
+        laid = decided.degrees
+        over = f"the data-parallel sub-mesh ({laid.dp} rank(s))" if laid else "the data-parallel sub-mesh"
+        return (f"FSDP2 fully_shard(reshard_after_forward=False) on {over}, after tensor parallelism (as "
+                f"torchtitan composes them): sharding.stage {cfg.sharding.stage} runs as ZeRO-2's layout, DDP's "
+                "numerics (the engine's DDP reduces over every rank, not a sub-mesh)")  # fmt: skip
     if decided.data_parallel == "ddp":
         return "DDP (DistributedDataParallel): parameters, gradients and optimizer state replicated"
     if decided.data_parallel == "zero1":
         return "ZeRO-1: DDP + ZeroRedundancyOptimizer (optimizer state sharded, parameters replicated)"
-    mesh = (f"HSDP on a 2-D mesh (shard within groups of {cfg.sharding.hybrid_shard_size}, replicate across groups)"
+    laid = decided.degrees
+    group = laid.dp_shard if laid is not None else cfg.sharding.hybrid_shard_size
+    mesh = (f"HSDP on a 2-D mesh (shard within groups of {group}, replicate across groups)"
             if decided.data_parallel == "hsdp" else "sharded over all data-parallel ranks")  # fmt: skip
+    if cfg.parallelism.tp > 1:
+        mesh += ", on the data-parallel sub-mesh after tensor parallelism"
     return (f"FSDP2 fully_shard(reshard_after_forward={decided.reshard_after_forward}) - "
             f"ZeRO-{cfg.sharding.stage}-like, {mesh}")
 

@@ -98,9 +98,10 @@ def test_hsdp_from_parallelism_config():
                                                          "parallelism_config_dp_shard_size": 4,
                                                          "parallelism_config_tp_size": 1})  # fmt: skip
     assert adapters.read(raw, "accelerate").result.sharding.hybrid_shard_size == 4
-    with_tp = _fsdp({"fsdp_version": 2}, parallelism_config={"parallelism_config_tp_size": 2})
-    assert _note(adapters.read(with_tp, "accelerate"), "parallelism_config.parallelism_config_tp_size").fidelity \
-        is Fidelity.UNSUPPORTED
+    with_tp = adapters.read(_fsdp({"fsdp_version": 2}, parallelism_config={"parallelism_config_tp_size": 2}),
+                            "accelerate")  # fmt: skip
+    assert _note(with_tp, "parallelism_config.parallelism_config_tp_size").fidelity is Fidelity.APPROXIMATE
+    assert with_tp.result.parallelism.tp == 2
 
 
 def test_unread_sections_are_noted_not_mapped():

@@ -68,7 +68,7 @@ UNKNOWN = [
     ({"launch": {"nnode": 2}}, "launch.nnode", "nnodes"),
     ({"checkpoint": {"directory": "x"}}, "checkpoint.directory", None),
     ({"monitoring": {"tensorbord": {}}}, "monitoring.tensorbord", "tensorboard"),
-    ({"pipeline": {"stage": 2}}, "pipeline.stage", "stages"),
+    ({"parallelism": {"dp_replicas": 2}}, "parallelism.dp_replicas", "dp_replicate"),
     ({"data": {"droplast": True}}, "data.droplast", "drop_last"),
     ({"precison": {}}, "precison", "precision"),
 ]

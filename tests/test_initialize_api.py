@@ -103,7 +103,7 @@ def test_auto_hybrid_shard_size_is_the_node_and_unresolvable_auto_is_named(monke
     assert resolved.sharding.hybrid_shard_size == 2 and "one node" in values["sharding.hybrid_shard_size"][1]
     with pytest.raises(ConfigError) as exc:
         _resolve({"batch": {"micro_batch_size": 1}, "precision": {"param_dtype": "auto"},
-                  "pipeline": {"stages": "auto"}})  # fmt: skip
+                  "parallelism": {"pp": "auto"}})  # fmt: skip
     assert {p.path for p in exc.value.problems} == {"precision.param_dtype"}  # pipeline "auto": no pipeline
 
 

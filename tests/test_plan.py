@@ -32,7 +32,12 @@ def test_plan_imports_no_torch():
     ({"sharding": {"stage": 2}, "compression": {"method": "topk", "ratio": 0.01}}, 2, "compression.method"),
     ({"sharding": {"stage": 3}, "compression": {"method": "fp16"}, "precision": {"reduce_dtype": "bf16"}}, 2,
      "compression.method"),
-    ({"pipeline": {"stages": 2}}, 2, "pipeline.stages"),
+    ({"parallelism": {"pp": 2}}, 2, "parallelism.pp"),
+    ({"parallelism": {"cp": 2}}, 2, "parallelism.cp"),
+    ({"parallelism": {"tp": 3}}, 4, "parallelism"),
+    ({"parallelism": {"tp": 2}, "sharding": {"stage": 3, "hybrid_shard_size": 4}}, 4, "sharding.hybrid_shard_size"),
+    ({"parallelism": {"tp": 2, "dp_replicate": 3}, "sharding": {"stage": 3}}, 4, "parallelism.dp_replicate"),
+    ({"parallelism": {"tp": 2}, "sharding": {"stage": 2}, "offload": {"optimizer": "cpu"}}, 2, "offload"),
 ])  # fmt: skip
 def test_each_refusal_names_its_key(sections, world, key):
     problems = plan.refusals(_cfg(**sections), world_size=world)

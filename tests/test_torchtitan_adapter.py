@@ -48,17 +48,22 @@ def test_data_parallel_degrees_decide_the_sharding(parallelism, stage, hybrid):
     assert (cfg.sharding.stage, cfg.sharding.hybrid_shard_size) == (stage, hybrid)
 
 
-def test_hybrid_sharding_over_the_remaining_ranks_is_reported_not_guessed():
+def test_hybrid_sharding_over_the_remaining_ranks_is_the_replicate_degree_not_a_guessed_group():
     t = read({"parallelism": {"data_parallel_replicate_degree": 2}})
-    assert t.result.sharding.hybrid_shard_size is None
-    assert "set data_parallel_shard_degree" in _note(t, "parallelism.data_parallel_replicate_degree").reason
+    assert t.result.sharding.hybrid_shard_size is None and t.result.parallelism.dp_replicate == 2
+    assert adapters.write(t.result, "torchtitan").result["parallelism"]["data_parallel_replicate_degree"] == 2
 
 
-def test_other_parallelism_is_unsupported_and_kept():
-    t = read({"parallelism": {"tensor_parallel_degree": 8, "pipeline_parallel_degree": 1}})
-    assert _note(t, "parallelism.tensor_parallel_degree").fidelity is Fidelity.UNSUPPORTED
-    assert _note(t, "parallelism.pipeline_parallel_degree").fidelity is Fidelity.EXACT
-    assert adapters.write(t.result, "torchtitan").result["parallelism"]["tensor_parallel_degree"] == 8
+def test_model_parallel_degrees_are_the_core_degrees_and_expert_parallelism_is_unsupported():
+    t = read({"parallelism": {"tensor_parallel_degree": 8, "pipeline_parallel_degree": 1, "context_parallel_degree": 2,
+                              "expert_parallel_degree": 4}})  # fmt: skip
+    par = t.result.parallelism
+    assert (par.tp, par.pp, par.cp) == (8, 1, 2)
+    assert _note(t, "parallelism.tensor_parallel_degree").fidelity is Fidelity.APPROXIMATE
+    assert _note(t, "parallelism.pipeline_parallel_degree").fidelity is Fidelity.IGNORED
+    assert _note(t, "parallelism.expert_parallel_degree").fidelity is Fidelity.UNSUPPORTED
+    written = adapters.write(t.result, "torchtitan").result["parallelism"]
+    assert (written["tensor_parallel_degree"], written["context_parallel_degree"]) == (8, 2)
 
 
 @pytest.mark.parametrize("raw, key", [

@@ -78,7 +78,9 @@ def test_hsdp_dims_and_tensor_parallelism():
     cfg = read(data_parallel_shard_dim=8, data_parallel_replicate_dim=2).result
     assert cfg.sharding.hybrid_shard_size == 8
     t = read(tensor_parallel_dim=8, tensor_parallel_plan={"_component_": "x"})
-    assert _note(t, "tensor_parallel_dim").fidelity is Fidelity.UNSUPPORTED
+    assert t.result.parallelism.tp == 8 and _note(t, "tensor_parallel_dim").fidelity is Fidelity.APPROXIMATE
+    assert adapters.write(t.result, "torchtune").result["tensor_parallel_dim"] == 8
+    assert read(data_parallel_replicate_dim=2).result.parallelism.dp_replicate == 2
 
 
 def test_sniffing_finds_recipe_configs_and_leaves_fsdp_excerpts_to_the_fsdp_dialect():

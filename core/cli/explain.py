@@ -17,8 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "loss-scaling rule and what torsh.initialize would build.")  # fmt: skip
     parser.add_argument("file", help="config file (JSON, hjson, YAML or TOML)")
     parser.add_argument("--world-size", type=int, default=None, metavar="N",
-                        help="data-parallel ranks to resolve the batch sizes for (default: the process count the "
-                        "config states, else 1)")
+                        help="processes in the job, to lay out the mesh and resolve the batch sizes for (the "
+                        "data-parallel ranks are N / (tp x pp x cp); default: the process count the config states, "
+                        "else 1)")
     add_from_option(parser)
     add_report_option(parser, help="output format (default: table)")
     add_deprecated_alias(parser, "--format", "--report", "report", choices=["table", "json"])
@@ -42,7 +43,10 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     echo(f"{args.file} ({translation.source})")
-    echo(f"\nBatch ({data['world_size']} data-parallel rank(s)): {data['batch']}\n", indent="  ")
+    ranks = f"{data['data_parallel_size']} data-parallel rank(s)"
+    if data["data_parallel_size"] != data["world_size"]:
+        ranks += f" of {data['world_size']}"
+    echo(f"\nBatch ({ranks}): {data['batch']}\n", indent="  ")
     rows = [(row.tensor, row.dtype, row.detail) for row in data["precision_contract"]]
     sys.stdout.write(render_table("Precision contract", ("tensor", "dtype", "detail"), rows,
                                   terminal_width(sys.stdout)))  # fmt: skip

@@ -119,8 +119,8 @@ def resolve_auto(cfg: TorshConfig, *, model: torch.nn.Module, optimizer: Any, tr
         else:
             fail("sharding.hybrid_shard_size", "the launcher does not say how many processes share a node; give a "
                  "number")  # fmt: skip
-    fill("pipeline.stages", None, "no pipeline: DeepSpeed's \"auto\" takes the stages of a PipelineModule, and "
-         "the torsh engine runs data parallelism only")  # fmt: skip
+    fill("parallelism.pp", 1, "no pipeline: DeepSpeed's \"auto\" takes the stages of a PipelineModule, and none "
+         "was passed")  # fmt: skip
     fail("precision.param_dtype", "has no source here (the HF Trainer fills it from --bf16/--fp16): give fp32, "
          "bf16 or fp16")  # fmt: skip
 

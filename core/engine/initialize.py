@@ -54,10 +54,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raise ConfigError([Problem("model", None, "initialize needs a model")])
     if mpu is not None or mesh_param is not None:
         raise ConfigError([Problem("mpu" if mpu is not None else "mesh_param", type(mpu or mesh_param).__name__,
-                                   "model/sequence parallelism is not supported by the torsh engine; "
-                                   "data parallelism and sharding only")])  # fmt: skip
+                                   "an mpu or mesh object is not read by the torsh engine: give the parallel "
+                                   "degrees in the config (parallelism.tp, parallelism.pp) and the engine builds "
+                                   "the mesh")])  # fmt: skip
     config = choose_config(args, config, config_params)
     cfg, translation = read_config(config)
+    cfg = _with_tp_model_init(cfg, model)
     info = start_process_group(cfg.communication, dist_init_required=dist_init_required,
                                distributed_port=distributed_port)  # fmt: skip
     _setup_logging(info.rank)
@@ -65,9 +67,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     _log_translation(translation, info.rank)
     _warn_not_executed(cfg, info.rank)
 
-    # "auto" needs the world size, the model, the passed optimizer and the data.
+    # "auto" needs the world size, the model, the passed optimizer and the data; the batch is split over the
+    # data-parallel ranks, what tensor / pipeline / context parallelism leave of the world.
+    dp_world = _data_parallel_size(cfg, info.world_size)
     cfg, batch, resolved = resolve_auto(cfg, model=model, optimizer=optimizer if _is_optimizer(optimizer) else None,
-                                        training_data=training_data, world_size=info.world_size)  # fmt: skip
+                                        training_data=training_data, world_size=dp_world)  # fmt: skip
     log_resolved(resolved, info.rank)
     source = translation.source if translation is not None else None
     cfg = with_deepspeed_buckets(cfg, source=source, rank=info.rank)  # DDP buckets from reduce_bucket_size
@@ -100,8 +104,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     loss_scaler = _build_loss_scaler(cfg)
     dataloader = None
     if training_data is not None:
+        dp_rank = decided.degrees.dp_rank(info.rank) if decided.degrees is not None else info.rank
         dataloader = build_dataloader(training_data, micro_batch_size=batch.micro_batch_size, data=cfg.data,
-                                      rank=info.rank, world_size=info.world_size, collate_fn=collate_fn)  # fmt: skip
+                                      rank=dp_rank, world_size=dp_world, collate_fn=collate_fn)  # fmt: skip
     engine = Engine(config=config_as_dict(config), policy=decided.step, monitor=Monitor(cfg.monitoring, info.rank),
                     batch=batch, info=info, shard=shard, precision=precision,
                     optimizer=optimizer, lr_scheduler=lr_scheduler, loss_scaler=loss_scaler,
@@ -113,6 +118,27 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                  batch.global_batch_size, batch.micro_batch_size, batch.gradient_accumulation_steps,
                  info.world_size)  # fmt: skip
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _with_tp_model_init(cfg: TorshConfig, model: torch.nn.Module) -> TorshConfig:
+    """The tensor-parallel degree ``deepspeed.tp_model_init`` recorded on the model: the config is canonical, a
+    missing degree is filled from it, a different one is an error (DeepSpeed's merge rules)."""
+    recorded = getattr(model, "_torsh_tp_model_init", None)
+    if recorded is None or recorded == cfg.parallelism.tp:
+        return cfg
+    if cfg.parallelism.tp != 1:
+        raise ConfigError([Problem("tensor_parallel.autotp_size", cfg.parallelism.tp, f"tp_model_init recorded "
+                                   f"tp_size={recorded}: give the same degree in both, or drop one")])  # fmt: skip
+    return cfg.resolve_deferred({"parallelism.tp": recorded})
+
+
+def _data_parallel_size(cfg: TorshConfig, world_size: int) -> int:
+    """The ranks the batch is split over: the world size / (tp x pp x cp) (the world itself when they do not
+    divide it, which the plan refuses)."""
+    from torsh.plan import pipeline_degree
+
+    model = cfg.parallelism.tp * pipeline_degree(cfg) * cfg.parallelism.cp
+    return world_size // model if world_size % model == 0 else world_size
 
 
 def load_config(args: Any, config: Any, config_params: Any) -> tuple[TorshConfig, Translation | None]:

@@ -159,6 +159,11 @@ def apply_sharding(model: nn.Module, cfg: TorshConfig, decided: EnginePlan, prec
     bucket sizes in ``cfg.extensions`` size the FSDP2 units (:func:`.units.plan_units`)."""
     if not decided.fsdp:
         return _apply_ddp(model, cfg.ddp, cfg.gradients, precision, info, decided.compression != "comm_hook")
+    if decided.tp > 1:  # tensor parallelism first, then FSDP2 on the data-parallel sub-mesh it leaves
+        from .tensor_parallel import apply_tensor_parallel
+
+        return _apply_fsdp(model, cfg, decided, precision, info, source,
+                           mesh=apply_tensor_parallel(model, cfg, decided, info))  # fmt: skip
     return _apply_fsdp(model, cfg, decided, precision, info, source)
 
 
@@ -265,7 +270,7 @@ def rebuild_ddp_for_unused(shard: ShardPlan, ddp: DdpConfig, gradients: Gradient
 
 
 def _apply_fsdp(model, cfg: TorshConfig, decided: EnginePlan, precision: PrecisionPlan, info: DistInfo,
-                source: str | None) -> ShardPlan:  # fmt: skip
+                source: str | None, mesh: object | None = None) -> ShardPlan:  # fmt: skip
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -273,8 +278,9 @@ def _apply_fsdp(model, cfg: TorshConfig, decided: EnginePlan, precision: Precisi
     if offload.optimizer == "cpu" and offload.params == "none":
         log.info("offload.optimizer=cpu under FSDP2: CPUOffloadPolicy offloads parameters and gradients too "
                  "and steps the optimizer on the CPU")  # fmt: skip
-    names = ("replicate", "shard") if len(decided.mesh) == 2 else ("shard",)
-    mesh = init_device_mesh(info.device.type, decided.mesh, mesh_dim_names=names)
+    if mesh is None:
+        names = ("replicate", "shard") if len(decided.mesh) == 2 else ("shard",)
+        mesh = init_device_mesh(info.device.type, decided.mesh, mesh_dim_names=names)
     kwargs = dict(
         mesh=mesh,
         reshard_after_forward=decided.reshard_after_forward,

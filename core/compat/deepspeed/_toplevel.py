@@ -6,8 +6,22 @@ from ._unsupported import unsupported_function
 
 init_inference = unsupported_function("init_inference", "torsh runs training; for inference call the model "
                                       "(model.eval(), torch.no_grad()), or torch.compile it")
-tp_model_init = unsupported_function("tp_model_init", "tensor parallelism is not run by the torsh engine; "
-                                     "use data parallelism with ZeRO stages 2/3 (FSDP2)")
+
+
+def tp_model_init(model, tp_size: int, dtype=None, config=None, **kwargs):
+    """DeepSpeed's AutoTP training entry: records ``tp_size`` on the model and returns it unchanged, as DeepSpeed
+    (>= 0.18) only records it; ``initialize`` splits the model, the config's ``tensor_parallel.autotp_size`` being
+    the canonical source (a missing one is filled from here, a different one is an error). A ``tp_group`` is not
+    taken: the engine builds the mesh from the degrees."""
+    from torsh.errors import ConfigError, Problem
+
+    if kwargs.get("tp_group") is not None:
+        raise ConfigError([Problem("tp_model_init.tp_group", type(kwargs["tp_group"]).__name__, "the torsh engine "
+                                   "builds the tensor-parallel group from the degrees: leave tp_group out")])
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ConfigError([Problem("tp_model_init.tp_size", tp_size, "a positive number of ranks")])
+    model._torsh_tp_model_init = tp_size
+    return model
 
 
 def add_tuning_arguments(parser):

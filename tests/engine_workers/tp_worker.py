@@ -1,0 +1,180 @@
+"""Tensor-parallel training on gloo ranks, each run compared with the same model trained on one rank.
+
+``python tp_worker.py OUT WORLD SCENARIOS_JSON``: spawns WORLD ranks; each scenario (``{"name", "config", "tp",
+"steps"}``) trains a small Hugging Face-style decoder (``self_attn.q_proj/k_proj/v_proj/o_proj``,
+``mlp.gate_proj/up_proj/down_proj``) with ``torsh.initialize`` and the DeepSpeed loop. Every rank of one tensor-parallel
+group reads the batch of its data-parallel index; rank 0 then trains the same model, from the same weights, on one
+rank without any process group: on the concatenation of every data-parallel rank's batch (the mean of their means,
+equal micro batches). Per rank, ``OUT/rankR.json`` holds the losses, the reference losses and the largest difference
+between the final gathered weights and the reference's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+VOCAB, HIDDEN, HEADS, SEQ, MICRO = 32, 16, 4, 6, 2
+
+
+def build_model(seed: int = 0, tied: bool = False):
+    import torch
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+            self.k_proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+            self.v_proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+            self.o_proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            head = HIDDEN // HEADS  # the head count follows the (split) projection: view(..., -1, head_dim)
+            q, k, v = (p(x).view(b, s, -1, head).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = nn.Linear(HIDDEN, 2 * HIDDEN)
+            self.up_proj = nn.Linear(HIDDEN, 2 * HIDDEN)
+            self.down_proj = nn.Linear(2 * HIDDEN, HIDDEN)
+
+        def forward(self, x):
+            return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_layernorm = nn.LayerNorm(HIDDEN)
+            self.self_attn = Attention()
+            self.post_attention_layernorm = nn.LayerNorm(HIDDEN)
+            self.mlp = Mlp()
+
+        def forward(self, x):
+            x = x + self.self_attn(self.input_layernorm(x))
+            return x + self.mlp(self.post_attention_layernorm(x))
+
+    class TinyDecoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(VOCAB, HIDDEN)
+            self.layers = nn.ModuleList([Layer(), Layer()])
+            self.norm = nn.LayerNorm(HIDDEN)
+            self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+        def forward(self, tokens):
+            x = self.embed_tokens(tokens)
+            for layer in self.layers:
+                x = layer(x)
+            return self.lm_head(self.norm(x))
+
+    torch.manual_seed(seed)
+    model = TinyDecoder()
+    if tied:  # a Hugging Face causal LM's tie_word_embeddings
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def batch(step: int, dp_rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    tokens = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(logits, targets):
+    import torch
+
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def run_scenario(rank: int, world: int, scenario: dict) -> dict:
+    import torch
+
+    import torsh
+
+    tp, steps = scenario["tp"], scenario.get("steps", 4)
+    dp = world // tp
+    dp_rank = rank // tp  # the mesh is (dp..., tp): tp innermost
+    tied = scenario.get("tied", False)
+    model = build_model(tied=tied)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if scenario.get("tp_model_init"):  # DeepSpeed's AutoTP training entry, before initialize
+        model = torsh.tp_model_init(model, tp_size=tp, dtype=torch.float32)
+    engine, _, _, _ = torsh.initialize(model=model, config=scenario["config"])
+    rec: dict = {"losses": [], "dp_world_size": dp, "train_batch_size": engine.train_batch_size()}
+    for step in range(steps):
+        x, y = batch(step, dp_rank)
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        rec["losses"].append(loss.item())
+    params = dict(engine.module.named_parameters())
+    rec["tied"] = engine.module.lm_head.weight is engine.module.embed_tokens.weight
+    rec["placements"] = {n: [str(pl) for pl in getattr(p, "placements", ())] for n, p in params.items()}
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in params.items()}
+    if rank == 0:
+        clip = scenario.get("clip", 0.0)
+        ref = build_model(tied=tied)
+        ref.load_state_dict(start, strict=False)
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+        rec["reference"] = []
+        for step in range(steps):
+            xs, ys = zip(*(batch(step, d) for d in range(dp)))
+            loss = lm_loss(ref(torch.cat(xs)), torch.cat(ys))
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+            rec["reference"].append(loss.item())
+        expected = dict(ref.named_parameters())
+        rec["weight_diff"] = max(float((full[n] - expected[n]).abs().max()) for n in expected)
+        rec["weight_scale"] = max(float(expected[n].abs().max()) for n in expected)
+        rec["changed"] = max(float((full[n] - start[n]).abs().max()) for n in start)
+    return rec
+
+
+def _worker(rank: int, world: int, port: int, scenarios: list[dict], out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results: dict = {}
+    try:
+        for scenario in scenarios:
+            try:
+                results[scenario["name"]] = run_scenario(rank, world, scenario)
+            except Exception as exc:  # reported per scenario so one failure does not hide the others
+                results[scenario["name"]] = {"error": f"{type(exc).__name__}: {exc}",
+                                             "traceback": traceback.format_exc()}  # fmt: skip
+            dist.barrier()
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    out, world, scenarios = sys.argv[1], int(sys.argv[2]), json.loads(Path(sys.argv[3]).read_text())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(world, port, scenarios, out), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()
