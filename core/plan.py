@@ -117,7 +117,8 @@ class EnginePlan:
             raise ConfigError(list(self.refused))
 
 
-def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimizer_given: bool = True) -> EnginePlan:
+def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimizer_given: bool = True,
+         pipeline: bool = False) -> EnginePlan:
     """Decide how the engine runs ``cfg`` on ``world_size`` ranks (``source``: the dialect it was read from, which
     decides whether DeepSpeed's bucket sizes size the units; ``optimizer_given``: the caller passes an optimizer
     to ``initialize``). Refusals are collected, not raised: :meth:`EnginePlan.check` raises them."""
@@ -142,7 +143,8 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
         optimizer_wrapper="ZeroRedundancyOptimizer" if s.stage == 1 else None,
         optimizer_on_cpu="cpu" in (o.params, o.optimizer),
         step=_step_policy(cfg, scaling=scaler, compressed=compressed),
-        refused=tuple(refusals(cfg, world_size=world_size, optimizer_given=optimizer_given)), steps=(),
+        refused=tuple(refusals(cfg, world_size=world_size, optimizer_given=optimizer_given, pipeline=pipeline)),
+        steps=(),
     )  # fmt: skip
     return _with_steps(decided, cfg, source)
 
@@ -169,14 +171,15 @@ def _step_policy(cfg: TorshConfig, *, scaling: bool, compressed: bool) -> StepPo
                       save_full_weights=cfg.checkpoint.save_full_weights is True)  # fmt: skip
 
 
-def refusals(cfg: TorshConfig, *, world_size: int, optimizer_given: bool = True) -> list[Problem]:
+def refusals(cfg: TorshConfig, *, world_size: int, optimizer_given: bool = True,
+             pipeline: bool = False) -> list[Problem]:
     """Every reason the engine cannot run ``cfg`` on ``world_size`` ranks (empty: it can).
 
     ``optimizer_given`` says whether the caller passed an optimizer to ``initialize`` (ZeRO-1/2 need one).
     """
     problems: list[Problem] = []
     stage = cfg.sharding.stage
-    if cfg.pipeline.stages not in (None, 1) and not is_deferred(cfg.pipeline.stages):
+    if not pipeline and cfg.pipeline.stages not in (None, 1) and not is_deferred(cfg.pipeline.stages):
         problems.append(Problem("pipeline.stages", cfg.pipeline.stages, "pipeline parallelism is not executed by "
                                 "the torsh engine; remove it or use torch.distributed.pipelining"))  # fmt: skip
     if cfg.gradients.reduce_op == "adasum":
