@@ -180,8 +180,9 @@ def refusals(cfg: TorshConfig, *, world_size: int, optimizer_given: bool = True,
     problems: list[Problem] = []
     stage = cfg.sharding.stage
     if not pipeline and cfg.pipeline.stages not in (None, 1) and not is_deferred(cfg.pipeline.stages):
-        problems.append(Problem("pipeline.stages", cfg.pipeline.stages, "pipeline parallelism is not executed by "
-                                "the torsh engine; remove it or use torch.distributed.pipelining"))  # fmt: skip
+        problems.append(Problem("pipeline.stages", cfg.pipeline.stages, "pipeline parallelism runs only for a "
+                                "deepspeed.pipe.PipelineModule (the pipeline engine); pass one to initialize, or "
+                                "remove the key"))  # fmt: skip
     if cfg.gradients.reduce_op == "adasum":
         problems.append(Problem("gradients.reduce_op", "adasum", "Adasum is Horovod-only and has no native "
                                 "PyTorch equivalent; use 'mean' or 'sum'"))  # fmt: skip

@@ -8,6 +8,7 @@ and ``load_checkpoint`` into a fresh engine that trains on over the same batches
 
 import argparse
 import json
+import os
 
 import deepspeed
 import torch
@@ -94,12 +95,74 @@ def step(args, engine, data):
     return engine.train_batch() if data is None else engine.train_batch(data)
 
 
+def run(args, model):
+    """Train ``args.steps`` batches of ``model`` (saving half way), evaluate, resume from the checkpoint."""
+    args = argparse.Namespace(**{**vars(args), "model": model})
+    trainset = dataset(model)
+    engine = engine_for(args, trainset)
+    data = None if model == "mlp" else batches(args, engine, trainset)
+    save_at = args.steps // 2
+    ckpt_dir = f"{args.ckpt_dir}/{model}" if args.ckpt_dir else None
+    losses, everywhere, after_save = [], [], []
+    for i in range(args.steps):
+        loss = step(args, engine, data)
+        losses.append(loss.item())
+        gathered = [torch.zeros(1) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, loss.detach().float().reshape(1).cpu())
+        everywhere.append([g.item() for g in gathered])
+        if ckpt_dir and i + 1 == save_at:
+            engine.save_checkpoint(ckpt_dir, client_state={"consumed": save_at})
+        if i + 1 > save_at:
+            after_save.append(loss.item())
+    evalset = torch.utils.data.TensorDataset(*trainset[:64])
+    eval_iter = iter(torch.utils.data.DataLoader(evalset, batch_size=engine.train_micro_batch_size_per_gpu()))
+    eval_loss, logits = engine.eval_batch(eval_iter, return_logits=True)
+    record = {"first": engine.is_first_stage(), "last": engine.is_last_stage(), "micro_batches": engine.micro_batches,
+              "global_steps": engine.global_steps, "eval_loss": eval_loss.item(),
+              "logits_shape": list(logits.shape) if logits is not None else None,
+              "params": sum(p.numel() for p in engine.module.parameters())}
+    records = [None] * dist.get_world_size()
+    dist.all_gather_object(records, record)
+    resumed = []
+    if ckpt_dir:
+        engine2 = engine_for(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}), trainset)
+        _, client = engine2.load_checkpoint(ckpt_dir)
+        data2 = engine2.data_iterator if model == "mlp" else batches(args, engine2, trainset)
+        for _ in range(client["consumed"] * engine2.micro_batches):
+            if data2 is not None:
+                next(data2)
+        resumed = [step(args, engine2, None if model == "mlp" else data2).item() for _ in range(args.steps - save_at)]
+        records.append({"resumed_global_steps": engine2.global_steps})
+    return {"losses": losses, "everywhere": everywhere, "ranks": records, "after_save": after_save,
+            "resumed": resumed, "refused": refusals(args, engine, trainset) if model == "mlp" else {}, "files": sorted(os.listdir(f"{ckpt_dir}/global_step{save_at}")) if ckpt_dir else []}
+
+
+def refusals(args, engine, trainset):
+    """What the pipeline engine refuses: forward/backward/step, and ZeRO-2 at initialize (type and message)."""
+    out = {}
+    x, y = trainset[:4]
+    for name, call in {"forward": lambda: engine(x), "backward": lambda: engine.backward(x.sum()),
+                       "step": lambda: engine.step()}.items():
+        try:
+            call()
+        except Exception as exc:
+            out[name] = [type(exc).__name__, str(exc)]
+    config = json.load(open(args.deepspeed_config))
+    config["zero_optimization"] = {"stage": 2}
+    net = build(args)
+    try:
+        deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    except Exception as exc:
+        out["zero2"] = str(exc)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("-s", "--steps", type=int, default=6)
     parser.add_argument("-p", "--pipeline-parallel-size", type=int, default=2)
-    parser.add_argument("--model", choices=["mlp", "tied"], default="mlp")
+    parser.add_argument("--models", default="mlp,tied")
     parser.add_argument("--partition", default="parameters")
     parser.add_argument("--checkpoint_interval", type=int, default=0)
     parser.add_argument("--seed", type=int, default=1138)
@@ -108,48 +171,10 @@ def main():
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
-    trainset = dataset(args.model)
-
-    engine = engine_for(args, trainset)
-    data = None if args.model == "mlp" else batches(args, engine, trainset)
-    save_at = args.steps // 2
-    losses, everywhere, after_save = [], [], []
-    for i in range(args.steps):
-        loss = step(args, engine, data)
-        losses.append(loss.item())
-        gathered = [torch.zeros(1) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, loss.detach().float().reshape(1).cpu())
-        everywhere.append([g.item() for g in gathered])
-        if args.ckpt_dir and i + 1 == save_at:
-            engine.save_checkpoint(args.ckpt_dir, client_state={"consumed": save_at})
-        if i + 1 > save_at:
-            after_save.append(loss.item())
-    evalset = torch.utils.data.TensorDataset(*trainset[:64])
-    eval_iter = iter(torch.utils.data.DataLoader(evalset, batch_size=engine.train_micro_batch_size_per_gpu()))
-    eval_loss, logits = engine.eval_batch(eval_iter, return_logits=True)
-    record = {"first": engine.is_first_stage(), "last": engine.is_last_stage(), "micro_batches": engine.micro_batches,
-              "global_steps": engine.global_steps, "eval_loss": eval_loss.item(),
-              "logits_shape": list(logits.shape) if logits is not None else None}
-    records = [None] * dist.get_world_size()
-    dist.all_gather_object(records, record)
-    resumed = []
-    if args.ckpt_dir:
-        fresh_args = argparse.Namespace(**{**vars(args), "seed": args.seed + 1})
-        engine2 = engine_for(fresh_args, trainset)
-        _, client = engine2.load_checkpoint(args.ckpt_dir)
-        data2 = None
-        if args.model == "mlp":
-            skip = client["consumed"] * engine2.micro_batches
-            for _ in range(skip):
-                next(engine2.data_iterator) if engine2.data_iterator is not None else None
-        else:
-            data2 = batches(args, engine2, trainset)
-            for _ in range(client["consumed"] * engine2.micro_batches):
-                next(data2)
-        resumed = [step(args, engine2, data2).item() for _ in range(args.steps - save_at)]
-        records.append({"resumed_global_steps": engine2.global_steps})
-    write_result(args.out, losses, everywhere=everywhere, ranks=records, after_save=after_save, resumed=resumed)
-    print(json.dumps({"rank": dist.get_rank(), "losses": losses}))
+    results = {model: run(args, model) for model in args.models.split(",")}
+    first = results[args.models.split(",")[0]]
+    write_result(args.out, first["losses"], models=results)
+    print(json.dumps({"rank": dist.get_rank(), **{m: r["losses"] for m, r in results.items()}}))
 
 
 if __name__ == "__main__":

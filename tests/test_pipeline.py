@@ -1,0 +1,213 @@
+"""``deepspeed.pipe`` on the torsh pipeline engine, side by side with real DeepSpeed 0.19.8.
+
+tests/dropin_scripts/pipeline_style.py (DeepSpeed's pipeline example in shape: a layer list with a lambda,
+``training_data`` and ``train_batch()``; and a language model with a ``TiedLayerSpec`` embedding reused on the last
+stage, ``seed_layers``, activation checkpointing and ``train_batch(data_iter)``) is launched once per engine and
+layout, and every check below reads those launches: 2 ranks (``-p 2``, fp32, gradient clipping, save and resume),
+and 4 ranks (2 stages x 2 data-parallel replicas, ZeRO-1, bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torsh import parity
+from torsh.config import TorshConfig
+from torsh.plan import plan
+
+SCRIPT = Path(__file__).parent / "dropin_scripts" / "pipeline_style.py"
+BLOCKER = 'raise ImportError("real DeepSpeed was imported in a torsh run job")\n'
+FP32 = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "steps_per_print": 1000,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.003, "torch_adam": True}}, "gradient_clipping": 0.05,
+        "pipeline": {"use_reentrant": False}}  # fmt: skip
+#: 2 x 2: the embedding's activation checkpointing needs DeepSpeed's non-reentrant function (its reentrant one
+#: leaves the first stage without gradients); DeepSpeed 0.19.8 cannot load its own bf16 pipeline checkpoint
+#: (KeyError in BF16_Optimizer._load_legacy_checkpoint), so only torsh saves and resumes there.
+BF16_ZERO1 = {**FP32, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
+LAYOUTS = {"pp2": (2, FP32, ["--models", "mlp,tied", "--checkpoint_interval", "2"]),
+           "pp2dp2": (4, BF16_ZERO1, ["--models", "tied"])}  # fmt: skip
+
+
+def _env(extra_path: str | None = None) -> dict:
+    import os
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    if extra_path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _start(engine: str, layout: str, tmp: Path) -> tuple[subprocess.Popen, Path]:
+    ranks, config, args = LAYOUTS[layout]
+    run = tmp / f"{engine}-{layout}"
+    run.mkdir(parents=True)
+    (run / "ds_config.json").write_text(json.dumps(config))
+    if engine == "torsh":
+        blocker = run / "blocker" / "deepspeed"
+        blocker.mkdir(parents=True)
+        (blocker / "__init__.py").write_text(BLOCKER)
+        launcher, env = [sys.executable, "-m", "torsh.run"], _env(str(run / "blocker"))
+    else:
+        launcher, env = [sys.executable, "-m", "torch.distributed.run"], _env()
+    ckpt = [] if (engine == "deepspeed" and layout == "pp2dp2") else ["--ckpt_dir", str(run / "ckpt")]
+    cmd = [*launcher, "--nproc-per-node", str(ranks), str(SCRIPT), "--deepspeed_config", str(run / "ds_config.json"),
+           *args, *ckpt, "--out", str(run / "result.json")]  # fmt: skip
+    log = open(run / "log.txt", "w")
+    return subprocess.Popen(cmd, cwd=run, env=env, stdout=log, stderr=subprocess.STDOUT), run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """``{(engine, layout): {model: record}}``; torsh's and DeepSpeed's launches of a layout run side by side."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is installed by requirements-dev.txt")
+    tmp = tmp_path_factory.mktemp("pipeline")
+    results = {}
+    for layout in LAYOUTS:
+        started = {engine: _start(engine, layout, tmp) for engine in ("torsh", "deepspeed")}
+        for engine, (proc, run) in started.items():
+            try:
+                proc.wait(timeout=900)
+            finally:
+                proc.kill()
+            out = run / "result.json"
+            if proc.returncode != 0 or not out.exists():
+                pytest.fail(f"{engine} {layout} failed:\n{(run / 'log.txt').read_text()[-6000:]}")
+            results[engine, layout] = json.loads(out.read_text())
+    return results
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _worst(ours: list[float], theirs: list[float]) -> float:
+    assert len(ours) == len(theirs) > 0
+    return max(_relative(a, b) for a, b in zip(ours, theirs))
+
+
+@pytest.mark.slow
+def test_the_runs_used_torsh_and_real_deepspeed(runs):
+    for layout in LAYOUTS:
+        assert runs["torsh", layout]["deepspeed_version"] == "0.19.8+torsh"
+        assert runs["torsh", layout]["real_deepspeed_modules"] == 0
+        assert runs["deepspeed", layout]["real_deepspeed_modules"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["mlp", "tied"])
+def test_pp2_losses_equal_deepspeeds(runs, model):
+    """-p 2 in fp32, clipping on: every step's loss (and the evaluation loss) within 1e-5 of DeepSpeed's."""
+    ours, theirs = runs["torsh", "pp2"]["models"][model], runs["deepspeed", "pp2"]["models"][model]
+    worst = _worst(ours["losses"], theirs["losses"])
+    assert worst <= parity.FP32_TOLERANCE["loss"], (ours["losses"], theirs["losses"])
+    assert _relative(ours["ranks"][1]["eval_loss"], theirs["ranks"][1]["eval_loss"]) <= parity.FP32_TOLERANCE["loss"]
+    print(f"pp2 {model}: {len(ours['losses'])} steps, worst relative loss difference {worst:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["mlp", "tied"])
+def test_pp2_stages_hold_deepspeeds_layers_and_report_its_loss_everywhere(runs, model):
+    ours, theirs = runs["torsh", "pp2"]["models"][model], runs["deepspeed", "pp2"]["models"][model]
+    # each stage built the same layers (parameter counts), is first/last as DeepSpeed's, and returns the same loss
+    strip = [{k: v for k, v in r.items() if k != "eval_loss"} for r in ours["ranks"]]
+    assert strip == [{k: v for k, v in r.items() if k != "eval_loss"} for r in theirs["ranks"]]
+    assert [r["first"] for r in ours["ranks"][:2]] == [True, False]
+    assert ours["ranks"][0]["micro_batches"] == 4 and ours["ranks"][0]["global_steps"] == 6
+    assert ours["ranks"][1]["logits_shape"] == theirs["ranks"][1]["logits_shape"]
+    assert all(len(set(step)) == 1 for step in ours["everywhere"])  # broadcast to every stage
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["mlp", "tied"])
+def test_pp2_checkpoint_has_deepspeeds_layout_and_resumes_exactly(runs, model):
+    ours, theirs = runs["torsh", "pp2"]["models"][model], runs["deepspeed", "pp2"]["models"][model]
+    assert ours["files"] == theirs["files"] and "layer_00-model_states.pt" in ours["files"]
+    assert ours["resumed"] == ours["after_save"]  # a fresh engine (another seed) continues bit for bit
+    assert ours["ranks"][-1] == {"resumed_global_steps": 6}
+
+
+@pytest.mark.slow
+def test_pp2_refuses_what_deepspeeds_pipeline_engine_refuses(runs):
+    ours, theirs = runs["torsh", "pp2"]["models"]["mlp"]["refused"], runs["deepspeed", "pp2"]["models"]["mlp"]["refused"]
+    for call in ("forward", "backward", "step"):
+        assert ours[call] == theirs[call] == ["PipelineError", "Only train_batch() is accessible in pipeline mode."]
+    assert "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" in theirs["zero2"]
+    assert "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" in ours["zero2"]
+    assert "sharding.stage" in ours["zero2"]
+
+
+@pytest.mark.slow
+def test_pp2dp2_zero1_bf16_losses_match_deepspeed_and_resume(runs):
+    """4 ranks: 2 stages x 2 replicas, ZeRO-1 over each stage's replicas, bf16 with fp32 masters."""
+    ours, theirs = runs["torsh", "pp2dp2"]["models"]["tied"], runs["deepspeed", "pp2dp2"]["models"]["tied"]
+    worst = _worst(ours["losses"], theirs["losses"])
+    assert worst <= parity.LOW_PRECISION_FLOOR["loss"], (ours["losses"], theirs["losses"])
+    assert [r["first"] for r in ours["ranks"][:4]] == [True, True, False, False]
+    assert ours["ranks"][0]["micro_batches"] == 2
+    assert all(len(set(step)) == 1 for step in ours["everywhere"])
+    assert ours["resumed"] == ours["after_save"]
+    assert "zero_pp_rank_1_mp_rank_01_optim_states.pt" in ours["files"]
+    print(f"pp2dp2 bf16 ZeRO-1: worst relative loss difference {worst:.2e}")
+
+
+# ---- in-process: the partition, the topology, the plan ------------------------------------------------------------
+
+
+def test_parameter_partition_equals_deepspeeds():
+    pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is installed by requirements-dev.txt")
+    from deepspeed.runtime.utils import partition_balanced
+
+    from torsh.compat.deepspeed.runtime.pipe.module import partition_balanced_spread
+
+    rng = random.Random(0)
+    for _ in range(500):
+        weights = [rng.choice([0, 1, 2, 100, rng.randint(0, 1000)]) for _ in range(rng.randint(1, 10))]
+        parts = rng.randint(1, 4)
+        assert partition_balanced_spread(weights, parts) == [int(b) for b in partition_balanced(weights, parts)]
+
+
+def test_topology_numbers_ranks_as_deepspeeds():
+    pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is installed by requirements-dev.txt")
+    from deepspeed.runtime.pipe import topology as theirs
+
+    from torsh.compat.deepspeed.runtime.pipe import topology as ours
+
+    for make in (lambda t: t.PipeDataParallelTopology(num_pp=2, num_dp=3),
+                 lambda t: t.PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)):  # fmt: skip
+        a, b = make(ours), make(theirs)
+        assert {tuple(k): v for k, v in a.mapping.items()} == {tuple(k): v for k, v in b.mapping.items()}
+        for axis in b.get_axis_names():
+            assert a.get_axis_comm_lists(axis) == b.get_axis_comm_lists(axis)
+            assert a.get_axis_list(axis, 1) == b.get_axis_list(axis, 1)
+        assert [a.get_rank_repr(r) for r in range(a.world_size())] == [b.get_rank_repr(r)
+                                                                        for r in range(b.world_size())]
+        assert a.filter_match(pipe=1) == b.filter_match(pipe=1)
+
+
+def test_pipeline_stages_is_refused_outside_the_pipeline_engine_only():
+    cfg = TorshConfig.model_validate({"pipeline": {"stages": 2}})
+    assert any(p.path == "pipeline.stages" for p in plan(cfg, 2).refused)
+    assert not any(p.path == "pipeline.stages" for p in plan(cfg, 1, pipeline=True).refused)
+
+
+def test_pipeline_refusals_name_the_key_and_the_alternative():
+    from types import SimpleNamespace
+
+    from torsh.engine.pipeline import pipeline_degree, pipeline_refusals
+
+    module = SimpleNamespace(num_stages=2)
+    zero3 = TorshConfig.model_validate({"sharding": {"stage": 3}})
+    [problem] = pipeline_refusals(zero3, module)
+    assert problem.path == "sharding.stage" and "use zero_optimization.stage 0 or 1" in problem.reason
+    other = TorshConfig.model_validate({"pipeline": {"stages": 4}})
+    assert pipeline_degree(other) == 4
+    [problem] = pipeline_refusals(other, module)
+    assert problem.path == "pipeline.stages" and "has 2 stages" in problem.reason
+    assert pipeline_refusals(TorshConfig.model_validate({"pipeline": {"stages": 2}}), module) == []
