@@ -318,14 +318,17 @@ class PipelineEngine(Engine):
     # ---- the schedule -----------------------------------------------------------------------------
 
     def _schedule(self, micro_batches: int):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         if self._stage is None:
             self.__dict__["_stage"] = PipelineStage(_Stage(self.module), self.stage_id, self.num_stages, self.device,
                                                     group=self.grid.get_pipe_parallel_group())  # fmt: skip
         if micro_batches not in self._schedules:
-            self._schedules[micro_batches] = Schedule1F1B(self._stage, n_microbatches=micro_batches,
-                                                          loss_fn=self._last_stage_loss, scale_grads=False)
+            # fewer micro-batches than stages leave 1F1B no steady state: all forwards, then all backwards (GPipe),
+            # which torch's Schedule1F1B does not take
+            kind = Schedule1F1B if micro_batches >= self.num_stages else ScheduleGPipe
+            self._schedules[micro_batches] = kind(self._stage, n_microbatches=micro_batches,
+                                                  loss_fn=self._last_stage_loss, scale_grads=False)  # fmt: skip
         return self._schedules[micro_batches]
 
     def _last_stage_loss(self, outputs, labels):
