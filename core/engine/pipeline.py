@@ -63,6 +63,11 @@ def pipeline_refusals(cfg: TorshConfig, module: Any) -> list[Problem]:
     if "nvme" in (cfg.offload.params, cfg.offload.optimizer) or cfg.offload.params == "cpu":
         problems.append(Problem("offload", cfg.offload.params, "the torsh pipeline engine offloads only the "
                                 "optimizer to the CPU"))  # fmt: skip
+    mpu = getattr(module, "mpu", None)
+    if mpu is not None and mpu().get_slice_parallel_world_size() > 1:
+        problems.append(Problem("topology", "model", "tensor parallelism inside a pipeline stage (a topology 'model' "
+                                "axis above 1) is not run by the torsh pipeline engine; use PipeDataParallelTopology "
+                                "or num_stages"))  # fmt: skip
     degree = pipeline_degree(cfg)
     if degree is not None and degree != module.num_stages:
         problems.append(Problem("pipeline.stages", degree, f"the PipelineModule has {module.num_stages} stages; "

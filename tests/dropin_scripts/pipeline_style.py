@@ -1,6 +1,6 @@
 """A pipeline-parallel training script in the shape of DeepSpeed's ``training/pipeline_parallelism`` example: a
 model given to ``deepspeed.pipe.PipelineModule`` as a list of layers (modules and a lambda), ``-p`` stages,
-``deepspeed.initialize(training_data=...)`` and ``engine.train_batch()`` with no iterator. ``--model tied`` builds
+``deepspeed.initialize(training_data=...)`` and ``engine.train_batch()`` with no iterator. ``--models tied`` builds
 a language model from ``LayerSpec``s whose embedding is a ``TiedLayerSpec`` reused as the output projection on the
 last stage (``forward_fn``), fed by ``train_batch(data_iter)``. Then ``eval_batch``, ``save_checkpoint`` half way
 and ``load_checkpoint`` into a fresh engine that trains on over the same batches.
@@ -69,7 +69,8 @@ def build(args):
     torch.manual_seed(args.seed)
     deepspeed.runtime.utils.set_random_seed(args.seed)
     if args.model == "mlp":
-        return PipelineModule(layers=mlp_layers(), loss_fn=nn.CrossEntropyLoss(), num_stages=args.pipeline_parallel_size,
+        return PipelineModule(layers=mlp_layers(), loss_fn=nn.CrossEntropyLoss(),
+                              num_stages=args.pipeline_parallel_size,
                               partition_method=args.partition, activation_checkpoint_interval=0)
     return PipelineModule(layers=tied_layers(), loss_fn=lm_loss, num_stages=args.pipeline_parallel_size,
                           partition_method=args.partition, seed_layers=True, seed_fn=seed, base_seed=args.seed,
@@ -78,13 +79,14 @@ def build(args):
 
 def engine_for(args, trainset):
     net = build(args)
-    engine, _, _, _ = deepspeed.initialize(args=args, model=net, training_data=trainset if args.model == "mlp" else None,
+    engine, _, _, _ = deepspeed.initialize(args=args, model=net,
+                                           training_data=trainset if args.model == "mlp" else None,
                                            model_parameters=[p for p in net.parameters() if p.requires_grad])
     return engine
 
 
 def batches(args, engine, trainset):
-    """The iterator train_batch reads (--model tied); every pipeline replica reads its own share."""
+    """The iterator train_batch reads (the tied model); every pipeline replica reads its own share."""
     sampler = torch.utils.data.distributed.DistributedSampler(trainset, num_replicas=engine.dp_world_size,
                                                               rank=engine.mpu.get_data_parallel_rank(), shuffle=False)
     loader = torch.utils.data.DataLoader(trainset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler)
@@ -134,7 +136,8 @@ def run(args, model):
         resumed = [step(args, engine2, None if model == "mlp" else data2).item() for _ in range(args.steps - save_at)]
         records.append({"resumed_global_steps": engine2.global_steps})
     return {"losses": losses, "everywhere": everywhere, "ranks": records, "after_save": after_save,
-            "resumed": resumed, "refused": refusals(args, engine, trainset) if model == "mlp" else {}, "files": sorted(os.listdir(f"{ckpt_dir}/global_step{save_at}")) if ckpt_dir else []}
+            "resumed": resumed, "refused": refusals(args, engine, trainset) if model == "mlp" else {},
+            "files": sorted(os.listdir(f"{ckpt_dir}/global_step{save_at}")) if ckpt_dir else []}
 
 
 def refusals(args, engine, trainset):
