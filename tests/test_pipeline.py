@@ -4,7 +4,7 @@ tests/dropin_scripts/pipeline_style.py (DeepSpeed's pipeline example in shape: a
 ``training_data`` and ``train_batch()``; and a language model with a ``TiedLayerSpec`` embedding reused on the last
 stage, ``seed_layers``, activation checkpointing and ``train_batch(data_iter)``) is launched once per engine and
 layout, and every check below reads those launches: 2 ranks (``-p 2``, fp32, gradient clipping, save and resume),
-and 4 ranks (2 stages x 2 data-parallel replicas, ZeRO-1, bf16).
+and 4 ranks (2 stages x 2 data-parallel replicas, ZeRO-1, bf16); a WarmupLR schedule throughout.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ SCRIPT = Path(__file__).parent / "dropin_scripts" / "pipeline_style.py"
 BLOCKER = 'raise ImportError("real DeepSpeed was imported in a torsh run job")\n'
 FP32 = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "steps_per_print": 1000,
         "optimizer": {"type": "Adam", "params": {"lr": 0.003, "torch_adam": True}}, "gradient_clipping": 0.05,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.003,
+                                                     "warmup_num_steps": 4}},
         "pipeline": {"use_reentrant": False}}  # fmt: skip
 #: 2 x 2: the embedding's activation checkpointing needs DeepSpeed's non-reentrant function (its reentrant one
 #: leaves the first stage without gradients); DeepSpeed 0.19.8 cannot load its own bf16 pipeline checkpoint
