@@ -2,7 +2,8 @@
 
 tests/dropin_scripts/pipeline_style.py (DeepSpeed's pipeline example in shape: a layer list with a lambda,
 ``training_data`` and ``train_batch()``; and a language model with a ``TiedLayerSpec`` embedding reused on the last
-stage, ``seed_layers``, activation checkpointing and ``train_batch(data_iter)``) is launched once per engine and
+stage, ``seed_layers``, activation checkpointing and ``train_batch(data_iter)``; and one passing a tuple with an
+integer mask between stages, with tuple labels) is launched once per engine and
 layout, and every check below reads those launches: 2 ranks (``-p 2``, fp32, gradient clipping, save and resume),
 and 4 ranks (2 stages x 2 data-parallel replicas, ZeRO-1, bf16); a WarmupLR schedule throughout.
 """
@@ -32,7 +33,7 @@ FP32 = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "
 #: leaves the first stage without gradients); DeepSpeed 0.19.8 cannot load its own bf16 pipeline checkpoint
 #: (KeyError in BF16_Optimizer._load_legacy_checkpoint), so only torsh saves and resumes there.
 BF16_ZERO1 = {**FP32, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
-LAYOUTS = {"pp2": (2, FP32, ["--models", "mlp,tied", "--checkpoint_interval", "2"]),
+LAYOUTS = {"pp2": (2, FP32, ["--models", "mlp,tied,masked", "--checkpoint_interval", "2"]),
            "pp2dp2": (4, BF16_ZERO1, ["--models", "tied"])}  # fmt: skip
 
 
@@ -103,7 +104,7 @@ def test_the_runs_used_torsh_and_real_deepspeed(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["mlp", "tied"])
+@pytest.mark.parametrize("model", ["mlp", "tied", "masked"])
 def test_pp2_losses_equal_deepspeeds(runs, model):
     """-p 2 in fp32, clipping on: every step's loss (and the evaluation loss) within 1e-5 of DeepSpeed's."""
     ours, theirs = runs["torsh", "pp2"]["models"][model], runs["deepspeed", "pp2"]["models"][model]
@@ -114,7 +115,7 @@ def test_pp2_losses_equal_deepspeeds(runs, model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["mlp", "tied"])
+@pytest.mark.parametrize("model", ["mlp", "tied", "masked"])
 def test_pp2_stages_hold_deepspeeds_layers_and_report_its_loss_everywhere(runs, model):
     ours, theirs = runs["torsh", "pp2"]["models"][model], runs["deepspeed", "pp2"]["models"][model]
     # each stage built the same layers (parameter counts), is first/last as DeepSpeed's, and returns the same loss
@@ -127,7 +128,7 @@ def test_pp2_stages_hold_deepspeeds_layers_and_report_its_loss_everywhere(runs, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["mlp", "tied"])
+@pytest.mark.parametrize("model", ["mlp", "tied", "masked"])
 def test_pp2_checkpoint_has_deepspeeds_layout_and_resumes_exactly(runs, model):
     ours, theirs = runs["torsh", "pp2"]["models"][model], runs["deepspeed", "pp2"]["models"][model]
     assert ours["files"] == theirs["files"] and "layer_00-model_states.pt" in ours["files"]

@@ -196,6 +196,7 @@ class PipelineEngine(Engine):
         d["_mode"] = "train"
         d["_micro_losses"] = []
         d["_last_output"] = None
+        d["_labels"] = None
         d["_force_grad_boundary"] = False
         d["eval_return_logits"] = False
         self._hook_masters()
@@ -342,6 +343,7 @@ class PipelineEngine(Engine):
         back-propagates it divided by the number of micro-batches."""
         self.__dict__["_last_output"] = outputs
         fn = self.module.loss_fn
+        labels = self._labels[int(labels.reshape(-1)[0])] if self._labels is not None else None
         loss = fn(outputs, labels) if (self._mode != "eval_outputs" and fn is not None) else outputs
         self._micro_losses.append(loss.detach() if torch.is_tensor(loss) else [x.detach() for x in loss])
         if self._mode == "train":
@@ -355,15 +357,15 @@ class PipelineEngine(Engine):
         if inputs is not None:
             args = tuple(_concat(parts) for parts in zip(*(x if isinstance(x, (tuple, list)) else (x,)
                                                              for x in inputs)))  # fmt: skip
-        target = None
-        if self.is_last_stage():
-            target = _concat(labels) if labels is not None and torch.is_tensor(labels[0]) else \
-                torch.zeros(count * self.micro_batch_size, device=self.device)  # fmt: skip
-        kwargs = {"target": target} if target is not None else {}
+        # The last stage's target is each micro-batch's index: the loss takes the labels as they were read (a
+        # tensor, or a tuple of tensors, of any batch size)
+        self.__dict__["_labels"] = labels
+        kwargs = {"target": torch.arange(count, device=self.device)} if self.is_last_stage() else {}
         if train:
             schedule.step(*args, return_outputs=False, **kwargs)
         else:
             schedule.eval(*args, **kwargs)
+        self.__dict__["_labels"] = None
         # the schedule's first run also calls the loss on its shape-inference forward: keep the micro-batches'
         self.__dict__["_micro_losses"] = self._micro_losses[len(self._micro_losses) - count:]
 

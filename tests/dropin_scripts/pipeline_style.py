@@ -32,6 +32,34 @@ class Block(nn.Module):
         return x + torch.tanh(self.fc(self.norm(x)))
 
 
+class Gate(nn.Module):
+    """A layer passing a tuple on: the activations and an integer mask, which crosses the stage boundary."""
+
+    def __init__(self, width, first=False):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.first = first
+
+    def forward(self, inputs):
+        x, mask = inputs
+        return (self.fc(x) if self.first else torch.tanh(self.fc(x)) * (mask.unsqueeze(-1) > 0)), mask
+
+
+class Head(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, 3)
+
+    def forward(self, inputs):
+        return self.fc(inputs[0])
+
+
+def weighted_loss(outputs, labels):
+    """Labels as a tuple: the classes and a weight per sample."""
+    classes, weights = labels
+    return (nn.functional.cross_entropy(outputs, classes, reduction="none") * weights).mean()
+
+
 def mlp_layers():
     net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(),
                         nn.Linear(32, 10))
@@ -61,6 +89,10 @@ def dataset(model):
     if model == "mlp":
         x = torch.randn(512, 20, generator=g)
         return torch.utils.data.TensorDataset(x, (x[:, :10].sum(1) > 0).long() + 2 * (x[:, 10] > 0).long())
+    if model == "masked":
+        x = torch.randn(512, 8, generator=g)
+        return torch.utils.data.TensorDataset(x, torch.randint(0, 2, (512,), generator=g),
+                                              (x[:, 0] > 0).long() + (x[:, 1] > 0).long(), torch.rand(512, generator=g))
     tokens = torch.randint(0, VOCAB, (512, SEQ + 1), generator=g)
     return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
@@ -72,6 +104,10 @@ def build(args):
         return PipelineModule(layers=mlp_layers(), loss_fn=nn.CrossEntropyLoss(),
                               num_stages=args.pipeline_parallel_size,
                               partition_method=args.partition, activation_checkpoint_interval=0)
+    if args.model == "masked":
+        return PipelineModule(layers=[LayerSpec(Gate, 8, first=True), LayerSpec(Gate, 8), LayerSpec(Gate, 8),
+                                      LayerSpec(Head, 8)], loss_fn=weighted_loss,
+                              num_stages=args.pipeline_parallel_size, partition_method=args.partition)
     return PipelineModule(layers=tied_layers(), loss_fn=lm_loss, num_stages=args.pipeline_parallel_size,
                           partition_method=args.partition, seed_layers=True, seed_fn=seed, base_seed=args.seed,
                           activation_checkpoint_interval=args.checkpoint_interval)
@@ -90,7 +126,14 @@ def batches(args, engine, trainset):
     sampler = torch.utils.data.distributed.DistributedSampler(trainset, num_replicas=engine.dp_world_size,
                                                               rank=engine.mpu.get_data_parallel_rank(), shuffle=False)
     loader = torch.utils.data.DataLoader(trainset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler)
-    return iter(RepeatingLoader(loader))
+    return as_pairs(args, iter(RepeatingLoader(loader)))
+
+
+def as_pairs(args, batches):
+    """(inputs, labels) as train_batch reads them: tuples of tensors for the masked model."""
+    if args.model != "masked":
+        return batches
+    return (((x, mask), (classes, weights)) for x, mask, classes, weights in batches)
 
 
 def step(args, engine, data):
@@ -117,7 +160,8 @@ def run(args, model):
         if i + 1 > save_at:
             after_save.append(loss.item())
     evalset = torch.utils.data.TensorDataset(*trainset[:64])
-    eval_iter = iter(torch.utils.data.DataLoader(evalset, batch_size=engine.train_micro_batch_size_per_gpu()))
+    eval_iter = as_pairs(args, iter(torch.utils.data.DataLoader(evalset,
+                                                                batch_size=engine.train_micro_batch_size_per_gpu())))
     eval_loss, logits = engine.eval_batch(eval_iter, return_logits=True)
     record = {"first": engine.is_first_stage(), "last": engine.is_last_stage(), "micro_batches": engine.micro_batches,
               "global_steps": engine.global_steps, "eval_loss": eval_loss.item(),
