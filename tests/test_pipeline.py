@@ -24,6 +24,8 @@ from torsh.plan import plan
 
 SCRIPT = Path(__file__).parent / "dropin_scripts" / "pipeline_style.py"
 BLOCKER = 'raise ImportError("real DeepSpeed was imported in a torsh run job")\n'
+#: What a process that finished its work prints when the C++ teardown kills it after Python's exit.
+EXIT_ABORT = "terminate called without an active exception"
 FP32 = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "steps_per_print": 1000,
         "optimizer": {"type": "Adam", "params": {"lr": 0.003, "torch_adam": True}}, "gradient_clipping": 0.05,
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.003,
@@ -75,13 +77,18 @@ def runs(tmp_path_factory) -> dict:
     for layout in LAYOUTS:
         started = {engine: _start(engine, layout, tmp) for engine in ("torsh", "deepspeed")}
         for engine, (proc, run) in started.items():
-            try:
-                proc.wait(timeout=900)
-            finally:
-                proc.kill()
-            out = run / "result.json"
-            if proc.returncode != 0 or not out.exists():
-                pytest.fail(f"{engine} {layout} failed:\n{(run / 'log.txt').read_text()[-6000:]}")
+            for attempt in range(2):
+                if attempt:  # the reference aborted before writing its record: once more
+                    proc, run = _start(engine, layout, tmp / "again")
+                try:
+                    proc.wait(timeout=900)
+                finally:
+                    proc.kill()
+                out, log = run / "result.json", (run / "log.txt").read_text()
+                if out.exists() and (proc.returncode == 0 or (engine == "deepspeed" and EXIT_ABORT in log)):
+                    break  # real DeepSpeed's processes may abort at exit (CPU/gloo) after writing the record
+                if engine == "torsh" or EXIT_ABORT not in log:
+                    pytest.fail(f"{engine} {layout} failed:\n{log[-6000:]}")
             results[engine, layout] = json.loads(out.read_text())
     return results
 

@@ -24,6 +24,7 @@ from torsh.config import TorshConfig
 from torsh.errors import ConfigError, Problem
 
 from .engine import Engine
+from .precision import MASTER
 from .sharding import ShardPlan
 
 log = logging.getLogger("torsh.engine")
@@ -60,9 +61,10 @@ def pipeline_refusals(cfg: TorshConfig, module: Any) -> list[Problem]:
     if cfg.compression.method != "none":
         problems.append(Problem("compression.method", cfg.compression.method, "gradient compression is not run by "
                                 "the torsh pipeline engine; remove it"))  # fmt: skip
-    if "nvme" in (cfg.offload.params, cfg.offload.optimizer) or cfg.offload.params == "cpu":
-        problems.append(Problem("offload", cfg.offload.params, "the torsh pipeline engine offloads only the "
-                                "optimizer to the CPU"))  # fmt: skip
+    if cfg.offload.params != "none" or cfg.offload.optimizer == "nvme":
+        problems.append(Problem("offload", {"params": cfg.offload.params, "optimizer": cfg.offload.optimizer},
+                                "the torsh pipeline engine offloads only the optimizer, to the CPU; set "
+                                "offload_param.device none and offload_optimizer.device cpu or none"))  # fmt: skip
     mpu = getattr(module, "mpu", None)
     if mpu is not None and mpu().get_slice_parallel_world_size() > 1:
         problems.append(Problem("topology", "model", "tensor parallelism inside a pipeline stage (a topology 'model' "
@@ -98,6 +100,7 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
     init._setup_logging(info.rank)
     init._check_local_rank(args, info)
     init._log_translation(translation, info.rank)
+    init._warn_not_executed(cfg, info.rank)
     grid = model.mpu()
     dp = grid.get_data_parallel_world_size()
     cfg, batch, resolved = resolve_auto(cfg, model=model, optimizer=optimizer if init._is_optimizer(optimizer)
@@ -386,6 +389,7 @@ class PipelineEngine(Engine):
         self._run(self.micro_batches, inputs, labels, train=True)
         self.__dict__["_force_grad_boundary"] = True
         try:
+            self._fill_missing_grads()
             self._reduce_tied_grads()
             self._reduce_grads()
             self._optimizer_step()
@@ -447,8 +451,17 @@ class PipelineEngine(Engine):
                 p.register_post_accumulate_grad_hook(move(name))
 
     def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
-        master = getattr(p, "_torsh_master", None)
+        master = getattr(p, MASTER, None)
         return master.grad if master is not None else p.grad
+
+    def _fill_missing_grads(self) -> None:
+        """A zero gradient for each trainable parameter the batch did not reach, so that every replica and every
+        stage holding a tied weight reduces the same tensors (DeepSpeed steps such a parameter with a zero one)."""
+        for p in self.module.parameters():
+            if p.requires_grad:
+                target = getattr(p, MASTER, p)
+                if target.grad is None:
+                    target.grad = torch.zeros_like(target)
 
     def _reduce_tied_grads(self) -> None:
         for weight, group in self.module.get_tied_weights_and_groups():
