@@ -222,3 +222,37 @@ def test_pipeline_refusals_name_the_key_and_the_alternative():
     [problem] = pipeline_refusals(other, module)
     assert problem.path == "pipeline.stages" and "has 2 stages" in problem.reason
     assert pipeline_refusals(TorshConfig.model_validate({"pipeline": {"stages": 2}}), module) == []
+
+
+def test_a_deepspeed_fp32_stage_file_loads(tmp_path):
+    """DeepSpeed's mp_rank_SS_model_states.pt (no stage count, no micro-step counter, the torch optimizer's state
+    as it is, DeepSpeed's own keys) loads: counters, optimizer state, and only the client's keys as client state."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from torsh.engine.pipeline_checkpoint import load
+
+    def adam():
+        torch.manual_seed(0)
+        return torch.optim.Adam(torch.nn.Linear(3, 2).parameters(), lr=0.1)
+
+    theirs = adam()
+    for p in theirs.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    theirs.step()
+    (tmp_path / "global_step3").mkdir()
+    torch.save({"module": None, "optimizer": theirs.state_dict(), "lr_scheduler": None, "global_steps": 3,
+                "global_samples": 48, "skipped_steps": 0, "dp_world_size": 1, "mp_world_size": 2, "buffer_names": [],
+                "ds_config": {}, "ds_version": "0.19.8", "consumed": 3},
+               tmp_path / "global_step3" / "mp_rank_01_model_states.pt")  # fmt: skip
+    (tmp_path / "latest").write_text("global_step3")
+    loaded_dirs = []
+    engine = SimpleNamespace(grid=SimpleNamespace(get_model_parallel_rank=lambda: 1), num_stages=2, dp_world_size=1,
+                             get_data_parallel_rank=lambda: 0, zero_optimization_stage=lambda: 0, micro_batches=4,
+                             _precision=SimpleNamespace(masters=None), optimizer=adam(), lr_scheduler=None,
+                             module=SimpleNamespace(load_state_dir=lambda path, strict: loaded_dirs.append(path)))
+    path, client = load(engine, tmp_path, None, True, True, True, False)
+    assert client == {"consumed": 3} and loaded_dirs == [path] and path.endswith("global_step3")
+    assert (engine.global_steps, engine.global_samples, engine.micro_steps) == (3, 48, 12)
+    assert engine.optimizer.state_dict()["state"][0]["exp_avg"].equal(theirs.state_dict()["state"][0]["exp_avg"])

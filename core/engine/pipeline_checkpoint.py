@@ -3,11 +3,11 @@
     save_dir/latest                                   the tag (rank 0, after every rank has written)
     save_dir/<tag>/layer_NN-model_states.pt           one layer's state_dict (the stage's first replica writes)
     save_dir/<tag>/mp_rank_SS_model_states.pt         per stage: counters, scheduler, client state; the
-                                                      optimizer state (and fp32 masters) when not ZeRO
+                                                      optimizer state when not ZeRO (fp32: DeepSpeed's form)
     save_dir/<tag>/zero_pp_rank_D_mp_rank_SS_optim_states.pt   ZeRO-1: each rank's optimizer partition
 
-A checkpoint resumes on the same pipeline and data-parallel degrees (the layers are per layer, so the layer files
-also load into another partition of the same layers).
+A checkpoint resumes on the same pipeline and data-parallel degrees. At fp32 without ZeRO the files are
+DeepSpeed's, so each engine loads the other's checkpoint.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def _zero(engine: Any) -> bool:
 
 
 def _optimizer_state(engine: Any) -> dict | None:
+    """The optimizer's state and, with bf16 weights, the fp32 masters it steps."""
     if engine.optimizer is None:
         return None
     state = {"optimizer": engine.optimizer.state_dict()}
@@ -41,6 +42,12 @@ def _optimizer_state(engine: Any) -> dict | None:
     if masters is not None:
         state["fp32_masters"] = {n: m.detach().clone() for n, m in masters.masters.items()}
     return state
+
+
+def _plain(engine: Any) -> bool:
+    """fp32 without ZeRO: the optimizer state goes into the stage file as DeepSpeed puts it there (the torch
+    optimizer's ``state_dict``), so that either engine loads the other's checkpoint."""
+    return not _zero(engine) and engine._precision.masters is None
 
 
 def save(engine: Any, save_dir, tag, client_state: dict, save_latest: bool, exclude_frozen: bool) -> bool:
@@ -58,7 +65,9 @@ def save(engine: Any, save_dir, tag, client_state: dict, save_latest: bool, excl
                  "dp_world_size": engine.dp_world_size, "mp_world_size": engine.mp_world_size,
                  "num_stages": engine.num_stages,
                  "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-                 "optimizer": None if _zero(engine) else optim, **dict(client_state or {})}  # fmt: skip
+                 "optimizer": optim["optimizer"] if (optim is not None and _plain(engine)) else None,
+                 "torsh_optimizer": optim if (not _zero(engine) and not _plain(engine)) else None,
+                 "ds_version": "0.19.8+torsh", **dict(client_state or {})}  # fmt: skip
         _atomic_save(state, _model_file(engine, root))
     if _zero(engine) and optim is not None:
         _atomic_save({"optimizer_state_dict": optim, "ds_version": "0.19.8+torsh"}, _optim_file(engine, root))
@@ -84,7 +93,8 @@ def load(engine: Any, load_dir, tag, strict: bool, load_optimizer: bool, load_sc
         raise FileNotFoundError(f"{model_file} not found: not a pipeline checkpoint of this pipeline "
                                 f"({engine.num_stages} stages)")  # fmt: skip
     state = torch.load(model_file, map_location="cpu", weights_only=False)
-    saved = (state.get("num_stages"), state.get("dp_world_size"))
+    # DeepSpeed's stage files do not record the stages: the model-parallel world of a pipeline is its stages
+    saved = (state.get("num_stages", state.get("mp_world_size")), state.get("dp_world_size"))
     if saved != (engine.num_stages, engine.dp_world_size):
         raise ValueError(f"the checkpoint {root} was written by {saved[0]} stages x {saved[1]} data-parallel "
                          f"replicas; this job runs {engine.num_stages} x {engine.dp_world_size}: resume with the "
@@ -95,8 +105,13 @@ def load(engine: Any, load_dir, tag, strict: bool, load_optimizer: bool, load_sc
         masters.params_to_master()
     if not module_only:
         if load_optimizer and engine.optimizer is not None:
-            optim = torch.load(_optim_file(engine, root), map_location="cpu", weights_only=False)[
-                "optimizer_state_dict"] if _zero(engine) else state.get("optimizer")  # fmt: skip
+            if _zero(engine):
+                optim = torch.load(_optim_file(engine, root), map_location="cpu", weights_only=False)[
+                    "optimizer_state_dict"]  # fmt: skip
+            elif state.get("torsh_optimizer") is not None:
+                optim = state["torsh_optimizer"]
+            else:
+                optim = {"optimizer": state["optimizer"]} if state.get("optimizer") is not None else None
             if optim is not None:
                 engine.optimizer.load_state_dict(optim["optimizer"])
                 if masters is not None and "fp32_masters" in optim:
@@ -108,13 +123,18 @@ def load(engine: Any, load_dir, tag, strict: bool, load_optimizer: bool, load_sc
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
         engine.global_steps = state["global_steps"]
         engine.global_samples = state["global_samples"]
-        engine.micro_steps = state["micro_steps"]
+        engine.micro_steps = state.get("micro_steps", state["global_steps"] * engine.micro_batches)
         engine.skipped_steps = state["skipped_steps"]
         engine.loaded_checkpoint_mp_world_size = state["mp_world_size"]
     engine.loaded_checkpoint_dp_world_size = state["dp_world_size"]
     own = {"module", "global_steps", "global_samples", "micro_steps", "skipped_steps", "dp_world_size",
-           "mp_world_size", "num_stages", "lr_scheduler", "optimizer"}  # fmt: skip
+           "mp_world_size", "num_stages", "lr_scheduler", "optimizer", "torsh_optimizer", *DEEPSPEED_OWN}
     return str(root), {k: v for k, v in state.items() if k not in own}
+
+
+#: What else DeepSpeed writes into a stage file (not client state when torsh loads DeepSpeed's checkpoint).
+DEEPSPEED_OWN = ("buffer_names", "param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments",
+                 "data_sampler", "random_ltd", "sparse_tensor_module_names", "ds_config", "ds_version")
 
 
 def _atomic_save(obj: Any, path: Path) -> None:

@@ -172,7 +172,7 @@ def run(args, model):
     resumed = []
     if ckpt_dir:
         engine2 = engine_for(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}), trainset)
-        _, client = engine2.load_checkpoint(ckpt_dir)
+        _, client = engine2.load_checkpoint(f"{args.resume_from}/{model}" if args.resume_from else ckpt_dir)
         data2 = engine2.data_iterator if model == "mlp" else batches(args, engine2, trainset)
         for _ in range(client["consumed"] * engine2.micro_batches):
             if data2 is not None:
@@ -214,6 +214,8 @@ def main():
     parser.add_argument("--checkpoint_interval", type=int, default=0)
     parser.add_argument("--seed", type=int, default=1138)
     parser.add_argument("--ckpt_dir", default=None)
+    parser.add_argument("--resume_from", default=None, help="resume from this checkpoint directory (the other "
+                        "engine's) instead of the one just saved")
     parser.add_argument("--out", required=True)
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
