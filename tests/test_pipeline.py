@@ -5,7 +5,8 @@ tests/dropin_scripts/pipeline_style.py (DeepSpeed's pipeline example in shape: a
 stage, ``seed_layers``, activation checkpointing and ``train_batch(data_iter)``; and one passing a tuple with an
 integer mask between stages, with tuple labels) is launched once per engine and
 layout, and every check below reads those launches: 2 ranks (``-p 2``, fp32, gradient clipping, save and resume),
-and 4 ranks (2 stages x 2 data-parallel replicas, ZeRO-1, bf16); a WarmupLR schedule throughout.
+and 4 ranks (2 stages x 2 data-parallel replicas, ZeRO-1, bf16; and 4 stages with 2 micro-batches); a WarmupLR
+schedule throughout.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ FP32 = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "
 #: (KeyError in BF16_Optimizer._load_legacy_checkpoint), so only torsh saves and resumes there.
 BF16_ZERO1 = {**FP32, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
 LAYOUTS = {"pp2": (2, FP32, ["--models", "mlp,tied,masked", "--checkpoint_interval", "2"]),
-           "pp2dp2": (4, BF16_ZERO1, ["--models", "tied"])}  # fmt: skip
+           "pp2dp2": (4, BF16_ZERO1, ["--models", "tied,mlp:4"])}  # fmt: skip
 
 
 def _env(extra_path: str | None = None) -> dict:
@@ -166,6 +167,20 @@ def test_pp2dp2_zero1_bf16_losses_match_deepspeed_and_resume(runs):
     assert ours["resumed"] == ours["after_save"]
     assert "zero_pp_rank_1_mp_rank_01_optim_states.pt" in ours["files"]
     print(f"pp2dp2 bf16 ZeRO-1: worst relative loss difference {worst:.2e}")
+
+
+@pytest.mark.slow
+def test_pp4_with_fewer_micro_batches_than_stages_matches_deepspeed(runs):
+    """4 stages on 4 ranks (two of them in the middle, reading no data) and 2 micro-batches: torch's 1F1B takes
+    no fewer micro-batches than stages, so the engine runs them as GPipe; DeepSpeed's losses all the same."""
+    ours, theirs = runs["torsh", "pp2dp2"]["models"]["mlp:4"], runs["deepspeed", "pp2dp2"]["models"]["mlp:4"]
+    worst = _worst(ours["losses"], theirs["losses"])
+    assert worst <= parity.LOW_PRECISION_FLOOR["loss"], (ours["losses"], theirs["losses"])
+    assert [r["first"] for r in ours["ranks"][:4]] == [True, False, False, False]
+    assert [r["last"] for r in ours["ranks"][:4]] == [False, False, False, True]
+    assert [r["params"] for r in ours["ranks"][:4]] == [r["params"] for r in theirs["ranks"][:4]]
+    assert ours["resumed"] == ours["after_save"]
+    print(f"pp4 bf16 2 micro-batches: worst relative loss difference {worst:.2e}")
 
 
 # ---- in-process: the partition, the topology, the plan ------------------------------------------------------------

@@ -118,6 +118,8 @@ def engine_for(args, trainset):
     engine, _, _, _ = deepspeed.initialize(args=args, model=net,
                                            training_data=trainset if args.model == "mlp" else None,
                                            model_parameters=[p for p in net.parameters() if p.requires_grad])
+    if args.model == "mlp" and engine.bfloat16_enabled():  # the features in the weights' dtype
+        engine.set_batch_fn(lambda batch: (batch[0].to(torch.bfloat16), batch[1]))
     return engine
 
 
@@ -140,14 +142,17 @@ def step(args, engine, data):
     return engine.train_batch() if data is None else engine.train_batch(data)
 
 
-def run(args, model):
-    """Train ``args.steps`` batches of ``model`` (saving half way), evaluate, resume from the checkpoint."""
-    args = argparse.Namespace(**{**vars(args), "model": model})
+def run(args, spec):
+    """Train ``args.steps`` batches of the model ``spec`` names (``mlp``, or ``mlp:4`` for 4 stages instead of
+    ``-p``), saving half way; evaluate; resume from the checkpoint."""
+    model, _, stages = spec.partition(":")
+    args = argparse.Namespace(**{**vars(args), "model": model,
+                                 "pipeline_parallel_size": int(stages or args.pipeline_parallel_size)})
     trainset = dataset(model)
     engine = engine_for(args, trainset)
     data = None if model == "mlp" else batches(args, engine, trainset)
     save_at = args.steps // 2
-    ckpt_dir = f"{args.ckpt_dir}/{model}" if args.ckpt_dir else None
+    ckpt_dir = f"{args.ckpt_dir}/{spec}" if args.ckpt_dir else None
     losses, everywhere, after_save = [], [], []
     for i in range(args.steps):
         loss = step(args, engine, data)
@@ -172,7 +177,7 @@ def run(args, model):
     resumed = []
     if ckpt_dir:
         engine2 = engine_for(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}), trainset)
-        _, client = engine2.load_checkpoint(f"{args.resume_from}/{model}" if args.resume_from else ckpt_dir)
+        _, client = engine2.load_checkpoint(f"{args.resume_from}/{spec}" if args.resume_from else ckpt_dir)
         data2 = engine2.data_iterator if model == "mlp" else batches(args, engine2, trainset)
         for _ in range(client["consumed"] * engine2.micro_batches):
             if data2 is not None:
