@@ -19,35 +19,24 @@ from pathlib import Path
 
 import pytest
 
+from test_dropin_scripts import BLOCKER, EXIT_ABORT, _env
 from torsh import parity
 from torsh.config import TorshConfig
 from torsh.plan import plan
 
 SCRIPT = Path(__file__).parent / "dropin_scripts" / "pipeline_style.py"
-BLOCKER = 'raise ImportError("real DeepSpeed was imported in a torsh run job")\n'
-#: What a process that finished its work prints when the C++ teardown kills it after Python's exit.
-EXIT_ABORT = "terminate called without an active exception"
+#: use_reentrant false: DeepSpeed's reentrant activation checkpointing leaves a first stage that starts with an
+#: embedding without gradients (torsh's checkpointing is non-reentrant).
 FP32 = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "steps_per_print": 1000,
         "optimizer": {"type": "Adam", "params": {"lr": 0.003, "torch_adam": True}}, "gradient_clipping": 0.05,
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.003,
                                                      "warmup_num_steps": 4}},
         "pipeline": {"use_reentrant": False}}  # fmt: skip
-#: 2 x 2: the embedding's activation checkpointing needs DeepSpeed's non-reentrant function (its reentrant one
-#: leaves the first stage without gradients); DeepSpeed 0.19.8 cannot load its own bf16 pipeline checkpoint
-#: (KeyError in BF16_Optimizer._load_legacy_checkpoint), so only torsh saves and resumes there.
+#: 2 x 2 and 4 stages: DeepSpeed 0.19.8 cannot load its own bf16 pipeline checkpoint (KeyError in
+#: BF16_Optimizer._load_legacy_checkpoint), so only torsh saves and resumes there.
 BF16_ZERO1 = {**FP32, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
 LAYOUTS = {"pp2": (2, FP32, ["--models", "mlp,tied,masked", "--checkpoint_interval", "2"]),
            "pp2dp2": (4, BF16_ZERO1, ["--models", "tied,mlp:4"])}  # fmt: skip
-
-
-def _env(extra_path: str | None = None) -> dict:
-    import os
-
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    if extra_path:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH")) if p)
-    return env
 
 
 def _start(engine: str, layout: str, tmp: Path) -> tuple[subprocess.Popen, Path]:
