@@ -225,16 +225,18 @@ def degree_problems(cfg: TorshConfig, world_size: int) -> list[Problem]:
     return problems
 
 
-def _model_parallel_refusals(cfg: TorshConfig) -> list[Problem]:
-    """The degrees the engine does not run, each with its alternative."""
+def _model_parallel_refusals(cfg: TorshConfig, *, pipeline: bool = False) -> list[Problem]:
+    """The degrees the engine does not run, each with its alternative (``pipeline``: the model is a DeepSpeed
+    ``PipelineModule``, which the pipeline engine runs)."""
     par, problems = cfg.parallelism, []
     if par.cp > 1:
         problems.append(Problem("parallelism.cp", par.cp, "context parallelism is not run by the torsh engine "
                                 "(torch's context_parallel is experimental and only splits scaled-dot-product "
                                 "attention); set it to 1 and fit long sequences with activation checkpointing, "
                                 "sharding.stage 3 or parallelism.tp"))  # fmt: skip
-    if pipeline_degree(cfg) > 1:
-        problems.append(Problem("parallelism.pp", par.pp, "pipeline parallelism is not run by the torsh engine; set "
+    if pipeline_degree(cfg) > 1 and not pipeline:
+        problems.append(Problem("parallelism.pp", par.pp, "pipeline parallelism runs only for a "
+                                "deepspeed.pipe.PipelineModule (the pipeline engine): pass one to initialize, or set "
                                 "it to 1 and use sharding.stage 3 (FSDP2) or parallelism.tp to fit the model"))
     if par.tp > 1:
         o = cfg.offload
@@ -245,7 +247,8 @@ def _model_parallel_refusals(cfg: TorshConfig) -> list[Problem]:
     return problems
 
 
-def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimizer_given: bool = True) -> EnginePlan:
+def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimizer_given: bool = True,
+         pipeline: bool = False) -> EnginePlan:
     """Decide how the engine runs ``cfg`` on ``world_size`` ranks (``source``: the dialect it was read from, which
     decides whether DeepSpeed's bucket sizes size the units; ``optimizer_given``: the caller passes an optimizer
     to ``initialize``). Refusals are collected, not raised: :meth:`EnginePlan.check` raises them."""
@@ -274,7 +277,8 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
         optimizer_wrapper="ZeroRedundancyOptimizer" if s.stage == 1 and not fsdp else None,
         optimizer_on_cpu="cpu" in (o.params, o.optimizer),
         step=_step_policy(cfg, scaling=scaler, compressed=compressed),
-        refused=tuple(refusals(cfg, world_size=world_size, optimizer_given=optimizer_given)), steps=(), degrees=laid,
+        refused=tuple(refusals(cfg, world_size=world_size, optimizer_given=optimizer_given, pipeline=pipeline)),
+        steps=(), degrees=laid,
     )  # fmt: skip
     return _with_steps(decided, cfg, source)
 
@@ -301,7 +305,8 @@ def _step_policy(cfg: TorshConfig, *, scaling: bool, compressed: bool) -> StepPo
                       save_full_weights=cfg.checkpoint.save_full_weights is True)  # fmt: skip
 
 
-def refusals(cfg: TorshConfig, *, world_size: int, optimizer_given: bool = True) -> list[Problem]:
+def refusals(cfg: TorshConfig, *, world_size: int, optimizer_given: bool = True,
+             pipeline: bool = False) -> list[Problem]:
     """Every reason the engine cannot run ``cfg`` on ``world_size`` ranks (empty: it can).
 
     ``optimizer_given`` says whether the caller passed an optimizer to ``initialize`` (ZeRO-1/2 need one).
@@ -309,7 +314,7 @@ def refusals(cfg: TorshConfig, *, world_size: int, optimizer_given: bool = True)
     problems: list[Problem] = []
     stage = cfg.sharding.stage
     problems += degree_problems(cfg, world_size)
-    problems += _model_parallel_refusals(cfg)
+    problems += _model_parallel_refusals(cfg, pipeline=pipeline)
     if cfg.gradients.reduce_op == "adasum":
         problems.append(Problem("gradients.reduce_op", "adasum", "Adasum is Horovod-only and has no native "
                                 "PyTorch equivalent; use 'mean' or 'sum'"))  # fmt: skip

@@ -52,6 +52,13 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     """
     if model is None:
         raise ConfigError([Problem("model", None, "initialize needs a model")])
+    from .pipeline import initialize_pipeline, is_pipeline_module
+
+    if is_pipeline_module(model):  # a deepspeed.pipe.PipelineModule: the pipeline engine
+        return initialize_pipeline(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                   training_data=training_data, lr_scheduler=lr_scheduler,
+                                   distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
+                                   collate_fn=collate_fn, config=config, config_params=config_params)  # fmt: skip
     if mpu is not None or mesh_param is not None:
         raise ConfigError([Problem("mpu" if mpu is not None else "mesh_param", type(mpu or mesh_param).__name__,
                                    "an mpu or mesh object is not read by the torsh engine: give the parallel "

@@ -1,4 +1,5 @@
-"""``deepspeed.pipe``: see :mod:`torsh.compat.deepspeed.runtime.pipe` (not run by torsh)."""
+"""``deepspeed.pipe``: :mod:`torsh.compat.deepspeed.runtime.pipe` (``PipelineModule``, ``LayerSpec``,
+``TiedLayerSpec``, the topologies)."""
 
 from ..runtime.pipe import (  # noqa: F401
     DualPipeVModule,

@@ -1,14 +1,26 @@
-"""``deepspeed.pipe`` / ``deepspeed.runtime.pipe``: pipeline parallelism is not run by torsh."""
+"""``deepspeed.runtime.pipe`` / ``deepspeed.pipe``: pipeline parallelism on ``torch.distributed.pipelining``.
+
+``PipelineModule`` builds this rank's stage exactly as DeepSpeed 0.19.8 does; ``deepspeed.initialize`` returns the
+pipeline engine (:class:`torsh.engine.pipeline.PipelineEngine`) for it. ``DualPipeVModule`` is not run.
+"""
 
 from ..._unsupported import unsupported_class
+from .module import LayerSpec, PipelineError, PipelineModule, TiedLayerSpec  # noqa: F401
+from .topology import (  # noqa: F401
+    PipeDataParallelTopology,
+    PipelineParallelGrid,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+)
 
-_INSTEAD = ("the torsh engine runs data parallelism and sharding only; build the model as one nn.Module "
-            "(nn.Sequential of the layers) and pass it to deepspeed.initialize, or use torch.distributed.pipelining")
-PipelineModule = unsupported_class("pipe.PipelineModule", _INSTEAD)
-LayerSpec = unsupported_class("pipe.LayerSpec", _INSTEAD)
-TiedLayerSpec = unsupported_class("pipe.TiedLayerSpec", _INSTEAD)
-PipelineEngine = unsupported_class("runtime.pipe.engine.PipelineEngine", _INSTEAD)
-DualPipeVModule = unsupported_class("pipe.DualPipeVModule", _INSTEAD)
-ProcessTopology = unsupported_class("pipe.ProcessTopology", _INSTEAD)
-PipeDataParallelTopology = unsupported_class("pipe.PipeDataParallelTopology", _INSTEAD)
-PipeModelDataParallelTopology = unsupported_class("pipe.PipeModelDataParallelTopology", _INSTEAD)
+
+def __getattr__(name: str):
+    if name == "PipelineEngine":
+        from torsh.engine.pipeline import PipelineEngine
+
+        return PipelineEngine
+    raise AttributeError(f"module 'deepspeed.runtime.pipe' has no attribute {name!r}")
+
+
+DualPipeVModule = unsupported_class("pipe.DualPipeVModule", "the DualPipeV schedule is not run by torsh; use "
+                                    "PipelineModule (1F1B)")  # fmt: skip

@@ -1,0 +1,143 @@
+"""Checkpoints of the pipeline engine, in DeepSpeed's pipeline layout::
+
+    save_dir/latest                                   the tag (rank 0, after every rank has written)
+    save_dir/<tag>/layer_NN-model_states.pt           one layer's state_dict (the stage's first replica writes)
+    save_dir/<tag>/mp_rank_SS_model_states.pt         per stage: counters, scheduler, client state; the
+                                                      optimizer state when not ZeRO (fp32: DeepSpeed's form)
+    save_dir/<tag>/zero_pp_rank_D_mp_rank_SS_optim_states.pt   ZeRO-1: each rank's optimizer partition
+
+A checkpoint resumes on the same pipeline and data-parallel degrees. At fp32 without ZeRO the files are
+DeepSpeed's, so each engine loads the other's checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _model_file(engine: Any, root: Path) -> Path:
+    return root / f"mp_rank_{engine.grid.get_model_parallel_rank():02d}_model_states.pt"
+
+
+def _optim_file(engine: Any, root: Path) -> Path:
+    return root / (f"zero_pp_rank_{engine.get_data_parallel_rank()}_mp_rank_"
+                   f"{engine.grid.get_model_parallel_rank():02d}_optim_states.pt")  # fmt: skip
+
+
+def _zero(engine: Any) -> bool:
+    return engine.zero_optimization_stage() == 1
+
+
+def _optimizer_state(engine: Any) -> dict | None:
+    """The optimizer's state and, with bf16 weights, the fp32 masters it steps."""
+    if engine.optimizer is None:
+        return None
+    state = {"optimizer": engine.optimizer.state_dict()}
+    masters = engine._precision.masters
+    if masters is not None:
+        state["fp32_masters"] = {n: m.detach().clone() for n, m in masters.masters.items()}
+    return state
+
+
+def _plain(engine: Any) -> bool:
+    """fp32 without ZeRO: the optimizer state goes into the stage file as DeepSpeed puts it there (the torch
+    optimizer's ``state_dict``), so that either engine loads the other's checkpoint."""
+    return not _zero(engine) and engine._precision.masters is None
+
+
+def save(engine: Any, save_dir, tag, client_state: dict, save_latest: bool, exclude_frozen: bool) -> bool:
+    if not save_dir:
+        raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    root = Path(save_dir) / tag
+    root.mkdir(parents=True, exist_ok=True)
+    engine.module.save_state_dict(str(root), exclude_frozen_params=exclude_frozen)
+    first_replica = engine.get_data_parallel_rank() == 0
+    optim = _optimizer_state(engine)
+    if first_replica:
+        state = {"module": None, "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                 "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
+                 "dp_world_size": engine.dp_world_size, "mp_world_size": engine.mp_world_size,
+                 "num_stages": engine.num_stages,
+                 "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+                 "optimizer": optim["optimizer"] if (optim is not None and _plain(engine)) else None,
+                 "torsh_optimizer": optim if (not _zero(engine) and not _plain(engine)) else None,
+                 "ds_version": "0.19.8+torsh", **dict(client_state or {})}  # fmt: skip
+        _atomic_save(state, _model_file(engine, root))
+    if _zero(engine) and optim is not None:
+        _atomic_save({"optimizer_state_dict": optim, "ds_version": "0.19.8+torsh"}, _optim_file(engine, root))
+    dist.barrier()
+    if save_latest and engine.global_rank == 0:
+        tmp = Path(save_dir) / ".latest.tmp"
+        tmp.write_text(tag)
+        os.replace(tmp, Path(save_dir) / "latest")
+    dist.barrier()
+    return True
+
+
+def load(engine: Any, load_dir, tag, strict: bool, load_optimizer: bool, load_scheduler: bool,
+         module_only: bool):  # fmt: skip
+    if tag is None:
+        latest = Path(load_dir) / "latest"
+        if not latest.is_file():
+            return None, None
+        tag = latest.read_text().strip()
+    root = Path(load_dir) / str(tag)
+    model_file = _model_file(engine, root)
+    if not model_file.is_file():
+        raise FileNotFoundError(f"{model_file} not found: not a pipeline checkpoint of this pipeline "
+                                f"({engine.num_stages} stages)")  # fmt: skip
+    state = torch.load(model_file, map_location="cpu", weights_only=False)
+    # DeepSpeed's stage files do not record the stages: the model-parallel world of a pipeline is its stages
+    saved = (state.get("num_stages", state.get("mp_world_size")), state.get("dp_world_size"))
+    if saved != (engine.num_stages, engine.dp_world_size):
+        raise ValueError(f"the checkpoint {root} was written by {saved[0]} stages x {saved[1]} data-parallel "
+                         f"replicas; this job runs {engine.num_stages} x {engine.dp_world_size}: resume with the "
+                         "same degrees")  # fmt: skip
+    engine.module.load_state_dir(str(root), strict=strict)
+    masters = engine._precision.masters
+    if masters is not None:
+        masters.params_to_master()
+    if not module_only:
+        if load_optimizer and engine.optimizer is not None:
+            if _zero(engine):
+                optim = torch.load(_optim_file(engine, root), map_location="cpu", weights_only=False)[
+                    "optimizer_state_dict"]  # fmt: skip
+            elif state.get("torsh_optimizer") is not None:
+                optim = state["torsh_optimizer"]
+            else:
+                optim = {"optimizer": state["optimizer"]} if state.get("optimizer") is not None else None
+            if optim is not None:
+                engine.optimizer.load_state_dict(optim["optimizer"])
+                if masters is not None and "fp32_masters" in optim:
+                    with torch.no_grad():
+                        for name, value in optim["fp32_masters"].items():
+                            masters.masters[name].copy_(value)
+                    masters.master_to_params()
+        if load_scheduler and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        engine.global_steps = state["global_steps"]
+        engine.global_samples = state["global_samples"]
+        engine.micro_steps = state.get("micro_steps", state["global_steps"] * engine.micro_batches)
+        engine.skipped_steps = state["skipped_steps"]
+        engine.loaded_checkpoint_mp_world_size = state["mp_world_size"]
+    engine.loaded_checkpoint_dp_world_size = state["dp_world_size"]
+    own = {"module", "global_steps", "global_samples", "micro_steps", "skipped_steps", "dp_world_size",
+           "mp_world_size", "num_stages", "lr_scheduler", "optimizer", "torsh_optimizer", *DEEPSPEED_OWN}
+    return str(root), {k: v for k, v in state.items() if k not in own}
+
+
+#: What else DeepSpeed writes into a stage file (not client state when torsh loads DeepSpeed's checkpoint).
+DEEPSPEED_OWN = ("buffer_names", "param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments",
+                 "data_sampler", "random_ltd", "sparse_tensor_module_names", "ds_config", "ds_version")
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
