@@ -1,15 +1,15 @@
 """Run several drop-in scripts, one after the other, in the ranks of one launch: ``<launcher> --nproc-per-node 2
-_run_cases.py SPEC``. SPEC is a JSON list of ``{"name", "script", "args", "cwd"}``; each script runs unchanged as
-``__main__`` (``runpy``), with the ``sys.argv`` and working directory its own launch would give it, and writes its
-record (``--out``) as it does when launched alone.
+_run_cases.py SPEC``. SPEC is a JSON list of ``{"name", "script", "args", "cwd"}`` and optionally ``"env"``
+(variables of that case only); each script runs unchanged as ``__main__`` (``runpy``), with the ``sys.argv``,
+working directory and variables its own launch would give it, and writes its record as it does when launched alone.
 
-Between two scripts the state a fresh process would not have is put back: the random generators (torch, Python,
-NumPy) as they were when this runner started, Accelerate's and Transformers' process-wide state, and TorchDynamo's
-compiled code. The process group stays (DeepSpeed keeps its groups in module state): the scripts initialise it
-only when none exists, as they do in their own launch; the harness puts a script that needs no group at its start
-first in a launch, and one that destroys its group last. A script that raises ends the launch (its peers would
-wait in a collective otherwise); the harness tells the failed case from the records written and runs the
-remaining ones in a new launch.
+Between two scripts the state a fresh process would not have is put back: the environment variables and the
+random generators (torch, Python, NumPy) as they were when this runner started, Accelerate's and Transformers'
+process-wide state, and TorchDynamo's compiled code. The process group stays (DeepSpeed keeps its groups in module
+state): the scripts initialise it only when none exists, as they do in their own launch; the harness puts a script
+that needs no group at its start first in a launch, and one that destroys its group last. A script that raises
+ends the launch (its peers would wait in a collective otherwise); the harness tells the failed case from the
+records written and runs the remaining ones in a new launch.
 """
 
 import gc
@@ -57,6 +57,8 @@ def main(spec_path):
     fresh = _rng_state()
     for case in cases:
         _restore(fresh)
+        environ = dict(os.environ)
+        os.environ.update(case.get("env", {}))
         os.chdir(case["cwd"])
         sys.argv = [case["script"], *case["args"]]
         try:
@@ -64,6 +66,8 @@ def main(spec_path):
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 raise
+        os.environ.clear()  # the environment as the launcher gave it, without what the case or its libraries set
+        os.environ.update(environ)
         _reset_libraries()
 
 
