@@ -110,7 +110,7 @@ def test_explain_shows_the_mesh_what_runs_where_and_the_tp_plan(tmp_path, capsys
 def test_explain_reports_what_stays_refused_with_the_alternative(tmp_path, capsys):
     out = " ".join(_explain(tmp_path, capsys, {**DS, "pipeline": {"stages": 2}}, "--world-size", "3").split())
     assert "parallelism: pp 2 = 2 does not divide the world size 3" in out
-    assert "parallelism.pp: pipeline parallelism is not run" in out
+    assert "parallelism.pp: pipeline parallelism runs only for a deepspeed.pipe.PipelineModule" in out
     path = tmp_path / "job.json"
     path.write_text(json.dumps({"parallelism": {"tp": 2}}))
     assert main(["explain", str(path), "--world-size", "4", "--report", "json"]) == 0
