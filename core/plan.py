@@ -19,7 +19,7 @@ from .config import DataConfig, DdpConfig, GradientsConfig, TorshConfig
 from .deferred import Deferred, is_deferred
 from .errors import ConfigError, Problem
 
-DataParallel = Literal["ddp", "zero1", "fsdp2", "hsdp"]
+DataParallel = Literal["ddp", "zero1", "zero2", "fsdp2", "hsdp"]
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,9 @@ class EnginePlan:
 
     world_size: int
     data_parallel: DataParallel
-    """``ddp`` (stage 0), ``zero1`` (DDP + ZeroRedundancyOptimizer), ``fsdp2`` (stages 2/3), ``hsdp`` (FSDP2
-    on a 2-D mesh: shard within groups, replicate across them)."""
+    """``ddp`` (stage 0), ``zero1`` (DDP + ZeroRedundancyOptimizer), ``zero2`` (DeepSpeed's stage 2: whole
+    parameters, gradients and optimizer partitioned, :mod:`torsh.engine.zero_partition`), ``fsdp2`` (stage 3),
+    ``hsdp`` (FSDP2 on a 2-D mesh: shard within groups, replicate across them; stages 2/3)."""
     mesh: tuple[int, ...] | None
     """FSDP2's mesh shape: ``(world,)`` or ``(replicate, shard)``; None under DDP or while it is "auto"."""
     reshard_after_forward: bool | None
@@ -86,7 +87,7 @@ class EnginePlan:
     fsdp_mixed_precision: bool
     """FSDP2 gets a ``MixedPrecisionPolicy`` (compute or reduce dtype differs from the fp32 shards)."""
     masters_on_cpu: bool
-    """Stages 0/1 under optimizer offload: the fp32 master weights (and so the optimizer step) on the CPU."""
+    """Stages 0-2 under optimizer offload: the fp32 master weights (and so the optimizer step) on the CPU."""
     fsdp_cpu_offload: bool
     """FSDP2's ``CPUOffloadPolicy``: sharded parameters, gradients and the optimizer step on the CPU."""
     compression: Literal["none", "comm_hook", "reduce_dtype"]
@@ -122,12 +123,12 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
     decides whether DeepSpeed's bucket sizes size the units; ``optimizer_given``: the caller passes an optimizer
     to ``initialize``). Refusals are collected, not raised: :meth:`EnginePlan.check` raises them."""
     s, o, p = cfg.sharding, cfg.offload, cfg.precision
-    fsdp = s.stage >= 2
     dp, mesh = _data_parallel(s.stage, s.hybrid_shard_size, world_size)
+    fsdp = dp in ("fsdp2", "hsdp")
     # The parameters FSDP2 holds in compute: the compute dtype, or the fp32 masters themselves under autocast.
     held = p.master_dtype if p.autocast else p.param_dtype
-    if fsdp and cfg.compression.method in ("fp16", "bf16"):
-        reduce = cfg.compression.method  # FSDP2 has no comm hook: a low-precision "compression" is its reduce dtype
+    if s.stage >= 2 and cfg.compression.method in ("fp16", "bf16"):
+        reduce = cfg.compression.method  # no comm hook at stages 2/3: a low-precision "compression" is the reduce dtype
     else:
         reduce = p.reduce_dtype or held
     compressed = cfg.compression.method != "none"
@@ -138,7 +139,7 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
         param_dtype=p.param_dtype, master_dtype=p.master_dtype, reduce_dtype=reduce, autocast=p.autocast,
         fsdp_mixed_precision=fsdp and (held != p.master_dtype or reduce != held),
         masters_on_cpu=not fsdp and o.optimizer == "cpu", fsdp_cpu_offload=fsdp and "cpu" in (o.params, o.optimizer),
-        compression="none" if not compressed else "reduce_dtype" if fsdp else "comm_hook",
+        compression="none" if not compressed else "reduce_dtype" if s.stage >= 2 else "comm_hook",
         optimizer_wrapper="ZeroRedundancyOptimizer" if s.stage == 1 else None,
         optimizer_on_cpu="cpu" in (o.params, o.optimizer),
         step=_step_policy(cfg, scaling=scaler, compressed=compressed),
@@ -152,6 +153,8 @@ def _data_parallel(stage: int, hybrid: object, world_size: int) -> tuple[DataPar
     does not divide the world, which is refused)."""
     if stage < 2:
         return ("ddp" if stage == 0 else "zero1"), None
+    if stage == 2 and (not hybrid or hybrid == world_size):
+        return "zero2", None
     if not hybrid or hybrid == world_size:
         return "fsdp2", (world_size,)
     if is_deferred(hybrid) or world_size % hybrid:
@@ -261,6 +264,10 @@ def _sharding_step(decided: EnginePlan, cfg: TorshConfig) -> str:
         return "DDP (DistributedDataParallel): parameters, gradients and optimizer state replicated"
     if decided.data_parallel == "zero1":
         return "ZeRO-1: DDP + ZeroRedundancyOptimizer (optimizer state sharded, parameters replicated)"
+    if decided.data_parallel == "zero2":
+        return ("ZeRO-2 as DeepSpeed runs it: whole parameters on every rank; gradients reduced in buckets during "
+                "backward into each rank's partition; fp32 masters and optimizer state partitioned; updated "
+                "partitions all-gathered after the step")
     mesh = (f"HSDP on a 2-D mesh (shard within groups of {cfg.sharding.hybrid_shard_size}, replicate across groups)"
             if decided.data_parallel == "hsdp" else "sharded over all data-parallel ranks")  # fmt: skip
     return (f"FSDP2 fully_shard(reshard_after_forward={decided.reshard_after_forward}) - "
