@@ -226,11 +226,15 @@ def test_stage2_checkpoint_resumes_exactly_at_stage2_and_stage0(records):
 
 
 def test_whole_value_accessors_match_stage0(records):
+    import torch
+
     for rec in _one(records, "accessors"):
-        assert rec["grad_s2"] == pytest.approx(rec["grad_s0"], rel=2**-7, abs=1e-3)
-        assert rec["fp32_s2"] == pytest.approx(rec["fp32_s0"], rel=1e-3, abs=1e-3)
+        # bf16 gradients reduced in another order (per bucket vs DDP's): the dtype's rounding
+        torch.testing.assert_close(torch.tensor(rec["grad_s2"]), torch.tensor(rec["grad_s0"]), rtol=2**-6, atol=1e-3)
+        torch.testing.assert_close(torch.tensor(rec["fp32_s2"]), torch.tensor(rec["fp32_s0"]), rtol=1e-3, atol=1e-3)
         assert rec["after_set"] == 0.0
-        assert rec["local_numel_s2"] < rec["local_numel_s0"]
+    ranks = _one(records, "accessors")  # each rank holds its own elements of the parameter, together all of them
+    assert sum(r["local_numel_s2"] for r in ranks) == ranks[0]["local_numel_s0"]
 
 
 def test_optimizer_that_is_not_elementwise_is_refused_by_name(records):

@@ -24,9 +24,10 @@ of the all-reduced sum of every rank's squared partition norm (so clipping and t
 gradients), the optimizer steps, and the updated chunks are all-gathered in buckets of about
 ``allgather_bucket_size`` elements and copied into the parameters in the compute dtype.
 
-The collective: on gloo an all-reduce of the bucket (each rank keeps its chunk), measured faster than gloo's
-``reduce_scatter_tensor``, which gloo builds from an all-reduce plus copies; on other backends
-``reduce_scatter_tensor``, which moves half the bytes. See ARCHITECTURE.md for the numbers.
+The collectives: on gloo one ``reduce`` of each chunk to its owner (as DeepSpeed reduces to owners) and one
+``broadcast`` of each owner's chunks after the step, measured faster there than gloo's ``all_reduce``,
+``reduce_scatter_tensor`` (built from an all-reduce plus copies) and ``all_gather_into_tensor``; on other backends
+``reduce_scatter_tensor`` and ``all_gather_into_tensor``. See ARCHITECTURE.md for the numbers.
 
 Checkpoints: :meth:`ZeroPartition.full_view` gathers the fp32 masters and the optimizer state into per-parameter
 tensors (a module of whole fp32 parameters and an optimizer of the same class over them), the form stage 0 with
@@ -98,7 +99,7 @@ class ZeroPartition:
         self.compute_dtype, self.reduce_dtype, self.accum_dtype = compute_dtype, reduce_dtype, accum_dtype
         self.mean = mean
         self.reduce_every_micro_step = reduce_every_micro_step
-        self.scatter = dist.get_backend(process_group) != "gloo"  # gloo: all-reduce (measured faster there)
+        self.scatter = dist.get_backend(process_group) != "gloo"  # gloo: reduce / broadcast per owner (faster there)
         self.group_params = groups
         self.buckets = _make_buckets(groups, bucket_numel, self.world)
         sizes = [0] * len(groups)
@@ -167,9 +168,11 @@ class ZeroPartition:
             flat.div_(self.world)
         if self.scatter:
             b.out = torch.empty(b.chunk, dtype=flat.dtype, device=flat.device)
-            b.work = dist.reduce_scatter_tensor(b.out, flat, group=self.group, async_op=True)
-        else:
-            b.work = dist.all_reduce(flat, group=self.group, async_op=True)
+            b.work = [dist.reduce_scatter_tensor(b.out, flat, group=self.group, async_op=True)]
+        else:  # gloo: one reduce per chunk to its owner (DeepSpeed's way; faster there than an all-reduce)
+            b.work = [dist.reduce(flat[r * b.chunk:(r + 1) * b.chunk], dst=dist.get_global_rank(self.group, r)
+                                  if self.group is not None else r, group=self.group, async_op=True)
+                      for r in range(self.world)]  # fmt: skip
         b.flat = flat
         self.collectives += 1
 
@@ -188,7 +191,8 @@ class ZeroPartition:
             self._launch(b)
         bw.next_launch = len(self.buckets)
         for b in self.buckets:
-            b.work.wait()
+            for work in b.work:
+                work.wait()
             part = b.out if self.scatter else b.flat[self.rank * b.chunk:(self.rank + 1) * b.chunk]
             target = self.grads[b.group][b.master_offset:b.master_offset + b.chunk]
             if b.index in self._written:
@@ -231,9 +235,18 @@ class ZeroPartition:
         for buckets in self.gathers:
             send = torch.cat([self._own(b) for b in buckets]).to(device=self.device, dtype=self.compute_dtype)
             out = torch.empty(send.numel() * self.world, dtype=send.dtype, device=send.device)
-            pending.append((buckets, out, dist.all_gather_into_tensor(out, send, group=self.group, async_op=True)))
-        for buckets, out, work in pending:
-            work.wait()
+            if self.scatter:
+                works = [dist.all_gather_into_tensor(out, send, group=self.group, async_op=True)]
+            else:  # gloo: each owner broadcasts its chunks (measured faster there than all_gather_into_tensor)
+                n = send.numel()
+                out[self.rank * n:(self.rank + 1) * n].copy_(send)
+                works = [dist.broadcast(out[r * n:(r + 1) * n], src=dist.get_global_rank(self.group, r)
+                                        if self.group is not None else r, group=self.group, async_op=True)
+                         for r in range(self.world)]  # fmt: skip
+            pending.append((buckets, out, works))
+        for buckets, out, works in pending:
+            for work in works:
+                work.wait()
             rows, start, parts = out.view(self.world, -1), 0, []
             for b in buckets:
                 parts.append((b, rows[:, start:start + b.chunk].reshape(-1)))
