@@ -145,25 +145,34 @@ class ZeroPartition:
         if not bw.queued:
             bw.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
-        _, b, _ = getattr(p, ZERO_SLOT)
+        _, b, off = getattr(p, ZERO_SLOT)
         if id(p) in bw.arrived:
             return
         bw.arrived.add(id(p))
+        if b.flat is None:  # contiguous_gradients: each gradient is copied into its bucket and freed at once
+            b.flat = torch.empty(b.chunk * self.world, dtype=self.reduce_dtype, device=p.device)
+            b.flat[b.numel:].zero_()
+        with torch.no_grad():
+            b.flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None
         b.ready += 1
         self._launch_ready(bw)
 
     def _launch_ready(self, bw: _Backward) -> None:
         while bw.next_launch < len(self.buckets) and self.buckets[bw.next_launch].ready == len(
                 self.buckets[bw.next_launch].params):  # fmt: skip
-            self._launch(self.buckets[bw.next_launch])
+            self._launch(self.buckets[bw.next_launch], bw.arrived)
             bw.next_launch += 1
 
     @torch.no_grad()
-    def _launch(self, b: Bucket) -> None:
-        flat = _flatten([p.grad if p.grad is not None else None for p in b.params], b.chunk * self.world,
-                        self.reduce_dtype, like=b.params)  # fmt: skip
-        for p in b.params:
-            p.grad = None
+    def _launch(self, b: Bucket, arrived: set) -> None:
+        if b.flat is None:
+            b.flat = torch.zeros(b.chunk * self.world, dtype=self.reduce_dtype, device=self.device)
+        elif b.ready < len(b.params):  # parameters without a gradient on this rank: zeros
+            for p, off in zip(b.params, b.offsets):
+                if id(p) not in arrived:
+                    b.flat[off:off + p.numel()].zero_()
+        flat = b.flat
         if self.mean:
             flat.div_(self.world)
         if self.scatter:
@@ -173,7 +182,6 @@ class ZeroPartition:
             b.work = [dist.reduce(flat[r * b.chunk:(r + 1) * b.chunk], dst=dist.get_global_rank(self.group, r)
                                   if self.group is not None else r, group=self.group, async_op=True)
                       for r in range(self.world)]  # fmt: skip
-        b.flat = flat
         self.collectives += 1
 
     @torch.no_grad()
@@ -188,7 +196,7 @@ class ZeroPartition:
             bw = self._bw = _Backward()
         bw.finishing = True
         for b in self.buckets[bw.next_launch:]:
-            self._launch(b)
+            self._launch(b, bw.arrived)
         bw.next_launch = len(self.buckets)
         for b in self.buckets:
             for work in b.work:
