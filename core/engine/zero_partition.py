@@ -359,20 +359,17 @@ class ZeroPartition:
         fp32) and persistent buffers, and an optimizer of ``optimizer``'s class over them with the whole state:
         what stage 0 with master weights saves. Collective. With ``load``, what was loaded into them is sliced
         back into this rank's partition afterwards and the parameters gathered."""
-        name_of = {}
-        for n, p in module.named_parameters():
-            name_of.setdefault(id(p), n)
         wholes: dict[int, torch.Tensor] = {}
         for gi, m in enumerate(self.masters):
             wholes.update(self._split(self._gather_flat(m.data), gi))
         root = nn.Module()
         view_of: dict[int, nn.Parameter] = {}
-        for n, p in module.named_parameters():
-            value = wholes.get(id(p))
-            view = nn.Parameter(value if value is not None else p.detach().float().clone(),
-                                requires_grad=p.requires_grad)  # fmt: skip
-            view_of[id(p)] = view
-            attach(root, n, view, parameter=True)
+        for n, p in module.named_parameters(remove_duplicate=False):  # a tied weight under each of its names
+            if id(p) not in view_of:
+                value = wholes.get(id(p))
+                view_of[id(p)] = nn.Parameter(value if value is not None else p.detach().float().clone(),
+                                              requires_grad=p.requires_grad)  # fmt: skip
+            attach(root, n, view_of[id(p)], parameter=True)
         for prefix, sub in module.named_modules():
             for name, buf in sub._buffers.items():
                 if buf is not None and name not in sub._non_persistent_buffers_set:
