@@ -6,7 +6,7 @@ DeepSpeed 0.19.8 where values are compared:
 - per-step losses and final weights equal DeepSpeed's stage 2 (fp32, with weight-decay groups, gradient
   accumulation, clipping and small reduce buckets);
 - gradients are reduced in ``reduce_bucket_size`` buckets: one collective per bucket per backward;
-- a stage-2 checkpoint resumes exactly at stage 2 and loads at stage 0; ``safe_get_full_fp32_param`` and
+- a stage-2 checkpoint resumes exactly at stage 2 and loads at stage 0, an FSDP2 (stage-3) one loads at stage 2; ``safe_get_full_fp32_param`` and
   ``safe_get_full_grad`` give the whole values; an optimizer that is not elementwise is refused by name.
 """
 
@@ -109,6 +109,15 @@ def resume(rank: int, world_size: int, scenario: dict) -> dict:
         other.load_checkpoint(scenario["dir"], tag="t")
         out[f"resumed_s{stage}"] = _train(other, rank, 3, 3)
         out[f"steps_s{stage}"] = other.global_steps
+    # an FSDP2 checkpoint (DTensor shards by parameter name: stage 3's, and stage 2's before it ran on the
+    # partition) loads into stage 2
+    fsdp = make(3)
+    _train(fsdp, rank, 0, 3)
+    fsdp.save_checkpoint(scenario["dir"], tag="fsdp")
+    out["fsdp_straight"] = _train(fsdp, rank, 3, 3)
+    other = make(2)
+    other.load_checkpoint(scenario["dir"], tag="fsdp")
+    out["fsdp_resumed_s2"] = _train(other, rank, 3, 3)
     return out
 
 
@@ -223,6 +232,7 @@ def test_stage2_checkpoint_resumes_exactly_at_stage2_and_stage0(records):
         assert rec["resumed_s2"] == pytest.approx(rec["straight"], rel=1e-6)
         assert rec["resumed_s0"] == pytest.approx(rec["straight"], rel=FP32)
         assert rec["steps_s2"] == rec["steps_s0"] == 6
+        assert rec["fsdp_resumed_s2"] == pytest.approx(rec["fsdp_straight"], rel=FP32)
 
 
 def test_whole_value_accessors_match_stage0(records):
