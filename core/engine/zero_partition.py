@@ -546,6 +546,7 @@ def build_zero(model: nn.Module, *, cfg: Any, decided: Any, precision: Any, info
         log.info("ZeRO-%d: %d bucket(s) of at most %d elements, all-gathered in %d group(s); this rank holds %d of "
                  "%d trainable elements", cfg.sharding.stage, len(partition.buckets), bucket, len(partition.gathers),
                  sum(m.numel() for m in partition.masters), sum(b.numel for b in partition.buckets))  # fmt: skip
+    _note_unit_settings(cfg.sharding, info.rank)
     shard = ShardPlan(model, model, "zero", partition=partition)
     params = [{**g, "params": [m]} for g, m in zip(named, partition.masters)]
     if cls is not None:
@@ -584,3 +585,16 @@ def _check_elementwise(client: Any, section: Any, cls: type | None) -> None:
         raise ConfigError([Problem("optimizer.name", name, f"{name} updates whole tensors (not element by "
                                    "element); ZeRO-2 steps flat partitions of the parameters: use stage 0, 1 or 3, "
                                    "or an elementwise optimizer (Adam, AdamW, SGD, Adagrad)")])  # fmt: skip
+
+
+def _note_unit_settings(sharding: Any, rank: int) -> None:
+    """FSDP2's unit settings act at stage 3; at ZeRO-2 there are no units (said once, never silently dropped)."""
+    wrap = sharding.wrap
+    unused = [key for key, used in (("sharding.reshard_after_forward", sharding.reshard_after_forward is True),
+                                    ("sharding.wrap", bool(wrap.module_classes or wrap.min_num_params)),
+                                    ("sharding.forward_prefetch", sharding.forward_prefetch),
+                                    ("sharding.backward_prefetch", sharding.backward_prefetch not in (None, "none")))
+              if used]  # fmt: skip
+    if unused and rank == 0:
+        log.warning("%s: FSDP2 unit settings have no effect at ZeRO-2, which keeps whole parameters on every rank "
+                    "(no units); they apply at stage 3", ", ".join(unused))  # fmt: skip
