@@ -19,7 +19,7 @@ from .config import DataConfig, DdpConfig, GradientsConfig, TorshConfig
 from .deferred import Deferred, is_deferred
 from .errors import ConfigError, Problem
 
-DataParallel = Literal["ddp", "zero1", "fsdp2", "hsdp"]
+DataParallel = Literal["ddp", "zero1", "zero2", "fsdp2", "hsdp"]
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,9 @@ class EnginePlan:
 
     world_size: int
     data_parallel: DataParallel
-    """``ddp`` (stage 0), ``zero1`` (DDP + ZeroRedundancyOptimizer), ``fsdp2`` (stages 2/3), ``hsdp`` (FSDP2
-    on a 2-D mesh: shard within groups, replicate across them)."""
+    """``ddp`` (stage 0), ``zero1`` (DDP + ZeroRedundancyOptimizer), ``zero2`` (DeepSpeed's stage 2: whole
+    parameters, gradients and optimizer partitioned, :mod:`torsh.engine.zero_partition`), ``fsdp2`` (stage 3),
+    ``hsdp`` (FSDP2 on a 2-D mesh: shard within groups, replicate across them; stages 2/3)."""
     mesh: tuple[int, ...] | None
     """FSDP2's mesh shape: ``(world,)`` or ``(replicate, shard)``; None under DDP or while it is "auto"."""
     reshard_after_forward: bool | None
@@ -86,7 +87,7 @@ class EnginePlan:
     fsdp_mixed_precision: bool
     """FSDP2 gets a ``MixedPrecisionPolicy`` (compute or reduce dtype differs from the fp32 shards)."""
     masters_on_cpu: bool
-    """Stages 0/1 under optimizer offload: the fp32 master weights (and so the optimizer step) on the CPU."""
+    """Stages 0-2 under optimizer offload: the fp32 master weights (and so the optimizer step) on the CPU."""
     fsdp_cpu_offload: bool
     """FSDP2's ``CPUOffloadPolicy``: sharded parameters, gradients and the optimizer step on the CPU."""
     compression: Literal["none", "comm_hook", "reduce_dtype"]
@@ -254,15 +255,14 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
     to ``initialize``). Refusals are collected, not raised: :meth:`EnginePlan.check` raises them."""
     s, o, p = cfg.sharding, cfg.offload, cfg.precision
     laid = degrees(cfg, world_size)
-    tp = cfg.parallelism.tp
-    # Tensor parallelism composes with FSDP2 on the data-parallel sub-mesh (as torchtitan does); stages 0/1 run
+    # Tensor parallelism composes with FSDP2 on the data-parallel sub-mesh (as torchtitan does); stages 0-2 run
     # there as FSDP2 without resharding (ZeRO-2's layout, DDP's numerics).
-    fsdp = s.stage >= 2 or tp > 1
-    dp, mesh = _data_parallel(2 if tp > 1 and s.stage < 2 else s.stage, laid)
+    dp, mesh = _data_parallel(s.stage, laid, tp=cfg.parallelism.tp)
+    fsdp = dp in ("fsdp2", "hsdp")
     # The parameters FSDP2 holds in compute: the compute dtype, or the fp32 masters themselves under autocast.
     held = p.master_dtype if p.autocast else p.param_dtype
-    if fsdp and cfg.compression.method in ("fp16", "bf16"):
-        reduce = cfg.compression.method  # FSDP2 has no comm hook: a low-precision "compression" is its reduce dtype
+    if (s.stage >= 2 or fsdp) and cfg.compression.method in ("fp16", "bf16"):
+        reduce = cfg.compression.method  # no comm hook at stages 2/3: a low-precision "compression" is the reduce dtype
     else:
         reduce = p.reduce_dtype or held
     compressed = cfg.compression.method != "none"
@@ -273,7 +273,7 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
         param_dtype=p.param_dtype, master_dtype=p.master_dtype, reduce_dtype=reduce, autocast=p.autocast,
         fsdp_mixed_precision=fsdp and (held != p.master_dtype or reduce != held),
         masters_on_cpu=not fsdp and o.optimizer == "cpu", fsdp_cpu_offload=fsdp and "cpu" in (o.params, o.optimizer),
-        compression="none" if not compressed else "reduce_dtype" if fsdp else "comm_hook",
+        compression="none" if not compressed else "reduce_dtype" if s.stage >= 2 or fsdp else "comm_hook",
         optimizer_wrapper="ZeroRedundancyOptimizer" if s.stage == 1 and not fsdp else None,
         optimizer_on_cpu="cpu" in (o.params, o.optimizer),
         step=_step_policy(cfg, scaling=scaler, compressed=compressed),
@@ -283,11 +283,14 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
     return _with_steps(decided, cfg, source)
 
 
-def _data_parallel(stage: int, laid: Degrees | None) -> tuple[DataParallel, tuple[int, ...] | None]:
-    """The data-parallel kind and FSDP2's mesh shape over the data-parallel ranks (None under DDP, or when the
-    degrees do not lay out on the world, an "auto" shard group included, which is refused or resolved later)."""
-    if stage < 2:
+def _data_parallel(stage: int, laid: Degrees | None, *, tp: int = 1) -> tuple[DataParallel, tuple[int, ...] | None]:
+    """The data-parallel kind and FSDP2's mesh shape over the data-parallel ranks (None under DDP and ZeRO-1/2, or
+    when the degrees do not lay out on the world, an "auto" shard group included, which is refused or resolved
+    later). With tensor parallelism, stages 0-2 run as FSDP2 without resharding on the data-parallel sub-mesh."""
+    if tp == 1 and stage < 2:
         return ("ddp" if stage == 0 else "zero1"), None
+    if tp == 1 and stage == 2 and laid is not None and laid.dp_replicate == 1:
+        return "zero2", None
     if laid is None:
         return "hsdp", None
     if laid.dp_replicate == 1:
@@ -453,6 +456,10 @@ def _sharding_step(decided: EnginePlan, cfg: TorshConfig) -> str:
         return "DDP (DistributedDataParallel): parameters, gradients and optimizer state replicated"
     if decided.data_parallel == "zero1":
         return "ZeRO-1: DDP + ZeroRedundancyOptimizer (optimizer state sharded, parameters replicated)"
+    if decided.data_parallel == "zero2":
+        return ("ZeRO-2 as DeepSpeed runs it: whole parameters on every rank; gradients reduced in buckets during "
+                "backward into each rank's partition; fp32 masters and optimizer state partitioned; updated "
+                "partitions all-gathered after the step")
     laid = decided.degrees
     group = laid.dp_shard if laid is not None else cfg.sharding.hybrid_shard_size
     mesh = (f"HSDP on a 2-D mesh (shard within groups of {group}, replicate across groups)"

@@ -98,7 +98,7 @@ def test_contract_rows_follow_the_config():
     assert rows == {"model load": "as built by the script", "parameters in compute": "bf16", "master weights": "fp32",
                     "gradient reduction": "fp32", "gradient accumulation": "bf16", "optimizer state": "fp32",
                     "buffers": "fp32", "checkpoint": "weights bf16, master fp32"}  # fmt: skip
-    assert "reshard_after_forward=False" in engine_plan(cfg)[0]
+    assert engine_plan(cfg)[0].startswith("ZeRO-2 as DeepSpeed runs it: whole parameters")
 
 
 def test_loss_scaling_rule_differs_by_semantics():

@@ -383,8 +383,9 @@ def test_imagenet_zero1_saves_optimizer_state_and_resumes(records, dtype):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_offload_states_frees_the_gathered_parameters(records, stage):
-    """The losses continue as without the offload (DeepSpeed's, see the rank-0 cases); at stage 2 the whole
-    parameters held between steps are freed by ``offload_states`` and gathered again by ``reload_states``."""
+    """The losses continue as without the offload (DeepSpeed's, see the rank-0 cases); at stage 3 the gathered
+    parameters are freed by ``offload_states``. (Stage 2 holds no FSDP2 buffers: its whole parameters are the
+    module's own, as DeepSpeed's stage 2 keeps them.)"""
     for rank in records:
         # the same 4 steps without an offload, by DeepSpeed
         r, plain = rank[f"offload_s{stage}"], rank["rank0_s2_fp32_deepspeed" if stage == 2 else "chat_z3_deepspeed"]
@@ -393,4 +394,4 @@ def test_offload_states_frees_the_gathered_parameters(records, stage):
         held, offloaded, reloaded = r["held"]
         assert offloaded == 0
         if stage == 2:
-            assert held > 0 and reloaded == held
+            assert held == reloaded == 0

@@ -81,7 +81,7 @@ REDUCED_IN_BF16 = [
     # torch.autocast: the parameters stay fp32, and the reduction still runs in the dtype the config asks for
     {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 3},
      "precision": {"param_dtype": "bf16", "autocast": True, "reduce_dtype": "bf16"}},
-    {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 2}, "precision": {"param_dtype": "bf16", "autocast": True},
+    {"batch": {"micro_batch_size": 2}, "sharding": {"stage": 3}, "precision": {"param_dtype": "bf16", "autocast": True},
      "compression": {"method": "bf16"}},
 ]  # fmt: skip
 
@@ -173,8 +173,11 @@ def test_explain_lists_what_initialize_would_refuse(tmp_path, capsys):
     ({"sharding": {"stage": 1}, "precision": {"param_dtype": "bf16"}, "offload": {"optimizer": "cpu"}}, 2,
      {"data_parallel": "zero1", "optimizer_wrapper": "ZeroRedundancyOptimizer", "masters_on_cpu": True,
       "fsdp_cpu_offload": False, "reduce_dtype": "bf16", "optimizer_on_cpu": True}),
-    ({"sharding": {"stage": 2}}, 4, {"data_parallel": "fsdp2", "mesh": (4,), "reshard_after_forward": False,
-                                     "fsdp_mixed_precision": False}),
+    ({"sharding": {"stage": 2}, "offload": {"optimizer": "cpu"}}, 4,
+     {"data_parallel": "zero2", "mesh": None, "reshard_after_forward": None, "fsdp_mixed_precision": False,
+      "fsdp_cpu_offload": False, "masters_on_cpu": True, "optimizer_wrapper": None}),
+    ({"sharding": {"stage": 2, "hybrid_shard_size": 2}}, 4, {"data_parallel": "hsdp", "mesh": (2, 2),
+                                                              "reshard_after_forward": False}),
     ({"sharding": {"stage": 3, "hybrid_shard_size": 2}}, 4, {"data_parallel": "hsdp", "mesh": (2, 2),
                                                               "reshard_after_forward": True}),
     ({"sharding": {"stage": 3, "hybrid_shard_size": 4}}, 4, {"data_parallel": "fsdp2", "mesh": (4,)}),

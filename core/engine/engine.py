@@ -11,7 +11,6 @@ import contextlib
 import gc
 import logging
 import math
-import time
 import weakref
 from dataclasses import replace
 from typing import Any
@@ -24,9 +23,10 @@ from torsh.plan import StepPolicy
 
 from . import whole_params, zero_params
 from .distributed import DistInfo, on_shutdown
-from .monitor import Monitor
+from .monitor import Monitor, ThroughputTimer
 from .precision import PrecisionPlan
 from .sharding import ShardPlan
+from .zero_partition import attach as _attach
 
 log = logging.getLogger("torsh.engine")
 
@@ -364,7 +364,8 @@ class Engine(nn.Module):
         # unsharded gradients are never held (its memory contract), and so does accumulation in a wider dtype.
         if self._in_no_sync:
             return False
-        if self.zero_optimization_stage() == 3 or self._precision.reduce_every_micro_step:
+        stage = self.zero_optimization_stage()
+        if stage == 3 or (stage == 2 and self._shard.kind == "zero") or self._precision.reduce_every_micro_step:
             return True
         return self.is_gradient_accumulation_boundary()
 
@@ -398,10 +399,15 @@ class Engine(nn.Module):
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         sync = self._sync_now()
+        part = self._shard.partition
         if self._shard.kind == "fsdp":
             self.wrapped.set_requires_gradient_sync(sync)
+        elif part is not None:
+            part.before_backward(sync)
         scaled = self.loss_scaler.scale(loss) if self._scaling else loss
         scaled.backward(retain_graph=retain_graph)
+        if part is not None:
+            part.finish_backward()  # (a no-op when autograd's end-of-backward callback ran it)
         if self._shard.kind == "ddp":
             if sync and not (self._wrapper_forward and self._forward_synced):
                 # DDP did not reduce: the boundary was set after the forward (Accelerate's order), the script
@@ -493,6 +499,8 @@ class Engine(nn.Module):
         self.micro_steps += 1
 
     def _step_params(self) -> list[torch.Tensor]:
+        if self._shard.partition is not None:
+            return self._shard.partition.step_tensors()
         masters = self._precision.masters
         if masters is not None:
             return list(masters.masters.values())
@@ -512,7 +520,8 @@ class Engine(nn.Module):
                 p.grad = torch.zeros_like(p)
             params.append(p)
         inv_scale = 1.0 / float(self.loss_scaler.cur_scale) if self._scaling else 1.0
-        norm = _global_norm([p.grad for p in params]) * inv_scale
+        part = self._shard.partition
+        norm = (part.global_norm if part is not None else _global_norm)([p.grad for p in params]) * inv_scale
         self._global_grad_norm = norm
         overflow = self._check_overflow and not math.isfinite(norm)
         self.optimizer.overflow = overflow  # DeepSpeed's optimizers say whether the last step was skipped
@@ -534,6 +543,8 @@ class Engine(nn.Module):
             self.optimizer.step()
             if masters is not None:
                 masters.master_to_params()
+            if part is not None:
+                part.gather_params()  # the updated partitions into every rank's whole parameters
             self._step_applied = True
         if self._scaling:
             self.loss_scaler.update(overflow)
@@ -546,6 +557,8 @@ class Engine(nn.Module):
         self._zero_all_grads()
 
     def _zero_all_grads(self) -> None:
+        if self._shard.partition is not None:
+            self._shard.partition.zero_grad()
         for p in self.module.parameters():
             p.grad = None
         if self._precision.masters is not None:
@@ -586,6 +599,8 @@ class Engine(nn.Module):
             if remove is not None:
                 remove()
             self.__dict__["wrapped"] = self.module  # the DDP wrapper (and its reducer) is dropped
+        if self._shard.partition is not None:
+            self._shard.partition.remove()
         self.reload_states()  # never leave optimizer state stranded on the CPU
         self.__dict__["_master_module"] = None
 
@@ -627,8 +642,9 @@ class Engine(nn.Module):
                         moved.append((state, key, value.device))
                         state[key] = move(value)
         masters = self._precision.masters
-        if "hp_params" in kinds and masters is not None:
-            for m in masters.masters.values():
+        part = self._shard.partition
+        if "hp_params" in kinds and (masters is not None or part is not None):
+            for m in (part.masters if part is not None else masters.masters.values()):
                 if m.device != cpu:
                     moved.append((m, None, m.device))
                     m.data = move(m.data)
@@ -666,6 +682,8 @@ class Engine(nn.Module):
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if self._precision.masters is not None:
             self._precision.masters.params_to_master()
+        if self._shard.partition is not None:
+            self._shard.partition.params_to_master()
         return result
 
     def train(self, mode: bool = True) -> None:  # type: ignore[override]
@@ -764,11 +782,12 @@ class Engine(nn.Module):
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         section = self.config.get("checkpoint") if isinstance(self.config, dict) else None
         validation = section.get("tag_validation", "warn") if isinstance(section, dict) else "warn"
-        return save_checkpoint(save_dir, tag, model=self._checkpoint_module(), optimizer=self.optimizer,
-                               lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler,
-                               engine_state=self._engine_state(), client_state=dict(client_state or {}),
-                               save_latest=save_latest, frozen=frozen if exclude_frozen_parameters else frozenset(),
-                               tag_validation=str(validation))  # fmt: skip
+        with self._checkpoint_state(load=False) as (module, optimizer):
+            return save_checkpoint(save_dir, tag, model=module, optimizer=optimizer, lr_scheduler=self.lr_scheduler,
+                                   loss_scaler=self.loss_scaler, engine_state=self._engine_state(),
+                                   client_state=dict(client_state or {}), save_latest=save_latest,
+                                   frozen=frozen if exclude_frozen_parameters else frozenset(),
+                                   tag_validation=str(validation))  # fmt: skip
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):  # fmt: skip
@@ -778,11 +797,12 @@ class Engine(nn.Module):
 
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by the torsh engine")
-        path, client_state, state = load_checkpoint(
-            load_dir, tag, model=self._checkpoint_module(), optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-            loss_scaler=self.loss_scaler, load_module_strict=load_module_strict,
-            load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only)  # fmt: skip
+        with self._checkpoint_state(load=True) as (module, optimizer):
+            path, client_state, state = load_checkpoint(
+                load_dir, tag, model=module, optimizer=optimizer, lr_scheduler=self.lr_scheduler,
+                loss_scaler=self.loss_scaler, load_module_strict=load_module_strict,
+                load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
+                load_module_only=load_module_only)  # fmt: skip
         if path is None:
             return None, None
         if state and not load_module_only:
@@ -798,6 +818,18 @@ class Engine(nn.Module):
             self._precision.masters.master_to_params()  # the checkpoint holds the fp32 masters
         self._publish_scale()  # the loaded loss scale
         return path, client_state
+
+    @contextlib.contextmanager
+    def _checkpoint_state(self, *, load: bool):
+        """The module and optimizer a checkpoint holds: under ZeRO-2 whole fp32 views of the partitions (collective;
+        with ``load``, sliced back into the partition afterwards), else :meth:`_checkpoint_module` and the
+        engine's optimizer."""
+        part = self._shard.partition
+        if part is None:
+            yield self._checkpoint_module(), self.optimizer
+            return
+        with part.full_view(self.module, self.optimizer, load=load) as pair:
+            yield pair
 
     def _checkpoint_module(self) -> nn.Module:
         """The module whose state is saved: the user's module, or - with master weights - the same names
@@ -841,77 +873,8 @@ def _global_norm(grads: list[torch.Tensor]) -> float:
     return float(total)
 
 
-def _attach(root: nn.Module, dotted: str, tensor: torch.Tensor, *, parameter: bool) -> None:
-    *parents, leaf = dotted.split(".")
-    node = root
-    for part in parents:
-        if part not in node._modules:
-            node.add_module(part, nn.Module())
-        node = node._modules[part]
-    if parameter:
-        node.register_parameter(leaf, tensor)
-    else:
-        node.register_buffer(leaf, tensor)
-
-
 #: The state names ``offload_states`` moves (DeepSpeed's ``OffloadStateTypeEnum`` values it can act on here).
 OFFLOADABLE = ("optim_states", "hp_params")
-
-
-class ThroughputTimer:
-    """DeepSpeed's ``engine.tput_timer``: started by ``engine(...)``, stopped by ``engine.step()``; the first
-    ``start_step`` optimizer steps (warm-up) are not timed. Wall-clock host time (no device synchronisation)."""
-
-    def __init__(self, batch_size: int, start_step: int = 2, steps_per_output: int | None = None):
-        self.batch_size = 1 if batch_size is None else batch_size
-        self.start_step = start_step
-        self.steps_per_output = steps_per_output
-        self.start_time = 0.0
-        self.end_time = 0.0
-        self.started = False
-        self.initialized = False
-        self.epoch_count = 0
-        self.micro_step_count = 0
-        self.global_step_count = 0
-        self.total_elapsed_time = 0.0
-        self.step_elapsed_time = 0.0
-
-    def update_epoch_count(self) -> None:
-        """Count an epoch and restart the micro-step count."""
-        self.epoch_count += 1
-        self.micro_step_count = 0
-
-    def start(self) -> None:
-        """Start timing a micro-step (from the ``start_step``-th optimizer step on)."""
-        self.initialized = True
-        self.started = True
-        if self.global_step_count >= self.start_step:
-            self.start_time = time.time()
-
-    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
-        """End the micro-step; ``global_step`` when it completed an optimizer step."""
-        if not self.started:
-            return
-        self.started = False
-        self.micro_step_count += 1
-        if global_step:
-            self.global_step_count += 1
-        if self.start_time > 0:
-            self.end_time = time.time()
-            duration = self.end_time - self.start_time
-            self.total_elapsed_time += duration
-            self.step_elapsed_time += duration
-            if global_step:
-                self.step_elapsed_time = 0.0
-
-    def avg_samples_per_sec(self) -> float:
-        """Samples per second over the timed steps (``-inf`` before the first optimizer step, as DeepSpeed)."""
-        if self.global_step_count > 0:
-            timed_steps = self.global_step_count - self.start_step
-            if timed_steps <= 0 or self.total_elapsed_time <= 0:
-                return 0.0
-            return self.batch_size / (self.total_elapsed_time / timed_steps)
-        return float("-inf")
 
 
 def _engine_method(engine: Engine, name: str):

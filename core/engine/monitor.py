@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import time
 from typing import Any
 
 from torsh.config import MonitoringConfig
@@ -70,3 +71,59 @@ def _summary_writer(log_dir: str) -> Any:
     except ImportError:
         return None
     return SummaryWriter(log_dir=log_dir)
+
+
+class ThroughputTimer:
+    """DeepSpeed's ``engine.tput_timer``: started by ``engine(...)``, stopped by ``engine.step()``; the first
+    ``start_step`` optimizer steps (warm-up) are not timed. Wall-clock host time (no device synchronisation)."""
+
+    def __init__(self, batch_size: int, start_step: int = 2, steps_per_output: int | None = None):
+        self.batch_size = 1 if batch_size is None else batch_size
+        self.start_step = start_step
+        self.steps_per_output = steps_per_output
+        self.start_time = 0.0
+        self.end_time = 0.0
+        self.started = False
+        self.initialized = False
+        self.epoch_count = 0
+        self.micro_step_count = 0
+        self.global_step_count = 0
+        self.total_elapsed_time = 0.0
+        self.step_elapsed_time = 0.0
+
+    def update_epoch_count(self) -> None:
+        """Count an epoch and restart the micro-step count."""
+        self.epoch_count += 1
+        self.micro_step_count = 0
+
+    def start(self) -> None:
+        """Start timing a micro-step (from the ``start_step``-th optimizer step on)."""
+        self.initialized = True
+        self.started = True
+        if self.global_step_count >= self.start_step:
+            self.start_time = time.time()
+
+    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        """End the micro-step; ``global_step`` when it completed an optimizer step."""
+        if not self.started:
+            return
+        self.started = False
+        self.micro_step_count += 1
+        if global_step:
+            self.global_step_count += 1
+        if self.start_time > 0:
+            self.end_time = time.time()
+            duration = self.end_time - self.start_time
+            self.total_elapsed_time += duration
+            self.step_elapsed_time += duration
+            if global_step:
+                self.step_elapsed_time = 0.0
+
+    def avg_samples_per_sec(self) -> float:
+        """Samples per second over the timed steps (``-inf`` before the first optimizer step, as DeepSpeed)."""
+        if self.global_step_count > 0:
+            timed_steps = self.global_step_count - self.start_step
+            if timed_steps <= 0 or self.total_elapsed_time <= 0:
+                return 0.0
+            return self.batch_size / (self.total_elapsed_time / timed_steps)
+        return float("-inf")

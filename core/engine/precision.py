@@ -120,6 +120,9 @@ def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, decided:
                                                     cast_forward_inputs=precision.cast_forward_inputs)  # fmt: skip
             plan.cast_forward_inputs = False  # the policy does it
         return plan
+    if decided.data_parallel == "zero2":  # the partition keeps the fp32 masters (torsh.engine.zero_partition)
+        _cast_params(model, param_dtype)
+        return plan
     # stages 0/1: compute parameters in param_dtype; separate masters when their dtype or device differs.
     master_device = torch.device("cpu") if decided.masters_on_cpu else None
     offloaded = master_device is not None and any(p.device != master_device for p in model.parameters())

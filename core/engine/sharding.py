@@ -1,4 +1,5 @@
-"""Data parallelism and sharding: stage 0 DDP, 1 DDP (+ ZeroRedundancyOptimizer, built later), 2/3 FSDP2, HSDP.
+"""Data parallelism and sharding: stage 0 DDP, 1 DDP (+ ZeroRedundancyOptimizer, built later), 3 FSDP2,
+HSDP; stage 2 is :mod:`.zero_partition`.
 
 Also the two things that must happen around it: every rank starts from rank 0's weights, and DDP reduces
 gradients with DeepSpeed's operation (post-scale by default, ``gradient_predivide_factor``, sum or mean, the
@@ -35,11 +36,14 @@ class ShardPlan:
     module: nn.Module
     """The user's module (``engine.module``), whose parameter names are the checkpoint keys."""
     kind: str
-    """``"ddp"`` or ``"fsdp"``."""
+    """``"ddp"``, ``"zero"`` (ZeRO-2: whole parameters, partitioned gradients and optimizer) or ``"fsdp"``."""
     mesh: object | None = None
     """The FSDP2 device mesh."""
+    partition: object | None = None
+    """ZeRO-1/2 (kind ``"zero"``): the :class:`.zero_partition.ZeroPartition` reducing the gradients into this
+    rank's partition and gathering the parameters after the step."""
     keep_whole: bool = False
-    """Stage 2: the units are gathered again after each optimizer step, so that between steps the parameters are
+    """HSDP at stage 2: the units are gathered again after each optimizer step, so that between steps the parameters are
     whole on every rank, as DeepSpeed's stage 2 keeps them (:func:`.whole_params.make_whole`)."""
 
 

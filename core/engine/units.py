@@ -428,6 +428,12 @@ def describe_policy(cfg: TorshConfig, *, source: str | None = None, requested: s
             mb, why = ddp_bucket_cap_mb(cfg.ddp, cfg.extensions, grad_bytes=grad_bytes(cfg), source=source)
             return [f"DDP gradient buckets of {mb:.1f} MiB: {why}"]
         return ["DDP gradient buckets: ddp.bucket_cap_mb=auto (hidden_size**2 elements, from the model)"]
+    if s.stage == 2 and not s.hybrid_shard_size and cfg.parallelism.tp == 1:  # ZeRO-2 (.zero_partition): no FSDP2 units
+        if is_deepspeed_sized(cfg.extensions, source):
+            settings = bucket_settings(cfg.extensions)
+            return [f"ZeRO-2 gradient buckets of {settings.describe('reduce_bucket_size')}, parameters all-gathered "
+                    f"in buckets of {settings.describe('allgather_bucket_size')}"]
+        return [f"ZeRO-2 gradient and all-gather buckets of ddp.bucket_cap_mb={cfg.ddp.bucket_cap_mb} MiB"]
     policy = resolve_policy(s, source=source, extensions=cfg.extensions, requested=requested)
     if policy == "buckets":
         settings = bucket_settings(cfg.extensions)

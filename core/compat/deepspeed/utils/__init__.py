@@ -8,6 +8,7 @@ import torch as _torch  # not ``torch``: that name is the submodule deepspeed.ut
 
 from torsh.engine.precision import MASTER
 from torsh.engine.zero_params import PENDING_FP32, write_whole
+from torsh.engine.zero_partition import ZERO_SLOT
 
 from ..runtime.dataloader import RepeatingLoader  # noqa: F401
 from .._unsupported import unsupported_function
@@ -65,12 +66,16 @@ def safe_get_full_fp32_param(param) -> _torch.Tensor:
     """The full fp32 value of ``param`` (gathered when sharded; what :func:`safe_set_full_fp32_param` wrote);
     collective under sharding: call on every rank."""
     pending = getattr(param, PENDING_FP32, None)
+    if pending is None and hasattr(param, ZERO_SLOT):  # ZeRO-2: the master is partitioned
+        return getattr(param, ZERO_SLOT)[0].full_master(param)
     return pending.float().clone() if pending is not None else _full(_fp32(param)).float().clone()
 
 
 def safe_get_full_grad(param) -> _torch.Tensor | None:
     """The full gradient of ``param`` in the dtype of the weights the optimizer steps (fp32 under fp16/bf16, as
     DeepSpeed's ZeRO optimizers give it), gathered when sharded; None before backward. Collective under sharding."""
+    if hasattr(param, ZERO_SLOT):
+        return getattr(param, ZERO_SLOT)[0].full_grad(param)
     source = _fp32(param)
     grad = source.grad if source.grad is not None else param.grad
     return None if grad is None else _full(grad).to(source.dtype, copy=True)
@@ -82,6 +87,12 @@ def safe_set_full_fp32_param(param, value) -> None:
     FSDP2 shards) takes it at the next optimizer step, before the update, so until then the forward uses the old
     weights, as DeepSpeed's. A parameter that does not train is left alone, as DeepSpeed leaves it."""
     if not param.requires_grad:
+        return
+    if hasattr(param, ZERO_SLOT):  # ZeRO-2: this rank's part of the fp32 master; the step copies it into the weights
+        if value.numel() != param.numel():
+            raise ValueError(f"safe_set_full_fp32_param: the value has {value.numel()} elements, the parameter "
+                             f"{param.numel()} (pass the whole parameter, shape {tuple(param.shape)})")  # fmt: skip
+        getattr(param, ZERO_SLOT)[0].set_full_master(param, value)
         return
     target = _fp32(param)
     if value.numel() != target.numel():
@@ -97,6 +108,9 @@ def safe_get_local_fp32_param(param) -> _torch.Tensor:
     """This rank's part of ``param`` in fp32 (its shard when sharded)."""
     from torch.distributed.tensor import DTensor
 
+    if hasattr(param, ZERO_SLOT):  # ZeRO-2: this rank's elements of the flattened parameter (maybe none)
+        part, bucket, _ = getattr(param, ZERO_SLOT)
+        return part.local_view(param, part.masters[bucket.group].data).float().clone()
     source = _fp32(param)
     return (source.to_local() if isinstance(source, DTensor) else source.detach()).float()
 
@@ -111,6 +125,11 @@ def safe_get_local_grad(param) -> _torch.Tensor | None:
     """This rank's part of ``param``'s gradient (its shard under ZeRO-3 / FSDP2, the whole gradient otherwise), in
     the dtype of the weights the optimizer steps (fp32 under fp16/bf16), as DeepSpeed gives it; None before
     backward. Not collective."""
+    if hasattr(param, ZERO_SLOT):  # ZeRO-2: this rank's elements of the flattened gradient (maybe none)
+        part, bucket, _ = getattr(param, ZERO_SLOT)
+        if bucket.index not in part._written:
+            return None
+        return part.local_view(param, part.grads[bucket.group]).float().clone()
     source = _fp32(param)
     grad = source.grad if source.grad is not None else param.grad
     return None if grad is None else _local(grad).to(_local(source).dtype, copy=True)
@@ -119,6 +138,15 @@ def safe_get_local_grad(param) -> _torch.Tensor | None:
 def safe_set_local_grad(param, value) -> None:
     """Write ``value`` (shaped as :func:`safe_get_local_grad` gives it) as this rank's part of ``param``'s
     gradient, the one the next optimizer step uses (custom clipping between backward and step)."""
+    if hasattr(param, ZERO_SLOT):
+        part, bucket, _ = getattr(param, ZERO_SLOT)
+        local = part.local_view(param, part.grads[bucket.group])
+        if value.numel() != local.numel():
+            raise ValueError(f"safe_set_local_grad: the value has {value.numel()} elements, this rank's part of the "
+                             f"gradient {local.numel()} (pass what safe_get_local_grad gave)")  # fmt: skip
+        with _torch.no_grad():
+            local.copy_(value.reshape(-1))
+        return
     source = _fp32(param)
     grad = source.grad if source.grad is not None else param.grad
     if grad is not None:

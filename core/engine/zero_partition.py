@@ -1,0 +1,600 @@
+"""ZeRO stage 2 as DeepSpeed runs it, on plain torch: whole parameters, partitioned gradients and optimizer.
+
+Between steps every rank holds every parameter whole, as an ordinary tensor in the compute dtype (what
+``engine.module``, ``state_dict()``, hooks and rank-0-only code see is what DeepSpeed users see). The trainable
+parameters of each optimizer parameter group are cut into buckets of about ``reduce_bucket_size`` elements, in
+the order backward produces their gradients (the reverse of the module's order). Each bucket, padded to a multiple
+of the world size W, is split into W equal chunks; rank r owns chunk r of every bucket of a group, and the
+concatenation of its chunks is its *partition* of that group: one flat fp32 master tensor (on the CPU under
+optimizer offload) which the torch optimizer steps, so the optimizer state is one flat tensor per group holding
+this rank's 1/W. Elementwise optimizers (Adam, AdamW, SGD, Adagrad, ...) compute exactly what they compute on
+whole tensors.
+
+Backward: a post-accumulate-grad hook per parameter counts the bucket's gradients; when a bucket is complete its
+gradients are copied into one flat buffer in the reduce dtype (divided by W for a mean, before the sum, as
+DeepSpeed's ``average_tensor``), the parameters' ``.grad`` freed, and one asynchronous collective launched, in
+bucket order on every rank (a collective issued out of order would pair with another rank's other bucket).
+Backward goes on computing while it runs (``overlap_comm``). At the end of backward (an autograd callback) the
+collectives are waited for and this rank's chunk of each is added to its partition gradient, a flat buffer in
+the gradient accumulation dtype (``contiguous_gradients``): stage 2 reduces every micro-step, so gradients are
+never held whole beyond one bucket. A parameter without a gradient on this rank counts as zeros.
+
+Step: the partition gradients become the masters' ``.grad`` (fp32), the global gradient norm is the square root
+of the all-reduced sum of every rank's squared partition norm (so clipping and the inf/nan skip see every rank's
+gradients), the optimizer steps, and the updated chunks are all-gathered in buckets of about
+``allgather_bucket_size`` elements and copied into the parameters in the compute dtype.
+
+The collectives: on gloo one ``reduce`` of each chunk to its owner (as DeepSpeed reduces to owners) and one
+``broadcast`` of each owner's chunks after the step, measured faster there than gloo's ``all_reduce``,
+``reduce_scatter_tensor`` (built from an all-reduce plus copies) and ``all_gather_into_tensor``; on other backends
+``reduce_scatter_tensor`` and ``all_gather_into_tensor``. See ARCHITECTURE.md for the numbers.
+
+Checkpoints: :meth:`ZeroPartition.full_view` gathers the fp32 masters and the optimizer state into per-parameter
+tensors (a module of whole fp32 parameters and an optimizer of the same class over them), the form stage 0 with
+master weights saves and loads, so checkpoints move between stages 0-3 and world sizes unchanged; after a load
+each rank slices its chunks back out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger("torsh.engine")
+
+ZERO_SLOT = "_torsh_zero_slot"
+"""The attribute of a partitioned parameter: ``(partition, bucket, offset)`` (what ``deepspeed.utils``'s
+``safe_get_full_*`` helpers read)."""
+
+
+@dataclass
+class Bucket:
+    """Consecutive parameters of one optimizer group, reduced by one collective."""
+
+    index: int
+    group: int
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int
+    """Elements of the parameters (the flat buffer is padded to ``chunk * W``)."""
+    chunk: int
+    """Elements each rank owns of this bucket."""
+    master_offset: int = 0
+    """Where this rank's chunk sits in its group's flat partition."""
+    ready: int = 0
+    work: Any = None
+    flat: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+
+
+@dataclass
+class _Backward:
+    """The reduction in flight during one backward."""
+
+    next_launch: int = 0
+    finishing: bool = False
+    queued: bool = False
+    arrived: set = field(default_factory=set)
+
+
+class ZeroPartition:
+    """The partitioned gradients, fp32 masters and all-gather of one model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], *, bucket_numel: int,
+                 allgather_numel: int, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 accum_dtype: torch.dtype, master_device: torch.device | None, mean: bool, reduce_every_micro_step: bool,
+                 process_group: Any = None):  # fmt: skip
+        self.model = model
+        self.group = process_group
+        self.world = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.compute_dtype, self.reduce_dtype, self.accum_dtype = compute_dtype, reduce_dtype, accum_dtype
+        self.mean = mean
+        self.reduce_every_micro_step = reduce_every_micro_step
+        self.scatter = dist.get_backend(process_group) != "gloo"  # gloo: reduce / broadcast per owner (faster there)
+        self.group_params = groups
+        self.buckets = _make_buckets(groups, bucket_numel, self.world)
+        sizes = [0] * len(groups)
+        for b in self.buckets:
+            b.master_offset = sizes[b.group]
+            sizes[b.group] += b.chunk
+            for p, off in zip(b.params, b.offsets):
+                setattr(p, ZERO_SLOT, (self, b, off))
+        device = next((p.device for ps in groups for p in ps), torch.device("cpu"))
+        self.device = device
+        self.master_device = master_device or device
+        with torch.no_grad():
+            self.masters = [nn.Parameter(torch.zeros(n, dtype=torch.float32, device=self.master_device))
+                            for n in sizes]  # fmt: skip
+            for b in self.buckets:
+                flat = _flatten(b.params, b.chunk * self.world, torch.float32)
+                self._own(b).copy_(flat[self.rank * b.chunk:(self.rank + 1) * b.chunk])
+        self.grads = [torch.zeros(n, dtype=accum_dtype, device=self.master_device) for n in sizes]
+        self._written: set[int] = set()  # buckets accumulated into self.grads since the last zero_grad
+        self.gathers = _gather_groups(self.buckets, allgather_numel)
+        self.sync = True
+        self._bw: _Backward | None = None
+        self.collectives = 0  # reduction collectives launched (tests count them)
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
+
+    # ---- backward ------------------------------------------------------------------------------
+
+    def _own(self, b: Bucket) -> torch.Tensor:
+        return self.masters[b.group].data[b.master_offset:b.master_offset + b.chunk]
+
+    def before_backward(self, sync: bool) -> None:
+        """Called by ``engine.backward`` before autograd runs: reduce in this backward or not (stage 1 away from the
+        boundary accumulates whole gradients locally, as DeepSpeed's stage 1)."""
+        self.sync = sync
+        self._bw = None
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self.sync or p.grad is None:
+            return
+        bw = self._bw
+        if bw is None or bw.finishing:
+            bw = self._bw = _Backward()
+        if not bw.queued:
+            bw.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+        _, b, off = getattr(p, ZERO_SLOT)
+        if id(p) in bw.arrived:
+            return
+        bw.arrived.add(id(p))
+        if b.flat is None:  # contiguous_gradients: each gradient is copied into its bucket and freed at once
+            b.flat = torch.empty(b.chunk * self.world, dtype=self.reduce_dtype, device=p.device)
+            b.flat[b.numel:].zero_()
+        with torch.no_grad():
+            b.flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None
+        b.ready += 1
+        self._launch_ready(bw)
+
+    def _launch_ready(self, bw: _Backward) -> None:
+        while bw.next_launch < len(self.buckets) and self.buckets[bw.next_launch].ready == len(
+                self.buckets[bw.next_launch].params):  # fmt: skip
+            self._launch(self.buckets[bw.next_launch], bw.arrived)
+            bw.next_launch += 1
+
+    @torch.no_grad()
+    def _launch(self, b: Bucket, arrived: set) -> None:
+        if b.flat is None:
+            b.flat = torch.zeros(b.chunk * self.world, dtype=self.reduce_dtype, device=self.device)
+        elif b.ready < len(b.params):  # parameters without a gradient on this rank: zeros
+            for p, off in zip(b.params, b.offsets):
+                if id(p) not in arrived:
+                    b.flat[off:off + p.numel()].zero_()
+        flat = b.flat
+        if self.mean:
+            flat.div_(self.world)
+        if self.scatter:
+            b.out = torch.empty(b.chunk, dtype=flat.dtype, device=flat.device)
+            b.work = [dist.reduce_scatter_tensor(b.out, flat, group=self.group, async_op=True)]
+        else:  # gloo: one reduce per chunk to its owner (DeepSpeed's way; faster there than an all-reduce)
+            b.work = [dist.reduce(flat[r * b.chunk:(r + 1) * b.chunk], dst=dist.get_global_rank(self.group, r)
+                                  if self.group is not None else r, group=self.group, async_op=True)
+                      for r in range(self.world)]  # fmt: skip
+        self.collectives += 1
+
+    @torch.no_grad()
+    def finish_backward(self) -> None:
+        """Launch what is left (parameters without a gradient count as zeros), wait, and add this rank's chunks to
+        the partition gradients. Runs at the end of autograd's backward; ``engine.backward`` calls it too (a no-op
+        when it already ran), so a backward that produced no gradient on this rank still joins the collectives."""
+        bw = self._bw
+        if not self.sync or (bw is not None and bw.finishing):
+            return
+        if bw is None:
+            bw = self._bw = _Backward()
+        bw.finishing = True
+        for b in self.buckets[bw.next_launch:]:
+            self._launch(b, bw.arrived)
+        bw.next_launch = len(self.buckets)
+        for b in self.buckets:
+            for work in b.work:
+                work.wait()
+            part = b.out if self.scatter else b.flat[self.rank * b.chunk:(self.rank + 1) * b.chunk]
+            target = self.grads[b.group][b.master_offset:b.master_offset + b.chunk]
+            if b.index in self._written:
+                target.add_(part.to(target.device))
+            else:
+                target.copy_(part)
+                self._written.add(b.index)
+            b.work = b.flat = b.out = None
+            b.ready = 0
+
+    # ---- step ----------------------------------------------------------------------------------
+
+    def step_tensors(self) -> list[nn.Parameter]:
+        """The fp32 masters with their partition gradients as ``.grad`` (what the optimizer steps)."""
+        for b in self.buckets:
+            if b.index not in self._written:  # no reduced backward since the last step: zeros
+                self.grads[b.group][b.master_offset:b.master_offset + b.chunk].zero_()
+                self._written.add(b.index)
+        for m, g in zip(self.masters, self.grads):
+            m.grad = g if g.dtype == m.dtype else g.to(m.dtype)
+        return self.masters
+
+    def global_norm(self, grads: list[torch.Tensor]) -> float:
+        """The 2-norm of every rank's partition gradients together (one all-reduce)."""
+        local = torch.zeros((), dtype=torch.float64, device=self.master_device)
+        for g in grads:
+            if g.numel():
+                local += torch.linalg.vector_norm(g, 2, dtype=torch.float64) ** 2
+        local = local.to(self.device)
+        dist.all_reduce(local, group=self.group)
+        return math.sqrt(float(local)) if math.isfinite(float(local)) else float(local)
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """All-gather the updated chunks (in ``allgather_bucket_size`` groups) and copy them into the parameters."""
+        if self.world == 1:
+            self._copy_out([(b, self._own(b).to(self.compute_dtype)) for b in self.buckets])
+            return
+        pending = []
+        for buckets in self.gathers:
+            send = torch.cat([self._own(b) for b in buckets]).to(device=self.device, dtype=self.compute_dtype)
+            out = torch.empty(send.numel() * self.world, dtype=send.dtype, device=send.device)
+            if self.scatter:
+                works = [dist.all_gather_into_tensor(out, send, group=self.group, async_op=True)]
+            else:  # gloo: each owner broadcasts its chunks (measured faster there than all_gather_into_tensor)
+                n = send.numel()
+                out[self.rank * n:(self.rank + 1) * n].copy_(send)
+                works = [dist.broadcast(out[r * n:(r + 1) * n], src=dist.get_global_rank(self.group, r)
+                                        if self.group is not None else r, group=self.group, async_op=True)
+                         for r in range(self.world)]  # fmt: skip
+            pending.append((buckets, out, works))
+        for buckets, out, works in pending:
+            for work in works:
+                work.wait()
+            rows, start, parts = out.view(self.world, -1), 0, []
+            for b in buckets:
+                parts.append((b, rows[:, start:start + b.chunk].reshape(-1)))
+                start += b.chunk
+            self._copy_out(parts)
+
+    def _copy_out(self, parts: list[tuple[Bucket, torch.Tensor]]) -> None:
+        dst, src = [], []
+        for b, flat in parts:
+            for p, off in zip(b.params, b.offsets):
+                dst.append(p.data)
+                src.append(flat[off:off + p.numel()].view_as(p))
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    def zero_grad(self) -> None:
+        """Drop the partition gradients (the next reduction writes instead of adding)."""
+        self._written.clear()
+        for m in self.masters:
+            m.grad = None
+        for b in self.buckets:
+            for p in b.params:
+                p.grad = None
+
+    @torch.no_grad()
+    def params_to_master(self) -> None:
+        """The masters from the parameters' values (after ``engine.load_state_dict`` wrote them)."""
+        for b in self.buckets:
+            flat = _flatten(b.params, b.chunk * self.world, torch.float32)
+            self._own(b).copy_(flat[self.rank * b.chunk:(self.rank + 1) * b.chunk])
+
+    def remove(self) -> None:
+        """Take the gradient hooks off the parameters (``engine.destroy``)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # ---- whole values --------------------------------------------------------------------------
+
+    def _gather_flat(self, local: torch.Tensor, b: Bucket | None = None) -> torch.Tensor:
+        """Every rank's ``local`` (a flat partition of one group), rank after rank."""
+        out = torch.empty(local.numel() * self.world, dtype=local.dtype, device=self.device)
+        dist.all_gather_into_tensor(out, local.to(self.device).contiguous(), group=self.group)
+        return out.view(self.world, -1)
+
+    def _split(self, rows: torch.Tensor, group: int) -> dict[int, torch.Tensor]:
+        """Gathered partitions of ``group`` -> whole value of each of its parameters (by id)."""
+        out = {}
+        for b in self.buckets:
+            if b.group != group:
+                continue
+            flat = rows[:, b.master_offset:b.master_offset + b.chunk].reshape(-1)
+            for p, off in zip(b.params, b.offsets):
+                out[id(p)] = flat[off:off + p.numel()].view_as(p).clone()
+        return out
+
+    def _local_of(self, b: Bucket, values: list[torch.Tensor | None]) -> torch.Tensor:
+        flat = _flatten(values, b.chunk * self.world, torch.float32, like=b.params)
+        return flat[self.rank * b.chunk:(self.rank + 1) * b.chunk]
+
+    def full_master(self, p: nn.Parameter) -> torch.Tensor:
+        """The whole fp32 master of ``p`` (collective)."""
+        _, b, _ = getattr(p, ZERO_SLOT)
+        return self._split(self._gather_flat(self.masters[b.group].data), b.group)[id(p)]
+
+    def full_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """The whole reduced gradient of ``p`` in fp32 (collective); None before a reduced backward."""
+        _, b, _ = getattr(p, ZERO_SLOT)
+        if b.index not in self._written:
+            return None
+        return self._split(self._gather_flat(self.grads[b.group]), b.group)[id(p)].float()
+
+    @torch.no_grad()
+    def set_full_master(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Write the whole fp32 value of ``p`` (the same on every rank) into this rank's chunk of its master."""
+        _, b, _ = getattr(p, ZERO_SLOT)
+        values = [value.reshape(q.shape) if q is p else None for q in b.params]
+        mask = self._local_of(b, [torch.ones_like(v) if v is not None else None for v in values]).bool()
+        own = self._own(b)
+        own.copy_(torch.where(mask.to(own.device), self._local_of(b, values).to(own.device), own))
+
+    def local_range(self, p: nn.Parameter) -> tuple[int, int]:
+        """The elements of ``p`` (flattened) this rank owns: ``[start, end)``, possibly empty."""
+        _, b, off = getattr(p, ZERO_SLOT)
+        lo, hi = self.rank * b.chunk, (self.rank + 1) * b.chunk
+        start, end = max(off, lo), min(off + p.numel(), hi)
+        return (start - off, end - off) if end > start else (0, 0)
+
+    def local_view(self, p: nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
+        """``p``'s part of this rank's flat partition ``flat`` (a view, 1-D)."""
+        _, b, off = getattr(p, ZERO_SLOT)
+        start, end = self.local_range(p)
+        base = b.master_offset + off + start - self.rank * b.chunk
+        return flat[base:base + end - start]
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def full_view(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, *,
+                  load: bool) -> Iterator[tuple[nn.Module, Any]]:  # fmt: skip
+        """A module of whole fp32 parameters (the masters; a parameter outside the partition its own value in
+        fp32) and persistent buffers, and an optimizer of ``optimizer``'s class over them with the whole state:
+        what stage 0 with master weights saves. Collective. With ``load``, what was loaded into them is sliced
+        back into this rank's partition afterwards and the parameters gathered."""
+        wholes: dict[int, torch.Tensor] = {}
+        for gi, m in enumerate(self.masters):
+            wholes.update(self._split(self._gather_flat(m.data), gi))
+        root = nn.Module()
+        view_of: dict[int, nn.Parameter] = {}
+        for n, p in module.named_parameters(remove_duplicate=False):  # a tied weight under each of its names
+            if id(p) not in view_of:
+                value = wholes.get(id(p))
+                view_of[id(p)] = nn.Parameter(value if value is not None else p.detach().float().clone(),
+                                              requires_grad=p.requires_grad)  # fmt: skip
+            attach(root, n, view_of[id(p)], parameter=True)
+        for prefix, sub in module.named_modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and name not in sub._non_persistent_buffers_set:
+                    attach(root, f"{prefix}.{name}" if prefix else name, buf, parameter=False)
+        view_opt = self._optimizer_view(optimizer, view_of) if optimizer is not None else None
+        yield root, view_opt
+        if not load:
+            return
+        with torch.no_grad():
+            for b in self.buckets:
+                self._own(b).copy_(self._local_of(b, [view_of[id(p)].detach() for p in b.params]))
+            for p in module.parameters():
+                if not hasattr(p, ZERO_SLOT):
+                    p.data.copy_(view_of[id(p)].detach())
+            if view_opt is not None:
+                self._load_optimizer(optimizer, view_opt, view_of)
+        self.gather_params()
+
+    def _optimizer_view(self, optimizer: torch.optim.Optimizer, view_of: dict[int, nn.Parameter]) -> Any:
+        cls = type(optimizer)
+        groups = []
+        for gi, g in enumerate(optimizer.param_groups):
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": [view_of[id(p)] for p in self.group_params[gi]]})  # fmt: skip
+        view = cls.__new__(cls)
+        torch.optim.Optimizer.__init__(view, groups, dict(optimizer.defaults))
+        for gi, m in enumerate(self.masters):
+            state = optimizer.state.get(m)
+            if not state:
+                continue
+            split = {}
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == m.numel() and m.numel():
+                    split[key] = self._split(self._gather_flat(value), gi)
+            for p in self.group_params[gi]:
+                view.state[view_of[id(p)]] = {k: split[k][id(p)] if k in split else _copy(v)
+                                              for k, v in state.items()}  # fmt: skip
+        return view
+
+    def _load_optimizer(self, optimizer: torch.optim.Optimizer, view: Any, view_of: dict[int, nn.Parameter]) -> None:
+        for gi, (group, vgroup) in enumerate(zip(optimizer.param_groups, view.param_groups)):
+            group.update({k: v for k, v in vgroup.items() if k != "params"})
+            m = self.masters[gi]
+            params = self.group_params[gi]
+            loaded = {id(p): view.state.get(view_of[id(p)], {}) for p in params}
+            keys = {k for s in loaded.values() for k in s}
+            if not keys:
+                continue
+            state = optimizer.state.setdefault(m, {})
+            for key in keys:
+                first = next(s[key] for s in loaded.values() if key in s)
+                if torch.is_tensor(first) and first.dim() > 0:
+                    flat = torch.zeros(m.numel(), dtype=first.dtype, device=self.master_device)
+                    for b in self.buckets:
+                        if b.group == gi:
+                            values = [loaded[id(p)].get(key) for p in b.params]
+                            flat[b.master_offset:b.master_offset + b.chunk] = self._local_of(b, values).to(first.dtype)
+                    state[key] = flat
+                else:
+                    state[key] = _copy(first).to(self.master_device) if torch.is_tensor(first) else first
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if torch.is_tensor(value) else value
+
+
+def attach(root: nn.Module, dotted: str, tensor: torch.Tensor, *, parameter: bool) -> None:
+    *parents, leaf = dotted.split(".")
+    node = root
+    for part in parents:
+        if part not in node._modules:
+            node.add_module(part, nn.Module())
+        node = node._modules[part]
+    if parameter:
+        node.register_parameter(leaf, tensor)
+    else:
+        node.register_buffer(leaf, tensor)
+
+
+def _flatten(values: list, size: int, dtype: torch.dtype, like: list | None = None) -> torch.Tensor:
+    """``values`` flattened into one tensor of ``size`` elements (zeros for None and the padding)."""
+    like = like or values
+    parts, used = [], 0
+    device = like[0].device
+    for v, ref in zip(values, like):
+        parts.append(v.detach().reshape(-1).to(dtype) if v is not None else torch.zeros(ref.numel(), dtype=dtype,
+                                                                                        device=device))
+        used += ref.numel()
+    if size > used:
+        parts.append(torch.zeros(size - used, dtype=dtype, device=device))
+    return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+
+
+def _make_buckets(groups: list[list[nn.Parameter]], bucket_numel: int, world: int) -> list[Bucket]:
+    """Buckets of each group's parameters in backward order (the reverse of the module's), at most about
+    ``bucket_numel`` elements each, listed in the order they complete during a backward."""
+    order = [(gi, p) for gi, ps in enumerate(groups) for p in ps]
+    position = {id(p): i for i, (_, p) in enumerate(order)}
+    order.sort(key=lambda item: -position[id(item[1])])
+    buckets: list[Bucket] = []
+    open_: dict[int, list[nn.Parameter]] = {}
+
+    def close(gi: int) -> None:
+        params = open_.pop(gi)
+        offsets, n = [], 0
+        for p in params:
+            offsets.append(n)
+            n += p.numel()
+        chunk = max(1, -(-n // world))
+        buckets.append(Bucket(index=len(buckets), group=gi, params=params, offsets=offsets, numel=n, chunk=chunk))
+
+    for gi, p in order:
+        bucket = open_.setdefault(gi, [])
+        if bucket and sum(q.numel() for q in bucket) + p.numel() > bucket_numel:
+            close(gi)
+            bucket = open_.setdefault(gi, [])
+        bucket.append(p)
+    for gi in sorted(open_, key=lambda g: -max(position[id(p)] for p in open_[g])):
+        close(gi)
+    return buckets
+
+
+def _gather_groups(buckets: list[Bucket], allgather_numel: int) -> list[list[Bucket]]:
+    """Consecutive buckets together up to about ``allgather_numel`` elements: one all-gather each."""
+    out: list[list[Bucket]] = []
+    size = 0
+    for b in buckets:
+        if out and size + b.numel <= allgather_numel:
+            out[-1].append(b)
+            size += b.numel
+        else:
+            out.append([b])
+            size = b.numel
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# building the partition and its optimizer
+
+
+def build_zero(model: nn.Module, *, cfg: Any, decided: Any, precision: Any, info: Any, client: Any, groups: list[dict],
+               name_of: dict[int, str], source: str | None) -> tuple[Any, Any]:  # fmt: skip
+    """The ShardPlan of ZeRO-2 and its optimizer (None without one): the optimizer's parameter groups (the
+    script's optimizer's, else ``model_parameters``'s, by name) decide the partition's groups; the optimizer is
+    built over their flat fp32 masters with the script's class and arguments, or the configured one."""
+    from .rebuild import adopt_construction, forward_client, rebuild_optimizer
+    from .sharding import ShardPlan
+    from .units import DEEPSPEED_DEFAULTS, bucket_settings, grad_bytes, is_deepspeed_sized
+
+    by_name = dict(model.named_parameters())
+    cls = defaults = None
+    if isinstance(client, torch.optim.Optimizer):
+        cls, defaults, named = rebuild_optimizer(client, name_of, by_name)
+    else:
+        named = groups
+    _check_elementwise(client, cfg.optimizer, cls)
+    if is_deepspeed_sized(cfg.extensions, source):
+        settings = bucket_settings(cfg.extensions)
+        bucket, gather = settings.reduce_bucket_size, settings.allgather_bucket_size or settings.reduce_bucket_size
+    else:  # DDP's bucket size, in elements of the compute dtype
+        bucket = int(float(cfg.ddp.bucket_cap_mb) * 2**20 / grad_bytes(cfg)) or DEEPSPEED_DEFAULTS["reduce_bucket_size"]
+        gather = bucket
+    tensors = [[by_name[n] for n in g["params"] if by_name[n].requires_grad and by_name[n].is_floating_point()]
+               for g in named]  # fmt: skip
+    from .precision import DTYPES
+
+    accum = DTYPES.get(cfg.precision.effective_grad_accum_dtype, precision.param_dtype)
+    partition = ZeroPartition(model, tensors, bucket_numel=max(1, bucket), allgather_numel=max(1, gather),
+                              compute_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
+                              accum_dtype=accum, master_device=torch.device("cpu") if decided.masters_on_cpu else None,
+                              mean=cfg.gradients.reduce_op == "mean",
+                              reduce_every_micro_step=precision.reduce_every_micro_step)  # fmt: skip
+    if info.rank == 0:
+        log.info("ZeRO-%d: %d bucket(s) of at most %d elements, all-gathered in %d group(s); this rank holds %d of "
+                 "%d trainable elements", cfg.sharding.stage, len(partition.buckets), bucket, len(partition.gathers),
+                 sum(m.numel() for m in partition.masters), sum(b.numel for b in partition.buckets))  # fmt: skip
+    _note_unit_settings(cfg.sharding, info.rank)
+    shard = ShardPlan(model, model, "zero", partition=partition)
+    params = [{**g, "params": [m]} for g, m in zip(named, partition.masters)]
+    if cls is not None:
+        defaults, params = adopt_construction(cls, defaults, params)
+        built = cls(params, **defaults)
+        forward_client(client, built)
+    elif callable(client):
+        built = client(params)
+    elif cfg.optimizer is not None and cfg.optimizer.name:
+        from .optim import build_optimizer
+
+        built = build_optimizer(cfg.optimizer, params, offload=decided.optimizer_on_cpu)
+    else:
+        built = None
+    if built is not None:
+        built.optimizer = built  # DeepSpeed's engine.optimizer.optimizer: the torch optimizer of the partition
+    return shard, built
+
+
+#: torch optimizers whose update of an element reads only that element (and the step count): exact on a flat
+#: partition. Others need whole tensors (a norm per parameter, a matrix) and are refused at ZeRO stage 2.
+ELEMENTWISE = frozenset({"Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "Adamax", "RMSprop", "Rprop", "NAdam",
+                         "RAdam", "ASGD", "SparseAdam"})  # fmt: skip
+
+
+def _check_elementwise(client: Any, section: Any, cls: type | None) -> None:
+    from torsh.errors import ConfigError, Problem
+
+    name = cls.__name__ if cls is not None else (section.name if client is None and section is not None else None)
+    if cls is not None and cls.__module__.startswith("torch.optim") and name not in ELEMENTWISE:
+        raise ConfigError([Problem("sharding.stage", 2, f"{name} updates whole tensors (not element by element); "
+                                   "ZeRO-2 steps flat partitions of the parameters, where it would compute "
+                                   "something else: use stage 0, 1 or 3, or an elementwise optimizer (Adam, AdamW, "
+                                   "SGD, Adagrad)")])  # fmt: skip
+    if cls is None and name and name not in ELEMENTWISE:
+        raise ConfigError([Problem("optimizer.name", name, f"{name} updates whole tensors (not element by "
+                                   "element); ZeRO-2 steps flat partitions of the parameters: use stage 0, 1 or 3, "
+                                   "or an elementwise optimizer (Adam, AdamW, SGD, Adagrad)")])  # fmt: skip
+
+
+def _note_unit_settings(sharding: Any, rank: int) -> None:
+    """FSDP2's unit settings act at stage 3; at ZeRO-2 there are no units (said once, never silently dropped)."""
+    wrap = sharding.wrap
+    unused = [key for key, used in (("sharding.reshard_after_forward", sharding.reshard_after_forward is True),
+                                    ("sharding.wrap", bool(wrap.module_classes or wrap.min_num_params)),
+                                    ("sharding.forward_prefetch", sharding.forward_prefetch),
+                                    ("sharding.backward_prefetch", sharding.backward_prefetch not in (None, "none")))
+              if used]  # fmt: skip
+    if unused and rank == 0:
+        log.warning("%s: FSDP2 unit settings have no effect at ZeRO-2, which keeps whole parameters on every rank "
+                    "(no units); they apply at stage 3", ", ".join(unused))  # fmt: skip
