@@ -135,14 +135,26 @@ def test_tp2_batch_is_split_over_the_data_parallel_ranks_only(tp2):
     assert rec["dp_world_size"] == 1 and rec["train_batch_size"] == 2  # micro 2 x 1 data-parallel rank
 
 
+def test_tp2_engine_reports_the_data_and_tensor_parallel_degrees(tp2):
+    """DeepSpeed's members a script sizes its batches and groups with: the data-parallel ranks are the world over
+    the tensor-parallel degree, and each rank's tensor-parallel index is its place in its tp group."""
+    records = _records(tp2, "deepspeed_autotp")
+    # [dp_world_size, mp_world_size, get_data_parallel_world_size, get_data_parallel_rank,
+    #  get_tensor_parallel_rank, size of data_parallel_group, rank in it]
+    assert [r["engine_degrees"] for r in records] == [[1, 2, 1, 0, 0, 1, 0], [1, 2, 1, 0, 1, 1, 0]]
+
+
 @pytest.mark.parametrize("name", [s["name"] for s in DP2_TP2])
 def test_dp2_x_tp2_on_four_ranks_trains_as_one_rank(dp2_tp2, name):
     _same_as_one_rank(dp2_tp2, name, tp=2)
 
 
 def test_dp2_x_tp2_shards_over_dp_and_splits_over_tp(dp2_tp2):
-    rec = _records(dp2_tp2, "zero3")[0]
+    records = _records(dp2_tp2, "zero3")
+    rec = records[0]
     assert rec["train_batch_size"] == 4  # micro 2 x 2 data-parallel ranks
+    # ranks (0, 1) and (2, 3) are tp groups; (0, 2) and (1, 3) data-parallel groups
+    assert [r["engine_degrees"] for r in records] == [[2, 2, 2, d, t, 2, d] for d in (0, 1) for t in (0, 1)]
     placements = rec["placements"]
     assert placements["layers.0.self_attn.o_proj.weight"] == ["S(0)", "S(1)"]
     assert placements["norm.weight"] == ["S(0)", "R"]

@@ -36,13 +36,14 @@ class Engine(nn.Module):
 
     def __init__(self, *, config: dict, policy: StepPolicy, monitor: Monitor, batch: ResolvedBatch, info: DistInfo,
                  shard: ShardPlan, precision: PrecisionPlan, optimizer: Any, lr_scheduler: Any, loss_scaler: Any,
-                 training_dataloader: Any = None):  # fmt: skip
+                 training_dataloader: Any = None, degrees: Any = None):  # fmt: skip
         super().__init__()
         self.config = config  # DeepSpeed's engine.config: the config as given (a dict); the engine reads the policy
         self._policy = policy
         self.monitor = monitor  # DeepSpeed's MonitorMaster surface: write_events
         self._batch = batch
         self._info = info
+        self._degrees = degrees  # the plan's parallel degrees (torsh.plan.Degrees; None: every rank data-parallel)
         self._shard = shard
         self._precision = precision
         # nn.Module attribute rules: the user's model is the one submodule, named ``module`` as in DeepSpeed, so
@@ -187,36 +188,43 @@ class Engine(nn.Module):
 
     @property
     def dp_world_size(self) -> int:
-        """Data-parallel world size (all ranks: no model parallelism)."""
-        return self._info.world_size
+        """Data-parallel world size: the ranks the batch is split over (world size / tensor-parallel degree)."""
+        return self._degrees.dp if self._degrees is not None else self._info.world_size
 
     @property
     def mp_world_size(self) -> int:
-        """Model-parallel world size: always 1 (the engine runs data parallelism and sharding only)."""
-        return 1
+        """Model-parallel world size: the tensor-parallel degree (1 without tensor parallelism)."""
+        return self._degrees.tp if self._degrees is not None else 1
 
     @property
     def data_parallel_group(self) -> Any:
-        """The process group gradients are averaged over: every rank (the default group)."""
+        """The process group gradients are averaged over: every rank, or with tensor parallelism the ranks that
+        hold the same tensor-parallel slice."""
         import torch.distributed as dist
 
-        return dist.group.WORLD
+        if self.mp_world_size == 1:
+            return dist.group.WORLD
+        if self.__dict__.get("_dp_group") is None:
+            from .tensor_parallel import data_parallel_group
+
+            self.__dict__["_dp_group"] = data_parallel_group(self._shard.mesh)
+        return self.__dict__["_dp_group"]
 
     def get_data_parallel_rank(self) -> int:
         """This rank's index in :attr:`data_parallel_group`."""
-        return self._info.rank
+        return self._degrees.dp_rank(self._info.rank) if self._degrees is not None else self._info.rank
 
     def get_data_parallel_world_size(self) -> int:
         """The size of :attr:`data_parallel_group`."""
-        return self._info.world_size
+        return self.dp_world_size
 
     def get_model_parallel_rank(self) -> int:
-        """Always 0 (no model parallelism)."""
-        return 0
+        """This rank's index in its tensor-parallel group (0 without tensor parallelism)."""
+        return self.get_tensor_parallel_rank()
 
     def get_tensor_parallel_rank(self) -> int:
-        """Always 0 (no tensor parallelism)."""
-        return 0
+        """This rank's index in its tensor-parallel group (0 without tensor parallelism)."""
+        return self._degrees.coordinates(self._info.rank).get("tp", 0) if self._degrees is not None else 0
 
     def steps_per_print(self) -> int | None:
         """The logging interval in optimizer steps (None: no periodic log line)."""
@@ -242,11 +250,11 @@ class Engine(nn.Module):
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Change the global batch by changing the gradient accumulation steps (the micro batch stays); a size
         that is not a multiple of micro batch x data-parallel ranks is a ValueError, as in DeepSpeed."""
-        per_micro_step = self._batch.micro_batch_size * self.world_size
+        per_micro_step = self._batch.micro_batch_size * self.dp_world_size
         if train_batch_size % per_micro_step != 0:
             raise ValueError(f"Train batch size must be divisible by micro-batch data parallelism: "
                              f"{train_batch_size} is not a multiple of micro batch {self._batch.micro_batch_size} "
-                             f"x {self.world_size} rank(s)")  # fmt: skip
+                             f"x {self.dp_world_size} data-parallel rank(s)")  # fmt: skip
         self._batch = replace(self._batch, global_batch_size=train_batch_size,
                               gradient_accumulation_steps=train_batch_size // per_micro_step)  # fmt: skip
 
@@ -254,7 +262,7 @@ class Engine(nn.Module):
         """Change the micro batch and keep the gradient accumulation steps (the global batch follows), as DeepSpeed;
         a dataloader already built keeps its batch size."""
         self._batch = replace(self._batch, micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size
-                              * self._batch.gradient_accumulation_steps * self.world_size)  # fmt: skip
+                              * self._batch.gradient_accumulation_steps * self.dp_world_size)  # fmt: skip
 
     def empty_partition_cache(self) -> None:
         """Free the parameters FSDP2 holds gathered (a unit kept gathered after an evaluation or generation
@@ -708,7 +716,8 @@ class Engine(nn.Module):
                                                sampler=data_sampler, collate_fn=collate_fn,
                                                drop_last=data.drop_last)  # fmt: skip
         return build_dataloader(dataset, micro_batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
-                                data=data, rank=self.global_rank, world_size=self.world_size, collate_fn=collate_fn,
+                                data=data, rank=self.get_data_parallel_rank(), world_size=self.dp_world_size,
+                                collate_fn=collate_fn,
                                 pin_memory=pin_memory and torch.cuda.is_available())  # fmt: skip
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -767,7 +776,7 @@ class Engine(nn.Module):
     def _engine_state(self) -> dict:
         return {"global_steps": self.global_steps, "global_samples": self.global_samples,
                 "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
-                "dp_world_size": self.world_size, "mp_world_size": 1}  # fmt: skip
+                "dp_world_size": self.dp_world_size, "mp_world_size": self.mp_world_size}  # fmt: skip
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
                         exclude_frozen_parameters=False) -> bool:  # fmt: skip

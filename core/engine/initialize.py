@@ -124,7 +124,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     engine = Engine(config=config_as_dict(config), policy=decided.step, monitor=Monitor(cfg.monitoring, info.rank),
                     batch=batch, info=info, shard=shard, precision=precision,
                     optimizer=optimizer, lr_scheduler=lr_scheduler, loss_scaler=loss_scaler,
-                    training_dataloader=dataloader)  # fmt: skip
+                    training_dataloader=dataloader, degrees=decided.degrees)  # fmt: skip
     engine.compression_state = compression_state  # byte counts of the compressed reduction (None: dense)
     if info.rank == 0:
         log.info("torsh engine: stage %d (%s), %s compute, world size %d, batch %d = %d x %d x %d",

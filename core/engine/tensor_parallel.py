@@ -47,6 +47,14 @@ def data_parallel_mesh(mesh: Any, degrees: Degrees) -> Any:
     return mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
 
 
+def data_parallel_group(dp_mesh: Any) -> Any:
+    """The process group of the data-parallel sub-mesh (its two dimensions flattened into one under HSDP): the ranks
+    that hold the same tensor-parallel slice. Collective the first time on a 2-D mesh: every rank asks for it."""
+    if dp_mesh.ndim == 1:
+        return dp_mesh.get_group()
+    return dp_mesh._flatten("dp").get_group()
+
+
 def _pattern(glob: str) -> re.Pattern:
     """A module-name pattern: ``*`` within one dotted name, ``**`` across names, anything else literal."""
     out = []

@@ -111,7 +111,13 @@ def run_scenario(rank: int, world: int, scenario: dict) -> dict:
     if scenario.get("tp_model_init"):  # DeepSpeed's AutoTP training entry, before initialize
         model = torsh.tp_model_init(model, tp_size=tp, dtype=torch.float32)
     engine, _, _, _ = torsh.initialize(model=model, config=scenario["config"])
-    rec: dict = {"losses": [], "dp_world_size": dp, "train_batch_size": engine.train_batch_size()}
+    import torch.distributed as dist
+
+    group = engine.data_parallel_group
+    rec: dict = {"losses": [], "dp_world_size": dp, "train_batch_size": engine.train_batch_size(),
+                 "engine_degrees": [engine.dp_world_size, engine.mp_world_size, engine.get_data_parallel_world_size(),
+                                    engine.get_data_parallel_rank(), engine.get_tensor_parallel_rank(),
+                                    dist.get_world_size(group), dist.get_rank(group)]}  # fmt: skip
     for step in range(steps):
         x, y = batch(step, dp_rank)
         loss = lm_loss(engine(x), y)
