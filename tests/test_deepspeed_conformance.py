@@ -424,6 +424,50 @@ def zero_to_fp32_load(rank: int, world_size: int, scenario: dict) -> dict:
                                                              for k in expected)}  # fmt: skip
 
 
+def reduce_op(rank: int, world_size: int, scenario: dict) -> dict:
+    """``gradient_allreduce_op: "sum"`` at ZeRO-3, refused by ``initialize`` and by ``zero.Init`` reading the same
+    config (DeepSpeed's config check); at ZeRO-2 accepted."""
+    ds = _ds(scenario["engine"])
+    sum3 = {**_config(3), "gradient_allreduce_op": "SUM"}
+    return {"initialize": _error(lambda: _init(ds, sum3)), "init": _error(lambda: ds.zero.Init(config_dict_or_path=sum3)),
+            "stage2": _error(lambda: _init(ds, {**_config(2), "gradient_allreduce_op": "sum"}))}  # fmt: skip
+
+
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def zero_init_late_change(rank: int, world_size: int, scenario: dict) -> dict:
+    """Parameters built under ``zero.Init``, changed after their module's constructor returned: inside the context,
+    after it, and inside ``GatheredParameters(modifier_rank=0)``; which changes the model trained at ZeRO-3 has."""
+    import torch
+
+    ds = _ds(scenario["engine"])
+    messages = _Messages()
+    logging.getLogger("torsh.compat").addHandler(messages)
+    try:
+        with ds.zero.Init():
+            model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+            torch.nn.init.zeros_(model[0].weight)  # after Linear's constructor returned
+        with torch.no_grad():
+            model[1].weight.data.fill_(0.25)  # after the context
+        with ds.zero.GatheredParameters(model[1].bias, modifier_rank=0):
+            if rank == 0:
+                model[1].bias.data.fill_(1.0)
+        engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=_config(3))
+        with ds.zero.GatheredParameters(list(engine.module.parameters())):
+            kept = [bool((engine.module[0].weight == 0).all()), bool((engine.module[1].weight == 0.25).all()),
+                    bool((engine.module[1].bias == 1.0).all())]  # fmt: skip
+    finally:
+        logging.getLogger("torsh.compat").removeHandler(messages)
+    return {"kept": kept, "warnings": [m for m in messages.messages if "deepspeed.zero.Init" in m]}
+
+
 def _scenarios(tmp: str) -> list[dict]:
     out = []
     for engine in ENGINES:
@@ -435,6 +479,8 @@ def _scenarios(tmp: str) -> list[dict]:
         out.append({**call, "name": f"tags_{engine}", "target": f"{MODULE}:checkpoint_tags", "dir": f"{tmp}/{engine}"})
         out.append({**call, "name": f"members_{engine}", "target": f"{MODULE}:engine_members"})
         out.append({**call, "name": f"localgrad_{engine}", "target": f"{MODULE}:local_grad"})
+        out.append({**call, "name": f"reduceop_{engine}", "target": f"{MODULE}:reduce_op"})
+        out.append({**call, "name": f"lateinit_{engine}", "target": f"{MODULE}:zero_init_late_change"})
         out.append({**call, "name": f"fp32load_{engine}", "target": f"{MODULE}:zero_to_fp32_load",
                     "dir": f"{tmp}/fp32_{engine}"})
     return out
@@ -504,3 +550,62 @@ def test_safe_get_set_local_grad_zero3(records, engine):
 def test_load_state_dict_from_zero_checkpoint_stage2(records, engine):
     for r in _ranks(records, "fp32load", engine):
         assert r == {"equal": True}
+
+
+@both
+def test_gradient_allreduce_op_sum_refused_at_zero3(records, engine):
+    """TestGradientAllreduceOp's ZeRO-3 case, where a script meets it: ``initialize`` and ``zero.Init`` raise
+    DeepSpeed's ValueError for ``"sum"`` at stage 3; stage 2 runs."""
+    for r in _ranks(records, "reduceop", engine):
+        for where in ("initialize", "init"):
+            assert "ValueError" in r[where] and "gradient_allreduce_op='sum' is not supported with ZeRO stage 3" in \
+                r[where]  # fmt: skip
+        assert r["stage2"] is None
+
+
+@both
+def test_zero_init_change_after_construction(records, engine):
+    """A change to a parameter built under ``zero.Init`` made after its module's constructor returned, outside
+    ``GatheredParameters(modifier_rank=...)``: lost under DeepSpeed (the parameter is partitioned by then), kept by
+    torsh, which says so where it happens (leaving the context, at ``initialize``) naming the parameter. A change
+    inside ``GatheredParameters(modifier_rank=0)`` is kept by both, without a warning."""
+    for r in _ranks(records, "lateinit", engine):
+        if engine == "deepspeed":
+            assert r["kept"] == [False, False, True]
+            continue
+        assert r["kept"] == [True, True, True]
+        context, init = r["warnings"]
+        assert context.startswith("deepspeed.zero.Init: 1 parameter") and "Linear.weight [4, 4]" in context
+        assert init.startswith("deepspeed.initialize: 1 parameter") and ": 1.weight." in init
+        assert "GatheredParameters(params, modifier_rank=0)" in init and "bias" not in init
+
+
+def test_zero_init_starts_torch_distributed(tmp_path):
+    """``zero.Init()`` starts torch.distributed from the launcher's environment when it is not started (DeepSpeed
+    calls ``init_distributed`` there): one process, both engines in turn."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "zero_init_dist.py"
+    script.write_text("""
+import importlib, json, os, sys
+import torch.distributed as dist
+out = {}
+for port, name in ((sys.argv[1], "torsh.compat.deepspeed"), (sys.argv[2], "deepspeed")):
+    os.environ["MASTER_PORT"] = port
+    ds = importlib.import_module(name)
+    before = dist.is_initialized()
+    ds.zero.Init(enabled=False)
+    out[name] = [before, dist.is_initialized(), dist.get_world_size() if dist.is_initialized() else None]
+    dist.destroy_process_group()
+print(json.dumps(out))
+""")
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    proc = subprocess.run([sys.executable, str(script), str(h.free_port()), str(h.free_port())], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"torsh.compat.deepspeed": [False, True, 1], "deepspeed": [False, True, 1]}
