@@ -837,3 +837,162 @@ def test_torchtune_reader_agrees_with_omegaconf_and_instantiate(tune_load, tmp_p
              if not (c[2] == "as text" and c[3][0] == "optimizer")]
     found = disagreements("torchtune", cases, framework, TORCHTUNE_DELIBERATE)
     assert not found["disagree"], _report(found)
+
+
+# ---- horovodrun's argument parser ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def horovodrun(horovod_config_parser) -> types.SimpleNamespace:
+    """horovodrun's ``parse_args`` (horovod/runner/launch.py of the 0.28.1 sdist, its argument actions and its call of
+    the config parser), loaded without the rest of Horovod: the functions are taken from the file as they are and run
+    against the standard library, PyYAML and the config parser above; ``horovod.__version__`` and the LSF probe are
+    the only stand-ins (not on LSF: ``-np`` required)."""
+    import argparse
+    import ast
+    import sys
+    import warnings
+
+    import yaml
+
+    with tarfile.open(HOROVOD_SDIST) as sdist:
+        source = sdist.extractfile("horovod-0.28.1/horovod/runner/launch.py").read().decode("utf-8")
+    tree = ast.parse(source)
+    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)
+                 and (node.name.startswith("make_") or node.name == "parse_args")]  # fmt: skip
+    built: list = []
+
+    class Parser(argparse.ArgumentParser):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    namespace = {"argparse": types.SimpleNamespace(**{**vars(argparse), "ArgumentParser": Parser}),
+                 "warnings": warnings, "yaml": yaml, "os": os, "sys": sys, "textwrap": None,
+                 "horovod": types.SimpleNamespace(__version__="0.28.1"),
+                 "lsf": types.SimpleNamespace(LSFUtils=types.SimpleNamespace(using_lsf=lambda: False)),
+                 "config_parser": horovod_config_parser, "check_build": lambda verbose: None}  # fmt: skip
+    exec(compile(ast.Module(body=functions, type_ignores=[]), "launch.py", "exec"), namespace)  # noqa: S102
+
+    def parse(argv: list[str]):
+        """``horovodrun argv...`` parsed: the arguments, or the error text (argparse exits with status 2)."""
+        import contextlib
+        import io
+
+        saved, sys.argv = sys.argv, ["horovodrun", *argv]
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return namespace["parse_args"]()
+        except SystemExit:
+            return "argparse: " + err.getvalue().strip().splitlines()[-1]
+        except Exception as exc:  # noqa: BLE001 - validate_config_args's ValueError
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            sys.argv = saved
+
+    with tarfile.open(HOROVOD_SDIST) as sdist:
+        source = sdist.extractfile("horovod-0.28.1/horovod/runner/common/util/hosts.py").read().decode("utf-8")
+    hosts = {"re": __import__("re")}
+    exec(compile(ast.Module(body=[n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and  # noqa: S102
+                                  n.name == "parse_hosts_and_slots"], type_ignores=[]), "hosts.py", "exec"), hosts)
+    parse(["-np", "1"])
+    return types.SimpleNamespace(parse=parse, actions=built[-1]._actions, hosts=hosts["parse_hosts_and_slots"])
+
+
+def _horovodrun_argv(section: dict, actions: list) -> list[str] | str:
+    """The command line that gives ``section`` (horovodrun's argument dests and their values), option by option from
+    horovodrun's own parser; a refusal text where no command line can give it."""
+    import shlex
+
+    argv: list[str] = [] if section.get("num_proc") is not None else ["-np", "1"]  # a count given elsewhere
+    for dest, value in section.items():
+        if dest == "command":
+            continue
+        options = [a for a in actions if a.dest == dest and a.option_strings]
+        if not options:
+            return f"unknown: horovodrun has no argument {dest!r}"
+        if value is None:
+            continue  # not given
+        switches = [a for a in options if a.nargs == 0]
+        if switches:
+            if not isinstance(value, bool):
+                return f"switch: {dest} takes no value on the command line (true or false only)"
+            chosen = next((a for a in switches if a.const is value), None)
+            if chosen is not None:
+                argv.append(chosen.option_strings[-1])
+            continue
+        action = options[0]
+        many = action.nargs == 2 or dest == "nics"
+        if isinstance(value, (list, tuple, set, dict)) != many:
+            return f"shape: a command line gives {dest} {'a list' if many else 'one word'}"
+        values = value if many else [value]
+        if action.nargs == 2:
+            argv += [action.option_strings[-1], *map(str, values)]
+        else:
+            for one in values:
+                argv += [action.option_strings[-1], str(one)]
+    command = section.get("command") or ["python", "train.py"]
+    return argv + ["--", *(shlex.split(command) if isinstance(command, str) else map(str, command))]
+
+
+def _horovodrun_section_verdict(section: dict, horovodrun: types.SimpleNamespace) -> bool | str:
+    if not isinstance(section, dict):
+        return "not a mapping"
+    argv = _horovodrun_argv(section, horovodrun.actions)
+    if isinstance(argv, str):
+        return argv
+    parsed = horovodrun.parse(argv)
+    if isinstance(parsed, str):
+        return parsed
+    if not parsed.host_discovery_script and not parsed.hostfile:  # _run: the hosts, or localhost:<num_proc>
+        try:
+            horovodrun.hosts(parsed.hosts or f"localhost:{parsed.num_proc}")
+        except ValueError as exc:
+            return f"hosts: {exc}"
+    return True
+
+
+def _horovodrun_sections(horovodrun: types.SimpleNamespace) -> list[tuple[str, dict]]:
+    """The horovodrun command lines of the launch corpus, as horovodrun parses them: the arguments they set."""
+    import shlex
+
+    lines = json.loads((CORPUS / "launch" / "script_lines.json").read_text())
+    lines += json.loads((CORPUS / "launch" / "lines.json").read_text())
+    out = []
+    for line in lines:
+        words = shlex.split(line["command"]) if line["command"].startswith("horovodrun ") else []
+        parsed = horovodrun.parse(words[1:]) if words else None
+        if parsed is None or isinstance(parsed, str):
+            continue
+        section = {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(parsed).items()
+                   if v not in (None, False, []) and k not in ("run_func", "executable", "check_build")}  # fmt: skip
+        out.append((line.get("id", words[2] if len(words) > 2 else "line"), section))
+    return out
+
+
+#: Where torsh refuses a horovodrun argument value that horovodrun's parser accepts, on purpose.
+HOROVODRUN_DELIBERATE: dict[str, Callable[..., bool]] = {
+    # argparse takes any integer; without hosts horovodrun then refuses it (localhost:<n>), with a host discovery
+    # script the elastic driver waits for a count of processes that never comes. torsh names the key.
+    "a process count below 1": lambda original, kind, path, *_: kind == "out of range" and path[-1] in (
+        "num_proc", "min_num_proc", "max_num_proc", "slots"),
+    # "auto" is the deferred value of every torsh reader: a program of that name is not taken for the command.
+    "\"auto\" as the training command": lambda original, kind, path, *_: kind == "auto" and path[-1] == "command",
+}
+
+
+def test_horovod_reader_agrees_with_horovodruns_argument_parser(horovodrun, tmp_path):
+    seeds = _horovodrun_sections(horovodrun)
+    assert len(seeds) >= 10
+    files = []
+    for i, (name, section) in enumerate(seeds):
+        path = tmp_path / f"{i:02d}_{name}.json"
+        path.write_text(json.dumps({"horovodrun": section}))
+        files.append(path)
+    framework = lambda data: _horovodrun_section_verdict(data.get("horovodrun"), horovodrun)  # noqa: E731
+    found = disagreements("horovod", inputs(files, MUTATIONS, framework, keys=lambda p: len(p) > 1),
+                          framework, HOROVODRUN_DELIBERATE)  # fmt: skip
+    assert len(found["agree"]) > len(seeds), found
+    assert not found["disagree"], _report(found)
