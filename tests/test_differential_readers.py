@@ -996,3 +996,141 @@ def test_horovod_reader_agrees_with_horovodruns_argument_parser(horovodrun, tmp_
                           framework, HOROVODRUN_DELIBERATE)  # fmt: skip
     assert len(found["agree"]) > len(seeds), found
     assert not found["disagree"], _report(found)
+
+
+# ---- Lightning's strategy constructors -----------------------------------------------------------------------------
+
+LIGHTNING_STRATEGIES = ("DeepSpeedStrategy", "FSDPStrategy")
+
+
+def _lightning_classes(value: Any) -> Any:
+    """A class set written as code in the file (``"{Block}"``) as the classes the script would pass."""
+    import re
+
+    import torch
+
+    if isinstance(value, str) and re.fullmatch(r"\{\s*[\w.]+(\s*,\s*[\w.]+)*\s*,?\s*\}", value):
+        return {type(name.strip().rsplit(".", 1)[-1], (torch.nn.Module,), {}) for name in value.strip("{} ").split(",")
+                if name.strip()}  # fmt: skip
+    return value
+
+
+def _lightning_verdict(data: dict) -> bool | str:
+    """Lightning 2.6's own checks on the call: the Trainer/Fabric precision (its precision parser), the strategy's
+    constructor, then what the strategy hands on at setup: DeepSpeedStrategy's config (with the micro batch and the
+    precision section Lightning adds) to DeepSpeedConfig, FSDPStrategy's keyword arguments to FSDP1's constructor."""
+    import inspect
+    import warnings
+
+    from lightning.fabric.connector import _convert_precision_to_unified_args
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    strategies = [k for k in LIGHTNING_STRATEGIES if k in data]
+    if len(strategies) != 1 or set(data) - {strategies[0], "Trainer", "Fabric"}:
+        return "not one strategy call"
+    name, args = strategies[0], data[strategies[0]]
+    if not isinstance(args, dict):
+        return "the strategy's arguments are not keyword arguments"
+    precision = None
+    for section in ("Trainer", "Fabric"):
+        launch = data.get(section)
+        if launch is None:
+            continue
+        if not isinstance(launch, dict):
+            return f"{section}: not keyword arguments"
+        if "precision" in launch:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    precision = _convert_precision_to_unified_args(launch["precision"])
+            except (ValueError, TypeError) as exc:
+                return f"precision: {exc}"
+    kwargs = {k: _lightning_classes(v) for k, v in args.items()}
+    try:
+        if name == "DeepSpeedStrategy":
+            strategy = DeepSpeedStrategy(**kwargs)
+            config = copy.deepcopy(strategy.config)
+            config.setdefault("train_micro_batch_size_per_gpu", kwargs.get("logging_batch_size_per_gpu", "auto")
+                              if kwargs.get("logging_batch_size_per_gpu", "auto") != "auto" else 1)  # fmt: skip
+            if precision in ("16-mixed", "bf16-mixed", "16-true", "bf16-true") and "fp16" not in config and \
+                    "bf16" not in config:  # fmt: skip
+                config["bf16" if precision.startswith("bf16") else "fp16"] = {"enabled": True}
+            from deepspeed.runtime.config import DeepSpeedConfig
+
+            DeepSpeedConfig(config)
+        else:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            strategy = FSDPStrategy(**kwargs)
+            inspect.signature(FullyShardedDataParallel.__init__).bind(None, None, **strategy.kwargs)
+    except Exception as exc:  # noqa: BLE001 - Lightning's and DeepSpeed's checks raise all kinds
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return True
+
+
+#: Where torsh refuses what Lightning accepts, on purpose: a whole DeepSpeed config given to DeepSpeedStrategy is
+#: judged as the deepspeed dialect judges it (DEEPSPEED_DELIBERATE, on the key inside the config).
+_LIGHTNING_TO_CONFIG = {
+    **{k: ("zero_optimization", k) for k in ("stage", "contiguous_gradients", "overlap_comm", "allgather_partitions",
+                                             "reduce_scatter", "allgather_bucket_size", "reduce_bucket_size",
+                                             "sub_group_size")},
+    **{k: ("activation_checkpointing", k) for k in ("partition_activations", "cpu_checkpointing",
+                                                    "contiguous_memory_optimization",
+                                                    "synchronize_checkpoint_boundary")},
+    "zero_allow_untested_optimizer": ("zero_allow_untested_optimizer",),
+    "offload_optimizer_device": ("zero_optimization", "offload_optimizer", "device"),
+    "offload_params_device": ("zero_optimization", "offload_param", "device"),
+    "pin_memory": ("zero_optimization", "offload_optimizer", "pin_memory"),
+    "nvme_path": ("zero_optimization", "offload_optimizer", "nvme_path"),
+}  # fmt: skip
+
+
+def _config_path(path: tuple) -> tuple | None:
+    """Where a DeepSpeedStrategy argument lands in the DeepSpeed config Lightning builds (None: not in it)."""
+    if path[:2] == ("DeepSpeedStrategy", "config") and len(path) > 2:
+        return path[2:]
+    return _LIGHTNING_TO_CONFIG.get(path[1]) if path[:1] == ("DeepSpeedStrategy",) and len(path) == 2 else None
+
+
+#: Where torsh refuses what Lightning accepts, on purpose. What DeepSpeedStrategy puts in the DeepSpeed config is
+#: judged as the deepspeed dialect judges it (DEEPSPEED_DELIBERATE, on the key of the config it lands on).
+LIGHTNING_DELIBERATE: dict[str, Callable[..., bool]] = {
+    **{f"in the DeepSpeed config: {why}": (lambda rule: lambda original, kind, path, *rest: _config_path(path) is
+                                           not None and rule(original, kind, _config_path(path), *rest))(rule)
+       for why, rule in DEEPSPEED_DELIBERATE.items()},
+    # `if offload_optimizer:`: the text "false" (or "off", a list [False]) turns the offload on. torsh asks for a
+    # boolean rather than translate that.
+    "text, a list or \"auto\" for a DeepSpeedStrategy switch Lightning only tests for truth":
+        lambda original, kind, path, *_: isinstance(original, bool) and kind in ("as text", "yaml boolean", "auto",
+                                                                                 "wrong type"),
+}  # fmt: skip
+
+
+def test_lightning_reader_agrees_with_lightnings_strategy_constructors(deepspeed_ready):
+    pytest.importorskip("lightning", reason="Lightning is installed by requirements-dev.txt")
+    files = sorted((CORPUS / "lightning").glob("*.json"))
+    cases = inputs(files, MUTATIONS * 2, _lightning_verdict, keys=lambda path: path[0] in LIGHTNING_STRATEGIES)
+    found = disagreements("lightning", cases, _lightning_verdict, LIGHTNING_DELIBERATE)
+    assert len(found["agree"]) > len(files), found
+    assert not found["disagree"], _report(found)
+
+
+def test_lightning_deepspeedstrategy_disagreements_found_are_fixed():
+    """What the comparison with Lightning found: an argument DeepSpeedStrategy does not have is refused (Lightning:
+    TypeError), a config given as text is refused (Lightning reads a file of that path); a null is Lightning's
+    default; numbers written as text reach DeepSpeed's reader as Lightning hands them on; the fp16 loss-scaling
+    arguments go into the fp16 section under 16-bit precision (they were dropped without a note)."""
+    with pytest.raises(ConfigError, match="did you mean 'reduce_bucket_size'"):
+        adapters.read({"DeepSpeedStrategy": {"reduce_bucket_sizes": 5}}, "lightning")
+    with pytest.raises(ConfigError, match="DeepSpeedStrategy.config"):
+        adapters.read({"DeepSpeedStrategy": {"config": "ds_config.json"}}, "lightning")
+    t = adapters.read({"DeepSpeedStrategy": {"offload_optimizer": None, "config": None, "stage": "3"}}, "lightning")
+    assert t.result.sharding.stage == 3 and t.result.offload.optimizer == "none"
+    t = adapters.read({"Trainer": {"precision": "16-mixed"}, "DeepSpeedStrategy": {"loss_scale_window": 500,
+                                                                                     "initial_scale_power": 12}},
+                      "lightning")  # fmt: skip
+    scaled = {n.source_path for n in t.notes if not n.lossy}
+    assert {"DeepSpeedStrategy.loss_scale_window", "DeepSpeedStrategy.initial_scale_power"} <= scaled
+    t = adapters.read({"DeepSpeedStrategy": {"loss_scale_window": 500}}, "lightning")
+    (note,) = [n for n in t.notes if n.source_path == "DeepSpeedStrategy.loss_scale_window"]
+    assert note.fidelity is Fidelity.IGNORED and "fp16" in note.reason
