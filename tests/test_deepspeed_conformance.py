@@ -264,6 +264,17 @@ def test_op_builder_reports_the_torch_implementations():
         FusedAdamBuilder().load()
 
 
+@both
+def test_ops_aio_builder_import_path(engine):
+    """unit/v1/half_precision/test_bf16.py imports ``deepspeed.ops.aio.AsyncIOBuilder`` (through
+    test_zero_user_backward.py), as libraries do to ask whether NVMe offload can run: the same builder name; torsh
+    reports it not compatible (no op is compiled)."""
+    builder = _ds(engine, "ops.aio").AsyncIOBuilder
+    assert builder.NAME == "async_io" and builder is getattr(_ds(engine, "ops.op_builder"), "AsyncIOBuilder")
+    if engine == "torsh":
+        assert builder().is_compatible() is False
+
+
 def test_config_error_survives_pickling():
     """A refused config crosses a multiprocessing pool with its problems (not one problem per character)."""
     from torsh.compat.deepspeed.runtime.config import DeepSpeedConfigError, InvalidConfig
