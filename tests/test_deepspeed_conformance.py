@@ -593,7 +593,8 @@ def test_zero_init_change_after_construction(records, engine):
 
 def test_zero_init_starts_torch_distributed(tmp_path):
     """``zero.Init()`` starts torch.distributed from the launcher's environment when it is not started (DeepSpeed
-    calls ``init_distributed`` there): one process, both engines in turn."""
+    calls ``init_distributed`` there); ``init_distributed()`` uses a process group the script started itself
+    without a launcher's environment (unit/comm/test_dist.py::TestDistInitNoEnv): one process, both engines."""
     import subprocess
     import sys
 
@@ -609,14 +610,25 @@ for port, name in ((sys.argv[1], "torsh.compat.deepspeed"), (sys.argv[2], "deeps
     ds.zero.Init(enabled=False)
     out[name] = [before, dist.is_initialized(), dist.get_world_size() if dist.is_initialized() else None]
     dist.destroy_process_group()
+# TestDistInitNoEnv: no launcher environment, a process group the script started itself
+for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+    os.environ.pop(key)
+os.environ["LOCAL_SIZE"] = "2"
+for port, name in ((sys.argv[3], "torsh.compat.deepspeed"), (sys.argv[4], "deepspeed")):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
+    importlib.import_module(name).init_distributed("gloo", auto_mpi_discovery=True)
+    out[name].append(dist.get_world_size())
+    dist.destroy_process_group()
 print(json.dumps(out))
 """)
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # fmt: skip
-    proc = subprocess.run([sys.executable, str(script), str(h.free_port()), str(h.free_port())], env=env,
+           "MASTER_ADDR": "127.0.0.1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix,
+                                                                                         "torch_extensions")}  # fmt: skip
+    proc = subprocess.run([sys.executable, str(script), *(str(h.free_port()) for _ in range(4))], env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json
 
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got == {"torsh.compat.deepspeed": [False, True, 1], "deepspeed": [False, True, 1]}
+    assert got == {"torsh.compat.deepspeed": [False, True, 1, 1], "deepspeed": [False, True, 1, 1]}
