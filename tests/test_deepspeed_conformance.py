@@ -119,6 +119,18 @@ def test_gradient_allreduce_op(engine):
 
 
 @both
+def test_config_data_types(engine):
+    """unit/v1/half_precision/test_mixed_precision_dtype.py reads ``DeepSpeedConfig.param_dtype`` (and
+    ``buffer_dtype``, ``grad_accum_dtype``): the ``data_types`` values as given, None when unset."""
+    DeepSpeedConfig = _ds(engine, "runtime.config").DeepSpeedConfig
+    cfg = DeepSpeedConfig({"train_batch_size": 1, "bf16": {"enabled": True},
+                           "data_types": {"param_dtype": "bf16", "grad_accum_dtype": "fp32"}})  # fmt: skip
+    assert (cfg.param_dtype, cfg.buffer_dtype, cfg.grad_accum_dtype) == ("bf16", None, "fp32")
+    plain = DeepSpeedConfig({"train_batch_size": 1})
+    assert (plain.param_dtype, plain.buffer_dtype, plain.grad_accum_dtype) == (None, None, None)
+
+
+@both
 def test_batch_config(engine):
     """TestBatchConfig's rule, at world size 1: any two of the three sizes give the third; inconsistent ones
     assert."""

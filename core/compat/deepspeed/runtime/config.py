@@ -343,6 +343,11 @@ class DeepSpeedConfig:
         self.use_node_local_storage = checkpoint.get("use_node_local_storage", False)
         self.dataloader_drop_last = get_dataloader_drop_last(d)
         self.log_level = get_log_level(d)
+        data_types = d.get("data_types") if isinstance(d.get("data_types"), dict) else {}
+        # as given ("bf16"/"fp16"/"fp32" or None), as DeepSpeed keeps them
+        self.grad_accum_dtype = data_types.get("grad_accum_dtype")
+        self.param_dtype = data_types.get("param_dtype")
+        self.buffer_dtype = data_types.get("buffer_dtype")
         self.compile_deepcompile = bool(d.get("compile", {}).get("deepcompile", False))
         self.eigenvalue_enabled = bool(d.get("eigenvalue", {}).get("enabled", False))
         self.eigenvalue_verbose = bool(d.get("eigenvalue", {}).get("verbose", False))
