@@ -491,6 +491,45 @@ def zero_init_late_change(rank: int, world_size: int, scenario: dict) -> dict:
     return {"kept": kept, "warnings": [m for m in messages.messages if "deepspeed.zero.Init" in m]}
 
 
+def external_param(rank: int, world_size: int, scenario: dict) -> dict:
+    """ZeRO-3, a module whose forward uses another module's parameter, registered with
+    ``deepspeed.zero.register_external_parameter`` (a tied projection): the losses of 3 steps."""
+    import torch
+    import torch.nn.functional as F
+
+    ds = _ds(scenario["engine"])
+
+    class Head(torch.nn.Module):
+        def __init__(self, owner):
+            super().__init__()
+            self.owner = [owner]  # not a submodule: only its weight is used
+            self.bias = torch.nn.Parameter(torch.zeros(8))
+
+        def forward(self, x):
+            return F.linear(x, self.owner[0].weight, self.bias)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+            self.head = Head(self.a)
+            ds.zero.register_external_parameter(self.head, self.a.weight)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.b(x)))
+
+    torch.manual_seed(0)
+    model = Net()
+    engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=_config(3))
+    losses = []
+    for step in range(3):
+        loss = _loss(engine, step, rank)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return {"losses": losses}
+
+
 def _scenarios(tmp: str) -> list[dict]:
     out = []
     for engine in ENGINES:
@@ -503,6 +542,7 @@ def _scenarios(tmp: str) -> list[dict]:
         out.append({**call, "name": f"members_{engine}", "target": f"{MODULE}:engine_members"})
         out.append({**call, "name": f"localgrad_{engine}", "target": f"{MODULE}:local_grad"})
         out.append({**call, "name": f"reduceop_{engine}", "target": f"{MODULE}:reduce_op"})
+        out.append({**call, "name": f"external_{engine}", "target": f"{MODULE}:external_param"})
         out.append({**call, "name": f"lateinit_{engine}", "target": f"{MODULE}:zero_init_late_change"})
         out.append({**call, "name": f"fp32load_{engine}", "target": f"{MODULE}:zero_to_fp32_load",
                     "dir": f"{tmp}/fp32_{engine}"})
@@ -644,3 +684,11 @@ print(json.dumps(out))
 
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"torsh.compat.deepspeed": [False, True, 1, 1], "deepspeed": [False, True, 1, 1]}
+
+
+def test_zero3_external_parameter(records):
+    """A module that uses another module's parameter in forward at ZeRO-3, registered as DeepSpeed asks
+    (``register_external_parameter``; test_zero_context_return.py's external-parameter cases): it trains, with
+    DeepSpeed's losses (it failed on torsh with "mixed torch.Tensor and DTensor")."""
+    for ours, theirs in zip(_ranks(records, "external", "torsh"), _ranks(records, "external", "deepspeed")):
+        assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5)

@@ -396,11 +396,24 @@ def _multi_process() -> bool:
 
 
 def register_external_parameter(module, parameter) -> None:
-    """DeepSpeed's hint that ``module``'s forward uses another module's parameter: nothing to do under FSDP2."""
+    """DeepSpeed's hint that ``module``'s forward uses another module's parameter (a tied projection): kept where
+    DeepSpeed keeps it (``module._external_params``), and read by the engine's unit planning at ZeRO-3 as a tie, so
+    that ``module`` and the parameter's owner are sharded in one FSDP2 unit (the parameter is whole in both
+    forwards)."""
+    if not isinstance(parameter, nn.Parameter):
+        raise RuntimeError("Parameter is not a torch.nn.Parameter")
+    if not hasattr(module, "_external_params"):
+        module._external_params = {}
+    module._external_params[id(parameter)] = parameter
 
 
 def unregister_external_parameter(module, parameter) -> None:
-    """See :func:`register_external_parameter`."""
+    """Forget a :func:`register_external_parameter` (before ``initialize``: the units are planned there)."""
+    if not isinstance(parameter, nn.Parameter):
+        raise RuntimeError("Parameter is not a torch.nn.Parameter")
+    if id(parameter) not in getattr(module, "_external_params", {}):
+        raise RuntimeError("Parameter is not a registered external parameter of module.")
+    del module._external_params[id(parameter)]
 
 
 def is_zero_param(parameter) -> bool:
