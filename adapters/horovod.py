@@ -461,6 +461,34 @@ def _run_time_env(env: dict, notes: list[Note]) -> dict:
     return kept
 
 
+def _flags_as_parsed(flags: dict, notes: list[Note]) -> dict:
+    """The ``horovodrun`` section as horovodrun's argument parser gives it: a null is a flag not given (argparse's
+    default None), and a number written as text is converted by the option's type as argparse converts the
+    command line's words (``int("4")``; a text it cannot convert stays, for the schema to refuse)."""
+    from torsh import schemas
+
+    types = {k: v.get("type") for k, v in schemas.load(NAME)["properties"]["horovodrun"]["properties"].items()}
+    out = {}
+    for key, value in flags.items():
+        if value is None:
+            notes.append(Note(f"horovodrun.{key}", None, None, Fidelity.IGNORED, "null: the flag is not given "
+                              "(horovodrun's default applies)"))  # fmt: skip
+            continue
+        convert = {"integer": int, "number": float}.get(str(types.get(key)))
+        if isinstance(value, str) and convert is not None:
+            try:
+                value = convert(value)
+            except ValueError:
+                pass
+        elif key == "cooldown_range" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            try:
+                value = [int(v) for v in value]
+            except ValueError:
+                pass
+        out[key] = value
+    return out
+
+
 class Horovod(Dialect):
     """Horovod's four places of settings; a bare config file or environment is read as its section.
 
@@ -505,6 +533,8 @@ class Horovod(Dialect):
             ordered["env"] = env
         if isinstance(ordered.get("config_file"), dict):
             ordered["config_file"] = _config_file_keys_read(ordered["config_file"], prepared.notes)
+        if isinstance(ordered.get("horovodrun"), dict):
+            ordered["horovodrun"] = _flags_as_parsed(ordered["horovodrun"], prepared.notes)
         super().check_schema(ordered)
         prepared.data = ordered
         return prepared

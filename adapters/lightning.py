@@ -52,6 +52,24 @@ _STRATEGY_ONLY = {"remote_device": "where the model is built before DeepSpeed ta
                   "logging_level": "DeepSpeed's log level", "load_full_weights": "how a checkpoint is loaded",
                   "exclude_frozen_parameters": "what a checkpoint saves", "process_group_backend": "the backend "
                   "(torsh picks nccl or gloo)", "timeout": "the process-group timeout", "accelerator": "the device"}
+#: DeepSpeedStrategy's keyword arguments (Lightning 2.6); any other name is a TypeError in Lightning.
+_DS_ARGUMENTS = frozenset((
+    "accelerator", "allgather_bucket_size", "allgather_partitions", "block_size", "cluster_environment", "config",
+    "contiguous_gradients", "contiguous_memory_optimization", "cpu_checkpointing", "exclude_frozen_parameters",
+    "hysteresis", "initial_scale_power", "load_full_weights", "logging_batch_size_per_gpu", "logging_level",
+    "loss_scale", "loss_scale_window", "max_in_cpu", "min_loss_scale", "nvme_path", "offload_optimizer",
+    "offload_optimizer_device", "offload_parameters", "offload_params_device", "optimizer_buffer_count",
+    "overlap_comm", "overlap_events", "parallel_devices", "params_buffer_count", "params_buffer_size",
+    "partition_activations", "pin_memory", "precision_plugin", "process_group_backend", "queue_depth",
+    "reduce_bucket_size", "reduce_scatter", "remote_device", "single_submit", "stage", "sub_group_size",
+    "synchronize_checkpoint_boundary", "thread_count", "timeout", "zero_allow_untested_optimizer",
+    "zero_optimization"))  # fmt: skip
+#: Arguments Lightning copies into the DeepSpeed config unchecked: DeepSpeed's reader judges them (as here the
+#: deepspeed dialect does), not a type of Lightning's.
+_PASSED_TO_DEEPSPEED = frozenset((*_ZERO_KEYS, *_CHECKPOINTING, "zero_allow_untested_optimizer", "pin_memory",
+                                  "nvme_path", "offload_optimizer_device", "offload_params_device"))  # fmt: skip
+#: The fp16 loss-scaling arguments, which Lightning puts in the config's fp16 section under 16-bit precision.
+_LOSS_SCALING = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
 _PRECISION = {"16-mixed": "fp16", "16": "fp16", "16-true": "fp16", "bf16-mixed": "bf16", "bf16": "bf16",
               "bf16-true": "bf16", "32-true": "fp32", "32": "fp32", "64-true": None, "64": None}  # fmt: skip
 
@@ -145,6 +163,8 @@ def _unused_arguments(args: dict, a: dict, used: set[str], notes: list[Note]) ->
         elif key in _STRATEGY_ONLY or key in _OFFLOAD_TUNING:
             notes.append(Note(f"DeepSpeedStrategy.{key}", None, value, Fidelity.IGNORED, _STRATEGY_ONLY.get(
                 key, "an offload I/O tuning value; memory and speed, not results")))  # fmt: skip
+        elif key in ("cluster_environment", "parallel_devices", "precision_plugin"):
+            notes.append(Note(f"DeepSpeedStrategy.{key}", None, value, Fidelity.IGNORED, "how Lightning runs"))
 
 
 def _fsdp_kwargs(args: dict, notes: list[Note]) -> tuple[dict, dict[str, str]]:
@@ -178,9 +198,33 @@ def _fsdp_kwargs(args: dict, notes: list[Note]) -> tuple[dict, dict[str, str]]:
     return out, origin
 
 
+def _deepspeed_arguments(args: Any) -> None:
+    """DeepSpeedStrategy's own refusals: an argument it does not have (a TypeError in Lightning), and a ``config``
+    that is neither a mapping nor None (Lightning reads a text as the path of a JSON file)."""
+    if not isinstance(args, dict):
+        return
+    import difflib
+
+    problems = [Problem(f"DeepSpeedStrategy.{k}", args[k], "DeepSpeedStrategy has no such argument" + (
+        f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(str(k), _DS_ARGUMENTS, 1)) else ""))
+        for k in args if k not in _DS_ARGUMENTS]  # fmt: skip
+    config = args.get("config")
+    if config is not None and not isinstance(config, dict):
+        problems.append(Problem("DeepSpeedStrategy.config", config, "Lightning reads a text here as the path of a "
+                                "DeepSpeed JSON file and then ignores the other arguments: translate that file "
+                                "itself (the deepspeed dialect), or give the config as a mapping"))  # fmt: skip
+    if problems:
+        raise ConfigError(problems, source=NAME)
+
+
 def _strategy(raw: Any) -> str:
     """The one strategy section of the mapping (a ConfigError naming what is wrong otherwise)."""
-    problems = schemas.check(raw, NAME)
+    checked = raw
+    if isinstance(raw, dict) and isinstance(raw.get("DeepSpeedStrategy"), dict):
+        _deepspeed_arguments(raw["DeepSpeedStrategy"])
+        checked = {**raw, "DeepSpeedStrategy": {k: v for k, v in raw["DeepSpeedStrategy"].items()
+                                                if k not in _PASSED_TO_DEEPSPEED and v is not None}}  # fmt: skip
+    problems = schemas.check(checked, NAME)
     if problems:
         raise ConfigError(problems, source=NAME)
     strategies = [k for k in STRATEGIES if isinstance(raw, dict) and isinstance(raw.get(k), dict)]
@@ -195,13 +239,40 @@ def _strategy(raw: Any) -> str:
     return strategies[0]
 
 
+def _not_given(args: dict, notes: list[Note]) -> dict:
+    """DeepSpeedStrategy's arguments without the nulls Lightning treats as its default (a switch it tests for truth,
+    a config it builds itself); the nulls it copies into the DeepSpeed config stay, for DeepSpeed's reader."""
+    out = {}
+    for key, value in args.items():
+        if value is None and key not in _PASSED_TO_DEEPSPEED:
+            notes.append(Note(f"DeepSpeedStrategy.{key}", None, None, Fidelity.IGNORED, "null: Lightning's default "
+                              f"{_DS_DEFAULTS.get(key)!r} applies" if key in _DS_DEFAULTS else "null: not given"))
+            continue
+        out[key] = value
+    return out
+
+
 def _read_deepspeed(args: dict, precision: str | None, precision_key: str, notes: list[Note]):
     """The config DeepSpeedStrategy hands DeepSpeed, read by the deepspeed dialect: (translation, origins, prefix)."""
+    args = _not_given(args, notes)
     config, origin = _deepspeed_config(args, notes)
     if precision in ("fp16", "bf16") and precision not in config:  # as Lightning adds it
         config[precision] = {"enabled": True}
         origin[f"{precision}.enabled"] = precision_key
-    return deepspeed.read(config), origin, "DeepSpeedStrategy.config." if "config" in args else "DeepSpeedStrategy."
+        if precision == "fp16":  # with the loss scaling given to the strategy
+            for key in (k for k in _LOSS_SCALING if k in args):
+                config["fp16"][key] = args[key]
+                origin[f"fp16.{key}"] = f"DeepSpeedStrategy.{key}"
+    for key in (k for k in _LOSS_SCALING if k in args and f"fp16.{k}" not in origin):
+        notes.append(Note(f"DeepSpeedStrategy.{key}", None, args[key], Fidelity.IGNORED, "fp16 loss scaling: "
+                          "Lightning uses it only under 16-bit (fp16) precision"))  # fmt: skip
+    prefix = "DeepSpeedStrategy.config." if "config" in args else "DeepSpeedStrategy."
+    try:
+        inner = deepspeed.read(config)
+    except ConfigError as exc:  # named by the argument that gave the key
+        raise ConfigError([replace(p, path=origin.get(p.path, prefix + p.path)) for p in exc.problems],
+                          source=NAME) from None  # fmt: skip
+    return inner, origin, prefix
 
 
 def _read_fsdp(args: dict, precision: str | None, precision_key: str, notes: list[Note]):

@@ -837,3 +837,300 @@ def test_torchtune_reader_agrees_with_omegaconf_and_instantiate(tune_load, tmp_p
              if not (c[2] == "as text" and c[3][0] == "optimizer")]
     found = disagreements("torchtune", cases, framework, TORCHTUNE_DELIBERATE)
     assert not found["disagree"], _report(found)
+
+
+# ---- horovodrun's argument parser ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def horovodrun(horovod_config_parser) -> types.SimpleNamespace:
+    """horovodrun's ``parse_args`` (horovod/runner/launch.py of the 0.28.1 sdist, its argument actions and its call of
+    the config parser), loaded without the rest of Horovod: the functions are taken from the file as they are and run
+    against the standard library, PyYAML and the config parser above; ``horovod.__version__`` and the LSF probe are
+    the only stand-ins (not on LSF: ``-np`` required)."""
+    import argparse
+    import ast
+    import sys
+    import warnings
+
+    import yaml
+
+    with tarfile.open(HOROVOD_SDIST) as sdist:
+        source = sdist.extractfile("horovod-0.28.1/horovod/runner/launch.py").read().decode("utf-8")
+    tree = ast.parse(source)
+    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)
+                 and (node.name.startswith("make_") or node.name == "parse_args")]  # fmt: skip
+    built: list = []
+
+    class Parser(argparse.ArgumentParser):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    namespace = {"argparse": types.SimpleNamespace(**{**vars(argparse), "ArgumentParser": Parser}),
+                 "warnings": warnings, "yaml": yaml, "os": os, "sys": sys, "textwrap": None,
+                 "horovod": types.SimpleNamespace(__version__="0.28.1"),
+                 "lsf": types.SimpleNamespace(LSFUtils=types.SimpleNamespace(using_lsf=lambda: False)),
+                 "config_parser": horovod_config_parser, "check_build": lambda verbose: None}  # fmt: skip
+    exec(compile(ast.Module(body=functions, type_ignores=[]), "launch.py", "exec"), namespace)  # noqa: S102
+
+    def parse(argv: list[str]):
+        """``horovodrun argv...`` parsed: the arguments, or the error text (argparse exits with status 2)."""
+        import contextlib
+        import io
+
+        saved, sys.argv = sys.argv, ["horovodrun", *argv]
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return namespace["parse_args"]()
+        except SystemExit:
+            return "argparse: " + err.getvalue().strip().splitlines()[-1]
+        except Exception as exc:  # noqa: BLE001 - validate_config_args's ValueError
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            sys.argv = saved
+
+    with tarfile.open(HOROVOD_SDIST) as sdist:
+        source = sdist.extractfile("horovod-0.28.1/horovod/runner/common/util/hosts.py").read().decode("utf-8")
+    hosts = {"re": __import__("re")}
+    exec(compile(ast.Module(body=[n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and  # noqa: S102
+                                  n.name == "parse_hosts_and_slots"], type_ignores=[]), "hosts.py", "exec"), hosts)
+    parse(["-np", "1"])
+    return types.SimpleNamespace(parse=parse, actions=built[-1]._actions, hosts=hosts["parse_hosts_and_slots"])
+
+
+def _horovodrun_argv(section: dict, actions: list) -> list[str] | str:
+    """The command line that gives ``section`` (horovodrun's argument dests and their values), option by option from
+    horovodrun's own parser; a refusal text where no command line can give it."""
+    import shlex
+
+    argv: list[str] = [] if section.get("num_proc") is not None else ["-np", "1"]  # a count given elsewhere
+    for dest, value in section.items():
+        if dest == "command":
+            continue
+        options = [a for a in actions if a.dest == dest and a.option_strings]
+        if not options:
+            return f"unknown: horovodrun has no argument {dest!r}"
+        if value is None:
+            continue  # not given
+        switches = [a for a in options if a.nargs == 0]
+        if switches:
+            if not isinstance(value, bool):
+                return f"switch: {dest} takes no value on the command line (true or false only)"
+            chosen = next((a for a in switches if a.const is value), None)
+            if chosen is not None:
+                argv.append(chosen.option_strings[-1])
+            continue
+        action = options[0]
+        many = action.nargs == 2 or dest == "nics"
+        if isinstance(value, (list, tuple, set, dict)) != many:
+            return f"shape: a command line gives {dest} {'a list' if many else 'one word'}"
+        values = value if many else [value]
+        if action.nargs == 2:
+            argv += [action.option_strings[-1], *map(str, values)]
+        else:
+            for one in values:
+                argv += [action.option_strings[-1], str(one)]
+    command = section.get("command") or ["python", "train.py"]
+    return argv + ["--", *(shlex.split(command) if isinstance(command, str) else map(str, command))]
+
+
+def _horovodrun_section_verdict(section: dict, horovodrun: types.SimpleNamespace) -> bool | str:
+    if not isinstance(section, dict):
+        return "not a mapping"
+    argv = _horovodrun_argv(section, horovodrun.actions)
+    if isinstance(argv, str):
+        return argv
+    parsed = horovodrun.parse(argv)
+    if isinstance(parsed, str):
+        return parsed
+    if not parsed.host_discovery_script and not parsed.hostfile:  # _run: the hosts, or localhost:<num_proc>
+        try:
+            horovodrun.hosts(parsed.hosts or f"localhost:{parsed.num_proc}")
+        except ValueError as exc:
+            return f"hosts: {exc}"
+    return True
+
+
+def _horovodrun_sections(horovodrun: types.SimpleNamespace) -> list[tuple[str, dict]]:
+    """The horovodrun command lines of the launch corpus, as horovodrun parses them: the arguments they set."""
+    import shlex
+
+    lines = json.loads((CORPUS / "launch" / "script_lines.json").read_text())
+    lines += json.loads((CORPUS / "launch" / "lines.json").read_text())
+    out = []
+    for line in lines:
+        words = shlex.split(line["command"]) if line["command"].startswith("horovodrun ") else []
+        parsed = horovodrun.parse(words[1:]) if words else None
+        if parsed is None or isinstance(parsed, str):
+            continue
+        section = {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(parsed).items()
+                   if v not in (None, False, []) and k not in ("run_func", "executable", "check_build")}  # fmt: skip
+        out.append((line.get("id", words[2] if len(words) > 2 else "line"), section))
+    return out
+
+
+#: Where torsh refuses a horovodrun argument value that horovodrun's parser accepts, on purpose.
+HOROVODRUN_DELIBERATE: dict[str, Callable[..., bool]] = {
+    # argparse takes any integer; without hosts horovodrun then refuses it (localhost:<n>), with a host discovery
+    # script the elastic driver waits for a count of processes that never comes. torsh names the key.
+    "a process count below 1": lambda original, kind, path, *_: kind == "out of range" and path[-1] in (
+        "num_proc", "min_num_proc", "max_num_proc", "slots"),
+    # "auto" is the deferred value of every torsh reader: a program of that name is not taken for the command.
+    "\"auto\" as the training command": lambda original, kind, path, *_: kind == "auto" and path[-1] == "command",
+}
+
+
+def test_horovod_reader_agrees_with_horovodruns_argument_parser(horovodrun, tmp_path):
+    seeds = _horovodrun_sections(horovodrun)
+    assert len(seeds) >= 10
+    files = []
+    for i, (name, section) in enumerate(seeds):
+        path = tmp_path / f"{i:02d}_{name}.json"
+        path.write_text(json.dumps({"horovodrun": section}))
+        files.append(path)
+    framework = lambda data: _horovodrun_section_verdict(data.get("horovodrun"), horovodrun)  # noqa: E731
+    found = disagreements("horovod", inputs(files, MUTATIONS, framework, keys=lambda p: len(p) > 1),
+                          framework, HOROVODRUN_DELIBERATE)  # fmt: skip
+    assert len(found["agree"]) > len(seeds), found
+    assert not found["disagree"], _report(found)
+
+
+# ---- Lightning's strategy constructors -----------------------------------------------------------------------------
+
+LIGHTNING_STRATEGIES = ("DeepSpeedStrategy", "FSDPStrategy")
+
+
+def _lightning_classes(value: Any) -> Any:
+    """A class set written as code in the file (``"{Block}"``) as the classes the script would pass."""
+    import re
+
+    import torch
+
+    if isinstance(value, str) and re.fullmatch(r"\{\s*[\w.]+(\s*,\s*[\w.]+)*\s*,?\s*\}", value):
+        return {type(name.strip().rsplit(".", 1)[-1], (torch.nn.Module,), {}) for name in value.strip("{} ").split(",")
+                if name.strip()}  # fmt: skip
+    return value
+
+
+def _lightning_verdict(data: dict) -> bool | str:
+    """Lightning 2.6's own checks on the call: the Trainer/Fabric precision (its precision parser), the strategy's
+    constructor, then what the strategy hands on at setup: DeepSpeedStrategy's config (with the micro batch and the
+    precision section Lightning adds) to DeepSpeedConfig, FSDPStrategy's keyword arguments to FSDP1's constructor."""
+    import inspect
+    import warnings
+
+    from lightning.fabric.connector import _convert_precision_to_unified_args
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    strategies = [k for k in LIGHTNING_STRATEGIES if k in data]
+    if len(strategies) != 1 or set(data) - {strategies[0], "Trainer", "Fabric"}:
+        return "not one strategy call"
+    name, args = strategies[0], data[strategies[0]]
+    if not isinstance(args, dict):
+        return "the strategy's arguments are not keyword arguments"
+    precision = None
+    for section in ("Trainer", "Fabric"):
+        launch = data.get(section)
+        if launch is None:
+            continue
+        if not isinstance(launch, dict):
+            return f"{section}: not keyword arguments"
+        if "precision" in launch:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    precision = _convert_precision_to_unified_args(launch["precision"])
+            except (ValueError, TypeError) as exc:
+                return f"precision: {exc}"
+    kwargs = {k: _lightning_classes(v) for k, v in args.items()}
+    try:
+        if name == "DeepSpeedStrategy":
+            strategy = DeepSpeedStrategy(**kwargs)
+            config = copy.deepcopy(strategy.config)
+            config.setdefault("train_micro_batch_size_per_gpu", kwargs.get("logging_batch_size_per_gpu", "auto")
+                              if kwargs.get("logging_batch_size_per_gpu", "auto") != "auto" else 1)  # fmt: skip
+            if precision in ("16-mixed", "bf16-mixed", "16-true", "bf16-true") and "fp16" not in config and \
+                    "bf16" not in config:  # fmt: skip
+                config["bf16" if precision.startswith("bf16") else "fp16"] = {"enabled": True}
+            from deepspeed.runtime.config import DeepSpeedConfig
+
+            DeepSpeedConfig(config)
+        else:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            strategy = FSDPStrategy(**kwargs)
+            inspect.signature(FullyShardedDataParallel.__init__).bind(None, None, **strategy.kwargs)
+    except Exception as exc:  # noqa: BLE001 - Lightning's and DeepSpeed's checks raise all kinds
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return True
+
+
+#: Where torsh refuses what Lightning accepts, on purpose: a whole DeepSpeed config given to DeepSpeedStrategy is
+#: judged as the deepspeed dialect judges it (DEEPSPEED_DELIBERATE, on the key inside the config).
+_LIGHTNING_TO_CONFIG = {
+    **{k: ("zero_optimization", k) for k in ("stage", "contiguous_gradients", "overlap_comm", "allgather_partitions",
+                                             "reduce_scatter", "allgather_bucket_size", "reduce_bucket_size",
+                                             "sub_group_size")},
+    **{k: ("activation_checkpointing", k) for k in ("partition_activations", "cpu_checkpointing",
+                                                    "contiguous_memory_optimization",
+                                                    "synchronize_checkpoint_boundary")},
+    "zero_allow_untested_optimizer": ("zero_allow_untested_optimizer",),
+    "offload_optimizer_device": ("zero_optimization", "offload_optimizer", "device"),
+    "offload_params_device": ("zero_optimization", "offload_param", "device"),
+    "pin_memory": ("zero_optimization", "offload_optimizer", "pin_memory"),
+    "nvme_path": ("zero_optimization", "offload_optimizer", "nvme_path"),
+}  # fmt: skip
+
+
+def _config_path(path: tuple) -> tuple | None:
+    """Where a DeepSpeedStrategy argument lands in the DeepSpeed config Lightning builds (None: not in it)."""
+    if path[:2] == ("DeepSpeedStrategy", "config") and len(path) > 2:
+        return path[2:]
+    return _LIGHTNING_TO_CONFIG.get(path[1]) if path[:1] == ("DeepSpeedStrategy",) and len(path) == 2 else None
+
+
+#: Where torsh refuses what Lightning accepts, on purpose. What DeepSpeedStrategy puts in the DeepSpeed config is
+#: judged as the deepspeed dialect judges it (DEEPSPEED_DELIBERATE, on the key of the config it lands on).
+LIGHTNING_DELIBERATE: dict[str, Callable[..., bool]] = {
+    **{f"in the DeepSpeed config: {why}": (lambda rule: lambda original, kind, path, *rest: _config_path(path) is
+                                           not None and rule(original, kind, _config_path(path), *rest))(rule)
+       for why, rule in DEEPSPEED_DELIBERATE.items()},
+    # `if offload_optimizer:`: the text "false" (or "off", a list [False]) turns the offload on. torsh asks for a
+    # boolean rather than translate that.
+    "text, a list or \"auto\" for a DeepSpeedStrategy switch Lightning only tests for truth":
+        lambda original, kind, path, *_: isinstance(original, bool) and kind in ("as text", "yaml boolean", "auto",
+                                                                                 "wrong type"),
+}  # fmt: skip
+
+
+def test_lightning_reader_agrees_with_lightnings_strategy_constructors(deepspeed_ready):
+    pytest.importorskip("lightning", reason="Lightning is installed by requirements-dev.txt")
+    files = sorted((CORPUS / "lightning").glob("*.json"))
+    cases = inputs(files, MUTATIONS * 2, _lightning_verdict, keys=lambda path: path[0] in LIGHTNING_STRATEGIES)
+    found = disagreements("lightning", cases, _lightning_verdict, LIGHTNING_DELIBERATE)
+    assert len(found["agree"]) > len(files), found
+    assert not found["disagree"], _report(found)
+
+
+def test_lightning_deepspeedstrategy_disagreements_found_are_fixed():
+    """What the comparison with Lightning found: an argument DeepSpeedStrategy does not have is refused (Lightning:
+    TypeError), a config given as text is refused (Lightning reads a file of that path); a null is Lightning's
+    default; numbers written as text reach DeepSpeed's reader as Lightning hands them on; the fp16 loss-scaling
+    arguments go into the fp16 section under 16-bit precision (they were dropped without a note)."""
+    with pytest.raises(ConfigError, match="did you mean 'reduce_bucket_size'"):
+        adapters.read({"DeepSpeedStrategy": {"reduce_bucket_sizes": 5}}, "lightning")
+    with pytest.raises(ConfigError, match="DeepSpeedStrategy.config"):
+        adapters.read({"DeepSpeedStrategy": {"config": "ds_config.json"}}, "lightning")
+    t = adapters.read({"DeepSpeedStrategy": {"offload_optimizer": None, "config": None, "stage": "3"}}, "lightning")
+    assert t.result.sharding.stage == 3 and t.result.offload.optimizer == "none"
+    t = adapters.read({"Trainer": {"precision": "16-mixed"}, "DeepSpeedStrategy": {"loss_scale_window": 500,
+                                                                                     "initial_scale_power": 12}},
+                      "lightning")  # fmt: skip
+    scaled = {n.source_path for n in t.notes if not n.lossy}
+    assert {"DeepSpeedStrategy.loss_scale_window", "DeepSpeedStrategy.initial_scale_power"} <= scaled
+    t = adapters.read({"DeepSpeedStrategy": {"loss_scale_window": 500}}, "lightning")
+    (note,) = [n for n in t.notes if n.source_path == "DeepSpeedStrategy.loss_scale_window"]
+    assert note.fidelity is Fidelity.IGNORED and "fp16" in note.reason

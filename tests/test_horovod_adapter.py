@@ -293,3 +293,15 @@ def test_the_map_shows_where_each_spelling_of_a_tunable_goes():
             rule = horovod.FIELD_MAP[key]
             assert (rule.form, rule.to, rule.tunable) == (form, t.core, t), key
     assert horovod.FIELD_MAP["env.HOROVOD_FUSION_THRESHOLD"].to == "communication.fusion_threshold_bytes"
+
+
+def test_horovodrun_section_numbers_as_text_and_nulls_as_horovodruns_parser_reads_them():
+    """horovodrun's argparse converts each word by the option's type (``--cycle-time-ms 2.5``) and leaves a flag
+    not given at None: a number written as text is that number, a null is the flag not given (a note says so)."""
+    t = adapters.read({"horovodrun": {"num_proc": "4", "cycle_time_ms": "2.5", "fusion_threshold_mb": None}},
+                      "horovod")  # fmt: skip
+    assert t.result.launch.world_size == 4 and t.result.communication.cycle_time_ms == 2.5
+    (note,) = [n for n in t.notes if n.source_path == "horovodrun.fusion_threshold_mb"]
+    assert note.fidelity is Fidelity.IGNORED and "not given" in note.reason
+    with pytest.raises(ConfigError, match="horovodrun.num_proc"):
+        adapters.read({"horovodrun": {"num_proc": "four"}}, "horovod")

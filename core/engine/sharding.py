@@ -112,6 +112,8 @@ def keep_ties_in_one_unit(model: nn.Module, targets: list[nn.Module]) -> list[nn
     for module in model.modules():
         for p in module.parameters(recurse=False):
             owners.setdefault(id(p), []).append(module)
+        for p in getattr(module, "_external_params", {}).values():  # deepspeed.zero.register_external_parameter
+            owners.setdefault(id(p), []).append(module)
     tied = [mods for mods in owners.values() if len(mods) > 1]
     if not tied:
         return targets

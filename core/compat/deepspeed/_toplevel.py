@@ -47,8 +47,15 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     assert model is not None, "deepspeed.initialize requires a model (pass model=your nn.Module)"
 
-    from .runtime.config import InvalidConfig
+    from .runtime.config import InvalidConfig, check_gradient_allreduce_op
+    from .runtime.zero.partition_parameters import check_before_initialize
 
+    source = config if config is not None else config_params
+    if source is None:
+        source = getattr(args, "deepspeed_config", None)
+    if source is not None:
+        check_gradient_allreduce_op(source)  # DeepSpeed's engine refuses these when it reads the config
+    check_before_initialize(model)
     try:
         result = torsh_initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                   training_data=training_data, lr_scheduler=lr_scheduler,

@@ -48,7 +48,10 @@ def _is_avg(op) -> bool:
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500, verbose=True,
                      timeout=datetime.timedelta(minutes=30), init_method=None, dist_init_required=None, config=None,
                      rank=-1, world_size=-1):  # fmt: skip
-    """Start the default process group unless one exists (NCCL with a GPU, gloo on CPU)."""
+    """Start the default process group unless one exists (NCCL with a GPU, gloo on CPU). A process group the script
+    started itself is used as it is, whatever the environment says (DeepSpeed returns before looking at it)."""
+    if dist.is_available() and dist.is_initialized():
+        return
     _init_distributed(dist_backend=dist_backend, distributed_port=distributed_port, timeout=timeout,
                       init_method=init_method, dist_init_required=dist_init_required)  # fmt: skip
 

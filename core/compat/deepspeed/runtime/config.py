@@ -111,6 +111,34 @@ def get_gradient_allreduce_op(param_dict):
     return value
 
 
+def _check_allreduce_op(op: str, stage, zenflow: bool, deepcompile: bool) -> None:
+    """DeepSpeed's refusals of ``gradient_allreduce_op: "sum"`` (its config's error check), same messages."""
+    if op == GRADIENT_ALLREDUCE_OP_SUM:
+        if stage == 3:
+            raise ValueError(f"{GRADIENT_ALLREDUCE_OP}='sum' is not supported with ZeRO stage 3")
+        if zenflow:
+            raise ValueError(f"{GRADIENT_ALLREDUCE_OP}='sum' is not supported with ZenFlow")
+        if deepcompile:
+            raise ValueError(f"{GRADIENT_ALLREDUCE_OP}='sum' is not supported with DeepCompile")
+
+
+def check_gradient_allreduce_op(config) -> None:
+    """What DeepSpeed's engine refuses about ``gradient_allreduce_op`` when it reads ``config`` (a dict, a JSON
+    path or a base64 string): an unknown operation, and ``"sum"`` at ZeRO-3, with ZenFlow or with DeepCompile
+    (``ValueError``, DeepSpeed's messages). Other problems are left to the config's full reading."""
+    try:
+        d = config if isinstance(config, dict) else _read(config)
+    except Exception:  # noqa: BLE001 - an unreadable config is reported by the reader that reads it whole
+        return
+    if not isinstance(d, dict):
+        return
+    op = get_gradient_allreduce_op(d)
+    zero = d.get("zero_optimization") if isinstance(d.get("zero_optimization"), dict) else {}
+    compile_ = d.get("compile") if isinstance(d.get("compile"), dict) else {}
+    stage = 3 if str(zero.get("stage")) == "3" else zero.get("stage")
+    _check_allreduce_op(op, stage, zero.get("zenflow") is not None, bool(compile_.get("deepcompile")))
+
+
 def get_prescale_gradients(param_dict):
     return get_scalar_param(param_dict, "prescale_gradients", False)
 
@@ -315,6 +343,11 @@ class DeepSpeedConfig:
         self.use_node_local_storage = checkpoint.get("use_node_local_storage", False)
         self.dataloader_drop_last = get_dataloader_drop_last(d)
         self.log_level = get_log_level(d)
+        data_types = d.get("data_types") if isinstance(d.get("data_types"), dict) else {}
+        # as given ("bf16"/"fp16"/"fp32" or None), as DeepSpeed keeps them
+        self.grad_accum_dtype = data_types.get("grad_accum_dtype")
+        self.param_dtype = data_types.get("param_dtype")
+        self.buffer_dtype = data_types.get("buffer_dtype")
         self.compile_deepcompile = bool(d.get("compile", {}).get("deepcompile", False))
         self.eigenvalue_enabled = bool(d.get("eigenvalue", {}).get("enabled", False))
         self.eigenvalue_verbose = bool(d.get("eigenvalue", {}).get("verbose", False))
@@ -355,13 +388,8 @@ class DeepSpeedConfig:
         self._batch_assertion()
 
     def _do_error_check(self) -> None:
-        if self.gradient_allreduce_op == GRADIENT_ALLREDUCE_OP_SUM:
-            if self.zero_optimization_stage == 3:
-                raise ValueError(f"{GRADIENT_ALLREDUCE_OP}='sum' is not supported with ZeRO stage 3")
-            if self.zero_config.zenflow is not None:
-                raise ValueError(f"{GRADIENT_ALLREDUCE_OP}='sum' is not supported with ZenFlow")
-            if self.compile_deepcompile:
-                raise ValueError(f"{GRADIENT_ALLREDUCE_OP}='sum' is not supported with DeepCompile")
+        _check_allreduce_op(self.gradient_allreduce_op, self.zero_optimization_stage,
+                            self.zero_config.zenflow is not None, self.compile_deepcompile)  # fmt: skip
 
     def print(self, name) -> None:
         from ..utils import logger

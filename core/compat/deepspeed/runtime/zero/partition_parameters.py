@@ -13,6 +13,7 @@ left alone, as DeepSpeed leaves parameters ZeRO did not partition.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable
 from enum import Enum
 
@@ -65,39 +66,119 @@ _original_register_parameter = nn.Module.register_parameter
 def _marking_register_parameter(self, name, param):
     if param is not None:
         setattr(param, _ZERO_INIT_MARK, True)
+        _built.append(weakref.ref(param))
     return _original_register_parameter(self, name, param)
 
 
-#: Said once per process, when a model was first built under ``zero.Init`` (the difference is documented here).
-CONSTRUCTION_DIFFERENCE = (
-    "deepspeed.zero.Init on torsh builds the model with whole parameters (they are sharded at initialize), so two "
-    "things differ from DeepSpeed, whose parameters are already partitioned (empty) when the module's constructor "
-    "returns: (1) initialisation applied after construction takes effect here and is lost under DeepSpeed - for a "
-    "transformers model built from a config (from_config, --model_type), _init_weights initialises every weight, "
-    "as it does without ZeRO-3, while DeepSpeed keeps the constructors' defaults (nn.Embedding N(0, 1)): the initial "
-    "weights and the loss curve differ; (2) that initialisation (also of resized or missing weights after "
-    "from_pretrained/resize_token_embeddings) draws from torch's random generator, which DeepSpeed's does not: "
-    "reseed after building the model (transformers.set_seed) for the same dropout and data order in both")
-_construction_warned = False
+#: A parameter built under ``zero.Init`` and partitioned, under DeepSpeed, when its module's constructor returned:
+#: the fingerprint of its value at that point, and how to name it.
+_SEAL = "_torsh_zero_init_seal"
+_built: list = []  # weak references to the parameters marked in the current outermost context
+_registration_hook = None
 
 
-def _warn_construction_difference() -> None:
-    global _construction_warned
-    if _construction_warned:
-        return
-    _construction_warned = True
+def _fingerprint(p) -> tuple[str, str] | None:
+    """Two sums of the value, as text (a parameter left uninitialised by ``torch.empty`` may hold NaN)."""
+    try:
+        t = p.detach()
+        if t.is_meta:
+            return None
+        return (repr(float(t.sum(dtype=torch.float64))), repr(float(t.abs().sum(dtype=torch.float64))))
+    except Exception:  # noqa: BLE001 - a parameter that cannot be summed is not checked
+        return None
+
+
+def _seal(p, label: str) -> None:
+    """Remember ``p``'s value where DeepSpeed would partition it (its module's constructor has returned)."""
+    p.__dict__[_SEAL] = (_fingerprint(p), label)
+
+
+def _seal_module(module: nn.Module, *, recurse: bool = True) -> None:
+    for name, p in module.named_parameters(recurse=recurse):
+        if getattr(p, _ZERO_INIT_MARK, False) and _SEAL not in p.__dict__:
+            owner = type(module).__name__ if "." not in name else name.rsplit(".", 1)[0]
+            _seal(p, f"{owner}.{name.rsplit('.', 1)[-1]} {list(p.shape)}")
+
+
+def _on_child_registered(parent, name, child):  # torch's global module registration hook
+    if isinstance(child, nn.Module) and _init_depth > 0:
+        _seal_module(child)  # assigned to its parent: the child's constructor has returned
+
+
+def changed_after_construction(params) -> list:
+    """The parameters among ``params`` whose value changed since DeepSpeed would have partitioned them (their
+    module's constructor returned under ``zero.Init``), outside ``GatheredParameters(..., modifier_rank=r)``."""
+    out = []
+    for p in params:
+        seal = p.__dict__.get(_SEAL) if isinstance(p, torch.Tensor) else None
+        if seal is not None and seal[0] is not None and _fingerprint(p) != seal[0]:
+            out.append(p)
+    return out
+
+
+def _difference(what: str, names: list[str]) -> str:
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (f"{what}: {len(names)} parameter(s) built under deepspeed.zero.Init changed after their module's "
+            f"constructor returned, outside deepspeed.zero.GatheredParameters(..., modifier_rank=...): {shown}. "
+            "Under DeepSpeed such parameters are already partitioned (empty) at that point: the change does nothing "
+            "there and draws nothing from torch's random generator, so the model you train (and the random stream "
+            "after it: dropout, data order) differs from DeepSpeed's. torsh keeps the change. For DeepSpeed's "
+            "model, drop that change (the constructors' own initialisation is what DeepSpeed keeps); to have it "
+            "under both engines, make it inside deepspeed.zero.GatheredParameters(params, modifier_rank=0), as "
+            "transformers >= 5 does for a model built from a config")  # fmt: skip
+
+
+def _warn(message: str) -> None:
     import logging
 
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    if rank == 0:
-        logging.getLogger("torsh.compat").warning(CONSTRUCTION_DIFFERENCE)
+    logging.getLogger("torsh.compat").warning(message)
+
+
+def check_before_initialize(model) -> None:
+    """Called by ``deepspeed.initialize``: say which parameters built under ``zero.Init`` were changed after
+    construction (where DeepSpeed would have discarded the change), then forget the seals."""
+    if model is None:
+        return
+    named = [(n, p) for n, p in model.named_parameters() if _SEAL in p.__dict__]
+    if not named:
+        return
+    changed = {id(p) for p in changed_after_construction([p for _, p in named])}
+    if changed:
+        _warn(_difference("deepspeed.initialize", [n for n, p in named if id(p) in changed]))
+    for _, p in named:
+        p.__dict__.pop(_SEAL, None)
+
+
+def _contradicting_single_rank_group(explicit_group) -> str | None:
+    """DeepSpeed's guard: a world group of one process while the launcher started several."""
+    if explicit_group is not None or not dist.is_initialized() or dist.get_world_size() != 1:
+        return None
+    import os
+
+    try:
+        launched = int(os.environ.get("WORLD_SIZE", "0") or "0")
+    except ValueError:
+        return None
+    if launched <= 1:
+        return None
+    return (f"zero.Init resolved a process group of world_size=1, but the launcher environment reports "
+            f"WORLD_SIZE={launched}. A single-rank process group was likely initialized before zero.Init ran. "
+            "Parameters would not be partitioned across the launched processes: call deepspeed.init_distributed() "
+            "before building the model under zero.Init, or pass data_parallel_group= if one rank is intended.")
 
 
 class Init:
     """DeepSpeed's ZeRO-3 construction context: here the model is built normally and sharded at ``initialize``.
 
-    Every argument of DeepSpeed 0.19.8 is accepted. ``module=`` (converting a built model) and ``enabled=False``
-    change nothing. Usable as a context manager or a decorator.
+    Every argument of DeepSpeed 0.19.8 is accepted. As DeepSpeed's, it starts ``torch.distributed``
+    (:func:`deepspeed.init_distributed`) when it is not started yet, and ``config_dict_or_path`` is checked as
+    DeepSpeed checks it. ``module=`` (converting a built model) and ``enabled=False`` change nothing. Usable as a
+    context manager or a decorator.
+
+    DeepSpeed partitions each parameter when its module's constructor returns; a change made to it after that
+    point, outside ``GatheredParameters(..., modifier_rank=r)``, is lost under DeepSpeed and kept here. Such
+    changes are detected (at the end of the outermost context and at ``initialize``) and logged as a warning
+    naming the parameters, the difference, and how to get the same model under both engines.
     """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
@@ -105,28 +186,61 @@ class Init:
                  zero_param_parallel_group=None, zero_quantized_weights=False,
                  zero_quantized_nontrainable_weights=False, sequence_data_parallel_group=None, param_swapper=None,
                  tensor_overrides=None):  # fmt: skip
+        if config is not None:
+            config_dict_or_path = config
+        if config_dict_or_path is not None:
+            from ..config import check_gradient_allreduce_op
+
+            check_gradient_allreduce_op(config_dict_or_path)  # DeepSpeed reads (and checks) the config here
+        if not dist.is_initialized():
+            from ...comm import init_distributed
+
+            init_distributed()
+        if sequence_data_parallel_group is not None and data_parallel_group is not None:
+            raise ValueError("Both 'data_parallel_group' and 'sequence_data_parallel_group' were specified. Please "
+                             "provide only one of these arguments.")  # fmt: skip
+        problem = _contradicting_single_rank_group(data_parallel_group or sequence_data_parallel_group)
+        if problem:
+            raise RuntimeError(problem)
         self.enabled = enabled
         if module is not None and enabled:
             for p in module.parameters():
                 setattr(p, _ZERO_INIT_MARK, True)
+            _seal_module(module)  # DeepSpeed partitions a built module at once
 
     def __enter__(self):
-        global _init_depth
+        global _init_depth, _registration_hook
         if self.enabled:
             with _init_lock:
                 _init_depth += 1
-                nn.Module.register_parameter = _marking_register_parameter
+                if _init_depth == 1:
+                    nn.Module.register_parameter = _marking_register_parameter
+                    _registration_hook = torch.nn.modules.module.register_module_module_registration_hook(
+                        _on_child_registered)
         return self
 
     def __exit__(self, *exc):
-        global _init_depth
+        global _init_depth, _registration_hook
         if self.enabled:
             with _init_lock:
                 _init_depth -= 1
                 if _init_depth == 0:
                     nn.Module.register_parameter = _original_register_parameter
-                    _warn_construction_difference()
+                    _registration_hook.remove()
+                    _registration_hook = None
+                    built, _built[:] = [r() for r in _built], []
+                    self._check([p for p in built if p is not None], failed=exc[0] is not None)
         return False
+
+    @staticmethod
+    def _check(built: list, *, failed: bool) -> None:
+        sealed = [p for p in built if _SEAL in p.__dict__]
+        changed = {id(p) for p in changed_after_construction(sealed)}
+        if changed and not failed:
+            _warn(_difference("deepspeed.zero.Init", [p.__dict__[_SEAL][1] for p in sealed if id(p) in changed]))
+        for p in built:  # the rest (the outermost modules' own parameters) are partitioned on leaving
+            if id(p) in changed or _SEAL not in p.__dict__:
+                _seal(p, p.__dict__.get(_SEAL, (None, f"parameter {list(p.shape)}"))[1])
 
     def __call__(self, fn):
         def wrapped(*args, **kwargs):
@@ -218,9 +332,12 @@ class GatheredParameters:
         try:
             if self._sharded and self.modifier_rank is not None:
                 self._write_back()
-            if self._built_in_init and self.modifier_rank is not None and _multi_process():
+            if self._built_in_init and self.modifier_rank is not None:
                 for p in self._built_in_init:
-                    dist.broadcast(p.data, src=self.modifier_rank)
+                    if _multi_process():
+                        dist.broadcast(p.data, src=self.modifier_rank)
+                    if _SEAL in p.__dict__:  # written back, as DeepSpeed does: the new value is the partitioned one
+                        _seal(p, p.__dict__[_SEAL][1])
         finally:
             for p in self._sharded:
                 for module, name in self._owners.get(id(p), ()):
@@ -279,11 +396,24 @@ def _multi_process() -> bool:
 
 
 def register_external_parameter(module, parameter) -> None:
-    """DeepSpeed's hint that ``module``'s forward uses another module's parameter: nothing to do under FSDP2."""
+    """DeepSpeed's hint that ``module``'s forward uses another module's parameter (a tied projection): kept where
+    DeepSpeed keeps it (``module._external_params``), and read by the engine's unit planning at ZeRO-3 as a tie, so
+    that ``module`` and the parameter's owner are sharded in one FSDP2 unit (the parameter is whole in both
+    forwards)."""
+    if not isinstance(parameter, nn.Parameter):
+        raise RuntimeError("Parameter is not a torch.nn.Parameter")
+    if not hasattr(module, "_external_params"):
+        module._external_params = {}
+    module._external_params[id(parameter)] = parameter
 
 
 def unregister_external_parameter(module, parameter) -> None:
-    """See :func:`register_external_parameter`."""
+    """Forget a :func:`register_external_parameter` (before ``initialize``: the units are planned there)."""
+    if not isinstance(parameter, nn.Parameter):
+        raise RuntimeError("Parameter is not a torch.nn.Parameter")
+    if id(parameter) not in getattr(module, "_external_params", {}):
+        raise RuntimeError("Parameter is not a registered external parameter of module.")
+    del module._external_params[id(parameter)]
 
 
 def is_zero_param(parameter) -> bool:
