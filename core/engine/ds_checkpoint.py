@@ -401,7 +401,7 @@ def load_deepspeed_checkpoint(path: Path, *, model: Any, optimizer: Any, lr_sche
     Returns ``(model states file, client_state, engine_state)`` like DeepSpeed's ``load_checkpoint``: the
     client state is every entry of the model states that DeepSpeed does not consume itself.
     """
-    from .checkpoint import _on_every_rank, _torch_optimizer
+    from .checkpoint_state import _on_every_rank, _torch_optimizer
 
     optimizer = _torch_optimizer(optimizer) if load_optimizer_states and not load_module_only else None
     # every rank reads the files (a failure on one rank is raised on all, before any collective)
@@ -437,7 +437,7 @@ def load_deepspeed_checkpoint(path: Path, *, model: Any, optimizer: Any, lr_sche
 def _install(restored: _Restored, model: Any, optimizer: Any, *, strict: bool, file: Path) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-    from .checkpoint import _is_zero, _param_names, _zero_load, _zero_param_groups
+    from .checkpoint_state import _is_zero, _param_names, _zero_load, _zero_param_groups
 
     names = _param_names(model)
     ordered = list(names.values())

@@ -61,7 +61,7 @@ class Engine(nn.Module):
             for name in ("offload_states", "reload_states"):
                 if not hasattr(optimizer, name):
                     setattr(optimizer, name, _engine_method(self, name))
-            from .checkpoint import give_rank_state_dict
+            from .checkpoint_state import give_rank_state_dict
 
             give_rank_state_dict(optimizer)  # ZeRO-1: state_dict() without consolidation, as DeepSpeed's
         self.__dict__["lr_scheduler"] = lr_scheduler

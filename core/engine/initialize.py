@@ -8,27 +8,34 @@ steps in order, then the engine, which gets the plan's step policy.
 from __future__ import annotations
 
 import argparse
-import base64
-import json
 import logging
-import os
-from typing import Any
 
 import torch
 
 from torsh.config import TorshConfig
 from torsh.errors import ConfigError, Problem
 from torsh.plan import EnginePlan, plan
-from torsh.translate import Translation
 
 from .activations import apply_activation_checkpointing
 from .auto import log_resolved, resolve_auto
+from .config_io import (  # noqa: F401  (load_config, choose_config, read_config: torsh.engine.initialize's API)
+    build_loss_scaler,
+    build_scheduler,
+    check_local_rank,
+    choose_config,
+    config_as_dict,
+    is_optimizer,
+    load_config,
+    log_translation,
+    read_config,
+    setup_logging,
+    warn_not_executed,
+)
 from .data import build_dataloader
-from .distributed import DistInfo
 from .distributed import init_distributed as start_process_group
 from .engine import Engine
 from .monitor import Monitor
-from .rebuild import build_step_optimizer, named_groups, rebind_scheduler
+from .rebuild import build_step_optimizer, named_groups
 from .precision import apply_precision
 from .sharding import apply_sharding, sync_module_states
 from .units import with_deepspeed_buckets
@@ -69,15 +76,15 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     cfg = _with_tp_model_init(cfg, model)
     info = start_process_group(cfg.communication, dist_init_required=dist_init_required,
                                distributed_port=distributed_port)  # fmt: skip
-    _setup_logging(info.rank)
-    _check_local_rank(args, info)
-    _log_translation(translation, info.rank)
-    _warn_not_executed(cfg, info.rank)
+    setup_logging(info.rank)
+    check_local_rank(args, info)
+    log_translation(translation, info.rank)
+    warn_not_executed(cfg, info.rank)
 
     # "auto" needs the world size, the model, the passed optimizer and the data; the batch is split over the
     # data-parallel ranks, what tensor / pipeline / context parallelism leave of the world.
     dp_world = _data_parallel_size(cfg, info.world_size)
-    cfg, batch, resolved = resolve_auto(cfg, model=model, optimizer=optimizer if _is_optimizer(optimizer) else None,
+    cfg, batch, resolved = resolve_auto(cfg, model=model, optimizer=optimizer if is_optimizer(optimizer) else None,
                                         training_data=training_data, world_size=dp_world)  # fmt: skip
     log_resolved(resolved, info.rank)
     source = translation.source if translation is not None else None
@@ -114,8 +121,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         optimizer = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
                                          by_name=step_params, wrapper=decided.optimizer_wrapper,
                                          offload=decided.optimizer_on_cpu)  # fmt: skip
-    lr_scheduler = _build_scheduler(cfg, lr_scheduler, optimizer)
-    loss_scaler = _build_loss_scaler(cfg)
+    lr_scheduler = build_scheduler(cfg, lr_scheduler, optimizer)
+    loss_scaler = build_loss_scaler(cfg)
     dataloader = None
     if training_data is not None:
         dp_rank = decided.degrees.dp_rank(info.rank) if decided.degrees is not None else info.rank
@@ -155,72 +162,6 @@ def _data_parallel_size(cfg: TorshConfig, world_size: int) -> int:
     return world_size // model if world_size % model == 0 else world_size
 
 
-def load_config(args: Any, config: Any, config_params: Any) -> tuple[TorshConfig, Translation | None]:
-    """The config from ``config``, ``config_params`` or ``args.deepspeed_config`` (DeepSpeed's precedence),
-    and the translation that produced it (None for a TorshConfig)."""
-    return read_config(choose_config(args, config, config_params))
-
-
-def choose_config(args: Any, config: Any, config_params: Any) -> Any:
-    """What ``deepspeed.initialize`` would take as the config: ``config``, else ``config_params``, else
-    ``args.deepspeed_config`` (a dict, a path or a TorshConfig)."""
-    if config is None and config_params is not None:
-        config = config_params
-    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
-    if from_args is not None and config is not None:
-        raise ConfigError([Problem("config", "args.deepspeed_config and config", "give the config once: either "
-                                   "--deepspeed_config or the config argument")])  # fmt: skip
-    config = config if config is not None else from_args
-    if config is None:
-        raise ConfigError([Problem("config", None, "initialize needs a config: pass config=<dict, path or "
-                                   "TorshConfig> or --deepspeed_config PATH")])  # fmt: skip
-    return _decoded(config)
-
-
-def _decoded(config: Any) -> Any:
-    """DeepSpeed also takes the JSON as URL-safe base64 text (a string that is not a file): that is the dict; any
-    other string stays a path, whose absence the loader reports."""
-    if not isinstance(config, str) or os.path.exists(config):
-        return config
-    try:
-        decoded = json.loads(base64.urlsafe_b64decode(config.encode("ascii")).decode("utf-8"))
-    except (ValueError, UnicodeError):
-        return config
-    return decoded if isinstance(decoded, dict) else config
-
-
-def read_config(config: Any) -> tuple[TorshConfig, Translation | None]:
-    """The core model of a chosen config, and its translation (None for a TorshConfig)."""
-    if isinstance(config, TorshConfig):
-        return config, None
-    from torsh import adapters
-
-    translation = adapters.load(config)
-    return translation.result, translation
-
-
-def config_as_dict(config: Any) -> dict:
-    """``engine.config``: the config as a dict, as DeepSpeed's engine holds it (a path is the file's content; a
-    TorshConfig its JSON form)."""
-    if isinstance(config, TorshConfig):
-        return config.model_dump(mode="json")
-    if isinstance(config, dict):
-        return config
-    from torsh.formats import load_file
-
-    return load_file(config)[0]
-
-
-def _log_translation(translation: Translation | None, rank: int) -> None:
-    """The translation report, once on rank 0: the counts, and every key that is not carried exactly."""
-    if translation is None or rank != 0:
-        return
-    counts = ", ".join(f"{n} {k}" for k, n in translation.counts().items() if n)
-    log.info("config (%s): %s", translation.source, counts or "empty")
-    for note in translation.lossy:
-        log.warning("config: %s", note)
-
-
 def apply_compression(shard, cfg: TorshConfig, decided: EnginePlan) -> object | None:
     """Gradient compression on the data-parallel reduction: a DDP comm hook (stages 0/1). Under FSDP2 a fp16/bf16
     "compression" is the reduce dtype ``apply_precision`` set; the plan refused the other methods there."""
@@ -229,73 +170,6 @@ def apply_compression(shard, cfg: TorshConfig, decided: EnginePlan) -> object | 
     from . import compression
 
     return compression.apply_compression(shard.model, cfg.compression, process_group=None)
-
-
-def _build_scheduler(cfg: TorshConfig, client: Any, optimizer: Any) -> Any:
-    if optimizer is None:
-        return None  # DeepSpeed configures a scheduler only when there is an optimizer
-    if client is not None:
-        if hasattr(client, "step") and hasattr(client, "optimizer"):
-            return rebind_scheduler(client, optimizer)
-        return client(optimizer)
-    if cfg.scheduler is None:
-        return None
-    from .schedulers import build_scheduler
-
-    return build_scheduler(cfg.scheduler, optimizer)
-
-
-def _build_loss_scaler(cfg: TorshConfig) -> Any:
-    from .loss_scaler import build_loss_scaler
-
-    return build_loss_scaler(cfg.precision.loss_scaling)
-
-
-_OWN_EVENTS = ("the engine writes none of DeepSpeed's own Train/Samples events; engine.monitor.write_events writes "
-               "the script's")
-#: Settings the engine carries but does not act on (fully); each is named once at start-up (never silently dropped).
-NOT_EXECUTED = {
-    "monitoring.tensorboard.enabled": _OWN_EVENTS + " (with the tensorboard package installed)",
-    "monitoring.csv.enabled": _OWN_EVENTS,
-    "monitoring.wandb.enabled": "wandb logging is not provided by the torsh engine; the setting has no effect",
-    "monitoring.profiler.enabled": "the FLOPs profiler is not provided by the torsh engine; the setting has no effect",
-    "monitoring.wall_clock_breakdown": "the wall-clock breakdown is not provided by the torsh engine; the setting has "
-                                       "no effect",
-    "checkpoint.interval_steps": "periodic checkpoints are not provided by the torsh engine (call "
-                                 "engine.save_checkpoint); the setting has no effect",
-    "checkpoint.keep_last": "checkpoint rotation is not provided by the torsh engine; the setting has no effect",
-}  # fmt: skip
-
-
-def _warn_not_executed(cfg: TorshConfig, rank: int) -> None:
-    if rank != 0:
-        return
-    from torsh.config import get_path
-
-    for path, what in NOT_EXECUTED.items():
-        if get_path(cfg, path):
-            log.warning("%s is set: %s", path, what)
-
-
-def _is_optimizer(obj: Any) -> bool:
-    return isinstance(obj, torch.optim.Optimizer)
-
-
-def _check_local_rank(args: Any, info: DistInfo) -> None:
-    # DeepSpeed overwrites args.local_rank with the launcher's LOCAL_RANK.
-    if args is not None and hasattr(args, "local_rank"):
-        try:
-            args.local_rank = info.local_rank
-        except AttributeError:
-            pass
-
-
-def _setup_logging(rank: int) -> None:
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[torsh] %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -86,7 +86,7 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
     :class:`PipelineEngine`."""
     from torsh.plan import plan
 
-    from . import initialize as init
+    from . import config_io as init
     from .auto import log_resolved, resolve_auto
     from .distributed import init_distributed as start_process_group
     from .monitor import Monitor
@@ -100,13 +100,13 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
     cfg, translation = init.read_config(config)
     info = start_process_group(cfg.communication, dist_init_required=dist_init_required,
                                distributed_port=distributed_port)  # fmt: skip
-    init._setup_logging(info.rank)
-    init._check_local_rank(args, info)
-    init._log_translation(translation, info.rank)
-    init._warn_not_executed(cfg, info.rank)
+    init.setup_logging(info.rank)
+    init.check_local_rank(args, info)
+    init.log_translation(translation, info.rank)
+    init.warn_not_executed(cfg, info.rank)
     grid = model.mpu()
     dp = grid.get_data_parallel_world_size()
-    cfg, batch, resolved = resolve_auto(cfg, model=model, optimizer=optimizer if init._is_optimizer(optimizer)
+    cfg, batch, resolved = resolve_auto(cfg, model=model, optimizer=optimizer if init.is_optimizer(optimizer)
                                         else None, training_data=training_data, world_size=dp)  # fmt: skip
     log_resolved(resolved, info.rank)
     source = translation.source if translation is not None else None
@@ -128,7 +128,7 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
                                  by_name=step_params, wrapper=None, offload=decided.optimizer_on_cpu)  # fmt: skip
     if built is not None and cfg.sharding.stage == 1:
         built = _zero1(built, grid.get_data_parallel_group())
-    lr_scheduler = init._build_scheduler(cfg, lr_scheduler, built)
+    lr_scheduler = init.build_scheduler(cfg, lr_scheduler, built)
     shard = ShardPlan(model=model, module=model, kind="pipe")
     engine = PipelineEngine(config=init.config_as_dict(config), policy=decided.step,
                             monitor=Monitor(cfg.monitoring, info.rank), batch=batch, info=info, shard=shard,

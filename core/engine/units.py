@@ -381,7 +381,7 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, int]]] | None:
 
 def _plan_from_wrap(model: nn.Module, sharding: ShardingConfig, policy: str) -> UnitPlan:
     from .leaves import keep_leaves_whole
-    from .sharding import keep_ties_in_one_unit, wrap_targets  # the engine's own policies (imports torch)
+    from .wrap import keep_ties_in_one_unit, wrap_targets  # the engine's own policies (imports torch)
 
     from torsh.config import WrapPolicy
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported by the functions: torsh.engine.checkpoint imports this module without it
@@ -47,6 +48,18 @@ _INSTALLED = "_torsh_whole_params"
 _KEEP_WHOLE = "_torsh_keep_whole"  # on the root module, once make_whole has run: sharded_state gathers again
 _OWNED = "_torsh_fsdp_params"  # on a module: its parameter names -> their FSDP2 parameters
 _sharded_depth = 0  # > 0 inside sharded_state(): state dicts hold the shards (torsh's own checkpoint files)
+
+
+COMPUTE_DTYPE = "_torsh_compute_dtype"
+"""The dtype DeepSpeed's parameter would have (its module is cast to the compute dtype; torsh keeps fp32 shards)."""
+
+
+class ZeroParamStatus(Enum):
+    """Where a partitioned parameter's whole value is (DeepSpeed's enum, ``param.ds_status``)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
 
 
 def _groups(model: nn.Module) -> list[Any]:
@@ -126,8 +139,6 @@ def _show_gathered_hook(group: Any):
 
 
 def _mark_gathered(group: Any) -> None:
-    from .zero_params import COMPUTE_DTYPE, ZeroParamStatus
-
     for fsdp_param in group.fsdp_params:
         whole, shard = getattr(fsdp_param, "_unsharded_param", None), fsdp_param.sharded_param
         if whole is not None and hasattr(shard, "ds_id") and not hasattr(whole, "ds_id"):

@@ -10,27 +10,16 @@ carries them: at stage 3 as in DeepSpeed, and at stage 2 too, because torsh shar
 
 from __future__ import annotations
 
-from enum import Enum
-
 import torch
 from torch import nn
 
 from . import whole_params
+from .whole_params import COMPUTE_DTYPE, ZeroParamStatus  # noqa: F401  (DeepSpeed's names, used from here)
 
-COMPUTE_DTYPE = "_torsh_compute_dtype"
-"""The dtype DeepSpeed's parameter would have (its module is cast to the compute dtype; torsh keeps fp32 shards)."""
 PENDING_FP32 = "_torsh_pending_fp32"
 """A whole value ``deepspeed.utils.safe_set_full_fp32_param`` wrote for a parameter the optimizer steps directly:
 held until the next optimizer step updates from it, as DeepSpeed writes its fp32 partition, which the forward
 does not read until that step copies it into the weights."""
-
-
-class ZeroParamStatus(Enum):
-    """Where a partitioned parameter's whole value is (DeepSpeed's enum, ``param.ds_status``)."""
-
-    AVAILABLE = 1
-    NOT_AVAILABLE = 2
-    INFLIGHT = 3
 
 
 def mark_partitioned(model: nn.Module, compute_dtype: torch.dtype) -> None:
