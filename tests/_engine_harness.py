@@ -26,11 +26,18 @@ def free_port() -> int:
 
 def run(scenarios: list[dict], world_size: int = 2) -> list[dict[str, dict]]:
     """Run ``scenarios`` on ``world_size`` gloo ranks; returns, per rank, ``{scenario name: record}``."""
+    with tempfile.TemporaryDirectory() as out:
+        spawn(scenarios, world_size, out)
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def spawn(scenarios: list[dict], world_size: int, out: str, runner: Any = None) -> None:
+    """Start ``world_size`` gloo ranks that run each scenario with ``runner(rank, world_size, scenario)`` (a
+    module-level function; None: the harness's own scenario of the scenario's ``kind``) and write
+    ``out/rankR.json``; a scenario that raises is recorded as its error, and the ranks go on with the next."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(world_size, free_port(), scenarios, out), nprocs=world_size, join=True)
-        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]
+    mp.spawn(_worker, args=(world_size, free_port(), scenarios, out, runner), nprocs=world_size, join=True)
 
 
 def build_model(seed: int = 0):
@@ -131,9 +138,9 @@ def base_config(**overrides: Any) -> dict:
     return cfg
 
 
-def _worker(rank: int, world_size: int, port: int, scenarios: list[dict], out: str) -> None:
+def _worker(rank: int, world_size: int, port: int, scenarios: list[dict], out: str, runner: Any = None) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_PORT=str(port))  # fmt: skip
     import torch
     import torch.distributed as dist
 
@@ -143,7 +150,8 @@ def _worker(rank: int, world_size: int, port: int, scenarios: list[dict], out: s
     try:
         for scenario in scenarios:
             try:
-                results[scenario["name"]] = SCENARIOS[scenario.get("kind", "loop")](rank, world_size, scenario)
+                run_one = runner or SCENARIOS[scenario.get("kind", "loop")]
+                results[scenario["name"]] = run_one(rank, world_size, scenario)
             except Exception as exc:  # reported per scenario so one failure does not hide the others
                 results[scenario["name"]] = {"error": f"{type(exc).__name__}: {exc}",
                                              "traceback": traceback.format_exc()}  # fmt: skip
@@ -207,6 +215,20 @@ def loop(rank: int, world_size: int, scenario: dict) -> dict:
                                   if torch.is_tensor(v) and k != "step"})  # fmt: skip
     rec["loss_scale"] = engine.loss_scale()
     return rec
+
+
+def train(engine, rank: int, start: int, steps: int, micro: int | None = None) -> list[float]:
+    """``steps`` DeepSpeed-style steps from step ``start`` on this rank's batches (micro batch ``micro``, or the
+    engine's); the losses."""
+    micro = micro or engine.train_micro_batch_size_per_gpu()
+    losses = []
+    for step in range(start, start + steps):
+        x, y = batch(step, rank, micro)
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
 
 
 def _full_params(engine) -> dict:

@@ -31,14 +31,7 @@ _backend, ds_config = h.backend, h.ds_config
 
 
 def _train(engine, rank: int, start: int, steps: int) -> list[float]:
-    losses = []
-    for step in range(start, start + steps):
-        x, y = h.batch(step, rank, 2)
-        loss = h.lm_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return h.train(engine, rank, start, steps, micro=2)
 
 
 def _evaluate(engine, rank: int) -> float:

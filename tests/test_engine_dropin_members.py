@@ -18,14 +18,7 @@ TARGET = "test_engine_dropin_members:members"
 
 
 def _train(engine, rank: int, steps: int, start: int = 0) -> list[float]:
-    losses = []
-    for step in range(start, start + steps):
-        x, y = h.batch(step, rank, engine.train_micro_batch_size_per_gpu())
-        loss = h.lm_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return h.train(engine, rank, start, steps)
 
 
 def members(rank: int, world_size: int, scenario: dict) -> dict:

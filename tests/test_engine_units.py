@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
 
+import _one_process as one_process  # noqa: E402
 from torsh import adapters  # noqa: E402
 from torsh.config import DdpConfig, ShardingConfig, TorshConfig, WrapPolicy  # noqa: E402
 from torsh.engine import units as u  # noqa: E402
@@ -297,11 +298,10 @@ def test_a_unit_that_would_split_a_tied_weight_is_left_to_the_root():
 
 
 INITIALIZE_SCRIPT = """
-import json, os, socket, sys, traceback
 import torch, torsh
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torsh.engine.distributed import shutdown
+from _one_process import run_cases
 
 class Stack(nn.Module):
     def __init__(self):
@@ -329,17 +329,7 @@ def run(bucket, reuse):
     states = {id(m._get_fsdp_state()) for m in model.modules() if hasattr(m, "_get_fsdp_state")}
     return {"gathered": str(gathered), "states": len(states)}
 
-records = []
-for bucket, reuse in json.loads(sys.stdin.read()):
-    with socket.socket() as s:  # each case initialises its own process group, as a fresh process would
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    try:
-        records.append(run(bucket, reuse))
-    except Exception as exc:  # one case's failure is reported by its own test
-        records.append({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
-    shutdown()
-print(json.dumps(records))
+run_cases(run)
 """
 
 INITIALIZE_CASES = [
@@ -352,14 +342,9 @@ INITIALIZE_CASES = [
 @pytest.fixture(scope="module")
 def initialize_records() -> dict[tuple[int, int], dict]:
     """Every case of INITIALIZE_CASES through torsh.initialize in one process; ``{(bucket, reuse): record}``."""
-    import json
-
     cases = [(bucket, reuse) for bucket, _, reuse, _ in INITIALIZE_CASES]
     env = {"PATH": "/usr/bin:/bin", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", INITIALIZE_SCRIPT], input=json.dumps(cases), env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return dict(zip(cases, json.loads(proc.stdout.strip().splitlines()[-1])))
+    return dict(zip(cases, one_process.records(INITIALIZE_SCRIPT, cases, env=env, timeout=300)))
 
 
 @pytest.mark.slow

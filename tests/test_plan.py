@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import _one_process as one_process
 from torsh import plan
 from torsh.config import TorshConfig
 from torsh.errors import ConfigError
@@ -86,10 +87,9 @@ REDUCED_IN_BF16 = [
 ]  # fmt: skip
 
 CASES = """
-import json, os, socket, sys, traceback
 import torch, torsh
-from torsh.engine.distributed import shutdown
 from torsh.errors import ConfigError
+from _one_process import run_cases
 
 
 def refuse(config):
@@ -111,17 +111,7 @@ def runs(config):
     return {"reduce_dtype": str(policy.reduce_dtype), "param_dtype": str(policy.param_dtype)}
 
 
-records = []
-for kind, config in json.loads(sys.stdin.read()):
-    with socket.socket() as s:  # each case initialises its own process group, as a fresh process would
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    try:
-        records.append({"refuse": refuse, "runs": runs}[kind](config))
-    except Exception as exc:  # one case's failure is reported by its own test
-        records.append({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
-    shutdown()
-print(json.dumps(records))
+run_cases(lambda kind, config: {"refuse": refuse, "runs": runs}[kind](config))
 """
 
 
@@ -132,10 +122,7 @@ def initialize_records() -> dict[str, dict]:
     cases = [("refuse", config) for config, _ in REFUSED] + [("runs", config) for config in REDUCED_IN_BF16]
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("TORCHELASTIC_")}
-    proc = subprocess.run([sys.executable, "-c", CASES], input=json.dumps(cases), capture_output=True, text=True,
-                          env=env, timeout=240)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = json.loads(proc.stdout.strip().splitlines()[-1])
+    records = one_process.records(CASES, cases, env=env, timeout=240)
     return {_case(kind, config): record for (kind, config), record in zip(cases, records)}
 
 

@@ -34,14 +34,7 @@ def _groups(model):
 
 
 def _train(engine, rank: int, start: int, steps: int) -> list[float]:
-    losses = []
-    for step in range(start, start + steps):
-        x, y = h.batch(step, rank, 2)
-        loss = h.lm_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return h.train(engine, rank, start, steps, micro=2)
 
 
 def parity(rank: int, world_size: int, scenario: dict) -> dict:

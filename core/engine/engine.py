@@ -514,19 +514,24 @@ class Engine(nn.Module):
             return list(masters.masters.values())
         return [p for p in self.module.parameters()]
 
-    def _take_optimizer_step(self, lr_kwargs: dict | None) -> None:
-        masters = self._precision.masters
-        if masters is not None and not masters.accumulate_in_master:
-            masters.grads_to_master(accumulate=False)
+    def _params_to_step(self) -> list:
+        """The tensors the optimizer steps, each with a gradient: DeepSpeed steps a parameter forward did not use
+        with a zero gradient (Adam's moments and weight decay still move it); with None the torch optimizer would
+        skip it."""
         params = []
         for p in self._step_params():
             if p.grad is None:
                 if not p.requires_grad:
                     continue
-                # DeepSpeed steps a parameter forward did not use with a zero gradient (Adam's moments and weight
-                # decay still move it); with None the torch optimizer would skip it.
                 p.grad = torch.zeros_like(p)
             params.append(p)
+        return params
+
+    def _take_optimizer_step(self, lr_kwargs: dict | None) -> None:
+        masters = self._precision.masters
+        if masters is not None and not masters.accumulate_in_master:
+            masters.grads_to_master(accumulate=False)
+        params = self._params_to_step()
         inv_scale = 1.0 / float(self.loss_scaler.cur_scale) if self._scaling else 1.0
         part = self._shard.partition
         norm = (part.global_norm if part is not None else _global_norm)([p.grad for p in params]) * inv_scale

@@ -248,15 +248,7 @@ class PipelineEngine(Engine):
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """A new global batch through the number of micro-batches (the micro-batch size stays)."""
-        per = self.micro_batch_size * self.dp_world_size
-        if train_batch_size % per != 0:
-            raise ValueError(f"Train batch size must be divisible by micro-batch data parallelism: "
-                             f"{train_batch_size} is not a multiple of {self.micro_batch_size} x "
-                             f"{self.dp_world_size}")  # fmt: skip
-        from dataclasses import replace
-
-        self._batch = replace(self._batch, global_batch_size=train_batch_size,
-                              gradient_accumulation_steps=train_batch_size // per)  # fmt: skip
+        super().set_train_batch_size(train_batch_size)
         self.__dict__["micro_batches"] = self.gradient_accumulation_steps()
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -505,13 +497,7 @@ class PipelineEngine(Engine):
     def _optimizer_step(self) -> None:
         if self.optimizer is None:
             raise AssertionError("must provide optimizer during init in order to use backward")
-        params = []
-        for p in self._step_params():
-            if p.grad is None:
-                if not p.requires_grad:
-                    continue
-                p.grad = torch.zeros_like(p)
-            params.append(p)
+        params = self._params_to_step()
         needs_norm = self._clip > 0 or self.steps_per_print()
         norm = self._grad_norm(params) if needs_norm else None
         self._global_grad_norm = norm

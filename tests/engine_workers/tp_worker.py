@@ -12,10 +12,7 @@ between the final gathered weights and the reference's.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
-import traceback
 from pathlib import Path
 
 VOCAB, HIDDEN, HEADS, SEQ, MICRO = 32, 16, 4, 6, 2
@@ -150,36 +147,12 @@ def run_scenario(rank: int, world: int, scenario: dict) -> dict:
     return rec
 
 
-def _worker(rank: int, world: int, port: int, scenarios: list[dict], out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results: dict = {}
-    try:
-        for scenario in scenarios:
-            try:
-                results[scenario["name"]] = run_scenario(rank, world, scenario)
-            except Exception as exc:  # reported per scenario so one failure does not hide the others
-                results[scenario["name"]] = {"error": f"{type(exc).__name__}: {exc}",
-                                             "traceback": traceback.format_exc()}  # fmt: skip
-            dist.barrier()
-    finally:
-        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
-
-
 def main() -> None:
-    import torch.multiprocessing as mp
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests folder: the engine harness
+    import _engine_harness
 
     out, world, scenarios = sys.argv[1], int(sys.argv[2]), json.loads(Path(sys.argv[3]).read_text())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(world, port, scenarios, out), nprocs=world, join=True)
+    _engine_harness.spawn(scenarios, world, out, runner=run_scenario)
 
 
 if __name__ == "__main__":
