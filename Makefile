@@ -50,8 +50,12 @@ goldens: $(STAMP)
 ## per reader the inputs, crashes and hangs, keeps crashing inputs in tests/fixtures/fuzz_regressions/ (exit 1 if any).
 FUZZ_INPUTS ?= 100000
 FUZZ_TIMEOUT ?= 10
+## Then the readers against the frameworks' own parsers on DIFFERENTIAL_MUTATIONS mutated inputs per dialect (at most
+## as many as the corpus files give; make test runs 120).
+DIFFERENTIAL_MUTATIONS ?= 20000
 fuzz: $(STAMP)
 	$(PY) tests/fuzz_long.py --inputs $(FUZZ_INPUTS) --timeout $(FUZZ_TIMEOUT)
+	TORSH_DIFFERENTIAL_MUTATIONS=$(DIFFERENTIAL_MUTATIONS) $(PY) -m pytest -q -n $(TEST_WORKERS) tests/test_differential_readers.py
 
 ## The documentation site (mkdocs.yml, docs/) built into site/; --strict fails on any broken link or reference.
 docs: $(STAMP)
