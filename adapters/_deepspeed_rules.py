@@ -141,11 +141,14 @@ _TP_KEYS = {
 
 def _tensor_parallel(value: Any, ctx: ReadContext, path: str) -> None:
     tp = value.get("autotp_size", 0) if isinstance(value, Mapping) else 0
+    if tp == "auto":  # DeepSpeed's config models drop "auto" values: the default, 0 (no tensor parallelism)
+        tp = 0
     if not isinstance(tp, int) or isinstance(tp, bool):
         ctx.problem(f"{path}.autotp_size", tp, "DeepSpeed reads an integer here (<= 1: no tensor parallelism)")
         return
     if tp <= 1:
-        _status(ctx, path, value, Status(IGNORED, "no tensor parallelism (autotp_size <= 1); no effect", True))
+        _status(ctx, path, value, Status(IGNORED, "no tensor parallelism (autotp_size <= 1, or \"auto\", which "
+                                                 "DeepSpeed's config model reads as its default 0); no effect", True))
         return
     ctx.set("parallelism.tp", tp, f"{path}.autotp_size", APPROXIMATE, "DTensor tensor parallelism over groups of "
             "this many ranks, composed with FSDP2 on the data-parallel ranks; the default plan splits the Hugging "

@@ -361,6 +361,9 @@ def test_sizes_deepspeed_bounds_are_refused_naming_the_key_and_its_own_meanings_
     # autotp_size has no bound in DeepSpeed (int = 0); its engine runs AutoTP only when > 1, so <= 1 means "no TP"
     t = read({**BASE, "tensor_parallel": {"autotp_size": -3}})
     assert note(t, "tensor_parallel").fidelity is Fidelity.IGNORED
+    # "auto": DeepSpeed's config model drops it, so the default 0 (no TP), as DeepSpeedConfig accepts it
+    t = read({**BASE, "tensor_parallel": {"autotp_size": "auto"}})
+    assert note(t, "tensor_parallel").fidelity is Fidelity.IGNORED and t.result.parallelism.tp == 1
     # mics_shard_size: removed in 0.19.8 (DeepSpeedConfig raises on the key whatever its value, -1 included); a
     # file written for an older DeepSpeed still reads, with the key dropped and reported (--strict fails on it)
     for value in (-1, 4):
