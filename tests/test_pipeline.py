@@ -177,15 +177,16 @@ def test_pp4_with_fewer_micro_batches_than_stages_matches_deepspeed(runs):
 
 def test_parameter_partition_equals_deepspeeds():
     pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is installed by requirements-dev.txt")
-    from deepspeed.runtime.utils import partition_balanced
+    from deepspeed.runtime import utils as theirs
 
-    from torsh.compat.deepspeed.runtime.pipe.module import partition_balanced_spread
+    from torsh.compat.deepspeed.runtime import utils as ours
 
     rng = random.Random(0)
     for _ in range(500):
         weights = [rng.choice([0, 1, 2, 100, rng.randint(0, 1000)]) for _ in range(rng.randint(1, 10))]
         parts = rng.randint(1, 4)
-        assert partition_balanced_spread(weights, parts) == [int(b) for b in partition_balanced(weights, parts)]
+        assert ours.partition_balanced(weights, parts) == [int(b) for b in theirs.partition_balanced(weights, parts)]
+        assert ours.partition_uniform(len(weights), parts) == theirs.partition_uniform(len(weights), parts)
 
 
 def test_topology_numbers_ranks_as_deepspeeds():

@@ -84,36 +84,35 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
 
 
 def partition_balanced(weights, num_parts: int) -> list[int]:
-    """Boundaries (``num_parts + 1`` indices into ``weights``) of the split into ``num_parts`` contiguous parts
-    whose largest sum is the smallest possible, and among those the smallest sum the largest possible (parts may
-    be empty when there are fewer items than parts)."""
+    """Boundaries (``num_parts + 1`` indices into ``weights``) of DeepSpeed 0.19.8's split into contiguous parts
+    (``PipelineModule``'s "parameters" and "type:" partitions): the largest and smallest sums differ least; among
+    equal spreads the later cut wins. Fewer items than parts: a uniform split."""
     n = len(weights)
-    prefix = [0]
+    if n <= num_parts:
+        return partition_uniform(n, num_parts)
+    prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + w)
     inf = float("inf")
-    # worst[k][i]: the smallest possible largest sum splitting the first i items into k parts
-    worst = [[inf] * (n + 1) for _ in range(num_parts + 1)]
-    worst[0][0] = 0
-    for k in range(1, num_parts + 1):
-        for i in range(n + 1):
-            worst[k][i] = min(max(worst[k - 1][j], prefix[i] - prefix[j]) for j in range(i + 1))
-    bound = worst[num_parts][n]
-    # best[k][i]: under that bound, the largest possible smallest sum; cut[k][i] the start of the k-th part
-    best = [[-inf] * (n + 1) for _ in range(num_parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
-    best[0][0] = inf
-    for k in range(1, num_parts + 1):
-        for i in range(n + 1):
-            for j in range(i + 1):
-                part = prefix[i] - prefix[j]
-                if part <= bound and best[k - 1][j] > -inf:
-                    value = min(best[k - 1][j], part)
-                    if value > best[k][i]:
-                        best[k][i], cut[k][i] = value, j
+    # for i items in j parts: (spread, largest, smallest) of the chosen split, and where its last part starts
+    table: dict[tuple[int, int], tuple[float, float, float, int]] = {(0, 0): (0.0, 0.0, inf, 0)}
+    for i in range(1, n + 1):
+        for j in range(1, min(i, num_parts) + 1):
+            chosen = None
+            for k in range(j - 1, i):
+                before = table.get((k, j - 1))
+                if before is None:
+                    continue
+                part = prefix[i] - prefix[k]
+                largest, smallest = max(before[1], part), min(before[2], part)
+                spread = largest - smallest
+                if chosen is None or spread <= chosen[0]:
+                    chosen = (spread, largest, smallest, k)
+            if chosen is not None:
+                table[(i, j)] = chosen
     bounds = [n]
-    for k in range(num_parts, 0, -1):
-        bounds.append(cut[k][bounds[-1]])
+    for j in range(num_parts, 0, -1):
+        bounds.append(table[(bounds[-1], j)][3])
     return bounds[::-1]
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..activation_checkpointing import checkpointing
-from ..utils import call_to_str, partition_uniform, set_random_seed
+from ..utils import call_to_str, partition_balanced, partition_uniform, set_random_seed
 from .topology import PipeDataParallelTopology, PipelineParallelGrid
 
 log = logging.getLogger("torsh.engine")
@@ -180,10 +180,10 @@ class PipelineModule(nn.Module):
         if method == "uniform":
             self.parts = partition_uniform(self._num_layers, self.num_stages)
         elif method == "parameters":
-            self.parts = partition_balanced_spread(self._count_layer_params(), self.num_stages)
+            self.parts = partition_balanced(self._count_layer_params(), self.num_stages)
         elif method.startswith("type:"):
             matches = set(self._find_layer_type(method.split(":")[1]))
-            self.parts = partition_balanced_spread([int(i in matches) for i in range(self._num_layers)],
+            self.parts = partition_balanced([int(i in matches) for i in range(self._num_layers)],
                                                    self.num_stages)  # fmt: skip
         else:
             raise NotImplementedError(f"Partitioning method {method} not implemented.")
@@ -385,35 +385,3 @@ class PipelineModule(nn.Module):
                 raise FileNotFoundError(f"no checkpoint file for layer {i + self._local_start} in {load_dir}")
             layer.load_state_dict(torch.load(mine[0], map_location="cpu", weights_only=False), strict=strict)
         self._synchronize_tied_weights()
-
-
-def partition_balanced_spread(weights, num_parts: int) -> list[int]:
-    """The boundaries DeepSpeed 0.19.8 splits layers at by weight: contiguous parts whose largest and smallest
-    sums differ least; among equal spreads the later cut wins. Fewer items than parts: a uniform split."""
-    n = len(weights)
-    if n <= num_parts:
-        return partition_uniform(n, num_parts)
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    # for i items in j parts: (spread, largest, smallest) of the chosen split, and where its last part starts
-    table: dict[tuple[int, int], tuple[float, float, float, int]] = {(0, 0): (0.0, 0.0, inf, 0)}
-    for i in range(1, n + 1):
-        for j in range(1, min(i, num_parts) + 1):
-            chosen = None
-            for k in range(j - 1, i):
-                before = table.get((k, j - 1))
-                if before is None:
-                    continue
-                part = prefix[i] - prefix[k]
-                largest, smallest = max(before[1], part), min(before[2], part)
-                spread = largest - smallest
-                if chosen is None or spread <= chosen[0]:
-                    chosen = (spread, largest, smallest, k)
-            if chosen is not None:
-                table[(i, j)] = chosen
-    bounds = [n]
-    for j in range(num_parts, 0, -1):
-        bounds.append(table[(bounds[-1], j)][3])
-    return bounds[::-1]
