@@ -22,6 +22,7 @@ up with the model is a :class:`CheckpointError` naming the file.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
@@ -107,31 +108,45 @@ class _Layout:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        model: dict[int, Path] = {}
-        optim: dict[int, Path] = {}
+        found: dict[str, dict[int, Path]] = {"model": {}, "optim": {}}
         for file in path.iterdir():
-            match = _RANK_FILE.match(file.name)
-            if match:
-                if match.group(2) != "00":
-                    raise CheckpointError(f"{file} is part of a tensor- or pipeline-parallel DeepSpeed checkpoint "
-                                          f"(mp_rank {match.group(2)}); only data-parallel checkpoints can be loaded")
-                (model if match.group(3) == "model" else optim)[int(match.group(1))] = file
-            elif file.name.endswith("model_states.pt") and file.name != _MODEL_FILE:
-                raise CheckpointError(f"{file} is not a DeepSpeed data-parallel checkpoint file (pipeline or "
-                                      f"tensor-parallel checkpoints cannot be loaded)")  # fmt: skip
+            kind = _rank_file(file)
+            if kind is not None:
+                found[kind[0]][kind[1]] = file
+        optim, model = found["optim"], found["model"]
         self.optim_files = [optim[r] for r in sorted(optim)]
-        if sorted(optim) != list(range(len(optim))):
+        if not _ranks_complete(optim):
             raise CheckpointError(f"DeepSpeed checkpoint {path} is incomplete: optimizer files for ranks "
                                   f"{sorted(optim)} (expected 0..{len(optim) - 1})")  # fmt: skip
         if (path / _MODEL_FILE).is_file():
             self.model_files = [path / _MODEL_FILE]
-        elif model:
-            if sorted(model) != list(range(len(model))):
-                raise CheckpointError(f"DeepSpeed checkpoint {path} is incomplete: model files for ranks "
-                                      f"{sorted(model)}")  # fmt: skip
-            self.model_files = [model[r] for r in sorted(model)]
-        else:
+            return
+        if not model:
             raise CheckpointError(f"DeepSpeed checkpoint {path} has no {_MODEL_FILE}")
+        if not _ranks_complete(model):
+            raise CheckpointError(f"DeepSpeed checkpoint {path} is incomplete: model files for ranks "
+                                  f"{sorted(model)}")  # fmt: skip
+        self.model_files = [model[r] for r in sorted(model)]
+
+
+def _rank_file(file: Path) -> tuple[str, int] | None:
+    """``("model" | "optim", data-parallel rank)`` for a per-rank file of a data-parallel checkpoint, None for any
+    other file; the files of a tensor- or pipeline-parallel checkpoint are refused."""
+    match = _RANK_FILE.match(file.name)
+    if match:
+        if match.group(2) != "00":
+            raise CheckpointError(f"{file} is part of a tensor- or pipeline-parallel DeepSpeed checkpoint "
+                                  f"(mp_rank {match.group(2)}); only data-parallel checkpoints can be loaded")
+        return match.group(3), int(match.group(1))
+    if file.name.endswith("model_states.pt") and file.name != _MODEL_FILE:
+        raise CheckpointError(f"{file} is not a DeepSpeed data-parallel checkpoint file (pipeline or "
+                              f"tensor-parallel checkpoints cannot be loaded)")  # fmt: skip
+    return None
+
+
+def _ranks_complete(files: dict[int, Path]) -> bool:
+    """The ranks are 0..n-1 without a gap."""
+    return sorted(files) == list(range(len(files)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -184,20 +199,26 @@ def _per_param_state(flat_states: list[dict[str, Any]], split: Any, names: list[
                      ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Per-parameter optimizer state from per-rank states over flat partitions: tensors as long as the
     partition are cut like the weights, scalars (``step``) are given to every parameter."""
-    import torch
-
-    state: dict[str, dict[str, Any]] = {name: {} for name in names}
     if not flat_states or not flat_states[0]:
         return {}
-    for key, value in flat_states[0].items():
-        if torch.is_tensor(value) and value.dim() > 0:
-            pieces = split([s[key] for s in flat_states])
-            for name in names:
-                state[name][key] = pieces[name].clone()
-        else:
-            for name in names:
-                state[name][key] = value.clone() if torch.is_tensor(value) else value
+    state: dict[str, dict[str, Any]] = {name: {} for name in names}
+    for key in flat_states[0]:
+        for name, value in _one_key_per_param(flat_states, key, split, names).items():
+            state[name][key] = value
     return state
+
+
+def _one_key_per_param(flat_states: list[dict[str, Any]], key: str, split: Any, names: list[str]
+                       ) -> dict[str, Any]:  # fmt: skip
+    """One optimizer state entry for each parameter: a tensor over the flat partition cut like the weights, a
+    scalar copied to each."""
+    import torch
+
+    value = flat_states[0][key]
+    if torch.is_tensor(value) and value.dim() > 0:
+        pieces = split([s[key] for s in flat_states])
+        return {name: pieces[name].clone() for name in names}
+    return {name: value.clone() if torch.is_tensor(value) else value for name in names}
 
 
 class _Restored:
@@ -229,7 +250,15 @@ def _read(layout: _Layout, with_optimizer: bool) -> _Restored:
         if with_optimizer and optimizer is not None:
             _read_stage0_optimizer(optimizer, out, out.model_file)
         return out
+    _read_partitioned(layout, ms, out, with_optimizer)
+    _frozen(ms, layout, out)
+    _shared_params(ms, out)
+    return out
 
+
+def _read_partitioned(layout: _Layout, ms: dict[str, Any], out: _Restored, with_optimizer: bool) -> None:
+    """Stages 1-3: the fp32 masters and optimizer state from the per-rank optimizer files, by the stage's
+    reader."""
     shapes_by_group = _need(ms, "param_shapes", out.model_file)
     optim = [_need(_load(f), "optimizer_state_dict", f) for f in layout.optim_files]
     first = layout.optim_files[0]
@@ -239,21 +268,21 @@ def _read(layout: _Layout, with_optimizer: bool) -> _Restored:
     if count != len(optim):
         raise CheckpointError(f"DeepSpeed checkpoint {layout.path} was written by {count} ranks but has "
                               f"{len(optim)} optimizer files")  # fmt: skip
-    if stage in (1, 2):
-        _read_stage12(optim, shapes_by_group, out, with_optimizer, layout)
-    elif stage == 3:
-        _read_stage3(optim, shapes_by_group, out, with_optimizer, layout)
-    else:
+    reader = _STAGE_READERS.get(stage)
+    if reader is None:
         raise CheckpointError(f"{first}: unknown ZeRO stage {stage}")
+    reader(optim, shapes_by_group, out, with_optimizer, layout)
     scaler = optim[0].get("loss_scaler")
     if isinstance(scaler, _Saved) and getattr(scaler, "dynamic", False):
         out.loss_scaler = dict(scaler.__dict__)
-    _frozen(ms, layout, out)
-    for alias, source in (ms.get("shared_params") or {}).items():  # tied weights saved once
+
+
+def _shared_params(ms: dict[str, Any], out: _Restored) -> None:
+    """Tied weights DeepSpeed saved once (``shared_params``: alias -> source) get the source's value."""
+    for alias, source in (ms.get("shared_params") or {}).items():
         if source in out.weights:
             out.weights.setdefault(alias, out.weights[source])
             out.aliases.setdefault(alias, source)
-    return out
 
 
 def _tied_names(module: dict[str, Any]) -> dict[str, str]:
@@ -291,13 +320,27 @@ def _read_stage0_optimizer(optimizer: dict[str, Any], out: _Restored, file: Path
     inner = optimizer.get("optimizer_state_dict", optimizer)
     if "state" not in inner or "param_groups" not in inner:
         raise CheckpointError(f"{file}: the optimizer entry is not a torch optimizer state_dict")
-    order = [i for group in inner["param_groups"] for i in group["params"]]
-    group_of = {i: g for g, group in enumerate(inner["param_groups"]) for i in group["params"]}
-    out.stage0 = {"order": order, "state": inner["state"], "groups": inner["param_groups"], "group_of": group_of,
-                  "masters": [t for group in optimizer.get("fp32_groups") or [] for t in group]}  # fmt: skip
+    groups = inner["param_groups"]
+    out.stage0 = {"order": _flatten([group["params"] for group in groups]), "state": inner["state"],
+                  "groups": groups, "group_of": _group_of(groups),
+                  "masters": _flatten(optimizer.get("fp32_groups") or [])}  # fmt: skip
     if optimizer.get("dynamic_loss_scale"):
         out.loss_scaler = {k: optimizer[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter")
                            if k in optimizer}  # fmt: skip
+
+
+def _group_of(param_groups: list[dict[str, Any]]) -> dict[int, int]:
+    """Parameter index -> the position of its group, in the groups' order of parameters."""
+    return {i: g for g, group in enumerate(param_groups) for i in group["params"]}
+
+
+def _flatten(groups: list[list[Any]]) -> list[Any]:
+    return [t for group in groups for t in group]
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's hyper-parameters: everything but its parameters."""
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _read_stage12(optim: list[dict], shapes_by_group: list[dict], out: _Restored, with_optimizer: bool,
@@ -310,28 +353,29 @@ def _read_stage12(optim: list[dict], shapes_by_group: list[dict], out: _Restored
                               f"groups in {layout.model_files[0]}")  # fmt: skip
     for g, shapes in enumerate(shapes_by_group):
         where = f"{layout.path} (parameter group {g})"
-        pad = paddings[g] if paddings else None
-
-        def split(flats: list[Any], shapes: dict = shapes, pad: Any = pad, where: str = where) -> dict[str, Any]:
-            return _split_stage12(flats, shapes, pad, where)
-
+        split = functools.partial(_split_stage12, shapes=shapes, paddings=paddings[g] if paddings else None,
+                                  where=where)  # fmt: skip
         out.weights.update(split([p[g] for p in partitions]))
         if not with_optimizer:
             continue
-        base = [_need(o, "base_optimizer_state", first) for o in optim]
-        if isinstance(base[0], dict):  # a torch state_dict over the flat partition, one parameter per group
-            states = [b["state"].get(g, {}) for b in base]
-            hyper = {k: v for k, v in base[0]["param_groups"][g].items() if k != "params"}
-        else:  # elastic: a list of per-group states without padding, the step stored beside it
-            states = [dict(b[g]) for b in base]
-            step = optim[0].get("base_optimizer_state_step")
-            if step is not None:
-                for s in states:
-                    s.setdefault("step", step)
-            hyper = {}
+        states, hyper = _stage12_group_state(optim, g, first)
         names = list(shapes)
         out.optim_state.update(_per_param_state(states, split, names, where))
         out.hyper.update({name: hyper for name in names})
+
+
+def _stage12_group_state(optim: list[dict], g: int, first: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Each rank's optimizer state over its partition of group ``g``, and the group's hyper-parameters."""
+    base = [_need(o, "base_optimizer_state", first) for o in optim]
+    if isinstance(base[0], dict):  # a torch state_dict over the flat partition, one parameter per group
+        return [b["state"].get(g, {}) for b in base], _hyper(base[0]["param_groups"][g])
+    # elastic: a list of per-group states without padding, the step stored beside it
+    states = [dict(b[g]) for b in base]
+    step = optim[0].get("base_optimizer_state_step")
+    if step is not None:
+        for s in states:
+            s.setdefault("step", step)
+    return states, {}
 
 
 def _read_stage3(optim: list[dict], shapes_by_group: list[dict], out: _Restored, with_optimizer: bool,
@@ -342,35 +386,56 @@ def _read_stage3(optim: list[dict], shapes_by_group: list[dict], out: _Restored,
     shapes = {name: shape for group in shapes_by_group for name, shape in group.items()}
     flats_per_rank = [_need(o, "fp32_flat_groups", first) for o in optim]
     where = str(layout.path)
-    out.weights.update(_split_stage3([torch.cat([f.reshape(-1) for f in flats]) for flats in flats_per_rank],
-                                     shapes, where))  # fmt: skip
-    if not with_optimizer:
-        return
+    split = functools.partial(_split_stage3, shapes=shapes, where=where)
+    out.weights.update(split([torch.cat([f.reshape(-1) for f in flats]) for flats in flats_per_rank]))
+    if with_optimizer:
+        _read_stage3_optimizer(optim, flats_per_rank, shapes, split, out, first, where)
+
+
+def _read_stage3_optimizer(optim: list[dict], flats_per_rank: list[list[Any]], shapes: dict[str, Any], split: Any,
+                           out: _Restored, first: Path, where: str) -> None:  # fmt: skip
+    """Stage 3's optimizer state: per rank one state per sub-group, merged over the rank's flat partition and
+    cut like the weights; the hyper-parameters by sub-group."""
     inner = [_need(o, "optimizer_state_dict", first) for o in optim]
-    sub_sizes = [f.numel() for f in flats_per_rank[0]]
     keys = {k for s in inner[0]["state"].values() for k in s}
-    per_rank: list[dict[str, Any]] = []
-    for rank_sd, flats in zip(inner, flats_per_rank):
-        merged: dict[str, Any] = {}
-        for key in keys:
-            values = [rank_sd["state"].get(i, {}).get(key) for i in range(len(flats))]
-            if all(torch.is_tensor(v) and v.dim() > 0 for v in values):
-                merged[key] = torch.cat([v.reshape(-1) for v in values])
-            else:
-                merged[key] = values[0]
-        per_rank.append(merged)
-    out.optim_state.update(_per_param_state(per_rank, lambda f: _split_stage3(f, shapes, where), list(shapes),
-                                            where))  # fmt: skip
-    # each parameter takes the hyper-parameters of the sub-group its piece lies in
-    groups = inner[0].get("param_groups") or []
-    sub, consumed, world = 0, 0, len(optim)
+    per_rank = [_stage3_rank_state(rank_sd["state"], len(flats), keys)
+                for rank_sd, flats in zip(inner, flats_per_rank)]  # fmt: skip
+    out.optim_state.update(_per_param_state(per_rank, split, list(shapes), where))
+    sub_sizes = [f.numel() for f in flats_per_rank[0]]
+    out.hyper.update(_stage3_hyper(shapes, sub_sizes, inner[0].get("param_groups") or [], len(optim)))
+
+
+def _stage3_rank_state(state: dict[int, dict[str, Any]], sub_groups: int, keys: set[str]) -> dict[str, Any]:
+    """One rank's optimizer state over its whole flat partition: each tensor the concatenation of its
+    sub-groups' (a scalar such as ``step`` is the first sub-group's)."""
+    import torch
+
+    merged: dict[str, Any] = {}
+    for key in keys:
+        values = [state.get(i, {}).get(key) for i in range(sub_groups)]
+        if all(torch.is_tensor(v) and v.dim() > 0 for v in values):
+            merged[key] = torch.cat([v.reshape(-1) for v in values])
+        else:
+            merged[key] = values[0]
+    return merged
+
+
+def _stage3_hyper(shapes: dict[str, Any], sub_sizes: list[int], groups: list[dict[str, Any]], world: int
+                  ) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Each parameter takes the hyper-parameters of the sub-group its piece lies in."""
+    hyper = {}
+    sub, consumed = 0, 0
     for name, shape in shapes.items():
         while sub < len(sub_sizes) - 1 and consumed >= sub_sizes[sub]:
             consumed -= sub_sizes[sub]
             sub += 1
         if sub < len(groups):
-            out.hyper[name] = {k: v for k, v in groups[sub].items() if k != "params"}
+            hyper[name] = _hyper(groups[sub])
         consumed += math.ceil(_numel(shape) / world)
+    return hyper
+
+
+_STAGE_READERS = {1: _read_stage12, 2: _read_stage12, 3: _read_stage3}
 
 
 def _frozen(ms: dict[str, Any], layout: _Layout, out: _Restored) -> None:
@@ -408,61 +473,91 @@ def load_deepspeed_checkpoint(path: Path, *, model: Any, optimizer: Any, lr_sche
     restored = _on_every_rank(_read_checked, path, optimizer is not None)
     _install(restored, model, optimizer, strict=strict, file=restored.model_file)
     ms = restored.model_states
+    engine_state = None
     if not load_module_only:
-        if load_lr_scheduler_states and lr_scheduler is not None and ms.get("lr_scheduler") is not None:
-            try:
-                lr_scheduler.load_state_dict(ms["lr_scheduler"])
-            except Exception as exc:  # noqa: BLE001 - another scheduler than the one saved
-                raise CheckpointError(f"the lr_scheduler state in {restored.model_file} does not fit this job's "
-                                      f"scheduler {type(lr_scheduler).__name__}: {exc}") from None  # fmt: skip
-        if optimizer is not None and loss_scaler is not None and restored.loss_scaler:
-            current = loss_scaler.state_dict()
-            current.update({k: v for k, v in restored.loss_scaler.items() if k in current and v is not None})
-            loss_scaler.load_state_dict(current)
-    # client_state as DeepSpeed returns it: every entry it does not consume itself
+        _load_scheduler(restored, lr_scheduler if load_lr_scheduler_states else None)
+        _load_loss_scaler(restored, loss_scaler if optimizer is not None else None)
+        engine_state = {k: ms[k] for k in ("global_steps", "global_samples", "skipped_steps") if k in ms}
+    client_state = _client_state(restored, load_module_only=load_module_only,
+                                 load_lr_scheduler_states=load_lr_scheduler_states,
+                                 load_optimizer_states=load_optimizer_states,
+                                 optimizer_loaded=optimizer is not None)  # fmt: skip
+    return str(restored.model_file), client_state, engine_state
+
+
+def _load_scheduler(restored: _Restored, lr_scheduler: Any) -> None:
+    saved = restored.model_states.get("lr_scheduler")
+    if lr_scheduler is None or saved is None:
+        return
+    try:
+        lr_scheduler.load_state_dict(saved)
+    except Exception as exc:  # noqa: BLE001 - another scheduler than the one saved
+        raise CheckpointError(f"the lr_scheduler state in {restored.model_file} does not fit this job's "
+                              f"scheduler {type(lr_scheduler).__name__}: {exc}") from None  # fmt: skip
+
+
+def _load_loss_scaler(restored: _Restored, loss_scaler: Any) -> None:
+    """The saved dynamic loss scale, over the keys this job's scaler has (a key saved as None keeps its value)."""
+    if loss_scaler is None or not restored.loss_scaler:
+        return
+    current = loss_scaler.state_dict()
+    current.update({k: v for k, v in restored.loss_scaler.items() if k in current and v is not None})
+    loss_scaler.load_state_dict(current)
+
+
+def _client_state(restored: _Restored, *, load_module_only: bool, load_lr_scheduler_states: bool,
+                  load_optimizer_states: bool, optimizer_loaded: bool) -> dict[str, Any]:  # fmt: skip
+    """client_state as DeepSpeed returns it: every entry of the model states it does not consume itself."""
+    ms = restored.model_states
     excluded = {"module"} if load_module_only else set(_DEEPSPEED_KEYS)
     if load_lr_scheduler_states:
         excluded.add("lr_scheduler")
     if load_optimizer_states:
         excluded.add("optimizer")
     client_state = {k: v for k, v in ms.items() if k not in excluded}
-    if restored.stage0 is not None and optimizer is not None:
+    if restored.stage0 is not None and optimizer_loaded:
         client_state["optimizer"] = ms["optimizer"]  # DeepSpeed hands stage 0's optimizer state back too
-    engine_state = None
-    if not load_module_only:
-        engine_state = {k: ms[k] for k in ("global_steps", "global_samples", "skipped_steps") if k in ms}
-    return str(restored.model_file), client_state, engine_state
+    return client_state
 
 
 def _install(restored: _Restored, model: Any, optimizer: Any, *, strict: bool, file: Path) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    from .checkpoint_state import _is_zero, _param_names, _zero_load, _zero_param_groups
+    from .checkpoint_state import _param_names
 
     names = _param_names(model)
-    ordered = list(names.values())
     if restored.stage0 is not None and optimizer is not None:
-        _stage0_to_names(restored, ordered, file)
+        _stage0_to_names(restored, list(names.values()), file)
     weights = dict(restored.weights)
     _check_keys(model, weights, strict, file, restored.aliases)
     options = StateDictOptions(full_state_dict=True, strict=strict)
     try:
-        if optimizer is None:
-            set_model_state_dict(model, weights, options=options)
-            return
-        if _is_zero(optimizer):
-            set_model_state_dict(model, weights, options=options)
-            groups = _with_hyper(_zero_param_groups(optimizer, names), restored)
-            _zero_load(optimizer, names, {"state": restored.optim_state, "param_groups": groups})
-            return
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-                  for g in optimizer.param_groups]  # fmt: skip
-        osd = {"state": restored.optim_state, "param_groups": _with_hyper(groups, restored)}
-        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=osd, options=options)
+        _set_states(restored, model, optimizer, names, weights, options)
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - shapes or names that do not fit this model
         raise CheckpointError(f"the DeepSpeed checkpoint {file.parent} does not fit this model: {exc}") from None
+
+
+def _set_states(restored: _Restored, model: Any, optimizer: Any, names: dict[int, str], weights: dict[str, Any],
+                options: Any) -> None:  # fmt: skip
+    """The weights into the model and, with an optimizer, the state into it: a ZeRO optimizer by its own load,
+    a torch optimizer together with the model."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    from .checkpoint_state import _is_zero, _zero_load, _zero_param_groups
+
+    if optimizer is None:
+        set_model_state_dict(model, weights, options=options)
+        return
+    if _is_zero(optimizer):
+        set_model_state_dict(model, weights, options=options)
+        groups = _with_hyper(_zero_param_groups(optimizer, names), restored)
+        _zero_load(optimizer, names, {"state": restored.optim_state, "param_groups": groups})
+        return
+    groups = [{**_hyper(g), "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+    osd = {"state": restored.optim_state, "param_groups": _with_hyper(groups, restored)}
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=osd, options=options)
 
 
 def _check_keys(model: Any, weights: dict[str, Any], strict: bool, file: Path, aliases: dict[str, str]) -> None:
@@ -477,13 +572,19 @@ def _check_keys(model: Any, weights: dict[str, Any], strict: bool, file: Path, a
         del weights[alias]
     missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
     if strict and (missing or unexpected):
-        parts = [f"{label} {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
-                 for label, names in (("has no values for", missing), ("has values this model lacks:", unexpected))
-                 if names]  # fmt: skip
         raise CheckpointError(f"the DeepSpeed checkpoint {file.parent} does not fit this model: it "
-                              f"{' and '.join(parts)} (load_module_strict=False loads what matches)")  # fmt: skip
+                              f"{_mismatch(missing, unexpected)} (load_module_strict=False loads what "
+                              f"matches)")  # fmt: skip
     for name in unexpected:
         del weights[name]
+
+
+def _mismatch(missing: list[str], unexpected: list[str]) -> str:
+    """``has no values for a, b and has values this model lacks: c`` (up to 8 names each)."""
+    parts = [f"{label} {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+             for label, names in (("has no values for", missing), ("has values this model lacks:", unexpected))
+             if names]  # fmt: skip
+    return " and ".join(parts)
 
 
 def _stage0_to_names(restored: _Restored, ordered: list[str], file: Path) -> None:
@@ -495,20 +596,24 @@ def _stage0_to_names(restored: _Restored, ordered: list[str], file: Path) -> Non
                               f"{len(ordered)}; it was saved for another model or parameter grouping")  # fmt: skip
     for position, index in enumerate(info["order"]):
         name = ordered[position]
-        weight = restored.weights.get(name)
         if info["masters"]:
             restored.weights[name] = info["masters"][position]
-            weight = restored.weights[name]
-        # cloned: the optimizer keeps these tensors, which would otherwise stay views of the memory-mapped file
-        state = {k: v.clone() if hasattr(v, "clone") else v for k, v in info["state"].get(index, {}).items()}
-        for key, value in state.items():
-            if hasattr(value, "dim") and value.dim() > 0 and weight is not None and value.shape != weight.shape:
-                raise CheckpointError(f"{file}: optimizer state '{key}' of parameter #{index} has shape "
-                                      f"{tuple(value.shape)} but {name} is {tuple(weight.shape)}; the order of "
-                                      f"parameters differs from this model's")  # fmt: skip
+        state = _stage0_state(info["state"].get(index, {}), restored.weights.get(name), index, name, file)
         if state:
             restored.optim_state[name] = state
-        restored.hyper[name] = {k: v for k, v in info["groups"][info["group_of"][index]].items() if k != "params"}
+        restored.hyper[name] = _hyper(info["groups"][info["group_of"][index]])
+
+
+def _stage0_state(saved: dict[str, Any], weight: Any, index: int, name: str, file: Path) -> dict[str, Any]:
+    """One parameter's stage-0 optimizer state, cloned (the optimizer keeps these tensors, which would otherwise
+    stay views of the memory-mapped file), each tensor state checked against the parameter's shape."""
+    state = {k: v.clone() if hasattr(v, "clone") else v for k, v in saved.items()}
+    for key, value in state.items():
+        if hasattr(value, "dim") and value.dim() > 0 and weight is not None and value.shape != weight.shape:
+            raise CheckpointError(f"{file}: optimizer state '{key}' of parameter #{index} has shape "
+                                  f"{tuple(value.shape)} but {name} is {tuple(weight.shape)}; the order of "
+                                  f"parameters differs from this model's")  # fmt: skip
+    return state
 
 
 def _with_hyper(groups: list[dict[str, Any]], restored: _Restored) -> list[dict[str, Any]]:
