@@ -96,29 +96,52 @@ def bucket_settings(extensions: Mapping[str, Any], *, hidden_size: int | None = 
     kept = extensions.get("deepspeed", {}) or {}
     values, sources, problems = {}, {}, []
     for key, paths in _PATHS.items():
-        path = next((p for p in paths if p in kept), None)
-        default = DEEPSPEED_DEFAULTS[key]
-        if path is None:
-            values[key], sources[key] = default, f"DeepSpeed's default {default:.3g}"
-            continue
-        value = kept[path]
-        if value == "auto" or is_deferred(value):
-            if hidden_size and key in _HF_AUTO:
-                values[key] = int(_HF_AUTO[key] * hidden_size * hidden_size)
-                sources[key] = f"{path}=auto: {_HF_AUTO[key]:g} x hidden_size**2, hidden_size {hidden_size}"
-            else:
-                values[key], sources[key] = default, f"{path}=auto: DeepSpeed's default {default:.3g}"
-            continue
-        low = 0 if key in _ZERO_ALLOWED else 1  # DeepSpeed's bounds: 0 is no prefetch / no reuse for these
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
-            kind = "non-negative" if low == 0 else "positive"
-            problems.append(Problem(f"extensions.deepspeed.{path}", value, f"must be a {kind} number of elements "
-                                    f"(DeepSpeed's default is {default:.3g})"))  # fmt: skip
-            continue
-        values[key], sources[key] = int(value), f"{path}={value:.3g}"
+        read = _setting(key, paths, kept, hidden_size)
+        if isinstance(read, Problem):
+            problems.append(read)
+        else:
+            values[key], sources[key] = read
     if problems:
         raise ConfigError(problems)
     return BucketSettings(**values, sources=sources)
+
+
+def _setting(key: str, paths: tuple[str, ...], kept: Mapping[str, Any], hidden_size: int | None
+             ) -> tuple[int, str] | Problem:  # fmt: skip
+    """One setting in elements and where it came from (the first of its spellings that is present), or what is
+    wrong with its value."""
+    path = next((p for p in paths if p in kept), None)
+    default = DEEPSPEED_DEFAULTS[key]
+    if path is None:
+        return default, f"DeepSpeed's default {default:.3g}"
+    value = kept[path]
+    if value == "auto" or is_deferred(value):
+        return _auto_setting(key, path, hidden_size)
+    problem = _out_of_bounds(key, path, value)
+    if problem is not None:
+        return problem
+    return int(value), f"{path}={value:.3g}"
+
+
+def _out_of_bounds(key: str, path: str, value: Any) -> Problem | None:
+    """What is wrong with a value outside DeepSpeed's bounds for ``key`` (not a number, or below 1; below 0 for
+    the settings where 0 means no prefetch, no bucketing or no reuse)."""
+    low = 0 if key in _ZERO_ALLOWED else 1
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
+        kind = "non-negative" if low == 0 else "positive"
+        return Problem(f"extensions.deepspeed.{path}", value, f"must be a {kind} number of elements "
+                       f"(DeepSpeed's default is {DEEPSPEED_DEFAULTS[key]:.3g})")  # fmt: skip
+    return None
+
+
+def _auto_setting(key: str, path: str, hidden_size: int | None) -> tuple[int, str]:
+    """``"auto"`` (or a value deferred to the model) filled as the Hugging Face Trainer does when the hidden size
+    is known, else DeepSpeed's default."""
+    if hidden_size and key in _HF_AUTO:
+        return (int(_HF_AUTO[key] * hidden_size * hidden_size),
+                f"{path}=auto: {_HF_AUTO[key]:g} x hidden_size**2, hidden_size {hidden_size}")
+    default = DEEPSPEED_DEFAULTS[key]
+    return default, f"{path}=auto: DeepSpeed's default {default:.3g}"
 
 
 def unit_target(settings: BucketSettings, stage: int) -> tuple[int, str]:
@@ -274,16 +297,24 @@ def plan_units(model: nn.Module, sharding: ShardingConfig, extensions: Mapping[s
                       for name, size in blocks)  # fmt: skip
         summary = f"units (per_layer): each of the {len(blocks)} blocks of {container} is its own unit"
     else:
-        settings = bucket_settings(extensions, hidden_size=hidden_size)
-        target, target_why = unit_target(settings, sharding.stage)
-        cap, cap_why = unit_cap(settings, sharding.stage)
-        units = group_blocks(blocks, target, cap)
-        summary = (f"units (buckets): consecutive blocks of {container} grouped up to {_count(target)} parameters, "
-                   f"the smaller of DeepSpeed's reduce and gather buckets: {target_why}"
-                   + (f"; at most {_count(cap)} per unit, {cap_why}" if cap else ""))  # fmt: skip
-        if sharding.stage == 3 and sharding.reshard_after_forward is None:
-            units = reuse_within(units, total - sum(u.numel for u in units), settings)
+        units, summary = _bucket_units(container, blocks, total, sharding,
+                                       bucket_settings(extensions, hidden_size=hidden_size))  # fmt: skip
     return UnitPlan(policy, units, total - sum(u.numel for u in units), summary)
+
+
+def _bucket_units(container: str, blocks: list[tuple[str, int]], total: int, sharding: ShardingConfig,
+                  settings: BucketSettings) -> tuple[tuple[Unit, ...], str]:  # fmt: skip
+    """The ``"buckets"`` policy: the blocks grouped by :func:`group_blocks` and, at stage 3 without an explicit
+    ``reshard_after_forward``, those DeepSpeed reuses kept gathered (:func:`reuse_within`); and the summary."""
+    target, target_why = unit_target(settings, sharding.stage)
+    cap, cap_why = unit_cap(settings, sharding.stage)
+    units = group_blocks(blocks, target, cap)
+    summary = (f"units (buckets): consecutive blocks of {container} grouped up to {_count(target)} parameters, "
+               f"the smaller of DeepSpeed's reduce and gather buckets: {target_why}"
+               + (f"; at most {_count(cap)} per unit, {cap_why}" if cap else ""))  # fmt: skip
+    if sharding.stage == 3 and sharding.reshard_after_forward is None:
+        units = reuse_within(units, total - sum(u.numel for u in units), settings)
+    return units, summary
 
 
 def reuse_within(units: tuple[Unit, ...], root_numel: int, settings: BucketSettings) -> tuple[Unit, ...]:
@@ -345,6 +376,24 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, int]]] | None:
     ``encoder.layer`` ...), never one inside a ZeRO-3 leaf module (an MoE block's experts). Blocks sharing a
     parameter with modules outside them (tied weights) are left out: a shared parameter must stay in one unit, the
     root. None when the model has no such container."""
+    best = _largest_block_list(model)
+    if best is None:
+        return None
+    container, children = best
+    owners: dict[int, set[str]] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), set()).add(pname)
+    blocks = []
+    for child, block in children:
+        size = _numel(block.parameters())
+        if size and _owns_its_parameters(block, f"{container}.{child}.", owners):
+            blocks.append((f"{container}.{child}", size))
+    return (container, blocks) if blocks else None
+
+
+def _largest_block_list(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]] | None:
+    """The ``ModuleList`` or ``Sequential`` (not the model itself, not inside a ZeRO-3 leaf) of two or more
+    children of one class holding the most parameters: its name and its named children."""
     from torch import nn
 
     from .leaves import inside_leaves, z3_leaf_module
@@ -361,22 +410,12 @@ def find_blocks(model: nn.Module) -> tuple[str, list[tuple[str, int]]] | None:
         size = _numel(module.parameters())
         if size > best_size:
             best, best_size = (name, children), size
-    if best is None:
-        return None
-    container, children = best
-    owners: dict[int, set[str]] = {}
-    for pname, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), set()).add(pname)
-    blocks = []
-    for child, block in children:
-        prefix = f"{container}.{child}."
-        ids = {id(p) for p in block.parameters()}
-        if any(not all(n.startswith(prefix) for n in owners[i]) for i in ids):
-            continue
-        size = _numel(block.parameters())
-        if size:
-            blocks.append((f"{container}.{child}", size))
-    return (container, blocks) if blocks else None
+    return best
+
+
+def _owns_its_parameters(block: nn.Module, prefix: str, owners: dict[int, set[str]]) -> bool:
+    """No parameter of ``block`` is also held by a module outside it (a tied weight)."""
+    return all(all(n.startswith(prefix) for n in owners[id(p)]) for p in block.parameters())
 
 
 def _plan_from_wrap(model: nn.Module, sharding: ShardingConfig, policy: str) -> UnitPlan:
@@ -424,28 +463,41 @@ def describe_policy(cfg: TorshConfig, *, source: str | None = None, requested: s
     """What ``explain`` can say about units and buckets without the model: the policy and the sizes."""
     s = cfg.sharding
     if s.stage <= 1:
-        if isinstance(cfg.ddp.bucket_cap_mb, (int, float)):
-            mb, why = ddp_bucket_cap_mb(cfg.ddp, cfg.extensions, grad_bytes=grad_bytes(cfg), source=source)
-            return [f"DDP gradient buckets of {mb:.1f} MiB: {why}"]
-        return ["DDP gradient buckets: ddp.bucket_cap_mb=auto (hidden_size**2 elements, from the model)"]
+        return _describe_ddp(cfg, source)
     if s.stage == 2 and not s.hybrid_shard_size and cfg.parallelism.tp == 1:  # ZeRO-2 (.zero_partition): no FSDP2 units
-        if is_deepspeed_sized(cfg.extensions, source):
-            settings = bucket_settings(cfg.extensions)
-            return [f"ZeRO-2 gradient buckets of {settings.describe('reduce_bucket_size')}, parameters all-gathered "
-                    f"in buckets of {settings.describe('allgather_bucket_size')}"]
-        return [f"ZeRO-2 gradient and all-gather buckets of ddp.bucket_cap_mb={cfg.ddp.bucket_cap_mb} MiB"]
+        return _describe_zero2(cfg, source)
     policy = resolve_policy(s, source=source, extensions=cfg.extensions, requested=requested)
     if policy == "buckets":
-        settings = bucket_settings(cfg.extensions)
-        target, target_why = unit_target(settings, s.stage)
-        cap, cap_why = unit_cap(settings, s.stage)
-        line = (f"FSDP2 units: consecutive blocks grouped up to {_count(target)} parameters ({target_why})"
-                + (f", at most {_count(cap)} per unit ({cap_why})" if cap else ""))  # fmt: skip
-        if s.stage == 3 and s.reshard_after_forward is None:
-            return [line, "FSDP2 units whose parameters are used again within "
-                    f"{settings.describe('max_reuse_distance')} stay gathered from forward to backward, as DeepSpeed "
-                    "keeps them (a model smaller than half of it is never resharded after forward)"]
-        return [line]
+        return _describe_buckets(cfg)
     return [{"per_layer": "FSDP2 units: one per block (memory first)",
              "wrap": "FSDP2 units: as sharding.wrap says",
              "children": "FSDP2 units: each direct child holding parameters"}[policy]]
+
+
+def _describe_ddp(cfg: TorshConfig, source: str | None) -> list[str]:
+    if isinstance(cfg.ddp.bucket_cap_mb, (int, float)):
+        mb, why = ddp_bucket_cap_mb(cfg.ddp, cfg.extensions, grad_bytes=grad_bytes(cfg), source=source)
+        return [f"DDP gradient buckets of {mb:.1f} MiB: {why}"]
+    return ["DDP gradient buckets: ddp.bucket_cap_mb=auto (hidden_size**2 elements, from the model)"]
+
+
+def _describe_zero2(cfg: TorshConfig, source: str | None) -> list[str]:
+    if is_deepspeed_sized(cfg.extensions, source):
+        settings = bucket_settings(cfg.extensions)
+        return [f"ZeRO-2 gradient buckets of {settings.describe('reduce_bucket_size')}, parameters all-gathered "
+                f"in buckets of {settings.describe('allgather_bucket_size')}"]
+    return [f"ZeRO-2 gradient and all-gather buckets of ddp.bucket_cap_mb={cfg.ddp.bucket_cap_mb} MiB"]
+
+
+def _describe_buckets(cfg: TorshConfig) -> list[str]:
+    s = cfg.sharding
+    settings = bucket_settings(cfg.extensions)
+    target, target_why = unit_target(settings, s.stage)
+    cap, cap_why = unit_cap(settings, s.stage)
+    line = (f"FSDP2 units: consecutive blocks grouped up to {_count(target)} parameters ({target_why})"
+            + (f", at most {_count(cap)} per unit ({cap_why})" if cap else ""))  # fmt: skip
+    if s.stage == 3 and s.reshard_after_forward is None:
+        return [line, "FSDP2 units whose parameters are used again within "
+                f"{settings.describe('max_reuse_distance')} stay gathered from forward to backward, as DeepSpeed "
+                "keeps them (a model smaller than half of it is never resharded after forward)"]
+    return [line]
