@@ -68,23 +68,8 @@ def resolve_plan(model: nn.Module, cfg: TorshConfig, tp: int) -> dict[str, str]:
     linear layer, or a layer whose split dimension ``tp`` does not divide, is a ConfigError naming the key."""
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     configured = cfg.parallelism.tp_plan
-    if configured:
-        chosen: dict[str, str] = {}
-        unmatched = []
-        for glob, style in configured.items():
-            found = [name for name in linears if _pattern(glob).fullmatch(name)]
-            if not found:
-                unmatched.append(glob)
-            for name in found:
-                chosen.setdefault(name, style)  # the first pattern that matches a layer decides
-        if unmatched:
-            raise ConfigError([Problem(_KEY, unmatched, "no nn.Linear of the model has a matching name; its linear "
-                                       f"layers are {sorted(linears)[:12]}{' ...' if len(linears) > 12 else ''}")])
-    else:
-        chosen = _default_plan(model)
-    bad = [f"{name} ({linears[name].out_features if style == 'colwise' else linears[name].in_features} "
-           f"{'output' if style == 'colwise' else 'input'} features)" for name, style in chosen.items()
-           if (linears[name].out_features if style == "colwise" else linears[name].in_features) % tp]  # fmt: skip
+    chosen = _configured_plan(linears, configured) if configured else _default_plan(model)
+    bad = _undivided(chosen, linears, tp)
     if bad:
         raise ConfigError([Problem("parallelism.tp", tp, "does not divide the split dimension of " + ", ".join(bad)
                                    + ": choose a tp degree that divides it, or leave the layer out of "
@@ -92,14 +77,46 @@ def resolve_plan(model: nn.Module, cfg: TorshConfig, tp: int) -> dict[str, str]:
     return chosen
 
 
+def _undivided(chosen: dict[str, str], linears: dict[str, nn.Linear], tp: int) -> list[str]:
+    """The layers whose split dimension (colwise: output features, rowwise: input features) ``tp`` does not
+    divide, as ``name (n output features)``."""
+    bad = []
+    for name, style in chosen.items():
+        layer = linears[name]
+        features, side = (layer.out_features, "output") if style == "colwise" else (layer.in_features, "input")
+        if features % tp:
+            bad.append(f"{name} ({features} {side} features)")
+    return bad
+
+
+def _configured_plan(linears: dict[str, nn.Linear], configured: dict[str, str]) -> dict[str, str]:
+    """``parallelism.tp_plan`` applied to the model's linear layers: the first pattern that matches a layer decides
+    its style; a pattern that matches none is a ConfigError."""
+    chosen: dict[str, str] = {}
+    unmatched = []
+    for glob, style in configured.items():
+        found = [name for name in linears if _pattern(glob).fullmatch(name)]
+        if not found:
+            unmatched.append(glob)
+        for name in found:
+            chosen.setdefault(name, style)
+    if unmatched:
+        raise ConfigError([Problem(_KEY, unmatched, "no nn.Linear of the model has a matching name; its linear "
+                                   f"layers are {sorted(linears)[:12]}{' ...' if len(linears) > 12 else ''}")])
+    return chosen
+
+
+def _default_style(name: str) -> str | None:
+    return "colwise" if name in TP_COLWISE else "rowwise" if name in TP_ROWWISE else None
+
+
 def _default_plan(model: nn.Module) -> dict[str, str]:
+    """The default plan: the linear children of a module split when every one has a known name and both styles
+    are among them."""
     chosen = {}
     for parent_name, parent in model.named_modules():
-        children = {n: c for n, c in parent.named_children() if isinstance(c, nn.Linear)}
-        if not children:
-            continue
-        styles = {n: "colwise" if n in TP_COLWISE else "rowwise" if n in TP_ROWWISE else None for n in children}
-        if None in styles.values() or "rowwise" not in styles.values() or "colwise" not in styles.values():
+        styles = {n: _default_style(n) for n, c in parent.named_children() if isinstance(c, nn.Linear)}
+        if set(styles.values()) != {"colwise", "rowwise"}:
             continue
         for n, style in styles.items():
             chosen[f"{parent_name}.{n}" if parent_name else n] = style
@@ -130,24 +147,33 @@ def _to_local(module: nn.Module, outputs: Any, mesh: Any) -> Any:
 def apply_tensor_parallel(model: nn.Module, cfg: TorshConfig, decided: EnginePlan, info: DistInfo) -> Any:
     """Split ``model``'s planned linear layers over the tp ranks, replicate its other parameters there, and return
     the data-parallel sub-mesh FSDP2 shards over."""
-    from torch.distributed.tensor import distribute_module
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     degrees = decided.degrees
     mesh = build_mesh(degrees, info)
     tp_mesh = mesh["tp"]
     chosen = resolve_plan(model, cfg, degrees.tp)
+    key = _KEY if cfg.parallelism.tp_plan else "parallelism.tp"
     if not chosen:
-        raise ConfigError([Problem(_KEY if cfg.parallelism.tp_plan else "parallelism.tp", degrees.tp, "no linear "
+        raise ConfigError([Problem(key, degrees.tp, "no linear "
                                    "layer of the model is split by the default plan (it needs Hugging Face-style "
                                    "names such as q_proj/o_proj, up_proj/down_proj): give parallelism.tp_plan, or "
                                    "set parallelism.tp to 1")])  # fmt: skip
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     parallelize_module(model, tp_mesh, {name: styles[style]() for name, style in chosen.items()})
-    # Every other parameter: replicated over the tp ranks, on leaf modules whose inputs become replicated DTensors
-    # and whose outputs local tensors again (the model's own code between the modules sees plain tensors). A tied
-    # parameter (a Hugging Face lm_head sharing embed_tokens' weight) stays one parameter: every owner gets the same
-    # DTensor.
+    rest = _replicate_rest(model, chosen, tp_mesh, key, degrees.tp)
+    if info.rank == 0:
+        split = ", ".join(f"{n} ({s})" for n, s in chosen.items())
+        log.info("tensor parallelism over %d ranks: %s; replicated over the tp ranks: %s", degrees.tp, split,
+                 ", ".join(rest) or "nothing else")  # fmt: skip
+    return data_parallel_mesh(mesh, degrees)
+
+
+def _replicate_rest(model: nn.Module, chosen: dict[str, str], tp_mesh: Any, key: str, tp: int) -> list[str]:
+    """Every parameter not split: replicated over the tp ranks, on leaf modules whose inputs become replicated
+    DTensors and whose outputs local tensors again (the model's own code between the modules sees plain tensors).
+    A tied parameter (a Hugging Face lm_head sharing embed_tokens' weight) stays one parameter: every owner gets
+    the same DTensor. Returns the names of the modules replicated."""
     split_ids = {id(p) for name in chosen for p in model.get_submodule(name).parameters()}
     replicated: dict[int, nn.Parameter] = {}  # id of the original parameter -> its DTensor
     rest = []
@@ -155,23 +181,34 @@ def apply_tensor_parallel(model: nn.Module, cfg: TorshConfig, decided: EnginePla
         own = {k: p for k, p in module._parameters.items() if p is not None}
         if not own or name in chosen:
             continue
-        if any(id(p) in split_ids for p in own.values()):
-            raise ConfigError([Problem(_KEY if cfg.parallelism.tp_plan else "parallelism.tp", degrees.tp, f"module "
-                                       f"{name} shares a parameter with a layer tensor parallelism splits; leave the "
-                                       "layer out of the plan (parallelism.tp_plan)")])  # fmt: skip
-        if any(True for _ in module.children()):
-            raise ConfigError([Problem("parallelism.tp", degrees.tp, f"module {name or '(root)'} holds parameters "
-                                       "of its own beside child modules; tensor parallelism replicates parameters per "
-                                       "leaf module: move them into a child module, or set parallelism.tp to 1")])
-        for key, p in own.items():
-            if id(p) in replicated:
-                module._parameters[key] = replicated[id(p)]
-        distribute_module(module, tp_mesh, input_fn=_to_replicated, output_fn=_to_local)
-        for key, p in own.items():
-            replicated.setdefault(id(p), module._parameters[key])
+        _check_replicable(name, module, own, split_ids, key, tp)
+        _replicate_module(module, own, tp_mesh, replicated)
         rest.append(name)
-    if info.rank == 0:
-        split = ", ".join(f"{n} ({s})" for n, s in chosen.items())
-        log.info("tensor parallelism over %d ranks: %s; replicated over the tp ranks: %s", degrees.tp, split,
-                 ", ".join(rest) or "nothing else")  # fmt: skip
-    return data_parallel_mesh(mesh, degrees)
+    return rest
+
+
+def _replicate_module(module: nn.Module, own: dict[str, nn.Parameter], tp_mesh: Any,
+                      replicated: dict[int, nn.Parameter]) -> None:  # fmt: skip
+    """One leaf module's parameters as DTensors replicated over the tp ranks; a parameter another owner already
+    replicated (a tied weight) is given that owner's DTensor."""
+    from torch.distributed.tensor import distribute_module
+
+    for k, p in own.items():
+        if id(p) in replicated:
+            module._parameters[k] = replicated[id(p)]
+    distribute_module(module, tp_mesh, input_fn=_to_replicated, output_fn=_to_local)
+    for k, p in own.items():
+        replicated.setdefault(id(p), module._parameters[k])
+
+
+def _check_replicable(name: str, module: nn.Module, own: dict[str, nn.Parameter], split_ids: set[int], key: str,
+                      tp: int) -> None:  # fmt: skip
+    """A module replicated must share no parameter with a split layer and hold parameters only as a leaf."""
+    if any(id(p) in split_ids for p in own.values()):
+        raise ConfigError([Problem(key, tp, f"module "
+                                   f"{name} shares a parameter with a layer tensor parallelism splits; leave the "
+                                   "layer out of the plan (parallelism.tp_plan)")])  # fmt: skip
+    if any(True for _ in module.children()):
+        raise ConfigError([Problem("parallelism.tp", tp, f"module {name or '(root)'} holds parameters "
+                                   "of its own beside child modules; tensor parallelism replicates parameters per "
+                                   "leaf module: move them into a child module, or set parallelism.tp to 1")])
