@@ -51,40 +51,12 @@ def build_optimizer(cfg: Any, params: Any, *, offload: bool) -> Any:
     DeepSpeed-only names, unresolved "auto" values and keywords the class does not take raise
     :class:`~torsh.errors.ConfigError`.
     """
-    import torch
-
     if cfg is None or cfg.name is None:
         return None
-    name = cfg.name
-    if name.lower() in UNSUPPORTED_OPTIMIZERS:
-        raise ConfigError([Problem("optimizer.name", name,
-                                   f"unsupported by the engine: use {UNSUPPORTED_OPTIMIZERS[name.lower()]}")])
-    names = _torch_optimizer_names()
-    if name not in names:
-        raise ConfigError([Problem("optimizer.name", name, "not a torch.optim optimizer class",
-                                   did_you_mean(name, names))])  # fmt: skip
-    cls = getattr(torch.optim, name)
-
-    kwargs: dict[str, tuple[str, Any]] = {}  # keyword -> (dotted path for messages, value)
-    for field in _TYPED_FIELDS:
-        value = getattr(cfg, field)
-        if value is not None:
-            kwargs[field] = (f"optimizer.{field}", value)
-    for key, value in cfg.kwargs.items():
-        kwargs[key] = (f"optimizer.kwargs.{key}", value)
-
+    cls = _optimizer_class(cfg.name)
+    kwargs = _keywords(cfg)
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
-    problems = []
-    for key, (path, value) in kwargs.items():
-        if is_deferred(value):
-            problems.append(Problem(path, value, "still 'auto': resolve it before the optimizer is built"))
-        elif key not in accepted:
-            problems.append(Problem(path, value, f"{name} has no argument '{key}'",
-                                    did_you_mean(key, accepted)))  # fmt: skip
-    if offload and "capturable" in kwargs and kwargs["capturable"][1]:
-        # CUDA-graph capture needs the optimizer state on the accelerator; offloaded parameters keep it on CPU.
-        problems.append(Problem(kwargs["capturable"][0], kwargs["capturable"][1],
-                                "capturable=True cannot be used with CPU offload (the step runs on the CPU)"))
+    problems = _keyword_problems(cfg.name, kwargs, accepted, offload)
     if problems:
         raise ConfigError(problems)
     values = {key: value for key, (_, value) in kwargs.items()}
@@ -96,6 +68,49 @@ def build_optimizer(cfg: Any, params: Any, *, offload: bool) -> Any:
         # foreach op per list dispatches once; on CUDA torch chooses foreach by itself. (fused excludes it.)
         values["foreach"] = True
     return cls(params, **values)
+
+
+def _optimizer_class(name: str) -> type:
+    """The ``torch.optim`` class ``name``; a DeepSpeed-only or unknown name is a ConfigError."""
+    import torch
+
+    if name.lower() in UNSUPPORTED_OPTIMIZERS:
+        raise ConfigError([Problem("optimizer.name", name,
+                                   f"unsupported by the engine: use {UNSUPPORTED_OPTIMIZERS[name.lower()]}")])
+    names = _torch_optimizer_names()
+    if name not in names:
+        raise ConfigError([Problem("optimizer.name", name, "not a torch.optim optimizer class",
+                                   did_you_mean(name, names))])  # fmt: skip
+    return getattr(torch.optim, name)
+
+
+def _keywords(cfg: Any) -> dict[str, tuple[str, Any]]:
+    """Keyword -> (dotted path for messages, value): the typed fields that are set, then ``optimizer.kwargs``."""
+    kwargs: dict[str, tuple[str, Any]] = {}
+    for field in _TYPED_FIELDS:
+        value = getattr(cfg, field)
+        if value is not None:
+            kwargs[field] = (f"optimizer.{field}", value)
+    for key, value in cfg.kwargs.items():
+        kwargs[key] = (f"optimizer.kwargs.{key}", value)
+    return kwargs
+
+
+def _keyword_problems(name: str, kwargs: dict[str, tuple[str, Any]], accepted: set[str], offload: bool
+                      ) -> list[Problem]:  # fmt: skip
+    """Keywords still "auto", keywords the class does not take, and ``capturable`` under CPU offload."""
+    problems = []
+    for key, (path, value) in kwargs.items():
+        if is_deferred(value):
+            problems.append(Problem(path, value, "still 'auto': resolve it before the optimizer is built"))
+        elif key not in accepted:
+            problems.append(Problem(path, value, f"{name} has no argument '{key}'",
+                                    did_you_mean(key, accepted)))  # fmt: skip
+    if offload and "capturable" in kwargs and kwargs["capturable"][1]:
+        # CUDA-graph capture needs the optimizer state on the accelerator; offloaded parameters keep it on CPU.
+        problems.append(Problem(kwargs["capturable"][0], kwargs["capturable"][1],
+                                "capturable=True cannot be used with CPU offload (the step runs on the CPU)"))
+    return problems
 
 
 def all_sharded(params: Any) -> bool:
