@@ -86,24 +86,34 @@ class LossScaler:
 
     def _update_deepspeed(self, overflow: bool, *, use_hysteresis: bool) -> None:
         if overflow:
-            if not use_hysteresis or self.hysteresis == 1 or self.cur_hysteresis == 1:
-                if use_hysteresis and self.cur_scale == self.min_scale:
-                    raise LossScaleAtMinimumError(
-                        f"gradients overflowed with the loss scale already at its minimum ({self.min_scale}); "
-                        "lower the learning rate, train in bf16, or lower precision.loss_scaling.min_scale")
-                self.cur_scale = max(self.cur_scale * self.backoff_factor, self.min_scale)
-            else:
-                self.cur_hysteresis -= 1
-            self.last_overflow_iter = self.cur_iter
+            self._deepspeed_overflow(use_hysteresis)
         else:
-            if use_hysteresis and self.consecutive_hysteresis:
-                self.cur_hysteresis = self.hysteresis
-            stable = self.cur_iter - self.last_overflow_iter - 1
-            if stable > 0 and stable % self.growth_interval == 0:
-                if use_hysteresis and not self.consecutive_hysteresis:
-                    self.cur_hysteresis = self.hysteresis
-                self.cur_scale *= self.growth_factor
+            self._deepspeed_no_overflow(use_hysteresis)
         self.cur_iter += 1
+
+    def _deepspeed_overflow(self, use_hysteresis: bool) -> None:
+        """An overflowed step: the scale backs off (to no less than the minimum), unless hysteresis still
+        tolerates an overflow; at stage 1-3 semantics an overflow at the minimum scale is an error."""
+        if not use_hysteresis or self.hysteresis == 1 or self.cur_hysteresis == 1:
+            if use_hysteresis and self.cur_scale == self.min_scale:
+                raise LossScaleAtMinimumError(
+                    f"gradients overflowed with the loss scale already at its minimum ({self.min_scale}); "
+                    "lower the learning rate, train in bf16, or lower precision.loss_scaling.min_scale")
+            self.cur_scale = max(self.cur_scale * self.backoff_factor, self.min_scale)
+        else:
+            self.cur_hysteresis -= 1
+        self.last_overflow_iter = self.cur_iter
+
+    def _deepspeed_no_overflow(self, use_hysteresis: bool) -> None:
+        """A clean step: the scale grows after ``growth_interval`` steps without overflow; hysteresis is
+        restored after every clean step (``consecutive_hysteresis``) or at growth."""
+        if use_hysteresis and self.consecutive_hysteresis:
+            self.cur_hysteresis = self.hysteresis
+        stable = self.cur_iter - self.last_overflow_iter - 1
+        if stable > 0 and stable % self.growth_interval == 0:
+            if use_hysteresis and not self.consecutive_hysteresis:
+                self.cur_hysteresis = self.hysteresis
+            self.cur_scale *= self.growth_factor
 
     def _update_grad_scaler(self, overflow: bool) -> None:
         # GradScaler keeps its scale in a float32 tensor; rounding the same way keeps the sequences identical.
