@@ -200,17 +200,26 @@ def read_manifest(root: Path) -> dict[str, dict[str, Any]] | None:
     if not path.exists():
         return None
     try:
-        manifest = json.loads(path.read_bytes())
-        files = manifest["files"]
-        if manifest.get("algorithm") != "sha256" or not isinstance(files, dict):
-            raise ValueError("unknown layout")
-        for name, entry in files.items():
-            if (not isinstance(name, str) or name.startswith("/") or ".." in Path(name).parts
-                    or not isinstance(entry.get("sha256"), str) or not isinstance(entry.get("size"), int)):  # fmt: skip
-                raise ValueError(f"bad entry {name!r}")
+        return _manifest_files(json.loads(path.read_bytes()))
     except Exception as exc:  # noqa: BLE001 - any unreadable manifest is a corrupt checkpoint
         raise CheckpointError(f"checkpoint manifest {path} is corrupt ({exc}); the checkpoint cannot be verified")
+
+
+def _manifest_files(manifest: Any) -> dict[str, dict[str, Any]]:
+    """The file table of a parsed manifest, each entry a relative path inside the checkpoint with a sha256 and a
+    size; anything else raises."""
+    files = manifest["files"]
+    if manifest.get("algorithm") != "sha256" or not isinstance(files, dict):
+        raise ValueError("unknown layout")
+    for name, entry in files.items():
+        if not _is_inside(name) or not isinstance(entry.get("sha256"), str) or not isinstance(entry.get("size"), int):
+            raise ValueError(f"bad entry {name!r}")
     return files
+
+
+def _is_inside(name: Any) -> bool:
+    """A relative path that stays inside the checkpoint directory."""
+    return isinstance(name, str) and not name.startswith("/") and ".." not in Path(name).parts
 
 
 def verify_files(root: Path, files: dict[str, dict[str, Any]], rank: int, world_size: int) -> list[str]:
