@@ -67,32 +67,42 @@ def init_distributed(communication: CommunicationConfig | None = None, *, dist_i
             raise ConfigError([Problem("dist_init_required", False, "no torch.distributed process group is "
                                        "initialised; call torch.distributed.init_process_group first or pass "
                                        "dist_init_required=None")])  # fmt: skip
-        rank, _, world_size, addr, port = _discover()
-        os.environ.setdefault("MASTER_ADDR", addr)
-        # as DeepSpeed's init_distributed: the launcher's port when it set one, else distributed_port
-        os.environ.setdefault("MASTER_PORT", port or str(distributed_port))
-        backend = _backend(communication.backend)
-        kwargs = {}
-        if communication.timeout_s is not None:
-            kwargs["timeout"] = datetime.timedelta(seconds=communication.timeout_s)
-        store = None
-        if communication.init_method in (None, "env://"):
-            store = elastic_store(world_size, kwargs.get("timeout"))
-        if store is not None:
-            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, **kwargs)
-        else:
-            dist.init_process_group(backend=backend, init_method=communication.init_method or "env://", rank=rank,
-                                    world_size=world_size, **kwargs)  # fmt: skip
+        _init_process_group(communication, distributed_port)
     register_exit_handler()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     _, local_rank, _, _, _ = _discover()
     backend = dist.get_backend()
-    if "nccl" in str(backend) and torch.cuda.is_available():
+    return DistInfo(rank, local_rank, world_size, _device(str(backend), local_rank), str(backend))
+
+
+def _init_process_group(communication: CommunicationConfig, distributed_port: int) -> None:
+    """The default process group from the launcher's environment: under torchrun on the agent's store
+    (:func:`elastic_store`), else by ``communication.init_method`` (``env://`` by default)."""
+    rank, _, world_size, addr, port = _discover()
+    os.environ.setdefault("MASTER_ADDR", addr)
+    # as DeepSpeed's init_distributed: the launcher's port when it set one, else distributed_port
+    os.environ.setdefault("MASTER_PORT", port or str(distributed_port))
+    backend = _backend(communication.backend)
+    kwargs = {}
+    if communication.timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=communication.timeout_s)
+    store = None
+    if communication.init_method in (None, "env://"):
+        store = elastic_store(world_size, kwargs.get("timeout"))
+    if store is not None:
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, **kwargs)
+    else:
+        dist.init_process_group(backend=backend, init_method=communication.init_method or "env://", rank=rank,
+                                world_size=world_size, **kwargs)  # fmt: skip
+
+
+def _device(backend: str, local_rank: int) -> torch.device:
+    """This rank's device: its GPU under NCCL (made current), else the CPU."""
+    if "nccl" in backend and torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    return DistInfo(rank, local_rank, world_size, device, str(backend))
+        return device
+    return torch.device("cpu")
 
 
 # --- torchrun restarts --------------------------------------------------------------------------------------------
