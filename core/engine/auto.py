@@ -41,6 +41,24 @@ def hidden_size(model: torch.nn.Module) -> tuple[int, str]:
                                "model.config.hidden_size and no 2-D weight); give a number")])  # fmt: skip
 
 
+class _Resolution:
+    """The "auto" values resolved so far (``{path: (value, source)}``) and the problems, for the deferred paths
+    only: a rule for a path the config does not leave "auto" does nothing."""
+
+    def __init__(self, cfg: TorshConfig) -> None:
+        self.values: dict[str, tuple[Any, str]] = {}
+        self.problems: list[Problem] = []
+        self.deferred = set(cfg.deferred_paths())
+
+    def fill(self, path: str, value: Any, source: str) -> None:
+        if path in self.deferred:
+            self.values[path] = (value, source)
+
+    def fail(self, path: str, reason: str) -> None:
+        if path in self.deferred:
+            self.problems.append(Problem(path, "auto", reason))
+
+
 def resolve_auto(cfg: TorshConfig, *, model: torch.nn.Module, optimizer: Any, training_data: Any,
                  world_size: int) -> tuple[TorshConfig, ResolvedBatch, dict[str, tuple[Any, str]]]:  # fmt: skip
     """The config with every "auto" the engine uses filled in, the resolved batch, and ``{path: (value, source)}``.
@@ -48,90 +66,91 @@ def resolve_auto(cfg: TorshConfig, *, model: torch.nn.Module, optimizer: Any, tr
     ``optimizer`` is the optimizer instance the script passed (or None); ``training_data`` what it passed
     as training data (a DataLoader's ``batch_size`` resolves the micro-batch size).
     """
-    values: dict[str, tuple[Any, str]] = {}
-    problems: list[Problem] = []
-    deferred = set(cfg.deferred_paths())
+    r = _Resolution(cfg)
+    _resolve_batch(r, training_data)
+    if "ddp.bucket_cap_mb" in r.deferred:
+        # DeepSpeed / HF Trainer use hidden_size**2 elements; DDP counts MiB of gradient bytes.
+        size, source = hidden_size(model)
+        grad_bytes = torch.tensor([], dtype=_first_float_dtype(model)).element_size()
+        r.fill("ddp.bucket_cap_mb", size * size * grad_bytes / 2**20,
+               f"hidden_size**2 elements, hidden_size from {source}")
+    _resolve_optimizer(r, optimizer)
+    _resolve_scheduler(r, cfg, training_data, world_size)
+    r.fill("gradients.clip_max_norm", DEFAULT_CLIP, "DeepSpeed 0.19.8's and the HF Trainer's default")
+    if "sharding.hybrid_shard_size" in r.deferred:
+        _resolve_hybrid_shard_size(r)
+    r.fill("parallelism.pp", 1, "no pipeline: DeepSpeed's \"auto\" takes the stages of a PipelineModule, and none "
+           "was passed")  # fmt: skip
+    r.fail("precision.param_dtype", "has no source here (the HF Trainer fills it from --bf16/--fp16): give fp32, "
+           "bf16 or fp16")  # fmt: skip
 
-    def fill(path: str, value: Any, source: str) -> None:
-        if path in deferred:
-            values[path] = (value, source)
+    # Whatever is still "auto" has no rule: a clear error naming it, never a value guessed later.
+    handled = set(r.values) | {p.path for p in r.problems}
+    problems = r.problems + [Problem(path, "auto", "torsh.initialize has no rule to resolve it; give a value")
+                             for path in sorted(r.deferred - handled)]  # fmt: skip
+    if problems:
+        raise ConfigError(problems)
+    values = r.values
+    resolved = cfg.resolve_deferred({path: value for path, (value, _) in values.items()}) if values else cfg
+    return resolved, resolved.batch.resolve(world_size), values
 
-    def fail(path: str, reason: str) -> None:
-        if path in deferred:
-            problems.append(Problem(path, "auto", reason))
 
-    # batch: the micro batch is the one number only the data can give; the other two are derived from it.
+def _resolve_batch(r: _Resolution, training_data: Any) -> None:
+    """The micro batch is the one number only the data can give; the other two are derived from it."""
     loader_bs = getattr(training_data, "batch_size", None) if isinstance(training_data, torch.utils.data.DataLoader) \
         else None
     if loader_bs:
-        fill("batch.micro_batch_size", loader_bs, "the batch_size of the DataLoader passed as training_data")
+        r.fill("batch.micro_batch_size", loader_bs, "the batch_size of the DataLoader passed as training_data")
     else:
-        fail("batch.micro_batch_size", "needs the data: pass a DataLoader as training_data or give a number")
+        r.fail("batch.micro_batch_size", "needs the data: pass a DataLoader as training_data or give a number")
     for key in ("global_batch_size", "gradient_accumulation_steps"):
-        fill(f"batch.{key}", None, "derived from the other batch sizes and the world size")
+        r.fill(f"batch.{key}", None, "derived from the other batch sizes and the world size")
 
-    # bucket size: DeepSpeed / HF Trainer use hidden_size**2 elements; DDP counts MiB of gradient bytes.
-    if "ddp.bucket_cap_mb" in deferred:
-        size, source = hidden_size(model)
-        grad_bytes = torch.tensor([], dtype=_first_float_dtype(model)).element_size()
-        fill("ddp.bucket_cap_mb", size * size * grad_bytes / 2**20,
-             f"hidden_size**2 elements, hidden_size from {source}")
 
-    # optimizer: a passed optimizer overrides the section; its values fill the section's "auto"s.
+def _resolve_optimizer(r: _Resolution, optimizer: Any) -> None:
+    """A passed optimizer overrides the section; its values fill the section's "auto"s."""
     defaults = dict(getattr(optimizer, "defaults", {}) or {})
     for key in ("lr", "weight_decay", "betas", "eps", "momentum"):
         path = f"optimizer.{key}"
         if key in defaults:
             value = tuple(defaults[key]) if key == "betas" else defaults[key]
-            fill(path, value, f"the {type(optimizer).__name__} passed to initialize")
+            r.fill(path, value, f"the {type(optimizer).__name__} passed to initialize")
         elif key == "lr":
-            fail(path, "needs an optimizer passed to initialize to take it from; give a number")
+            r.fail(path, "needs an optimizer passed to initialize to take it from; give a number")
         else:
-            fill(path, None, "the optimizer class's default")
+            r.fill(path, None, "the optimizer class's default")
 
-    # scheduler: the peak lr is the optimizer's lr; step counts need the data and data.epochs.
-    lr = values.get("optimizer.lr", (None,))[0]
+
+def _resolve_scheduler(r: _Resolution, cfg: TorshConfig, training_data: Any, world_size: int) -> None:
+    """The peak lr is the optimizer's lr; step counts need the data and data.epochs."""
+    lr = r.values.get("optimizer.lr", (None,))[0]
     if lr is None and cfg.optimizer is not None and not is_deferred(cfg.optimizer.lr):
         lr = cfg.optimizer.lr
     for path in ("scheduler.warmup_max_lr", "scheduler.cycle_max_lr"):
         if lr is not None:
-            fill(path, lr, "the optimizer's lr")
+            r.fill(path, lr, "the optimizer's lr")
         else:
-            fail(path, "needs the optimizer's lr (pass an optimizer or set optimizer.lr); give a number")
-    fill("scheduler.warmup_min_lr", 0.0, "the HF Trainer convention (0)")
-    fail("scheduler.cycle_min_lr", "has no source to resolve from; give a number")
-    steps = _total_steps(cfg, training_data, world_size, values)
+            r.fail(path, "needs the optimizer's lr (pass an optimizer or set optimizer.lr); give a number")
+    r.fill("scheduler.warmup_min_lr", 0.0, "the HF Trainer convention (0)")
+    r.fail("scheduler.cycle_min_lr", "has no source to resolve from; give a number")
+    steps = _total_steps(cfg, training_data, world_size, r.values)
     if steps is not None:
-        fill("scheduler.total_num_steps", steps, "data.epochs x optimizer steps per epoch of training_data")
+        r.fill("scheduler.total_num_steps", steps, "data.epochs x optimizer steps per epoch of training_data")
     else:
-        fail("scheduler.total_num_steps", "needs training_data and data.epochs to count the steps; give a number")
-    fail("scheduler.warmup_num_steps", "has no source to resolve from; give a number")
+        r.fail("scheduler.total_num_steps", "needs training_data and data.epochs to count the steps; give a number")
+    r.fail("scheduler.warmup_num_steps", "has no source to resolve from; give a number")
 
-    fill("gradients.clip_max_norm", DEFAULT_CLIP, "DeepSpeed 0.19.8's and the HF Trainer's default")
 
-    # hybrid sharding without a mesh (FSDP1 HYBRID_SHARD): shard within a node, replicate across nodes.
-    if "sharding.hybrid_shard_size" in deferred:
-        from torsh.ranks import discover
+def _resolve_hybrid_shard_size(r: _Resolution) -> None:
+    """Hybrid sharding without a mesh (FSDP1 HYBRID_SHARD): shard within a node, replicate across nodes."""
+    from torsh.ranks import discover
 
-        local = discover().local_world_size
-        if local:
-            fill("sharding.hybrid_shard_size", local, "the processes on one node (the launcher's local world size)")
-        else:
-            fail("sharding.hybrid_shard_size", "the launcher does not say how many processes share a node; give a "
-                 "number")  # fmt: skip
-    fill("parallelism.pp", 1, "no pipeline: DeepSpeed's \"auto\" takes the stages of a PipelineModule, and none "
-         "was passed")  # fmt: skip
-    fail("precision.param_dtype", "has no source here (the HF Trainer fills it from --bf16/--fp16): give fp32, "
-         "bf16 or fp16")  # fmt: skip
-
-    # Whatever is still "auto" has no rule: a clear error naming it, never a value guessed later.
-    handled = set(values) | {p.path for p in problems}
-    problems += [Problem(path, "auto", "torsh.initialize has no rule to resolve it; give a value")
-                 for path in sorted(deferred - handled)]  # fmt: skip
-    if problems:
-        raise ConfigError(problems)
-    resolved = cfg.resolve_deferred({path: value for path, (value, _) in values.items()}) if values else cfg
-    return resolved, resolved.batch.resolve(world_size), values
+    local = discover().local_world_size
+    if local:
+        r.fill("sharding.hybrid_shard_size", local, "the processes on one node (the launcher's local world size)")
+    else:
+        r.fail("sharding.hybrid_shard_size", "the launcher does not say how many processes share a node; give a "
+               "number")  # fmt: skip
 
 
 def _total_steps(cfg: TorshConfig, training_data: Any, world_size: int, values: dict) -> int | None:
