@@ -66,11 +66,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                    training_data=training_data, lr_scheduler=lr_scheduler,
                                    distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
                                    collate_fn=collate_fn, config=config, config_params=config_params)  # fmt: skip
-    if mpu is not None or mesh_param is not None:
-        raise ConfigError([Problem("mpu" if mpu is not None else "mesh_param", type(mpu or mesh_param).__name__,
-                                   "an mpu or mesh object is not read by the torsh engine: give the parallel "
-                                   "degrees in the config (parallelism.tp, parallelism.pp) and the engine builds "
-                                   "the mesh")])  # fmt: skip
+    _refuse_mesh_objects(mpu, mesh_param)
     config = choose_config(args, config, config_params)
     cfg, translation = read_config(config)
     cfg = _with_tp_model_init(cfg, model)
@@ -103,31 +99,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     sync_module_states(model, info.device, cfg.sharding)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.sharding.wrap)
     precision = apply_precision(model, cfg.precision, decided)
-    if optimizer is not None and cfg.optimizer is not None and cfg.optimizer.name and info.rank == 0:
-        log.warning("optimizer.name=%s is not built: the optimizer passed to initialize is used (as DeepSpeed "
-                    "does); its \"auto\" values were filled from it", cfg.optimizer.name)  # fmt: skip
-    if decided.data_parallel == "zero2":
-        # ZeRO-2: the optimizer's groups decide the partition, and the optimizer steps its flat fp32 masters.
-        from .zero_partition import build_zero
-
-        shard, optimizer = build_zero(model, cfg=cfg, decided=decided, precision=precision, info=info,
-                                      client=optimizer, groups=groups, name_of=name_of, source=source)  # fmt: skip
-        compression_state = None
-    else:
-        shard = apply_sharding(model, cfg, decided, precision, info, source=source)
-        compression_state = apply_compression(shard, cfg, decided)
-        # The optimizer after sharding, so that it holds the tensors the step updates; then what steps with it.
-        step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
-        optimizer = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
-                                         by_name=step_params, wrapper=decided.optimizer_wrapper,
-                                         offload=decided.optimizer_on_cpu)  # fmt: skip
+    _warn_section_not_built(cfg, optimizer, info.rank)
+    shard, optimizer, compression_state = _shard_and_optimizer(model, cfg, decided, precision, info, optimizer,
+                                                               groups, name_of, source)  # fmt: skip
     lr_scheduler = build_scheduler(cfg, lr_scheduler, optimizer)
     loss_scaler = build_loss_scaler(cfg)
-    dataloader = None
-    if training_data is not None:
-        dp_rank = decided.degrees.dp_rank(info.rank) if decided.degrees is not None else info.rank
-        dataloader = build_dataloader(training_data, micro_batch_size=batch.micro_batch_size, data=cfg.data,
-                                      rank=dp_rank, world_size=dp_world, collate_fn=collate_fn)  # fmt: skip
+    dataloader = _dataloader(training_data, cfg, decided, info, batch, dp_world, collate_fn)
     engine = Engine(config=config_as_dict(config), policy=decided.step, monitor=Monitor(cfg.monitoring, info.rank),
                     batch=batch, info=info, shard=shard, precision=precision,
                     optimizer=optimizer, lr_scheduler=lr_scheduler, loss_scaler=loss_scaler,
@@ -139,6 +116,51 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                  batch.global_batch_size, batch.micro_batch_size, batch.gradient_accumulation_steps,
                  info.world_size)  # fmt: skip
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _refuse_mesh_objects(mpu, mesh_param) -> None:
+    if mpu is not None or mesh_param is not None:
+        raise ConfigError([Problem("mpu" if mpu is not None else "mesh_param", type(mpu or mesh_param).__name__,
+                                   "an mpu or mesh object is not read by the torsh engine: give the parallel "
+                                   "degrees in the config (parallelism.tp, parallelism.pp) and the engine builds "
+                                   "the mesh")])  # fmt: skip
+
+
+def _warn_section_not_built(cfg: TorshConfig, optimizer, rank: int) -> None:
+    if optimizer is not None and cfg.optimizer is not None and cfg.optimizer.name and rank == 0:
+        log.warning("optimizer.name=%s is not built: the optimizer passed to initialize is used (as DeepSpeed "
+                    "does); its \"auto\" values were filled from it", cfg.optimizer.name)  # fmt: skip
+
+
+def _dataloader(training_data, cfg: TorshConfig, decided: EnginePlan, info, batch, dp_world: int, collate_fn):
+    """The dataloader over ``training_data`` for this rank's data-parallel share (None: no training data)."""
+    if training_data is None:
+        return None
+    dp_rank = decided.degrees.dp_rank(info.rank) if decided.degrees is not None else info.rank
+    return build_dataloader(training_data, micro_batch_size=batch.micro_batch_size, data=cfg.data,
+                            rank=dp_rank, world_size=dp_world, collate_fn=collate_fn)  # fmt: skip
+
+
+def _shard_and_optimizer(model, cfg: TorshConfig, decided: EnginePlan, precision, info, optimizer, groups, name_of,
+                         source):  # fmt: skip
+    """The sharded model and the optimizer that steps it: ``(shard, optimizer, compression state)``.
+
+    ZeRO-2: the optimizer's groups decide the partition, and the optimizer steps its flat fp32 masters. Otherwise
+    (DDP or FSDP2): shard, hook the compression, then build the optimizer after sharding, so that it holds the
+    tensors the step updates (the fp32 masters at stages 0/1 with low-precision compute)."""
+    if decided.data_parallel == "zero2":
+        from .zero_partition import build_zero
+
+        shard, optimizer = build_zero(model, cfg=cfg, decided=decided, precision=precision, info=info,
+                                      client=optimizer, groups=groups, name_of=name_of, source=source)  # fmt: skip
+        return shard, optimizer, None
+    shard = apply_sharding(model, cfg, decided, precision, info, source=source)
+    compression_state = apply_compression(shard, cfg, decided)
+    step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
+    optimizer = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
+                                     by_name=step_params, wrapper=decided.optimizer_wrapper,
+                                     offload=decided.optimizer_on_cpu)  # fmt: skip
+    return shard, optimizer, compression_state
 
 
 def _with_tp_model_init(cfg: TorshConfig, model: torch.nn.Module) -> TorshConfig:
