@@ -24,16 +24,22 @@ def wrap_targets(model: nn.Module, wrap: WrapPolicy) -> list[nn.Module]:
     if wrap.module_classes:
         return modules_of_classes(model, wrap.module_classes, "sharding.wrap.module_classes")
     if wrap.min_num_params:
-        targets, covered = [], set()
-        for m in _post_order(model):
-            if m is model or _is_container(m):
-                continue
-            own = [p for p in m.parameters() if id(p) not in covered]
-            if sum(p.numel() for p in own) >= wrap.min_num_params:
-                targets.append(m)
-                covered.update(id(p) for p in own)
-        return targets
+        return _by_size(model, wrap.min_num_params)
     return [child for child in _children(model) if any(True for _ in child.parameters())]
+
+
+def _by_size(model: nn.Module, min_num_params: int) -> list[nn.Module]:
+    """Innermost first, every module (not the root, not a container) holding at least ``min_num_params``
+    parameters that no unit found before it holds."""
+    targets, covered = [], set()
+    for m in _post_order(model):
+        if m is model or _is_container(m):
+            continue
+        own = [p for p in m.parameters() if id(p) not in covered]
+        if sum(p.numel() for p in own) >= min_num_params:
+            targets.append(m)
+            covered.update(id(p) for p in own)
+    return targets
 
 
 def keep_ties_in_one_unit(model: nn.Module, targets: list[nn.Module]) -> list[nn.Module]:
@@ -44,25 +50,34 @@ def keep_ties_in_one_unit(model: nn.Module, targets: list[nn.Module]) -> list[nn
     it contains; the owners of a dropped unit fall to the smallest enclosing unit (at worst the root).
     Ties are found by parameter identity.
     """
+    tied = _tied_owners(model)
+    if not tied:
+        return targets
+    kept = []
+    for target in targets:
+        if _splits_a_tie(target, tied):
+            log.info("sharding: %s is not its own FSDP2 unit: it shares a tied parameter with a module outside it "
+                     "(the parameter stays in one enclosing unit)", type(target).__name__)  # fmt: skip
+        else:
+            kept.append(target)
+    return kept
+
+
+def _tied_owners(model: nn.Module) -> list[list[nn.Module]]:
+    """For each parameter held by more than one module (its own or registered as external), those modules."""
     owners: dict[int, list[nn.Module]] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
             owners.setdefault(id(p), []).append(module)
         for p in getattr(module, "_external_params", {}).values():  # deepspeed.zero.register_external_parameter
             owners.setdefault(id(p), []).append(module)
-    tied = [mods for mods in owners.values() if len(mods) > 1]
-    if not tied:
-        return targets
-    kept = []
-    for target in targets:
-        inside = {id(m) for m in target.modules()}
-        split = any(0 < sum(id(m) in inside for m in mods) < len(mods) for mods in tied)
-        if split:
-            log.info("sharding: %s is not its own FSDP2 unit: it shares a tied parameter with a module outside it "
-                     "(the parameter stays in one enclosing unit)", type(target).__name__)  # fmt: skip
-        else:
-            kept.append(target)
-    return kept
+    return [mods for mods in owners.values() if len(mods) > 1]
+
+
+def _splits_a_tie(target: nn.Module, tied: list[list[nn.Module]]) -> bool:
+    """``target`` contains some but not all owners of a tied parameter."""
+    inside = {id(m) for m in target.modules()}
+    return any(0 < sum(id(m) in inside for m in mods) < len(mods) for mods in tied)
 
 
 def modules_of_classes(model: nn.Module, classes: list[str], key: str) -> list[nn.Module]:
