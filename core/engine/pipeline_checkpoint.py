@@ -60,15 +60,7 @@ def save(engine: Any, save_dir, tag, client_state: dict, save_latest: bool, excl
     first_replica = engine.get_data_parallel_rank() == 0
     optim = _optimizer_state(engine)
     if first_replica:
-        state = {"module": None, "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                 "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-                 "dp_world_size": engine.dp_world_size, "mp_world_size": engine.mp_world_size,
-                 "num_stages": engine.num_stages,
-                 "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-                 "optimizer": optim["optimizer"] if (optim is not None and _plain(engine)) else None,
-                 "torsh_optimizer": optim if (not _zero(engine) and not _plain(engine)) else None,
-                 "ds_version": "0.19.8+torsh", **dict(client_state or {})}  # fmt: skip
-        _atomic_save(state, _model_file(engine, root))
+        _atomic_save(_stage_state(engine, optim, client_state), _model_file(engine, root))
     if _zero(engine) and optim is not None:
         _atomic_save({"optimizer_state_dict": optim, "ds_version": "0.19.8+torsh"}, _optim_file(engine, root))
     dist.barrier()
@@ -80,6 +72,21 @@ def save(engine: Any, save_dir, tag, client_state: dict, save_latest: bool, excl
     return True
 
 
+def _stage_state(engine: Any, optim: dict | None, client_state: dict) -> dict[str, Any]:
+    """A stage file's contents: the counters and degrees, the scheduler, the optimizer state where it belongs (as
+    DeepSpeed's ``optimizer`` entry when plain, as ``torsh_optimizer`` with fp32 masters, in the partition files
+    under ZeRO), and the client state."""
+    plain, zero = _plain(engine), _zero(engine)
+    return {"module": None, "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+            "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
+            "dp_world_size": engine.dp_world_size, "mp_world_size": engine.mp_world_size,
+            "num_stages": engine.num_stages,
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "optimizer": optim["optimizer"] if (optim is not None and plain) else None,
+            "torsh_optimizer": optim if (not zero and not plain) else None,
+            "ds_version": "0.19.8+torsh", **dict(client_state or {})}  # fmt: skip
+
+
 def load(engine: Any, load_dir, tag, strict: bool, load_optimizer: bool, load_scheduler: bool,
          module_only: bool):  # fmt: skip
     if tag is None:
@@ -88,6 +95,36 @@ def load(engine: Any, load_dir, tag, strict: bool, load_optimizer: bool, load_sc
             return None, None
         tag = latest.read_text().strip()
     root = Path(load_dir) / str(tag)
+    state = _read_stage_file(engine, root)
+    engine.module.load_state_dir(str(root), strict=strict)
+    masters = engine._precision.masters
+    if masters is not None:
+        masters.params_to_master()
+    if not module_only:
+        _load_training_state(engine, root, state, load_optimizer, load_scheduler)
+    engine.loaded_checkpoint_dp_world_size = state["dp_world_size"]
+    own = {"module", "global_steps", "global_samples", "micro_steps", "skipped_steps", "dp_world_size",
+           "mp_world_size", "num_stages", "lr_scheduler", "optimizer", "torsh_optimizer", *DEEPSPEED_OWN}
+    return str(root), {k: v for k, v in state.items() if k not in own}
+
+
+def _load_training_state(engine: Any, root: Path, state: dict[str, Any], load_optimizer: bool,
+                         load_scheduler: bool) -> None:  # fmt: skip
+    """What a load beyond the module restores: optimizer, scheduler, counters."""
+    if load_optimizer and engine.optimizer is not None:
+        _load_optimizer(engine, _saved_optimizer(engine, root, state))
+    if load_scheduler and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    engine.global_steps = state["global_steps"]
+    engine.global_samples = state["global_samples"]
+    engine.micro_steps = state.get("micro_steps", state["global_steps"] * engine.micro_batches)
+    engine.skipped_steps = state["skipped_steps"]
+    engine.loaded_checkpoint_mp_world_size = state["mp_world_size"]
+
+
+def _read_stage_file(engine: Any, root: Path) -> dict[str, Any]:
+    """This stage's file of the checkpoint ``root``, checked to be written by the same pipeline and data-parallel
+    degrees."""
     model_file = _model_file(engine, root)
     if not model_file.is_file():
         raise FileNotFoundError(f"{model_file} not found: not a pipeline checkpoint of this pipeline "
@@ -99,37 +136,29 @@ def load(engine: Any, load_dir, tag, strict: bool, load_optimizer: bool, load_sc
         raise ValueError(f"the checkpoint {root} was written by {saved[0]} stages x {saved[1]} data-parallel "
                          f"replicas; this job runs {engine.num_stages} x {engine.dp_world_size}: resume with the "
                          "same degrees")  # fmt: skip
-    engine.module.load_state_dir(str(root), strict=strict)
+    return state
+
+
+def _saved_optimizer(engine: Any, root: Path, state: dict[str, Any]) -> dict | None:
+    """The optimizer state as :func:`_optimizer_state` made it, from where :func:`save` put it (None: none saved)."""
+    if _zero(engine):
+        return torch.load(_optim_file(engine, root), map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    if state.get("torsh_optimizer") is not None:
+        return state["torsh_optimizer"]
+    return {"optimizer": state["optimizer"]} if state.get("optimizer") is not None else None
+
+
+def _load_optimizer(engine: Any, optim: dict | None) -> None:
+    """The optimizer's state and, when saved with it, the fp32 masters (copied into the parameters too)."""
+    if optim is None:
+        return
+    engine.optimizer.load_state_dict(optim["optimizer"])
     masters = engine._precision.masters
-    if masters is not None:
-        masters.params_to_master()
-    if not module_only:
-        if load_optimizer and engine.optimizer is not None:
-            if _zero(engine):
-                optim = torch.load(_optim_file(engine, root), map_location="cpu", weights_only=False)[
-                    "optimizer_state_dict"]  # fmt: skip
-            elif state.get("torsh_optimizer") is not None:
-                optim = state["torsh_optimizer"]
-            else:
-                optim = {"optimizer": state["optimizer"]} if state.get("optimizer") is not None else None
-            if optim is not None:
-                engine.optimizer.load_state_dict(optim["optimizer"])
-                if masters is not None and "fp32_masters" in optim:
-                    with torch.no_grad():
-                        for name, value in optim["fp32_masters"].items():
-                            masters.masters[name].copy_(value)
-                    masters.master_to_params()
-        if load_scheduler and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        engine.global_steps = state["global_steps"]
-        engine.global_samples = state["global_samples"]
-        engine.micro_steps = state.get("micro_steps", state["global_steps"] * engine.micro_batches)
-        engine.skipped_steps = state["skipped_steps"]
-        engine.loaded_checkpoint_mp_world_size = state["mp_world_size"]
-    engine.loaded_checkpoint_dp_world_size = state["dp_world_size"]
-    own = {"module", "global_steps", "global_samples", "micro_steps", "skipped_steps", "dp_world_size",
-           "mp_world_size", "num_stages", "lr_scheduler", "optimizer", "torsh_optimizer", *DEEPSPEED_OWN}
-    return str(root), {k: v for k, v in state.items() if k not in own}
+    if masters is not None and "fp32_masters" in optim:
+        with torch.no_grad():
+            for name, value in optim["fp32_masters"].items():
+                masters.masters[name].copy_(value)
+        masters.master_to_params()
 
 
 #: What else DeepSpeed writes into a stage file (not client state when torsh loads DeepSpeed's checkpoint).
