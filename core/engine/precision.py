@@ -102,33 +102,51 @@ def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, decided:
                          cast_forward_inputs=precision.cast_forward_inputs)  # fmt: skip
 
     if decided.autocast:
-        # torch_autocast: parameters stay in the master dtype; op-level autocast chooses compute dtypes.
-        _cast_params(model, master_dtype)
-        plan.autocast_dtype, plan.param_dtype = param_dtype, master_dtype
-        if decided.fsdp_mixed_precision:  # FSDP2 reduces in the planned dtype; the fp32 shards are not cast
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            plan.fsdp_policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+        _autocast(model, plan, decided, master_dtype)
         return plan
     plan.reduce_every_micro_step = DTYPES[precision.effective_grad_accum_dtype] != param_dtype
     if decided.fsdp:
+        _fsdp(model, plan, decided, precision, master_dtype)
+    elif decided.data_parallel == "zero2":  # the partition keeps the fp32 masters (torsh.engine.zero_partition)
+        _cast_params(model, param_dtype)
+    else:
+        _data_parallel(model, plan, decided, master_dtype)
+    return plan
+
+
+def _autocast(model: torch.nn.Module, plan: PrecisionPlan, decided: EnginePlan, master_dtype: torch.dtype) -> None:
+    """torch_autocast: parameters stay in the master dtype; op-level autocast chooses compute dtypes."""
+    _cast_params(model, master_dtype)
+    plan.autocast_dtype, plan.param_dtype = plan.param_dtype, master_dtype
+    if decided.fsdp_mixed_precision:  # FSDP2 reduces in the planned dtype; the fp32 shards are not cast
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        _cast_params(model, master_dtype)  # the shards are the master weights, also for a bf16-loaded model
-        if decided.fsdp_mixed_precision:
-            plan.fsdp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                                    cast_forward_inputs=precision.cast_forward_inputs)  # fmt: skip
-            plan.cast_forward_inputs = False  # the policy does it
-        return plan
-    if decided.data_parallel == "zero2":  # the partition keeps the fp32 masters (torsh.engine.zero_partition)
-        _cast_params(model, param_dtype)
-        return plan
-    # stages 0/1: compute parameters in param_dtype; separate masters when their dtype or device differs.
+        plan.fsdp_policy = MixedPrecisionPolicy(reduce_dtype=plan.reduce_dtype)
+
+
+def _fsdp(model: torch.nn.Module, plan: PrecisionPlan, decided: EnginePlan, precision: PrecisionConfig,
+          master_dtype: torch.dtype) -> None:  # fmt: skip
+    """Stages 2/3 on FSDP2: the shards are the master weights (also for a bf16-loaded model); the policy casts
+    them for compute."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    _cast_params(model, master_dtype)
+    if decided.fsdp_mixed_precision:
+        plan.fsdp_policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
+                                                cast_forward_inputs=precision.cast_forward_inputs)  # fmt: skip
+        plan.cast_forward_inputs = False  # the policy does it
+
+
+def _data_parallel(model: torch.nn.Module, plan: PrecisionPlan, decided: EnginePlan, master_dtype: torch.dtype
+                   ) -> None:  # fmt: skip
+    """Stages 0/1: compute parameters in the compute dtype; separate masters when their dtype or device
+    differs."""
+    param_dtype = plan.param_dtype
     master_device = torch.device("cpu") if decided.masters_on_cpu else None
     offloaded = master_device is not None and any(p.device != master_device for p in model.parameters())
     if master_dtype == param_dtype and not offloaded:
         _cast_params(model, param_dtype)
-        return plan
+        return
     params = {n: p for n, p in model.named_parameters()}
     masters = {n: torch.nn.Parameter(p.detach().to(device=master_device or p.device, dtype=master_dtype).clone(),
                                      requires_grad=p.requires_grad) for n, p in params.items()}  # fmt: skip
@@ -136,7 +154,6 @@ def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, decided:
     plan.masters = MasterWeights(params, masters, accumulate_in_master=plan.reduce_every_micro_step)
     for name, p in params.items():
         setattr(p, MASTER, masters[name])  # what DeepSpeed's safe_get_full_fp32_param reads (its hp param)
-    return plan
 
 
 def _cast_norm_statistics(model: torch.nn.Module, dtype: torch.dtype) -> None:
