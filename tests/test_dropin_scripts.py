@@ -65,9 +65,6 @@ def _env(extra_path: str | None = None) -> dict:
 EXIT_ABORT = "terminate called without an active exception"
 #: Runs several cases in the ranks of one launch (each script unchanged, as ``__main__``).
 RUNNER = SCRIPTS / "_run_cases.py"
-#: Cases that start a launch of their own: the Trainer scripts save per-rank weights before any process group
-#: exists (with one, Transformers' save_pretrained writes on rank 0 only).
-FIRST = ("hf_trainer_style", "hf_trainer_zero3_style")
 #: Cases that end a launch: the script destroys its process group.
 LAST = ("comm_checkpoint_style",)
 
@@ -86,12 +83,11 @@ def _case(name: str, tmp: Path, cases: dict | None = None) -> dict:
 
 
 def _launches(names: list[str]) -> list[list[str]]:
-    """The cases in as few launches as FIRST and LAST allow."""
-    firsts = [name for name in names if name in FIRST]
-    rest = [name for name in names if name not in FIRST and name not in LAST]
-    launches = [[first] for first in firsts] or [[]]
-    launches[0] += rest
-    launches[-1] += [name for name in names if name in LAST]
+    """The cases in as few launches as LAST allows: one, unless more than one case destroys its process group."""
+    last = [name for name in names if name in LAST]
+    launches = [[name for name in names if name not in LAST]]
+    launches[-1] += last[:1]
+    launches += [[name] for name in last[1:]]
     return [launch for launch in launches if launch]
 
 
@@ -315,6 +311,7 @@ def test_a_case_failing_in_a_shared_launch_fails_alone_and_the_cases_after_it_ru
     assert {name: results[name] for name in names if name != "bert_unused_raw_style"} == {
         name: {"losses": [1.0]} for name in ("cifar_style", "accelerate_style", "comm_checkpoint_style")}
     assert "failed" in results["bert_unused_raw_style"] and "bert_unused_raw_style" in results["bert_unused_raw_style"]
-    # the Trainer scripts start a launch each (no process group before they save), the group's destroyer ends one
+    # the group's destroyer ends a launch; every other case shares it
     assert _launches(["hf_trainer_style", "cifar_style", "comm_checkpoint_style", "hf_trainer_zero3_style"]) == [
-        ["hf_trainer_style", "cifar_style"], ["hf_trainer_zero3_style", "comm_checkpoint_style"]]
+        ["hf_trainer_style", "cifar_style", "hf_trainer_zero3_style", "comm_checkpoint_style"]]
+    assert _launches(["comm_checkpoint_style", "cifar_style"]) == [["cifar_style", "comm_checkpoint_style"]]
