@@ -9,11 +9,17 @@ run lists them all.
 The input dialect is sniffed, or given with `--from` where the folder names a dialect torsh has. Commands run
 in-process (`torsh.cli.main`) in the file's folder, where relative paths inside a config (an Accelerate YAML's
 `deepspeed_config_file`) resolve the same whether torsh reads them relative to the file or to the working directory.
+Two things a command repeats for every call are done once per module (CPU: the module makes ~7,000 calls): the
+argument parser `main` builds (the same parser each time; a parse does not change it), and the parse of a file's
+text (every command of a file reads the same text; each gets its own copy of what the parse returned, and a text
+whose parse fails is parsed again by every command).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import io
 import json
 import re
@@ -22,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from torsh import adapters
+import torsh.cli
+from torsh import adapters, formats
 from torsh.cli import main
 
 CORPUS = Path(__file__).resolve().parent / "fixtures" / "corpus"
@@ -41,6 +48,26 @@ FILES = sorted(p for folder in FOLDER_DIALECTS for p in (CORPUS / folder).glob("
                if p.is_file() and p.name != "SOURCES.md")  # fmt: skip
 LINES = [line for name in ("lines.json", "script_lines.json")
          for line in json.loads((CORPUS / "launch" / name).read_text(encoding="utf-8"))]  # fmt: skip
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _once_per_module():
+    """One argument parser for every ``main`` call of the module, and one parse per (text, format)."""
+    parsed: dict[tuple[str, str], tuple[object, list[str]]] = {}
+    parse = formats._parse
+
+    def parse_once(text: str, fmt: str, notes: list[str]):
+        if (text, fmt) not in parsed:
+            own: list[str] = []
+            parsed[text, fmt] = (parse(text, fmt, own), own)  # a parse that raises is not kept
+        data, own = parsed[text, fmt]
+        notes.extend(own)
+        return copy.deepcopy(data)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torsh.cli, "build_parser", functools.cache(torsh.cli.build_parser))
+        patch.setattr(formats, "_parse", parse_once)
+        yield
 
 
 def _dialect(path: Path) -> str | None:

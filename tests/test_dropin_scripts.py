@@ -5,6 +5,18 @@ raises on import (so real DeepSpeed cannot be reached), and by ``torchrun`` with
 per-step losses they write must agree: fp32 within 1e-5 relative, bf16 within the parity band. The scripts of
 one side run one after the other in the ranks of one launch (tests/dropin_scripts/_run_cases.py), each unchanged
 as ``__main__`` and checked by its own test.
+
+The same launches run two Hugging Face scripts whose optimizer and scheduler are built by the Trainer or the script
+(HF_CASES, with checks of their own): the per-step losses agree (fp32, 1e-5 relative), the learning rates are the
+warm-up's, and the weights moved as far as DeepSpeed's.
+
+- ``trainer_zero3`` (tests/dropin_scripts/hf_trainer_client_optim.py): ``Trainer`` with
+  ``TrainingArguments(deepspeed=<dict>)``, a config without ``optimizer``/``scheduler``, the Trainer's default
+  optimizer (a fused AdamW: it crashed at ZeRO-2/3, "fused and foreach cannot be True together") and
+  ``optim="adamw_torch"``.
+- ``accelerate_scheduler_zero2`` (tests/dropin_scripts/hf_accelerate_scheduler.py): a warm-up scheduler built
+  before ``accelerator.prepare`` on the script's optimizer (not passed to ``initialize``): it stepped an optimizer
+  that no longer stepped, and the run trained nothing at lr 0 while the scheduler reported a rising lr.
 """
 
 from __future__ import annotations
@@ -42,10 +54,15 @@ CASES = {
     "accelerate_zero3_style": ("accelerate_style", ["--zero_stage", "3"], "fp32", None),
     "accelerate_compile_style": ("accelerate_style", ["--dynamo_backend", "eager"], "fp32", None),
 }
+#: Cases with checks of their own (the tests at the end), run in the same launches as CASES.
+HF_CASES = {"trainer_zero3": ("hf_trainer_client_optim", ["--zero_stage", "3"], "fp32", None),
+            "accelerate_scheduler_zero2": ("hf_accelerate_scheduler", ["--zero_stage", "2"], "fp32", None)}
+ALL_CASES = {**CASES, **HF_CASES}
 #: Cases whose script needs packages beyond the engine's (skipped, with the reason, when they are missing).
 NEEDS = {"hf_trainer_style": ("transformers", "accelerate"), "hf_trainer_zero3_style": ("transformers", "accelerate"),
          "accelerate_style": ("accelerate",), "accelerate_zero3_style": ("accelerate",),
-         "accelerate_compile_style": ("accelerate",)}
+         "accelerate_compile_style": ("accelerate",), "trainer_zero3": ("transformers", "accelerate"),
+         "accelerate_scheduler_zero2": ("transformers", "accelerate")}
 #: Cases real DeepSpeed 0.19.8 cannot run on the CPU, and why (they run on torsh only).
 DEEPSPEED_CANNOT = {"cifar_style_fp16": "DeepSpeed 0.19.8 on the CPU accelerator fails in BatchNorm with fp16 "
                                         "('expected scalar type Half but found Float')"}
@@ -65,9 +82,6 @@ def _env(extra_path: str | None = None) -> dict:
 EXIT_ABORT = "terminate called without an active exception"
 #: Runs several cases in the ranks of one launch (each script unchanged, as ``__main__``).
 RUNNER = SCRIPTS / "_run_cases.py"
-#: Cases that start a launch of their own: the Trainer scripts save per-rank weights before any process group
-#: exists (with one, Transformers' save_pretrained writes on rank 0 only).
-FIRST = ("hf_trainer_style", "hf_trainer_zero3_style")
 #: Cases that end a launch: the script destroys its process group.
 LAST = ("comm_checkpoint_style",)
 
@@ -86,12 +100,11 @@ def _case(name: str, tmp: Path, cases: dict | None = None) -> dict:
 
 
 def _launches(names: list[str]) -> list[list[str]]:
-    """The cases in as few launches as FIRST and LAST allow."""
-    firsts = [name for name in names if name in FIRST]
-    rest = [name for name in names if name not in FIRST and name not in LAST]
-    launches = [[first] for first in firsts] or [[]]
-    launches[0] += rest
-    launches[-1] += [name for name in names if name in LAST]
+    """The cases in as few launches as LAST allows: one, unless more than one case destroys its process group."""
+    last = [name for name in names if name in LAST]
+    launches = [[name for name in names if name not in LAST]]
+    launches[-1] += last[:1]
+    launches += [[name] for name in last[1:]]
     return [launch for launch in launches if launch]
 
 
@@ -183,8 +196,9 @@ def torsh_results(tmp_path_factory) -> dict[str, dict | str]:
     blocker = tmp / "blocker" / "deepspeed"
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text(BLOCKER)
-    names = [name for name in sorted(CASES) if _needs_met(name)]
-    return _launch_all([sys.executable, "-m", "torsh.run"], names, tmp / "runs", _env(str(tmp / "blocker")))
+    names = [name for name in sorted(ALL_CASES) if _needs_met(name)]
+    return _launch_all([sys.executable, "-m", "torsh.run"], names, tmp / "runs", _env(str(tmp / "blocker")),
+                       cases=ALL_CASES)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -192,9 +206,9 @@ def deepspeed_results(tmp_path_factory) -> dict[str, dict | str]:
     """Every case real DeepSpeed runs here (whose packages are installed) under ``torchrun`` with DeepSpeed
     0.19.8, in as few launches as they allow."""
     pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is installed by requirements-dev.txt")
-    names = [name for name in sorted(set(CASES) - set(DEEPSPEED_CANNOT)) if _needs_met(name)]
+    names = [name for name in sorted(set(ALL_CASES) - set(DEEPSPEED_CANNOT)) if _needs_met(name)]
     return _launch_all([sys.executable, "-m", "torch.distributed.run"], names, tmp_path_factory.mktemp("deepspeed"),
-                       _env(), reference=True)  # fmt: skip
+                       _env(), reference=True, cases=ALL_CASES)  # fmt: skip
 
 
 def _relative(a: float, b: float) -> float:
@@ -315,6 +329,65 @@ def test_a_case_failing_in_a_shared_launch_fails_alone_and_the_cases_after_it_ru
     assert {name: results[name] for name in names if name != "bert_unused_raw_style"} == {
         name: {"losses": [1.0]} for name in ("cifar_style", "accelerate_style", "comm_checkpoint_style")}
     assert "failed" in results["bert_unused_raw_style"] and "bert_unused_raw_style" in results["bert_unused_raw_style"]
-    # the Trainer scripts start a launch each (no process group before they save), the group's destroyer ends one
+    # the group's destroyer ends a launch; every other case shares it
     assert _launches(["hf_trainer_style", "cifar_style", "comm_checkpoint_style", "hf_trainer_zero3_style"]) == [
-        ["hf_trainer_style", "cifar_style"], ["hf_trainer_zero3_style", "comm_checkpoint_style"]]
+        ["hf_trainer_style", "cifar_style", "hf_trainer_zero3_style", "comm_checkpoint_style"]]
+    assert _launches(["comm_checkpoint_style", "cifar_style"]) == [["cifar_style", "comm_checkpoint_style"]]
+
+
+# ---- Hugging Face scripts with checks of their own (HF_CASES) ------------------------------------------------------
+
+
+def _both(case: str, torsh_results: dict, request) -> tuple[dict, dict | None]:
+    """(torsh's record, DeepSpeed's or None when DeepSpeed is not installed) of an HF_CASES case."""
+    _skip_without_needs(case)
+    ours = _record(torsh_results, case)
+    try:
+        theirs = _record(request.getfixturevalue("deepspeed_results"), case)
+    except pytest.skip.Exception:  # without DeepSpeed torsh's own checks still run
+        theirs = None
+    assert ours["deepspeed_version"] == "0.19.8+torsh" and ours["real_deepspeed_modules"] == 0
+    if theirs is not None:
+        assert theirs["real_deepspeed_modules"] > 0
+    return ours, theirs
+
+
+def _same_losses(case: str, ours: list[float], theirs: list[float]) -> float:
+    assert len(ours) == len(theirs) > 0
+    worst = max(_relative(a, b) for a, b in zip(ours, theirs))
+    assert worst <= TOLERANCE["fp32"], f"{case}: losses differ by {worst:.3g}:\n{ours}\n{theirs}"
+    return worst
+
+
+@pytest.mark.slow
+def test_trainer_builds_optimizer_and_scheduler_and_trains_as_under_deepspeed(torsh_results, request):
+    ours, theirs = _both("trainer_zero3", torsh_results, request)
+    for optim, expected in (("default", "adamw_torch_fused"), ("adamw_torch", "adamw_torch")):
+        run = ours["runs"][optim]
+        assert run["optim"] == expected and run["fused"] is (expected == "adamw_torch_fused")
+        assert run["lrs"][0] == 0.0 and run["lrs"][3] == pytest.approx(5e-3)  # warm-up from 0, then decay
+        assert run["moved"] > 1e-3  # trained (the weights stayed bit-identical when the scheduler drove nothing)
+        if theirs is None:
+            continue
+        ref = theirs["runs"][optim]
+        worst = _same_losses(f"trainer {optim}", run["losses"], ref["losses"])
+        assert run["lrs"] == pytest.approx(ref["lrs"]) and run["moved"] == pytest.approx(ref["moved"], rel=1e-3)
+        print(f"trainer_zero3 {optim}: {len(run['losses'])} steps, worst relative loss difference {worst:.2e}, "
+              f"weights moved {run['moved']:.3g} (DeepSpeed {ref['moved']:.3g})")
+    if theirs is None:
+        pytest.skip("DeepSpeed 0.19.8 (requirements-dev.txt) is not installed: not compared")
+
+
+@pytest.mark.slow
+def test_scheduler_built_before_prepare_drives_the_optimizer_that_steps(torsh_results, request):
+    ours, theirs = _both("accelerate_scheduler_zero2", torsh_results, request)
+    assert ours["reported"][0] == 0.0 and max(ours["reported"]) > 0
+    assert ours["held"] == pytest.approx(ours["reported"])  # the lr used at every step is the one reported
+    assert ours["moved"] > 1e-3
+    if theirs is None:
+        pytest.skip("DeepSpeed 0.19.8 (requirements-dev.txt) is not installed: not compared")
+    worst = _same_losses("accelerate_scheduler_zero2", ours["losses"], theirs["losses"])
+    assert ours["reported"] == pytest.approx(theirs["reported"]) and ours["held"] == pytest.approx(theirs["held"])
+    assert ours["moved"] == pytest.approx(theirs["moved"], rel=1e-3)
+    print(f"accelerate_scheduler_zero2: {len(ours['losses'])} steps, worst relative loss difference {worst:.2e}, "
+          f"weights moved {ours['moved']:.3g} (DeepSpeed {theirs['moved']:.3g})")

@@ -6,8 +6,9 @@ working directory and variables its own launch would give it, and writes its rec
 Between two scripts the state a fresh process would not have is put back: the environment variables and the
 random generators (torch, Python, NumPy) as they were when this runner started, Accelerate's and Transformers'
 process-wide state, and TorchDynamo's compiled code. The process group stays (DeepSpeed keeps its groups in module
-state): the scripts initialise it only when none exists, as they do in their own launch; the harness puts a script
-that needs no group at its start first in a launch, and one that destroys its group last. A script that raises
+state): the scripts initialise it only when none exists, as they do in their own launch (a script that works
+differently when a group exists, such as one saving per-rank files, checks for one); the harness puts one that
+destroys its group last. A script that raises
 ends the launch (its peers would wait in a collective otherwise); the harness tells the failed case from the
 records written and runs the remaining ones in a new launch.
 """

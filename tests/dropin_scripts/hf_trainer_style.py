@@ -48,10 +48,15 @@ def main():
         json.dump({**DS_CONFIG, "zero_optimization": {"stage": args.zero_stage,
                                                        "stage3_gather_16bit_weights_on_model_save": True}}, f)
     out_dir = os.path.dirname(args.out)
-    pretrained = f"{out_dir}/pretrained{os.environ.get('RANK', '0')}"  # the same weights on every rank (one seed)
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
-    GPT2LMHeadModel(config).save_pretrained(pretrained)
+    if torch.distributed.is_initialized():  # save_pretrained writes on rank 0 only: the others wait for it
+        pretrained = f"{out_dir}/pretrained"
+        GPT2LMHeadModel(config).save_pretrained(pretrained)
+        torch.distributed.barrier()
+    else:  # the same weights on every rank (one seed)
+        pretrained = f"{out_dir}/pretrained{os.environ.get('RANK', '0')}"
+        GPT2LMHeadModel(config).save_pretrained(pretrained)
     losses = _train(config_path, out_dir, args.bf16, seed=0, pretrained=pretrained)
     trainer = losses.pop()
     trainer.save_model(out_dir + "/final")
