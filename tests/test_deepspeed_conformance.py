@@ -530,6 +530,90 @@ def external_param(rank: int, world_size: int, scenario: dict) -> dict:
     return {"losses": losses}
 
 
+def config_optimizer(rank: int, world_size: int, scenario: dict) -> dict:
+    """TestConfigOptimizer / TestClientOptimizer[None]: the class of the optimizer a config ``"Adam"`` builds (the
+    returned one at stage 0, its ``.optimizer`` at ZeRO stages) and the losses of 3 steps with weight decay, in
+    AdamW mode and with ``adam_w_mode: false``. DeepSpeed's ``FusedAdam`` is a compiled op, which this suite does
+    not build: on DeepSpeed the losses are those of ``torch_adam: true`` (the same update, torch's class) and its
+    class choice is read from DeepSpeed's own code (:func:`test_config_optimizer_class`)."""
+    ds = _ds(scenario["engine"])
+    torch_adam = scenario["engine"] == "deepspeed"
+    out = {}
+    cases = [("adamw", 0, {"weight_decay": 0.1}, {}), ("adam_l2", 0, {"weight_decay": 0.1, "adam_w_mode": False}, {}),
+             ("stage3", 3, {}, {})]  # fmt: skip
+    if not torch_adam:
+        cases += [("stage1", 1, {}, {}), ("offload", 3, {}, {"offload_optimizer": {"device": "cpu"}}),
+                  ("torch_adam", 0, {"torch_adam": True}, {})]  # fmt: skip
+    for name, stage, params, zero in cases:
+        config = _config(stage, optimizer={"type": "Adam", "params": {"lr": 1e-2, **params,
+                                                                       **({"torch_adam": True} if torch_adam else {})}},
+                         zero_optimization={"stage": stage, **zero})  # fmt: skip
+        model = _model()
+        engine, optimizer, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+        basic = optimizer if stage == 0 else optimizer.optimizer
+        losses = []
+        for step in range(3):
+            loss = _loss(engine, step, rank)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        out[name] = {"class": type(basic).__name__, "fused": isinstance(basic, ds.ops.adam.FusedAdam),
+                     "cpu": isinstance(basic, ds.ops.adam.DeepSpeedCPUAdam), "engine": engine.optimizer is optimizer,
+                     "losses": losses}  # fmt: skip
+    return out
+
+
+def zero3_fp32_gathered(rank: int, world_size: int, scenario: dict) -> dict:
+    """TestZeroToFP32 at ZeRO-3 (fp32, a frozen layer): after training and ``save_checkpoint``, each parameter read
+    in ``GatheredParameters(p)`` (``p.detach()``), then ``load_state_dict_from_zero_checkpoint(engine.module, dir)``
+    inside ``GatheredParameters(all parameters)`` and the model's ``state_dict()`` read there: the same values."""
+    import torch
+    import torch.distributed as dist
+
+    ds = _ds(scenario["engine"])
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    model[0].bias.requires_grad_(False)
+    engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=_config(3))
+    for step in range(2):
+        engine.backward(_loss(engine, step, rank))
+        engine.step()
+    engine.save_checkpoint(scenario["dir"])
+    dist.barrier()
+    gathered = {}
+    for name, p in engine.module.named_parameters():
+        with ds.zero.GatheredParameters(p, modifier_rank=None):
+            gathered[name] = p.detach().cpu().clone()
+    with ds.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        loaded = ds.utils.zero_to_fp32.load_state_dict_from_zero_checkpoint(engine.module, scenario["dir"])
+        state = {k: v.detach().clone() for k, v in loaded.state_dict().items()}
+    return {"names": sorted(gathered) == sorted(state),
+            "equal": all(torch.allclose(gathered[k].float(), state[k].float()) for k in gathered if k in state),
+            "shapes": sorted(tuple(v.shape) for v in state.values())}  # fmt: skip
+
+
+def construction_refusals(rank: int, world_size: int, scenario: dict) -> dict:
+    """TestZeroOffloadOptim (a torch optimizer passed with ``offload_optimizer`` cpu: refused unless
+    ``zero_force_ds_cpu_optimizer: false``) and TestIncorectAllgatherBucketSize (ZeRO-2 with an optimizer: an odd
+    ``allgather_bucket_size`` refused, an even one runs)."""
+    import torch
+
+    ds = _ds(scenario["engine"])
+
+    def client(force: bool):
+        model = _model()
+        config = {**_config(1, zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}),
+                  "zero_force_ds_cpu_optimizer": force}  # fmt: skip
+        del config["optimizer"]
+        ds.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()), config=config)
+
+    def bucket(size: int):
+        _init(ds, _config(2, zero_optimization={"stage": 2, "allgather_bucket_size": size}))
+
+    return {"forced": _error(lambda: client(True)), "not_forced": _error(lambda: client(False)),
+            "odd": _error(lambda: bucket(1001)), "even": _error(lambda: bucket(1000))}  # fmt: skip
+
+
 def _scenarios(tmp: str) -> list[dict]:
     out = []
     for engine in ENGINES:
@@ -544,6 +628,10 @@ def _scenarios(tmp: str) -> list[dict]:
         out.append({**call, "name": f"reduceop_{engine}", "target": f"{MODULE}:reduce_op"})
         out.append({**call, "name": f"external_{engine}", "target": f"{MODULE}:external_param"})
         out.append({**call, "name": f"lateinit_{engine}", "target": f"{MODULE}:zero_init_late_change"})
+        out.append({**call, "name": f"optim_{engine}", "target": f"{MODULE}:config_optimizer"})
+        out.append({**call, "name": f"refusals_{engine}", "target": f"{MODULE}:construction_refusals"})
+        out.append({**call, "name": f"z3fp32_{engine}", "target": f"{MODULE}:zero3_fp32_gathered",
+                    "dir": f"{tmp}/z3fp32_{engine}"})
         out.append({**call, "name": f"fp32load_{engine}", "target": f"{MODULE}:zero_to_fp32_load",
                     "dir": f"{tmp}/fp32_{engine}"})
     return out
@@ -692,3 +780,68 @@ def test_zero3_external_parameter(records):
     DeepSpeed's losses (it failed on torsh with "mixed torch.Tensor and DTensor")."""
     for ours, theirs in zip(_ranks(records, "external", "torsh"), _ranks(records, "external", "deepspeed")):
         assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
+
+
+def test_config_optimizer_class():
+    """TestConfigOptimizer / TestClientOptimizer[None] (``isinstance(optimizer, deepspeed.ops.adam.FusedAdam)`` for
+    ``"optimizer": {"type": "Adam"}``): the class DeepSpeed's engine constructs for a config Adam, read from its own
+    choice (``get_optimizer_configuration``, without building the op), is the class of the optimizer torsh's
+    ``initialize`` returns, in DeepSpeed's ``ops.adam``: ``FusedAdam``, ``DeepSpeedCPUAdam`` with the optimizer
+    offloaded, torch's class with ``torch_adam: true``."""
+    import types
+
+    import torch
+
+    engine_cls = _ds("deepspeed", "runtime.engine").DeepSpeedEngine
+
+    def chosen(offload: bool, **params):
+        stand_in = types.SimpleNamespace(zero_use_cpu_optimizer=lambda: offload, bf16_optimizer_states=lambda: False,
+                                         zenflow=False)  # fmt: skip
+        cls, kwargs = engine_cls.get_optimizer_configuration(stand_in, {"lr": 1e-2, **params}, True)
+        return cls, kwargs
+
+    real = _ds("deepspeed", "ops.adam")
+    assert chosen(False) == (real.FusedAdam, {"adam_w_mode": True})
+    assert chosen(True)[0] is real.DeepSpeedCPUAdam and chosen(True)[1]["adamw_mode"] is True
+    assert chosen(False, torch_adam=True)[0] is torch.optim.AdamW
+    assert all(issubclass(c, torch.optim.Optimizer) for c in (_ds("torsh", "ops.adam").FusedAdam,
+                                                                _ds("torsh", "ops.adam").DeepSpeedCPUAdam))  # fmt: skip
+
+
+def test_config_optimizer(records):
+    """The optimizer a config ``"Adam"`` builds on torsh is an instance of ``deepspeed.ops.adam.FusedAdam``
+    (``DeepSpeedCPUAdam`` when offloaded, ``torch.optim.AdamW`` with ``torch_adam``), the one the engine steps, and
+    computes DeepSpeed's update: the losses of DeepSpeed's Adam in both weight-decay modes. At ZeRO stages it is
+    ``engine.optimizer.optimizer``, at stage 3 too."""
+    for ours, theirs in zip(_ranks(records, "optim", "torsh"), _ranks(records, "optim", "deepspeed")):
+        for name in ("adamw", "adam_l2", "stage1"):
+            assert ours[name]["class"] == "FusedAdam" and ours[name]["fused"], (name, ours[name])
+        assert ours["adamw"]["engine"] and ours["adam_l2"]["engine"]
+        assert ours["stage3"]["class"] == "FusedAdam" and theirs["stage3"]["class"] == "AdamW"  # engine.optimizer.optimizer
+        assert ours["offload"]["class"] == "DeepSpeedCPUAdam" and ours["offload"]["cpu"]
+        assert ours["torch_adam"]["class"] == "AdamW" and not ours["torch_adam"]["fused"]
+        for name in ("adamw", "adam_l2"):
+            assert theirs[name]["class"] in ("Adam", "AdamW")  # torch_adam on DeepSpeed (see config_optimizer)
+            assert ours[name]["losses"] == pytest.approx(theirs[name]["losses"], rel=1e-5), name
+        assert ours["adamw"]["losses"] != pytest.approx(ours["adam_l2"]["losses"], rel=1e-7)  # the modes differ
+
+
+@both
+def test_zero_to_fp32_1_param_group_zero3(records, engine):
+    """TestZeroToFP32::test_1_param_group at ZeRO-3 (fp32, a frozen layer): the checkpoint loaded into the gathered
+    model gives the values each gathered parameter had (it failed on torsh: FSDP2's ``.cpu()`` and
+    ``load_state_dict`` put shards back in the gathered module; and ``p.detach()`` in the context was a shard)."""
+    for r in _ranks(records, "z3fp32", engine):
+        assert r["names"] and r["equal"]
+        assert r["shapes"] == sorted([[16, 8], [16], [8, 16], [8]])  # whole, not this rank's half
+
+
+@both
+def test_zero_offload_optim_and_allgather_bucket_size(records, engine):
+    """TestZeroOffloadOptim and TestIncorectAllgatherBucketSize: DeepSpeed's refusals when it sets up the optimizer
+    (``ZeRORuntimeException`` naming ``zero_force_ds_cpu_optimizer``; ``AssertionError`` naming
+    ``allgather_bucket_size``), and the same setups run without them."""
+    for r in _ranks(records, "refusals", engine):
+        assert "ZeRORuntimeException" in r["forced"] and "zero_force_ds_cpu_optimizer" in r["forced"], r["forced"]
+        assert "AssertionError" in r["odd"] and "allgather_bucket_size must be a multiple" in r["odd"], r["odd"]
+        assert r["not_forced"] is None and r["even"] is None, r

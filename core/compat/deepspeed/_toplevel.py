@@ -47,7 +47,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     assert model is not None, "deepspeed.initialize requires a model (pass model=your nn.Module)"
 
-    from .runtime.config import InvalidConfig, check_gradient_allreduce_op
+    from .runtime.config import InvalidConfig, check_gradient_allreduce_op, check_optimizer_construction
     from .runtime.zero.partition_parameters import check_before_initialize
 
     source = config if config is not None else config_params
@@ -55,6 +55,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         source = getattr(args, "deepspeed_config", None)
     if source is not None:
         check_gradient_allreduce_op(source)  # DeepSpeed's engine refuses these when it reads the config
+        check_optimizer_construction(source, optimizer)  # and these when it sets up the optimizer
     check_before_initialize(model)
     try:
         result = torsh_initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
@@ -67,9 +68,56 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             raise
         # the same problems, as an error `except deepspeed.DeepSpeedConfigError` catches too (and ValueError)
         raise InvalidConfig(exc.problems, source=exc.source) from None
+    if optimizer is None:
+        _as_deepspeed_adam(result[0])
+    _zero_optimizer_surface(result[0])
     level = result[0].log_level()
     if level is not None:  # DeepSpeed sets its logger's level from the config's log_level
         from .utils import set_log_level_from_string
 
         set_log_level_from_string(level)
     return result
+
+
+def _as_deepspeed_adam(engine) -> None:
+    """DeepSpeed builds its own class for a config ``"Adam"`` / ``"AdamW"`` optimizer (``FusedAdam``, or
+    ``DeepSpeedCPUAdam`` when ``zero_optimization.offload_optimizer.device`` is cpu or nvme) unless
+    ``torch_adam: true``, and scripts check it (``isinstance(optimizer, deepspeed.ops.adam.FusedAdam)``). The torsh
+    engine builds ``torch.optim.AdamW`` (or ``Adam`` for ``adam_w_mode: false``), the same update. That object
+    becomes an instance of the drop-in's class of the same name, a subclass of ``torch.optim.Adam`` whose step is
+    the one it had (the weight-decay mode is each group's ``decoupled_weight_decay``); its parameters, groups,
+    state and identity are unchanged, and ``defaults`` gain the keys the class's own constructor sets."""
+    import torch
+
+    config = engine.config if isinstance(engine.config, dict) else {}
+    section = config.get("optimizer")
+    if not isinstance(section, dict) or str(section.get("type", "")).lower() not in ("adam", "adamw"):
+        return
+    params = section.get("params") if isinstance(section.get("params"), dict) else {}
+    if params.get("torch_adam", False):
+        return
+    target = engine.optimizer
+    if target is not None and type(target).__name__ == "ZeroRedundancyOptimizer":
+        target = target.optim  # ZeRO-1: the torch optimizer of this rank's partition (DeepSpeed's basic optimizer)
+    if type(target) not in (torch.optim.Adam, torch.optim.AdamW):
+        return
+    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+    offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
+    decoupled = all(g.get("decoupled_weight_decay", False) for g in target.param_groups)
+    from .ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    if str(offload.get("device", "none")).lower() in ("cpu", "nvme"):
+        target.__class__ = DeepSpeedCPUAdam
+        target.defaults.update(adamw_mode=decoupled, bias_correction=True, fp32_optimizer_states=True)
+    else:
+        target.__class__ = FusedAdam
+        target.defaults.update(adam_w_mode=decoupled, bias_correction=True, set_grad_none=True)
+
+
+def _zero_optimizer_surface(engine) -> None:
+    """At every ZeRO stage DeepSpeed's ``engine.optimizer`` is its ZeRO optimizer, whose ``.optimizer`` is the torch
+    optimizer it steps (``engine.optimizer.optimizer.param_groups``). The torsh engine gives stages 1 and 2 that
+    member; at stage 3 its optimizer is the torch optimizer itself, which then names itself."""
+    optimizer = engine.optimizer
+    if optimizer is not None and engine.zero_optimization_stage() == 3 and not hasattr(optimizer, "optimizer"):
+        optimizer.optimizer = optimizer

@@ -139,6 +139,43 @@ def check_gradient_allreduce_op(config) -> None:
     _check_allreduce_op(op, stage, zero.get("zenflow") is not None, bool(compile_.get("deepcompile")))
 
 
+def check_optimizer_construction(config, optimizer) -> None:
+    """What DeepSpeed's engine refuses when it sets up the optimizer for ``config`` (read as by
+    :func:`check_gradient_allreduce_op`) and the ``optimizer`` the script passed, with its exceptions and messages:
+    ZeRO-Offload of the optimizer (``offload_optimizer.device`` cpu or nvme) with an optimizer object that is not
+    ``DeepSpeedCPUAdam`` / ``DeepSpeedCPULion``, unless ``zero_force_ds_cpu_optimizer: false``
+    (``ZeRORuntimeException``); at ZeRO 1/2 with an optimizer, an ``allgather_bucket_size`` that is not a multiple
+    of 2 (``AssertionError``)."""
+    import torch
+
+    try:
+        d = config if isinstance(config, dict) else _read(config)
+    except Exception:  # noqa: BLE001 - an unreadable config is reported by the reader that reads it whole
+        return
+    if not isinstance(d, dict):
+        return
+    zero = d.get("zero_optimization") if isinstance(d.get("zero_optimization"), dict) else {}
+    offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
+    if (isinstance(optimizer, torch.optim.Optimizer) and str(offload.get("device", "none")).lower() in ("cpu", "nvme")
+            and get_scalar_param(d, ZERO_FORCE_DS_CPU_OPTIMIZER, True)):  # fmt: skip
+        from ..ops.adam import DeepSpeedCPUAdam
+        from ..ops.lion import DeepSpeedCPULion
+        from .zero.utils import ZeRORuntimeException
+
+        if not isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPULion)):
+            raise ZeRORuntimeException(
+                f"You are using ZeRO-Offload with a client provided optimizer ({type(optimizer)}) which in most cases "
+                "will yield poor performance. Please either use deepspeed.ops.adam.DeepSpeedCPUAdam or set an "
+                "optimizer in your ds-config (https://www.deepspeed.ai/docs/config-json/#optimizer-parameters). If "
+                "you really want to use a custom optimizer w. ZeRO-Offload and understand the performance impacts "
+                "you can also set <\"zero_force_ds_cpu_optimizer\": false> in your configuration file.")
+    stage = str(zero.get("stage", 0))
+    size = zero.get("allgather_bucket_size")
+    has_optimizer = optimizer is not None or isinstance(d.get("optimizer"), dict)
+    if stage in ("1", "2") and has_optimizer and isinstance(size, (int, float)) and not isinstance(size, bool):
+        assert int(size) % 2 == 0, "allgather_bucket_size must be a multiple of nccl_start_alignment_factor, 2 "
+
+
 def get_prescale_gradients(param_dict):
     return get_scalar_param(param_dict, "prescale_gradients", False)
 

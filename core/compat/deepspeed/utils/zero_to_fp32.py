@@ -114,19 +114,46 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
 
 def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
     """Move ``model`` to the CPU, load the checkpoint's fp32 weights into it (``strict=False``) and return it;
-    ``engine.module`` of a sharded job (ZeRO 2/3) takes each rank's shard of those weights."""
-    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
-    model = model.cpu()
-    from torch.distributed.tensor import DTensor
+    ``engine.module`` of a sharded job (ZeRO 2/3) takes each rank's shard of those weights. Inside
+    ``deepspeed.zero.GatheredParameters`` (DeepSpeed's ZeRO-3 use: load, then read ``model.state_dict()`` in the
+    context) the gathered full parameters take the weights and the model stays where it is (a sharded module is
+    moved only as a whole, outside the context); what the context does on exit decides what is kept, as in
+    DeepSpeed."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    params = list(model.parameters())
+    sharded = [isinstance(p, DTensor) for p in params]
+    if not _is_fsdp(model):
+        model = model.cpu()
+        model.load_state_dict(state, strict=False)
+    elif all(sharded):
         # engine.module at ZeRO 2/3 (FSDP2-sharded): each rank takes its shard of the full fp32 values
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        model = model.cpu()
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
     else:
-        model.load_state_dict(state, strict=False)
+        # gathered by GatheredParameters: FSDP2's own loading (and moving) would put shards back, so each value is
+        # copied into the parameter the module holds now (a gathered one whole, a shard its part)
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        with torch.no_grad():
+            for name, value in state.items():
+                target = tensors.get(name)
+                if target is None:
+                    continue
+                value = value.to(device=target.device, dtype=target.dtype)
+                if isinstance(target, DTensor):
+                    value = distribute_tensor(value, target.device_mesh, target.placements)
+                target.copy_(value)
     return model
+
+
+def _is_fsdp(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _output_dtype(dtype: Any) -> Any:

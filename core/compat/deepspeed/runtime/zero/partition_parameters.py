@@ -353,8 +353,9 @@ class GatheredParameters:
 
 
 class _WholeData:
-    """Mixed into a sharded parameter's class inside :class:`GatheredParameters`: ``param.data`` is its whole value,
-    as on a gathered DeepSpeed parameter (``with GatheredParameters([p]): p.data.cpu()``)."""
+    """Mixed into a sharded parameter's class inside :class:`GatheredParameters`: ``param.data`` and
+    ``param.detach()`` are its whole value, as on a gathered DeepSpeed parameter (``with GatheredParameters([p]):
+    p.data.cpu()``)."""
 
     @property
     def data(self):
@@ -366,6 +367,9 @@ class _WholeData:
         if full is not None:
             full.data = value.to(full.dtype)
         self.__dict__[_GATHERED] = (value, full)
+
+    def detach(self):  # the whole value, as a gathered DeepSpeed parameter's (``p.detach().cpu()`` in the context)
+        return self.__dict__[_GATHERED][0].detach()
 
 
 _whole_types: dict[type, type] = {}
