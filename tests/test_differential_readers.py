@@ -248,10 +248,10 @@ def titan_parse():
 
     from torchtitan.config.manager import ConfigManager
 
-    def parse(path: Path, fast: bool = False) -> bool | str:
+    def parse(path: Path, fast: bool = False, extra: tuple[str, ...] = ()) -> bool | str:
         """``fast``: parse_args without its tyro step, which only lays command-line overrides (none here) over
-        the TOML's dataclass and takes most of the time."""
-        args = ["--job.config_file", str(path)]
+        the TOML's dataclass and takes most of the time. ``extra``: more command-line arguments."""
+        args = ["--job.config_file", str(path), *extra]
         try:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 if not fast:
@@ -454,11 +454,25 @@ def disagreements(dialect: str, cases: list, framework: Callable[[dict], bool | 
                                     if rule(original, kind, path, verdict, result)), None)  # fmt: skip
             entry = (label, verdict if verdict is not True else str(result)[:300])
             found["deliberate" if why else "disagree"].append((*entry, why) if why else entry)
+    _tally(dialect, cases, found)
     return found
 
 
+def _tally(dialect: str, cases: list, found: dict) -> None:
+    """With TORSH_DIFFERENTIAL_TALLY set to a file, one JSON line per comparison: the inputs (corpus files and
+    mutations), each outcome's count and the disagreements (what the long run reports per dialect)."""
+    target = os.environ.get("TORSH_DIFFERENTIAL_TALLY")
+    if not target:
+        return
+    line = {"dialect": dialect, "corpus": sum(1 for c in cases if c[2] == "corpus"),
+            "mutations": sum(1 for c in cases if c[2] != "corpus"),
+            **{k: len(v) for k, v in found.items()}, "disagreements": [list(map(str, d)) for d in found["disagree"]]}
+    with open(target, "a", encoding="utf-8") as out:
+        out.write(json.dumps(line) + "\n")
+
+
 def _report(found: dict) -> str:
-    return "\n".join(f"{label}\n    {detail}" for label, detail in found["disagree"][:25])
+    return "\n".join(f"{label}\n    {detail}" for label, detail, *_ in found["disagree"][:25])
 
 
 # ---- DeepSpeed ---------------------------------------------------------------------------------------------------
@@ -748,7 +762,22 @@ def _torchtitan_verdict(data: dict, parse: Callable[[Path], bool | str], tmp: Pa
     path = tmp / "job.toml"
     path.write_text(dump_text(data, "toml"), encoding="utf-8")
     verdict = parse(path, fast=True)
+    if "Invalid field names" in str(verdict):  # runs with the extension module named on the command line?
+        module = _titan_extension_of(data)
+        if module and parse(path, fast=True, extra=("--job.custom_config_module", module)) is True:
+            return "flag:--job.custom_config_module"
     return f"machine: {verdict}" if "ModuleNotFoundError" in str(verdict) else verdict
+
+
+def _titan_extension_of(data: dict) -> str | None:
+    """The extension module that defines the file's keys torchtitan's base JobConfig lacks (None: not one)."""
+    from torsh.adapters.torchtitan import key_table
+
+    table = key_table()
+    owners = {module for section, keys in data.items() if isinstance(keys, dict) for key in keys
+              if key not in table["sections"].get(section, {})
+              for module, extra in table["extensions"].items() if key in extra.get(section, ())}  # fmt: skip
+    return owners.pop() if len(owners) == 1 else None
 
 
 _TITAN_CHECKED_LATER = (("training", "local_batch_size"), ("training", "global_batch_size"), ("training", "max_norm"))
@@ -766,6 +795,33 @@ TORCHTITAN_DELIBERATE: dict[str, Callable[..., bool]] = {
         lambda original, kind, path, *_: kind == "out of range" and (path[0] in ("parallelism", "optimizer") or path
                                                                      in _TITAN_CHECKED_LATER),
 }
+
+
+def test_torchtitan_extension_keys_without_their_module_need_it_on_the_command_line(titan_parse, tmp_path):
+    """The fault-tolerance debug config without its [job] section: torchtitan defines fault_tolerance.sync_steps and
+    num_fragments only in torchtitan.components.ft.config, which [job] custom_config_module names. ConfigManager
+    refuses the file alone and runs it with --job.custom_config_module; torsh reads it with a deferred note naming
+    that flag (not lossy), and with a lossy note where the file names another extension."""
+    from torsh.formats import dump_text
+
+    raw, _ = load_file(CORPUS / "torchtitan" / "pytorch__torchtitan__llama3_ft__debug_model.toml")
+    module = raw["job"]["custom_config_module"]
+    bare = {k: v for k, v in raw.items() if k != "job"}
+    path = tmp_path / "ft_without_job.toml"
+    path.write_text(dump_text(bare, "toml"), encoding="utf-8")
+    assert "Invalid field names" in str(titan_parse(path, fast=True))
+    assert titan_parse(path, fast=True, extra=("--job.custom_config_module", module)) is True
+    t = adapters.read(copy.deepcopy(bare), "torchtitan")
+    for key in ("fault_tolerance.sync_steps", "fault_tolerance.num_fragments"):
+        (note,) = notes_at(t, key)
+        assert note.fidelity is Fidelity.DEFERRED and f"--job.custom_config_module {module}" in note.reason
+    assert not lossy_at(t, "fault_tolerance.sync_steps")
+    assert notes_at(adapters.read(copy.deepcopy(raw), "torchtitan"), "fault_tolerance.sync_steps")[0].fidelity is \
+        Fidelity.IGNORED  # fmt: skip
+    other = {**bare, "job": {"custom_config_module": "torchtitan.experiments.simple_fsdp.job_config"}}
+    path.write_text(dump_text(other, "toml"), encoding="utf-8")
+    assert "Invalid field names" in str(titan_parse(path, fast=True))
+    assert lossy_at(adapters.read(copy.deepcopy(other), "torchtitan"), "fault_tolerance.sync_steps")
 
 
 def test_torchtitan_reader_agrees_with_configmanager(titan_parse, tmp_path):
