@@ -49,6 +49,7 @@ from ._accelerate_launch import (
     _read_nullable,
     _read_num_processes,
     _without_nulls,
+    fsdp_unread,
 )
 from ._torch_names import (
     AUTO_SETTERS,
@@ -268,14 +269,37 @@ def _read_megatron(value: Any, ctx: ReadContext, path: str) -> None:
                                               if key == "megatron_lm_tp_degree" else ""))  # fmt: skip
 
 
+#: The sizes accelerate launch writes into the training process's environment without looking at them (it compares
+#: cp_size and sp_size with 1 first); ParallelismConfig reads each back with int(), so a number as text is that number.
+_SIZES_AS_TEXT = ("dp_replicate_size", "dp_shard_size", "tp_size")
+
+
+def _size(key: str, value: Any, ctx: ReadContext, path: str) -> Any:
+    """A size as ParallelismConfig gets it: ``int(str(value))`` for the sizes passed on as text."""
+    if key in _SIZES_AS_TEXT and isinstance(value, str):
+        try:
+            number = int(value)
+        except ValueError:
+            return value
+        ctx.note(path, Fidelity.EXACT, "a number as text: accelerate launch passes it on as text and Accelerate's "
+                 "ParallelismConfig reads it with int()", value)  # fmt: skip
+        return number
+    return value
+
+
 def _read_parallelism(value: Any, ctx: ReadContext, path: str) -> None:
     key = path.rsplit(".", 1)[-1].removeprefix("parallelism_config_")
-    if key in ("dp_replicate_size", "dp_shard_size") and _kind(ctx) == "FSDP":
-        _state(ctx)[key] = (value, path, value)
-        return
+    value = _size(key, value, ctx, path)
     if key.endswith("_size") and value is None:
-        ctx.problem(path, value, "null: accelerate launch compares it with 1 and fails; write 1 for none")
-    elif key.endswith("_size") and value == 1:
+        ctx.problem(path, value, "null: accelerate launch compares it with 1 or passes it on as the text 'None', "
+                    "which Accelerate's ParallelismConfig cannot read as a size; write 1 for none")  # fmt: skip
+    elif key in ("dp_replicate_size", "dp_shard_size") and _kind(ctx) == "FSDP":
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            ctx.problem(path, value, "a size is a positive number of processes (Accelerate's ParallelismConfig "
+                        "refuses anything else)")  # fmt: skip
+        else:
+            _state(ctx)[key] = (value, path, value)
+    elif key.endswith("_size") and value == 1 and not isinstance(value, bool):
         ctx.note(path, Fidelity.EXACT, "1: no such parallelism", value)
     elif key in _DEGREES:
         core, fidelity, reason = _DEGREES[key]
@@ -308,11 +332,18 @@ def _ignored_when_v2(core_path: str, what: str):
 
 
 def _read_forward_prefetch(value: Any, ctx: ReadContext, path: str) -> None:
+    """FSDP1's forward prefetch (with fsdp_version 2 the plugin does not read the key: ``_unread_by_version``)."""
     flag = to_bool(value, ctx, path)
-    if flag and _fsdp_version(ctx) >= 2:
-        ctx.problem(path, value, "Accelerate raises for forward prefetch with fsdp_version 2; remove the key")
-    elif flag is not None:
+    if flag is not None:
         _state(ctx)["sharding.forward_prefetch"] = (flag, path, value)
+
+
+def _read_use_orig_params(value: Any, ctx: ReadContext, path: str) -> None:
+    """FSDP1 reads it with str_to_bool (FSDP2 does not read it: ``_unread_by_version``)."""
+    if to_bool(value, ctx, path) is not None:
+        ctx.keep(path, value)
+        ctx.note(path, Fidelity.IGNORED, "exposes the original parameters (torch.compile, per-parameter optimizer "
+                 "groups); FSDP2 always does", value)  # fmt: skip
 
 
 # ---- the map --------------------------------------------------------------------------------------
@@ -363,8 +394,7 @@ FSDP_MAP = {
     "fsdp_config.fsdp_backward_prefetch": Hook(read=_remember("prefetch", _read_prefetch)),
     "fsdp_config.fsdp_state_dict_type": Hook(read=_remember("state_dict", _read_state_dict)),
     "fsdp_config.fsdp_forward_prefetch": Hook(read=_read_forward_prefetch),
-    "fsdp_config.fsdp_use_orig_params": Ignored("exposes the original parameters (torch.compile, per-parameter "
-                                                "optimizer groups); FSDP2 always does"),
+    "fsdp_config.fsdp_use_orig_params": Hook(read=_read_use_orig_params),
     "fsdp_config.fsdp_cpu_ram_efficient_loading": Hook(read=_remember("ram_efficient", to_bool)),
     "fsdp_config.fsdp_sync_module_states": Hook(read=_ignored_when_v2("sharding.sync_module_states",
                                                                       "sync_module_states")),
@@ -654,6 +684,31 @@ def _unread_section_keys(key: str, section: dict) -> tuple[dict, list[Note], dic
                           "accepts the file and ignores it)" + (f"; did you mean '{guess}'?" if guess else "")))
         kept[f"{key}.{name}"] = value
     return clean, notes, kept
+
+
+def _names_a_strategy(value: Any) -> bool:
+    text = str(value).upper()
+    return not isinstance(value, (list, dict)) and (text in SHARDING_STRATEGIES or text in STRATEGY_ALIASES or (
+        text.isdigit() and 1 <= int(text) <= len(SHARDING_STRATEGIES)))  # fmt: skip
+
+
+def _unread_by_version(raw: dict) -> tuple[dict, list[Note], dict]:
+    """fsdp_config keys the plugin does not read for this fsdp_version (``FSDP_UNREAD``), taken out with a note where
+    their value says nothing torsh reads: FSDP2's use_orig_params and forward_prefetch whatever they hold, FSDP2's
+    fsdp_sharding_strategy unless it names a strategy (read as the strategy ``accelerate to-fsdp2`` converts),
+    FSDP1's fsdp_reshard_after_forward unless it is a plain value (read as the strategy `accelerate config` meant)."""
+    section, unread = raw.get("fsdp_config"), fsdp_unread(raw)
+    if not unread:
+        return raw, [], {}
+    said = {"fsdp_sharding_strategy": _names_a_strategy,
+            "fsdp_reshard_after_forward": lambda v: isinstance(v, (bool, int, str)),
+            "fsdp_min_num_params": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+            "fsdp_sync_module_states": lambda v: v is None}  # fmt: skip
+    out = {k: v for k, v in section.items() if k not in unread or k in said and said[k](v)}
+    gone = [k for k in section if k not in out]
+    notes = [Note(f"fsdp_config.{k}", None, section[k], Fidelity.IGNORED, "Accelerate's FSDP plugin does not read "
+                  "this key here (accelerate launch accepts the file whatever it holds)") for k in gone]
+    return {**raw, "fsdp_config": out}, notes, {f"fsdp_config.{k}": section[k] for k in gone}
 
 
 def _inactive_sections(raw: dict) -> tuple[dict, list[Note], dict]:
@@ -1011,12 +1066,16 @@ class Accelerate(Dialect):
 
     def check_schema(self, raw: Any) -> None:
         raw, _ = _without_nulls(raw)
+        raw, _, _ = _unread_by_version(raw)
         super().check_schema(raw)
         _check_ds_file_exclusive(raw)
 
     def normalise(self, raw: Any, prepared: Prepared) -> Prepared:
         raw, unset = _without_nulls(raw)
+        raw, unread, unread_kept = _unread_by_version(raw)
         prepared.data, notes, prepared.kept = _inactive_sections(raw)
+        prepared.kept.update(unread_kept)
+        notes = unread + notes
         if "num_processes" not in raw and raw.get("distributed_type") != "NO":
             notes.append(Note("num_processes", None, None, Fidelity.DEFERRED, "not set: accelerate launch asks for "
                               "--num_processes N (Accelerate gives 1 only to distributed_type 'NO')"))  # fmt: skip

@@ -187,6 +187,80 @@ def test_accelerate_num_machines_null_loads_and_is_left_to_the_launch(accelerate
     assert t.result.launch.world_size == 2
 
 
+_FSDP2_TP = "distributed_type: FSDP\nnum_processes: 4\nfsdp_config:\n  fsdp_version: 2\nparallelism_config:\n"
+
+
+@pytest.mark.parametrize("size, value, runs", [
+    ("tp_size", "'2'", True), ("tp_size", "'1'", True), ("dp_shard_size", "'2'", True),
+    ("tp_size", "[1]", False), ("tp_size", "-2", False), ("tp_size", "auto", False), ("tp_size", "null", False),
+    ("dp_shard_size", "-2", False), ("dp_shard_size", "null", False), ("cp_size", "'2'", False),
+])  # fmt: skip
+def test_accelerate_parallelism_sizes_are_judged_as_parallelismconfig_reads_them(size, value, runs, accelerate_file):
+    """accelerate launch writes dp_replicate/dp_shard/tp sizes into the training process's environment unlooked-at
+    (cp_size and sp_size it compares with 1 first); Accelerator() then builds ParallelismConfig, which reads each back
+    with int() and refuses a size below 1. A number as text is that number; a list, "auto", null or -2 fail there,
+    and torsh refuses them naming the key."""
+    path = accelerate_file(f"{_FSDP2_TP}  parallelism_config_{size}: {value}\n")
+    import yaml
+
+    verdict = _accelerate_verdict(yaml.safe_load(path.read_text()), path.parent)
+    assert (verdict is True) is runs, verdict
+    if runs:
+        t = adapters.load(path)
+        assert notes_at(t, f"parallelism_config.parallelism_config_{size}")
+        if size == "tp_size":
+            assert t.result.parallelism.tp == int(value.strip("'"))
+    else:
+        with pytest.raises(ConfigError) as exc:
+            adapters.load(path)
+        assert exc.value.problems[0].path == f"parallelism_config.parallelism_config_{size}"
+
+
+@pytest.mark.parametrize("kind, runs", [("NO", False), ("MULTI_CPU", False), ("MULTI_GPU", True), ("FSDP", True),
+                                        ("DEEPSPEED", True)])  # fmt: skip
+def test_accelerate_use_cpu_null_is_refused_where_the_launcher_reads_it(kind, runs, accelerate_file):
+    """The one-process and CPU launchers read use_cpu with str_to_bool ("invalid truth value none"); the torchrun and
+    DeepSpeed launchers pass it over."""
+    path = accelerate_file(f"distributed_type: {kind}\nnum_processes: 2\nuse_cpu: null\n")
+    assert (_accelerate_verdict({"distributed_type": kind, "num_processes": 2, "use_cpu": None}, path.parent)
+            is True) is runs  # fmt: skip
+    if runs:
+        assert notes_at(adapters.load(path), "use_cpu")
+    else:
+        with pytest.raises(ConfigError, match="use_cpu"):
+            adapters.load(path)
+
+
+@pytest.mark.parametrize("version, key, value, runs", [
+    (1, "fsdp_use_orig_params", "auto", False), (1, "fsdp_use_orig_params", None, False),
+    (1, "fsdp_use_orig_params", "yes", True), (2, "fsdp_use_orig_params", "auto", True),
+    (2, "fsdp_use_orig_params", [True], True),
+    (1, "fsdp_reshard_after_forward", None, True), (1, "fsdp_reshard_after_forward", ["FULL_SHARD"], True),
+    (2, "fsdp_reshard_after_forward", None, False), (2, "fsdp_reshard_after_forward", ["FULL_SHARD"], False),
+    (2, "fsdp_forward_prefetch", True, True), (2, "fsdp_sharding_strategy", [True], True),
+    (1, "fsdp_min_num_params", None, True), (2, "fsdp_sync_module_states", [True], True),
+    (2, "fsdp_sync_module_states", None, False),
+])  # fmt: skip
+def test_accelerate_fsdp_keys_the_plugin_does_not_read_for_its_version_take_any_value(version, key, value, runs,
+                                                                                       tmp_path, monkeypatch):
+    """FSDP1's plugin takes its strategy from fsdp_sharding_strategy alone (fsdp_reshard_after_forward is passed
+    over); FSDP2's does not read use_orig_params, forward_prefetch, sharding_strategy or sync_module_states;
+    min_num_params is read only with SIZE_BASED_WRAP. accelerate launch runs such a key whatever it holds, and torsh
+    reads it with a note; a key the plugin reads with str_to_bool refuses what that refuses."""
+    pytest.importorskip("accelerate")
+    monkeypatch.chdir(tmp_path)
+    for name in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
+        monkeypatch.delenv(name)
+    data = {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": version, key: value}}
+    assert (_accelerate_verdict(data, tmp_path) is True) is runs
+    result = torsh_reads(data, "accelerate")
+    assert isinstance(result, Translation) is runs, result
+    if runs:
+        assert notes_at(result, f"fsdp_config.{key}")
+    else:
+        assert result.problems[0].path == f"fsdp_config.{key}"
+
+
 def _transformers_plugin_args(config: dict, tmp_path: Path, options: Any = True) -> dict | str | None:
     transformers = pytest.importorskip("transformers")
     try:
@@ -586,20 +660,35 @@ def _accelerate_verdict(data: dict, tmp: Path) -> bool | str:
 
 
 def _plugin_from_launch_env(path: Path) -> bool | str:
+    """What the training process builds from the environment accelerate launch gives it: the FSDP plugin, and
+    Accelerate's ParallelismConfig when the file has a parallelism_config (``Accelerator()`` builds it from
+    ACCELERATE_USE_PARALLELISM_CONFIG and the PARALLELISM_CONFIG_* sizes, read back with int())."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import FullyShardedDataParallelPlugin, patch_environment
     from accelerate.utils import launch as helpers
 
     args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
-    if not args.use_fsdp:
-        return True
-    env = {k: v for k, v in helpers.prepare_multi_gpu_env(args).items() if k.startswith(("FSDP_", "ACCELERATE_"))}
+    if args.use_deepspeed and not args.cpu:
+        args.deepspeed_fields_from_accelerate_config = ""
+        env = helpers.prepare_deepspeed_cmd_env(args)[1]
+    elif not args.cpu and (args.use_fsdp or args.multi_gpu or args.use_megatron_lm):
+        env = helpers.prepare_multi_gpu_env(args)
+    else:
+        return True  # the one-process and CPU launchers pass neither on
+    env = {k: v for k, v in env.items() if k.startswith(("FSDP_", "ACCELERATE_", "PARALLELISM_CONFIG_"))}
     from unittest import mock
 
     try:  # the plugin asks for the current accelerator with sync_module_states: this machine has none
         with patch_environment(**env), mock.patch("accelerate.utils.dataclasses.is_cuda_available", lambda: True), \
                 mock.patch("torch.cuda.current_device", lambda: 0):  # fmt: skip
-            FullyShardedDataParallelPlugin()
+            if env.get("ACCELERATE_USE_PARALLELISM_CONFIG") == "true":
+                try:
+                    ParallelismConfig()
+                except (ValueError, TypeError) as exc:
+                    return f"ParallelismConfig refuses it: {type(exc).__name__}: {exc}"
+            if args.use_fsdp:
+                FullyShardedDataParallelPlugin()
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         return f"the FSDP plugin refuses it: {type(exc).__name__}: {exc}"
     return True
@@ -623,10 +712,6 @@ ACCELERATE_DELIBERATE: dict[str, Callable[..., bool]] = {
     # Read with str_to_bool by the one-process launcher (which fails on it); the multi-GPU launchers pass it over.
     "a use_cpu that is neither a boolean nor its text":
         lambda original, kind, path, *_: path == ("use_cpu",),
-    # accelerate launch compares only cp_size and sp_size with 1; it writes the other sizes into the environment as
-    # the text "None", which the training process cannot read back as a size.
-    "a null parallelism_config size":
-        lambda original, kind, path, *_: path[0] == "parallelism_config" and kind == "null",
     # accelerate launch copies only mapping sections into its arguments; any other value is passed over.
     "a section (fsdp_config, deepspeed_config, ...) that is not a mapping":
         lambda original, kind, path, *_: len(path) == 1 and isinstance(original, dict),
