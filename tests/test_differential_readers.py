@@ -1141,7 +1141,7 @@ def test_horovod_reader_agrees_with_horovodruns_argument_parser(horovodrun, tmp_
 
 # ---- Lightning's strategy constructors -----------------------------------------------------------------------------
 
-LIGHTNING_STRATEGIES = ("DeepSpeedStrategy", "FSDPStrategy")
+LIGHTNING_STRATEGIES = ("DeepSpeedStrategy", "FSDPStrategy", "ModelParallelStrategy")
 
 
 def _lightning_classes(value: Any) -> Any:
@@ -1188,7 +1188,9 @@ def _lightning_verdict(data: dict) -> bool | str:
                 return f"precision: {exc}"
     kwargs = {k: _lightning_classes(v) for k, v in args.items()}
     try:
-        if name == "DeepSpeedStrategy":
+        if name == "ModelParallelStrategy":
+            _model_parallel_setup(data, kwargs, precision)
+        elif name == "DeepSpeedStrategy":
             strategy = DeepSpeedStrategy(**kwargs)
             config = copy.deepcopy(strategy.config)
             config.setdefault("train_micro_batch_size_per_gpu", kwargs.get("logging_batch_size_per_gpu", "auto")
@@ -1207,6 +1209,42 @@ def _lightning_verdict(data: dict) -> bool | str:
     except Exception as exc:  # noqa: BLE001 - Lightning's and DeepSpeed's checks raise all kinds
         return f"{type(exc).__name__}: {str(exc)[:200]}"
     return True
+
+
+def _model_parallel_setup(data: dict, kwargs: dict, precision: str | None) -> None:
+    """ModelParallelStrategy as Lightning 2.6 runs it: the Trainer's or Fabric's class and constructor, the precisions
+    the Trainer allows with it, then the strategy's set-up: "auto" sizes resolved (data-parallel: the nodes,
+    tensor-parallel: the devices of a node) and Lightning's _setup_device_mesh on the world size the call gives,
+    with torch's init_device_mesh replaced by its shape check (no process group here)."""
+    from unittest import mock
+
+    import torch
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricStrategy
+    from lightning.fabric.strategies.model_parallel import _setup_device_mesh
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    launch = data.get("Trainer", data.get("Fabric")) or {}
+    fabric = "Trainer" not in data and ("Fabric" in data or "parallelize_fn" in kwargs)
+    strategy = (FabricStrategy if fabric else ModelParallelStrategy)(**kwargs)
+    if precision is not None and precision not in ("32-true", "bf16-mixed", "bf16-true", "16-true"):
+        raise ValueError(f"The `ModelParallelStrategy` does not support precision={precision!r}")
+    devices, nodes = launch.get("devices", "auto"), launch.get("num_nodes", 1)
+    devices = devices if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 else None
+    dp, tp = strategy._data_parallel_size, strategy._tensor_parallel_size
+    counted = not (tp == "auto" and devices is None)
+    dp, tp = nodes if dp == "auto" else dp, devices if tp == "auto" else tp
+
+    def shape_check(device_type: str, mesh_shape: tuple, mesh_dim_names: tuple) -> None:
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in mesh_shape):
+            raise ValueError(f"init_device_mesh: a mesh dimension is not a positive size: {mesh_shape}")
+
+    if not counted:  # the devices are counted when the script runs: only the data-parallel size can be judged
+        shape_check("cpu", (dp,), ())
+        return
+    both = all(isinstance(n, int) and not isinstance(n, bool) for n in (dp, tp))
+    world = devices * nodes if devices is not None else (dp * tp if both else -1)
+    with mock.patch("torch.distributed.device_mesh.init_device_mesh", shape_check):
+        _setup_device_mesh(dp, tp, world, torch.device("cpu"))
 
 
 #: Where torsh refuses what Lightning accepts, on purpose: a whole DeepSpeed config given to DeepSpeedStrategy is
@@ -1254,6 +1292,40 @@ def test_lightning_reader_agrees_with_lightnings_strategy_constructors(deepspeed
     found = disagreements("lightning", cases, _lightning_verdict, LIGHTNING_DELIBERATE)
     assert len(found["agree"]) > len(files), found
     assert not found["disagree"], _report(found)
+
+
+@pytest.mark.parametrize("call, runs", [
+    ({"Trainer": {"devices": 4, "num_nodes": 2, "precision": "bf16-mixed"},
+      "ModelParallelStrategy": {"data_parallel_size": 2, "tensor_parallel_size": 4}}, True),
+    ({"Trainer": {"devices": 4}, "ModelParallelStrategy": {}}, True),  # auto: 1 node x 4 devices
+    ({"Trainer": {"devices": 4}, "ModelParallelStrategy": {"tensor_parallel_size": 2}}, False),  # auto dp = 1 node
+    ({"Trainer": {"devices": 4, "precision": "16-mixed"}, "ModelParallelStrategy": {}}, False),
+    ({"Trainer": {"devices": 4}, "ModelParallelStrategy": {"data_parallel_sise": 2}}, False),
+    ({"Trainer": {"devices": 4}, "ModelParallelStrategy": {"tensor_parallel_size": "4"}}, False),
+    ({"ModelParallelStrategy": {"data_parallel_size": -2, "tensor_parallel_size": -2}}, False),
+    ({"Fabric": {"devices": 4}, "ModelParallelStrategy": {"data_parallel_size": 4, "tensor_parallel_size": 1}}, False),
+    ({"Fabric": {"devices": 4}, "ModelParallelStrategy": {"parallelize_fn": "parallelize", "data_parallel_size": 4,
+                                                          "tensor_parallel_size": 1}}, True),
+    ({"Trainer": {"devices": 2}, "ModelParallelStrategy": {"save_distributed_checkpoint": None}}, True),
+])  # fmt: skip
+def test_lightning_modelparallelstrategy_is_read_as_lightning_sets_it_up(call, runs, deepspeed_ready):
+    """ModelParallelStrategy (Lightning 2.6) keeps its arguments unchecked; its set-up resolves "auto" (data-parallel:
+    the nodes, tensor-parallel: the devices of a node) and refuses sizes whose product is not the world size, and the
+    Trainer allows it four precisions. torsh reads the sizes into the parallelism section (tp; the world size their
+    product) with FSDP2 over the data-parallel dimension, and refuses what Lightning refuses naming the argument."""
+    pytest.importorskip("lightning", reason="Lightning is installed by requirements-dev.txt")
+    assert (_lightning_verdict(copy.deepcopy(call)) is True) is runs, _lightning_verdict(copy.deepcopy(call))
+    result = torsh_reads(call, "lightning")
+    assert isinstance(result, Translation) is runs, result
+    if not runs:
+        assert all(p.path.startswith(("ModelParallelStrategy.", "Trainer.")) for p in result.problems), result
+        return
+    cfg, args = result.result, call["ModelParallelStrategy"]
+    assert cfg.sharding.stage == 3
+    assert cfg.parallelism.tp == args.get("tensor_parallel_size", call.get("Trainer", {}).get("devices"))
+    if "data_parallel_size" in args:
+        assert cfg.launch.world_size == args["data_parallel_size"] * cfg.parallelism.tp
+    assert cfg.checkpoint.state_dict_type == ("full" if "save_distributed_checkpoint" in args else "sharded")
 
 
 def test_lightning_deepspeedstrategy_disagreements_found_are_fixed():
