@@ -41,6 +41,12 @@ HOROVOD_SDIST = ROOT / ".venv" / "sdist" / "horovod-0.28.1.tar.gz"
 MUTATIONS = int(os.environ.get("TORSH_DIFFERENTIAL_MUTATIONS", "120"))
 
 
+def _budget(factor: float) -> int:
+    """A dialect's share: in the fast run, weighted by what its comparison costs; in a long run (1,000 or more),
+    MUTATIONS for every dialect."""
+    return MUTATIONS if MUTATIONS >= 1000 else int(MUTATIONS * factor)
+
+
 def torsh_reads(raw: Any, dialect: str, **kw: Any) -> Translation | ConfigError:
     try:
         return adapters.read(copy.deepcopy(raw), dialect, **kw)
@@ -474,18 +480,39 @@ def _apply(raw: dict, path: tuple, value: Any) -> dict:
 
 
 def inputs(files: list[Path], count: int, framework: Callable[[dict], bool | str], seed: int = 0,
-           keys: Callable[[tuple], bool] = lambda path: True) -> list[tuple[str, dict, str, tuple]]:  # fmt: skip
+           keys: Callable[[tuple], bool] = lambda path: True,
+           exclude: Callable[[str, tuple], bool] = lambda kind, path: False) -> list[tuple]:  # fmt: skip
     """Every file as it is, then ``count`` mutations of the files the framework accepts (a mutation of a file it
-    refuses anyway says nothing): (label, data, kind, key path)."""
+    refuses anyway says nothing): (label, data, kind, key path, original value, parts). Past the single mutations
+    the files give, pairs of them on one file (two keys, neither inside the other): ``parts`` lists each mutation
+    as (kind, key path, original value). ``exclude``: mutations not to make (kind, key path)."""
     rnd = random.Random(seed)
     seeds = [(p.name, _parsed(p)) for p in files]
     seeds = [(name, data) for name, data in seeds if data is not None]
-    out = [(name, data, "corpus", (), None) for name, data in seeds]
+    out: list[tuple] = [(name, data, "corpus", (), None, []) for name, data in seeds]
     pool = [(name, data, kind, path, value) for name, data in seeds
             if isinstance(data, dict) and framework(copy.deepcopy(data)) is True
-            for kind, path, value in _candidates(data) if keys(path)]  # fmt: skip
+            for kind, path, value in _candidates(data) if keys(path) and not exclude(kind, path)]  # fmt: skip
     for name, data, kind, path, value in rnd.sample(pool, min(count, len(pool))):
-        out.append((f"{name}: {kind} at {'.'.join(path)}", _apply(data, path, value), kind, path, _at(data, path)))
+        out.append((f"{name}: {kind} at {'.'.join(path)}", _apply(data, path, value), kind, path, _at(data, path),
+                    [(kind, path, _at(data, path))]))  # fmt: skip
+    by_file: dict[str, list] = {}
+    for item in pool:
+        by_file.setdefault(item[0], []).append(item)
+    files_with_pairs = [name for name, items in by_file.items() if len(items) > 1]
+    seen: set = set()
+    for _ in range(max(0, count - len(pool)) * 3):  # pairs: tries, a few fail (same key, or already drawn)
+        if len(out) - len(seeds) >= count or not files_with_pairs:
+            break
+        first, second = rnd.sample(by_file[rnd.choice(files_with_pairs)], 2)
+        (name, data, kind1, path1, value1), (_, _, kind2, path2, value2) = first, second
+        if path1[:len(path2)] == path2 or path2[:len(path1)] == path1 or (path1, kind1, path2, kind2) in seen:
+            continue
+        seen.add((path1, kind1, path2, kind2))
+        parts = [(kind1, path1, _at(data, path1)), (kind2, path2, _at(data, path2))]
+        out.append((f"{name}: {kind1} at {'.'.join(path1)} + {kind2} at {'.'.join(path2)}",
+                    _apply(_apply(data, path1, value1), path2, value2), f"{kind1}+{kind2}", path1, parts[0][2],
+                    parts))  # fmt: skip
     return out
 
 
@@ -506,11 +533,11 @@ def disagreements(dialect: str, cases: list, framework: Callable[[dict], bool | 
     corpus file: anywhere)."""
     read = read or (lambda data: torsh_reads(data, dialect))
     found: dict[str, list] = {"disagree": [], "deliberate": [], "agree": [], "machine": []}
-    for label, data, kind, path, original in cases:
+    for label, data, kind, path, original, *rest in cases:
+        parts = rest[0] if rest else ([(kind, path, original)] if path else [])
         verdict = framework(copy.deepcopy(data))
         result = read(copy.deepcopy(data))
         accepted = isinstance(result, Translation)
-        key = ".".join(path)
         if isinstance(verdict, str) and verdict.startswith(("machine:", "skip:")):  # not about the file alone
             found["machine"].append(label)
         elif verdict is True and accepted:
@@ -519,13 +546,15 @@ def disagreements(dialect: str, cases: list, framework: Callable[[dict], bool | 
             flag = verdict.split(":", 1)[1]
             says = any(flag in n.reason for n in result.notes)
             found["agree" if says else "disagree"].append(label if says else (label, f"{verdict}; torsh: {result}"))
-        elif verdict is not True and (not accepted or (lossy_at(result, key) if path else result.lossy)):
+        elif verdict is not True and (not accepted or (any(lossy_at(result, ".".join(p)) for _, p, _ in parts)
+                                                       if parts else result.lossy)):  # fmt: skip
             found["agree"].append(label)
         else:
-            located = isinstance(result, ConfigError) and any(
-                p.path == key or p.path.startswith(key + ".") or key.startswith(p.path + ".") for p in result.problems)
-            why = located and next((name for name, rule in deliberate.items()
-                                    if rule(original, kind, path, verdict, result)), None)  # fmt: skip
+            located = [(k, p, o) for k, p, o in parts if isinstance(result, ConfigError) and any(
+                q.path == ".".join(p) or q.path.startswith(".".join(p) + ".") or ".".join(p).startswith(q.path + ".")
+                for q in result.problems)]  # fmt: skip
+            why = next((name for name, rule in deliberate.items() for k, p, o in located
+                        if rule(o, k, p, verdict, result)), None)  # fmt: skip
             entry = (label, verdict if verdict is not True else str(result)[:300])
             found["deliberate" if why else "disagree"].append((*entry, why) if why else entry)
     _tally(dialect, cases, found)
@@ -540,6 +569,7 @@ def _tally(dialect: str, cases: list, found: dict) -> None:
         return
     line = {"dialect": dialect, "corpus": sum(1 for c in cases if c[2] == "corpus"),
             "mutations": sum(1 for c in cases if c[2] != "corpus"),
+            "pairs": sum(1 for c in cases if "+" in c[2]),
             **{k: len(v) for k, v in found.items()}, "disagreements": [list(map(str, d)) for d in found["disagree"]]}
     with open(target, "a", encoding="utf-8") as out:
         out.write(json.dumps(line) + "\n")
@@ -625,7 +655,7 @@ def deepspeed_ready():
 
 def test_deepspeed_reader_agrees_with_deepspeedconfig(deepspeed_ready):
     files = sorted((CORPUS / "deepspeed").glob("*.json")) + sorted((CORPUS / "deepspeed_config_templates").glob("*"))
-    cases = inputs([p for p in files if p.suffix == ".json"], MUTATIONS * 3, _deepspeed_accepts)
+    cases = inputs([p for p in files if p.suffix == ".json"], _budget(3), _deepspeed_accepts)
     found = disagreements("deepspeed", cases, _deepspeed_accepts, DEEPSPEED_DELIBERATE)
     assert not found["disagree"], _report(found)
 
@@ -913,7 +943,7 @@ def test_torchtitan_reader_agrees_with_configmanager(titan_parse, tmp_path):
     files = sorted((CORPUS / "torchtitan").glob("*.toml"))
     framework = lambda data: _torchtitan_verdict(data, titan_parse, tmp_path)  # noqa: E731
     # TOML has no null: that mutation cannot reach torchtitan
-    cases = [c for c in inputs(files, MUTATIONS // 2, framework) if c[2] != "null"]
+    cases = inputs(files, _budget(0.5), framework, exclude=lambda kind, path: kind == "null")
     found = disagreements("torchtitan", cases, framework, TORCHTITAN_DELIBERATE)
     assert not found["disagree"], _report(found)
 
@@ -974,8 +1004,8 @@ def test_torchtune_reader_agrees_with_omegaconf_and_instantiate(tune_load, tmp_p
     # A number as text is not compared in the optimizer: PyYAML (YAML 1.1, which torsh parses with) gives the text
     # "1e-4" where OmegaConf reads a float, so the reader reads numeric text as the number - and a quoted one, which
     # OmegaConf keeps as text, looks the same to it.
-    cases = [c for c in inputs(files, MUTATIONS // 2, framework, keys=lambda path: path[0] in _TUNE_READ)
-             if not (c[2] == "as text" and c[3][0] == "optimizer")]
+    cases = inputs(files, _budget(0.5), framework, keys=lambda path: path[0] in _TUNE_READ,
+                   exclude=lambda kind, path: kind == "as text" and path[0] == "optimizer")
     found = disagreements("torchtune", cases, framework, TORCHTUNE_DELIBERATE)
     assert not found["disagree"], _report(found)
 
@@ -1288,7 +1318,7 @@ LIGHTNING_DELIBERATE: dict[str, Callable[..., bool]] = {
 def test_lightning_reader_agrees_with_lightnings_strategy_constructors(deepspeed_ready):
     pytest.importorskip("lightning", reason="Lightning is installed by requirements-dev.txt")
     files = sorted((CORPUS / "lightning").glob("*.json"))
-    cases = inputs(files, MUTATIONS * 2, _lightning_verdict, keys=lambda path: path[0] in LIGHTNING_STRATEGIES)
+    cases = inputs(files, _budget(2), _lightning_verdict, keys=lambda path: path[0] in LIGHTNING_STRATEGIES)
     found = disagreements("lightning", cases, _lightning_verdict, LIGHTNING_DELIBERATE)
     assert len(found["agree"]) > len(files), found
     assert not found["disagree"], _report(found)
