@@ -99,8 +99,8 @@ def read(raw: dict, counts: dict[str, int], notes: list[Note]) -> Translation[To
     if problems:
         raise ConfigError(problems, source=NAME)
     dp, tp = sizes["data_parallel_size"], sizes["tensor_parallel_size"]
-    update: dict[str, Any] = {"sharding": {"stage": 3}, "checkpoint": {"state_dict_type": "sharded" if save else "full"},
-                              "launch": dict(counts), "parallelism": {"tp": tp or 1}}  # fmt: skip
+    update: dict[str, Any] = {"sharding": {"stage": 3}, "launch": dict(counts), "parallelism": {"tp": tp or 1},
+                              "checkpoint": {"state_dict_type": "sharded" if save else "full"}}  # fmt: skip
     where = f"{STRATEGY}.tensor_parallel_size"
     given = {k: k in args for k in ("data_parallel_size", "tensor_parallel_size")}
     if tp is None:
