@@ -267,6 +267,21 @@ def test_accelerate_fsdp_keys_the_plugin_does_not_read_for_its_version_take_any_
         assert result.problems[0].path == f"fsdp_config.{key}"
 
 
+def test_accelerate_fsdp_version_other_than_1_or_2_is_refused_on_purpose(tmp_path, monkeypatch):
+    """accelerate launch and the FSDP plugin take fsdp_version -2 (the plugin tests == 1 / == 2 and matches
+    neither); torsh refuses it naming the key, and the refusal is listed in ACCELERATE_DELIBERATE."""
+    pytest.importorskip("accelerate")
+    monkeypatch.chdir(tmp_path)
+    for name in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
+        monkeypatch.delenv(name)
+    data = {"distributed_type": "FSDP", "num_processes": 2,
+            "fsdp_config": {"fsdp_version": -2, "fsdp_reshard_after_forward": "FULL_SHARD"}}  # trl's fsdp1.yaml
+    assert _accelerate_verdict(data, tmp_path) is True
+    found = disagreements("accelerate", [("fsdp_version -2", data, "out of range", ("fsdp_config", "fsdp_version"), 1)],
+                          lambda d: _accelerate_verdict(d, tmp_path), ACCELERATE_DELIBERATE)  # fmt: skip
+    assert not found["disagree"] and "neither 1 nor 2" in found["deliberate"][0][2]
+
+
 def _transformers_plugin_args(config: dict, tmp_path: Path, options: Any = True) -> dict | str | None:
     transformers = pytest.importorskip("transformers")
     try:
@@ -742,6 +757,10 @@ ACCELERATE_DELIBERATE: dict[str, Callable[..., bool]] = {
     # Read with str_to_bool by the one-process launcher (which fails on it); the multi-GPU launchers pass it over.
     "a use_cpu that is neither a boolean nor its text":
         lambda original, kind, path, *_: path == ("use_cpu",),
+    # The FSDP plugin keeps any integer as fsdp_version and tests it with == 1 / == 2 piecemeal: a -2 or a 3 runs
+    # neither generation's settings, silently. torsh asks for 1 or 2.
+    "an fsdp_version that is neither 1 nor 2 (the plugin keeps the number and runs neither FSDP generation)":
+        lambda original, kind, path, *_: path == ("fsdp_config", "fsdp_version") and kind == "out of range",
     # accelerate launch copies only mapping sections into its arguments; any other value is passed over.
     "a section (fsdp_config, deepspeed_config, ...) that is not a mapping":
         lambda original, kind, path, *_: len(path) == 1 and isinstance(original, dict),
