@@ -79,6 +79,10 @@ def _read_num_processes(value: Any, ctx: ReadContext, path: str) -> None:
     reach torchrun's --nproc_per_node as they are, for the kinds launched through torchrun on one machine (the
     other launchers compare the value with 1 and fail). Anything else is refused."""
     text = isinstance(value, str)
+    if text and ctx.raw.get("use_cpu"):
+        raise ConfigError([Problem(path, value, "with use_cpu set (to anything but false or empty), accelerate launch "
+                                   "compares num_processes with 1 and fails on text: write the number of processes")],
+                          source=NAME)  # fmt: skip
     if text and value.strip().isdigit() and int(value) > 0 or value == "auto":
         kind, machines = _kind(ctx), ctx.raw.get("num_machines", 1)
         one_machine = isinstance(machines, int) and machines <= 1 or machines is None
@@ -198,6 +202,7 @@ def _without_nulls(raw: dict) -> tuple[dict, list[Note]]:
     with a note so the defaults apply as they do in Accelerate."""
     notes, clean = [], {}
     unread = fsdp_unread(raw)
+    fsdp_active = _kind_of(raw.get("distributed_type")) == "FSDP"  # another kind does not read fsdp_config
     for key, value in raw.items():
         if value is None and key == "use_cpu":
             notes.append(_null_use_cpu(raw))
@@ -214,7 +219,7 @@ def _without_nulls(raw: dict) -> tuple[dict, list[Note]]:
         if value is None and key in _NULL_IS_LEFT_TO_LAUNCH:
             notes.append(Note(key, None, None, Fidelity.DEFERRED, _NULL_IS_LEFT_TO_LAUNCH[key]))
             continue
-        if key == "fsdp_config" and isinstance(value, dict) and set(_FSDP_NULL_REFUSED) & {
+        if key == "fsdp_config" and fsdp_active and isinstance(value, dict) and set(_FSDP_NULL_REFUSED) & {
                 k for k, v in value.items() if v is None}:  # fmt: skip
             raise ConfigError([Problem(f"{key}.{k}", None, "null: accelerate launch passes it on as the text 'None', "
                                        "which Accelerate's FSDP plugin refuses; remove the key for its default")

@@ -42,6 +42,7 @@ from torsh.translate import (
 
 from ._accelerate_launch import (
     _DDP_TYPES,
+    _TORCHRUN_TYPES,
     _kind,
     _kind_of,
     _read_distributed_type,
@@ -237,6 +238,33 @@ def _read_parallelism(value: Any, ctx: ReadContext, path: str) -> None:
         ctx.note(path, Fidelity.UNSUPPORTED, "sequence parallelism (and its settings) is not run by torsh", value)
 
 
+def _check_parallelism_sizes(ctx: ReadContext) -> None:
+    """The combinations Accelerate's ParallelismConfig refuses when the training process builds it (the torchrun and
+    DeepSpeed launchers pass the sizes on): tensor or context parallelism over pure replication, context and sequence
+    parallelism together. Sizes that are not numbers are refused by their own keys."""
+    section = ctx.raw.get("parallelism_config")
+    if not isinstance(section, dict) or not section or _kind(ctx) not in _TORCHRUN_TYPES:
+        return
+    sizes = {}
+    for name in ("tp_size", "cp_size", "sp_size", "dp_replicate_size", "dp_shard_size"):
+        value = section.get(f"parallelism_config_{name}", 1)
+        try:
+            sizes[name] = int(value) if isinstance(value, (int, str)) and not isinstance(value, bool) else None
+        except ValueError:
+            sizes[name] = None
+    if None in sizes.values():
+        return
+    key = "parallelism_config.parallelism_config_"
+    model_parallel = sizes["tp_size"] > 1 or sizes["cp_size"] > 1
+    if model_parallel and sizes["dp_replicate_size"] > 1 and sizes["dp_shard_size"] == 1:
+        ctx.problem(f"{key}dp_shard_size", section.get("parallelism_config_dp_shard_size", 1), "Accelerate's "
+                    "ParallelismConfig refuses tensor or context parallelism over pure replication (dp_replicate_size "
+                    "> 1, dp_shard_size 1): set dp_shard_size > 1 (FSDP or HSDP with TP/CP)")  # fmt: skip
+    if sizes["cp_size"] > 1 and sizes["sp_size"] > 1:
+        ctx.problem(f"{key}sp_size", section.get("parallelism_config_sp_size"), "Accelerate's ParallelismConfig "
+                    "refuses context and sequence parallelism together: set one of cp_size, sp_size to 1")
+
+
 # ---- the map --------------------------------------------------------------------------------------
 
 _LAUNCHER = "a launcher or environment setting, not a training setting"
@@ -326,6 +354,7 @@ _DS_DEFAULTS = {  # what Accelerate's DeepSpeed plugin uses when the YAML leaves
 
 def _finalize(ctx: ReadContext, base_dir: Any) -> None:
     kind, state = _kind(ctx), _state(ctx)
+    _check_parallelism_sizes(ctx)
     if kind == "FSDP":
         _finalize_fsdp(ctx, state, _fsdp_version(ctx))
     elif kind == "DEEPSPEED" and "ds_file" in state:

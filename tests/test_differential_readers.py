@@ -267,6 +267,43 @@ def test_accelerate_fsdp_keys_the_plugin_does_not_read_for_its_version_take_any_
         assert result.problems[0].path == f"fsdp_config.{key}"
 
 
+@pytest.mark.parametrize("data, where", [
+    # tp_hsdp.yaml without dp_shard_size: tensor parallelism over pure replication, which ParallelismConfig refuses
+    ({"distributed_type": "FSDP", "num_processes": 4, "fsdp_config": {"fsdp_version": 2},
+      "parallelism_config": {"parallelism_config_dp_replicate_size": 2, "parallelism_config_tp_size": 2}},
+     "parallelism_config.parallelism_config_dp_shard_size"),
+    # use_cpu set (the text "false" is set too) and num_processes as text: accelerate launch compares it with 1
+    ({"distributed_type": "MULTI_GPU", "num_processes": "8", "use_cpu": "false"}, "num_processes"),
+    ({"distributed_type": "FSDP", "num_processes": "auto", "use_cpu": "off"}, "num_processes"),
+])  # fmt: skip
+def test_accelerate_combinations_accelerate_refuses_are_refused(data, where, tmp_path, monkeypatch):
+    """Found by pairs of mutations: each key alone runs, the two together fail in accelerate launch or in the
+    training process's ParallelismConfig; torsh refuses naming the key to change."""
+    pytest.importorskip("accelerate")
+    monkeypatch.chdir(tmp_path)
+    for name in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
+        monkeypatch.delenv(name)
+    assert _accelerate_verdict(data, tmp_path) is not True
+    result = torsh_reads(data, "accelerate")
+    assert isinstance(result, ConfigError) and result.problems[0].path == where, result
+
+
+def test_accelerate_fsdp_config_nulls_are_judged_only_where_fsdp_config_is_read(tmp_path, monkeypatch):
+    """A null in fsdp_config is refused for distributed_type FSDP (the plugin reads the text 'None'); for another
+    kind the section is not read, and the file is judged by its distributed_type."""
+    pytest.importorskip("accelerate")
+    monkeypatch.chdir(tmp_path)
+    for name in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
+        monkeypatch.delenv(name)
+    section = {"fsdp_version": None, "fsdp_offload_params": None}
+    fsdp = torsh_reads({"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": section}, "accelerate")
+    assert isinstance(fsdp, ConfigError) and fsdp.problems[0].path.startswith("fsdp_config.")
+    ddp = {"distributed_type": "MULTI_GPU", "num_processes": 2, "fsdp_config": section}
+    assert _accelerate_verdict(ddp, tmp_path) is True and isinstance(torsh_reads(ddp, "accelerate"), Translation)
+    listed = torsh_reads({**ddp, "distributed_type": ["FSDP"]}, "accelerate")
+    assert isinstance(listed, ConfigError) and listed.problems[0].path == "distributed_type"
+
+
 def test_accelerate_fsdp_version_other_than_1_or_2_is_refused_on_purpose(tmp_path, monkeypatch):
     """accelerate launch and the FSDP plugin take fsdp_version -2 (the plugin tests == 1 / == 2 and matches
     neither); torsh refuses it naming the key, and the refusal is listed in ACCELERATE_DELIBERATE."""
@@ -499,8 +536,9 @@ def inputs(files: list[Path], count: int, framework: Callable[[dict], bool | str
            exclude: Callable[[str, tuple], bool] = lambda kind, path: False) -> list[tuple]:  # fmt: skip
     """Every file as it is, then ``count`` mutations of the files the framework accepts (a mutation of a file it
     refuses anyway says nothing): (label, data, kind, key path, original value, parts). Past the single mutations
-    the files give, pairs of them on one file (two keys, neither inside the other): ``parts`` lists each mutation
-    as (kind, key path, original value). ``exclude``: mutations not to make (kind, key path)."""
+    the files give, pairs of them on one file (keys none of which is inside another; triples and more once the pairs
+    run out): ``parts`` lists each mutation as (kind, key path, original value). ``exclude``: mutations not to make
+    (kind, key path)."""
     rnd = random.Random(seed)
     seeds = [(p.name, _parsed(p)) for p in files]
     seeds = [(name, data) for name, data in seeds if data is not None]
@@ -514,20 +552,27 @@ def inputs(files: list[Path], count: int, framework: Callable[[dict], bool | str
     by_file: dict[str, list] = {}
     for item in pool:
         by_file.setdefault(item[0], []).append(item)
-    files_with_pairs = [name for name, items in by_file.items() if len(items) > 1]
     seen: set = set()
-    for _ in range(max(0, count - len(pool)) * 3):  # pairs: tries, a few fail (same key, or already drawn)
-        if len(out) - len(seeds) >= count or not files_with_pairs:
-            break
-        first, second = rnd.sample(by_file[rnd.choice(files_with_pairs)], 2)
-        (name, data, kind1, path1, value1), (_, _, kind2, path2, value2) = first, second
-        if path1[:len(path2)] == path2 or path2[:len(path1)] == path1 or (path1, kind1, path2, kind2) in seen:
-            continue
-        seen.add((path1, kind1, path2, kind2))
-        parts = [(kind1, path1, _at(data, path1)), (kind2, path2, _at(data, path2))]
-        out.append((f"{name}: {kind1} at {'.'.join(path1)} + {kind2} at {'.'.join(path2)}",
-                    _apply(_apply(data, path1, value1), path2, value2), f"{kind1}+{kind2}", path1, parts[0][2],
-                    parts))  # fmt: skip
+    for size in (2, 3, 4):  # pairs first; triples and more once a small corpus has no new pair to give
+        files_with_room = [name for name, items in by_file.items() if len(items) >= size]
+        for _ in range(max(0, count - len(out) + len(seeds)) * 10):
+            if len(out) - len(seeds) >= count or not files_with_room:
+                break
+            drawn = rnd.sample(by_file[rnd.choice(files_with_room)], size)
+            paths = [d[3] for d in drawn]
+            if any(a[:len(b)] == b for a in paths for b in paths if a is not b):
+                continue
+            signature = frozenset((d[2], d[3]) for d in drawn)
+            if signature in seen:
+                continue
+            seen.add(signature)
+            name, data = drawn[0][0], drawn[0][1]
+            mutated = data
+            for _, _, kind, path, value in drawn:
+                mutated = _apply(mutated, path, value)
+            parts = [(kind, path, _at(data, path)) for _, _, kind, path, _ in drawn]
+            out.append((f"{name}: " + " + ".join(f"{k} at {'.'.join(p)}" for k, p, _ in parts), mutated,
+                        "+".join(k for k, _, _ in parts), parts[0][1], parts[0][2], parts))  # fmt: skip
     return out
 
 
@@ -811,6 +856,9 @@ def _trainer_verdict(data: dict, tmp: Path) -> bool | str:
 
 #: Where torsh refuses what the Trainer accepts, on purpose.
 TRAINER_DELIBERATE: dict[str, Callable[..., bool]] = {
+    # As for accelerate launch: the FSDP plugin keeps any integer version and runs neither FSDP generation.
+    "an fsdp_version that is neither 1 nor 2 (the plugin keeps the number and runs neither FSDP generation)":
+        lambda original, kind, path, *_: path[-1] in ("fsdp_version", "version") and kind == "out of range",
     # transformers and the plugin keep such a value unconverted (a list where a name is read): nothing then uses it
     # as meant, so torsh asks for the value's own type.
     "a value of the wrong type (a list) that the plugin keeps unconverted":
@@ -819,6 +867,19 @@ TRAINER_DELIBERATE: dict[str, Callable[..., bool]] = {
     "the Trainer-arguments form with fsdp null (FSDP off) or an fsdp_config that is no mapping":
         lambda original, kind, path, *_: path in (("fsdp",), ("fsdp_config",)),
 }
+
+
+@pytest.mark.parametrize("settings", [None, "auto", {"compute_dtype": "bfloat16"}])
+def test_fsdp_config_xla_settings_are_not_judged_with_xla_off(settings, tmp_path, monkeypatch):
+    """TrainingArguments reads xla_fsdp_settings only for the XLA path: with xla off (or absent) any value passes."""
+    for name in [k for k in os.environ if k.startswith(("FSDP_", "ACCELERATE_"))]:
+        monkeypatch.delenv(name)
+    for xla in (False, None):
+        config = {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "xla_fsdp_settings": settings}
+        if xla is not None:
+            config["xla"] = xla
+        assert _trainer_verdict(config, tmp_path) is True
+        assert isinstance(torsh_reads(config, "fsdp_plugin"), Translation)
 
 
 def test_fsdp_plugin_reader_agrees_with_trainingarguments(tmp_path, monkeypatch):
