@@ -145,7 +145,7 @@ def _offload(a: dict, args: dict, zero: dict, origin: dict, notes: list[Note]) -
         if device in args and flag in args:
             notes.append(Note(f"DeepSpeedStrategy.{flag}", None, True, Fidelity.EXACT, f"offload to {device}"))
         origin[f"zero_optimization.{key}.pin_memory"] = "DeepSpeedStrategy.pin_memory"
-        if a[device] == "nvme":
+        if a[device] == "nvme" or "nvme_path" in args:  # Lightning writes the path into every offload section
             zero[key]["nvme_path"] = a["nvme_path"]
             origin[f"zero_optimization.{key}.nvme_path"] = "DeepSpeedStrategy.nvme_path"
 

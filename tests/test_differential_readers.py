@@ -1438,6 +1438,19 @@ def test_lightning_modelparallelstrategy_is_read_as_lightning_sets_it_up(call, r
     assert cfg.checkpoint.state_dict_type == ("full" if "save_distributed_checkpoint" in args else "sharded")
 
 
+def test_lightning_nvme_path_reaches_deepspeed_in_every_offload_section(deepspeed_ready):
+    """DeepSpeedStrategy writes nvme_path into each offload section it builds, whatever the device: DeepSpeed then
+    checks it as a path (found by a triple of mutations: offload to cpu with a list for nvme_path)."""
+    pytest.importorskip("lightning", reason="Lightning is installed by requirements-dev.txt")
+    call = {"DeepSpeedStrategy": {"stage": 3, "offload_optimizer": True, "nvme_path": ["/local_nvme"]}}
+    assert "nvme_path" in str(_lightning_verdict(copy.deepcopy(call)))
+    result = torsh_reads(call, "lightning")
+    assert isinstance(result, ConfigError) and result.problems[0].path == "DeepSpeedStrategy.nvme_path"
+    call["DeepSpeedStrategy"]["nvme_path"] = "/local_nvme"
+    assert _lightning_verdict(copy.deepcopy(call)) is True
+    assert notes_at(torsh_reads(call, "lightning"), "DeepSpeedStrategy.nvme_path")[0].fidelity is Fidelity.IGNORED
+
+
 def test_lightning_deepspeedstrategy_disagreements_found_are_fixed():
     """What the comparison with Lightning found: an argument DeepSpeedStrategy does not have is refused (Lightning:
     TypeError), a config given as text is refused (Lightning reads a file of that path); a null is Lightning's
