@@ -79,6 +79,10 @@ def _read_num_processes(value: Any, ctx: ReadContext, path: str) -> None:
     reach torchrun's --nproc_per_node as they are, for the kinds launched through torchrun on one machine (the
     other launchers compare the value with 1 and fail). Anything else is refused."""
     text = isinstance(value, str)
+    if text and ctx.raw.get("use_cpu"):
+        raise ConfigError([Problem(path, value, "with use_cpu set (to anything but false or empty), accelerate launch "
+                                   "compares num_processes with 1 and fails on text: write the number of processes")],
+                          source=NAME)  # fmt: skip
     if text and value.strip().isdigit() and int(value) > 0 or value == "auto":
         kind, machines = _kind(ctx), ctx.raw.get("num_machines", 1)
         one_machine = isinstance(machines, int) and machines <= 1 or machines is None
@@ -151,18 +155,71 @@ _FSDP_NULL_REFUSED = tuple(f"fsdp_{k}" for k in (
     "use_orig_params", "cpu_ram_efficient_loading", "sync_module_states", "activation_checkpointing"))
 
 
+#: fsdp_config keys Accelerate's FSDP plugin does not read for an fsdp_version: accelerate launch writes them into
+#: the environment and the plugin passes them over (FSDP1 takes its strategy from fsdp_sharding_strategy alone; FSDP2
+#: always uses the original parameters and has no forward prefetch), so any value runs.
+FSDP_UNREAD = {1: ("fsdp_reshard_after_forward",),
+               2: ("fsdp_sharding_strategy", "fsdp_use_orig_params", "fsdp_forward_prefetch",
+                   "fsdp_sync_module_states")}  # fmt: skip
+
+
+def fsdp_version_of(raw: dict) -> int | None:
+    """The fsdp_version a file's FSDP plugin runs (1 when unset); None for a value that is not 1 or 2."""
+    section = raw.get("fsdp_config")
+    value = section.get("fsdp_version", 1) if isinstance(section, dict) else 1
+    try:
+        version = float(str(value))  # YAML may give 2, "2" or 2.0; Accelerate reads an int
+    except ValueError:
+        return None
+    return int(version) if version in (1.0, 2.0) else None
+
+
+def fsdp_unread(raw: dict) -> tuple[str, ...]:
+    """The fsdp_config keys the FSDP plugin does not read for this file: by fsdp_version, and fsdp_min_num_params
+    without SIZE_BASED_WRAP. (A null fsdp_sync_module_states is still refused: accelerate launch tests it against
+    fsdp_cpu_ram_efficient_loading.)"""
+    section = raw.get("fsdp_config")
+    if _kind_of(raw.get("distributed_type")) != "FSDP" or not isinstance(section, dict):
+        return ()
+    unread = FSDP_UNREAD.get(fsdp_version_of(raw) or 0, ())
+    if str(section.get("fsdp_auto_wrap_policy", "")).upper() != "SIZE_BASED_WRAP":
+        unread += ("fsdp_min_num_params",)
+    return unread
+
+
+def _null_use_cpu(raw: dict) -> Note:
+    """use_cpu: the one-process and CPU launchers read it as a truth value (the text 'None' fails there); the
+    torchrun and DeepSpeed launchers pass it over."""
+    if _kind_of(raw.get("distributed_type", "NO")) not in _TORCHRUN_TYPES:
+        raise ConfigError([Problem("use_cpu", None, "null: accelerate launch's one-process and CPU launchers read it "
+                                   "as a truth value and fail ('invalid truth value none'); write true or false, or "
+                                   "remove the key")], source=NAME)  # fmt: skip
+    return Note("use_cpu", None, None, Fidelity.EXACT, "null: not set (this launcher does not read it)")
+
+
 def _without_nulls(raw: dict) -> tuple[dict, list[Note]]:
     """Nulls that mean "not set" to Accelerate (the launcher tests section keys with ``is not None``), taken out
     with a note so the defaults apply as they do in Accelerate."""
     notes, clean = [], {}
+    unread = fsdp_unread(raw)
+    fsdp_active = _kind_of(raw.get("distributed_type")) == "FSDP"  # another kind does not read fsdp_config
     for key, value in raw.items():
+        if value is None and key == "use_cpu":
+            notes.append(_null_use_cpu(raw))
+            continue
+        nulls = [k for k in unread if k != "fsdp_sync_module_states" and k in value and value[k] is None] \
+            if key == "fsdp_config" else []  # fmt: skip
+        if nulls:
+            notes += [Note(f"{key}.{k}", None, None, Fidelity.IGNORED, "null: Accelerate's FSDP plugin does not read "
+                           "this key here") for k in nulls]  # fmt: skip
+            value = {k: v for k, v in value.items() if k not in nulls}
         if value is None and key in _NULL_IS_DEFAULT:
             notes.append(Note(key, None, None, Fidelity.EXACT, "null: not set, Accelerate's default applies"))
             continue
         if value is None and key in _NULL_IS_LEFT_TO_LAUNCH:
             notes.append(Note(key, None, None, Fidelity.DEFERRED, _NULL_IS_LEFT_TO_LAUNCH[key]))
             continue
-        if key == "fsdp_config" and isinstance(value, dict) and set(_FSDP_NULL_REFUSED) & {
+        if key == "fsdp_config" and fsdp_active and isinstance(value, dict) and set(_FSDP_NULL_REFUSED) & {
                 k for k, v in value.items() if v is None}:  # fmt: skip
             raise ConfigError([Problem(f"{key}.{k}", None, "null: accelerate launch passes it on as the text 'None', "
                                        "which Accelerate's FSDP plugin refuses; remove the key for its default")

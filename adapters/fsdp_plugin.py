@@ -129,11 +129,22 @@ def _settings(raw: dict, notes: list[Note]) -> tuple[dict, Any]:
     return config, (lambda key: f"fsdp_config.{key}") if nested else (lambda key: key)
 
 
+def _without_unread_xla_settings(raw: dict) -> dict:
+    """The file as the schema judges it: without xla_fsdp_settings when xla is off (TrainingArguments reads the
+    settings only for the XLA path, so any value passes there)."""
+    nested = isinstance(raw.get("fsdp_config"), dict)
+    config = raw["fsdp_config"] if nested else raw
+    if "xla_fsdp_settings" not in config or config.get("xla"):
+        return raw
+    config = {k: v for k, v in config.items() if k != "xla_fsdp_settings"}
+    return {**raw, "fsdp_config": config} if nested else config
+
+
 def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
     """Read an ``fsdp_config`` JSON (or the Trainer's ``fsdp`` + ``fsdp_config``) as transformers does."""
     if not isinstance(raw, dict):
         raise ConfigError([Problem("", raw, "an fsdp_config must be a mapping of keys to values")], source=NAME)
-    problems = schemas.check(raw, NAME)
+    problems = schemas.check(_without_unread_xla_settings(raw), NAME)
     if problems:
         raise ConfigError(problems, source=NAME)
     notes: list[Note] = []

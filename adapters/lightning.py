@@ -1,4 +1,5 @@
-"""Lightning's strategies: the arguments of ``DeepSpeedStrategy(...)`` or ``FSDPStrategy(...)`` (Lightning 2.x), with
+"""Lightning's strategies: the arguments of ``DeepSpeedStrategy(...)``, ``FSDPStrategy(...)`` or
+``ModelParallelStrategy(...)`` (Lightning 2.x; the last in ``_lightning_model_parallel``), with
 the ``Trainer`` / ``Fabric`` arguments of the same call that bear on distribution, as a mapping::
 
     {"Trainer": {"devices": 4, "num_nodes": 1, "precision": "bf16-mixed"},
@@ -32,7 +33,7 @@ DEFAULT_FORMAT = "json"
 FIELD_MAP: dict[str, Any] = {}
 VALUE_MAPS: dict[str, dict] = {}
 ALIASES: dict[str, str] = {}
-STRATEGIES = ("DeepSpeedStrategy", "FSDPStrategy")
+STRATEGIES = ("DeepSpeedStrategy", "FSDPStrategy", "ModelParallelStrategy")
 LAUNCH = ("Trainer", "Fabric")
 #: DeepSpeedStrategy's keyword defaults (Lightning 2.x) that shape the config it builds.
 _DS_DEFAULTS = {"zero_optimization": True, "stage": 2, "offload_optimizer": False, "offload_parameters": False,
@@ -144,7 +145,7 @@ def _offload(a: dict, args: dict, zero: dict, origin: dict, notes: list[Note]) -
         if device in args and flag in args:
             notes.append(Note(f"DeepSpeedStrategy.{flag}", None, True, Fidelity.EXACT, f"offload to {device}"))
         origin[f"zero_optimization.{key}.pin_memory"] = "DeepSpeedStrategy.pin_memory"
-        if a[device] == "nvme":
+        if a[device] == "nvme" or "nvme_path" in args:  # Lightning writes the path into every offload section
             zero[key]["nvme_path"] = a["nvme_path"]
             origin[f"zero_optimization.{key}.nvme_path"] = "DeepSpeedStrategy.nvme_path"
 
@@ -296,6 +297,14 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
     precision = None
     for section in (s for s in LAUNCH if isinstance(raw.get(s), dict)):
         precision = _launch_notes(section, raw[section], notes) or precision
+    counts = {core: count for section in LAUNCH for key, core in (("devices", "nproc_per_node"),
+                                                                  ("num_nodes", "nnodes"))
+              if (count := _count(f"{section}.{key}", raw.get(section, {}).get(key))) is not None}
+    if strategy == "ModelParallelStrategy":
+        from . import _lightning_model_parallel
+
+        return _lightning_model_parallel.read(raw, counts, [n for n in notes if not n.source_path.endswith(
+            ".precision")])  # fmt: skip
     args = raw[strategy]
     precision_key = next((f"{s}.precision" for s in LAUNCH if s in raw), "")
     inner, origin, prefix = (_read_deepspeed if strategy == "DeepSpeedStrategy" else _read_fsdp)(
@@ -310,9 +319,6 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
             renamed.append(replace(note, source_path=source, fidelity=Fidelity.DEFAULTED,
                                    reason=f"not set; {strategy}'s default") if built else
                            replace(note, source_path=source))  # fmt: skip
-    counts = {core: count for section in LAUNCH for key, core in (("devices", "nproc_per_node"),
-                                                                  ("num_nodes", "nnodes"))
-              if (count := _count(f"{section}.{key}", raw.get(section, {}).get(key))) is not None}
     # What the inner dialect kept is this strategy's: a DeepSpeed JSON written from it is a standalone one.
     kept = {f"{prefix}{k}": v for keys in inner.result.extensions.values() for k, v in keys.items()}
     cfg = inner.result.model_copy(update={"launch": inner.result.launch.model_copy(update=counts),

@@ -340,6 +340,34 @@ _RULES = {
 }
 
 
+def _extension_key(module: str):
+    """A key torchtitan defines only in an extension ``JobConfig``: ConfigManager merges the fields of the module
+    ``job.custom_config_module`` names (on the command line, else in the file) and refuses any other key ("Invalid
+    field names"). A file that does not name the module runs only with ``--job.custom_config_module`` given, as
+    torchtitan's own launch scripts give it for some of their files."""
+    table = key_table()
+    alias = next((name for name, target in table.get("extension_aliases", {}).items() if target == module), module)
+
+    def read(value: Any, ctx: Any, path: str) -> None:
+        job = ctx.raw.get("job") if isinstance(ctx.raw.get("job"), dict) else {}
+        named = job.get("custom_config_module")
+        ctx.keep(path, value)
+        if named in (module, alias):
+            ctx.note(path, Fidelity.IGNORED, f"read by torchtitan with job.custom_config_module = {named!r}; "
+                     + _NOT_DISTRIBUTED, value)  # fmt: skip
+        elif named is None:
+            ctx.note(path, Fidelity.DEFERRED, f"torchtitan reads it only from the extension {module!r}, which the "
+                     f"file does not name: pass --job.custom_config_module {alias} on the command line (torchtitan "
+                     "refuses the file without it: \"Invalid field names\"), or write custom_config_module = "
+                     f"{alias!r} in [job]", value)  # fmt: skip
+        else:
+            ctx.note(path, Fidelity.DROPPED, f"torchtitan reads it only from the extension {module!r}; with "
+                     f"job.custom_config_module = {named!r} it refuses the file (\"Invalid field names\") unless "
+                     f"--job.custom_config_module {alias} is given on the command line", value)  # fmt: skip
+
+    return read
+
+
 def _field_map() -> dict[str, Any]:
     """Every key of every section: its meaning, or ignored (kept for the round trip)."""
     from torsh.translate import Hook
@@ -352,8 +380,7 @@ def _field_map() -> dict[str, Any]:
         for section, keys in extra.items():
             for key in keys:
                 if key not in sections.get(section, {}):
-                    fmap[f"{section}.{key}"] = Ignored(f"read by torchtitan only with job.custom_config_module = "
-                                                       f"{module!r} (in the file or on the command line)")
+                    fmap[f"{section}.{key}"] = Hook(read=_extension_key(module))
     for section, keys in sections.items():
         for key in keys:
             path = f"{section}.{key}"
