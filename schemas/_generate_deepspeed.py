@@ -25,6 +25,9 @@ POSITIVE_INT = {"anyOf": [{"type": "integer", "minimum": 1}, AUTO]}
 BATCH = {"anyOf": [*POSITIVE_INT["anyOf"], {"type": "null"}]}
 INTEGER = {"anyOf": [{"type": "integer"}, AUTO]}
 BOOLEAN = {"anyOf": [{"type": "boolean"}, AUTO]}
+#: A top-level switch DeepSpeed reads with dict.get and only tests for truth: 0 and 1 mean what they say there
+#: (DeepSpeed's own tests write ``"zero_allow_untested_optimizer": 1``); other numbers and text stay refused.
+SWITCH = {"anyOf": [{"type": "boolean"}, {"enum": [0, 1]}, AUTO]}
 OBJECT = {"type": "object"}
 #: A number DeepSpeedConfig accepts whatever its sign, but the engine divides by (steps_per_print: ``global_steps %
 #: steps_per_print`` at every step; gradient_predivide_factor: ``1 / factor``): only 0 is refused.
@@ -154,18 +157,18 @@ def top_level() -> dict:
     return {
         # null is DeepSpeed's "not set" for the batch keys: it derives the value from the other two
         "train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": BATCH,
-        "managed_gradient_accumulation": BOOLEAN,
+        "managed_gradient_accumulation": SWITCH,
         "steps_per_print": {"anyOf": [*NONZERO["anyOf"], {"type": "null"}]},
-        "dump_state": BOOLEAN, "disable_python_gc": BOOLEAN, "disable_allgather": BOOLEAN,
+        "dump_state": SWITCH, "disable_python_gc": SWITCH, "disable_allgather": SWITCH,
         "communication_data_type": DTYPE, "seq_parallel_communication_data_type": DTYPE,
-        "prescale_gradients": BOOLEAN,
+        "prescale_gradients": SWITCH,
         "gradient_predivide_factor": NONZERO,
         "gradient_allreduce_op": {"anyOf": [{"enum": ["mean", "sum", "MEAN", "SUM"]}, AUTO]},
         "gradient_clipping": NUMBER,  # DeepSpeed clips only when > 0: 0 and -1 both mean "no clipping"
-        "zero_allow_untested_optimizer": BOOLEAN, "zero_force_ds_cpu_optimizer": BOOLEAN,
-        "wall_clock_breakdown": BOOLEAN, "memory_breakdown": BOOLEAN, "dataloader_drop_last": BOOLEAN,
+        "zero_allow_untested_optimizer": SWITCH, "zero_force_ds_cpu_optimizer": SWITCH,
+        "wall_clock_breakdown": SWITCH, "memory_breakdown": SWITCH, "dataloader_drop_last": SWITCH,
         "log_level": nullable, "vocabulary_size": {"type": ["integer", "null"]},
-        "use_data_before_expert_parallelism": BOOLEAN, "sequence_parallel_size": {"type": "integer"},
+        "use_data_before_expert_parallelism": SWITCH, "sequence_parallel_size": {"type": "integer"},
         "data_parallel_size": {"type": "integer"}, "weight_quantization": model_schema(WeightQuantConfig),
         "expert_parallel": OBJECT,
         "fp16": model_schema(DeepSpeedFP16Config), "bf16": bf16, "bfloat16": bf16,

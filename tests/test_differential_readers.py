@@ -81,6 +81,21 @@ def test_deepspeed_steps_per_print_auto_is_read_as_deepspeed_accepts_it():
     assert t.result.monitoring.steps_per_print is None
 
 
+@pytest.mark.parametrize("value", [1, 0])
+def test_deepspeed_top_level_switches_written_as_0_or_1_are_read_as_deepspeed_tests_them(value):
+    """DeepSpeed reads its top-level switches with dict.get and tests them for truth; its own ZeRO tests write
+    ``"zero_allow_untested_optimizer": 1``. torsh reads 0 and 1 as false and true; other numbers stay refused."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is the parser compared with")
+    raw = {"train_micro_batch_size_per_gpu": 2, "zero_allow_untested_optimizer": value,
+           "wall_clock_breakdown": value, "prescale_gradients": value}  # fmt: skip
+    assert _deepspeed_accepts(raw) is True
+    t = torsh_reads(raw, "deepspeed")
+    assert isinstance(t, Translation), t
+    assert t.result.gradients.prescale is bool(value) and t.result.monitoring.wall_clock_breakdown is bool(value)
+    refused = torsh_reads({**raw, "prescale_gradients": 2}, "deepspeed")
+    assert isinstance(refused, ConfigError) and "prescale_gradients" in str(refused)
+
+
 def _accelerate_launch_accepts(path: Path) -> bool | str:
     """``accelerate launch --config_file path train.py`` up to the launcher's command: its loader, its argument
     checks, and the arguments its launcher builds (torchrun's own parsing of them for the torchrun launchers)."""
