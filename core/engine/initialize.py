@@ -106,21 +106,20 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if optimizer is not None and cfg.optimizer is not None and cfg.optimizer.name and info.rank == 0:
         log.warning("optimizer.name=%s is not built: the optimizer passed to initialize is used (as DeepSpeed "
                     "does); its \"auto\" values were filled from it", cfg.optimizer.name)  # fmt: skip
-    if decided.data_parallel == "zero2":
-        # ZeRO-2: the optimizer's groups decide the partition, and the optimizer steps its flat fp32 masters.
+    if decided.data_parallel in ("zero1", "zero2"):
+        # ZeRO-1/2: the optimizer's groups decide the partition, and the optimizer steps its flat fp32 masters.
         from .zero_partition import build_zero
 
         shard, optimizer = build_zero(model, cfg=cfg, decided=decided, precision=precision, info=info,
                                       client=optimizer, groups=groups, name_of=name_of, source=source)  # fmt: skip
-        compression_state = None
+        compression_state = apply_compression(shard, cfg, decided)  # stage 1: DDP's communication hook
     else:
         shard = apply_sharding(model, cfg, decided, precision, info, source=source)
         compression_state = apply_compression(shard, cfg, decided)
         # The optimizer after sharding, so that it holds the tensors the step updates; then what steps with it.
         step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
         optimizer = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
-                                         by_name=step_params, wrapper=decided.optimizer_wrapper,
-                                         offload=decided.optimizer_on_cpu)  # fmt: skip
+                                         by_name=step_params, offload=decided.optimizer_on_cpu)  # fmt: skip
     lr_scheduler = build_scheduler(cfg, lr_scheduler, optimizer)
     loss_scaler = build_loss_scaler(cfg)
     dataloader = None

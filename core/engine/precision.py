@@ -120,7 +120,7 @@ def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, decided:
                                                     cast_forward_inputs=precision.cast_forward_inputs)  # fmt: skip
             plan.cast_forward_inputs = False  # the policy does it
         return plan
-    if decided.data_parallel == "zero2":  # the partition keeps the fp32 masters (torsh.engine.zero_partition)
+    if decided.data_parallel in ("zero1", "zero2"):  # the partition keeps the fp32 masters (.zero_partition)
         _cast_params(model, param_dtype)
         return plan
     # stages 0/1: compute parameters in param_dtype; separate masters when their dtype or device differs.

@@ -187,12 +187,14 @@ def allreduce_gradients(grads: list[torch.Tensor], gradients: GradientsConfig, p
 def rebuild_ddp_for_unused(shard: ShardPlan, ddp: DdpConfig, gradients: GradientsConfig, precision: PrecisionPlan,
                            info: DistInfo, reduce_hook: bool) -> ShardPlan:  # fmt: skip
     """A new DDP wrapper with ``find_unused_parameters`` (the model has parameters its forward does not use);
-    the old wrapper's hooks are removed so that each gradient is reduced once."""
+    the old wrapper's hooks are removed so that each gradient is reduced once; a ZeRO-1 partition stays."""
     remove = getattr(shard.model, "_remove_autograd_hooks", None)
     if remove is not None:
         remove()
-    return _apply_ddp(shard.module, ddp.model_copy(update={"find_unused_parameters": True}), gradients, precision,
-                      info, reduce_hook)  # fmt: skip
+    rebuilt = _apply_ddp(shard.module, ddp.model_copy(update={"find_unused_parameters": True}), gradients,
+                         precision, info, reduce_hook)  # fmt: skip
+    rebuilt.partition = shard.partition  # ZeRO-1: the same partition steps DDP's reduced gradients
+    return rebuilt
 
 
 def _apply_fsdp(model, cfg: TorshConfig, decided: EnginePlan, precision: PrecisionPlan, info: DistInfo,
