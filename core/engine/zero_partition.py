@@ -251,7 +251,10 @@ class ZeroPartition:
     # ---- step ----------------------------------------------------------------------------------
 
     def step_tensors(self) -> list[nn.Parameter]:
-        """The fp32 masters with their partition gradients as ``.grad`` (what the optimizer steps)."""
+        """The fp32 masters with their partition gradients as ``.grad`` (what the optimizer steps). Stage 1: a
+        gradient still in ``.grad`` (a backward under ``no_sync`` at the boundary, not reduced) is taken as it is,
+        as the optimizer would have stepped it before stage 1 ran on the partition."""
+        self.absorb_grads()
         for b in self.buckets:
             if b.index not in self._written:  # no reduced backward since the last step: zeros
                 self.grads[b.group][b.master_offset:b.master_offset + b.chunk].zero_()
@@ -264,8 +267,8 @@ class ZeroPartition:
         """The 2-norm of every rank's partition gradients together (one all-reduce)."""
         local = torch.zeros((), dtype=torch.float64, device=self.master_device)
         for g in grads:
-            if g.numel():
-                local += torch.linalg.vector_norm(g, 2, dtype=torch.float64) ** 2
+            if g.numel():  # each partition's norm in its dtype (fp64 would cost ~30x on the CPU), summed in fp64
+                local += torch.linalg.vector_norm(g, 2).double() ** 2
         local = local.to(self.device)
         dist.all_reduce(local, group=self.group)
         return math.sqrt(float(local)) if math.isfinite(float(local)) else float(local)
@@ -291,13 +294,15 @@ class ZeroPartition:
         return dist.get_global_rank(self.group, r) if self.group is not None else r
 
     def _launch_gather(self, buckets: list[Bucket]) -> tuple[list[Bucket], torch.Tensor, list]:
-        send = torch.cat([self._own(b) for b in buckets]).to(device=self.device, dtype=self.compute_dtype)
-        out = torch.empty(send.numel() * self.world, dtype=send.dtype, device=send.device)
+        n = sum(b.chunk for b in buckets)
+        out = torch.empty(n * self.world, dtype=self.compute_dtype, device=self.device)
+        mine, start = out[self.rank * n:(self.rank + 1) * n], 0
+        for b in buckets:  # this rank's chunks, in the compute dtype, written where the gathered copy holds them
+            mine[start:start + b.chunk].copy_(self._own(b))
+            start += b.chunk
         if self.scatter:
-            return buckets, out, [dist.all_gather_into_tensor(out, send, group=self.group, async_op=True)]
+            return buckets, out, [dist.all_gather_into_tensor(out, mine.clone(), group=self.group, async_op=True)]
         # gloo: each owner broadcasts its chunks (measured faster there than all_gather_into_tensor)
-        n = send.numel()
-        out[self.rank * n:(self.rank + 1) * n].copy_(send)
         return buckets, out, [dist.broadcast(out[r * n:(r + 1) * n], src=self._owner(r), group=self.group,
                                              async_op=True) for r in range(self.world)]  # fmt: skip
 
