@@ -25,10 +25,12 @@ of the all-reduced sum of every rank's squared partition norm (so clipping and t
 gradients), the optimizer steps, and the updated chunks are all-gathered in buckets of about
 ``allgather_bucket_size`` elements and copied into the parameters in the compute dtype.
 
-The collectives: on gloo one ``reduce`` of each chunk to its owner (as DeepSpeed reduces to owners) and one
-``broadcast`` of each owner's chunks after the step, measured faster there than gloo's ``all_reduce``,
-``reduce_scatter_tensor`` (built from an all-reduce plus copies) and ``all_gather_into_tensor``; on other backends
-``reduce_scatter_tensor`` and ``all_gather_into_tensor``. See ARCHITECTURE.md for the numbers.
+The collectives: on gloo one ``reduce`` of each chunk to its owner (as DeepSpeed reduces to owners) and, after the
+step, each owner writes its piece of every parameter from its master and ``broadcast``s it straight into that
+parameter on every rank (no gathered buffer: its first-touch page faults and the copy out of it cost more than the
+few extra collectives), measured faster there than gloo's ``all_reduce``, ``reduce_scatter_tensor`` (built from
+an all-reduce plus copies) and ``all_gather_into_tensor``; on other backends ``reduce_scatter_tensor`` and
+``all_gather_into_tensor`` (in ``allgather_bucket_size`` groups). See ARCHITECTURE.md for the numbers.
 
 Stage 1 (``reduce_in_backward=False``): no gradient hooks. DDP wraps the model and all-reduces the whole
 gradients at the accumulation boundary (its buckets overlap backward; its communication hooks carry the
@@ -279,6 +281,9 @@ class ZeroPartition:
         if self.world == 1:
             self._copy_out([(b, self._own(b).to(self.compute_dtype)) for b in self.buckets])
             return
+        if not self.scatter and self._params_contiguous():
+            self._broadcast_into_params()
+            return
         pending = [self._launch_gather(buckets) for buckets in self.gathers]
         for buckets, out, works in pending:
             for work in works:
@@ -292,6 +297,28 @@ class ZeroPartition:
     def _owner(self, r: int) -> int:
         """The global rank of this group's rank ``r``."""
         return dist.get_global_rank(self.group, r) if self.group is not None else r
+
+    def _params_contiguous(self) -> bool:
+        return all(p.is_contiguous() for b in self.buckets for p in b.params)
+
+    def _broadcast_into_params(self) -> None:
+        """gloo: each owner writes its pieces of every parameter from its master and broadcasts them straight into
+        that parameter on every rank (no gathered buffer, no copy out of it; the pieces in bucket order)."""
+        works = []
+        for b in self.buckets:
+            own = self._own(b)
+            for p, off in zip(b.params, b.offsets):
+                flat = p.data.view(-1)
+                for r in range(self.world):
+                    lo, hi = max(off, r * b.chunk), min(off + p.numel(), (r + 1) * b.chunk)
+                    if hi <= lo:
+                        continue
+                    piece = flat[lo - off:hi - off]
+                    if r == self.rank:
+                        piece.copy_(own[lo - r * b.chunk:hi - r * b.chunk])
+                    works.append(dist.broadcast(piece, src=self._owner(r), group=self.group, async_op=True))
+        for work in works:
+            work.wait()
 
     def _launch_gather(self, buckets: list[Bucket]) -> tuple[list[Bucket], torch.Tensor, list]:
         n = sum(b.chunk for b in buckets)
