@@ -71,8 +71,9 @@ class EnginePlan:
 
     world_size: int
     data_parallel: DataParallel
-    """``ddp`` (stage 0), ``zero1`` (DDP + ZeroRedundancyOptimizer), ``zero2`` (DeepSpeed's stage 2: whole
-    parameters, gradients and optimizer partitioned, :mod:`torsh.engine.zero_partition`), ``fsdp2`` (stage 3),
+    """``ddp`` (stage 0), ``zero1`` (DeepSpeed's stage 1: whole parameters, DDP all-reduces the whole gradients,
+    optimizer partitioned), ``zero2`` (DeepSpeed's stage 2: whole parameters, gradients and optimizer partitioned;
+    both :mod:`torsh.engine.zero_partition`), ``fsdp2`` (stage 3),
     ``hsdp`` (FSDP2 on a 2-D mesh: shard within groups, replicate across them; stages 2/3)."""
     mesh: tuple[int, ...] | None
     """FSDP2's mesh shape: ``(world,)`` or ``(replicate, shard)``; None under DDP or while it is "auto"."""
@@ -92,8 +93,10 @@ class EnginePlan:
     """FSDP2's ``CPUOffloadPolicy``: sharded parameters, gradients and the optimizer step on the CPU."""
     compression: Literal["none", "comm_hook", "reduce_dtype"]
     """How gradient compression runs: a DDP communication hook, or FSDP2's reduce dtype."""
-    optimizer_wrapper: Literal["ZeroRedundancyOptimizer"] | None
-    """The wrapper around the step optimizer (ZeRO-1: state sharded)."""
+    optimizer_wrapper: Literal["ZeroPartition"] | None
+    """ZeRO-1/2 (``"ZeroPartition"``): the optimizer steps this rank's partition of one flat fp32 master per
+    parameter group, its state 1/W of the model (:mod:`torsh.engine.zero_partition`); None: it steps the
+    parameters, their fp32 masters or FSDP2's shards."""
     optimizer_on_cpu: bool
     """The configured optimizer is built for CPU tensors (offload)."""
     step: StepPolicy
@@ -274,7 +277,7 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
         fsdp_mixed_precision=fsdp and (held != p.master_dtype or reduce != held),
         masters_on_cpu=not fsdp and o.optimizer == "cpu", fsdp_cpu_offload=fsdp and "cpu" in (o.params, o.optimizer),
         compression="none" if not compressed else "reduce_dtype" if s.stage >= 2 or fsdp else "comm_hook",
-        optimizer_wrapper="ZeroRedundancyOptimizer" if s.stage == 1 and not fsdp else None,
+        optimizer_wrapper="ZeroPartition" if dp in ("zero1", "zero2") else None,
         optimizer_on_cpu="cpu" in (o.params, o.optimizer),
         step=_step_policy(cfg, scaling=scaler, compressed=compressed),
         refused=tuple(refusals(cfg, world_size=world_size, optimizer_given=optimizer_given, pipeline=pipeline)),
@@ -455,7 +458,9 @@ def _sharding_step(decided: EnginePlan, cfg: TorshConfig) -> str:
     if decided.data_parallel == "ddp":
         return "DDP (DistributedDataParallel): parameters, gradients and optimizer state replicated"
     if decided.data_parallel == "zero1":
-        return "ZeRO-1: DDP + ZeroRedundancyOptimizer (optimizer state sharded, parameters replicated)"
+        return ("ZeRO-1 as DeepSpeed runs it: whole parameters on every rank; DDP all-reduces the whole gradients "
+                "at the accumulation boundary; each rank steps its partition of the flat fp32 masters and "
+                "optimizer state; updated partitions all-gathered after the step")
     if decided.data_parallel == "zero2":
         return ("ZeRO-2 as DeepSpeed runs it: whole parameters on every rank; gradients reduced in buckets during "
                 "backward into each rank's partition; fp32 masters and optimizer state partitioned; updated "

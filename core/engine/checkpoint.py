@@ -132,15 +132,27 @@ def _torch_bytes(obj: Any, what: str) -> bytes:
 
 def _tag_problem(tag: str) -> str | None:
     """Why ``tag`` cannot name a checkpoint directory, or None."""
-    if tag == LATEST:
-        return f"'{LATEST}' is the name of the file that points at the newest checkpoint"
-    if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or os.sep in tag or tag.startswith("."):
-        return "it must be a plain directory name (no '/' or '\\', not starting with '.')"
-    if any(ord(c) < 32 or ord(c) == 127 for c in tag) or tag != tag.strip():
-        return "it must not contain control characters or leading/trailing whitespace"
-    if len(tag.encode("utf-8", "surrogatepass")) > MAX_TAG_LENGTH:
-        return f"it must be at most {MAX_TAG_LENGTH} bytes long"
+    for broken, why in _TAG_RULES:
+        if broken(tag):
+            return why
     return None
+
+
+def _not_a_plain_name(tag: str) -> bool:
+    return not tag or tag in (".", "..") or any(sep in tag for sep in ("/", "\\", os.sep)) or tag.startswith(".")
+
+
+def _has_control_or_padding(tag: str) -> bool:
+    return any(ord(c) < 32 or ord(c) == 127 for c in tag) or tag != tag.strip()
+
+
+_TAG_RULES = (
+    (lambda tag: tag == LATEST, f"'{LATEST}' is the name of the file that points at the newest checkpoint"),
+    (_not_a_plain_name, "it must be a plain directory name (no '/' or '\\', not starting with '.')"),
+    (_has_control_or_padding, "it must not contain control characters or leading/trailing whitespace"),
+    (lambda tag: len(tag.encode("utf-8", "surrogatepass")) > MAX_TAG_LENGTH,
+     f"it must be at most {MAX_TAG_LENGTH} bytes long"),
+)
 
 
 def _check_tag(tag: Any) -> str:
@@ -248,21 +260,13 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     a LoRA job's checkpoints hold its adapters, not the base model; load them with ``load_module_strict=False``).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if tag is None:
         tag = f"global_step{engine_state.get('global_steps', 0)}"
     tag = _check_tag(tag)
     # Serialise the small states first, on every rank: a client_state that cannot be stored then fails on all
     # ranks alike before any collective, instead of on rank 0 alone while the others wait at a barrier.
-    engine_bytes = _torch_bytes({
-        "format": FORMAT_VERSION,
-        "world_size": _world_size(),
-        "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-        "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
-        "engine": dict(engine_state),
-        "client_state": dict(client_state or {}),
-    }, "client_state / engine state")  # fmt: skip
+    engine_bytes = _engine_bytes(lr_scheduler, loss_scaler, engine_state, client_state)
     rng_bytes = _torch_bytes(_rng_state(), "RNG state")
     tag = _check_same_tag(tag, tag_validation)
     root = Path(save_dir)
@@ -276,17 +280,8 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     _barrier()
 
     # 1. model and optimizer (sharded; every rank writes its part, rank 0 writes .metadata last)
-    optimizer = _torch_optimizer(optimizer)
     with sharded_state(model), _quiet_without_dist():  # DCP writes each rank's shards
-        if optimizer is None:
-            state = {"model": get_model_state_dict(model)}
-        elif _is_zero(optimizer):
-            state = {"model": get_model_state_dict(model), "optim": _zero_state_dict(optimizer, _param_names(model))}
-        else:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
-        state["model"] = {k: v for k, v in state["model"].items() if k not in frozen}
-        dcp.save(state, checkpoint_id=staging)
+        dcp.save(_state_to_save(model, _torch_optimizer(optimizer), frozen), checkpoint_id=staging)
 
     # 2. small states: rank 0 writes the shared ones, every rank its RNG
     if rank == 0:
@@ -310,6 +305,33 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     for callback in list(_AFTER_SAVE):
         callback(str(final), tag)
     return True
+
+
+def _engine_bytes(lr_scheduler: Any, loss_scaler: Any, engine_state: dict, client_state: dict) -> bytes:
+    return _torch_bytes({
+        "format": FORMAT_VERSION,
+        "world_size": _world_size(),
+        "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+        "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
+        "engine": dict(engine_state),
+        "client_state": dict(client_state or {}),
+    }, "client_state / engine state")  # fmt: skip
+
+
+def _state_to_save(model: Any, optimizer: Any, frozen: frozenset[str]) -> dict[str, Any]:
+    """The model's (without ``frozen``) and the optimizer's state by parameter name; a ZeroRedundancyOptimizer
+    gives the state of the parameters this rank owns."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    elif _is_zero(optimizer):
+        state = {"model": get_model_state_dict(model), "optim": _zero_state_dict(optimizer, _param_names(model))}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    state["model"] = {k: v for k, v in state["model"].items() if k not in frozen}
+    return state
 
 
 def _remove_stale(root: Path) -> None:
@@ -394,8 +416,10 @@ def _resolve(load_dir: Path, tag: str | None) -> Path | None:
     raise CheckpointError(f"checkpoint {path} ({named_by}) is incomplete: {missing} missing")
 
 
-def _resolve_on_rank0(load_dir: Path, tag: str | None) -> Path | None:
-    """:func:`_resolve` on rank 0 (one view of the filesystem), its result or its error on every rank."""
+def _resolve_on_rank0(load_dir: Path, tag: Any) -> Path | None:
+    """:func:`_resolve` on rank 0 (one view of the filesystem), its result or its error on every rank; a tag that
+    cannot name a checkpoint is a ValueError on every rank."""
+    tag = None if tag is None else _check_tag(tag)
     if _rank() == 0:
         try:
             outcome: tuple[str, Any] = ("ok", _resolve(load_dir, tag))
@@ -444,8 +468,6 @@ def load_checkpoint(load_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     so the engine keeps its counters). The loss scaler is restored together with the optimizer states. RNG
     states are restored only with ``load_rng_states=True`` (DeepSpeed never restores them).
     """
-    if tag is not None:
-        tag = _check_tag(tag)
     path = _resolve_on_rank0(Path(load_dir), tag)
     if path is None:
         return None, None, None
@@ -455,6 +477,28 @@ def load_checkpoint(load_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,
                                load_module_only=load_module_only)  # fmt: skip
+    with_optimizer = load_optimizer_states and not load_module_only and optimizer is not None
+    saved = _load_torsh(path, model, optimizer if with_optimizer else None, strict=load_module_strict)
+    if not load_module_only:
+        _load_small_states(saved, lr_scheduler, loss_scaler, scheduler=load_lr_scheduler_states,
+                           scaler=with_optimizer)  # fmt: skip
+    if load_rng_states:
+        _on_every_rank(_load_rng, path, saved["world_size"])
+    _barrier()
+    return str(path), saved["client_state"], None if load_module_only else saved["engine"]
+
+
+def _load_torsh(path: Path, model: Any, optimizer: Any, *, strict: bool) -> dict[str, Any]:
+    """Model (and optimizer, unless None) state of a torsh checkpoint; its engine states."""
+    saved = _verified_engine_states(path)
+    with sharded_state(model), _quiet_without_dist():
+        _load_model_and_optimizer(path, model, _torch_optimizer(optimizer), strict=strict)
+    return saved
+
+
+def _verified_engine_states(path: Path) -> dict[str, Any]:
+    """The engine states of a torsh checkpoint whose files match its manifest (one written before checksums
+    loads with a warning)."""
     files = _verify(path)
     saved = _on_every_rank(_read_engine_states, path)
     if files is None:
@@ -462,21 +506,16 @@ def load_checkpoint(load_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
             raise CheckpointError(f"checkpoint {path} has no {path / MANIFEST} (it was removed); it cannot be "
                                   f"verified")  # fmt: skip
         log.warning("checkpoint %s predates checksums; its files are not verified", path)
+    return saved
 
-    with_optimizer = load_optimizer_states and not load_module_only and optimizer is not None
-    with sharded_state(model), _quiet_without_dist():
-        _load_model_and_optimizer(path, model, _torch_optimizer(optimizer) if with_optimizer else None,
-                                  strict=load_module_strict)  # fmt: skip
-    if not load_module_only:
-        if load_lr_scheduler_states and lr_scheduler is not None and saved["lr_scheduler"] is not None:
-            lr_scheduler.load_state_dict(saved["lr_scheduler"])
-        if with_optimizer and loss_scaler is not None and saved["loss_scaler"] is not None:
-            loss_scaler.load_state_dict(saved["loss_scaler"])
-    if load_rng_states:
-        _on_every_rank(_load_rng, path, saved["world_size"])
-    _barrier()
-    engine_state = None if load_module_only else saved["engine"]
-    return str(path), saved["client_state"], engine_state
+
+def _load_small_states(saved: dict[str, Any], lr_scheduler: Any, loss_scaler: Any, *, scheduler: bool,
+                       scaler: bool) -> None:  # fmt: skip
+    """The scheduler's state (if ``scheduler``) and the loss scaler's (if ``scaler``: with the optimizer's)."""
+    if scheduler and lr_scheduler is not None and saved["lr_scheduler"] is not None:
+        lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    if scaler and loss_scaler is not None and saved["loss_scaler"] is not None:
+        loss_scaler.load_state_dict(saved["loss_scaler"])
 
 
 def _load_deepspeed(path: Path, **kwargs: Any) -> tuple[str, dict, dict | None]:

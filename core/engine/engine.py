@@ -23,10 +23,12 @@ from torsh.plan import StepPolicy
 
 from . import whole_params, zero_params
 from .distributed import DistInfo, on_shutdown
+from .engine_members import DEEPSPEED_ENGINE_MEMBERS
 from .monitor import Monitor, ThroughputTimer
 from .precision import PrecisionPlan
 from .sharding import ShardPlan
 from .zero_partition import attach as _attach
+from .zero_partition import attach_buffers as _attach_buffers
 
 log = logging.getLogger("torsh.engine")
 
@@ -52,18 +54,7 @@ class Engine(nn.Module):
         self.__dict__["wrapped"] = shard.model
         self.__dict__["optimizer"] = optimizer
         if optimizer is not None:
-            optimizer.overflow = False  # DeepSpeed's optimizer attribute (scripts and Accelerate read it)
-            if hasattr(optimizer, "optim") and not hasattr(optimizer, "optimizer"):
-                # stage 1 (ZeroRedundancyOptimizer): the torch optimizer of this rank's partition, where DeepSpeed's
-                # ZeRO optimizer has its own (engine.optimizer.optimizer.param_groups)
-                optimizer.optimizer = optimizer.optim
-            # DeepSpeed's ZeRO optimizer moves its own state (OpenRLHF: engine.optimizer.offload_states(...))
-            for name in ("offload_states", "reload_states"):
-                if not hasattr(optimizer, name):
-                    setattr(optimizer, name, _engine_method(self, name))
-            from .checkpoint_state import give_rank_state_dict
-
-            give_rank_state_dict(optimizer)  # ZeRO-1: state_dict() without consolidation, as DeepSpeed's
+            self._adopt_optimizer(optimizer)
         self.__dict__["lr_scheduler"] = lr_scheduler
         self.__dict__["loss_scaler"] = loss_scaler
         self.__dict__["training_dataloader"] = training_dataloader
@@ -96,6 +87,21 @@ class Engine(nn.Module):
         # At interpreter exit the engine lets go of DDP's reducer before the process group is destroyed (a
         # reducer outliving the group can freeze or abort a finished job); held weakly, so no engine is kept alive.
         on_shutdown(self.destroy)
+
+    def _adopt_optimizer(self, optimizer: Any) -> None:
+        """The members DeepSpeed's optimizers have, on the one the engine steps."""
+        optimizer.overflow = False  # DeepSpeed's optimizer attribute (scripts and Accelerate read it)
+        if hasattr(optimizer, "optim") and not hasattr(optimizer, "optimizer"):
+            # the pipeline engine's ZeRO-1 (torch's ZeroRedundancyOptimizer): the torch optimizer of this rank's
+            # partition, where DeepSpeed's ZeRO optimizer has its own (engine.optimizer.optimizer.param_groups)
+            optimizer.optimizer = optimizer.optim
+        # DeepSpeed's ZeRO optimizer moves its own state (OpenRLHF: engine.optimizer.offload_states(...))
+        for name in ("offload_states", "reload_states"):
+            if not hasattr(optimizer, name):
+                setattr(optimizer, name, _engine_method(self, name))
+        from .checkpoint_state import give_rank_state_dict
+
+        give_rank_state_dict(optimizer)  # torch's ZeRO-1: state_dict() without consolidation, as DeepSpeed's
 
     def __getattr__(self, name: str):
         # DeepSpeedEngine falls through to the wrapped module for attributes it does not have.
@@ -387,15 +393,17 @@ class Engine(nn.Module):
             self._forward_synced = self._sync_now() and not self._probe_unused
             self.wrapped.require_backward_grad_sync = self._forward_synced
         if self._precision.cast_forward_inputs:
-            dtype = self._precision.param_dtype
-            inputs = tuple(x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs)
-            kwargs = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
-        with contextlib.ExitStack() as stack:
-            if self._precision.autocast_dtype is not None:
-                stack.enter_context(torch.autocast(self.device.type, dtype=self._precision.autocast_dtype))
-            if self._policy.activations_on_cpu:
-                stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()))
+            inputs, kwargs = _cast_floating(inputs, kwargs, self._precision.param_dtype)
+        with self._forward_context():
             return self.wrapped(*inputs, **kwargs)
+
+    def _forward_context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if self._precision.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self._precision.autocast_dtype))
+        if self._policy.activations_on_cpu:
+            stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()))
+        return stack
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps()`` (loss-scaled in fp16); returns the divided loss."""
@@ -407,30 +415,40 @@ class Engine(nn.Module):
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         sync = self._sync_now()
-        part = self._shard.partition
         if self._shard.kind == "fsdp":
             self.wrapped.set_requires_gradient_sync(sync)
-        elif part is not None:
-            part.before_backward(sync)
+        elif self._shard.partition is not None:
+            self._shard.partition.before_backward(sync)
         scaled = self.loss_scaler.scale(loss) if self._scaling else loss
         scaled.backward(retain_graph=retain_graph)
+        self._after_backward(sync)
+        return loss.detach()
+
+    def _after_backward(self, sync: bool) -> None:
+        """What completes the reduction of one backward: ZeRO-2's last buckets, DDP's checks (stages 0/1),
+        ZeRO-1's partition of the reduced gradients, accumulation into fp32 masters."""
+        part = self._shard.partition
         if part is not None:
-            part.finish_backward()  # (a no-op when autograd's end-of-backward callback ran it)
+            part.finish_backward()  # (a no-op when autograd's end-of-backward callback ran it, and at stage 1)
         if self._shard.kind == "ddp":
-            if sync and not (self._wrapper_forward and self._forward_synced):
-                # DDP did not reduce: the boundary was set after the forward (Accelerate's order), the script
-                # called the model itself instead of engine(...), or the first step probes for unused
-                # parameters. Reduce now, as DeepSpeed (which reduces in backward, whatever ran forward).
-                self._allreduce_gradients()
-                if self._probe_unused:
-                    self._finish_unused_probe()
-            elif sync and self._probe_unused is False and not self._finds_unused:
-                self._check_ddp_finished()
-            self._wrapper_forward = False
+            self._after_ddp_backward(sync)
+        if part is not None and sync:
+            part.absorb_grads()  # ZeRO-1: this rank's elements of the gradients DDP reduced (a no-op at stage 2)
         masters = self._precision.masters
         if masters is not None and masters.accumulate_in_master:
             masters.grads_to_master(accumulate=True)
-        return loss.detach()
+
+    def _after_ddp_backward(self, sync: bool) -> None:
+        if sync and not (self._wrapper_forward and self._forward_synced):
+            # DDP did not reduce: the boundary was set after the forward (Accelerate's order), the script
+            # called the model itself instead of engine(...), or the first step probes for unused
+            # parameters. Reduce now, as DeepSpeed (which reduces in backward, whatever ran forward).
+            self._allreduce_gradients()
+            if self._probe_unused:
+                self._finish_unused_probe()
+        elif sync and self._probe_unused is False and not self._finds_unused:
+            self._check_ddp_finished()
+        self._wrapper_forward = False
 
     def _allreduce_gradients(self) -> None:
         from .sharding import allreduce_gradients
@@ -544,21 +562,11 @@ class Engine(nn.Module):
             log.info("step %d skipped: gradient norm %s%s", self.global_steps, norm,
                      f" at loss scale {self.loss_scaler.cur_scale}" if self._scaling else "")  # fmt: skip
         else:
-            coef = inv_scale
-            if self._clip > 0:
-                # DeepSpeed's formula, on the unscaled global norm: max_norm / (norm + 1e-6), never above 1.
-                coef *= min(1.0, self._clip / (norm + 1e-6))
-            if coef != 1.0:
-                with torch.no_grad():
-                    # one foreach op over the list: under FSDP2 a DTensor dispatch per step, not per parameter
-                    torch._foreach_mul_([p.grad for p in params], coef)
-            zero_params.write_pending(params)  # safe_set_full_fp32_param's values: the weights this step updates
-            self.optimizer.step()
-            if masters is not None:
-                masters.master_to_params()
-            if part is not None:
-                part.gather_params()  # the updated partitions into every rank's whole parameters
-            self._step_applied = True
+            self._apply_step(params, norm, inv_scale)
+        self._after_step(overflow, lr_kwargs)
+
+    def _after_step(self, overflow: bool, lr_kwargs: dict | None) -> None:
+        """The loss scale and the scheduler move (the scheduler not on a skipped step); the gradients go."""
         if self._scaling:
             self.loss_scaler.update(overflow)
             self._publish_scale()
@@ -568,6 +576,24 @@ class Engine(nn.Module):
             except TypeError:
                 self.lr_scheduler.step(self.train_batch_size())  # DeepSpeed's fallback
         self._zero_all_grads()
+
+    def _apply_step(self, params: list, norm: float, inv_scale: float) -> None:
+        """Unscale and clip the gradients (one coefficient), step, and bring the new values to the parameters."""
+        coef = inv_scale
+        if self._clip > 0:
+            # DeepSpeed's formula, on the unscaled global norm: max_norm / (norm + 1e-6), never above 1.
+            coef *= min(1.0, self._clip / (norm + 1e-6))
+        if coef != 1.0:
+            with torch.no_grad():
+                # one foreach op over the list: under FSDP2 a DTensor dispatch per step, not per parameter
+                torch._foreach_mul_([p.grad for p in params], coef)
+        zero_params.write_pending(params)  # safe_set_full_fp32_param's values: the weights this step updates
+        self.optimizer.step()
+        if self._precision.masters is not None:
+            self._precision.masters.master_to_params()
+        if self._shard.partition is not None:
+            self._shard.partition.gather_params()  # the updated partitions into every rank's whole parameters
+        self._step_applied = True
 
     def _zero_all_grads(self) -> None:
         if self._shard.partition is not None:
@@ -626,10 +652,26 @@ class Engine(nn.Module):
         """Move the optimizer state (``optim_states``) and fp32 master weights (``hp_params``) to the CPU until
         :meth:`reload_states` (DeepSpeed's ``offload_states``; ``include`` takes its state names or enum).
         Tensors already on the CPU stay where they are, so on a CPU-only run this changes nothing."""
-        device = str(getattr(device, "value", device))
+        kinds = self._offload_kinds(include, str(getattr(device, "value", device)))
+        if kinds is None:
+            return
+        move = _to_cpu(pin_memory and torch.cuda.is_available(), non_blocking)
+        moved = self._offloaded if self._offloaded is not None else []
+        if "optim_states" in kinds:
+            moved += _offload_optimizer_state(_local_optimizer(self.optimizer), move)
+        if "hp_params" in kinds:
+            moved += _offload_masters(self._master_tensors(), move)
+        self.__dict__["_offloaded"] = moved
+        if self._shard.kind == "fsdp":  # the gathered parameters (stage 2 keeps them between steps) are freed
+            whole_params.reshard(self._shard.model)
+        if moved and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _offload_kinds(self, include: Any, device: str) -> set[str] | None:
+        """The state names ``offload_states`` moves (None: nothing, for ``device="none"``); DeepSpeed's errors."""
         if device == "none":
             log.warning("offload_states(device=none): nothing is offloaded")
-            return
+            return None
         if device != "cpu":
             raise ValueError(f"offload_states(device={device!r}): only 'cpu' is supported (as in DeepSpeed)")
         if self.optimizer is None:
@@ -639,33 +681,14 @@ class Engine(nn.Module):
         if unknown:
             raise ValueError(f"offload_states(include=...): unknown state(s) {sorted(unknown)}; DeepSpeed's are "
                              f"{sorted(OFFLOADABLE) + ['contiguous_grad_buffer', 'lp_grads', 'lp_params']}")
-        pin = pin_memory and torch.cuda.is_available()
-        moved = self._offloaded if self._offloaded is not None else []
-        cpu = torch.device("cpu")
+        return kinds
 
-        def move(tensor):
-            out = tensor.to(cpu, non_blocking=non_blocking)
-            return out.pin_memory() if pin else out
-
-        if "optim_states" in kinds:
-            inner = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer's local optimizer
-            for state in inner.state.values():
-                for key, value in state.items():
-                    if torch.is_tensor(value) and value.device != cpu and not hasattr(value, "device_mesh"):
-                        moved.append((state, key, value.device))
-                        state[key] = move(value)
+    def _master_tensors(self) -> list[torch.Tensor]:
+        """The fp32 masters the optimizer steps: ZeRO-1/2's flat partitions, or stage 0's per-parameter copies."""
+        if self._shard.partition is not None:
+            return list(self._shard.partition.masters)
         masters = self._precision.masters
-        part = self._shard.partition
-        if "hp_params" in kinds and (masters is not None or part is not None):
-            for m in (part.masters if part is not None else masters.masters.values()):
-                if m.device != cpu:
-                    moved.append((m, None, m.device))
-                    m.data = move(m.data)
-        self.__dict__["_offloaded"] = moved
-        if self._shard.kind == "fsdp":  # the gathered parameters (stage 2 keeps them between steps) are freed
-            whole_params.reshard(self._shard.model)
-        if moved and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        return list(masters.masters.values()) if masters is not None else []
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Move what :meth:`offload_states` moved back to its device (a no-op when nothing was moved)."""
@@ -770,11 +793,7 @@ class Engine(nn.Module):
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
-        dtype = self._precision.param_dtype
-        owner: dict[int, str] = {}  # a tied parameter: its first name; the others share that tensor, as DeepSpeed's
-        names = {n: owner.setdefault(id(p), n) for n, p in self.module.named_parameters(remove_duplicate=False)}
-        state = {k: v.to(dtype) if k in names and v.is_floating_point() else v for k, v in state.items()}
-        return {k: state[names[k]] if k in names and names[k] in state else v for k, v in state.items()}
+        return _tied_in_dtype(self.module, state, self._precision.param_dtype)
 
     save_fp16_model = save_16bit_model
 
@@ -855,16 +874,31 @@ class Engine(nn.Module):
             root = nn.Module()
             for name, tensor in masters.masters.items():
                 _attach(root, name, tensor, parameter=True)
-            for prefix, sub in self.module.named_modules():  # the persistent buffers, as module.state_dict()
-                for name, buf in sub._buffers.items():
-                    if buf is not None and name not in sub._non_persistent_buffers_set:
-                        _attach(root, f"{prefix}.{name}" if prefix else name, buf, parameter=False)
+            _attach_buffers(root, self.module)  # the persistent buffers, as module.state_dict()
             self.__dict__["_master_module"] = root  # not a submodule: engine.parameters() stays the model's
         return self._master_module
 
 
 class NoSyncError(AssertionError, RuntimeError):
     """``engine.no_sync()`` misused: DeepSpeed raises ``AssertionError`` (earlier torsh releases RuntimeError)."""
+
+
+def _cast_floating(inputs: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    """Floating-point tensor arguments in ``dtype`` (DeepSpeed's ``fp16.auto_cast``); the others as they are."""
+
+    def cast(x):
+        return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+
+    return tuple(cast(x) for x in inputs), {k: cast(v) for k, v in kwargs.items()}
+
+
+def _tied_in_dtype(module: nn.Module, state: dict, dtype: torch.dtype) -> dict:
+    """``state``'s parameters in ``dtype``; a tied parameter's other names share its first name's tensor, as in
+    DeepSpeed's 16-bit state dict."""
+    owner: dict[int, str] = {}
+    names = {n: owner.setdefault(id(p), n) for n, p in module.named_parameters(remove_duplicate=False)}
+    state = {k: v.to(dtype) if k in names and v.is_floating_point() else v for k, v in state.items()}
+    return {k: state[names[k]] if k in names and names[k] in state else v for k, v in state.items()}
 
 
 def _model_class(module: nn.Module) -> str:
@@ -891,6 +925,41 @@ def _global_norm(grads: list[torch.Tensor]) -> float:
 OFFLOADABLE = ("optim_states", "hp_params")
 
 
+def _local_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer holding this rank's state: the pipeline engine's ZeRO-1 (torch's
+    ``ZeroRedundancyOptimizer``) keeps it in ``.optim``; every other optimizer is its own."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def _to_cpu(pin: bool, non_blocking: bool):
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.to("cpu", non_blocking=non_blocking)
+        return out.pin_memory() if pin else out
+
+    return move
+
+
+def _offload_masters(masters: list[torch.Tensor], move: Any) -> list[tuple]:
+    moved = []
+    for m in masters:
+        if m.device.type != "cpu":
+            moved.append((m, None, m.device))
+            m.data = move(m.data)
+    return moved
+
+
+def _offload_optimizer_state(optimizer: Any, move: Any) -> list[tuple]:
+    """Every state tensor not on the CPU (FSDP2's DTensor state aside) replaced by ``move(tensor)``; what moved,
+    as ``(state, key, device)`` for :meth:`Engine.reload_states`."""
+    moved = []
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.device.type != "cpu" and not hasattr(value, "device_mesh"):
+                moved.append((state, key, value.device))
+                state[key] = move(value)
+    return moved
+
+
 def _engine_method(engine: Engine, name: str):
     """``engine.<name>`` for the optimizer to carry, holding the engine weakly (no engine-optimizer cycle)."""
     ref = weakref.ref(engine)
@@ -902,58 +971,3 @@ def _engine_method(engine: Engine, name: str):
         return getattr(owner, name)(*args, **kwargs)
 
     return call
-
-
-#: Public members of DeepSpeed 0.19.8's ``DeepSpeedEngine`` (methods and attributes), for the error that names
-#: a member the torsh engine lacks.
-DEEPSPEED_ENGINE_MEMBERS = frozenset("""
-aio_config all_gather_scalar all_to_all_group allreduce_and_copy allreduce_bucket allreduce_gradients
-allreduce_no_retain autotp_size autotuning_enabled autotuning_end_profile_step autotuning_metric
-autotuning_metric_path autotuning_model_info autotuning_model_info_path autotuning_profile_model_info
-autotuning_start_profile_step backward basic_optimizer bf16_master_weights_and_gradients bf16_optimizer_states
-bfloat16_enabled buffered_allreduce_fallback checkpoint_engine checkpoint_mp_rank checkpoint_serialization_enabled
-checkpoint_tag_validation_enabled checkpoint_tag_validation_fail checkpoint_writer_enabled client_lr_scheduler
-client_optimizer clip_fp32_gradients coalesce_grad_reduction collate_fn collect_python_gc communication_data_type
-compile compile_autosp compile_autotp compile_zero_optimization_stage config cpuadam_cores_perc
-curriculum_learning_config curriculum_learning_enabled data_efficiency_config data_efficiency_enabled
-data_parallel_group data_sampling_config data_sampling_enabled dataloader_drop_last deepspeed_io destroy device
-dist_backend dont_change_device dp_world_size dump_state dynamic_loss_scale dynamic_loss_scale_args
-empty_partition_cache enable_backward_allreduce engine_timers engine_timers_cache eval expert_data_parallel_group
-expert_parallel_group first_dataloader_check flatten flops flops_profiler flops_profiler_detailed
-flops_profiler_enabled flops_profiler_module_depth flops_profiler_output_file flops_profiler_profile_step
-flops_profiler_recompute_fwd_factor flops_profiler_top_modules forward fp16_auto_cast fp16_enabled
-fp16_master_weights_and_gradients fwd_duration gate_modules get_autosp_backend get_autotp_backend get_batch_info
-get_compile_time get_data_parallel_rank get_data_types get_deepcompile_backend get_deepspeed_compile_backend
-get_global_grad_norm get_lr get_model_parallel_rank get_mom get_optimizer_configuration get_sequence_parallel_group
-get_tensor_parallel_rank get_type get_wall_clock_timers global_rank global_samples global_steps
-gradient_accumulation_steps gradient_average gradient_clipping gradient_predivide_factor has_moe_layers
-initial_dynamic_scale inside_no_sync_ctxt is_compiled is_deepcompile_active is_deepcompile_enabled
-is_first_weights_partition_group is_gradient_accumulation_boundary is_iterable_style_dataset is_map_style_dataset
-is_sanity_checks_enabled load_checkpoint load_module_state_dict load_moe_state_dict load_universal_checkpoint
-loaded_checkpoint_dp_world_size loaded_checkpoint_mp_world_size local_all_to_all_group local_rank log_level
-loss_scale losses lr_scheduler managed_gradient_accumulation memory_breakdown mesh_device micro_steps
-module_forward_post_hook module_forward_pre_hook module_state_dict moe_layers monitor mp_world_size mpu no_sync
-num_experts offload_states optimized_linear_base_weight_sharding optimized_linear_lora_enabled optimizer
-optimizer_legacy_fusion optimizer_name optimizer_params param_names pipeline_parallelism postscale_gradients
-print_forward_breakdown random_ltd_config random_ltd_enabled random_ltd_initialize random_ltd_scheduler
-register_compile_pass reload_states save_16bit_model save_checkpoint save_fp16_model save_non_zero_checkpoint
-save_zero_checkpoint scale scale_wrt_gas scheduler_name scheduler_params seq_data_parallel_group seq_dp_world_size
-seq_parallel_group sequence_parallel_size set_custom_curriculum_learning_schedule set_data_post_process_func
-set_gradient_accumulation_boundary set_train_batch_size set_train_micro_batch_size skipped_steps sparse_all_gather
-sparse_allreduce sparse_allreduce_bucket sparse_allreduce_no_retain step steps_per_print summary_events
-super_offload swap_tensor_config tensor_parallel_config timers torch_autocast_dtype torch_autocast_enabled
-torch_autocast_lower_precision_safe_modules torch_autocast_z0_gradscaler tput_timer train train_batch_size
-train_micro_batch_size_per_gpu training_data training_dataloader unflatten update_interval use_ds_comm
-use_node_local_storage uses_parallelization_pass_only wall_clock_breakdown warn_unscaled_loss was_step_applied
-world_size zenflow_config zero_allgather_bucket_size zero_allgather_partitions zero_allgather_sequential
-zero_allow_untested_optimizer zero_compute_grad_norm zero_contiguous_gradients zero_cpu_offload
-zero_elastic_checkpoint zero_force_ds_cpu_optimizer zero_gather_16bit_weights_on_model_save zero_grad
-zero_hpz_partition_size zero_ignore_unused_parameters zero_legacy_stage1 zero_load_from_fp32_weights
-zero_log_trace_cache_warnings zero_max_live_parameters zero_max_reuse_distance zero_model_persistence_threshold
-zero_module_granularity_threshold zero_multi_rank_bucket_allreduce zero_nvme_offload_optimizer
-zero_offload_optimizer zero_offload_param zero_optimization zero_optimization_partition_gradients
-zero_optimization_partition_weights zero_optimization_stage zero_overlap_comm zero_param_persistence_threshold
-zero_parameter_alignment zero_partial_offload zero_prefetch_bucket_size zero_quantized_gradients
-zero_quantized_nontrainable_weights zero_quantized_weights zero_reduce_bucket_size zero_reduce_scatter
-zero_round_robin_gradients zero_save_muon_momentum_buffer_in_memory zero_sub_group_size zero_use_cpu_optimizer
-""".split())

@@ -145,21 +145,21 @@ def _shard_and_optimizer(model, cfg: TorshConfig, decided: EnginePlan, precision
                          source):  # fmt: skip
     """The sharded model and the optimizer that steps it: ``(shard, optimizer, compression state)``.
 
-    ZeRO-2: the optimizer's groups decide the partition, and the optimizer steps its flat fp32 masters. Otherwise
-    (DDP or FSDP2): shard, hook the compression, then build the optimizer after sharding, so that it holds the
-    tensors the step updates (the fp32 masters at stages 0/1 with low-precision compute)."""
-    if decided.data_parallel == "zero2":
+    ZeRO-1/2: the optimizer's groups decide the partition, and the optimizer steps its flat fp32 masters (stage 1
+    keeps DDP for the whole-gradient reduction, and with it DDP's compression hook). Otherwise (DDP or FSDP2):
+    shard, hook the compression, then build the optimizer after sharding, so that it holds the tensors the step
+    updates (the fp32 masters at stage 0 with low-precision compute)."""
+    if decided.data_parallel in ("zero1", "zero2"):
         from .zero_partition import build_zero
 
         shard, optimizer = build_zero(model, cfg=cfg, decided=decided, precision=precision, info=info,
                                       client=optimizer, groups=groups, name_of=name_of, source=source)  # fmt: skip
-        return shard, optimizer, None
+        return shard, optimizer, apply_compression(shard, cfg, decided)
     shard = apply_sharding(model, cfg, decided, precision, info, source=source)
     compression_state = apply_compression(shard, cfg, decided)
     step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
     optimizer = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
-                                     by_name=step_params, wrapper=decided.optimizer_wrapper,
-                                     offload=decided.optimizer_on_cpu)  # fmt: skip
+                                     by_name=step_params, offload=decided.optimizer_on_cpu)  # fmt: skip
     return shard, optimizer, compression_state
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -48,6 +49,10 @@ def pipeline_degree(cfg: TorshConfig) -> int | None:
 
 def pipeline_refusals(cfg: TorshConfig, module: Any) -> list[Problem]:
     """What the pipeline engine cannot run, each naming the key and what to do instead."""
+    return _config_refusals(cfg) + _layout_refusals(cfg, module)
+
+
+def _config_refusals(cfg: TorshConfig) -> list[Problem]:
     problems = []
     if cfg.sharding.stage >= 2:
         problems.append(Problem("sharding.stage", cfg.sharding.stage, f"{ZERO_INCOMPATIBLE} (as in DeepSpeed); use "
@@ -65,6 +70,11 @@ def pipeline_refusals(cfg: TorshConfig, module: Any) -> list[Problem]:
         problems.append(Problem("offload", {"params": cfg.offload.params, "optimizer": cfg.offload.optimizer},
                                 "the torsh pipeline engine offloads only the optimizer, to the CPU; set "
                                 "offload_param.device none and offload_optimizer.device cpu or none"))  # fmt: skip
+    return problems
+
+
+def _layout_refusals(cfg: TorshConfig, module: Any) -> list[Problem]:
+    problems = []
     mpu = getattr(module, "mpu", None)
     if mpu is not None and mpu().get_slice_parallel_world_size() > 1:
         problems.append(Problem("topology", "model", "tensor parallelism inside a pipeline stage (a topology 'model' "
@@ -122,10 +132,12 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
     interval = cfg.pipeline.activation_checkpoint_interval
     if interval > 0:  # the config's interval overrides the module's, as DeepSpeed's engine does
         model.activation_checkpoint_interval = interval
-    precision = apply_precision(model, cfg.precision, decided)
+    # The pipeline's ZeRO-1 is torch's ZeroRedundancyOptimizer over separate fp32 masters, as at stage 0, not the
+    # engine's flat partition (which keeps the masters itself).
+    precision = apply_precision(model, cfg.precision, replace(decided, data_parallel="ddp"))
     step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
     built = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
-                                 by_name=step_params, wrapper=None, offload=decided.optimizer_on_cpu)  # fmt: skip
+                                 by_name=step_params, offload=decided.optimizer_on_cpu)  # fmt: skip
     if built is not None and cfg.sharding.stage == 1:
         built = _zero1(built, grid.get_data_parallel_group())
     lr_scheduler = init.build_scheduler(cfg, lr_scheduler, built)
@@ -502,28 +514,31 @@ class PipelineEngine(Engine):
         norm = self._grad_norm(params) if needs_norm else None
         self._global_grad_norm = norm
         self._step_applied = False
-        if norm is not None and not math.isfinite(norm) and self._policy.skip_step_on_nonfinite:
+        skip = norm is not None and not math.isfinite(norm) and self._policy.skip_step_on_nonfinite
+        self.optimizer.overflow = skip
+        if skip:
             self.skipped_steps += 1
-            self.optimizer.overflow = True
         else:
-            self.optimizer.overflow = False
-            if self._clip > 0:
-                coef = min(1.0, self._clip / (norm + 1e-6))
-                if coef != 1.0:
-                    with torch.no_grad():
-                        torch._foreach_mul_([p.grad for p in params], coef)
-            self.optimizer.step()
-            if self._precision.masters is not None:
-                self._precision.masters.master_to_params()
-            self._step_applied = True
-            if self.lr_scheduler is not None:
-                try:
-                    self.lr_scheduler.step()
-                except TypeError:
-                    self.lr_scheduler.step(self.train_batch_size())
+            self._clip_and_step(params, norm)
         self._zero_all_grads()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+
+    def _clip_and_step(self, params: list[torch.Tensor], norm: float | None) -> None:
+        """Clip to the global norm, step the optimizer (the bf16 weights from the masters) and the scheduler."""
+        coef = min(1.0, self._clip / (norm + 1e-6)) if self._clip > 0 else 1.0
+        if coef != 1.0:
+            with torch.no_grad():
+                torch._foreach_mul_([p.grad for p in params], coef)
+        self.optimizer.step()
+        if self._precision.masters is not None:
+            self._precision.masters.master_to_params()
+        self._step_applied = True
+        if self.lr_scheduler is not None:
+            try:
+                self.lr_scheduler.step()
+            except TypeError:
+                self.lr_scheduler.step(self.train_batch_size())
 
     # ---- evaluation -------------------------------------------------------------------------------
 
@@ -546,18 +561,18 @@ class PipelineEngine(Engine):
         finally:
             self.__dict__["_mode"] = "train"
             self.set_dataiterator(saved)
-        output = None
-        if self.is_last_stage():
-            output = self._reduce_outputs(self._micro_losses, reduce_output, count)
-        if compute_loss and bcast_loss:
+        output = self._eval_output(reduce_output, count, broadcast=compute_loss and bcast_loss)
+        logits = self._last_output if return_logits and self.is_last_stage() else None
+        self.__dict__["_last_output"] = None
+        return (output, logits) if return_logits else output
+
+    def _eval_output(self, reduce_output: str | None, count: int, *, broadcast: bool) -> Any:
+        """The reduced evaluation losses (on the last stage, or broadcast to every stage), logged to the monitor."""
+        output = self._reduce_outputs(self._micro_losses, reduce_output, count) if self.is_last_stage() else None
+        if broadcast:
             output = self._bcast_pipe_scalar(output)
         if self.global_rank == 0 and getattr(self.monitor, "enabled", False) and torch.is_tensor(output):
             self.monitor.write_events([("Train/Samples/eval_loss", output.mean().item(), self.global_samples)])
-        if return_logits:
-            logits = self._last_output if self.is_last_stage() else None
-            self.__dict__["_last_output"] = None
-            return output, logits
-        self.__dict__["_last_output"] = None
         return output
 
     def _reduce_outputs(self, outputs: list, reduce: str | None, count: int):

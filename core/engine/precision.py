@@ -107,7 +107,7 @@ def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, decided:
     plan.reduce_every_micro_step = DTYPES[precision.effective_grad_accum_dtype] != param_dtype
     if decided.fsdp:
         _fsdp(model, plan, decided, precision, master_dtype)
-    elif decided.data_parallel == "zero2":  # the partition keeps the fp32 masters (torsh.engine.zero_partition)
+    elif decided.data_parallel in ("zero1", "zero2"):  # the partition keeps the fp32 masters (.zero_partition)
         _cast_params(model, param_dtype)
     else:
         _data_parallel(model, plan, decided, master_dtype)
@@ -139,8 +139,8 @@ def _fsdp(model: torch.nn.Module, plan: PrecisionPlan, decided: EnginePlan, prec
 
 def _data_parallel(model: torch.nn.Module, plan: PrecisionPlan, decided: EnginePlan, master_dtype: torch.dtype
                    ) -> None:  # fmt: skip
-    """Stages 0/1: compute parameters in the compute dtype; separate masters when their dtype or device
-    differs."""
+    """Stage 0, and the pipeline engine's stage 1: compute parameters in the compute dtype; separate masters when
+    their dtype or device differs."""
     param_dtype = plan.param_dtype
     master_device = torch.device("cpu") if decided.masters_on_cpu else None
     offloaded = master_device is not None and any(p.device != master_device for p in model.parameters())

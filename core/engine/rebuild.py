@@ -12,6 +12,7 @@ import inspect
 import logging
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,23 +32,18 @@ def named_groups(params: Iterable[Any] | None, name_of: dict[int, str], all_name
     items = list(params)
     if not items:
         return [{"params": []}]
-    if isinstance(items[0], dict):
-        groups = [dict(g) for g in items]
-    else:
-        groups = [{"params": items}]
-    out = []
-    for i, g in enumerate(groups):
-        tensors = g["params"] if isinstance(g["params"], (list, tuple)) else list(g["params"])
-        if isinstance(g["params"], torch.Tensor):
-            tensors = [g["params"]]
-        names = []
-        for t in tensors:
-            if id(t) not in name_of:
-                raise ConfigError([Problem(f"model_parameters[{i}]", tuple(t.shape), "is not a parameter of the "
-                                           "model passed to initialize")])  # fmt: skip
-            names.append(name_of[id(t)])
-        out.append({**g, "params": names})
+    groups = [dict(g) for g in items] if isinstance(items[0], dict) else [{"params": items}]
+    out = [{**g, "params": _names_of(i, g["params"], name_of)} for i, g in enumerate(groups)]
     return [g for g in out if g["params"]]  # DeepSpeed drops groups that end up empty
+
+
+def _names_of(index: int, params: Any, name_of: dict[int, str]) -> list[str]:
+    tensors = [params] if isinstance(params, torch.Tensor) else list(params)
+    unknown = [t for t in tensors if id(t) not in name_of]
+    if unknown:
+        raise ConfigError([Problem(f"model_parameters[{index}]", tuple(unknown[0].shape), "is not a parameter of the "
+                                   "model passed to initialize")])  # fmt: skip
+    return [name_of[id(t)] for t in tensors]
 
 
 def _resolve(groups: list[dict], by_name: dict[str, torch.Tensor]) -> list[dict]:
@@ -85,48 +81,69 @@ def adopt_construction(cls: type, defaults: dict, groups: list[dict]) -> tuple[d
     ``foreach`` to torch (None, not fused), FSDP2 shards get ``foreach=True``, as a configured optimizer does
     (:func:`torsh.engine.optim.build_optimizer`): one DTensor dispatch per list instead of one per tensor.
     """
-    from torch.optim.optimizer import _get_capturable_supported_devices
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    tensors = [t for g in groups for t in g["params"]]
-    devices = {t.device.type for t in tensors}
-    where = "/".join(sorted(devices)) or "no device"
-    floating = all(t.is_floating_point() for t in tensors)
-    fused_ok = devices <= set(_get_fused_kernels_supported_devices()) and floating
-    capturable_devices = _get_capturable_supported_devices()
-    sharded = all_sharded(groups)
+    where = _StepTensors.of(groups)
     notes: dict[str, None] = {}  # each change logged once, not once per group
-
-    def adjusted(values: dict) -> dict:
-        values = dict(values)
-        if values.get("fused") and values.get("differentiable"):
-            notes["fused=True does not support differentiable=True: fused=False"] = None
-            values["fused"] = False
-        if values.get("fused") and not fused_ok:
-            notes[f"fused=True needs floating-point tensors on a device with fused kernels; the step tensors are "
-                  f"{'floating point' if floating else 'not all floating point'} on {where}: fused=False"] = None
-            values["fused"] = False
-        if values.get("fused") and values.get("foreach"):
-            notes["fused=True and foreach=True cannot be combined: fused is kept, foreach=None"] = None
-            values["foreach"] = None
-        if values.get("capturable") and devices - set(capturable_devices):
-            notes[f"capturable=True needs the step tensors on {'/'.join(capturable_devices)}; they are on "
-                  f"{where}: capturable=False"] = None
-            values["capturable"] = False
-        if "foreach" in values and values["foreach"] is None and not values.get("fused") and sharded:
-            values["foreach"] = True  # left to torch by the script: foreach over FSDP2 shards, as configured ones
-        return values
-
-    new_defaults = adjusted(defaults)
+    new_defaults = _adjusted(defaults, where, notes)
     new_groups = []
     for g in groups:
         if any(k in g for k in _SWITCHES):
             # torch copies the defaults into every group, so the group's own switches are the ones used
-            g = {**g, **{k: v for k, v in adjusted(g).items() if k in _SWITCHES}}
+            g = {**g, **{k: v for k, v in _adjusted(g, where, notes).items() if k in _SWITCHES}}
         new_groups.append(g)
     for note in notes:
         log.warning("%s rebuilt over the step tensors: %s", cls.__name__, note)
     return new_defaults, new_groups
+
+
+@dataclass(frozen=True)
+class _StepTensors:
+    """What decides the implementation switches torch allows on the tensors the step updates."""
+
+    where: str
+    floating: bool
+    fused_ok: bool
+    capturable: tuple[str, ...]
+    devices: frozenset[str]
+    sharded: bool
+
+    @classmethod
+    def of(cls, groups: list[dict]) -> _StepTensors:
+        from torch.optim.optimizer import _get_capturable_supported_devices
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        tensors = [t for g in groups for t in g["params"]]
+        devices = {t.device.type for t in tensors}
+        floating = all(t.is_floating_point() for t in tensors)
+        return cls(where="/".join(sorted(devices)) or "no device", floating=floating,
+                   fused_ok=devices <= set(_get_fused_kernels_supported_devices()) and floating,
+                   capturable=tuple(_get_capturable_supported_devices()), devices=frozenset(devices),
+                   sharded=all_sharded(groups))  # fmt: skip
+
+
+def _adjusted(values: dict, on: _StepTensors, notes: dict[str, None]) -> dict:
+    """``values``' switches as torch allows them ``on`` the step tensors; each change noted."""
+    values = _fused_adjusted(dict(values), on, notes)
+    if values.get("capturable") and on.devices - set(on.capturable):
+        notes[f"capturable=True needs the step tensors on {'/'.join(on.capturable)}; they are on "
+              f"{on.where}: capturable=False"] = None
+        values["capturable"] = False
+    if "foreach" in values and values["foreach"] is None and not values.get("fused") and on.sharded:
+        values["foreach"] = True  # left to torch by the script: foreach over FSDP2 shards, as configured ones
+    return values
+
+
+def _fused_adjusted(values: dict, on: _StepTensors, notes: dict[str, None]) -> dict:
+    if values.get("fused") and values.get("differentiable"):
+        notes["fused=True does not support differentiable=True: fused=False"] = None
+        values["fused"] = False
+    if values.get("fused") and not on.fused_ok:
+        notes[f"fused=True needs floating-point tensors on a device with fused kernels; the step tensors are "
+              f"{'floating point' if on.floating else 'not all floating point'} on {on.where}: fused=False"] = None
+        values["fused"] = False
+    if values.get("fused") and values.get("foreach"):
+        notes["fused=True and foreach=True cannot be combined: fused is kept, foreach=None"] = None
+        values["foreach"] = None
+    return values
 
 
 def _accepted(cls: type, kwargs: dict) -> dict:
@@ -137,37 +154,29 @@ def _accepted(cls: type, kwargs: dict) -> dict:
 
 
 def build_step_optimizer(*, section: OptimizerConfig | None, client: Any, groups: list[dict],
-                    name_of: dict[int, str], by_name: dict[str, torch.Tensor], wrapper: str | None,
-                    offload: bool) -> torch.optim.Optimizer | None:  # fmt: skip
+                         name_of: dict[int, str], by_name: dict[str, torch.Tensor],
+                         offload: bool) -> torch.optim.Optimizer | None:  # fmt: skip
     """The optimizer over ``by_name`` (the tensors the step updates), or None when there is none.
 
     ``client`` is what the script passed (an optimizer, a callable, or None); it overrides ``section``,
     which is built by :func:`torsh.engine.optim.build_optimizer`. ``groups`` are ``model_parameters`` as
-    names (:func:`named_groups`, taken before sharding replaced the tensors). ``wrapper`` is the plan's
-    (:attr:`torsh.plan.EnginePlan.optimizer_wrapper`): ``"ZeroRedundancyOptimizer"`` shards the state (ZeRO-1).
+    names (:func:`named_groups`, taken before sharding replaced the tensors). ZeRO-1/2 build theirs over the
+    flat fp32 partition instead (:func:`torsh.engine.zero_partition.build_zero`).
     """
     if isinstance(client, torch.optim.Optimizer):
         cls, defaults, named = rebuild_optimizer(client, name_of, by_name)
         params = _resolve(named, by_name)
         defaults, params = adopt_construction(cls, defaults, params)
         built = cls(params, **defaults)
-    elif callable(client):
-        built = client(_resolve(groups, by_name))
-    elif section is not None and section.name:
+        forward_client(client, built)  # schedulers on the script's optimizer drive the one that steps
+        return built
+    if callable(client):
+        return client(_resolve(groups, by_name))
+    if section is not None and section.name:
         from .optim import build_optimizer as build_configured
 
-        built = build_configured(section, _resolve(groups, by_name), offload=offload)
-    else:
-        return None
-    if wrapper is not None:
-        # ZeRO-1: the same class, hyper-parameters and groups, with the state sharded across ranks.
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        groups = [dict(g) for g in built.param_groups]
-        built = ZeroRedundancyOptimizer(groups, optimizer_class=type(built), **_accepted(type(built), built.defaults))
-    if isinstance(client, torch.optim.Optimizer):
-        forward_client(client, built)  # schedulers on the script's optimizer drive the one that steps
-    return built
+        return build_configured(section, _resolve(groups, by_name), offload=offload)
+    return None
 
 
 def forward_client(client: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> None:

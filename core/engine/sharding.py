@@ -1,5 +1,5 @@
-"""Data parallelism and sharding: stage 0 DDP, 1 DDP (+ ZeroRedundancyOptimizer, built later), 3 FSDP2,
-HSDP; stage 2 is :mod:`.zero_partition`.
+"""Data parallelism and sharding: stage 0 DDP, stage 1 DDP (the optimizer steps a partition:
+:mod:`.zero_partition`), stage 3 FSDP2, HSDP; stage 2 is :mod:`.zero_partition`.
 
 Also the two things that must happen around it: every rank starts from rank 0's weights, and DDP reduces
 gradients with DeepSpeed's operation (post-scale by default, ``gradient_predivide_factor``, sum or mean, the
@@ -35,12 +35,14 @@ class ShardPlan:
     module: nn.Module
     """The user's module (``engine.module``), whose parameter names are the checkpoint keys."""
     kind: str
-    """``"ddp"``, ``"zero"`` (ZeRO-2: whole parameters, partitioned gradients and optimizer) or ``"fsdp"``."""
+    """``"ddp"`` (stages 0 and 1), ``"zero"`` (ZeRO-2: whole parameters, partitioned gradients and optimizer) or
+    ``"fsdp"``."""
     mesh: object | None = None
     """The FSDP2 device mesh."""
     partition: object | None = None
-    """ZeRO-1/2 (kind ``"zero"``): the :class:`.zero_partition.ZeroPartition` reducing the gradients into this
-    rank's partition and gathering the parameters after the step."""
+    """ZeRO-1/2: the :class:`.zero_partition.ZeroPartition` holding this rank's partition of the fp32 masters and
+    gradients (at stage 2 (kind ``"zero"``) reducing the gradients into it; at stage 1 (kind ``"ddp"``) taking its
+    elements of DDP's all-reduced gradients) and gathering the parameters after the step."""
     keep_whole: bool = False
     """HSDP at stage 2: the units are gathered again after each optimizer step, so that between steps the parameters are
     whole on every rank, as DeepSpeed's stage 2 keeps them (:func:`.whole_params.make_whole`)."""
@@ -185,60 +187,81 @@ def allreduce_gradients(grads: list[torch.Tensor], gradients: GradientsConfig, p
 def rebuild_ddp_for_unused(shard: ShardPlan, ddp: DdpConfig, gradients: GradientsConfig, precision: PrecisionPlan,
                            info: DistInfo, reduce_hook: bool) -> ShardPlan:  # fmt: skip
     """A new DDP wrapper with ``find_unused_parameters`` (the model has parameters its forward does not use);
-    the old wrapper's hooks are removed so that each gradient is reduced once."""
+    the old wrapper's hooks are removed so that each gradient is reduced once; a ZeRO-1 partition stays."""
     remove = getattr(shard.model, "_remove_autograd_hooks", None)
     if remove is not None:
         remove()
-    return _apply_ddp(shard.module, ddp.model_copy(update={"find_unused_parameters": True}), gradients, precision,
-                      info, reduce_hook)  # fmt: skip
+    rebuilt = _apply_ddp(shard.module, ddp.model_copy(update={"find_unused_parameters": True}), gradients,
+                         precision, info, reduce_hook)  # fmt: skip
+    rebuilt.partition = shard.partition  # ZeRO-1: the same partition steps DDP's reduced gradients
+    return rebuilt
 
 
 def _apply_fsdp(model, cfg: TorshConfig, decided: EnginePlan, precision: PrecisionPlan, info: DistInfo,
                 source: str | None, mesh: object | None = None) -> ShardPlan:  # fmt: skip
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    sharding, offload, gradients = cfg.sharding, cfg.offload, cfg.gradients
-    if offload.optimizer == "cpu" and offload.params == "none":
+    if cfg.offload.optimizer == "cpu" and cfg.offload.params == "none":
         log.info("offload.optimizer=cpu under FSDP2: CPUOffloadPolicy offloads parameters and gradients too "
                  "and steps the optimizer on the CPU")  # fmt: skip
-    if mesh is None:
-        names = ("replicate", "shard") if len(decided.mesh) == 2 else ("shard",)
-        mesh = init_device_mesh(info.device.type, decided.mesh, mesh_dim_names=names)
-    kwargs = dict(
-        mesh=mesh,
-        reshard_after_forward=decided.reshard_after_forward,
-        mp_policy=precision.fsdp_policy or MixedPrecisionPolicy(),
-        offload_policy=CPUOffloadPolicy(pin_memory=offload.pin_memory and torch.cuda.is_available())
-        if decided.fsdp_cpu_offload else OffloadPolicy(),
-    )  # fmt: skip
+    kwargs = _fsdp_kwargs(cfg, decided, precision, info, mesh)
     # Units: sharding.wrap as written; for a DeepSpeed config, consecutive blocks grouped to its bucket sizes.
     leaves.apply_config(model, cfg.extensions)  # before the units: they never split a leaf module
-    plan = plan_units(model, sharding, cfg.extensions, source=source)
-    if info.rank == 0:
-        for line in plan.describe():
-            log.info("sharding: %s", line)
-    named = dict(model.named_modules())
-    targets = []  # the first module of each unit (a unit's modules share one FSDP2 state): the prefetch order
-    for unit in plan.units:
-        modules = [named[name] for name in unit.modules]
-        own = kwargs if unit.reshard_after_forward is None else {**kwargs, "reshard_after_forward":
-                                                                  unit.reshard_after_forward}  # fmt: skip
-        fully_shard(modules if len(modules) > 1 else modules[0], **own)
-        targets.append(modules[0])
+    targets = _shard_units(model, cfg, kwargs, info, source)
     fully_shard(model, **kwargs)
     # a state dict read on one rank changes nothing, and is whole where it can be
     whole_params.install(model, mark_gathered=decided.reshard_after_forward is not False)
     for leaf in leaves.get_z3_leaf_modules(model):
         leaf.register_forward_hook(leaves.grads_for_every_parameter, prepend=True)  # before FSDP2 reshards it
     zero_params.mark_partitioned(model, precision.param_dtype)  # what DeepSpeed scripts test before gathering
-    if sharding.forward_prefetch:
+    if cfg.sharding.forward_prefetch:
         # Each unit issues the next one's all-gather as soon as its own is copied out, so that the transfer
         # overlaps this unit's forward. Without it, a unit's all-gather starts only when its forward does: on
         # a GPU a separate stream still overlaps it, on the CPU nothing does. Units are in registration order,
         # which is the execution order of a stack of blocks.
         for current, following in zip(targets, targets[1:]):
             current.set_modules_to_forward_prefetch([following])
+    _fsdp_reduction(model, cfg.sharding, cfg.gradients)
+    return ShardPlan(model, model, "fsdp", kwargs["mesh"], keep_whole=decided.reshard_after_forward is False)
+
+
+def _fsdp_kwargs(cfg: TorshConfig, decided: EnginePlan, precision: PrecisionPlan, info: DistInfo,
+                 mesh: object | None) -> dict:  # fmt: skip
+    """``fully_shard``'s arguments: the plan's mesh (or ``mesh``), resharding, mixed precision and CPU offload."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    if mesh is None:
+        names = ("replicate", "shard") if len(decided.mesh) == 2 else ("shard",)
+        mesh = init_device_mesh(info.device.type, decided.mesh, mesh_dim_names=names)
+    pin = cfg.offload.pin_memory and torch.cuda.is_available()
+    return dict(mesh=mesh, reshard_after_forward=decided.reshard_after_forward,
+                mp_policy=precision.fsdp_policy or MixedPrecisionPolicy(),
+                offload_policy=CPUOffloadPolicy(pin_memory=pin) if decided.fsdp_cpu_offload else OffloadPolicy())
+
+
+def _shard_units(model: nn.Module, cfg: TorshConfig, kwargs: dict, info: DistInfo, source: str | None) -> list:
+    """``fully_shard`` on each unit of the plan; the first module of each unit (a unit's modules share one FSDP2
+    state), in order: the prefetch order."""
+    from torch.distributed.fsdp import fully_shard
+
+    plan = plan_units(model, cfg.sharding, cfg.extensions, source=source)
+    if info.rank == 0:
+        for line in plan.describe():
+            log.info("sharding: %s", line)
+    named = dict(model.named_modules())
+    targets = []
+    for unit in plan.units:
+        modules = [named[name] for name in unit.modules]
+        own = kwargs if unit.reshard_after_forward is None else {**kwargs, "reshard_after_forward":
+                                                                  unit.reshard_after_forward}  # fmt: skip
+        fully_shard(modules if len(modules) > 1 else modules[0], **own)
+        targets.append(modules[0])
+    return targets
+
+
+def _fsdp_reduction(model: nn.Module, sharding: ShardingConfig, gradients: GradientsConfig) -> None:
+    """FSDP2's reduction as configured (a plain sum for ``reduce_op: sum``); what it ignores said once."""
     if gradients.reduce_op == "sum":
         for unit in model.modules():
             if hasattr(unit, "set_gradient_divide_factor"):  # per unit: the setters do not recurse
@@ -251,4 +274,3 @@ def _apply_fsdp(model, cfg: TorshConfig, decided: EnginePlan, precision: Precisi
     if sharding.backward_prefetch:
         log.info("sharding.backward_prefetch: FSDP2 prefetches the next unit in backward implicitly; the setting "
                  "has no effect")  # fmt: skip
-    return ShardPlan(model, model, "fsdp", mesh, keep_whole=decided.reshard_after_forward is False)

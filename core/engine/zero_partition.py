@@ -1,4 +1,5 @@
-"""ZeRO stage 2 as DeepSpeed runs it, on plain torch: whole parameters, partitioned gradients and optimizer.
+"""ZeRO stages 1 and 2 as DeepSpeed runs them, on plain torch: whole parameters, partitioned optimizer (and at
+stage 2 partitioned gradients).
 
 Between steps every rank holds every parameter whole, as an ordinary tensor in the compute dtype (what
 ``engine.module``, ``state_dict()``, hooks and rank-0-only code see is what DeepSpeed users see). The trainable
@@ -24,10 +25,18 @@ of the all-reduced sum of every rank's squared partition norm (so clipping and t
 gradients), the optimizer steps, and the updated chunks are all-gathered in buckets of about
 ``allgather_bucket_size`` elements and copied into the parameters in the compute dtype.
 
-The collectives: on gloo one ``reduce`` of each chunk to its owner (as DeepSpeed reduces to owners) and one
-``broadcast`` of each owner's chunks after the step, measured faster there than gloo's ``all_reduce``,
-``reduce_scatter_tensor`` (built from an all-reduce plus copies) and ``all_gather_into_tensor``; on other backends
-``reduce_scatter_tensor`` and ``all_gather_into_tensor``. See ARCHITECTURE.md for the numbers.
+The collectives: on gloo one ``reduce`` of each chunk to its owner (as DeepSpeed reduces to owners) and, after the
+step, each owner writes its piece of every parameter from its master and ``broadcast``s it straight into that
+parameter on every rank (no gathered buffer: its first-touch page faults and the copy out of it cost more than the
+few extra collectives), measured faster there than gloo's ``all_reduce``, ``reduce_scatter_tensor`` (built from
+an all-reduce plus copies) and ``all_gather_into_tensor``; on other backends ``reduce_scatter_tensor`` and
+``all_gather_into_tensor`` (in ``allgather_bucket_size`` groups). See ARCHITECTURE.md for the numbers.
+
+Stage 1 (``reduce_in_backward=False``): no gradient hooks. DDP wraps the model and all-reduces the whole
+gradients at the accumulation boundary (its buckets overlap backward; its communication hooks carry the
+configured reduce op and compression), as DeepSpeed's stage 1 averages the whole gradient; after a reduced
+backward :meth:`ZeroPartition.absorb_grads` adds this rank's elements to its partition gradient and frees
+``.grad``. The step, the norm and the all-gather are stage 2's.
 
 Checkpoints: :meth:`ZeroPartition.full_view` gathers the fp32 masters and the optimizer state into per-parameter
 tensors (a module of whole fp32 parameters and an optimizer of the same class over them), the form stage 0 with
@@ -91,7 +100,7 @@ class ZeroPartition:
     def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], *, bucket_numel: int,
                  allgather_numel: int, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
                  accum_dtype: torch.dtype, master_device: torch.device | None, mean: bool, reduce_every_micro_step: bool,
-                 process_group: Any = None):  # fmt: skip
+                 process_group: Any = None, reduce_in_backward: bool = True):  # fmt: skip
         self.model = model
         self.group = process_group
         self.world = dist.get_world_size(process_group)
@@ -99,31 +108,36 @@ class ZeroPartition:
         self.compute_dtype, self.reduce_dtype, self.accum_dtype = compute_dtype, reduce_dtype, accum_dtype
         self.mean = mean
         self.reduce_every_micro_step = reduce_every_micro_step
+        self.reduces = reduce_in_backward
+        """Stage 2: the partition reduces the gradients in backward. Stage 1: DDP all-reduces them whole and
+        :meth:`absorb_grads` keeps this rank's elements."""
         self.scatter = dist.get_backend(process_group) != "gloo"  # gloo: reduce / broadcast per owner (faster there)
         self.group_params = groups
+        self.legacy_order: list[nn.Parameter | None] = []  # the optimizer's parameters in order (legacy ZeRO-1 state)
         self.buckets = _make_buckets(groups, bucket_numel, self.world)
-        sizes = [0] * len(groups)
-        for b in self.buckets:
-            b.master_offset = sizes[b.group]
-            sizes[b.group] += b.chunk
-            for p, off in zip(b.params, b.offsets):
-                setattr(p, ZERO_SLOT, (self, b, off))
-        device = next((p.device for ps in groups for p in ps), torch.device("cpu"))
-        self.device = device
-        self.master_device = master_device or device
-        with torch.no_grad():
-            self.masters = [nn.Parameter(torch.zeros(n, dtype=torch.float32, device=self.master_device))
-                            for n in sizes]  # fmt: skip
-            for b in self.buckets:
-                flat = _flatten(b.params, b.chunk * self.world, torch.float32)
-                self._own(b).copy_(flat[self.rank * b.chunk:(self.rank + 1) * b.chunk])
+        sizes = self._place_buckets(len(groups))
+        self.device = next((p.device for ps in groups for p in ps), torch.device("cpu"))
+        self.master_device = master_device or self.device
+        self.masters = [nn.Parameter(torch.zeros(n, dtype=torch.float32, device=self.master_device)) for n in sizes]
+        self.params_to_master()
         self.grads = [torch.zeros(n, dtype=accum_dtype, device=self.master_device) for n in sizes]
         self._written: set[int] = set()  # buckets accumulated into self.grads since the last zero_grad
         self.gathers = _gather_groups(self.buckets, allgather_numel)
         self.sync = True
         self._bw: _Backward | None = None
         self.collectives = 0  # reduction collectives launched (tests count them)
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params
+                         if self.reduces]  # fmt: skip
+
+    def _place_buckets(self, groups: int) -> list[int]:
+        """Each bucket's place in its group's partition (and the slot on its parameters); the partition sizes."""
+        sizes = [0] * groups
+        for b in self.buckets:
+            b.master_offset = sizes[b.group]
+            sizes[b.group] += b.chunk
+            for p, off in zip(b.params, b.offsets):
+                setattr(p, ZERO_SLOT, (self, b, off))
+        return sizes
 
     # ---- backward ------------------------------------------------------------------------------
 
@@ -179,9 +193,8 @@ class ZeroPartition:
             b.out = torch.empty(b.chunk, dtype=flat.dtype, device=flat.device)
             b.work = [dist.reduce_scatter_tensor(b.out, flat, group=self.group, async_op=True)]
         else:  # gloo: one reduce per chunk to its owner (DeepSpeed's way; faster there than an all-reduce)
-            b.work = [dist.reduce(flat[r * b.chunk:(r + 1) * b.chunk], dst=dist.get_global_rank(self.group, r)
-                                  if self.group is not None else r, group=self.group, async_op=True)
-                      for r in range(self.world)]  # fmt: skip
+            b.work = [dist.reduce(flat[r * b.chunk:(r + 1) * b.chunk], dst=self._owner(r), group=self.group,
+                                  async_op=True) for r in range(self.world)]  # fmt: skip
         self.collectives += 1
 
     @torch.no_grad()
@@ -190,7 +203,7 @@ class ZeroPartition:
         the partition gradients. Runs at the end of autograd's backward; ``engine.backward`` calls it too (a no-op
         when it already ran), so a backward that produced no gradient on this rank still joins the collectives."""
         bw = self._bw
-        if not self.sync or (bw is not None and bw.finishing):
+        if not self.reduces or not self.sync or (bw is not None and bw.finishing):
             return
         if bw is None:
             bw = self._bw = _Backward()
@@ -199,22 +212,51 @@ class ZeroPartition:
             self._launch(b, bw.arrived)
         bw.next_launch = len(self.buckets)
         for b in self.buckets:
-            for work in b.work:
-                work.wait()
-            part = b.out if self.scatter else b.flat[self.rank * b.chunk:(self.rank + 1) * b.chunk]
-            target = self.grads[b.group][b.master_offset:b.master_offset + b.chunk]
-            if b.index in self._written:
-                target.add_(part.to(target.device))
-            else:
-                target.copy_(part)
-                self._written.add(b.index)
-            b.work = b.flat = b.out = None
-            b.ready = 0
+            self._land(b)
+
+    def _land(self, b: Bucket) -> None:
+        """Wait for bucket ``b``'s collective and add this rank's chunk to its partition gradient."""
+        for work in b.work:
+            work.wait()
+        part = b.out if self.scatter else b.flat[self.rank * b.chunk:(self.rank + 1) * b.chunk]
+        target = self.grads[b.group][b.master_offset:b.master_offset + b.chunk]
+        if b.index in self._written:
+            target.add_(part.to(target.device))
+        else:
+            target.copy_(part)
+            self._written.add(b.index)
+        b.work = b.flat = b.out = None
+        b.ready = 0
+
+    @torch.no_grad()
+    def absorb_grads(self) -> None:
+        """Stage 1, after a reduced backward: DDP left every rank the whole averaged gradients; this rank's
+        elements are added to its partition gradient (in the accumulation dtype) and ``.grad`` is freed, so a
+        later micro-step's reduction does not count them again. A no-op at stage 2."""
+        if self.reduces:
+            return
+        for b in self.buckets:
+            first = b.index not in self._written
+            target = self.grads[b.group]
+            for p in b.params:
+                view = self.local_view(p, target)
+                if p.grad is None:
+                    if first:
+                        view.zero_()
+                    continue
+                start, end = self.local_range(p)
+                part = p.grad.reshape(-1)[start:end]
+                view.copy_(part) if first else view.add_(part.to(view.dtype))
+                p.grad = None
+            self._written.add(b.index)
 
     # ---- step ----------------------------------------------------------------------------------
 
     def step_tensors(self) -> list[nn.Parameter]:
-        """The fp32 masters with their partition gradients as ``.grad`` (what the optimizer steps)."""
+        """The fp32 masters with their partition gradients as ``.grad`` (what the optimizer steps). Stage 1: a
+        gradient still in ``.grad`` (a backward under ``no_sync`` at the boundary, not reduced) is taken as it is,
+        as the optimizer would have stepped it before stage 1 ran on the partition."""
+        self.absorb_grads()
         for b in self.buckets:
             if b.index not in self._written:  # no reduced backward since the last step: zeros
                 self.grads[b.group][b.master_offset:b.master_offset + b.chunk].zero_()
@@ -227,8 +269,8 @@ class ZeroPartition:
         """The 2-norm of every rank's partition gradients together (one all-reduce)."""
         local = torch.zeros((), dtype=torch.float64, device=self.master_device)
         for g in grads:
-            if g.numel():
-                local += torch.linalg.vector_norm(g, 2, dtype=torch.float64) ** 2
+            if g.numel():  # each partition's norm in its dtype (fp64 would cost ~30x on the CPU), summed in fp64
+                local += torch.linalg.vector_norm(g, 2).double() ** 2
         local = local.to(self.device)
         dist.all_reduce(local, group=self.group)
         return math.sqrt(float(local)) if math.isfinite(float(local)) else float(local)
@@ -239,19 +281,10 @@ class ZeroPartition:
         if self.world == 1:
             self._copy_out([(b, self._own(b).to(self.compute_dtype)) for b in self.buckets])
             return
-        pending = []
-        for buckets in self.gathers:
-            send = torch.cat([self._own(b) for b in buckets]).to(device=self.device, dtype=self.compute_dtype)
-            out = torch.empty(send.numel() * self.world, dtype=send.dtype, device=send.device)
-            if self.scatter:
-                works = [dist.all_gather_into_tensor(out, send, group=self.group, async_op=True)]
-            else:  # gloo: each owner broadcasts its chunks (measured faster there than all_gather_into_tensor)
-                n = send.numel()
-                out[self.rank * n:(self.rank + 1) * n].copy_(send)
-                works = [dist.broadcast(out[r * n:(r + 1) * n], src=dist.get_global_rank(self.group, r)
-                                        if self.group is not None else r, group=self.group, async_op=True)
-                         for r in range(self.world)]  # fmt: skip
-            pending.append((buckets, out, works))
+        if not self.scatter and self._params_contiguous():
+            self._broadcast_into_params()
+            return
+        pending = [self._launch_gather(buckets) for buckets in self.gathers]
         for buckets, out, works in pending:
             for work in works:
                 work.wait()
@@ -260,6 +293,45 @@ class ZeroPartition:
                 parts.append((b, rows[:, start:start + b.chunk].reshape(-1)))
                 start += b.chunk
             self._copy_out(parts)
+
+    def _owner(self, r: int) -> int:
+        """The global rank of this group's rank ``r``."""
+        return dist.get_global_rank(self.group, r) if self.group is not None else r
+
+    def _params_contiguous(self) -> bool:
+        return all(p.is_contiguous() for b in self.buckets for p in b.params)
+
+    def _broadcast_into_params(self) -> None:
+        """gloo: each owner writes its pieces of every parameter from its master and broadcasts them straight into
+        that parameter on every rank (no gathered buffer, no copy out of it; the pieces in bucket order)."""
+        works = []
+        for b in self.buckets:
+            own = self._own(b)
+            for p, off in zip(b.params, b.offsets):
+                flat = p.data.view(-1)
+                for r in range(self.world):
+                    lo, hi = max(off, r * b.chunk), min(off + p.numel(), (r + 1) * b.chunk)
+                    if hi <= lo:
+                        continue
+                    piece = flat[lo - off:hi - off]
+                    if r == self.rank:
+                        piece.copy_(own[lo - r * b.chunk:hi - r * b.chunk])
+                    works.append(dist.broadcast(piece, src=self._owner(r), group=self.group, async_op=True))
+        for work in works:
+            work.wait()
+
+    def _launch_gather(self, buckets: list[Bucket]) -> tuple[list[Bucket], torch.Tensor, list]:
+        n = sum(b.chunk for b in buckets)
+        out = torch.empty(n * self.world, dtype=self.compute_dtype, device=self.device)
+        mine, start = out[self.rank * n:(self.rank + 1) * n], 0
+        for b in buckets:  # this rank's chunks, in the compute dtype, written where the gathered copy holds them
+            mine[start:start + b.chunk].copy_(self._own(b))
+            start += b.chunk
+        if self.scatter:
+            return buckets, out, [dist.all_gather_into_tensor(out, mine.clone(), group=self.group, async_op=True)]
+        # gloo: each owner broadcasts its chunks (measured faster there than all_gather_into_tensor)
+        return buckets, out, [dist.broadcast(out[r * n:(r + 1) * n], src=self._owner(r), group=self.group,
+                                             async_op=True) for r in range(self.world)]  # fmt: skip
 
     def _copy_out(self, parts: list[tuple[Bucket, torch.Tensor]]) -> None:
         dst, src = [], []
@@ -359,6 +431,13 @@ class ZeroPartition:
         fp32) and persistent buffers, and an optimizer of ``optimizer``'s class over them with the whole state:
         what stage 0 with master weights saves. Collective. With ``load``, what was loaded into them is sliced
         back into this rank's partition afterwards and the parameters gathered."""
+        root, view_of = self._module_view(module)
+        view_opt = self._optimizer_view(optimizer, view_of) if optimizer is not None else None
+        yield root, view_opt
+        if load:
+            self._load_view(module, optimizer, view_opt, view_of)
+
+    def _module_view(self, module: nn.Module) -> tuple[nn.Module, dict[int, nn.Parameter]]:
         wholes: dict[int, torch.Tensor] = {}
         for gi, m in enumerate(self.masters):
             wholes.update(self._split(self._gather_flat(m.data), gi))
@@ -370,40 +449,32 @@ class ZeroPartition:
                 view_of[id(p)] = nn.Parameter(value if value is not None else p.detach().float().clone(),
                                               requires_grad=p.requires_grad)  # fmt: skip
             attach(root, n, view_of[id(p)], parameter=True)
-        for prefix, sub in module.named_modules():
-            for name, buf in sub._buffers.items():
-                if buf is not None and name not in sub._non_persistent_buffers_set:
-                    attach(root, f"{prefix}.{name}" if prefix else name, buf, parameter=False)
-        view_opt = self._optimizer_view(optimizer, view_of) if optimizer is not None else None
-        yield root, view_opt
-        if not load:
-            return
-        with torch.no_grad():
-            for b in self.buckets:
-                self._own(b).copy_(self._local_of(b, [view_of[id(p)].detach() for p in b.params]))
-            for p in module.parameters():
-                if not hasattr(p, ZERO_SLOT):
-                    p.data.copy_(view_of[id(p)].detach())
-            if view_opt is not None:
-                self._load_optimizer(optimizer, view_opt, view_of)
+        attach_buffers(root, module)
+        return root, view_of
+
+    @torch.no_grad()
+    def _load_view(self, module: nn.Module, optimizer: Any, view_opt: Any, view_of: dict[int, nn.Parameter]) -> None:
+        for b in self.buckets:
+            self._own(b).copy_(self._local_of(b, [view_of[id(p)].detach() for p in b.params]))
+        for p in module.parameters():
+            if not hasattr(p, ZERO_SLOT):
+                p.data.copy_(view_of[id(p)].detach())
+        if view_opt is not None:
+            self._load_optimizer(optimizer, view_opt, view_of)
         self.gather_params()
 
     def _optimizer_view(self, optimizer: torch.optim.Optimizer, view_of: dict[int, nn.Parameter]) -> Any:
         cls = type(optimizer)
-        groups = []
-        for gi, g in enumerate(optimizer.param_groups):
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": [view_of[id(p)] for p in self.group_params[gi]]})  # fmt: skip
+        groups = [{**_hyper(g), "params": [view_of[id(p)] for p in self.group_params[gi]]}
+                  for gi, g in enumerate(optimizer.param_groups)]  # fmt: skip
         view = cls.__new__(cls)
         torch.optim.Optimizer.__init__(view, groups, dict(optimizer.defaults))
         for gi, m in enumerate(self.masters):
             state = optimizer.state.get(m)
             if not state:
                 continue
-            split = {}
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == m.numel() and m.numel():
-                    split[key] = self._split(self._gather_flat(value), gi)
+            split = {key: self._split(self._gather_flat(value), gi) for key, value in state.items()
+                     if _is_flat(value, m)}  # fmt: skip
             for p in self.group_params[gi]:
                 view.state[view_of[id(p)]] = {k: split[k][id(p)] if k in split else _copy(v)
                                               for k, v in state.items()}  # fmt: skip
@@ -411,25 +482,77 @@ class ZeroPartition:
 
     def _load_optimizer(self, optimizer: torch.optim.Optimizer, view: Any, view_of: dict[int, nn.Parameter]) -> None:
         for gi, (group, vgroup) in enumerate(zip(optimizer.param_groups, view.param_groups)):
-            group.update({k: v for k, v in vgroup.items() if k != "params"})
-            m = self.masters[gi]
-            params = self.group_params[gi]
-            loaded = {id(p): view.state.get(view_of[id(p)], {}) for p in params}
+            group.update(_hyper(vgroup))
+            loaded = {id(p): view.state.get(view_of[id(p)], {}) for p in self.group_params[gi]}
             keys = {k for s in loaded.values() for k in s}
-            if not keys:
-                continue
-            state = optimizer.state.setdefault(m, {})
-            for key in keys:
-                first = next(s[key] for s in loaded.values() if key in s)
-                if torch.is_tensor(first) and first.dim() > 0:
-                    flat = torch.zeros(m.numel(), dtype=first.dtype, device=self.master_device)
-                    for b in self.buckets:
-                        if b.group == gi:
-                            values = [loaded[id(p)].get(key) for p in b.params]
-                            flat[b.master_offset:b.master_offset + b.chunk] = self._local_of(b, values).to(first.dtype)
-                    state[key] = flat
-                else:
-                    state[key] = _copy(first).to(self.master_device) if torch.is_tensor(first) else first
+            if keys:
+                state = optimizer.state.setdefault(self.masters[gi], {})
+                for key in keys:
+                    state[key] = self._partition_of(gi, key, loaded)
+
+    def _partition_of(self, gi: int, key: str, loaded: dict[int, dict]) -> Any:
+        """This rank's flat partition of optimizer state ``key`` of group ``gi`` from per-parameter values (a
+        scalar such as ``step`` as it is)."""
+        first = next(s[key] for s in loaded.values() if key in s)
+        if not (torch.is_tensor(first) and first.dim() > 0):
+            return _copy(first).to(self.master_device) if torch.is_tensor(first) else first
+        flat = torch.zeros(self.masters[gi].numel(), dtype=first.dtype, device=self.master_device)
+        for b in self.buckets:
+            if b.group == gi:
+                values = [loaded[id(p)].get(key) for p in b.params]
+                flat[b.master_offset:b.master_offset + b.chunk] = self._local_of(b, values).to(first.dtype)
+        return flat
+
+    def load_legacy_state(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        """Load what ``optimizer.state_dict()`` gave at stage 1 before stage 1 ran on this partition: torch's
+        ``ZeroRedundancyOptimizer`` format of one rank (global parameter indices, the state of the parameters
+        that rank owned; marked ``torsh_zero_partition``). Collective: every rank passes its own, and together
+        they hold every parameter's state, which is then sliced into this rank's flat partition."""
+        merged = self._legacy_states(state_dict[LEGACY_MARK], state_dict["state"])
+        with self.full_view(self.model, optimizer, load=True) as (_, view):
+            view_of = {id(p): v for gi, g in enumerate(view.param_groups)
+                       for p, v in zip(self.group_params[gi], g["params"])}  # fmt: skip
+            for group, saved in zip(view.param_groups, state_dict["param_groups"]):
+                group.update(_hyper(saved))
+            for i, p in enumerate(self.legacy_order):
+                if i in merged and id(p) in view_of:
+                    view.state[view_of[id(p)]] = merged[i]
+
+    def _legacy_states(self, mark: dict, states: dict) -> dict[int, dict]:
+        """Every rank's legacy ZeRO-1 state together, by global parameter index (collective); a ValueError unless
+        they are all the ranks of one job of this size."""
+        pieces: list[Any] = [None] * self.world
+        dist.all_gather_object(pieces, (mark, states), group=self.group)
+        ranks = {m["rank"] for m, _ in pieces}
+        sizes = {m["world_size"] for m, _ in pieces}
+        if sizes != {self.world} or len(ranks) != self.world:
+            raise ValueError(f"optimizer.load_state_dict(): these are ZeRO-1 optimizer states of rank(s) "
+                             f"{sorted(ranks)} of {sorted(sizes)} ranks, written before stage 1 partitioned a flat "
+                             f"fp32 master; they load on a job of that size, each rank its own (this job has "
+                             f"{self.world}); engine.save_checkpoint() checkpoints load at any world size")  # fmt: skip
+        return {int(i): s for _, piece in pieces for i, s in piece.items()}
+
+
+LEGACY_MARK = "torsh_zero_partition"
+"""The key marking one rank's ZeRO-1 optimizer state in torch's ``ZeroRedundancyOptimizer`` format (what
+``optimizer.state_dict()`` gave at stage 1 before stage 1 ran on :class:`ZeroPartition`)."""
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _is_flat(value: Any, master: torch.Tensor) -> bool:
+    """An optimizer state tensor shaped like the flat master (split per parameter in a whole view)."""
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == master.numel() and master.numel() > 0
+
+
+def attach_buffers(root: nn.Module, module: nn.Module) -> None:
+    """``module``'s persistent buffers under their names in ``root`` (as ``module.state_dict()`` holds them)."""
+    for prefix, sub in module.named_modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and name not in sub._non_persistent_buffers_set:
+                attach(root, f"{prefix}.{name}" if prefix else name, buf, parameter=False)
 
 
 def _copy(value: Any) -> Any:
@@ -512,12 +635,13 @@ def _gather_groups(buckets: list[Bucket], allgather_numel: int) -> list[list[Buc
 
 def build_zero(model: nn.Module, *, cfg: Any, decided: Any, precision: Any, info: Any, client: Any, groups: list[dict],
                name_of: dict[int, str], source: str | None) -> tuple[Any, Any]:  # fmt: skip
-    """The ShardPlan of ZeRO-2 and its optimizer (None without one): the optimizer's parameter groups (the
+    """The ShardPlan of ZeRO-1/2 and its optimizer (None without one): the optimizer's parameter groups (the
     script's optimizer's, else ``model_parameters``'s, by name) decide the partition's groups; the optimizer is
-    built over their flat fp32 masters with the script's class and arguments, or the configured one."""
-    from .rebuild import adopt_construction, forward_client, rebuild_optimizer
-    from .sharding import ShardPlan
-    from .units import DEEPSPEED_DEFAULTS, bucket_settings, grad_bytes, is_deepspeed_sized
+    built over their flat fp32 masters with the script's class and arguments, or the configured one. At stage 1
+    DDP wraps the model and all-reduces the whole gradients (its buckets, overlap and communication hooks); at
+    stage 2 the partition reduces them itself."""
+    from .rebuild import rebuild_optimizer
+    from .sharding import ShardPlan, apply_sharding
 
     by_name = dict(model.named_parameters())
     cls = defaults = None
@@ -525,66 +649,113 @@ def build_zero(model: nn.Module, *, cfg: Any, decided: Any, precision: Any, info
         cls, defaults, named = rebuild_optimizer(client, name_of, by_name)
     else:
         named = groups
-    _check_elementwise(client, cfg.optimizer, cls)
+    _check_elementwise(client, cfg.optimizer, cls, cfg.sharding.stage)
+    partition = _make_partition(model, cfg, decided, precision, named, by_name, source)
+    if info.rank == 0:
+        log.info("ZeRO-%d: %d bucket(s), all-gathered in %d group(s); this rank holds %d of %d trainable elements",
+                 cfg.sharding.stage, len(partition.buckets), len(partition.gathers),
+                 sum(m.numel() for m in partition.masters), sum(b.numel for b in partition.buckets))  # fmt: skip
+    if partition.reduces:
+        _note_unit_settings(cfg.sharding, info.rank)
+        shard = ShardPlan(model, model, "zero", partition=partition)
+    else:  # stage 1: DDP all-reduces the whole gradients, as DeepSpeed's stage 1 averages them
+        shard = apply_sharding(model, cfg, decided, precision, info, source=source)
+        shard.partition = partition
+    built = _partition_optimizer(client, cls, defaults, named, partition, cfg, decided)
+    if built is not None:
+        built.optimizer = built  # DeepSpeed's engine.optimizer.optimizer: the torch optimizer of the partition
+        _accept_legacy_state(built, partition)
+    return shard, built
+
+
+def _bucket_sizes(cfg: Any, source: str | None) -> tuple[int, int]:
+    """Elements per reduce bucket and per all-gather: DeepSpeed's sizes from its config, else DDP's bucket."""
+    from .units import DEEPSPEED_DEFAULTS, bucket_settings, grad_bytes, is_deepspeed_sized
+
     if is_deepspeed_sized(cfg.extensions, source):
         settings = bucket_settings(cfg.extensions)
-        bucket, gather = settings.reduce_bucket_size, settings.allgather_bucket_size or settings.reduce_bucket_size
-    else:  # DDP's bucket size, in elements of the compute dtype
-        bucket = int(float(cfg.ddp.bucket_cap_mb) * 2**20 / grad_bytes(cfg)) or DEEPSPEED_DEFAULTS["reduce_bucket_size"]
-        gather = bucket
-    tensors = [[by_name[n] for n in g["params"] if by_name[n].requires_grad and by_name[n].is_floating_point()]
-               for g in named]  # fmt: skip
+        return settings.reduce_bucket_size, settings.allgather_bucket_size or settings.reduce_bucket_size
+    bucket = int(float(cfg.ddp.bucket_cap_mb) * 2**20 / grad_bytes(cfg)) or DEEPSPEED_DEFAULTS["reduce_bucket_size"]
+    return bucket, bucket
+
+
+def _make_partition(model: nn.Module, cfg: Any, decided: Any, precision: Any, named: list[dict],
+                    by_name: dict[str, nn.Parameter], source: str | None) -> ZeroPartition:  # fmt: skip
     from .precision import DTYPES
 
-    accum = DTYPES.get(cfg.precision.effective_grad_accum_dtype, precision.param_dtype)
+    bucket, gather = _bucket_sizes(cfg, source)
+    tensors = [[by_name[n] for n in g["params"] if by_name[n].requires_grad and by_name[n].is_floating_point()]
+               for g in named]  # fmt: skip
     partition = ZeroPartition(model, tensors, bucket_numel=max(1, bucket), allgather_numel=max(1, gather),
                               compute_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
-                              accum_dtype=accum, master_device=torch.device("cpu") if decided.masters_on_cpu else None,
+                              accum_dtype=DTYPES.get(cfg.precision.effective_grad_accum_dtype, precision.param_dtype),
+                              master_device=torch.device("cpu") if decided.masters_on_cpu else None,
                               mean=cfg.gradients.reduce_op == "mean",
-                              reduce_every_micro_step=precision.reduce_every_micro_step)  # fmt: skip
-    if info.rank == 0:
-        log.info("ZeRO-%d: %d bucket(s) of at most %d elements, all-gathered in %d group(s); this rank holds %d of "
-                 "%d trainable elements", cfg.sharding.stage, len(partition.buckets), bucket, len(partition.gathers),
-                 sum(m.numel() for m in partition.masters), sum(b.numel for b in partition.buckets))  # fmt: skip
-    _note_unit_settings(cfg.sharding, info.rank)
-    shard = ShardPlan(model, model, "zero", partition=partition)
+                              reduce_every_micro_step=precision.reduce_every_micro_step,
+                              reduce_in_backward=decided.data_parallel != "zero1")  # fmt: skip
+    partition.legacy_order = [by_name[n] for g in named for n in g["params"]]
+    return partition
+
+
+def _partition_optimizer(client: Any, cls: type | None, defaults: dict | None, named: list[dict],
+                         partition: ZeroPartition, cfg: Any, decided: Any) -> Any:  # fmt: skip
+    """The optimizer over the partition's flat masters, one parameter per group: the script's class and arguments
+    (its object then a view of this one), its callable's, or the configured one; None without any."""
+    from .rebuild import adopt_construction, forward_client
+
     params = [{**g, "params": [m]} for g, m in zip(named, partition.masters)]
     if cls is not None:
         defaults, params = adopt_construction(cls, defaults, params)
         built = cls(params, **defaults)
         forward_client(client, built)
-    elif callable(client):
-        built = client(params)
-    elif cfg.optimizer is not None and cfg.optimizer.name:
+        return built
+    if callable(client):
+        return client(params)
+    if cfg.optimizer is not None and cfg.optimizer.name:
         from .optim import build_optimizer
 
-        built = build_optimizer(cfg.optimizer, params, offload=decided.optimizer_on_cpu)
-    else:
-        built = None
-    if built is not None:
-        built.optimizer = built  # DeepSpeed's engine.optimizer.optimizer: the torch optimizer of the partition
-    return shard, built
+        return build_optimizer(cfg.optimizer, params, offload=decided.optimizer_on_cpu)
+    return None
+
+
+def _accept_legacy_state(optimizer: torch.optim.Optimizer, partition: ZeroPartition) -> None:
+    """``optimizer.load_state_dict`` also reads one rank's ZeRO-1 state saved before stage 1 ran on the partition
+    (:meth:`ZeroPartition.load_legacy_state`); its own flat state as torch's optimizer loads it."""
+    import types
+
+    own = optimizer.load_state_dict
+
+    def load_state_dict(self: Any, state_dict: dict) -> None:
+        if isinstance(state_dict, dict) and LEGACY_MARK in state_dict:
+            partition.load_legacy_state(self, state_dict)
+        else:
+            own(state_dict)
+
+    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
 
 
 #: torch optimizers whose update of an element reads only that element (and the step count): exact on a flat
-#: partition. Others need whole tensors (a norm per parameter, a matrix) and are refused at ZeRO stage 2.
+#: partition. Others need whole tensors (a norm per parameter, a matrix) and are refused at ZeRO stages 1 and 2.
 ELEMENTWISE = frozenset({"Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "Adamax", "RMSprop", "Rprop", "NAdam",
                          "RAdam", "ASGD", "SparseAdam"})  # fmt: skip
 
 
-def _check_elementwise(client: Any, section: Any, cls: type | None) -> None:
+def _check_elementwise(client: Any, section: Any, cls: type | None, stage: int) -> None:
     from torsh.errors import ConfigError, Problem
 
     name = cls.__name__ if cls is not None else (section.name if client is None and section is not None else None)
     if cls is not None and cls.__module__.startswith("torch.optim") and name not in ELEMENTWISE:
-        raise ConfigError([Problem("sharding.stage", 2, f"{name} updates whole tensors (not element by element); "
-                                   "ZeRO-2 steps flat partitions of the parameters, where it would compute "
-                                   "something else: use stage 0, 1 or 3, or an elementwise optimizer (Adam, AdamW, "
-                                   "SGD, Adagrad)")])  # fmt: skip
-    if cls is None and name and name not in ELEMENTWISE:
-        raise ConfigError([Problem("optimizer.name", name, f"{name} updates whole tensors (not element by "
-                                   "element); ZeRO-2 steps flat partitions of the parameters: use stage 0, 1 or 3, "
-                                   "or an elementwise optimizer (Adam, AdamW, SGD, Adagrad)")])  # fmt: skip
+        problem = Problem("sharding.stage", stage, f"{name} updates whole tensors (not element by element); ZeRO-"
+                          f"{stage} steps flat partitions of the parameters (as DeepSpeed's), where it would compute "
+                          "something else: use stage 0 or 3, or an elementwise optimizer (Adam, AdamW, SGD, "
+                          "Adagrad)")  # fmt: skip
+    elif cls is None and name and name not in ELEMENTWISE:
+        problem = Problem("optimizer.name", name, f"{name} updates whole tensors (not element by element); ZeRO-"
+                          f"{stage} steps flat partitions of the parameters: use stage 0 or 3, or an elementwise "
+                          "optimizer (Adam, AdamW, SGD, Adagrad)")  # fmt: skip
+    else:
+        return
+    raise ConfigError([problem])
 
 
 def _note_unit_settings(sharding: Any, rank: int) -> None:
