@@ -155,6 +155,8 @@ def test_pp2dp2_zero1_bf16_losses_match_deepspeed_and_resume(runs):
     assert all(len(set(step)) == 1 for step in ours["everywhere"])
     assert ours["resumed"] == ours["after_save"]
     assert "zero_pp_rank_1_mp_rank_01_optim_states.pt" in ours["files"]
+    stepped = [r["step_dtypes"] for r in ours["ranks"] + theirs["ranks"] if "step_dtypes" in r]
+    assert stepped == [["torch.float32"]] * 8  # every rank of both engines steps fp32 masters
     print(f"pp2dp2 bf16 ZeRO-1: worst relative loss difference {worst:.2e}")
 
 

@@ -171,7 +171,9 @@ def run(args, spec):
     record = {"first": engine.is_first_stage(), "last": engine.is_last_stage(), "micro_batches": engine.micro_batches,
               "global_steps": engine.global_steps, "eval_loss": eval_loss.item(),
               "logits_shape": list(logits.shape) if logits is not None else None,
-              "params": sum(p.numel() for p in engine.module.parameters())}
+              "params": sum(p.numel() for p in engine.module.parameters()),
+              # what the optimizer steps: the fp32 masters under bf16 (DeepSpeed's BF16_Optimizer holds them too)
+              "step_dtypes": sorted({str(p.dtype) for g in engine.optimizer.param_groups for p in g["params"]})}
     records = [None] * dist.get_world_size()
     dist.all_gather_object(records, record)
     resumed = []
