@@ -125,6 +125,14 @@ def ds_config(stage: int, **extra) -> dict:
             **extra}  # fmt: skip
 
 
+def ranks_of(records: list[dict], name: str) -> list[dict]:
+    """Every rank's record of scenario ``name``, failing with the rank's traceback where it raised."""
+    ranks = [r[name] for r in records]
+    for r in ranks:
+        assert "error" not in r, r.get("traceback")
+    return ranks
+
+
 def both(records: list[dict], name: str, engines: tuple[str, str] = ("torsh", "deepspeed")) -> tuple[list, list]:
     """(torsh, deepspeed) records of scenario ``name`` (``{name}_{engine}``) on every rank; a worker error fails
     with its traceback."""

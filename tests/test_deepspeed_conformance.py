@@ -521,13 +521,17 @@ def external_param(rank: int, world_size: int, scenario: dict) -> dict:
     torch.manual_seed(0)
     model = Net()
     engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=_config(3))
+    return {"losses": _three_steps(engine, rank)}
+
+
+def _three_steps(engine, rank: int) -> list[float]:
     losses = []
     for step in range(3):
         loss = _loss(engine, step, rank)
         engine.backward(loss)
         engine.step()
         losses.append(float(loss))
-    return {"losses": losses}
+    return losses
 
 
 def config_optimizer(rank: int, world_size: int, scenario: dict) -> dict:
@@ -551,12 +555,7 @@ def config_optimizer(rank: int, world_size: int, scenario: dict) -> dict:
         model = _model()
         engine, optimizer, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
         basic = optimizer if stage == 0 else optimizer.optimizer
-        losses = []
-        for step in range(3):
-            loss = _loss(engine, step, rank)
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss))
+        losses = _three_steps(engine, rank)
         out[name] = {"class": type(basic).__name__, "fused": isinstance(basic, ds.ops.adam.FusedAdam),
                      "cpu": isinstance(basic, ds.ops.adam.DeepSpeedCPUAdam), "engine": engine.optimizer is optimizer,
                      "losses": losses}  # fmt: skip

@@ -150,13 +150,6 @@ def records(tmp_path_factory):
     return h.run(_scenarios(tmp_path_factory.mktemp("zero1")))
 
 
-def _one(records, name: str) -> list[dict]:
-    ranks = [r[name] for r in records]
-    for r in ranks:
-        assert "error" not in r, r.get("traceback")
-    return ranks
-
-
 def _flat(value) -> list[float]:
     return [v for row in value for v in (row if isinstance(row, list) else [row])]
 
@@ -174,7 +167,7 @@ def test_losses_norms_and_weights_equal_deepspeed_stage1(records, dtype):
 
 
 def test_parameters_whole_optimizer_state_partitioned_and_state_dict_without_consolidation(records):
-    for rec in _one(records, "layout"):
+    for rec in h.ranks_of(records, "layout"):
         assert rec["param_types"] == ["Parameter"] and rec["param_dtypes"] == ["torch.bfloat16"]
         assert rec["inner"] and rec["class"] == "AdamW" and rec["saved_groups"] == 1
         assert rec["kind"] == "ddp"  # DDP all-reduces the whole gradients; the partition steps
@@ -185,14 +178,14 @@ def test_parameters_whole_optimizer_state_partitioned_and_state_dict_without_con
 @pytest.mark.parametrize("pair", ["s1_to_s1", "s1_to_s0", "s1_to_s2", "s1_to_s3", "s0_to_s1", "s2_to_s1",
                                   "s3_to_s1"])
 def test_stage1_checkpoints_move_between_stages_exactly(records, pair):
-    for rec in _one(records, "resume"):
+    for rec in h.ranks_of(records, "resume"):
         writer = pair.split("_to_")[0]
         assert rec[pair] == pytest.approx(rec[f"straight_{writer}"], rel=FP32)
 
 
 def test_checkpoints_written_by_stage1_before_the_partition_still_resume(records):
     expected = json.loads((LEGACY / "expected.json").read_text())["after"]
-    for rank, rec in enumerate(_one(records, "legacy")):
+    for rank, rec in enumerate(h.ranks_of(records, "legacy")):
         assert rec["checkpoint_s1"] == pytest.approx(expected[rank], rel=1e-6)
         assert rec["checkpoint_s2"] == pytest.approx(expected[rank], rel=FP32)
         assert rec["torch_save"] == pytest.approx(expected[rank], rel=1e-6)
@@ -200,6 +193,6 @@ def test_checkpoints_written_by_stage1_before_the_partition_still_resume(records
 
 
 def test_optimizer_offload_and_offload_states_at_stage1(records):
-    for rec, plain in zip(_one(records, "offload"), _one(records, "plain")):
+    for rec, plain in zip(h.ranks_of(records, "offload"), h.ranks_of(records, "plain")):
         assert rec["on_cpu"] and rec["master_devices"] == ["cpu"] and rec["state_devices"] == ["cpu"]
         assert rec["losses"] == pytest.approx(plain["losses"], rel=FP32)

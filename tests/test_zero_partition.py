@@ -181,13 +181,6 @@ def records(tmp_path_factory):
     return h.run(_scenarios(tmp_path_factory.mktemp("zero2")))
 
 
-def _one(records, name: str) -> list[dict]:
-    ranks = [r[name] for r in records]
-    for r in ranks:
-        assert "error" not in r, r.get("traceback")
-    return ranks
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_losses_norms_and_weights_equal_deepspeed_stage2(records, dtype):
     ours, theirs = h.both(records, f"parity_{dtype}", ENGINES)
@@ -203,7 +196,7 @@ def test_losses_norms_and_weights_equal_deepspeed_stage2(records, dtype):
 
 
 def test_parameters_are_plain_whole_tensors_and_state_is_partitioned(records):
-    for rec in _one(records, "layout_300"):
+    for rec in h.ranks_of(records, "layout_300"):
         assert rec["param_types"] == ["Parameter"] and rec["is_tensor"]
         assert rec["param_dtypes"] == ["torch.bfloat16"]  # DeepSpeed's module is cast to the compute dtype
         assert rec["state_dict_types"] == ["Tensor"]
@@ -214,14 +207,14 @@ def test_parameters_are_plain_whole_tensors_and_state_is_partitioned(records):
 
 
 def test_one_collective_per_reduce_bucket(records):
-    small, large = _one(records, "layout_300")[0], _one(records, "layout_1000000000")[0]
+    small, large = h.ranks_of(records, "layout_300")[0], h.ranks_of(records, "layout_1000000000")[0]
     assert large["buckets"] == 1 and large["per_backward"] == 1
     assert small["buckets"] > 3  # ~1.8k trainable elements in buckets of at most 300 (a larger tensor alone)
     assert small["per_backward"] == small["buckets"]
 
 
 def test_stage2_checkpoint_resumes_exactly_at_stage2_and_stage0(records):
-    for rec in _one(records, "resume"):
+    for rec in h.ranks_of(records, "resume"):
         assert rec["resumed_s2"] == pytest.approx(rec["straight"], rel=1e-6)
         assert rec["resumed_s0"] == pytest.approx(rec["straight"], rel=FP32)
         assert rec["steps_s2"] == rec["steps_s0"] == 6
@@ -231,15 +224,15 @@ def test_stage2_checkpoint_resumes_exactly_at_stage2_and_stage0(records):
 def test_whole_value_accessors_match_stage0(records):
     import torch
 
-    for rec in _one(records, "accessors"):
+    for rec in h.ranks_of(records, "accessors"):
         # bf16 gradients reduced in another order (per bucket vs DDP's): the dtype's rounding
         torch.testing.assert_close(torch.tensor(rec["grad_s2"]), torch.tensor(rec["grad_s0"]), rtol=2**-6, atol=1e-3)
         torch.testing.assert_close(torch.tensor(rec["fp32_s2"]), torch.tensor(rec["fp32_s0"]), rtol=1e-3, atol=1e-3)
         assert rec["after_set"] == 0.0
-    ranks = _one(records, "accessors")  # each rank holds its own elements of the parameter, together all of them
+    ranks = h.ranks_of(records, "accessors")  # each rank holds its own elements of the parameter, together all of them
     assert sum(r["local_numel_s2"] for r in ranks) == ranks[0]["local_numel_s0"]
 
 
 def test_optimizer_that_is_not_elementwise_is_refused_by_name(records):
-    for rec in _one(records, "refused"):
+    for rec in h.ranks_of(records, "refused"):
         assert rec["error_text"] and "LBFGS" in rec["error_text"] and "ZeRO-2" in rec["error_text"]

@@ -122,15 +122,22 @@ def _check_allreduce_op(op: str, stage, zenflow: bool, deepcompile: bool) -> Non
             raise ValueError(f"{GRADIENT_ALLREDUCE_OP}='sum' is not supported with DeepCompile")
 
 
+def _as_dict(config) -> dict | None:
+    """``config`` (a dict, a JSON path or a base64 string) as a dict; None when it is unreadable or no object, which
+    the reader that reads it whole reports."""
+    try:
+        d = config if isinstance(config, dict) else _read(config)
+    except Exception:  # noqa: BLE001 - an unreadable config is reported by the reader that reads it whole
+        return None
+    return d if isinstance(d, dict) else None
+
+
 def check_gradient_allreduce_op(config) -> None:
     """What DeepSpeed's engine refuses about ``gradient_allreduce_op`` when it reads ``config`` (a dict, a JSON
     path or a base64 string): an unknown operation, and ``"sum"`` at ZeRO-3, with ZenFlow or with DeepCompile
     (``ValueError``, DeepSpeed's messages). Other problems are left to the config's full reading."""
-    try:
-        d = config if isinstance(config, dict) else _read(config)
-    except Exception:  # noqa: BLE001 - an unreadable config is reported by the reader that reads it whole
-        return
-    if not isinstance(d, dict):
+    d = _as_dict(config)
+    if d is None:
         return
     op = get_gradient_allreduce_op(d)
     zero = d.get("zero_optimization") if isinstance(d.get("zero_optimization"), dict) else {}
@@ -148,11 +155,8 @@ def check_optimizer_construction(config, optimizer) -> None:
     of 2 (``AssertionError``)."""
     import torch
 
-    try:
-        d = config if isinstance(config, dict) else _read(config)
-    except Exception:  # noqa: BLE001 - an unreadable config is reported by the reader that reads it whole
-        return
-    if not isinstance(d, dict):
+    d = _as_dict(config)
+    if d is None:
         return
     zero = d.get("zero_optimization") if isinstance(d.get("zero_optimization"), dict) else {}
     offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
