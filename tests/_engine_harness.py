@@ -38,8 +38,8 @@ def spawn(scenarios: list[dict], world_size: int, out: str, runner: Any = None) 
     start(_worker, (world_size, free_port(), scenarios, out, runner), world_size)
 
 
-def start(fn: Any, args: tuple, nprocs: int) -> None:
-    """``torch.multiprocessing.spawn(fn, args, nprocs)``, with the ranks forked from this process: torch,
+def start(fn: Any, args: tuple, nprocs: int, join: bool = True) -> Any:
+    """``torch.multiprocessing.spawn(fn, args, nprocs, join)``, with the ranks forked from this process: torch,
     TorchDynamo (every optimizer and DDP import it) and the engine are imported once here instead of again in
     every rank (~4 CPU seconds a rank). A process that holds a process group of its own (its ranks would inherit
     it) spawns fresh interpreters instead."""
@@ -51,7 +51,7 @@ def start(fn: Any, args: tuple, nprocs: int) -> None:
         import torch._dynamo  # noqa: F401
 
         import torsh.engine.initialize  # noqa: F401
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="fork" if fork else "spawn")
+    return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="fork" if fork else "spawn")
 
 
 def build_model(seed: int = 0):

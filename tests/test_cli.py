@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -14,9 +16,21 @@ from torsh.cli import main
 SEED = Path(__file__).resolve().parent.parent / "migration_examples" / "torsh" / "torsh_config.toml"
 
 
-def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "torsh.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=60)  # fmt: skip
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """torsh-migrate in a fresh interpreter, the way a user runs it."""
+    return subprocess.run([sys.executable, "-m", "torsh.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``main(args)`` in this process: its exit code and the text it writes to stdout and stderr, as ``run_cli``
+    gives them (a user error is an exit code and a message, never an exception; one escaping fails the test)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse: a usage error, --help, --version
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    return subprocess.CompletedProcess(["torsh-migrate", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_version_and_help():
@@ -28,19 +42,19 @@ def test_version_and_help():
 
 def test_convert_to_file_with_report_and_no_overwrite(tmp_path):
     out = tmp_path / "job.toml"
-    first = run_cli("convert", str(SEED), "--to", "torsh", "-o", str(out))
+    first = cli("convert", str(SEED), "--to", "torsh", "-o", str(out))
     assert first.returncode == 0, first.stderr
     assert "distributed.rank" in first.stdout and "ignored" in first.stdout  # the report
     assert "[batch]" in out.read_text()
     out.write_text("keep me")
-    second = run_cli("convert", str(SEED), "--to", "torsh", "-o", str(out))
+    second = cli("convert", str(SEED), "--to", "torsh", "-o", str(out))
     assert second.returncode == 2 and "--force" in second.stderr and out.read_text() == "keep me"
-    third = run_cli("convert", str(SEED), "--to", "torsh", "-o", str(out), "--force")
+    third = cli("convert", str(SEED), "--to", "torsh", "-o", str(out), "--force")
     assert third.returncode == 0 and "[batch]" in out.read_text()
 
 
 def test_convert_json_report_and_yaml_output(tmp_path):
-    done = run_cli("convert", str(SEED), "--to", "torsh", "--format", "yaml", "--report", "json")
+    done = cli("convert", str(SEED), "--to", "torsh", "--format", "yaml", "--report", "json")
     assert done.returncode == 0
     assert "micro_batch_size: 32" in done.stdout
     first = json.loads(done.stderr)["read"]  # one JSON document: the read and the write report
@@ -50,8 +64,8 @@ def test_convert_json_report_and_yaml_output(tmp_path):
 def test_strict_fails_on_lossy(tmp_path):
     lossy = tmp_path / "c.yaml"
     lossy.write_text("ddp: {gradient_compression: true}\n")
-    assert run_cli("convert", str(lossy), "--to", "torsh").returncode == 0
-    strict = run_cli("convert", str(lossy), "--to", "torsh", "--strict")
+    assert cli("convert", str(lossy), "--to", "torsh").returncode == 0
+    strict = cli("convert", str(lossy), "--to", "torsh", "--strict")
     assert strict.returncode == 1 and "ddp.gradient_compression" in strict.stderr
 
 
@@ -68,28 +82,28 @@ def test_bad_input_exit_2_without_traceback(tmp_path, content, name, needle):
     path = tmp_path / name
     path.write_text(content)
     for command in (["validate", str(path)], ["convert", str(path), "--to", "torsh"]):
-        done = run_cli(*command)
+        done = cli(*command)
         assert done.returncode == 2, done
         assert "Traceback" not in done.stderr
         assert needle in done.stderr and name in done.stderr
 
 
 def test_missing_file_and_unknown_dialect():
-    missing = run_cli("validate", "does-not-exist.json")
+    missing = cli("validate", "does-not-exist.json")
     assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
-    dialect = run_cli("convert", str(SEED), "--to", "deepsped")
+    dialect = cli("convert", str(SEED), "--to", "deepsped")
     assert dialect.returncode == 2 and "unknown dialect" in dialect.stderr
-    schema = run_cli("schema", "torsch")
+    schema = cli("schema", "torsch")
     assert schema.returncode == 2 and "did you mean 'torsh'" in schema.stderr
 
 
 def test_schema_prints_json():
-    done = run_cli("schema", "torsh")
+    done = cli("schema", "torsh")
     assert done.returncode == 0 and json.loads(done.stdout)["title"] == "TorshConfig"
 
 
 def test_validate_reports_keys():
-    done = run_cli("validate", str(SEED))
+    done = cli("validate", str(SEED))
     assert done.returncode == 0 and "OK:" in done.stdout and "training.epochs" in done.stdout
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -24,8 +26,21 @@ BOX = set("─│┃━┏┓┗┛┡┩╇╋┼├┤┬┴╭╮╰╯")
 
 
 def run_cli(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    """torsh-migrate in a fresh interpreter: for what depends on the process (umask, file descriptors, pipes)."""
     kwargs.setdefault("timeout", 120)
     return subprocess.run([sys.executable, "-m", "torsh.cli", *args], capture_output=True, text=True, **kwargs)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``main(args)`` in this process, with stdout and stderr as text streams that are not a terminal: its exit code
+    and output as ``run_cli`` gives them (an exception escaping ``main`` fails the test)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse: a usage error
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    return subprocess.CompletedProcess(["torsh-migrate", *args], code, out.getvalue(), err.getvalue())
 
 
 # ---- internal errors and closed pipes
@@ -66,12 +81,12 @@ def test_closed_pipe_exits_quietly():
 
 def test_output_onto_a_directory_is_an_error_even_with_force(tmp_path):
     for extra in ([], ["--force"]):
-        done = run_cli("convert", str(SEED), "--to", "torsh", "-o", str(tmp_path), *extra)
+        done = cli("convert", str(SEED), "--to", "torsh", "-o", str(tmp_path), *extra)
         assert done.returncode == 2 and "is a directory" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_output_into_a_missing_directory_is_an_error(tmp_path):
-    done = run_cli("convert", str(SEED), "--to", "torsh", "-o", str(tmp_path / "no" / "x.toml"))
+    done = cli("convert", str(SEED), "--to", "torsh", "-o", str(tmp_path / "no" / "x.toml"))
     assert done.returncode == 2 and "does not exist" in done.stderr
 
 
@@ -108,7 +123,7 @@ def test_force_keeps_an_existing_files_mode(tmp_path, mode):
     out = tmp_path / "job.toml"
     out.write_text("old")
     out.chmod(mode)
-    done = run_cli("convert", str(SEED), "--to", "torsh", "-o", str(out), "--force")
+    done = cli("convert", str(SEED), "--to", "torsh", "-o", str(out), "--force")
     assert done.returncode == 0, done.stderr
     assert stat.S_IMODE(out.stat().st_mode) == mode and "[batch]" in out.read_text()
 
@@ -148,7 +163,7 @@ def test_sigterm_during_output_removes_the_temporary_file(tmp_path):
 
 
 def test_convert_json_report_is_one_document_beside_the_converted_file():
-    done = run_cli("convert", str(ZERO3), "--to", "deepspeed", "--report", "json")
+    done = cli("convert", str(ZERO3), "--to", "deepspeed", "--report", "json")
     assert done.returncode == 0, done.stderr
     converted = json.loads(done.stdout)  # stdout: only the converted config
     assert converted["zero_optimization"]["stage"] == 3
@@ -158,7 +173,7 @@ def test_convert_json_report_is_one_document_beside_the_converted_file():
 
 def test_convert_json_report_with_output_file_is_one_document_on_stdout(tmp_path):
     out = tmp_path / "ds.json"
-    done = run_cli("convert", str(ZERO3), "--to", "deepspeed", "--report", "json", "-o", str(out))
+    done = cli("convert", str(ZERO3), "--to", "deepspeed", "--report", "json", "-o", str(out))
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["output"] == str(out)
     assert json.loads(out.read_text())["zero_optimization"]["stage"] == 3
@@ -175,7 +190,7 @@ def _launch_lines() -> list[str]:
 def test_launch_stdout_is_a_shell_script(tmp_path, show_env):
     checked = 0
     for line in _launch_lines():
-        done = run_cli("launch", line, "--to", "all", *show_env)
+        done = cli("launch", line, "--to", "all", *show_env)
         if done.returncode == 2:  # a line this launcher grammar refuses: an error, not a script
             assert "Traceback" not in done.stderr
             continue
@@ -266,22 +281,22 @@ def _write(tmp_path: Path, name: str, text: str) -> str:
 def test_validate_several_files_exit_code_is_the_worst(tmp_path):
     good = str(DS)
     bad = _write(tmp_path, "bad.json", '{"train_batch_size": 8, "zero_optimization": {"stage": 7}}')
-    assert run_cli("validate", good, good).returncode == 0
-    both = run_cli("validate", good, bad)
+    assert cli("validate", good, good).returncode == 0
+    both = cli("validate", good, bad)
     assert both.returncode == 2 and "zero_optimization.stage" in both.stderr and f"OK: {good}" in both.stdout
 
 
 def test_validate_strict(tmp_path):
     lossy = _write(tmp_path, "c.yaml", "ddp: {gradient_compression: true}\n")
-    assert run_cli("validate", lossy).returncode == 0
-    strict = run_cli("validate", lossy, "--strict")
+    assert cli("validate", lossy).returncode == 0
+    strict = cli("validate", lossy, "--strict")
     assert strict.returncode == 1 and "ddp.gradient_compression" in strict.stderr
-    assert run_cli("validate", str(DS), lossy, "--strict").returncode == 1
+    assert cli("validate", str(DS), lossy, "--strict").returncode == 1
 
 
 def test_validate_json_report_holds_errors_and_is_one_document(tmp_path):
     bad = _write(tmp_path, "bad.json", '{"train_batch_size": 8, "zero_optimization": {"stage": 7}}')
-    done = run_cli("validate", str(DS), bad, "--report", "json")
+    done = cli("validate", str(DS), bad, "--report", "json")
     assert done.returncode == 2
     data = json.loads(done.stdout)
     assert data["exit_code"] == 2 and [f["valid"] for f in data["files"]] == [True, False]
@@ -292,8 +307,8 @@ def test_validate_json_report_holds_errors_and_is_one_document(tmp_path):
 
 def test_validate_notes_json_that_only_hjson_accepts(tmp_path):
     relaxed = _write(tmp_path, "ds.json", '{\n  // zero 1\n  "train_batch_size": 8,\n}\n')
-    done = run_cli("validate", relaxed)
+    done = cli("validate", relaxed)
     assert done.returncode == 0 and "json.load" in done.stderr and "hjson" in done.stderr
-    assert run_cli("validate", relaxed, "--strict").returncode == 1
-    data = json.loads(run_cli("validate", relaxed, "--report", "json").stdout)
+    assert cli("validate", relaxed, "--strict").returncode == 1
+    data = json.loads(cli("validate", relaxed, "--report", "json").stdout)
     assert data["files"][0]["syntax_notes"] and data["exit_code"] == 0

@@ -26,9 +26,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the engine needs torch")
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+import _engine_harness as h  # noqa: E402
 from torsh.config import CompressionConfig
 
 pytestmark = pytest.mark.slow
@@ -298,7 +298,7 @@ LAUNCH_TIMEOUT_SECONDS = 600
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compression")
-    launch = mp.spawn(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, join=False)
+    launch = h.start(_worker, (str(tmp / "store"), str(tmp)), WORLD, join=False)
     deadline = time.monotonic() + LAUNCH_TIMEOUT_SECONDS
     while not launch.join(timeout=5):
         if time.monotonic() > deadline:

@@ -1,7 +1,8 @@
 """DeepSpeed-style training scripts (tests/dropin_scripts/) run unchanged on torsh and on real DeepSpeed.
 
 Each script runs twice on 2 CPU ranks: launched by ``torsh run`` with a ``deepspeed`` package on PYTHONPATH that
-raises on import (so real DeepSpeed cannot be reached), and by ``torchrun`` with DeepSpeed 0.19.8. The
+raises on import (so real DeepSpeed cannot be reached), and with DeepSpeed 0.19.8 in ranks forked from the test
+process with the variables torchrun gives its ranks (torch and DeepSpeed are imported once). The
 per-step losses they write must agree: fp32 within 1e-5 relative, bf16 within the parity band. The scripts of
 one side run one after the other in the ranks of one launch (tests/dropin_scripts/_run_cases.py), each unchanged
 as ``__main__`` and checked by its own test.
@@ -108,7 +109,7 @@ def _launches(names: list[str]) -> list[list[str]]:
     return [launch for launch in launches if launch]
 
 
-def _launch_all(launcher: list[str], names: list[str], tmp: Path, env: dict, *, reference: bool = False,
+def _launch_all(launcher: list[str] | None, names: list[str], tmp: Path, env: dict, *, reference: bool = False,
                 cases: dict | None = None) -> dict[str, dict | str]:
     """Run the cases ``names`` (of ``cases``, CASES by default) on 2 ranks in as few launches as they allow
     (:func:`_launches`); returns ``{name: rank 0's record}``, or the failure (command and output) of a case that
@@ -120,10 +121,11 @@ def _launch_all(launcher: list[str], names: list[str], tmp: Path, env: dict, *, 
     return results
 
 
-def _launch_cases(launcher: list[str], names: list[str], tmp: Path, spec: Path, env: dict, *, reference: bool,
-                  cases: dict | None) -> dict[str, dict | str]:
-    """Run the cases ``names`` in one launch, in order. A launch that ends before a case wrote its record failed at
-    that case, and the cases after it run again in a new launch. ``reference``: the runs under real
+def _launch_cases(launcher: list[str] | None, names: list[str], tmp: Path, spec: Path, env: dict, *,
+                  reference: bool, cases: dict | None) -> dict[str, dict | str]:
+    """Run the cases ``names`` in one launch (``launcher`` None: ranks forked from this process), in order. A
+    launch that ends before a case wrote its record failed at that case, and the cases after it run again in a new
+    launch. ``reference``: the runs under real
     DeepSpeed, whose processes can abort at exit after training (CPU/gloo, scripts that end without destroying
     their process group; 2 of 15 reference runs in one day's full suites): a record written whole counts, and a
     case whose launch aborted before writing it is run once more. torsh's own runs get no such allowance: a launch
@@ -138,13 +140,16 @@ def _launch_cases(launcher: list[str], names: list[str], tmp: Path, spec: Path, 
         for out in outs.values():
             out.unlink(missing_ok=True)
         spec.write_text(json.dumps(specs))
-        cmd = [*launcher, "--nproc-per-node", "2", str(RUNNER), str(spec)]
-        try:
-            proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True,
-                                  timeout=300 + 150 * len(specs))  # fmt: skip
-            output, code = f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}", proc.returncode
-        except subprocess.TimeoutExpired as exc:
-            output, code = f"timed out after {exc.timeout:.0f} s\n{str(exc.stderr or '')[-6000:]}", None
+        cmd = [*(launcher or ["(forked ranks)"]), "--nproc-per-node", "2", str(RUNNER), str(spec)]
+        if launcher is None:
+            output, code = _forked_launch(spec, tmp, env, timeout=300 + 150 * len(specs))
+        else:
+            try:
+                proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True,
+                                      timeout=300 + 150 * len(specs))  # fmt: skip
+                output, code = f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}", proc.returncode
+            except subprocess.TimeoutExpired as exc:
+                output, code = f"timed out after {exc.timeout:.0f} s\n{str(exc.stderr or '')[-6000:]}", None
         written = {name: json.loads(out.read_text()) for name, out in outs.items() if out.exists()}
         aborted = reference and EXIT_ABORT in output
         failure = f"{' '.join(cmd)} (cases {', '.join(pending)}) failed:\n{output}"
@@ -162,6 +167,48 @@ def _launch_cases(launcher: list[str], names: list[str], tmp: Path, spec: Path, 
             results[failed] = failure
             pending = pending[pending.index(failed) + 1:]
     return results
+
+
+def _forked_launch(spec: Path, cwd: Path, env: dict, timeout: float) -> tuple[str, int | None]:
+    """The runner on 2 ranks forked from the test process (torch and what it imported are not imported again),
+    each with ``env`` and the variables torchrun gives its ranks; (output, exit code: None on a timeout)."""
+    import time
+
+    import _engine_harness as h
+
+    log = spec.with_suffix(".log")
+    log.write_text("")
+    launch = h.start(_forked_rank, (h.free_port(), str(spec), str(cwd), str(log), env), 2, join=False)
+    deadline = time.monotonic() + timeout
+    try:
+        while not launch.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in launch.processes:
+                    process.kill()
+                return f"timed out after {timeout:.0f} s\n{log.read_text()[-6000:]}", None
+    except Exception as exc:  # noqa: BLE001 - a rank raised or died: the launch failed, with its error
+        return f"{log.read_text()[-3000:]}\n{str(exc)[-6000:]}", 1
+    return log.read_text()[-3000:], 0
+
+
+def _forked_rank(rank: int, port: int, spec: str, cwd: str, log: str, env: dict) -> None:
+    import torch
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    os.chdir(cwd)
+    with open(log, "a") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
+    sys.argv = [str(RUNNER), spec]
+    sys.path.insert(0, str(SCRIPTS))  # as ``python _run_cases.py`` has it
+    import runpy
+
+    runpy.run_path(str(RUNNER))["main"](spec)
 
 
 def _launch(launcher: list[str], name: str, tmp: Path, env: dict, *, reference: bool = False) -> dict:
@@ -203,12 +250,12 @@ def torsh_results(tmp_path_factory) -> dict[str, dict | str]:
 
 @pytest.fixture(scope="module")
 def deepspeed_results(tmp_path_factory) -> dict[str, dict | str]:
-    """Every case real DeepSpeed runs here (whose packages are installed) under ``torchrun`` with DeepSpeed
-    0.19.8, in as few launches as they allow."""
+    """Every case real DeepSpeed runs here (whose packages are installed) with DeepSpeed 0.19.8, in ranks forked
+    from the test process (:func:`_forked_launch`), in as few launches as they allow."""
     pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is installed by requirements-dev.txt")
     names = [name for name in sorted(set(ALL_CASES) - set(DEEPSPEED_CANNOT)) if _needs_met(name)]
-    return _launch_all([sys.executable, "-m", "torch.distributed.run"], names, tmp_path_factory.mktemp("deepspeed"),
-                       _env(), reference=True, cases=ALL_CASES)  # fmt: skip
+    return _launch_all(None, names, tmp_path_factory.mktemp("deepspeed"), _env(), reference=True,
+                       cases=ALL_CASES)  # fmt: skip
 
 
 def _relative(a: float, b: float) -> float:

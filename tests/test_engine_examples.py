@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,8 +35,25 @@ RUNNER = Path(__file__).resolve().parent / "dropin_scripts" / "_run_cases.py"
 STAGES = (0, 3)
 
 
+def _rank(rank: int, world: int, port: int, spec: str) -> None:
+    """One rank, forked from the test process, with the variables torchrun gives its ranks."""
+    import runpy
+    import warnings
+
+    import torch
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      DS_ACCELERATOR="cpu")  # fmt: skip
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    runpy.run_path(str(RUNNER))["main"](spec)
+
+
 def _run(script: str, tmp: Path) -> dict[int, list[float]]:
     """The example at every stage of STAGES, one after the other in one 2-rank launch; ``{stage: losses}``."""
+    import _engine_harness as h
+
     cases, logs = [], {}
     for stage in STAGES:
         config = json.loads((EXAMPLE / "train_config.json").read_text())
@@ -52,14 +67,7 @@ def _run(script: str, tmp: Path) -> dict[int, list[float]]:
                                str(logs[stage])]})  # fmt: skip
     spec = tmp / f"{script}.cases.json"
     spec.write_text(json.dumps(cases))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
-                    str(RUNNER), str(spec)], env=env, check=True, capture_output=True, timeout=900)  # fmt: skip
+    h.start(_rank, (2, h.free_port(), str(spec)), 2)
     return {stage: json.loads(log.read_text()) for stage, log in logs.items()}
 
 

@@ -98,10 +98,8 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def records() -> dict:
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(2, h.free_port(), out), nprocs=2, join=True)
+        h.start(_worker, (2, h.free_port(), out), 2)
         return json.loads(Path(out, "rank0.json").read_text())
 
 

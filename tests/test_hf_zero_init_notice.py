@@ -159,15 +159,39 @@ with open(f"{out_dir}/rank{rank}.json", "w") as f:
 '''
 
 
-def _launch(launcher: list[str], tmp, env) -> list[dict]:
+def _launch(launcher: list[str] | None, tmp, env) -> list[dict]:
+    """The script on 2 ranks: under ``launcher``, or (None) in ranks forked from the test process with the
+    variables torchrun gives its ranks."""
     tmp.mkdir()
     script = tmp / "zero3_build.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([*launcher, "--nproc-per-node", "2", str(script), str(tmp)], cwd=tmp, env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    if launcher is None:
+        import _engine_harness as h
+
+        h.start(_forked_rank, (h.free_port(), str(script), str(tmp)), 2)
+        output = ""
+    else:
+        proc = subprocess.run([*launcher, "--nproc-per-node", "2", str(script), str(tmp)], cwd=tmp, env=env,
+                              capture_output=True, text=True, timeout=900)  # fmt: skip
+        output = f"{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
     ranks = [tmp / f"rank{r}.json" for r in range(2)]
-    assert all(p.exists() for p in ranks), f"{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    assert all(p.exists() for p in ranks), output
     return [json.loads(p.read_text()) for p in ranks]
+
+
+def _forked_rank(rank: int, port: int, script: str, out: str) -> None:
+    import os
+    import runpy
+
+    import torch
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      DS_ACCELERATOR="cpu")  # fmt: skip
+    torch.set_num_threads(1)
+    os.chdir(out)
+    sys.argv = [script, out]
+    runpy.run_path(script, run_name="__main__")
 
 
 @pytest.mark.slow
@@ -180,7 +204,7 @@ def test_transformers_zero3_models_match_deepspeed(tmp_path):
     (blocker / "__init__.py").write_text(BLOCKER)
     ours = _launch([sys.executable, "-m", "torsh.run"], tmp_path / "torsh", _env(str(tmp_path / "blocker")))
     pytest.importorskip("deepspeed", reason="the comparison needs real DeepSpeed (requirements-dev.txt)")
-    theirs = _launch([sys.executable, "-m", "torch.distributed.run"], tmp_path / "deepspeed", _env())
+    theirs = _launch(None, tmp_path / "deepspeed", None)  # real DeepSpeed, in forked ranks
     for rank, (o, t) in enumerate(zip(ours, theirs)):
         assert o["warnings"] == [], o["warnings"]
         for step in ("from_config", "from_pretrained", "resized"):

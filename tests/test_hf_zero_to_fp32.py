@@ -46,12 +46,10 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_save_checkpoint_writes_a_zero_to_fp32_script_that_merges_our_checkpoint():
-    import torch.multiprocessing as mp
-
     from torsh.cli.merge import merged_weights, resolve
 
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(2, h.free_port(), out), nprocs=2, join=True)
+        h.start(_worker, (2, h.free_port(), out), 2)
         save_dir = Path(out, "ckpt")
         script = save_dir / "zero_to_fp32.py"
         assert script.is_file() and os.access(script, os.X_OK)

@@ -15,6 +15,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,23 +40,73 @@ LAYOUTS = {"pp2": (2, FP32, ["--models", "mlp,tied,masked", "--checkpoint_interv
            "pp2dp2": (4, BF16_ZERO1, ["--models", "tied,mlp:4"])}  # fmt: skip
 
 
-def _start(engine: str, layout: str, tmp: Path) -> tuple[subprocess.Popen, Path]:
+def _start(engine: str, layout: str, tmp: Path) -> tuple[subprocess.Popen | _Forked, Path]:
+    """torsh's launch (``torsh run``, DeepSpeed unimportable) or real DeepSpeed's: ranks forked from the test
+    process (which has imported torch and DeepSpeed) with the variables torchrun gives its ranks."""
     ranks, config, args = LAYOUTS[layout]
     run = tmp / f"{engine}-{layout}"
     run.mkdir(parents=True)
     (run / "ds_config.json").write_text(json.dumps(config))
-    if engine == "torsh":
-        blocker = run / "blocker" / "deepspeed"
-        blocker.mkdir(parents=True)
-        (blocker / "__init__.py").write_text(BLOCKER)
-        launcher, env = [sys.executable, "-m", "torsh.run"], _env(str(run / "blocker"))
-    else:
-        launcher, env = [sys.executable, "-m", "torch.distributed.run"], _env()
     ckpt = [] if (engine == "deepspeed" and layout == "pp2dp2") else ["--ckpt_dir", str(run / "ckpt")]
-    cmd = [*launcher, "--nproc-per-node", str(ranks), str(SCRIPT), "--deepspeed_config", str(run / "ds_config.json"),
-           *args, *ckpt, "--out", str(run / "result.json")]  # fmt: skip
+    argv = [str(SCRIPT), "--deepspeed_config", str(run / "ds_config.json"), *args, *ckpt, "--out",
+            str(run / "result.json")]  # fmt: skip
+    if engine == "deepspeed":
+        import _engine_harness as h
+
+        (run / "log.txt").write_text("")
+        context = h.start(_forked_rank, (ranks, h.free_port(), str(run), argv), ranks, join=False)
+        return _Forked(context, run / "log.txt"), run
+    blocker = run / "blocker" / "deepspeed"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text(BLOCKER)
+    cmd = [sys.executable, "-m", "torsh.run", "--nproc-per-node", str(ranks), *argv]
     log = open(run / "log.txt", "w")
-    return subprocess.Popen(cmd, cwd=run, env=env, stdout=log, stderr=subprocess.STDOUT), run
+    return subprocess.Popen(cmd, cwd=run, env=_env(str(run / "blocker")), stdout=log, stderr=subprocess.STDOUT), run
+
+
+def _forked_rank(rank: int, world: int, port: int, run: str, argv: list[str]) -> None:
+    import os
+    import runpy
+
+    import torch
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      DS_ACCELERATOR="cpu")  # fmt: skip
+    torch.set_num_threads(1)
+    os.chdir(run)
+    with open(Path(run, "log.txt"), "a") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
+    sys.argv = argv
+    sys.path.insert(0, str(Path(argv[0]).parent))  # as ``python script.py`` does
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+class _Forked:
+    """The forked ranks of one launch, waited for as a ``subprocess.Popen``."""
+
+    def __init__(self, context, log: Path):
+        self.context, self.log, self.returncode = context, log, None
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        try:
+            while not self.context.join(timeout=5):
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired("forked ranks", timeout)
+            self.returncode = 0
+        except Exception as exc:  # noqa: BLE001 - a rank that raised or died: its error goes to the log
+            with open(self.log, "a") as log:
+                log.write(f"\n{exc}\n")
+            self.returncode = 1
+        return self.returncode
+
+    def kill(self) -> None:
+        for process in self.context.processes:
+            if process.is_alive():
+                process.kill()
 
 
 @pytest.fixture(scope="module")

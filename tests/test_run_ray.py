@@ -61,25 +61,28 @@ def test_the_checkpoint_is_in_rays_storage_as_it_was_written(both_runs):
     assert sorted(p.name for p in stored.rglob("*")) == sorted(p.name for p in local.rglob("*"))
 
 
-def test_the_stored_checkpoint_loads_into_an_engine(both_runs):
+def _load(rank: int, storage: str, tag: str, out: str) -> None:
+    """In a process forked from the test process: a fresh engine loads the checkpoint ``tag`` under ``storage``."""
+    sys.path.insert(0, str(SCRIPTS))
+    import torsh
+    from comm_checkpoint_style import CONFIG, build_model
+
+    model = build_model()
+    engine, *_ = torsh.initialize(model=model, model_parameters=model.parameters(), config=CONFIG)
+    path, client = engine.load_checkpoint(storage, tag=tag)
+    Path(out).write_text(json.dumps({"path": path, "steps": engine.global_steps}))
+
+
+def test_the_stored_checkpoint_loads_into_an_engine(both_runs, tmp_path):
     """What Ray persisted is a torsh checkpoint: ``load_checkpoint(<storage>/<run>, tag)`` restores it."""
+    import _engine_harness as h
+
     tmp, _, _ = both_runs
     (local,) = [p for p in (tmp / "ckpt_ray").iterdir() if p.is_dir()]
-    code = (
-        "import sys, torch, torch.nn as nn; sys.path.insert(0, sys.argv[3])\n"
-        "import torsh\n"
-        "from comm_checkpoint_style import CONFIG, build_model\n"
-        "model = build_model()\n"
-        "engine, *_ = torsh.initialize(model=model, model_parameters=model.parameters(), config=CONFIG)\n"
-        "path, client = engine.load_checkpoint(sys.argv[1], tag=sys.argv[2])\n"
-        "assert path is not None, path\n"
-        "print('loaded', engine.global_steps)\n"
-    )  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run([sys.executable, "-c", code, str(tmp / "storage" / "job"), local.name, str(SCRIPTS)],
-                          env=env, capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "loaded" in done.stdout
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    h.start(_load, (str(tmp / "storage" / "job"), local.name, str(tmp_path / "loaded.json")), 1)
+    loaded = json.loads((tmp_path / "loaded.json").read_text())
+    assert loaded["path"] is not None, loaded
 
 
 def test_a_failing_script_is_exit_1_with_its_error(tmp_path):
