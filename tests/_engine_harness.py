@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -38,11 +39,12 @@ def spawn(scenarios: list[dict], world_size: int, out: str, runner: Any = None) 
     start(_worker, (world_size, free_port(), scenarios, out, runner), world_size)
 
 
-def start(fn: Any, args: tuple, nprocs: int, join: bool = True) -> Any:
+def start(fn: Any, args: tuple, nprocs: int, join: bool = True, timeout: float = 900) -> Any:
     """``torch.multiprocessing.spawn(fn, args, nprocs, join)``, with the ranks forked from this process: torch,
     TorchDynamo (every optimizer and DDP import it) and the engine are imported once here instead of again in
     every rank (~4 CPU seconds a rank). A process that holds a process group of its own (its ranks would inherit
-    it) spawns fresh interpreters instead."""
+    it) spawns fresh interpreters instead. With ``join``, ranks still running after ``timeout`` seconds are killed
+    and the test fails (a hung rank must not hang the suite)."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -51,7 +53,16 @@ def start(fn: Any, args: tuple, nprocs: int, join: bool = True) -> Any:
         import torch._dynamo  # noqa: F401
 
         import torsh.engine.initialize  # noqa: F401
-    return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="fork" if fork else "spawn")
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="fork" if fork else "spawn")
+    if not join:
+        return context
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1):  # raises what a rank raised
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)}: ranks still running after {timeout:.0f} s, killed")
+    return context
 
 
 def build_model(seed: int = 0):
