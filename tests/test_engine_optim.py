@@ -105,7 +105,7 @@ def test_fsdp2_shards_are_stepped_with_foreach_ops_unless_the_config_says(tmp_pa
         for chosen, expected in ((None, True), (False, False)):
             client = torch.optim.AdamW(sharded, lr=0.1, foreach=chosen)
             rebuilt = build_step_optimizer(section=None, client=client, groups=[], name_of=names, by_name=by_name,
-                                           wrapper=None, offload=False)  # fmt: skip
+                                           offload=False)  # fmt: skip
             assert rebuilt.defaults["foreach"] is expected
         assert build_optimizer(OptimizerConfig(name="AdamW"), _params(), offload=False).defaults["foreach"] is None
         lazy = build_optimizer(OptimizerConfig(name="AdamW"), iter(sharded), offload=False)
