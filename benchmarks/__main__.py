@@ -111,12 +111,17 @@ def run_case(impls: list[str], stage: str, precision: str, shape: str, steps: in
     except subprocess.TimeoutExpired as exc:
         # A rank that never joins (its port taken between _free_port and the launch) hangs the launch:
         # the case is recorded as failed and the run goes on.
-        return {**spec, "error": f"timed out after {exc.timeout} s"}
+        return {**_recorded(spec), "error": f"timed out after {exc.timeout} s"}
     if done.returncode != 0:
-        return {**spec, "error": (done.stdout + done.stderr)[-2000:]}
-    result = json.loads(Path(out).read_text())
+        return {**_recorded(spec), "error": (done.stdout + done.stderr)[-2000:]}
+    result = _recorded(json.loads(Path(out).read_text()))
     Path(out).unlink(missing_ok=True)
     return result
+
+
+def _recorded(spec: dict) -> dict:
+    """What the results keep of a case: not the temporary file the worker wrote to (a path of this machine)."""
+    return {k: v for k, v in spec.items() if k != "out"}
 
 
 def _last_error_line(text: str) -> str:

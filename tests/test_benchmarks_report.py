@@ -205,3 +205,25 @@ def test_memory_against_deepspeed_is_a_target_and_per_layer_has_its_own_table():
     assert "peak memory torsh/deepspeed ≤ 1.0: MISSED (worst 1.100)" in report["targets"]
     text = bench.markdown(report)
     assert "| comm | 0 | fp32 | 120.0 / 100.0 | 1.20 | 0.90 |" in text  # the memory-first row
+
+
+def test_recorded_cases_keep_no_temporary_path_of_the_machine(monkeypatch):
+    """The worker's result names the temporary file it wrote to; the results files keep the case, not the path."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    def worker(command, **_):
+        spec = json.loads(command[-1])
+        Path(spec["out"]).write_text(json.dumps({**spec, "step_s": 0.1}))
+        return SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", worker)
+    done = bench.run_case(["torsh"], "2", "fp32", "comm", steps=1, warmup=0, nproc=2)
+    assert "out" not in done and done["step_s"] == 0.1 and done["stage"] == "2"
+
+    def failing(command, **_):
+        return SimpleNamespace(returncode=1, stdout="", stderr="boom")
+
+    monkeypatch.setattr(bench.subprocess, "run", failing)
+    assert "out" not in bench.run_case(["torsh"], "2", "fp32", "comm", steps=1, warmup=0, nproc=2)
