@@ -93,10 +93,6 @@ class EnginePlan:
     """FSDP2's ``CPUOffloadPolicy``: sharded parameters, gradients and the optimizer step on the CPU."""
     compression: Literal["none", "comm_hook", "reduce_dtype"]
     """How gradient compression runs: a DDP communication hook, or FSDP2's reduce dtype."""
-    optimizer_wrapper: Literal["ZeroPartition"] | None
-    """ZeRO-1/2 (``"ZeroPartition"``): the optimizer steps this rank's partition of one flat fp32 master per
-    parameter group, its state 1/W of the model (:mod:`torsh.engine.zero_partition`); None: it steps the
-    parameters, their fp32 masters or FSDP2's shards."""
     optimizer_on_cpu: bool
     """The configured optimizer is built for CPU tensors (offload)."""
     step: StepPolicy
@@ -277,7 +273,6 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
         fsdp_mixed_precision=fsdp and (held != p.master_dtype or reduce != held),
         masters_on_cpu=not fsdp and o.optimizer == "cpu", fsdp_cpu_offload=fsdp and "cpu" in (o.params, o.optimizer),
         compression="none" if not compressed else "reduce_dtype" if s.stage >= 2 or fsdp else "comm_hook",
-        optimizer_wrapper="ZeroPartition" if dp in ("zero1", "zero2") else None,
         optimizer_on_cpu="cpu" in (o.params, o.optimizer),
         step=_step_policy(cfg, scaling=scaler, compressed=compressed),
         refused=tuple(refusals(cfg, world_size=world_size, optimizer_given=optimizer_given, pipeline=pipeline)),

@@ -156,13 +156,13 @@ def test_explain_lists_what_initialize_would_refuse(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("sections", "world", "expected"), [
-    ({}, 2, {"data_parallel": "ddp", "mesh": None, "optimizer_wrapper": None, "reduce_dtype": "fp32"}),
+    ({}, 2, {"data_parallel": "ddp", "mesh": None, "reduce_dtype": "fp32"}),
     ({"sharding": {"stage": 1}, "precision": {"param_dtype": "bf16"}, "offload": {"optimizer": "cpu"}}, 2,
-     {"data_parallel": "zero1", "optimizer_wrapper": "ZeroPartition", "masters_on_cpu": True,
+     {"data_parallel": "zero1", "masters_on_cpu": True,
       "fsdp_cpu_offload": False, "reduce_dtype": "bf16", "optimizer_on_cpu": True}),
     ({"sharding": {"stage": 2}, "offload": {"optimizer": "cpu"}}, 4,
      {"data_parallel": "zero2", "mesh": None, "reshard_after_forward": None, "fsdp_mixed_precision": False,
-      "fsdp_cpu_offload": False, "masters_on_cpu": True, "optimizer_wrapper": "ZeroPartition"}),
+      "fsdp_cpu_offload": False, "masters_on_cpu": True}),
     ({"sharding": {"stage": 2, "hybrid_shard_size": 2}}, 4, {"data_parallel": "hsdp", "mesh": (2, 2),
                                                               "reshard_after_forward": False}),
     ({"sharding": {"stage": 3, "hybrid_shard_size": 2}}, 4, {"data_parallel": "hsdp", "mesh": (2, 2),

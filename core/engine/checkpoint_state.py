@@ -115,7 +115,9 @@ def _zero_param_groups(zero: Any, names: dict[int, str]) -> list[dict[str, Any]]
     return groups
 
 
-_RANK_STATE = "torsh_zero_partition"  # marks a ZeroRedundancyOptimizer state_dict() holding one rank's partition
+RANK_STATE = "torsh_zero_partition"
+"""The key marking a ZeroRedundancyOptimizer ``state_dict()`` that holds one rank's partition (the pipeline engine's
+ZeRO-1 writes it; the engine's ZeRO-1 wrote it before it ran on the flat partition, which still loads it)."""
 
 
 def give_rank_state_dict(optimizer: Any) -> None:
@@ -139,17 +141,17 @@ def give_rank_state_dict(optimizer: Any) -> None:
         out = Optimizer.state_dict(self)  # the global parameter groups, parameters as global indices
         index = self._param_to_index
         out["state"] = {index[p]: dict(s) for p, s in self.optim.state.items() if s}
-        out[_RANK_STATE] = {"rank": self.rank, "world_size": self.world_size}
+        out[RANK_STATE] = {"rank": self.rank, "world_size": self.world_size}
         return out
 
     def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get(_RANK_STATE) if isinstance(state_dict, dict) else None
+        saved = state_dict.get(RANK_STATE) if isinstance(state_dict, dict) else None
         if saved is not None and (saved["rank"], saved["world_size"]) != (self.rank, self.world_size):
             raise ValueError(f"this optimizer state is rank {saved['rank']}'s partition of {saved['world_size']} "
                              f"ranks; load it on rank {saved['rank']} of a job of that size (this is rank "
                              f"{self.rank} of {self.world_size}), or save engine.save_checkpoint() checkpoints, "
                              "which load at any world size")  # fmt: skip
-        cls.load_state_dict(self, {k: v for k, v in state_dict.items() if k != _RANK_STATE})
+        cls.load_state_dict(self, {k: v for k, v in state_dict.items() if k != RANK_STATE})
 
     optimizer.state_dict = types.MethodType(state_dict, optimizer)
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)

@@ -57,6 +57,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checkpoint_state import RANK_STATE
+
 log = logging.getLogger("torsh.engine")
 
 ZERO_SLOT = "_torsh_zero_slot"
@@ -508,7 +510,7 @@ class ZeroPartition:
         ``ZeroRedundancyOptimizer`` format of one rank (global parameter indices, the state of the parameters
         that rank owned; marked ``torsh_zero_partition``). Collective: every rank passes its own, and together
         they hold every parameter's state, which is then sliced into this rank's flat partition."""
-        merged = self._legacy_states(state_dict[LEGACY_MARK], state_dict["state"])
+        merged = self._legacy_states(state_dict[RANK_STATE], state_dict["state"])
         with self.full_view(self.model, optimizer, load=True) as (_, view):
             view_of = {id(p): v for gi, g in enumerate(view.param_groups)
                        for p, v in zip(self.group_params[gi], g["params"])}  # fmt: skip
@@ -531,11 +533,6 @@ class ZeroPartition:
                              f"fp32 master; they load on a job of that size, each rank its own (this job has "
                              f"{self.world}); engine.save_checkpoint() checkpoints load at any world size")  # fmt: skip
         return {int(i): s for _, piece in pieces for i, s in piece.items()}
-
-
-LEGACY_MARK = "torsh_zero_partition"
-"""The key marking one rank's ZeRO-1 optimizer state in torch's ``ZeroRedundancyOptimizer`` format (what
-``optimizer.state_dict()`` gave at stage 1 before stage 1 ran on :class:`ZeroPartition`)."""
 
 
 def _hyper(group: dict) -> dict:
@@ -726,7 +723,7 @@ def _accept_legacy_state(optimizer: torch.optim.Optimizer, partition: ZeroPartit
     own = optimizer.load_state_dict
 
     def load_state_dict(self: Any, state_dict: dict) -> None:
-        if isinstance(state_dict, dict) and LEGACY_MARK in state_dict:
+        if isinstance(state_dict, dict) and RANK_STATE in state_dict:
             partition.load_legacy_state(self, state_dict)
         else:
             own(state_dict)
