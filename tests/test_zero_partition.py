@@ -1,8 +1,10 @@
 """ZeRO-2 as DeepSpeed runs it (``torsh.engine.zero_partition``), on 2 gloo ranks in one launch, beside real
 DeepSpeed 0.19.8 where values are compared:
 
-- between steps ``engine.module``'s parameters are plain whole tensors in the compute dtype, and each rank's
-  optimizer state holds only its partition (about 1/world of the trainable elements);
+- between steps ``engine.module``'s parameters are plain whole tensors in the compute dtype, slices of one flat
+  storage per reduce bucket (which the all-gather after a step writes into), and each rank's optimizer state holds
+  only its partition (about 1/world of the trainable elements); the all-gather cut into ``allgather_bucket_size``
+  pieces, or into a parameter the script gave new storage, trains the same;
 - per-step losses and final weights equal DeepSpeed's stage 2 (fp32, with weight-decay groups, gradient
   accumulation, clipping and small reduce buckets);
 - gradients are reduced in ``reduce_bucket_size`` buckets: one collective per bucket per backward;
@@ -80,7 +82,32 @@ def layout(rank: int, world_size: int, scenario: dict) -> dict:
             "state_dict_types": sorted({type(v).__name__ for v in sd.values()}),
             "state_numel": [v.numel() for v in state], "trainable": trainable,
             "buckets": len(part.buckets), "per_backward": per_backward,
-            "inner": engine.optimizer.optimizer is opt, "stage": engine.zero_optimization_stage()}  # fmt: skip
+            "inner": engine.optimizer.optimizer is opt, "stage": engine.zero_optimization_stage(),
+            "one_storage_per_bucket": all(p.untyped_storage().data_ptr() == b.values.untyped_storage().data_ptr()
+                                          for b in part.buckets for p in b.params)}  # fmt: skip
+
+
+def gathered(rank: int, world_size: int, scenario: dict) -> dict:
+    """The all-gather after a step, three ways that must give the same training: parameters that are slices of
+    their bucket's flat storage (the default), the same with the all-gather cut into pieces smaller than a rank's
+    chunk (``allgather_bucket_size``), and a parameter whose storage the script replaced after ``initialize``
+    (``p.data = ...``), which no longer is such a slice."""
+    import torch
+
+    import torsh
+
+    out = {}
+    for name, gather in (("default", None), ("pieces", 100), ("replaced", None)):
+        model = h.build_model(0)
+        zero = {"stage": 2, **({"allgather_bucket_size": gather} if gather else {})}
+        engine = torsh.initialize(model=model, model_parameters=model.parameters(),
+                                  config=h.ds_config(2, zero_optimization=zero))[0]  # fmt: skip
+        if name == "replaced":
+            p = model.blocks[0].up.weight
+            p.data = p.data.clone()
+        out[name] = _train(engine, rank, 0, 3)
+        out[f"{name}_weights"] = torch.cat([q.detach().reshape(-1) for q in model.parameters()]).tolist()
+    return out
 
 
 def resume(rank: int, world_size: int, scenario: dict) -> dict:
@@ -172,6 +199,7 @@ def _scenarios(tmp) -> list[dict]:
     (tmp / "resume").mkdir()
     out.append({"name": "resume", "kind": "call", "target": f"{MODULE}:resume", "dir": str(tmp / "resume")})
     out.append({"name": "accessors", "kind": "call", "target": f"{MODULE}:accessors"})
+    out.append({"name": "gathered", "kind": "call", "target": f"{MODULE}:gathered"})
     out.append({"name": "refused", "kind": "call", "target": f"{MODULE}:refused"})
     return out
 
@@ -201,6 +229,7 @@ def test_parameters_are_plain_whole_tensors_and_state_is_partitioned(records):
         assert rec["param_dtypes"] == ["torch.bfloat16"]  # DeepSpeed's module is cast to the compute dtype
         assert rec["state_dict_types"] == ["Tensor"]
         assert rec["inner"] and rec["stage"] == 2
+        assert rec["one_storage_per_bucket"]  # DeepSpeed's flat parameter groups: the all-gather writes into them
         per_rank = rec["trainable"] / 2
         # exp_avg and exp_avg_sq, one flat tensor per group, together about half the model (padding aside)
         assert sum(rec["state_numel"]) == pytest.approx(2 * per_rank, rel=0.05)
@@ -211,6 +240,15 @@ def test_one_collective_per_reduce_bucket(records):
     assert large["buckets"] == 1 and large["per_backward"] == 1
     assert small["buckets"] > 3  # ~1.8k trainable elements in buckets of at most 300 (a larger tensor alone)
     assert small["per_backward"] == small["buckets"]
+
+
+def test_gather_into_storage_in_pieces_or_replaced_trains_the_same(records):
+    ranks = h.ranks_of(records, "gathered")
+    for rec in ranks:
+        for name in ("pieces", "replaced"):
+            assert rec[name] == rec["default"], name
+            assert rec[f"{name}_weights"] == rec["default_weights"], name
+    assert ranks[0]["default_weights"] == ranks[1]["default_weights"]  # every rank holds the same whole values
 
 
 def test_stage2_checkpoint_resumes_exactly_at_stage2_and_stage0(records):

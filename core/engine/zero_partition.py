@@ -84,6 +84,9 @@ class Bucket:
     work: Any = None
     flat: torch.Tensor | None = None
     out: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    """The parameters' storage: one flat tensor of ``chunk * W`` elements in the compute dtype whose slices are the
+    parameters (None when they differ in dtype or device); the all-gather after a step writes straight into it."""
 
 
 @dataclass
@@ -108,6 +111,7 @@ class ZeroPartition:
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.compute_dtype, self.reduce_dtype, self.accum_dtype = compute_dtype, reduce_dtype, accum_dtype
+        self.allgather_numel = allgather_numel
         self.mean = mean
         self.reduce_every_micro_step = reduce_every_micro_step
         self.reduces = reduce_in_backward
@@ -124,7 +128,8 @@ class ZeroPartition:
         self.params_to_master()
         self.grads = [torch.zeros(n, dtype=accum_dtype, device=self.master_device) for n in sizes]
         self._written: set[int] = set()  # buckets accumulated into self.grads since the last zero_grad
-        self.gathers = _gather_groups(self.buckets, allgather_numel)
+        for b in self.buckets:
+            _link(b, self.world, compute_dtype)
         self.sync = True
         self._bw: _Backward | None = None
         self.collectives = 0  # reduction collectives launched (tests count them)
@@ -279,68 +284,51 @@ class ZeroPartition:
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """All-gather the updated chunks (in ``allgather_bucket_size`` groups) and copy them into the parameters."""
-        if self.world == 1:
-            self._copy_out([(b, self._own(b).to(self.compute_dtype)) for b in self.buckets])
-            return
-        if not self.scatter and self._params_contiguous():
-            self._broadcast_into_params()
-            return
-        pending = [self._launch_gather(buckets) for buckets in self.gathers]
-        for buckets, out, works in pending:
+        """Every rank's updated chunks into every rank's parameters, in the compute dtype: each bucket's owners send
+        their chunks straight into its flat parameter storage (pieces of at most ``allgather_bucket_size`` elements
+        a collective), so no gathered copy is made; a parameter whose storage was replaced since (``p.data = ...``)
+        or that could not share one gets its values copied from a temporary flat buffer."""
+        pending = []
+        for b in self.buckets:
+            flat = b.values if b.values is not None else torch.empty(b.chunk * self.world, dtype=self.compute_dtype,
+                                                                     device=self.device)  # fmt: skip
+            flat[self.rank * b.chunk:(self.rank + 1) * b.chunk].copy_(self._own(b))
+            pending.append((b, flat, self._send_chunks(b, flat) if self.world > 1 else []))
+        for b, flat, works in pending:
             for work in works:
                 work.wait()
-            rows, start, parts = out.view(self.world, -1), 0, []
-            for b in buckets:
-                parts.append((b, rows[:, start:start + b.chunk].reshape(-1)))
-                start += b.chunk
-            self._copy_out(parts)
+            self._copy_out(b, flat)
+
+    def _send_chunks(self, b: Bucket, flat: torch.Tensor) -> list:
+        """Launch the collectives that bring every owner's chunk of ``b`` into ``flat`` (this rank's already there):
+        on gloo each owner broadcasts (measured faster there than its all-gather), elsewhere an all-gather."""
+        piece = max(1, min(b.chunk, self.allgather_numel // self.world))
+        works = []
+        for lo in range(0, b.chunk, piece):
+            hi = min(lo + piece, b.chunk)
+            rows = [flat[r * b.chunk + lo:r * b.chunk + hi] for r in range(self.world)]
+            if self.scatter and hi - lo == b.chunk:
+                works.append(dist.all_gather_into_tensor(flat, rows[self.rank].clone(), group=self.group,
+                                                         async_op=True))  # fmt: skip
+            elif self.scatter:
+                works.append(dist.all_gather(rows, rows[self.rank].clone(), group=self.group, async_op=True))
+            else:
+                works += [dist.broadcast(row, src=self._owner(r), group=self.group, async_op=True)
+                          for r, row in enumerate(rows)]  # fmt: skip
+        return works
 
     def _owner(self, r: int) -> int:
         """The global rank of this group's rank ``r``."""
         return dist.get_global_rank(self.group, r) if self.group is not None else r
 
-    def _params_contiguous(self) -> bool:
-        return all(p.is_contiguous() for b in self.buckets for p in b.params)
-
-    def _broadcast_into_params(self) -> None:
-        """gloo: each owner writes its pieces of every parameter from its master and broadcasts them straight into
-        that parameter on every rank (no gathered buffer, no copy out of it; the pieces in bucket order)."""
-        works = []
-        for b in self.buckets:
-            own = self._own(b)
-            for p, off in zip(b.params, b.offsets):
-                flat = p.data.view(-1)
-                for r in range(self.world):
-                    lo, hi = max(off, r * b.chunk), min(off + p.numel(), (r + 1) * b.chunk)
-                    if hi <= lo:
-                        continue
-                    piece = flat[lo - off:hi - off]
-                    if r == self.rank:
-                        piece.copy_(own[lo - r * b.chunk:hi - r * b.chunk])
-                    works.append(dist.broadcast(piece, src=self._owner(r), group=self.group, async_op=True))
-        for work in works:
-            work.wait()
-
-    def _launch_gather(self, buckets: list[Bucket]) -> tuple[list[Bucket], torch.Tensor, list]:
-        n = sum(b.chunk for b in buckets)
-        out = torch.empty(n * self.world, dtype=self.compute_dtype, device=self.device)
-        mine, start = out[self.rank * n:(self.rank + 1) * n], 0
-        for b in buckets:  # this rank's chunks, in the compute dtype, written where the gathered copy holds them
-            mine[start:start + b.chunk].copy_(self._own(b))
-            start += b.chunk
-        if self.scatter:
-            return buckets, out, [dist.all_gather_into_tensor(out, mine.clone(), group=self.group, async_op=True)]
-        # gloo: each owner broadcasts its chunks (measured faster there than all_gather_into_tensor)
-        return buckets, out, [dist.broadcast(out[r * n:(r + 1) * n], src=self._owner(r), group=self.group,
-                                             async_op=True) for r in range(self.world)]  # fmt: skip
-
-    def _copy_out(self, parts: list[tuple[Bucket, torch.Tensor]]) -> None:
+    def _copy_out(self, b: Bucket, flat: torch.Tensor) -> None:
+        """The gathered values of ``b`` into those of its parameters that are not slices of ``flat``."""
         dst, src = [], []
-        for b, flat in parts:
-            for p, off in zip(b.params, b.offsets):
+        for p, off in zip(b.params, b.offsets):
+            view = flat[off:off + p.numel()]
+            if p.data.data_ptr() != view.data_ptr() or p.dtype != view.dtype or p.device != view.device:
                 dst.append(p.data)
-                src.append(flat[off:off + p.numel()].view_as(p))
+                src.append(view.view_as(p))
         if dst:
             torch._foreach_copy_(dst, src)
 
@@ -612,18 +600,20 @@ def _make_buckets(groups: list[list[nn.Parameter]], bucket_numel: int, world: in
     return buckets
 
 
-def _gather_groups(buckets: list[Bucket], allgather_numel: int) -> list[list[Bucket]]:
-    """Consecutive buckets together up to about ``allgather_numel`` elements: one all-gather each."""
-    out: list[list[Bucket]] = []
-    size = 0
-    for b in buckets:
-        if out and size + b.numel <= allgather_numel:
-            out[-1].append(b)
-            size += b.numel
-        else:
-            out.append([b])
-            size = b.numel
-    return out
+def _link(b: Bucket, world: int, dtype: torch.dtype) -> None:
+    """Make ``b``'s parameters slices of one flat tensor in the compute dtype (DeepSpeed's flat parameter groups),
+    padded to ``chunk * W`` elements, so that the all-gather after a step writes into them directly. Left as they
+    are when they differ in dtype or device, or are not dense and contiguous."""
+    first = b.params[0]
+    if any(p.dtype != dtype or p.device != first.device or p.layout != torch.strided or not p.is_contiguous()
+           for p in b.params):  # fmt: skip
+        return
+    with torch.no_grad():
+        values = torch.zeros(b.chunk * world, dtype=dtype, device=first.device)
+        for p, off in zip(b.params, b.offsets):
+            values[off:off + p.numel()].copy_(p.data.reshape(-1))
+            p.data = values[off:off + p.numel()].view_as(p)
+    b.values = values
 
 
 # --------------------------------------------------------------------------------------------------
@@ -649,9 +639,9 @@ def build_zero(model: nn.Module, *, cfg: Any, decided: Any, precision: Any, info
     _check_elementwise(client, cfg.optimizer, cls, cfg.sharding.stage)
     partition = _make_partition(model, cfg, decided, precision, named, by_name, source)
     if info.rank == 0:
-        log.info("ZeRO-%d: %d bucket(s), all-gathered in %d group(s); this rank holds %d of %d trainable elements",
-                 cfg.sharding.stage, len(partition.buckets), len(partition.gathers),
-                 sum(m.numel() for m in partition.masters), sum(b.numel for b in partition.buckets))  # fmt: skip
+        log.info("ZeRO-%d: %d bucket(s); this rank holds %d of %d trainable elements", cfg.sharding.stage,
+                 len(partition.buckets), sum(m.numel() for m in partition.masters),
+                 sum(b.numel for b in partition.buckets))  # fmt: skip
     if partition.reduces:
         _note_unit_settings(cfg.sharding, info.rank)
         shard = ShardPlan(model, model, "zero", partition=partition)
