@@ -613,6 +613,33 @@ def construction_refusals(rank: int, world_size: int, scenario: dict) -> dict:
             "odd": _error(lambda: bucket(1001)), "even": _error(lambda: bucket(1000))}  # fmt: skip
 
 
+def unused_parameters(rank: int, world_size: int, scenario: dict) -> dict:
+    """TestStage2IgnoreUnusedParameters: ZeRO-2 with the optimizer offloaded and a trainable parameter forward never
+    uses; ``ignore_unused_parameters: false`` makes the step an AssertionError naming the key, true (the default)
+    trains. The unused layer is large enough to reach into both ranks' partitions: DeepSpeed checks only the
+    parameters of a rank's own partition, before a collective, so a rank without one would wait for the others."""
+    import torch
+
+    ds = _ds(scenario["engine"])
+
+    def run(ignore: bool, unused: int = 32):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"used": torch.nn.Linear(8, 8), "unused": torch.nn.Linear(8, unused)})
+        zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}, "ignore_unused_parameters": ignore}
+        config = {**_config(2, zero_optimization=zero, gradient_accumulation_steps=2),
+                  "zero_force_ds_cpu_optimizer": False}  # fmt: skip
+        engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+        for step in range(4):
+            x = torch.randn(2, 8, generator=torch.Generator().manual_seed(step + 10 * rank))
+            engine.backward(((engine.module["used"](x) - x) ** 2).mean())
+            engine.step()
+
+    out = {"refused": _error(lambda: run(False)), "ignored": _error(lambda: run(True))}
+    if scenario["engine"] == "torsh":  # the unused layer in one rank's partition only: every rank raises, none waits
+        out["one_rank"] = _error(lambda: run(False, unused=8))
+    return out
+
+
 def _scenarios(tmp: str) -> list[dict]:
     out = []
     for engine in ENGINES:
@@ -629,6 +656,7 @@ def _scenarios(tmp: str) -> list[dict]:
         out.append({**call, "name": f"lateinit_{engine}", "target": f"{MODULE}:zero_init_late_change"})
         out.append({**call, "name": f"optim_{engine}", "target": f"{MODULE}:config_optimizer"})
         out.append({**call, "name": f"refusals_{engine}", "target": f"{MODULE}:construction_refusals"})
+        out.append({**call, "name": f"unused_{engine}", "target": f"{MODULE}:unused_parameters"})
         out.append({**call, "name": f"z3fp32_{engine}", "target": f"{MODULE}:zero3_fp32_gathered",
                     "dir": f"{tmp}/z3fp32_{engine}"})
         out.append({**call, "name": f"fp32load_{engine}", "target": f"{MODULE}:zero_to_fp32_load",
@@ -844,3 +872,13 @@ def test_zero_offload_optim_and_allgather_bucket_size(records, engine):
         assert "ZeRORuntimeException" in r["forced"] and "zero_force_ds_cpu_optimizer" in r["forced"], r["forced"]
         assert "AssertionError" in r["odd"] and "allgather_bucket_size must be a multiple" in r["odd"], r["odd"]
         assert r["not_forced"] is None and r["even"] is None, r
+
+
+@both
+def test_stage2_ignore_unused_parameters(records, engine):
+    """TestStage2IgnoreUnusedParameters: the unused parameter refused at the step only when the config says so."""
+    for r in _ranks(records, "unused", engine):
+        assert r["refused"] and "AssertionError" in r["refused"] and "ignore_unused_parameters" in r["refused"]
+        assert r["ignored"] is None, r["ignored"]
+        if engine == "torsh":
+            assert r["one_rank"] and "AssertionError" in r["one_rank"], r["one_rank"]

@@ -128,6 +128,10 @@ class ZeroPartition:
         self.params_to_master()
         self.grads = [torch.zeros(n, dtype=accum_dtype, device=self.master_device) for n in sizes]
         self._written: set[int] = set()  # buckets accumulated into self.grads since the last zero_grad
+        self.require_grads = False
+        """DeepSpeed's ``ignore_unused_parameters: false`` under optimizer offload at stage 2: a parameter of this
+        rank's partition without a gradient since the last step is an error at the step."""
+        self._got: set[int] = set()  # parameters with a gradient since the last zero_grad (for require_grads)
         for b in self.buckets:
             _link(b, self.world, compute_dtype)
         self.sync = True
@@ -170,6 +174,7 @@ class ZeroPartition:
         if id(p) in bw.arrived:
             return
         bw.arrived.add(id(p))
+        self._got.add(id(p))
         if b.flat is None:  # contiguous_gradients: each gradient is copied into its bucket and freed at once
             b.flat = torch.empty(b.chunk * self.world, dtype=self.reduce_dtype, device=p.device)
             b.flat[b.numel:].zero_()
@@ -264,6 +269,8 @@ class ZeroPartition:
         gradient still in ``.grad`` (a backward under ``no_sync`` at the boundary, not reduced) is taken as it is,
         as the optimizer would have stepped it before stage 1 ran on the partition."""
         self.absorb_grads()
+        if self.require_grads:
+            self._check_all_grads()
         for b in self.buckets:
             if b.index not in self._written:  # no reduced backward since the last step: zeros
                 self.grads[b.group][b.master_offset:b.master_offset + b.chunk].zero_()
@@ -271,6 +278,23 @@ class ZeroPartition:
         for m, g in zip(self.masters, self.grads):
             m.grad = g if g.dtype == m.dtype else g.to(m.dtype)
         return self.masters
+
+    def _check_all_grads(self) -> None:
+        """DeepSpeed's check at the step of ZeRO-2 with optimizer offload and ``ignore_unused_parameters: false``:
+        every parameter this rank holds elements of got a gradient. An AssertionError, as DeepSpeed's, on every rank
+        together (one all-reduce), so that no rank is left waiting in the step's collectives."""
+        missing = {id(p) for b in self.buckets for p in b.params
+                   if id(p) not in self._got and self.local_range(p) != (0, 0)}  # fmt: skip
+        flag = torch.tensor([float(bool(missing))], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if not float(flag):
+            return
+        names = [n for n, p in self.model.named_parameters() if id(p) in missing]
+        where = f"parameter(s) {', '.join(names)} were" if names else "parameters another rank holds were"
+        raise AssertionError(f"{where} not used in producing the loss (no gradient since the last step), which "
+                             "zero_optimization.ignore_unused_parameters: false refuses under optimizer offload at "
+                             "ZeRO-2: set ignore_unused_parameters to true (DeepSpeed's default), or make every "
+                             "trainable parameter and the forward's outputs take part in the loss")  # fmt: skip
 
     def global_norm(self, grads: list[torch.Tensor]) -> float:
         """The 2-norm of every rank's partition gradients together (one all-reduce)."""
@@ -335,6 +359,7 @@ class ZeroPartition:
     def zero_grad(self) -> None:
         """Drop the partition gradients (the next reduction writes instead of adding)."""
         self._written.clear()
+        self._got.clear()
         for m in self.masters:
             m.grad = None
         for b in self.buckets:
@@ -681,6 +706,8 @@ def _make_partition(model: nn.Module, cfg: Any, decided: Any, precision: Any, na
                               reduce_every_micro_step=precision.reduce_every_micro_step,
                               reduce_in_backward=decided.data_parallel != "zero1")  # fmt: skip
     partition.legacy_order = [by_name[n] for g in named for n in g["params"]]
+    ignore = (cfg.extensions.get("deepspeed") or {}).get("zero_optimization.ignore_unused_parameters", True)
+    partition.require_grads = partition.reduces and decided.masters_on_cpu and not ignore
     return partition
 
 
