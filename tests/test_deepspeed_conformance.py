@@ -859,10 +859,10 @@ def client_optimizer(rank: int, world_size: int, scenario: dict) -> dict:
     import torch.distributed as dist
 
     ds = _ds(scenario["engine"])
-    config = _config(0)
-    del config["optimizer"]
 
-    def script():
+    def script(stage: int = 0):
+        config = _config(stage)
+        del config["optimizer"]
         model = _model()
         client = torch.optim.Adam(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(client, step_size=1, gamma=0.5)
@@ -898,6 +898,15 @@ def client_optimizer(rank: int, world_size: int, scenario: dict) -> dict:
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     _, wrapped, _, _ = ds.initialize(model=model, optimizer=opt, config=stage1)
     out["stage1_returned"] = wrapped is opt
+    # ZeRO-3: DeepSpeed steps the script's object inside its wrapper; after a resume that object shows the
+    # restored learning rate (torsh's is a view of the optimizer it rebuilt, pointed at the loaded groups)
+    _, _, engine3, _, _ = script(3)
+    _three_steps(engine3, rank)
+    engine3.save_checkpoint(scenario["dir"], tag="zero3")
+    dist.barrier()
+    client3, _, engine3, _, _ = script(3)
+    engine3.load_checkpoint(scenario["dir"], tag="zero3")
+    out["stage3_resumed_lr"] = [client3.param_groups[0]["lr"], engine3.get_lr()[0]]
     return out
 
 
@@ -915,7 +924,8 @@ def test_client_optimizer(records, engine):
     """TestClientOptimizer::test[Optimizer]: ``initialize(optimizer=<a torch optimizer>)`` returns that very object
     at stage 0 in fp32, and ``engine.optimizer`` is it (torsh rebuilt it and returned the rebuilt one). Beyond
     DeepSpeed's test: a scheduler built on it steps it, the losses are DeepSpeed's, a checkpoint restores its
-    state and schedule into a new script's object; at ZeRO-1 the returned optimizer is the engine's own."""
+    state and schedule into a new script's object; at ZeRO-1 the returned optimizer is the engine's own; at ZeRO-3
+    the script's object shows the learning rate a checkpoint restored."""
     theirs = _ranks(records, "clientopt", "deepspeed")
     for r, d in zip(_ranks(records, "clientopt", engine), theirs):
         assert r["returned"] and r["engine"] and r["scheduler"]
@@ -924,5 +934,6 @@ def test_client_optimizer(records, engine):
         assert r["loaded"] == {"returned": True, "lr": pytest.approx(1e-2 * 0.5**3), "steps": [3.0]}
         assert r["next"][0] == pytest.approx(r["next"][1], rel=1e-6)  # the loaded script continues the first
         assert r["stage1_returned"] is False
+        assert r["stage3_resumed_lr"] == pytest.approx([1e-2 * 0.5**3] * 2)
         if engine == "torsh":
             assert r["overflow"] is False  # the member the engine sets on the optimizer it steps

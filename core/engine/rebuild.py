@@ -219,7 +219,9 @@ def forward_client(client: torch.optim.Optimizer, optimizer: torch.optim.Optimiz
     the groups reaches all of them in any order, since a scheduler reads ``optimizer.param_groups`` at every
     step. The groups were copied with ``lr``/``initial_lr``, so a schedule already started continues. torch's
     "lr_scheduler.step() before optimizer.step()" check reads ``_opt_called`` on the script's object: the
-    rebuilt optimizer's step sets it there too.
+    rebuilt optimizer's step sets it there too. torch's ``load_state_dict`` (a checkpoint resumed) puts new
+    ``param_groups`` and ``state`` on the rebuilt optimizer; the script's object is pointed at those again, so that
+    it shows the restored learning rate and its schedulers keep reaching the step.
     """
     if client is optimizer:
         return
@@ -232,7 +234,14 @@ def forward_client(client: torch.optim.Optimizer, optimizer: torch.optim.Optimiz
         if opt is not None:
             opt._opt_called = True  # type: ignore[attr-defined]
 
+    def share_loaded(loaded: torch.optim.Optimizer) -> None:
+        opt = ref()
+        if opt is not None:
+            opt.param_groups = loaded.param_groups
+            opt.state = loaded.state
+
     optimizer.register_step_post_hook(mark_stepped)
+    optimizer.register_load_state_dict_post_hook(share_loaded)
 
 
 def rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
