@@ -657,6 +657,8 @@ def _scenarios(tmp: str) -> list[dict]:
         out.append({**call, "name": f"optim_{engine}", "target": f"{MODULE}:config_optimizer"})
         out.append({**call, "name": f"refusals_{engine}", "target": f"{MODULE}:construction_refusals"})
         out.append({**call, "name": f"unused_{engine}", "target": f"{MODULE}:unused_parameters"})
+        out.append({**call, "name": f"clientopt_{engine}", "target": f"{MODULE}:client_optimizer",
+                    "dir": f"{tmp}/clientopt_{engine}"})
         out.append({**call, "name": f"z3fp32_{engine}", "target": f"{MODULE}:zero3_fp32_gathered",
                     "dir": f"{tmp}/z3fp32_{engine}"})
         out.append({**call, "name": f"fp32load_{engine}", "target": f"{MODULE}:zero_to_fp32_load",
@@ -882,3 +884,87 @@ def test_stage2_ignore_unused_parameters(records, engine):
         assert r["ignored"] is None, r["ignored"]
         if engine == "torsh":
             assert r["one_rank"] and "AssertionError" in r["one_rank"], r["one_rank"]
+
+
+# ---- unit/runtime/test_ds_initialize.py::TestClientOptimizer[Optimizer] ------------------------------------
+
+
+def client_optimizer(rank: int, world_size: int, scenario: dict) -> dict:
+    """A torch optimizer the script built and passed to ``initialize`` at stage 0 in fp32, with a scheduler built on
+    it: the returned optimizer and ``engine.optimizer`` are that object, the scheduler drives it, 3 steps train,
+    and a checkpoint saved then loaded into a new script's own optimizer object restores its state and the
+    schedule (the next two steps' losses are the ones the first engine computes). At ZeRO-1 both engines return
+    their own optimizer instead (DeepSpeed's wraps the script's)."""
+    import torch
+    import torch.distributed as dist
+
+    ds = _ds(scenario["engine"])
+
+    def script(stage: int = 0):
+        config = _config(stage)
+        del config["optimizer"]
+        model = _model()
+        client = torch.optim.Adam(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(client, step_size=1, gamma=0.5)
+        engine, optimizer, _, returned = ds.initialize(model=model, model_parameters=list(model.parameters()),
+                                                       optimizer=client, lr_scheduler=sched, config=config)  # fmt: skip
+        return client, sched, engine, optimizer, returned
+
+    client, sched, engine, optimizer, returned = script()
+    out = {"returned": optimizer is client, "engine": engine.optimizer is client,
+           "scheduler": returned is sched and returned.optimizer is client}  # fmt: skip
+    out["losses"] = _three_steps(engine, rank)
+    out["lr"] = client.param_groups[0]["lr"]
+    out["steps"] = sorted({float(s["step"]) for s in client.state.values()})
+    out["overflow"] = getattr(engine.optimizer, "overflow", None)
+    engine.save_checkpoint(scenario["dir"], tag="client")
+    dist.barrier()
+    client2, _, engine2, optimizer2, _ = script()
+    engine2.load_checkpoint(scenario["dir"], tag="client")
+    out["loaded"] = {"returned": optimizer2 is client2, "lr": client2.param_groups[0]["lr"],
+                     "steps": sorted({float(s["step"]) for s in client2.state.values()})}  # fmt: skip
+    out["next"] = []
+    for eng in (engine, engine2):  # steps 4 and 5: the second one's loss shows the restored Adam moments
+        losses = []
+        for step in (3, 4):
+            loss = _loss(eng, step, rank)
+            eng.backward(loss)
+            eng.step()
+            losses.append(float(loss))
+        out["next"].append(losses)
+    model = _model()
+    stage1 = _config(1)
+    del stage1["optimizer"]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _, wrapped, _, _ = ds.initialize(model=model, optimizer=opt, config=stage1)
+    out["stage1_returned"] = wrapped is opt
+    # ZeRO-3: DeepSpeed steps the script's object inside its wrapper; after a resume that object shows the
+    # restored learning rate (torsh's is a view of the optimizer it rebuilt, pointed at the loaded groups)
+    _, _, engine3, _, _ = script(3)
+    _three_steps(engine3, rank)
+    engine3.save_checkpoint(scenario["dir"], tag="zero3")
+    dist.barrier()
+    client3, _, engine3, _, _ = script(3)
+    engine3.load_checkpoint(scenario["dir"], tag="zero3")
+    out["stage3_resumed_lr"] = [client3.param_groups[0]["lr"], engine3.get_lr()[0]]
+    return out
+
+
+@both
+def test_client_optimizer(records, engine):
+    """TestClientOptimizer::test[Optimizer]: ``initialize(optimizer=<a torch optimizer>)`` returns that very object
+    at stage 0 in fp32, and ``engine.optimizer`` is it (torsh rebuilt it and returned the rebuilt one). Beyond
+    DeepSpeed's test: a scheduler built on it steps it, the losses are DeepSpeed's, a checkpoint restores its
+    state and schedule into a new script's object; at ZeRO-1 the returned optimizer is the engine's own; at ZeRO-3
+    the script's object shows the learning rate a checkpoint restored."""
+    theirs = _ranks(records, "clientopt", "deepspeed")
+    for r, d in zip(_ranks(records, "clientopt", engine), theirs):
+        assert r["returned"] and r["engine"] and r["scheduler"]
+        assert r["losses"] == pytest.approx(d["losses"], rel=1e-5)
+        assert r["lr"] == pytest.approx(1e-2 * 0.5**3) and r["steps"] == [3.0]
+        assert r["loaded"] == {"returned": True, "lr": pytest.approx(1e-2 * 0.5**3), "steps": [3.0]}
+        assert r["next"][0] == pytest.approx(r["next"][1], rel=1e-6)  # the loaded script continues the first
+        assert r["stage1_returned"] is False
+        assert r["stage3_resumed_lr"] == pytest.approx([1e-2 * 0.5**3] * 2)
+        if engine == "torsh":
+            assert r["overflow"] is False  # the member the engine sets on the optimizer it steps

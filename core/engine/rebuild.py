@@ -1,9 +1,11 @@
-"""The optimizer, always built after sharding (also when the script passed one), and its scheduler re-pointed.
+"""The optimizer, built after sharding (also when the script passed one), and its scheduler re-pointed.
 
 ``fully_shard`` replaces every parameter with a new (DTensor) parameter, and low precision moves the update
 onto fp32 master copies: an optimizer constructed by the training script before ``initialize`` holds the old
 tensors and would silently not train (user pain 18). So a passed optimizer is rebuilt over the parameters the
 step really updates, with its class, hyper-parameters and parameter groups; a callable is called with them.
+Where nothing about the parameters changed (stage 0 in fp32: DDP keeps the module's own parameters) the
+script's optimizer already holds the step tensors and is kept itself, as DeepSpeed keeps it.
 """
 
 from __future__ import annotations
@@ -159,11 +161,14 @@ def build_step_optimizer(*, section: OptimizerConfig | None, client: Any, groups
     """The optimizer over ``by_name`` (the tensors the step updates), or None when there is none.
 
     ``client`` is what the script passed (an optimizer, a callable, or None); it overrides ``section``,
-    which is built by :func:`torsh.engine.optim.build_optimizer`. ``groups`` are ``model_parameters`` as
-    names (:func:`named_groups`, taken before sharding replaced the tensors). ZeRO-1/2 build theirs over the
-    flat fp32 partition instead (:func:`torsh.engine.zero_partition.build_zero`).
+    which is built by :func:`torsh.engine.optim.build_optimizer`. An optimizer is rebuilt over ``by_name``
+    unless it already holds those tensors (:func:`holds_step_tensors`); then it is returned itself. ``groups``
+    are ``model_parameters`` as names (:func:`named_groups`, taken before sharding replaced the tensors).
+    ZeRO-1/2 build theirs over the flat fp32 partition instead (:func:`torsh.engine.zero_partition.build_zero`).
     """
     if isinstance(client, torch.optim.Optimizer):
+        if holds_step_tensors(client, name_of, by_name):
+            return client  # DeepSpeed's stage 0 in fp32: the script's object steps (``initialize`` returns it)
         cls, defaults, named = rebuild_optimizer(client, name_of, by_name)
         params = _resolve(named, by_name)
         defaults, params = adopt_construction(cls, defaults, params)
@@ -179,6 +184,29 @@ def build_step_optimizer(*, section: OptimizerConfig | None, client: Any, groups
     return None
 
 
+def holds_step_tensors(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
+                       by_name: dict[str, torch.Tensor]) -> bool:  # fmt: skip
+    """Whether the script's optimizer can step as it is: each tensor in its groups is the very parameter the step
+    updates (not replaced by sharding, not moved onto an fp32 master), and the implementation switches it was
+    built with are the ones :func:`adopt_construction` would keep on them.
+
+    DeepSpeed keeps the script's optimizer object when it puts no wrapper around it (stage 0, fp32): ``initialize``
+    returns it and ``engine.optimizer`` is it. Its state (it may have stepped already) and every scheduler and
+    reference the script holds stay valid without forwarding (:func:`forward_client`).
+    """
+    groups = optimizer.param_groups
+    tensors = [p for g in groups for p in g["params"]]
+    if not tensors or any(by_name.get(name_of.get(id(p), "")) is not p for p in tensors):
+        return False
+    on = _StepTensors.of(groups)
+    notes: dict[str, None] = {}
+    for values in (optimizer.defaults, *groups):
+        adjusted = _adjusted(dict(values), on, notes)
+        if any(adjusted.get(k) != values.get(k) for k in _SWITCHES):
+            return False  # e.g. foreach left to torch over FSDP2 shards: rebuilt with foreach=True
+    return True
+
+
 def forward_client(client: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> None:
     """Make the script's optimizer a view of the rebuilt one: the same ``param_groups`` (list and dicts) and ``state``.
 
@@ -191,7 +219,9 @@ def forward_client(client: torch.optim.Optimizer, optimizer: torch.optim.Optimiz
     the groups reaches all of them in any order, since a scheduler reads ``optimizer.param_groups`` at every
     step. The groups were copied with ``lr``/``initial_lr``, so a schedule already started continues. torch's
     "lr_scheduler.step() before optimizer.step()" check reads ``_opt_called`` on the script's object: the
-    rebuilt optimizer's step sets it there too.
+    rebuilt optimizer's step sets it there too. torch's ``load_state_dict`` (a checkpoint resumed) puts new
+    ``param_groups`` and ``state`` on the rebuilt optimizer; the script's object is pointed at those again, so that
+    it shows the restored learning rate and its schedulers keep reaching the step.
     """
     if client is optimizer:
         return
@@ -204,7 +234,14 @@ def forward_client(client: torch.optim.Optimizer, optimizer: torch.optim.Optimiz
         if opt is not None:
             opt._opt_called = True  # type: ignore[attr-defined]
 
+    def share_loaded(loaded: torch.optim.Optimizer) -> None:
+        opt = ref()
+        if opt is not None:
+            opt.param_groups = loaded.param_groups
+            opt.state = loaded.state
+
     optimizer.register_step_post_hook(mark_stepped)
+    optimizer.register_load_state_dict_post_hook(share_loaded)
 
 
 def rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
