@@ -661,6 +661,8 @@ def _scenarios(tmp: str) -> list[dict]:
                     "dir": f"{tmp}/clientopt_{engine}"})
         out.append({**call, "name": f"z3fp32_{engine}", "target": f"{MODULE}:zero3_fp32_gathered",
                     "dir": f"{tmp}/z3fp32_{engine}"})
+        out.append({**call, "name": f"z3bf16_{engine}", "target": f"{MODULE}:zero3_bf16_gathered",
+                    "dir": f"{tmp}/z3bf16_{engine}"})
         out.append({**call, "name": f"fp32load_{engine}", "target": f"{MODULE}:zero_to_fp32_load",
                     "dir": f"{tmp}/fp32_{engine}"})
     return out
@@ -968,3 +970,96 @@ def test_client_optimizer(records, engine):
         assert r["stage3_resumed_lr"] == pytest.approx([1e-2 * 0.5**3] * 2)
         if engine == "torsh":
             assert r["overflow"] is False  # the member the engine sets on the optimizer it steps
+
+
+def zero3_bf16_gathered(rank: int, world_size: int, scenario: dict) -> dict:
+    """TestZeroToFP32 at ZeRO-3 in bf16 (DeepSpeed's config wherever the accelerator has bf16), then a write in
+    ``GatheredParameters(..., modifier_rank=0)``: what each parameter reads as in the context (its dtype, the
+    module's, the state dict's), the checkpoint loaded into the gathered model against the values read, a value
+    not representable in bf16 written on rank 0 and read back in and after the context, and the fp32 weights
+    (``safe_get_full_fp32_param``) of the rows written and of the rows left alone."""
+    import torch
+    import torch.distributed as dist
+
+    ds = _ds(scenario["engine"])
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    model[0].bias.requires_grad_(False)
+    engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(),
+                               config=_config(3, bf16={"enabled": True}))  # fmt: skip
+
+    def step(i: int) -> float:
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(100 * i + rank)).to(torch.bfloat16)
+        loss = ((engine(x).float() - x.float()) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        return float(loss)
+
+    for i in range(2):
+        step(i)
+    engine.save_checkpoint(scenario["dir"])
+    dist.barrier()
+    gathered, dtypes = {}, set()
+    for name, p in engine.module.named_parameters():
+        with ds.zero.GatheredParameters(p, modifier_rank=None):
+            gathered[name] = p.detach().cpu().clone()
+            dtypes |= {str(p.dtype), str(p.data.dtype)}
+    with ds.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        loaded = ds.utils.zero_to_fp32.load_state_dict_from_zero_checkpoint(engine.module, scenario["dir"])
+        state = {k: v.detach().clone() for k, v in loaded.state_dict().items()}
+    dtypes |= {str(v.dtype) for v in state.values()}
+    out = {"equal": sorted(gathered) == sorted(state) and all(torch.allclose(gathered[k].float(), state[k].float())
+                                                              for k in gathered),
+           "read_dtypes": sorted(dtypes)}  # fmt: skip
+
+    handle = engine.module[2].weight  # [8, 16]: rows 0-3 written, 4-7 left alone
+    value = torch.linspace(-1, 1, 64).reshape(4, 16) / 3  # fp32 values bf16 cannot hold
+    before = ds.utils.safe_get_full_fp32_param(handle).clone()
+    with ds.zero.GatheredParameters([handle], modifier_rank=0):
+        weight = engine.module[2].weight
+        out["write_dtypes"] = sorted({str(handle.dtype), str(handle.data.dtype), str(weight.dtype)})
+        if rank == 0:
+            weight.data[:4].copy_(value)
+            out["read_back_inside"] = torch.equal(weight.data[:4].float(), value.bfloat16().float())
+    with ds.zero.GatheredParameters([handle], modifier_rank=None):
+        after = handle.data.float().clone()
+    out["read_back_after"] = torch.equal(after[:4], value.bfloat16().float())
+    master = ds.utils.safe_get_full_fp32_param(handle)
+    out["master_rows_written"] = torch.equal(master[:4], value.bfloat16().float())
+    out["master_rows_kept"] = torch.equal(master[4:], before[4:])
+    out["master_was_not_bf16"] = not torch.equal(before[4:], before[4:].bfloat16().float())
+    out["loss_after_write"] = step(2)
+    out["master_after_step_moved"] = not torch.equal(ds.utils.safe_get_full_fp32_param(handle)[:4],
+                                                     value.bfloat16().float())  # fmt: skip
+    return out
+
+
+@both
+def test_zero_to_fp32_1_param_group_zero3_bf16(records, engine):
+    """TestZeroToFP32::test_1_param_group / test_2_param_groups at ZeRO-3 in bf16 (DeepSpeed's cases where the
+    accelerator has bf16): each parameter read in ``GatheredParameters`` and the checkpoint's fp32 values loaded
+    into the gathered model agree, because both are in bf16, DeepSpeed's parameter dtype (on torsh the gathered
+    module held the fp32 masters, so the loaded values stayed fp32 and differed by bf16 rounding)."""
+    for r in _ranks(records, "z3bf16", engine):
+        assert r["equal"]
+        assert r["read_dtypes"] == ["torch.bfloat16"], r["read_dtypes"]
+
+
+@both
+def test_zero_to_fp32_zero3_bf16_gathered_write(records, engine):
+    """What the TestZeroToFP32 check relies on, for a write: inside ``GatheredParameters(..., modifier_rank=0)`` at
+    ZeRO-3 in bf16 the parameter, its handle and the module's attribute are bf16; an fp32 value written on rank 0
+    lands rounded to bf16 and reads back so, in the context and after it, on every rank. The fp32 weights the
+    optimizer steps differ between the engines: DeepSpeed's keep their value (the next step overwrites the bf16
+    parameter from them), torsh's take the written rows (training goes on from the written values) and keep
+    the rows left alone exactly (not rounded to bf16)."""
+    import math
+
+    for rank, r in enumerate(_ranks(records, "z3bf16", engine)):
+        assert r["write_dtypes"] == ["torch.bfloat16"], r["write_dtypes"]
+        assert r["read_back_after"]
+        if rank == 0:
+            assert r["read_back_inside"]
+        assert r["master_rows_kept"] and r["master_was_not_bf16"]
+        assert r["master_rows_written"] is (engine == "torsh")
+        assert r["master_after_step_moved"] and math.isfinite(r["loss_after_write"])

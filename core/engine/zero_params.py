@@ -48,6 +48,26 @@ def write_whole(param: torch.Tensor, value: torch.Tensor) -> None:
         param.copy_(value.detach().reshape(param.shape))
 
 
+@torch.no_grad()
+def write_shown(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Write the whole ``value``, in the dtype the parameter was shown in (its compute dtype, DeepSpeed's
+    parameter dtype: ``GatheredParameters``), into ``param``'s master: every element that differs from the value
+    shown (the master rounded to that dtype) takes the written value, widened exactly; the others keep the
+    master's value, so that showing a parameter and writing back what was not changed loses no precision. The
+    same value on every rank gives the same shard everywhere (nothing is communicated)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor) or value.dtype == param.dtype:
+        write_whole(param, value)
+        return
+    local = param.to_local()
+    whole = value.detach().reshape(param.shape).to(device=local.device)
+    written = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    changed = written != local.to(written.dtype)
+    local.copy_(torch.where(changed, written.to(local.dtype), local))
+    whole_params.stale(param)
+
+
 def write_pending(params: list[torch.Tensor]) -> None:
     """Before an optimizer step: the values :data:`PENDING_FP32` holds, written into the weights it updates."""
     for p in params:

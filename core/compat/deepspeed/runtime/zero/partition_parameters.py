@@ -4,9 +4,10 @@ torsh shards at ``initialize`` (FSDP2 at stages 2/3), not while the model is bui
 model normally (full parameters on every rank); it only marks the parameters it saw created, so that
 ``GatheredParameters(..., modifier_rank=r)`` on them broadcasts rank ``r``'s values, as DeepSpeed's partitioned
 parameters do. After ``initialize`` at stages 2/3 the parameters are DTensor shards carrying DeepSpeed's
-``ds_id``/``ds_status`` (:mod:`torsh.engine.zero_params`): ``GatheredParameters`` puts full parameters on their
-modules inside the context, makes ``param.data`` the whole value (what DeepSpeed scripts read there) and, with a
-``modifier_rank``, writes that rank's values back into every rank's shard on exit. Plain (DDP) parameters are
+``ds_id``/``ds_status`` (:mod:`torsh.engine.zero_params`): ``GatheredParameters`` puts full parameters, in
+DeepSpeed's parameter dtype, on their modules inside the context, makes ``param.data`` the whole value (what
+DeepSpeed scripts read there) and, with a ``modifier_rank``, writes that rank's values back into every rank's
+shard on exit. Plain (DDP) parameters are
 left alone, as DeepSpeed leaves parameters ZeRO did not partition.
 """
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torsh.engine.zero_params import COMPUTE_DTYPE, ZeroParamStatus, write_whole
+from torsh.engine.zero_params import COMPUTE_DTYPE, ZeroParamStatus, write_shown
 
 _ZERO_INIT_MARK = "_torsh_zero_init"
 _GATHERED = "_torsh_gathered"
@@ -298,10 +299,13 @@ class GatheredParameters:
 
     Under FSDP2 (stages 2/3 after ``initialize``) each sharded parameter is gathered and a full ``nn.Parameter``
     is put on its modules for the duration of the context (read ``module.weight``, ``module.state_dict()``;
-    do not run the model's forward inside). On exit, with ``modifier_rank`` set, that rank's full values are
-    broadcast and written into every rank's shard (what a rank changed otherwise is discarded, as in
-    DeepSpeed). Parameters built under :class:`Init` and not yet sharded are broadcast from ``modifier_rank``
-    on exit. Other parameters (DDP, stages 0/1): a no-op. Every rank must enter the context, as in DeepSpeed.
+    do not run the model's forward inside). It is in DeepSpeed's parameter dtype, the compute dtype (bf16 or
+    fp16 under mixed precision, where torsh's shards hold the fp32 masters), so a value written there is rounded
+    as DeepSpeed's parameter stores it. On exit, with ``modifier_rank`` set, that rank's full values are
+    broadcast and written into every rank's shard: the elements that changed take the written value, the others
+    keep the fp32 master's (what a rank changed otherwise is discarded, as in DeepSpeed). Parameters built under
+    :class:`Init` and not yet sharded are broadcast from ``modifier_rank`` on exit. Other parameters (DDP, stages
+    0/1): a no-op. Every rank must enter the context, as in DeepSpeed.
     """
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
@@ -320,7 +324,8 @@ class GatheredParameters:
             return None
         self._owners = _owners(self._sharded, self.fwd_module)
         for p in self._sharded:
-            full = nn.Parameter(p.full_tensor().detach().clone(), requires_grad=p.requires_grad)
+            whole = p.full_tensor().detach().to(_shown_dtype(p), copy=True)
+            full = nn.Parameter(whole, requires_grad=p.requires_grad)
             self._full.append(full)
             for module, name in self._owners[id(p)]:
                 module._parameters[name] = full
@@ -329,33 +334,32 @@ class GatheredParameters:
 
     @torch.no_grad()
     def __exit__(self, *exc):
-        try:
-            if self._sharded and self.modifier_rank is not None:
-                self._write_back()
-            if self._built_in_init and self.modifier_rank is not None:
-                for p in self._built_in_init:
-                    if _multi_process():
-                        dist.broadcast(p.data, src=self.modifier_rank)
-                    if _SEAL in p.__dict__:  # written back, as DeepSpeed does: the new value is the partitioned one
-                        _seal(p, p.__dict__[_SEAL][1])
-        finally:
-            for p in self._sharded:
-                for module, name in self._owners.get(id(p), ()):
-                    module._parameters[name] = p
-                _show_shard(p)
-            self._full = []
+        written = list(zip(self._sharded, self._full))
+        for p in self._sharded:  # the shards back on their modules before anything is written into them
+            for module, name in self._owners.get(id(p), ()):
+                module._parameters[name] = p
+            _show_shard(p)
+        self._full = []
+        if self.modifier_rank is not None:
+            self._write_back(written)
+            for p in self._built_in_init:
+                if _multi_process():
+                    dist.broadcast(p.data, src=self.modifier_rank)
+                if _SEAL in p.__dict__:  # written back, as DeepSpeed does: the new value is the partitioned one
+                    _seal(p, p.__dict__[_SEAL][1])
         return False
 
-    def _write_back(self) -> None:
-        for p, full in zip(self._sharded, self._full):
-            dist.broadcast(full.data, src=self.modifier_rank)
-            write_whole(p, full.data)
+    def _write_back(self, written: list) -> None:
+        for p, full in written:
+            value = full.data.contiguous()
+            dist.broadcast(value, src=self.modifier_rank)
+            write_shown(p, value)
 
 
 class _WholeData:
-    """Mixed into a sharded parameter's class inside :class:`GatheredParameters`: ``param.data`` and
-    ``param.detach()`` are its whole value, as on a gathered DeepSpeed parameter (``with GatheredParameters([p]):
-    p.data.cpu()``)."""
+    """Mixed into a sharded parameter's class inside :class:`GatheredParameters`: ``param.data``,
+    ``param.detach()`` and ``param.dtype`` are those of its whole value, as on a gathered DeepSpeed parameter
+    (``with GatheredParameters([p]): p.data.cpu()``)."""
 
     @property
     def data(self):
@@ -366,7 +370,12 @@ class _WholeData:
         full = self.__dict__[_GATHERED][1]
         if full is not None:
             full.data = value.to(full.dtype)
+            value = full.data
         self.__dict__[_GATHERED] = (value, full)
+
+    @property
+    def dtype(self):  # DeepSpeed's parameter dtype (the compute dtype), not the fp32 shard's
+        return self.__dict__[_GATHERED][0].dtype
 
     def detach(self):  # the whole value, as a gathered DeepSpeed parameter's (``p.detach().cpu()`` in the context)
         return self.__dict__[_GATHERED][0].detach()
@@ -375,13 +384,17 @@ class _WholeData:
 _whole_types: dict[type, type] = {}
 
 
+def _shown_dtype(p) -> torch.dtype:
+    """The dtype a gathered parameter has under DeepSpeed: its compute dtype (DeepSpeed casts the module to it
+    and keeps the fp32 masters in its optimizer), where torsh keeps fp32 shards on the module."""
+    return getattr(p, COMPUTE_DTYPE, None) or p.dtype
+
+
 def _show_whole(p, full: nn.Parameter, *, writable: bool) -> None:
-    """``p.data`` becomes ``full``'s value: the fp32 master itself when the context writes it back, else (a
-    read) a copy in the dtype DeepSpeed's parameter has, the compute dtype."""
-    dtype = getattr(p, COMPUTE_DTYPE, None)
-    view = full.data if writable or dtype is None else full.data.to(dtype)
+    """``p.data`` becomes ``full``'s value (whole, in the compute dtype: what the modules hold in the context);
+    with ``writable`` a value assigned to ``p.data`` goes to ``full`` too, to be written back on exit."""
     base = type(p)
-    p.__dict__[_GATHERED] = (view, full if writable else None)
+    p.__dict__[_GATHERED] = (full.data, full if writable else None)
     p.__class__ = _whole_types.setdefault(base, type(f"Gathered{base.__name__}", (_WholeData, base), {}))
     if hasattr(p, "ds_status"):
         p.ds_status = ZeroParamStatus.AVAILABLE
