@@ -36,8 +36,9 @@ def _loss(out, y):
     return torch.nn.functional.cross_entropy(out.float(), y)
 
 
-def make(stage: int, seed: int, dtype: str, engine: str = "torsh"):
-    """A 1-stage pipeline (its replicas: every rank) of three linear layers, AdamW, clipping, 2 micro-batches."""
+def make(stage: int, seed: int, dtype: str, engine: str = "torsh", client=None, **zero):
+    """A 1-stage pipeline (its replicas: every rank) of three linear layers, AdamW, clipping, 2 micro-batches
+    (``client``: the optimizer class the script builds and passes instead; ``zero``: more ZeRO settings)."""
     import torch
 
     import importlib
@@ -52,10 +53,13 @@ def make(stage: int, seed: int, dtype: str, engine: str = "torsh"):
               spec(torch.nn.Linear, 16, 4)]  # fmt: skip
     net = from_pipe.PipelineModule(layers=layers, loss_fn=_loss, num_stages=1, partition_method="uniform")
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
-              "gradient_clipping": 0.5, "zero_optimization": {"stage": stage},
+              "gradient_clipping": 0.5, "zero_optimization": {"stage": stage, **zero},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}}}
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    if client is not None:
+        del config["optimizer"]
+        return ds.initialize(model=net, optimizer=client(net.parameters()), config=config)[0]
     return ds.initialize(model=net, model_parameters=[p for p in net.parameters()], config=config)[0]
 
 
@@ -102,6 +106,28 @@ def layout(rank: int, world_size: int, scenario: dict) -> dict:
             "weights": _weights(engine)}  # fmt: skip
 
 
+def variants(rank: int, world_size: int, scenario: dict) -> dict:
+    """The script's own optimizer object, optimizer offload, and an optimizer that needs whole tensors."""
+    import torch
+
+    from torsh.errors import ConfigError
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+    plain = train(make(1, 3, "bf16"), 0, 3)
+    client = make(1, 3, "bf16", client=adamw)
+    offload = make(1, 3, "bf16", offload_optimizer={"device": "cpu"})
+    out = {"plain": plain, "client": train(client, 0, 3), "offload": train(offload, 0, 3),
+           "offload_devices": sorted({str(m.device) for m in offload._shard.partition.masters}),
+           "client_class": type(client.optimizer).__name__}  # fmt: skip
+    try:
+        make(1, 3, "fp32", client=lambda params: torch.optim.LBFGS(params))
+    except ConfigError as exc:
+        out["lbfgs"] = str(exc)
+    return out
+
+
 def moves(rank: int, world_size: int, scenario: dict) -> dict:
     """Each writer stage trains 3 steps, saves, trains 3 more; the reader stage loads the save and trains the same 3."""
     out = {}
@@ -135,6 +161,7 @@ def _scenarios(tmp: Path) -> list[dict]:
     out = [{"name": f"parity_{dtype}_{engine}", "kind": "call", "target": f"{MODULE}:parity", "engine": engine,
             "dtype": dtype} for dtype in DTYPES for engine in ("torsh", "deepspeed")]  # fmt: skip
     out.append({"name": "layout", "kind": "call", "target": f"{MODULE}:layout"})
+    out.append({"name": "variants", "kind": "call", "target": f"{MODULE}:variants"})
     out.append({"name": "moves", "kind": "call", "target": f"{MODULE}:moves", "dir": str(tmp)})
     out.append({"name": "legacy", "kind": "call", "target": f"{MODULE}:legacy", "dir": str(LEGACY)})
     return out
@@ -164,6 +191,13 @@ def test_pipeline_zero1_is_the_partition_and_state_dict_is_the_ranks_partition(r
         assert rec["state_numel"] == rec["partition_numel"] * 2
         assert sum(rec["partition_numel"]) == pytest.approx(rec["trainable"] / 2, abs=len(rec["partition_numel"]) * 2)
     assert ranks[0]["weights"] == ranks[1]["weights"]  # whole, equal parameters on both replicas
+
+
+def test_pipeline_zero1_with_the_scripts_optimizer_and_with_optimizer_offload(records):
+    for rec in h.ranks_of(records, "variants"):
+        assert rec["client_class"] == "AdamW" and rec["client"] == rec["plain"]
+        assert rec["offload_devices"] == ["cpu"] and rec["offload"] == rec["plain"]
+        assert "LBFGS updates whole tensors" in rec["lbfgs"] and "sharding.stage" in rec["lbfgs"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
