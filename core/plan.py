@@ -102,6 +102,10 @@ class EnginePlan:
     """The plan in words, in build order (``explain`` prints these)."""
     degrees: "Degrees | None" = None
     """The parallel degrees on ``world_size`` ranks (None when they do not divide it, which is refused)."""
+    pipeline: bool = False
+    """The model is a DeepSpeed ``PipelineModule`` and ``world_size`` the data-parallel degree of each stage: the
+    pipeline engine reduces the gradients over a stage's replicas itself after its micro-batches (no DDP), and
+    ``zero1`` is its stage 1 (the partition over those replicas)."""
 
     @property
     def tp(self) -> int:
@@ -256,7 +260,7 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
     laid = degrees(cfg, world_size)
     # Tensor parallelism composes with FSDP2 on the data-parallel sub-mesh (as torchtitan does); stages 0-2 run
     # there as FSDP2 without resharding (ZeRO-2's layout, DDP's numerics).
-    dp, mesh = _data_parallel(s.stage, laid, tp=cfg.parallelism.tp)
+    dp, mesh = _data_parallel(s.stage, laid, tp=cfg.parallelism.tp, pipeline=pipeline)
     fsdp = dp in ("fsdp2", "hsdp")
     # The parameters FSDP2 holds in compute: the compute dtype, or the fp32 masters themselves under autocast.
     held = p.master_dtype if p.autocast else p.param_dtype
@@ -276,16 +280,19 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
         optimizer_on_cpu="cpu" in (o.params, o.optimizer),
         step=_step_policy(cfg, scaling=scaler, compressed=compressed),
         refused=tuple(refusals(cfg, world_size=world_size, optimizer_given=optimizer_given, pipeline=pipeline)),
-        steps=(), degrees=laid,
+        steps=(), degrees=laid, pipeline=pipeline,
     )  # fmt: skip
     return _with_steps(decided, cfg, source)
 
 
-def _data_parallel(stage: int, laid: Degrees | None, *, tp: int = 1) -> tuple[DataParallel, tuple[int, ...] | None]:
+def _data_parallel(stage: int, laid: Degrees | None, *, tp: int = 1,
+                   pipeline: bool = False) -> tuple[DataParallel, tuple[int, ...] | None]:  # fmt: skip
     """The data-parallel kind and FSDP2's mesh shape over the data-parallel ranks (None under DDP and ZeRO-1/2, or
     when the degrees do not lay out on the world, an "auto" shard group included, which is refused or resolved
-    later). With tensor parallelism, stages 0-2 run as FSDP2 without resharding on the data-parallel sub-mesh."""
-    if tp == 1 and stage < 2:
+    later). With tensor parallelism, stages 0-2 run as FSDP2 without resharding on the data-parallel sub-mesh. A
+    pipeline's stages 0 and 1 are its own (replicated, or the ZeRO-1 partition) whatever else the config sets
+    (what the pipeline engine does not run is refused)."""
+    if (tp == 1 or pipeline) and stage < 2:
         return ("ddp" if stage == 0 else "zero1"), None
     if tp == 1 and stage == 2 and laid is not None and laid.dp_replicate == 1:
         return "zero2", None
@@ -450,6 +457,8 @@ def _sharding_step(decided: EnginePlan, cfg: TorshConfig) -> str:
         return (f"FSDP2 fully_shard(reshard_after_forward=False) on {over}, after tensor parallelism (as "
                 f"torchtitan composes them): sharding.stage {cfg.sharding.stage} runs as ZeRO-2's layout, DDP's "
                 "numerics (the engine's DDP reduces over every rank, not a sub-mesh)")  # fmt: skip
+    if decided.pipeline and decided.data_parallel in ("ddp", "zero1"):
+        return _pipeline_step(decided)
     if decided.data_parallel == "ddp":
         return "DDP (DistributedDataParallel): parameters, gradients and optimizer state replicated"
     if decided.data_parallel == "zero1":
@@ -468,6 +477,16 @@ def _sharding_step(decided: EnginePlan, cfg: TorshConfig) -> str:
         mesh += ", on the data-parallel sub-mesh after tensor parallelism"
     return (f"FSDP2 fully_shard(reshard_after_forward={decided.reshard_after_forward}) - "
             f"ZeRO-{cfg.sharding.stage}-like, {mesh}")
+
+
+def _pipeline_step(decided: EnginePlan) -> str:
+    reduce = ("the pipeline engine all-reduces the whole gradients over each stage's data-parallel replicas after "
+              "its micro-batches (as DeepSpeed's pipeline engine; no DDP)")  # fmt: skip
+    if decided.data_parallel == "ddp":
+        return f"pipeline stages, data parallel: parameters, gradients and optimizer state replicated; {reduce}"
+    return (f"pipeline stages, ZeRO-1 over each stage's replicas: whole parameters; {reduce}; each replica steps "
+            "its partition of the flat fp32 masters and optimizer state; updated partitions all-gathered after "
+            "the step")
 
 
 def _offload_steps(decided: EnginePlan, cfg: TorshConfig) -> list[str]:

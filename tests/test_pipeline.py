@@ -311,7 +311,8 @@ def test_a_deepspeed_fp32_stage_file_loads(tmp_path):
     loaded_dirs = []
     engine = SimpleNamespace(grid=SimpleNamespace(get_model_parallel_rank=lambda: 1), num_stages=2, dp_world_size=1,
                              get_data_parallel_rank=lambda: 0, zero_optimization_stage=lambda: 0, micro_batches=4,
-                             _precision=SimpleNamespace(masters=None), optimizer=adam(), lr_scheduler=None,
+                             _precision=SimpleNamespace(masters=None), _shard=SimpleNamespace(partition=None),
+                             optimizer=adam(), lr_scheduler=None,
                              module=SimpleNamespace(load_state_dir=lambda path, strict: loaded_dirs.append(path)))
     path, client = load(engine, tmp_path, None, True, True, True, False)
     assert client == {"consumed": 3} and loaded_dirs == [path] and path.endswith("global_step3")

@@ -5,7 +5,10 @@ Each rank holds one stage (the layers its ``PipelineModule`` built); ``train_bat
 ``gradient_accumulation_steps`` micro-batches (the first stage their inputs, the last their labels) and runs them
 through a ``Schedule1F1B`` over the pipeline's process group. Then, as DeepSpeed's train schedule ends: the
 gradients of tied weights are summed over the stages holding them, gradients are averaged over the stage's
-data-parallel replicas, and the optimizer steps (ZeRO-1: its state sharded over those replicas). The loss is
+data-parallel replicas, and the optimizer steps. ZeRO-1 is the engine's partition
+(:class:`.zero_partition.ZeroPartition` in its stage-1 mode) over a stage's replicas: this engine all-reduces the
+whole gradients (bf16 weights: accumulated in fp32 over the micro-batches, as DeepSpeed's bf16 optimizer), each
+replica keeps its elements, steps its flat fp32 partition and the updated partitions are gathered. The loss is
 DeepSpeed's: the mean over micro-batches, averaged over replicas, broadcast from the last stage to every stage.
 """
 
@@ -14,7 +17,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -132,16 +134,17 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
     interval = cfg.pipeline.activation_checkpoint_interval
     if interval > 0:  # the config's interval overrides the module's, as DeepSpeed's engine does
         model.activation_checkpoint_interval = interval
-    # The pipeline's ZeRO-1 is torch's ZeroRedundancyOptimizer over separate fp32 masters, as at stage 0, not the
-    # engine's flat partition (which keeps the masters itself).
-    precision = apply_precision(model, cfg.precision, replace(decided, data_parallel="ddp"))
-    step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
-    built = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
-                                 by_name=step_params, offload=decided.optimizer_on_cpu)  # fmt: skip
-    if built is not None and cfg.sharding.stage == 1:
-        built = _zero1(built, grid.get_data_parallel_group())
+    precision = apply_precision(model, cfg.precision, decided)
+    partition = None
+    if decided.data_parallel == "zero1":  # the plan's kind for a pipeline at stage 1: the partition over the replicas
+        partition, built = _zero1(model, cfg, decided, precision, client=optimizer, groups=groups, name_of=name_of,
+                                  group=grid.get_data_parallel_group(), source=source)  # fmt: skip
+    else:
+        step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
+        built = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
+                                     by_name=step_params, offload=decided.optimizer_on_cpu)  # fmt: skip
     lr_scheduler = init.build_scheduler(cfg, lr_scheduler, built)
-    shard = ShardPlan(model=model, module=model, kind="pipe")
+    shard = ShardPlan(model=model, module=model, kind="pipe", partition=partition)
     engine = PipelineEngine(config=init.config_as_dict(config), policy=decided.step,
                             monitor=Monitor(cfg.monitoring, info.rank), batch=batch, info=info, shard=shard,
                             precision=precision, optimizer=built, lr_scheduler=lr_scheduler, loss_scaler=None,
@@ -160,15 +163,33 @@ def _broadcast_stage(model: nn.Module, grid: Any) -> None:
         dist.broadcast(tensor.data, src=src, group=grid.get_data_parallel_group())
 
 
-def _zero1(optimizer: torch.optim.Optimizer, group: Any) -> torch.optim.Optimizer:
-    """ZeRO-1 beside the pipeline: the same optimizer with its state sharded over the stage's replicas."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+def _zero1(model: nn.Module, cfg: TorshConfig, decided: Any, precision: Any, *, client: Any, groups: list[dict],
+           name_of: dict[int, str], group: Any, source: str | None) -> tuple[Any, Any]:  # fmt: skip
+    """ZeRO-1 over the stage's data-parallel replicas (``group``): the partition in its stage-1 mode (this engine
+    reduces the whole gradients; fp32 partition gradients) and the optimizer over its flat fp32 masters, the
+    script's class and arguments or the configured one (None without any)."""
+    from .rebuild import rebuild_optimizer
+    from .zero_partition import ZeroPartition, _bucket_sizes, _check_elementwise, _partition_optimizer
 
-    from .rebuild import _accepted
-
-    groups = [dict(g) for g in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group,
-                                   **_accepted(type(optimizer), optimizer.defaults))  # fmt: skip
+    by_name = dict(model.named_parameters())
+    cls = defaults = None
+    named = groups
+    if isinstance(client, torch.optim.Optimizer):
+        cls, defaults, named = rebuild_optimizer(client, name_of, by_name)
+    _check_elementwise(client, cfg.optimizer, cls, cfg.sharding.stage)
+    bucket, gather = _bucket_sizes(cfg, source)
+    tensors = [[by_name[n] for n in g["params"] if by_name[n].requires_grad and by_name[n].is_floating_point()]
+               for g in named]  # fmt: skip
+    partition = ZeroPartition(model, tensors, bucket_numel=max(1, bucket), allgather_numel=max(1, gather),
+                              compute_dtype=precision.param_dtype, reduce_dtype=torch.float32,
+                              accum_dtype=torch.float32, mean=True, reduce_every_micro_step=False,
+                              master_device=torch.device("cpu") if decided.masters_on_cpu else None,
+                              process_group=group, reduce_in_backward=False)  # fmt: skip
+    partition.legacy_order = [by_name[n] for g in named for n in g["params"]]  # the order ZeRO-1 saved before
+    built = _partition_optimizer(client, cls, defaults, named, partition, cfg, decided)
+    if built is not None:
+        built.optimizer = built  # DeepSpeed's engine.optimizer.optimizer: the torch optimizer of the partition
+    return partition, built
 
 
 class _Stage(nn.Module):
@@ -217,7 +238,10 @@ class PipelineEngine(Engine):
         d["_labels"] = None
         d["_force_grad_boundary"] = False
         d["eval_return_logits"] = False
+        d["_wide"] = {}  # ZeRO-1 with low-precision weights: each parameter's fp32 gradient, by id
+        d["_widened"] = set()
         self._hook_masters()
+        self._hook_wide_grads()
         if training_data is not None:
             self._build_data_iter(training_data, collate_fn, drop_last)
         if self.global_rank == 0:
@@ -457,18 +481,42 @@ class PipelineEngine(Engine):
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(move(name))
 
+    def _hook_wide_grads(self) -> None:
+        """ZeRO-1 with low-precision weights: each micro-batch's gradient is added to the parameter's fp32 gradient
+        at once (DeepSpeed's bf16 optimizer keeps whole fp32 gradients); after the reduction the partition keeps
+        its elements of them."""
+        part = self._shard.partition
+        if part is None or part.compute_dtype == torch.float32:
+            return
+        wide = self._wide
+
+        def hook(p):
+            g = wide.get(id(p))
+            wide[id(p)] = p.grad.float() if g is None else g.add_(p.grad)
+            p.grad = None
+
+        for params in part.group_params:
+            for p in params:
+                p.register_post_accumulate_grad_hook(hook)
+                self._widened.add(id(p))
+
     def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
         master = getattr(p, MASTER, None)
-        return master.grad if master is not None else p.grad
+        if master is not None:
+            return master.grad
+        return self._wide.get(id(p)) if id(p) in self._widened else p.grad
 
     def _fill_missing_grads(self) -> None:
         """A zero gradient for each trainable parameter the batch did not reach, so that every replica and every
         stage holding a tied weight reduces the same tensors (DeepSpeed steps such a parameter with a zero one)."""
         for p in self.module.parameters():
-            if p.requires_grad:
+            if not p.requires_grad or self._grad_of(p) is not None:
+                continue
+            if id(p) in self._widened:
+                self._wide[id(p)] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            else:
                 target = getattr(p, MASTER, p)
-                if target.grad is None:
-                    target.grad = torch.zeros_like(target)
+                target.grad = torch.zeros_like(target)
 
     def _reduce_tied_grads(self) -> None:
         for weight, group in self.module.get_tied_weights_and_groups():
@@ -492,9 +540,9 @@ class PipelineEngine(Engine):
                 offset += g.numel()
 
     def _grad_norm(self, params: list[torch.Tensor]) -> float:
-        """The global gradient norm DeepSpeed clips with. With ZeRO-1 or bf16 its optimizer takes every stage's
-        gradients (a tied weight once); its fp32 stage-0 path (``clip_grad_norm_`` with the pipeline as the
-        model-parallel group) counts only model-parallel rank 0's, the first stage's."""
+        """The global gradient norm DeepSpeed clips with at stage 0 (ZeRO-1: :meth:`_partition_norm`). With bf16
+        its optimizer takes every stage's gradients (a tied weight once); its fp32 stage-0 path (``clip_grad_norm_``
+        with the pipeline as the model-parallel group) counts only model-parallel rank 0's, the first stage's."""
         tied = {id(self._grad_of(p)) for p in self.module.parameters() if getattr(p, "ds_pipe_replicated", False)}
         first_only = self.zero_optimization_stage() == 0 and self._precision.masters is None
         grads = [p.grad for p in params if p.grad is not None and id(p.grad) not in tied]
@@ -506,12 +554,34 @@ class PipelineEngine(Engine):
         dist.all_reduce(local, group=self.grid.get_model_parallel_group())
         return float(local.sqrt())
 
+    def _norm(self, params: list[torch.Tensor]) -> float:
+        part = self._shard.partition
+        return self._partition_norm(part) if part is not None else self._grad_norm(params)
+
+    def _partition_norm(self, part: Any) -> float:
+        """ZeRO-1: the squares of every replica's partition gradients (a tied weight's copies on later stages not
+        counted), summed over the replicas and the stages."""
+        local = torch.zeros((), dtype=torch.float64, device=part.master_device)
+        for master, params in zip(part.masters, part.group_params):
+            if master.grad is not None and master.numel():
+                local += torch.linalg.vector_norm(master.grad, 2).double() ** 2
+                for p in params:
+                    if getattr(p, "ds_pipe_replicated", False):
+                        local -= part.local_view(p, master.grad).double().pow(2).sum()
+        local = local.to(self.device)
+        dist.all_reduce(local, group=self.grid.get_data_parallel_group())
+        dist.all_reduce(local, group=self.grid.get_model_parallel_group())
+        return math.sqrt(float(local)) if math.isfinite(float(local)) else float(local)
+
     def _optimizer_step(self) -> None:
         if self.optimizer is None:
             raise AssertionError("must provide optimizer during init in order to use backward")
+        if self._shard.partition is not None and self._widened:
+            self._shard.partition.absorb_whole_grads(self._wide)  # this replica's elements of the reduced gradients
+            self._wide.clear()
         params = self._params_to_step()
         needs_norm = self._clip > 0 or self.steps_per_print()
-        norm = self._grad_norm(params) if needs_norm else None
+        norm = self._norm(params) if needs_norm else None
         self._global_grad_norm = norm
         self._step_applied = False
         skip = norm is not None and not math.isfinite(norm) and self._policy.skip_step_on_nonfinite
@@ -524,6 +594,10 @@ class PipelineEngine(Engine):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
 
+    def _zero_all_grads(self) -> None:
+        super()._zero_all_grads()
+        self.__dict__.get("_wide", {}).clear()
+
     def _clip_and_step(self, params: list[torch.Tensor], norm: float | None) -> None:
         """Clip to the global norm, step the optimizer (the bf16 weights from the masters) and the scheduler."""
         coef = min(1.0, self._clip / (norm + 1e-6)) if self._clip > 0 else 1.0
@@ -533,6 +607,8 @@ class PipelineEngine(Engine):
         self.optimizer.step()
         if self._precision.masters is not None:
             self._precision.masters.master_to_params()
+        if self._shard.partition is not None:
+            self._shard.partition.gather_params()  # the updated partitions into every replica's whole parameters
         self._step_applied = True
         if self.lr_scheduler is not None:
             try:

@@ -3,11 +3,16 @@
     save_dir/latest                                   the tag (rank 0, after every rank has written)
     save_dir/<tag>/layer_NN-model_states.pt           one layer's state_dict (the stage's first replica writes)
     save_dir/<tag>/mp_rank_SS_model_states.pt         per stage: counters, scheduler, client state; the
-                                                      optimizer state when not ZeRO (fp32: DeepSpeed's form)
+                                                      optimizer state (fp32 without ZeRO: DeepSpeed's form)
     save_dir/<tag>/zero_pp_rank_D_mp_rank_SS_optim_states.pt   ZeRO-1: each rank's optimizer partition
 
 A checkpoint resumes on the same pipeline and data-parallel degrees. At fp32 without ZeRO the files are
-DeepSpeed's, so each engine loads the other's checkpoint.
+DeepSpeed's, so each engine loads the other's checkpoint. Under ZeRO-1 the stage file holds the whole state too
+(the partition's whole view: per-parameter optimizer state over the fp32 masters, what stage 0 with master
+weights writes), which is what a load reads, so a checkpoint moves between stage 0 and ZeRO-1 (and partition
+layouts) exactly; each rank's file holds its partition (``optimizer.state_dict()``), as DeepSpeed's layout has it.
+ZeRO-1 checkpoints written when it was torch's ``ZeroRedundancyOptimizer`` (no whole state in the stage file;
+each rank's file its torch per-rank state and the fp32 masters) still load on the same degrees.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .checkpoint_state import RANK_STATE
+from .zero_partition import ZERO_SLOT
 
 
 def _model_file(engine: Any, root: Path) -> Path:
@@ -30,13 +38,19 @@ def _optim_file(engine: Any, root: Path) -> Path:
 
 
 def _zero(engine: Any) -> bool:
-    return engine.zero_optimization_stage() == 1
+    return engine._shard.partition is not None
 
 
 def _optimizer_state(engine: Any) -> dict | None:
-    """The optimizer's state and, with bf16 weights, the fp32 masters it steps."""
+    """The optimizer's state and, with bf16 weights, the fp32 masters it steps; under ZeRO-1 the partition's
+    whole view (collective over the stage's replicas), as stage 0 with master weights has them."""
     if engine.optimizer is None:
         return None
+    part = engine._shard.partition
+    if part is not None:
+        with part.full_view(engine.module, engine.optimizer, load=False) as (module, view):
+            return {"optimizer": view.state_dict(),
+                    "fp32_masters": {n: m.detach().clone() for n, m in module.named_parameters()}}  # fmt: skip
     state = {"optimizer": engine.optimizer.state_dict()}
     masters = engine._precision.masters
     if masters is not None:
@@ -62,7 +76,9 @@ def save(engine: Any, save_dir, tag, client_state: dict, save_latest: bool, excl
     if first_replica:
         _atomic_save(_stage_state(engine, optim, client_state), _model_file(engine, root))
     if _zero(engine) and optim is not None:
-        _atomic_save({"optimizer_state_dict": optim, "ds_version": "0.19.8+torsh"}, _optim_file(engine, root))
+        partition = {"optimizer": engine.optimizer.state_dict(),
+                     "fp32_partition": [m.detach().clone() for m in engine._shard.partition.masters]}  # fmt: skip
+        _atomic_save({"optimizer_state_dict": partition, "ds_version": "0.19.8+torsh"}, _optim_file(engine, root))
     dist.barrier()
     if save_latest and engine.global_rank == 0:
         tmp = Path(save_dir) / ".latest.tmp"
@@ -73,17 +89,16 @@ def save(engine: Any, save_dir, tag, client_state: dict, save_latest: bool, excl
 
 
 def _stage_state(engine: Any, optim: dict | None, client_state: dict) -> dict[str, Any]:
-    """A stage file's contents: the counters and degrees, the scheduler, the optimizer state where it belongs (as
-    DeepSpeed's ``optimizer`` entry when plain, as ``torsh_optimizer`` with fp32 masters, in the partition files
-    under ZeRO), and the client state."""
-    plain, zero = _plain(engine), _zero(engine)
+    """A stage file's contents: the counters and degrees, the scheduler, the optimizer state (as DeepSpeed's
+    ``optimizer`` entry when plain, else as ``torsh_optimizer`` with the fp32 masters), and the client state."""
+    plain = _plain(engine)
     return {"module": None, "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
             "dp_world_size": engine.dp_world_size, "mp_world_size": engine.mp_world_size,
             "num_stages": engine.num_stages,
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "optimizer": optim["optimizer"] if (optim is not None and plain) else None,
-            "torsh_optimizer": optim if (not zero and not plain) else None,
+            "torsh_optimizer": optim if not plain else None,
             "ds_version": "0.19.8+torsh", **dict(client_state or {})}  # fmt: skip
 
 
@@ -100,6 +115,8 @@ def load(engine: Any, load_dir, tag, strict: bool, load_optimizer: bool, load_sc
     masters = engine._precision.masters
     if masters is not None:
         masters.params_to_master()
+    if engine._shard.partition is not None:
+        engine._shard.partition.params_to_master()
     if not module_only:
         _load_training_state(engine, root, state, load_optimizer, load_scheduler)
     engine.loaded_checkpoint_dp_world_size = state["dp_world_size"]
@@ -140,17 +157,23 @@ def _read_stage_file(engine: Any, root: Path) -> dict[str, Any]:
 
 
 def _saved_optimizer(engine: Any, root: Path, state: dict[str, Any]) -> dict | None:
-    """The optimizer state as :func:`_optimizer_state` made it, from where :func:`save` put it (None: none saved)."""
-    if _zero(engine):
-        return torch.load(_optim_file(engine, root), map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    """The optimizer state as :func:`_optimizer_state` made it, from where :func:`save` put it (None: none saved);
+    under ZeRO-1 also the rank's file ZeRO-1 wrote before it ran on the partition."""
     if state.get("torsh_optimizer") is not None:
         return state["torsh_optimizer"]
-    return {"optimizer": state["optimizer"]} if state.get("optimizer") is not None else None
+    if state.get("optimizer") is not None:
+        return {"optimizer": state["optimizer"]}
+    if _zero(engine) and _optim_file(engine, root).is_file():
+        return torch.load(_optim_file(engine, root), map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    return None
 
 
 def _load_optimizer(engine: Any, optim: dict | None) -> None:
     """The optimizer's state and, when saved with it, the fp32 masters (copied into the parameters too)."""
     if optim is None:
+        return
+    if engine._shard.partition is not None:
+        _load_partition(engine, optim)
         return
     engine.optimizer.load_state_dict(optim["optimizer"])
     masters = engine._precision.masters
@@ -159,6 +182,25 @@ def _load_optimizer(engine: Any, optim: dict | None) -> None:
             for name, value in optim["fp32_masters"].items():
                 masters.masters[name].copy_(value)
         masters.master_to_params()
+
+
+def _load_partition(engine: Any, optim: dict) -> None:
+    """ZeRO-1: whole per-parameter state (and fp32 masters) sliced into this rank's partition (collective over the
+    stage's replicas); or the per-rank state of torch's ``ZeroRedundancyOptimizer`` ZeRO-1 wrote before, which
+    every replica's file together completes."""
+    part, saved, masters = engine._shard.partition, optim["optimizer"], optim.get("fp32_masters") or {}
+    if RANK_STATE in saved:
+        by_name = dict(engine.module.named_parameters())
+        for name, value in masters.items():
+            if name in by_name and hasattr(by_name[name], ZERO_SLOT):
+                part.set_full_master(by_name[name], value)
+        part.load_legacy_state(engine.optimizer, saved)
+        return
+    with part.full_view(engine.module, engine.optimizer, load=True) as (module, view), torch.no_grad():
+        view.load_state_dict(saved)
+        for name, p in module.named_parameters():
+            if name in masters:
+                p.copy_(masters[name])
 
 
 #: What else DeepSpeed writes into a stage file (not client state when torsh loads DeepSpeed's checkpoint).

@@ -139,8 +139,8 @@ def _fsdp(model: torch.nn.Module, plan: PrecisionPlan, decided: EnginePlan, prec
 
 def _data_parallel(model: torch.nn.Module, plan: PrecisionPlan, decided: EnginePlan, master_dtype: torch.dtype
                    ) -> None:  # fmt: skip
-    """Stage 0, and the pipeline engine's stage 1: compute parameters in the compute dtype; separate masters when
-    their dtype or device differs."""
+    """Stage 0 (also the pipeline engine's): compute parameters in the compute dtype; separate masters when their
+    dtype or device differs."""
     param_dtype = plan.param_dtype
     master_device = torch.device("cpu") if decided.masters_on_cpu else None
     offloaded = master_device is not None and any(p.device != master_device for p in model.parameters())

@@ -547,6 +547,29 @@ class ZeroPartition:
                              f"{self.world}); engine.save_checkpoint() checkpoints load at any world size")  # fmt: skip
         return {int(i): s for _, piece in pieces for i, s in piece.items()}
 
+    # ---- stage 1 with whole gradients held by the caller (the pipeline engine) ---------------------
+
+    @torch.no_grad()
+    def absorb_whole_grads(self, grads: dict[int, torch.Tensor]) -> None:
+        """Stage 1 when the caller reduced the whole gradients itself and keeps them outside ``.grad`` (the pipeline
+        engine accumulates a low-precision parameter's micro-batch gradients in fp32, as DeepSpeed's bf16
+        optimizer): as :meth:`absorb_grads`, with ``grads[id(p)]`` in place of ``p.grad`` (absent: no gradient).
+        The caller frees them."""
+        for b in self.buckets:
+            first = b.index not in self._written
+            target = self.grads[b.group]
+            for p in b.params:
+                view = self.local_view(p, target)
+                grad = grads.get(id(p))
+                if grad is None:
+                    if first:
+                        view.zero_()
+                    continue
+                start, end = self.local_range(p)
+                part = grad.reshape(-1)[start:end]
+                view.copy_(part) if first else view.add_(part.to(view.dtype))
+            self._written.add(b.index)
+
 
 def _hyper(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
