@@ -127,3 +127,20 @@ def test_fsdp2_shards_are_stepped_with_foreach_ops_unless_the_config_says(tmp_pa
             assert torch.equal(ours.detach().full_tensor(), theirs.detach().full_tensor())
     finally:
         dist.destroy_process_group()
+
+
+def test_an_optimizer_class_that_cannot_be_rebuilt_is_a_config_error_naming_it():
+    """A wrapper optimizer (its constructor takes another optimizer) cannot be rebuilt over the step's tensors:
+    a ConfigError naming it and what to pass instead, not the TypeError of its constructor."""
+    from torsh.engine.rebuild import construct
+
+    class Wrap(torch.optim.Optimizer):
+        def __init__(self, inner, k):
+            self.inner = inner
+            super().__init__(inner.param_groups, {})
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ConfigError) as err:
+        construct(Wrap, [{"params": [p]}], {})
+    assert "Wrap" in str(err.value) and "the optimizer it wraps" in str(err.value)
+    assert isinstance(construct(torch.optim.SGD, [{"params": [p]}], {"lr": 0.1}), torch.optim.SGD)

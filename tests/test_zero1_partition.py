@@ -10,7 +10,9 @@ launch, beside real DeepSpeed 0.19.8 where values are compared:
   ``ZeroRedundancyOptimizer``; ``tests/fixtures/checkpoints/torsh_zero1_legacy``) resume with the losses that job
   went on with;
 - optimizer offload keeps the master partition and the state on the CPU, and ``offload_states`` /
-  ``reload_states`` leave the training unchanged.
+  ``reload_states`` leave the training unchanged;
+- a script's own ``ZeroRedundancyOptimizer`` passed to ``initialize`` trains, saves and loads at every stage as
+  the optimizer class it wraps.
 """
 
 from __future__ import annotations
@@ -126,6 +128,31 @@ def plain(rank: int, world_size: int, scenario: dict) -> dict:
     return {"losses": h.train(engine, rank, 0, 8)}
 
 
+def torch_zero_client(rank: int, world_size: int, scenario: dict) -> dict:
+    """A script that built torch's ``ZeroRedundancyOptimizer`` itself and passes it to ``initialize``, at each
+    stage: it trains as the plain AdamW it wraps (the configured stage partitions, or not), saves and loads."""
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    import torsh
+
+    out = {}
+    for stage in (0, 1, 2, 3):
+        for kind in ("zero", "adamw"):
+            model = h.build_model(0)
+            if kind == "zero":
+                opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+            else:
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            engine, optimizer, *_ = torsh.initialize(model=model, optimizer=opt, config=h.ds_config(stage))
+            out[f"{kind}_s{stage}"] = h.train(engine, rank, 0, 3)
+            engine.save_checkpoint(f"{scenario['dir']}/{kind}{stage}", tag="t")
+            engine.load_checkpoint(f"{scenario['dir']}/{kind}{stage}", tag="t")
+            out[f"{kind}_s{stage}"] += h.train(engine, rank, 3, 1)
+            optimizer.state_dict()  # no consolidation needed at any stage
+    return out
+
+
 def _scenarios(tmp) -> list[dict]:
     out = []
     for engine in ENGINES:
@@ -142,6 +169,7 @@ def _scenarios(tmp) -> list[dict]:
     out.append({"name": "legacy", "kind": "call", "target": f"{MODULE}:legacy", "dir": str(LEGACY)})
     out.append({"name": "offload", "kind": "call", "target": f"{MODULE}:offload"})
     out.append({"name": "plain", "kind": "call", "target": f"{MODULE}:plain"})
+    out.append({"name": "torch_zero", "kind": "call", "target": f"{MODULE}:torch_zero_client", "dir": str(tmp)})
     return out
 
 
@@ -196,3 +224,9 @@ def test_optimizer_offload_and_offload_states_at_stage1(records):
     for rec, plain in zip(h.ranks_of(records, "offload"), h.ranks_of(records, "plain")):
         assert rec["on_cpu"] and rec["master_devices"] == ["cpu"] and rec["state_devices"] == ["cpu"]
         assert rec["losses"] == pytest.approx(plain["losses"], rel=FP32)
+
+
+def test_a_script_zero_redundancy_optimizer_trains_as_the_optimizer_it_wraps(records):
+    for rec in h.ranks_of(records, "torch_zero"):
+        for stage in (0, 1, 2, 3):
+            assert rec[f"zero_s{stage}"] == pytest.approx(rec[f"adamw_s{stage}"], rel=FP32), stage

@@ -92,8 +92,8 @@ class Engine(nn.Module):
         """The members DeepSpeed's optimizers have, on the one the engine steps."""
         optimizer.overflow = False  # DeepSpeed's optimizer attribute (scripts and Accelerate read it)
         if hasattr(optimizer, "optim") and not hasattr(optimizer, "optimizer"):
-            # the pipeline engine's ZeRO-1 (torch's ZeroRedundancyOptimizer): the torch optimizer of this rank's
-            # partition, where DeepSpeed's ZeRO optimizer has its own (engine.optimizer.optimizer.param_groups)
+            # a script's own torch ZeroRedundancyOptimizer, kept at stage 0 in fp32: the torch optimizer of this
+            # rank's partition, where DeepSpeed's ZeRO optimizer has its own (engine.optimizer.optimizer)
             optimizer.optimizer = optimizer.optim
         # DeepSpeed's ZeRO optimizer moves its own state (OpenRLHF: engine.optimizer.offload_states(...))
         for name in ("offload_states", "reload_states"):
@@ -101,7 +101,7 @@ class Engine(nn.Module):
                 setattr(optimizer, name, _engine_method(self, name))
         from .checkpoint_state import give_rank_state_dict
 
-        give_rank_state_dict(optimizer)  # torch's ZeRO-1: state_dict() without consolidation, as DeepSpeed's
+        give_rank_state_dict(optimizer)  # torch's ZeRO: state_dict() without consolidation, as DeepSpeed's
 
     def __getattr__(self, name: str):
         # DeepSpeedEngine falls through to the wrapped module for attributes it does not have.
@@ -926,8 +926,8 @@ OFFLOADABLE = ("optim_states", "hp_params")
 
 
 def _local_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer holding this rank's state: the pipeline engine's ZeRO-1 (torch's
-    ``ZeroRedundancyOptimizer``) keeps it in ``.optim``; every other optimizer is its own."""
+    """The torch optimizer holding this rank's state: a script's own ``ZeroRedundancyOptimizer`` (kept at stage 0
+    in fp32) keeps it in ``.optim``; every other optimizer is its own."""
     return getattr(optimizer, "optim", optimizer)
 
 

@@ -66,7 +66,34 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
             raise ConfigError([Problem(f"optimizer.param_groups[{i}]", None, "holds a tensor that is not a "
                                        "parameter of the model passed to initialize")]) from None  # fmt: skip
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
-    return type(optimizer), _accepted(type(optimizer), optimizer.defaults), groups
+    cls, defaults = type(optimizer), optimizer.defaults
+    inner = getattr(optimizer, "_optim_constructor", None)
+    if _is_zero_redundancy(optimizer) and isinstance(inner, type):
+        # torch's ZeroRedundancyOptimizer: the engine's ZeRO stage partitions (or not); its optimizer class steps
+        log.info("initialize: the script's ZeroRedundancyOptimizer is rebuilt as its %s over the tensors the "
+                 "step updates; the configured ZeRO stage decides the partition", inner.__name__)  # fmt: skip
+        cls, defaults = inner, {**optimizer.defaults, **getattr(optimizer, "_optim_defaults", {})}
+    return cls, _accepted(cls, defaults), groups
+
+
+def construct(cls: type, params: list[dict], defaults: dict) -> torch.optim.Optimizer:
+    """``cls(params, **defaults)``: the script's optimizer class built again over the tensors the step updates; a
+    class that cannot be built from its parameter groups and ``defaults`` (a wrapper taking another optimizer) is a
+    ConfigError saying what to pass instead."""
+    try:
+        return cls(params, **defaults)
+    except TypeError as exc:
+        raise ConfigError([Problem("optimizer", cls.__name__, f"the optimizer passed to initialize is rebuilt over "
+                                   f"the tensors the step updates (sharded parameters or fp32 masters) as "
+                                   f"{cls.__name__}(param_groups, **defaults), which fails: {exc}; pass the "
+                                   "optimizer it wraps, a callable that builds it from parameters, or configure "
+                                   "the optimizer section")]) from None  # fmt: skip
+
+
+def _is_zero_redundancy(optimizer: Any) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
 #: Implementation switches of torch optimizers: how the step runs, not what it computes (per group and default).
@@ -172,7 +199,7 @@ def build_step_optimizer(*, section: OptimizerConfig | None, client: Any, groups
         cls, defaults, named = rebuild_optimizer(client, name_of, by_name)
         params = _resolve(named, by_name)
         defaults, params = adopt_construction(cls, defaults, params)
-        built = cls(params, **defaults)
+        built = construct(cls, params, defaults)
         forward_client(client, built)  # schedulers on the script's optimizer drive the one that steps
         return built
     if callable(client):

@@ -738,12 +738,12 @@ def _partition_optimizer(client: Any, cls: type | None, defaults: dict | None, n
                          partition: ZeroPartition, cfg: Any, decided: Any) -> Any:  # fmt: skip
     """The optimizer over the partition's flat masters, one parameter per group: the script's class and arguments
     (its object then a view of this one), its callable's, or the configured one; None without any."""
-    from .rebuild import adopt_construction, forward_client
+    from .rebuild import adopt_construction, construct, forward_client
 
     params = [{**g, "params": [m]} for g, m in zip(named, partition.masters)]
     if cls is not None:
         defaults, params = adopt_construction(cls, defaults, params)
-        built = cls(params, **defaults)
+        built = construct(cls, params, defaults)
         forward_client(client, built)
         return built
     if callable(client):

@@ -97,8 +97,6 @@ def _as_deepspeed_adam(engine) -> None:
     if params.get("torch_adam", False):
         return
     target = engine.optimizer
-    if target is not None and type(target).__name__ == "ZeroRedundancyOptimizer":
-        target = target.optim  # the pipeline engine's ZeRO-1: the torch optimizer of this rank's partition
     if type(target) not in (torch.optim.Adam, torch.optim.AdamW):
         return
     zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
