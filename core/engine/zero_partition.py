@@ -729,9 +729,13 @@ def _make_partition(model: nn.Module, cfg: Any, decided: Any, precision: Any, na
                               reduce_every_micro_step=precision.reduce_every_micro_step,
                               reduce_in_backward=decided.data_parallel != "zero1")  # fmt: skip
     partition.legacy_order = [by_name[n] for g in named for n in g["params"]]
-    ignore = (cfg.extensions.get("deepspeed") or {}).get("zero_optimization.ignore_unused_parameters", True)
-    partition.require_grads = partition.reduces and decided.masters_on_cpu and not ignore
+    partition.require_grads = partition.reduces and decided.masters_on_cpu and not _ignores_unused(cfg)
     return partition
+
+
+def _ignores_unused(cfg: Any) -> bool:
+    """DeepSpeed's ``zero_optimization.ignore_unused_parameters`` (default true)."""
+    return bool((cfg.extensions.get("deepspeed") or {}).get("zero_optimization.ignore_unused_parameters", True))
 
 
 def _partition_optimizer(client: Any, cls: type | None, defaults: dict | None, named: list[dict],
