@@ -640,6 +640,46 @@ def unused_parameters(rank: int, world_size: int, scenario: dict) -> dict:
     return out
 
 
+def explicit_allreduce(rank: int, world_size: int, scenario: dict) -> dict:
+    """``engine.allreduce_gradients()`` at stage 0: after a backward (which reduced) it changes nothing; after a
+    backward under ``no_sync`` it averages the local gradients over the ranks, and the step follows. At stage 1
+    (where DeepSpeed's gradients then live in its partition) the losses of the same steps."""
+    import torch
+    import torch.distributed as dist
+
+    engine = _init(_ds(scenario["engine"]), _config(scenario["stage"]))
+    if scenario["stage"] == 1:
+        losses = []
+        for step in range(3):
+            with engine.no_sync():
+                loss = _loss(engine, step, rank)
+                engine.backward(loss)
+            engine.allreduce_gradients()
+            engine.step()
+            losses.append(float(loss))
+        return {"losses": losses}
+
+    def grads() -> torch.Tensor:
+        return torch.cat([p.grad.reshape(-1).float() for p in engine.module.parameters()])
+
+    engine.backward(_loss(engine, 0, rank))
+    reduced = grads().clone()
+    engine.allreduce_gradients()
+    out = {"unchanged": torch.equal(grads(), reduced)}
+    engine.step()
+    with engine.no_sync():
+        engine.backward(_loss(engine, 1, rank))
+    local = grads().clone()
+    engine.allreduce_gradients()
+    every = [torch.zeros_like(local) for _ in range(world_size)]
+    dist.all_gather(every, local)
+    out["local_differ"] = not torch.equal(every[0], every[1])
+    out["averaged"] = torch.allclose(grads(), sum(every) / world_size, rtol=1e-6, atol=1e-7)
+    engine.step()
+    out["loss_after"] = float(_loss(engine, 2, rank))
+    return out
+
+
 def _scenarios(tmp: str) -> list[dict]:
     out = []
     for engine in ENGINES:
@@ -657,6 +697,9 @@ def _scenarios(tmp: str) -> list[dict]:
         out.append({**call, "name": f"optim_{engine}", "target": f"{MODULE}:config_optimizer"})
         out.append({**call, "name": f"refusals_{engine}", "target": f"{MODULE}:construction_refusals"})
         out.append({**call, "name": f"unused_{engine}", "target": f"{MODULE}:unused_parameters"})
+        for stage in (0, 1):
+            out.append({**call, "name": f"allreduce_s{stage}_{engine}", "target": f"{MODULE}:explicit_allreduce",
+                        "stage": stage})  # fmt: skip
         out.append({**call, "name": f"clientopt_{engine}", "target": f"{MODULE}:client_optimizer",
                     "dir": f"{tmp}/clientopt_{engine}"})
         out.append({**call, "name": f"z3fp32_{engine}", "target": f"{MODULE}:zero3_fp32_gathered",
@@ -1063,3 +1106,15 @@ def test_zero_to_fp32_zero3_bf16_gathered_write(records, engine):
         assert r["master_rows_kept"] and r["master_was_not_bf16"]
         assert r["master_rows_written"] is (engine == "torsh")
         assert r["master_after_step_moved"] and math.isfinite(r["loss_after_write"])
+
+
+@both
+def test_engine_allreduce_gradients(records, engine):
+    """``DeepSpeedEngine.allreduce_gradients()`` (DeepSpeed's ZeRO tests call it after backward): a no-op after a
+    reducing backward, the average over the ranks after a ``no_sync`` backward; the next loss is DeepSpeed's."""
+    theirs = _ranks(records, "allreduce_s0", "deepspeed")
+    for r, d in zip(_ranks(records, "allreduce_s0", engine), theirs):
+        assert r["unchanged"] and r["local_differ"] and r["averaged"], r
+        assert r["loss_after"] == pytest.approx(d["loss_after"], rel=1e-5)
+    for r, d in zip(_ranks(records, "allreduce_s1", engine), _ranks(records, "allreduce_s1", "deepspeed")):
+        assert r["losses"] == pytest.approx(d["losses"], rel=1e-5)

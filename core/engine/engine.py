@@ -415,6 +415,8 @@ class Engine(nn.Module):
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         sync = self._sync_now()
+        if sync or self._in_no_sync:  # what allreduce_gradients() reduces: gradients a no_sync backward left local
+            self.__dict__["_unreduced"] = not sync
         if self._shard.kind == "fsdp":
             self.wrapped.set_requires_gradient_sync(sync)
         elif self._shard.partition is not None:
@@ -450,10 +452,25 @@ class Engine(nn.Module):
             self._check_ddp_finished()
         self._wrapper_forward = False
 
-    def _allreduce_gradients(self) -> None:
+    def allreduce_gradients(self, bucket_size: int | None = None) -> None:
+        """DeepSpeed's explicit reduction: at the accumulation boundary, the gradients backward left unreduced
+        (under ``no_sync``, stages 0 and 1) are averaged over the data-parallel ranks. Backward reduces all others
+        itself, so otherwise nothing changes, as with DeepSpeed (reducing its already averaged, equal gradients
+        again leaves them equal). ``bucket_size`` is DeepSpeed's argument; one reduction serves here."""
+        if not (self.__dict__.get("_unreduced") and self.is_gradient_accumulation_boundary()):
+            return
+        self.__dict__["_unreduced"] = False
+        masters = self._precision.masters
+        self._allreduce_gradients(masters is not None and masters.accumulate_in_master)  # there the fp32 masters
+        if self._shard.partition is not None:
+            self._shard.partition.absorb_grads()  # ZeRO-1: this rank's elements of the now reduced gradients
+
+    def _allreduce_gradients(self, masters: bool = False) -> None:
+        """The local gradients of the parameters (or of the fp32 masters) averaged over the data-parallel ranks."""
         from .sharding import allreduce_gradients
 
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        holders = self._precision.masters.masters.values() if masters else self.module.parameters()
+        grads = [p.grad for p in holders if p.grad is not None]
         allreduce_gradients(grads, self._policy.gradients, self._precision, self.world_size)
 
     def _check_ddp_finished(self) -> None:
