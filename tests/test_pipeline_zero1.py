@@ -122,9 +122,9 @@ def variants(rank: int, world_size: int, scenario: dict) -> dict:
            "offload_devices": sorted({str(m.device) for m in offload._shard.partition.masters}),
            "client_class": type(client.optimizer).__name__}  # fmt: skip
     try:
-        make(1, 3, "fp32", client=lambda params: torch.optim.LBFGS(params))
+        make(1, 3, "fp32", client=lambda params: torch.optim.Adafactor(params))
     except ConfigError as exc:
-        out["lbfgs"] = str(exc)
+        out["whole"] = str(exc)
     return out
 
 
@@ -197,7 +197,7 @@ def test_pipeline_zero1_with_the_scripts_optimizer_and_with_optimizer_offload(re
     for rec in h.ranks_of(records, "variants"):
         assert rec["client_class"] == "AdamW" and rec["client"] == rec["plain"]
         assert rec["offload_devices"] == ["cpu"] and rec["offload"] == rec["plain"]
-        assert "LBFGS updates whole tensors" in rec["lbfgs"] and "sharding.stage" in rec["lbfgs"]
+        assert "Adafactor updates whole tensors" in rec["whole"] and "sharding.stage" in rec["whole"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -169,17 +169,29 @@ def accessors(rank: int, world_size: int, scenario: dict) -> dict:
 
 
 def refused(rank: int, world_size: int, scenario: dict) -> dict:
+    """torch optimizers the engine cannot step, refused at initialize naming them: one that needs whole tensors at
+    ZeRO-2; LBFGS (a closure) and SparseAdam (sparse gradients) at any stage, also from a callable; Adafactor and
+    Rprop at stage 3, where torch cannot step them on FSDP2's shards (they train at stage 0)."""
     import torch
 
     import torsh
     from torsh.errors import ConfigError
 
-    model = h.build_model(0)
-    try:
-        torsh.initialize(model=model, optimizer=torch.optim.LBFGS(model.parameters()), config=h.ds_config(2))
-    except ConfigError as exc:
-        return {"error_text": str(exc)}
-    return {"error_text": None}
+    def error(stage: int, make) -> str | None:
+        model = h.build_model(0)
+        try:
+            engine = torsh.initialize(model=model, optimizer=make(model.parameters()), config=h.ds_config(stage))[0]
+            h.train(engine, rank, 0, 1)
+        except ConfigError as exc:
+            return str(exc)
+        return None
+
+    return {"error_text": error(2, torch.optim.Adafactor),
+            "lbfgs": [error(stage, torch.optim.LBFGS) for stage in (0, 3)],
+            "lbfgs_callable": error(0, lambda params: torch.optim.LBFGS),  # the class as the callable
+            "sparse": error(0, torch.optim.SparseAdam),
+            "on_shards": [error(3, torch.optim.Adafactor), error(3, torch.optim.Rprop)],
+            "stage0": [error(0, torch.optim.Adafactor), error(0, torch.optim.Rprop)]}  # fmt: skip
 
 
 def _scenarios(tmp) -> list[dict]:
@@ -273,4 +285,10 @@ def test_whole_value_accessors_match_stage0(records):
 
 def test_optimizer_that_is_not_elementwise_is_refused_by_name(records):
     for rec in h.ranks_of(records, "refused"):
-        assert rec["error_text"] and "LBFGS" in rec["error_text"] and "ZeRO-2" in rec["error_text"]
+        assert rec["error_text"] and "Adafactor" in rec["error_text"] and "ZeRO-2" in rec["error_text"]
+        for text in [*rec["lbfgs"], rec["lbfgs_callable"]]:
+            assert text and "LBFGS" in text and "closure" in text, text
+        assert rec["sparse"] and "SparseAdam" in rec["sparse"] and "sparse gradients" in rec["sparse"]
+        for name, text in zip(("Adafactor", "Rprop"), rec["on_shards"]):
+            assert text and name in text and "sharded parameters" in text, text
+        assert rec["stage0"] == [None, None]
