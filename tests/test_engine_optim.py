@@ -144,3 +144,11 @@ def test_an_optimizer_class_that_cannot_be_rebuilt_is_a_config_error_naming_it()
         construct(Wrap, [{"params": [p]}], {})
     assert "Wrap" in str(err.value) and "the optimizer it wraps" in str(err.value)
     assert isinstance(construct(torch.optim.SGD, [{"params": [p]}], {"lr": 0.1}), torch.optim.SGD)
+
+
+@pytest.mark.parametrize(("name", "says"), [("LBFGS", "closure"), ("SparseAdam", "sparse gradients")])
+def test_a_configured_optimizer_the_engine_cannot_step_is_refused_naming_the_key(name, says):
+    with pytest.raises(ConfigError) as err:
+        build_optimizer(OptimizerConfig(name=name), _params(), offload=False)
+    assert "optimizer.name" in str(err.value) and name in str(err.value) and says in str(err.value)
+    assert build_optimizer(OptimizerConfig(name="Adafactor"), _params(), offload=False) is not None  # not sharded

@@ -171,7 +171,8 @@ def accessors(rank: int, world_size: int, scenario: dict) -> dict:
 def refused(rank: int, world_size: int, scenario: dict) -> dict:
     """torch optimizers the engine cannot step, refused at initialize naming them: one that needs whole tensors at
     ZeRO-2; LBFGS (a closure) and SparseAdam (sparse gradients) at any stage, also from a callable; Adafactor and
-    Rprop at stage 3, where torch cannot step them on FSDP2's shards (they train at stage 0)."""
+    Rprop at stage 3, where torch cannot step them on FSDP2's shards, also when the config names them (they train
+    at stage 0)."""
     import torch
 
     import torsh
@@ -186,11 +187,20 @@ def refused(rank: int, world_size: int, scenario: dict) -> dict:
             return str(exc)
         return None
 
+    def configured(stage: int, name: str) -> str | None:
+        model = h.build_model(0)
+        config = {**h.ds_config(stage), "optimizer": {"type": name, "params": {"lr": 1e-3}}}
+        try:
+            torsh.initialize(model=model, model_parameters=model.parameters(), config=config)
+        except ConfigError as exc:
+            return str(exc)
+        return None
+
     return {"error_text": error(2, torch.optim.Adafactor),
             "lbfgs": [error(stage, torch.optim.LBFGS) for stage in (0, 3)],
             "lbfgs_callable": error(0, lambda params: torch.optim.LBFGS),  # the class as the callable
             "sparse": error(0, torch.optim.SparseAdam),
-            "on_shards": [error(3, torch.optim.Adafactor), error(3, torch.optim.Rprop)],
+            "on_shards": [error(3, torch.optim.Adafactor), error(3, torch.optim.Rprop), configured(3, "Adafactor")],
             "stage0": [error(0, torch.optim.Adafactor), error(0, torch.optim.Rprop)]}  # fmt: skip
 
 
@@ -289,6 +299,6 @@ def test_optimizer_that_is_not_elementwise_is_refused_by_name(records):
         for text in [*rec["lbfgs"], rec["lbfgs_callable"]]:
             assert text and "LBFGS" in text and "closure" in text, text
         assert rec["sparse"] and "SparseAdam" in rec["sparse"] and "sparse gradients" in rec["sparse"]
-        for name, text in zip(("Adafactor", "Rprop"), rec["on_shards"]):
+        for name, text in zip(("Adafactor", "Rprop", "Adafactor"), rec["on_shards"]):
             assert text and name in text and "sharded parameters" in text, text
         assert rec["stage0"] == [None, None]

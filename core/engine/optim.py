@@ -54,6 +54,7 @@ def build_optimizer(cfg: Any, params: Any, *, offload: bool) -> Any:
     if cfg is None or cfg.name is None:
         return None
     cls = _optimizer_class(cfg.name)
+    check_steppable(cls, sharded=all_sharded(params), key="optimizer.name")
     kwargs = _keywords(cfg)
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
     problems = _keyword_problems(cfg.name, kwargs, accepted, offload)
@@ -131,3 +132,30 @@ def all_sharded(params: Any) -> bool:
         else:
             return False
     return bool(tensors) and all(isinstance(t, DTensor) for t in tensors)
+
+
+#: torch optimizers whose step cannot run where the engine calls it, whatever the stage: refused at initialize
+#: (naming what to use), not by a traceback at the first step.
+_UNSTEPPABLE = {
+    "LBFGS": "its step() needs a closure that re-evaluates the model, and engine.step() passes none (neither does "
+             "DeepSpeed's): use Adam, AdamW or SGD",
+    "SparseAdam": "it steps sparse gradients only, and the engine's reduced gradients are dense (as DeepSpeed's): "
+                  "use Adam or AdamW",
+}
+#: torch optimizers whose step torch cannot run on FSDP2's DTensor shards (ZeRO-3, HSDP): it raises on their
+#: in-place ops over a sharded tensor.
+_NOT_ON_SHARDS = frozenset({"Adafactor", "Rprop"})
+
+
+def check_steppable(cls: type, *, sharded: bool, key: str = "optimizer") -> None:
+    """A ConfigError (naming ``key``) for a torch optimizer class the engine cannot step; ``sharded``: the step
+    tensors are FSDP2's DTensor shards."""
+    if not cls.__module__.startswith("torch.optim"):
+        return
+    name = cls.__name__
+    reason = _UNSTEPPABLE.get(name)
+    if reason is None and name in _NOT_ON_SHARDS and sharded:
+        reason = ("torch cannot step it on FSDP2's sharded parameters (DTensor shards, ZeRO stage 3 or hybrid "
+                  "sharding): use stage 0, 1 or 2, or Adam, AdamW or SGD")  # fmt: skip
+    if reason is not None:
+        raise ConfigError([Problem(key, name, f"torch.optim.{name} cannot be the engine's optimizer: {reason}")])

@@ -22,7 +22,7 @@ import torch
 from torsh.config import OptimizerConfig
 from torsh.errors import ConfigError, Problem
 
-from .optim import all_sharded
+from .optim import all_sharded, check_steppable
 
 log = logging.getLogger("torsh.engine")
 
@@ -73,35 +73,8 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
         log.info("initialize: the script's ZeroRedundancyOptimizer is rebuilt as its %s over the tensors the "
                  "step updates; the configured ZeRO stage decides the partition", inner.__name__)  # fmt: skip
         cls, defaults = inner, {**optimizer.defaults, **getattr(optimizer, "_optim_defaults", {})}
-    check_steppable(cls, by_name)
+    check_steppable(cls, sharded=_sharded(by_name))
     return cls, _accepted(cls, defaults), groups
-
-
-#: torch optimizers whose step cannot run where the engine calls it, whatever the stage: refused at initialize
-#: (naming what to use), not by a traceback at the first step.
-_UNSTEPPABLE = {
-    "LBFGS": "its step() needs a closure that re-evaluates the model, and engine.step() passes none (neither does "
-             "DeepSpeed's): use Adam, AdamW or SGD",
-    "SparseAdam": "it steps sparse gradients only, and the engine's reduced gradients are dense (as DeepSpeed's): "
-                  "use Adam or AdamW",
-}
-#: torch optimizers whose step torch cannot run on FSDP2's DTensor shards (ZeRO-3, HSDP): it raises on their
-#: in-place ops over a sharded tensor.
-_NOT_ON_SHARDS = frozenset({"Adafactor", "Rprop"})
-
-
-def check_steppable(cls: type, by_name: dict[str, torch.Tensor]) -> None:
-    """A ConfigError naming a torch optimizer class the engine cannot step over the tensors ``by_name`` holds."""
-    if not cls.__module__.startswith("torch.optim"):
-        return
-    name = cls.__name__
-    reason = _UNSTEPPABLE.get(name)
-    if reason is None and name in _NOT_ON_SHARDS and by_name and all_sharded([list(by_name.values())]):
-        reason = ("torch cannot step it on FSDP2's sharded parameters (DTensor shards, ZeRO stage 3 or hybrid "
-                  "sharding): use stage 0, 1 or 2, or Adam, AdamW or SGD")  # fmt: skip
-    if reason is not None:
-        raise ConfigError([Problem("optimizer", name, f"torch.optim.{name} cannot be the engine's optimizer: "
-                                   f"{reason}")])  # fmt: skip
 
 
 def construct(cls: type, params: list[dict], defaults: dict) -> torch.optim.Optimizer:
@@ -116,6 +89,10 @@ def construct(cls: type, params: list[dict], defaults: dict) -> torch.optim.Opti
                                    f"{cls.__name__}(param_groups, **defaults), which fails: {exc}; pass the "
                                    "optimizer it wraps, a callable that builds it from parameters, or configure "
                                    "the optimizer section")]) from None  # fmt: skip
+
+
+def _sharded(by_name: dict[str, torch.Tensor]) -> bool:
+    return bool(by_name) and all_sharded([list(by_name.values())])
 
 
 def _is_zero_redundancy(optimizer: Any) -> bool:
@@ -222,7 +199,7 @@ def build_step_optimizer(*, section: OptimizerConfig | None, client: Any, groups
     ZeRO-1/2 build theirs over the flat fp32 partition instead (:func:`torsh.engine.zero_partition.build_zero`).
     """
     if isinstance(client, torch.optim.Optimizer):
-        check_steppable(type(client), by_name)
+        check_steppable(type(client), sharded=_sharded(by_name))
         if holds_step_tensors(client, name_of, by_name):
             return client  # DeepSpeed's stage 0 in fp32: the script's object steps (``initialize`` returns it)
         cls, defaults, named = rebuild_optimizer(client, name_of, by_name)
@@ -233,7 +210,7 @@ def build_step_optimizer(*, section: OptimizerConfig | None, client: Any, groups
         return built
     if callable(client):
         built = client(_resolve(groups, by_name))
-        check_steppable(type(built), by_name)
+        check_steppable(type(built), sharded=_sharded(by_name))
         return built
     if section is not None and section.name:
         from .optim import build_optimizer as build_configured
