@@ -577,7 +577,7 @@ class PipelineEngine(Engine):
         if self.optimizer is None:
             raise AssertionError("must provide optimizer during init in order to use backward")
         if self._shard.partition is not None and self._widened:
-            self._shard.partition.absorb_whole_grads(self._wide)  # this replica's elements of the reduced gradients
+            self._shard.partition.absorb_grads(self._wide)  # this replica's elements of the reduced gradients
             self._wide.clear()
         params = self._params_to_step()
         needs_norm = self._clip > 0 or self.steps_per_print()
@@ -599,17 +599,9 @@ class PipelineEngine(Engine):
         self.__dict__.get("_wide", {}).clear()
 
     def _clip_and_step(self, params: list[torch.Tensor], norm: float | None) -> None:
-        """Clip to the global norm, step the optimizer (the bf16 weights from the masters) and the scheduler."""
-        coef = min(1.0, self._clip / (norm + 1e-6)) if self._clip > 0 else 1.0
-        if coef != 1.0:
-            with torch.no_grad():
-                torch._foreach_mul_([p.grad for p in params], coef)
-        self.optimizer.step()
-        if self._precision.masters is not None:
-            self._precision.masters.master_to_params()
-        if self._shard.partition is not None:
-            self._shard.partition.gather_params()  # the updated partitions into every replica's whole parameters
-        self._step_applied = True
+        """Clip to the global norm and step as the engine does (the bf16 weights from the masters, ZeRO-1's gather
+        into every replica's parameters), then the scheduler."""
+        self._apply_step(params, norm, 1.0)  # norm is None only without clipping
         if self.lr_scheduler is not None:
             try:
                 self.lr_scheduler.step()

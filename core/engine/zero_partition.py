@@ -241,10 +241,12 @@ class ZeroPartition:
         b.ready = 0
 
     @torch.no_grad()
-    def absorb_grads(self) -> None:
-        """Stage 1, after a reduced backward: DDP left every rank the whole averaged gradients; this rank's
-        elements are added to its partition gradient (in the accumulation dtype) and ``.grad`` is freed, so a
-        later micro-step's reduction does not count them again. A no-op at stage 2."""
+    def absorb_grads(self, grads: dict[int, torch.Tensor] | None = None) -> None:
+        """Stage 1, after a reduced backward: every rank holds the whole averaged gradients (DDP left them in
+        ``.grad``; or the caller reduced them itself and passes ``grads`` by parameter id, the pipeline engine's
+        fp32 accumulation of low-precision weights' gradients, as DeepSpeed's bf16 optimizer); this rank's
+        elements are added to its partition gradient (in the accumulation dtype). ``.grad`` is freed, so a later
+        micro-step's reduction does not count it again (``grads`` the caller frees). A no-op at stage 2."""
         if self.reduces:
             return
         for b in self.buckets:
@@ -252,14 +254,16 @@ class ZeroPartition:
             target = self.grads[b.group]
             for p in b.params:
                 view = self.local_view(p, target)
-                if p.grad is None:
+                grad = p.grad if grads is None else grads.get(id(p))
+                if grad is None:
                     if first:
                         view.zero_()
                     continue
                 start, end = self.local_range(p)
-                part = p.grad.reshape(-1)[start:end]
+                part = grad.reshape(-1)[start:end]
                 view.copy_(part) if first else view.add_(part.to(view.dtype))
-                p.grad = None
+                if grads is None:
+                    p.grad = None
             self._written.add(b.index)
 
     # ---- step ----------------------------------------------------------------------------------
@@ -546,29 +550,6 @@ class ZeroPartition:
                              f"fp32 master; they load on a job of that size, each rank its own (this job has "
                              f"{self.world}); engine.save_checkpoint() checkpoints load at any world size")  # fmt: skip
         return {int(i): s for _, piece in pieces for i, s in piece.items()}
-
-    # ---- stage 1 with whole gradients held by the caller (the pipeline engine) ---------------------
-
-    @torch.no_grad()
-    def absorb_whole_grads(self, grads: dict[int, torch.Tensor]) -> None:
-        """Stage 1 when the caller reduced the whole gradients itself and keeps them outside ``.grad`` (the pipeline
-        engine accumulates a low-precision parameter's micro-batch gradients in fp32, as DeepSpeed's bf16
-        optimizer): as :meth:`absorb_grads`, with ``grads[id(p)]`` in place of ``p.grad`` (absent: no gradient).
-        The caller frees them."""
-        for b in self.buckets:
-            first = b.index not in self._written
-            target = self.grads[b.group]
-            for p in b.params:
-                view = self.local_view(p, target)
-                grad = grads.get(id(p))
-                if grad is None:
-                    if first:
-                        view.zero_()
-                    continue
-                start, end = self.local_range(p)
-                part = grad.reshape(-1)[start:end]
-                view.copy_(part) if first else view.add_(part.to(view.dtype))
-            self._written.add(b.index)
 
 
 def _hyper(group: dict) -> dict:
