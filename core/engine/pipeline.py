@@ -137,8 +137,13 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
     precision = apply_precision(model, cfg.precision, decided)
     partition = None
     if decided.data_parallel == "zero1":  # the plan's kind for a pipeline at stage 1: the partition over the replicas
-        partition, built = _zero1(model, cfg, decided, precision, client=optimizer, groups=groups, name_of=name_of,
-                                  group=grid.get_data_parallel_group(), source=source)  # fmt: skip
+        from .zero_partition import partition_and_optimizer
+
+        # this engine reduces the whole gradients over the stage's replicas (fp32, as DeepSpeed's bf16 optimizer)
+        partition, built = partition_and_optimizer(model, cfg=cfg, decided=decided, precision=precision,
+                                                   client=optimizer, groups=groups, name_of=name_of, source=source,
+                                                   process_group=grid.get_data_parallel_group(),
+                                                   accum_dtype=torch.float32)  # fmt: skip
     else:
         step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
         built = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
@@ -161,35 +166,6 @@ def _broadcast_stage(model: nn.Module, grid: Any) -> None:
     src = min(grid.get_data_parallel_group_ranks())
     for tensor in [*model.parameters(), *model.buffers()]:
         dist.broadcast(tensor.data, src=src, group=grid.get_data_parallel_group())
-
-
-def _zero1(model: nn.Module, cfg: TorshConfig, decided: Any, precision: Any, *, client: Any, groups: list[dict],
-           name_of: dict[int, str], group: Any, source: str | None) -> tuple[Any, Any]:  # fmt: skip
-    """ZeRO-1 over the stage's data-parallel replicas (``group``): the partition in its stage-1 mode (this engine
-    reduces the whole gradients; fp32 partition gradients) and the optimizer over its flat fp32 masters, the
-    script's class and arguments or the configured one (None without any)."""
-    from .rebuild import rebuild_optimizer
-    from .zero_partition import ZeroPartition, _bucket_sizes, _check_elementwise, _partition_optimizer
-
-    by_name = dict(model.named_parameters())
-    cls = defaults = None
-    named = groups
-    if isinstance(client, torch.optim.Optimizer):
-        cls, defaults, named = rebuild_optimizer(client, name_of, by_name)
-    _check_elementwise(client, cfg.optimizer, cls, cfg.sharding.stage)
-    bucket, gather = _bucket_sizes(cfg, source)
-    tensors = [[by_name[n] for n in g["params"] if by_name[n].requires_grad and by_name[n].is_floating_point()]
-               for g in named]  # fmt: skip
-    partition = ZeroPartition(model, tensors, bucket_numel=max(1, bucket), allgather_numel=max(1, gather),
-                              compute_dtype=precision.param_dtype, reduce_dtype=torch.float32,
-                              accum_dtype=torch.float32, mean=True, reduce_every_micro_step=False,
-                              master_device=torch.device("cpu") if decided.masters_on_cpu else None,
-                              process_group=group, reduce_in_backward=False)  # fmt: skip
-    partition.legacy_order = [by_name[n] for g in named for n in g["params"]]  # the order ZeRO-1 saved before
-    built = _partition_optimizer(client, cls, defaults, named, partition, cfg, decided)
-    if built is not None:
-        built.optimizer = built  # DeepSpeed's engine.optimizer.optimizer: the torch optimizer of the partition
-    return partition, built
 
 
 class _Stage(nn.Module):
@@ -561,17 +537,9 @@ class PipelineEngine(Engine):
     def _partition_norm(self, part: Any) -> float:
         """ZeRO-1: the squares of every replica's partition gradients (a tied weight's copies on later stages not
         counted), summed over the replicas and the stages."""
-        local = torch.zeros((), dtype=torch.float64, device=part.master_device)
-        for master, params in zip(part.masters, part.group_params):
-            if master.grad is not None and master.numel():
-                local += torch.linalg.vector_norm(master.grad, 2).double() ** 2
-                for p in params:
-                    if getattr(p, "ds_pipe_replicated", False):
-                        local -= part.local_view(p, master.grad).double().pow(2).sum()
-        local = local.to(self.device)
-        dist.all_reduce(local, group=self.grid.get_data_parallel_group())
-        dist.all_reduce(local, group=self.grid.get_model_parallel_group())
-        return math.sqrt(float(local)) if math.isfinite(float(local)) else float(local)
+        tied = [p for params in part.group_params for p in params if getattr(p, "ds_pipe_replicated", False)]
+        grads = [m.grad for m in part.masters if m.grad is not None]
+        return part.global_norm(grads, skip=tied, over=(self.grid.get_model_parallel_group(),))
 
     def _optimizer_step(self) -> None:
         if self.optimizer is None:

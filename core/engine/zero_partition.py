@@ -104,7 +104,7 @@ class ZeroPartition:
 
     def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], *, bucket_numel: int,
                  allgather_numel: int, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 accum_dtype: torch.dtype, master_device: torch.device | None, mean: bool, reduce_every_micro_step: bool,
+                 accum_dtype: torch.dtype, master_device: torch.device | None, mean: bool,
                  process_group: Any = None, reduce_in_backward: bool = True):  # fmt: skip
         self.model = model
         self.group = process_group
@@ -113,7 +113,6 @@ class ZeroPartition:
         self.compute_dtype, self.reduce_dtype, self.accum_dtype = compute_dtype, reduce_dtype, accum_dtype
         self.allgather_numel = allgather_numel
         self.mean = mean
-        self.reduce_every_micro_step = reduce_every_micro_step
         self.reduces = reduce_in_backward
         """Stage 2: the partition reduces the gradients in backward. Stage 1: DDP all-reduces them whole and
         :meth:`absorb_grads` keeps this rank's elements."""
@@ -300,14 +299,22 @@ class ZeroPartition:
                              "ZeRO-2: set ignore_unused_parameters to true (DeepSpeed's default), or make every "
                              "trainable parameter and the forward's outputs take part in the loss")  # fmt: skip
 
-    def global_norm(self, grads: list[torch.Tensor]) -> float:
-        """The 2-norm of every rank's partition gradients together (one all-reduce)."""
+    def global_norm(self, grads: list[torch.Tensor], *, skip: list[nn.Parameter] = (), over: tuple = ()) -> float:
+        """The 2-norm of every rank's partition gradients together (one all-reduce over the data-parallel group,
+        and one over each group of ``over``), not counting the elements of the parameters in ``skip`` (the
+        pipeline's later copies of a tied weight)."""
         local = torch.zeros((), dtype=torch.float64, device=self.master_device)
         for g in grads:
             if g.numel():  # each partition's norm in its dtype (fp64 would cost ~30x on the CPU), summed in fp64
                 local += torch.linalg.vector_norm(g, 2).double() ** 2
+        for p in skip:
+            _, b, _ = getattr(p, ZERO_SLOT)
+            grad = self.masters[b.group].grad
+            if grad is not None:
+                local -= self.local_view(p, grad).double().pow(2).sum()
         local = local.to(self.device)
-        dist.all_reduce(local, group=self.group)
+        for group in (self.group, *over):
+            dist.all_reduce(local, group=group)
         return math.sqrt(float(local)) if math.isfinite(float(local)) else float(local)
 
     @torch.no_grad()
@@ -651,22 +658,13 @@ def _link(b: Bucket, world: int, dtype: torch.dtype) -> None:
 
 def build_zero(model: nn.Module, *, cfg: Any, decided: Any, precision: Any, info: Any, client: Any, groups: list[dict],
                name_of: dict[int, str], source: str | None) -> tuple[Any, Any]:  # fmt: skip
-    """The ShardPlan of ZeRO-1/2 and its optimizer (None without one): the optimizer's parameter groups (the
-    script's optimizer's, else ``model_parameters``'s, by name) decide the partition's groups; the optimizer is
-    built over their flat fp32 masters with the script's class and arguments, or the configured one. At stage 1
-    DDP wraps the model and all-reduces the whole gradients (its buckets, overlap and communication hooks); at
-    stage 2 the partition reduces them itself."""
-    from .rebuild import rebuild_optimizer
+    """The ShardPlan of ZeRO-1/2 and its optimizer (None without one), from :func:`partition_and_optimizer`. At
+    stage 1 DDP wraps the model and all-reduces the whole gradients (its buckets, overlap and communication hooks);
+    at stage 2 the partition reduces them itself."""
     from .sharding import ShardPlan, apply_sharding
 
-    by_name = dict(model.named_parameters())
-    cls = defaults = None
-    if isinstance(client, torch.optim.Optimizer):
-        cls, defaults, named = rebuild_optimizer(client, name_of, by_name)
-    else:
-        named = groups
-    _check_elementwise(client, cfg.optimizer, cls, cfg.sharding.stage)
-    partition = _make_partition(model, cfg, decided, precision, named, by_name, source)
+    partition, built = partition_and_optimizer(model, cfg=cfg, decided=decided, precision=precision, client=client,
+                                               groups=groups, name_of=name_of, source=source)  # fmt: skip
     if info.rank == 0:
         log.info("ZeRO-%d: %d bucket(s); this rank holds %d of %d trainable elements", cfg.sharding.stage,
                  len(partition.buckets), sum(m.numel() for m in partition.masters),
@@ -677,11 +675,37 @@ def build_zero(model: nn.Module, *, cfg: Any, decided: Any, precision: Any, info
     else:  # stage 1: DDP all-reduces the whole gradients, as DeepSpeed's stage 1 averages them
         shard = apply_sharding(model, cfg, decided, precision, info, source=source)
         shard.partition = partition
+    if built is not None:
+        _accept_legacy_state(built, partition)
+    return shard, built
+
+
+def partition_and_optimizer(model: nn.Module, *, cfg: Any, decided: Any, precision: Any, client: Any,
+                            groups: list[dict], name_of: dict[int, str], source: str | None,
+                            process_group: Any = None, accum_dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+    """The partition of ZeRO-1/2 and the optimizer over its flat fp32 masters (None without one): the optimizer's
+    parameter groups (the script's optimizer's, else ``model_parameters``'s, by name) decide the partition's
+    groups; the optimizer is the script's class and arguments, its callable's, or the configured one.
+    ``process_group``: the data-parallel group (None: every rank); ``accum_dtype``: the partition gradients' dtype
+    (None: the config's gradient accumulation dtype). The main engine's ZeRO-1/2 and the pipeline engine's ZeRO-1
+    (over a stage's replicas, fp32 gradients) both build theirs here."""
+    from .precision import DTYPES
+
+    by_name = dict(model.named_parameters())
+    cls, defaults, named = _client_groups(client, cfg, groups, name_of, by_name)
+    bucket, gather = _bucket_sizes(cfg, source)
+    accum = accum_dtype or DTYPES.get(cfg.precision.effective_grad_accum_dtype, precision.param_dtype)
+    partition = ZeroPartition(model, _trainable(named, by_name), bucket_numel=max(1, bucket), allgather_numel=max(1, gather),
+                              compute_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
+                              accum_dtype=accum, master_device=torch.device("cpu") if decided.masters_on_cpu else None,
+                              mean=cfg.gradients.reduce_op == "mean", process_group=process_group,
+                              reduce_in_backward=decided.data_parallel != "zero1")  # fmt: skip
+    partition.legacy_order = [by_name[n] for g in named for n in g["params"]]  # the order ZeRO-1 saved before
+    partition.require_grads = partition.reduces and decided.masters_on_cpu and not _ignores_unused(cfg)
     built = _partition_optimizer(client, cls, defaults, named, partition, cfg, decided)
     if built is not None:
         built.optimizer = built  # DeepSpeed's engine.optimizer.optimizer: the torch optimizer of the partition
-        _accept_legacy_state(built, partition)
-    return shard, built
+    return partition, built
 
 
 def _bucket_sizes(cfg: Any, source: str | None) -> tuple[int, int]:
@@ -695,23 +719,24 @@ def _bucket_sizes(cfg: Any, source: str | None) -> tuple[int, int]:
     return bucket, bucket
 
 
-def _make_partition(model: nn.Module, cfg: Any, decided: Any, precision: Any, named: list[dict],
-                    by_name: dict[str, nn.Parameter], source: str | None) -> ZeroPartition:  # fmt: skip
-    from .precision import DTYPES
+def _client_groups(client: Any, cfg: Any, groups: list[dict], name_of: dict[int, str],
+                   by_name: dict[str, nn.Parameter]) -> tuple[type | None, dict | None, list[dict]]:  # fmt: skip
+    """The script's optimizer class, its arguments and its parameter groups by name (``groups``, the
+    ``model_parameters``, without one); an optimizer that is not elementwise is refused."""
+    from .rebuild import rebuild_optimizer
 
-    bucket, gather = _bucket_sizes(cfg, source)
-    tensors = [[by_name[n] for n in g["params"] if by_name[n].requires_grad and by_name[n].is_floating_point()]
-               for g in named]  # fmt: skip
-    partition = ZeroPartition(model, tensors, bucket_numel=max(1, bucket), allgather_numel=max(1, gather),
-                              compute_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
-                              accum_dtype=DTYPES.get(cfg.precision.effective_grad_accum_dtype, precision.param_dtype),
-                              master_device=torch.device("cpu") if decided.masters_on_cpu else None,
-                              mean=cfg.gradients.reduce_op == "mean",
-                              reduce_every_micro_step=precision.reduce_every_micro_step,
-                              reduce_in_backward=decided.data_parallel != "zero1")  # fmt: skip
-    partition.legacy_order = [by_name[n] for g in named for n in g["params"]]
-    partition.require_grads = partition.reduces and decided.masters_on_cpu and not _ignores_unused(cfg)
-    return partition
+    cls = defaults = None
+    named = groups
+    if isinstance(client, torch.optim.Optimizer):
+        cls, defaults, named = rebuild_optimizer(client, name_of, by_name)
+    _check_elementwise(client, cfg.optimizer, cls, cfg.sharding.stage)
+    return cls, defaults, named
+
+
+def _trainable(named: list[dict], by_name: dict[str, nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Each group's parameters the partition steps: trainable floating-point ones."""
+    return [[by_name[n] for n in g["params"] if by_name[n].requires_grad and by_name[n].is_floating_point()]
+            for g in named]  # fmt: skip
 
 
 def _ignores_unused(cfg: Any) -> bool:
