@@ -157,6 +157,28 @@ def legacy(rank: int, world_size: int, scenario: dict) -> dict:
     return out
 
 
+def across(rank: int, world_size: int, scenario: dict) -> dict:
+    """ZeRO-1 pipeline checkpoints between the engines: each one's weights load into the other
+    (``load_optimizer_states=False``); DeepSpeed's optimizer partition asked of torsh is a CheckpointError saying
+    so (DeepSpeed refuses torsh's with its own assertion)."""
+    from torsh.engine.checkpoint_io import CheckpointError
+
+    out = {}
+    for writer, reader in (("torsh", "deepspeed"), ("deepspeed", "torsh")):
+        engine = make(1, 3, "fp32", writer)
+        train(engine, 0, 2)
+        engine.save_checkpoint(scenario["dir"], tag=writer)
+        other = make(1, 5, "fp32", reader)
+        other.load_checkpoint(scenario["dir"], tag=writer, load_optimizer_states=False)
+        out[writer] = {"weights": _weights(engine), "loaded": _weights(other)}
+    try:
+        make(1, 5, "fp32").load_checkpoint(scenario["dir"], tag="deepspeed")
+        out["optimizer_refused"] = None
+    except CheckpointError as exc:
+        out["optimizer_refused"] = str(exc)
+    return out
+
+
 def _scenarios(tmp: Path) -> list[dict]:
     out = [{"name": f"parity_{dtype}_{engine}", "kind": "call", "target": f"{MODULE}:parity", "engine": engine,
             "dtype": dtype} for dtype in DTYPES for engine in ("torsh", "deepspeed")]  # fmt: skip
@@ -164,6 +186,8 @@ def _scenarios(tmp: Path) -> list[dict]:
     out.append({"name": "variants", "kind": "call", "target": f"{MODULE}:variants"})
     out.append({"name": "moves", "kind": "call", "target": f"{MODULE}:moves", "dir": str(tmp)})
     out.append({"name": "legacy", "kind": "call", "target": f"{MODULE}:legacy", "dir": str(LEGACY)})
+    (tmp / "across").mkdir()
+    out.append({"name": "across", "kind": "call", "target": f"{MODULE}:across", "dir": str(tmp / "across")})
     return out
 
 
@@ -237,3 +261,11 @@ def test_the_plan_names_the_pipelines_own_data_parallel_kind():
         [step] = [s for s in decided.steps if s.startswith("pipeline stages")]
         assert "the pipeline engine all-reduces" in step and "DDP (" not in " ".join(decided.steps)
     assert not plan(TorshConfig.model_validate({"sharding": {"stage": 1}}), 2).pipeline
+
+
+def test_zero1_pipeline_weights_load_in_either_engine_and_deepspeeds_optimizer_is_refused_by_name(records):
+    for rec in h.ranks_of(records, "across"):
+        for writer in ("torsh", "deepspeed"):
+            assert rec[writer]["loaded"] == pytest.approx(rec[writer]["weights"], rel=1e-7, abs=0), writer
+        text = rec["optimizer_refused"]
+        assert text and "DeepSpeed's ZeRO-1 optimizer partition" in text and "load_optimizer_states=False" in text

@@ -12,7 +12,9 @@ DeepSpeed's, so each engine loads the other's checkpoint. Under ZeRO-1 the stage
 weights writes), which is what a load reads, so a checkpoint moves between stage 0 and ZeRO-1 (and partition
 layouts) exactly; each rank's file holds its partition (``optimizer.state_dict()``), as DeepSpeed's layout has it.
 ZeRO-1 checkpoints written when it was torch's ``ZeroRedundancyOptimizer`` (no whole state in the stage file;
-each rank's file its torch per-rank state and the fp32 masters) still load on the same degrees.
+each rank's file its torch per-rank state and the fp32 masters) still load on the same degrees. Between the
+engines at ZeRO-1 the weights move (``load_optimizer_states=False``), not the optimizer partitions: DeepSpeed's
+are a CheckpointError here, and DeepSpeed refuses torsh's.
 """
 
 from __future__ import annotations
@@ -164,7 +166,14 @@ def _saved_optimizer(engine: Any, root: Path, state: dict[str, Any]) -> dict | N
     if state.get("optimizer") is not None:
         return {"optimizer": state["optimizer"]}
     if _zero(engine) and _optim_file(engine, root).is_file():
-        return torch.load(_optim_file(engine, root), map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        saved = torch.load(_optim_file(engine, root), map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        if "optimizer" not in saved:  # DeepSpeed's own ZeRO optimizer partition (base_optimizer_state, ...)
+            from .checkpoint_io import CheckpointError
+
+            raise CheckpointError(f"{_optim_file(engine, root)} holds DeepSpeed's ZeRO-1 optimizer partition, which "
+                                  "the pipeline engine does not read: load_checkpoint(..., load_optimizer_states="
+                                  "False) loads the weights, counters and scheduler and the optimizer starts afresh")
+        return saved
     return None
 
 
