@@ -159,3 +159,23 @@ def check_steppable(cls: type, *, sharded: bool, key: str = "optimizer") -> None
                   "sharding): use stage 0, 1 or 2, or Adam, AdamW or SGD")  # fmt: skip
     if reason is not None:
         raise ConfigError([Problem(key, name, f"torch.optim.{name} cannot be the engine's optimizer: {reason}")])
+
+
+#: torch optimizers whose update of an element reads only that element (and the step count): exact on a flat
+#: partition. Others need whole tensors (a norm per parameter, a matrix) and are refused at ZeRO stages 1 and 2.
+ELEMENTWISE = frozenset({"Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "Adamax", "RMSprop", "Rprop", "NAdam",
+                         "RAdam", "ASGD", "SparseAdam"})  # fmt: skip
+
+
+def check_elementwise(client: Any, section: Any, cls: type | None, stage: int) -> None:
+    """ZeRO-1/2 step flat partitions: a ConfigError for a torch optimizer (the script's class ``cls``, or the one
+    ``section`` names when the script passes none) that updates whole tensors."""
+    name = cls.__name__ if cls is not None else (section.name if client is None and section is not None else None)
+    if not name or name in ELEMENTWISE or (cls is not None and not cls.__module__.startswith("torch.optim")):
+        return
+    where = "stage 0" if name in _NOT_ON_SHARDS else "stage 0 or 3"
+    key, value = ("sharding.stage", stage) if cls is not None else ("optimizer.name", name)
+    raise ConfigError([Problem(key, value, f"{name} updates whole tensors (not element by element); ZeRO-{stage} "
+                               "steps flat partitions of the parameters (as DeepSpeed's), where it would compute "
+                               f"something else: use {where}, or an elementwise optimizer (Adam, AdamW, SGD, "
+                               "Adagrad)")])  # fmt: skip

@@ -723,13 +723,14 @@ def _client_groups(client: Any, cfg: Any, groups: list[dict], name_of: dict[int,
                    by_name: dict[str, nn.Parameter]) -> tuple[type | None, dict | None, list[dict]]:  # fmt: skip
     """The script's optimizer class, its arguments and its parameter groups by name (``groups``, the
     ``model_parameters``, without one); an optimizer that is not elementwise is refused."""
+    from .optim import check_elementwise
     from .rebuild import rebuild_optimizer
 
     cls = defaults = None
     named = groups
     if isinstance(client, torch.optim.Optimizer):
         cls, defaults, named = rebuild_optimizer(client, name_of, by_name)
-    _check_elementwise(client, cfg.optimizer, cls, cfg.sharding.stage)
+    check_elementwise(client, cfg.optimizer, cls, cfg.sharding.stage)
     return cls, defaults, named
 
 
@@ -779,30 +780,6 @@ def _accept_legacy_state(optimizer: torch.optim.Optimizer, partition: ZeroPartit
             own(state_dict)
 
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
-
-
-#: torch optimizers whose update of an element reads only that element (and the step count): exact on a flat
-#: partition. Others need whole tensors (a norm per parameter, a matrix) and are refused at ZeRO stages 1 and 2.
-ELEMENTWISE = frozenset({"Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "Adamax", "RMSprop", "Rprop", "NAdam",
-                         "RAdam", "ASGD", "SparseAdam"})  # fmt: skip
-
-
-def _check_elementwise(client: Any, section: Any, cls: type | None, stage: int) -> None:
-    from torsh.errors import ConfigError, Problem
-
-    name = cls.__name__ if cls is not None else (section.name if client is None and section is not None else None)
-    if cls is not None and cls.__module__.startswith("torch.optim") and name not in ELEMENTWISE:
-        problem = Problem("sharding.stage", stage, f"{name} updates whole tensors (not element by element); ZeRO-"
-                          f"{stage} steps flat partitions of the parameters (as DeepSpeed's), where it would compute "
-                          "something else: use stage 0 or 3, or an elementwise optimizer (Adam, AdamW, SGD, "
-                          "Adagrad)")  # fmt: skip
-    elif cls is None and name and name not in ELEMENTWISE:
-        problem = Problem("optimizer.name", name, f"{name} updates whole tensors (not element by element); ZeRO-"
-                          f"{stage} steps flat partitions of the parameters: use stage 0 or 3, or an elementwise "
-                          "optimizer (Adam, AdamW, SGD, Adagrad)")  # fmt: skip
-    else:
-        return
-    raise ConfigError([problem])
 
 
 def _note_unit_settings(sharding: Any, rank: int) -> None:
