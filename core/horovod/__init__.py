@@ -39,7 +39,6 @@ from ._basics import (
     ddl_built,
     gloo_built,
     gloo_enabled,
-    init,
     is_homogeneous,
     is_initialized,
     local_rank,
@@ -50,12 +49,12 @@ from ._basics import (
     nccl_built,
     rank,
     rocm_built,
-    shutdown,
     size,
     start_timeline,
     stop_timeline,
 )
 from ._controller import HorovodInternalError
+from ._lifecycle import init, shutdown
 from ._ops import (
     Adasum,
     Average,
