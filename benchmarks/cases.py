@@ -138,7 +138,7 @@ def torsh_wrapping(stage: str, precision: str, shape: Shape) -> dict:
     same: the blocks of each FSDP2 unit at stages 2/3, DDP's bucket size at stages 0/1 (``NativeJob``'s
     keyword arguments). Imports torsh's config reader and unit planner only (no engine)."""
     from torsh import adapters
-    from torsh.engine.units import ddp_bucket_cap_mb, grad_bytes, plan_units
+    from torsh.engine.zero.units import ddp_bucket_cap_mb, grad_bytes, plan_units
 
     cfg = adapters.load(deepspeed_config(stage, precision, shape)).result
     if cfg.sharding.stage <= 1:

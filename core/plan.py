@@ -73,7 +73,7 @@ class EnginePlan:
     data_parallel: DataParallel
     """``ddp`` (stage 0), ``zero1`` (DeepSpeed's stage 1: whole parameters, DDP all-reduces the whole gradients,
     optimizer partitioned), ``zero2`` (DeepSpeed's stage 2: whole parameters, gradients and optimizer partitioned;
-    both :mod:`torsh.engine.zero_partition`), ``fsdp2`` (stage 3),
+    both :mod:`torsh.engine.zero.partition`), ``fsdp2`` (stage 3),
     ``hsdp`` (FSDP2 on a 2-D mesh: shard within groups, replicate across them; stages 2/3)."""
     mesh: tuple[int, ...] | None
     """FSDP2's mesh shape: ``(world,)`` or ``(replicate, shard)``; None under DDP or while it is "auto"."""
@@ -358,7 +358,7 @@ def _dtype(value: object) -> str:
 
 
 def _with_steps(decided: EnginePlan, cfg: TorshConfig, source: str | None) -> EnginePlan:
-    from .engine.units import describe_policy  # torch-free: the sizes, not the model
+    from .engine.zero.units import describe_policy  # torch-free: the sizes, not the model
 
     steps = _mesh_steps(decided, cfg)
     steps += _checkpointing_steps(cfg)
@@ -438,7 +438,7 @@ TP_ROWWISE = ("o_proj", "out_proj", "output_proj", "down_proj", "dense", "wo", "
 
 
 def tp_plan_step(cfg: TorshConfig) -> str:
-    """The tensor-parallel plan in words (the engine's :mod:`torsh.engine.tensor_parallel` applies it)."""
+    """The tensor-parallel plan in words (the engine's :mod:`torsh.engine.parallel.tensor_parallel` applies it)."""
     plan_ = cfg.parallelism.tp_plan
     head = f"tensor parallelism over {cfg.parallelism.tp} ranks: DTensor parallelize_module on the tp sub-mesh, "
     if plan_:

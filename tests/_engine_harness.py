@@ -577,7 +577,7 @@ def synced(rank: int, world_size: int, scenario: dict) -> dict:
     import torch
 
     import torsh
-    from torsh.engine import sharding
+    from torsh.engine.zero import sharding
 
     sharding.SYNC_BUCKET_BYTES = scenario.get("bucket_bytes", sharding.SYNC_BUCKET_BYTES)
     model = build_model(seed=rank)

@@ -23,7 +23,7 @@ pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is installed by requir
 
 import _engine_harness as h  # noqa: E402
 
-from torsh.engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from torsh.engine.checkpoint.save_load import CheckpointError, load_checkpoint  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "engine_workers" / "ds_checkpoint_worker.py"
 STAGES = (0, 1, 2, 3)

@@ -18,8 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torsh.engine import checkpoint_io  # noqa: E402
-from torsh.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
+from torsh.engine.checkpoint import io as checkpoint_io  # noqa: E402
+from torsh.engine.checkpoint.save_load import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
 
 TAG = "global_step2"
 
@@ -237,7 +237,7 @@ def test_latest_that_is_a_fifo_is_an_error_not_a_hang(tmp_path):
 
 
 def test_no_checkpoint_at_all_still_returns_nones(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="torsh.engine.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="torsh.engine.checkpoint.save_load"):
         assert _load(tmp_path / "nothing") == (None, None, None)
     assert "latest" in caplog.text
 
@@ -249,7 +249,7 @@ def test_old_checkpoint_without_manifest_loads_and_its_dcp_errors_are_exceptions
     (ckpt / "manifest.json").unlink()
     states = torch.load(ckpt / "engine_states.pt", weights_only=True)
     torch.save({**states, "format": 1}, ckpt / "engine_states.pt")
-    with caplog.at_level(logging.WARNING, logger="torsh.engine.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="torsh.engine.checkpoint.save_load"):
         assert _load(tmp_path)[0] == str(ckpt)
     assert "not verified" in caplog.text
     shard = next(ckpt.glob("*.distcp"))

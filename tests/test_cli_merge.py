@@ -95,7 +95,7 @@ def test_tag_and_tag_directory_select_the_checkpoint(checkpoints, tmp_path):
 
 
 def _single_process_checkpoint(root: Path) -> Path:
-    from torsh.engine.checkpoint import save_checkpoint
+    from torsh.engine.checkpoint.save_load import save_checkpoint
 
     model = h.build_model(0)
     save_checkpoint(root, "global_step1", model=model, optimizer=torch.optim.AdamW(model.parameters()),

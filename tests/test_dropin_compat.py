@@ -121,7 +121,7 @@ def test_deepspeed_adams_are_torch_adam_with_deepspeeds_weight_decay_modes(name,
 
 def test_an_engine_rebuilding_fused_adam_keeps_its_mode():
     from torsh.compat.deepspeed.ops.adam import FusedAdam
-    from torsh.engine.rebuild import rebuild_optimizer
+    from torsh.engine.optim import rebuild_optimizer
 
     p = torch.nn.Parameter(torch.zeros(2))
     cls, defaults, groups = rebuild_optimizer(FusedAdam([p], lr=0.5, adam_w_mode=False), {id(p): "w"}, {"w": p})

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from torsh.engine.checkpoint_io import CheckpointError
-from torsh.engine.ds_checkpoint import _Layout
+from torsh.engine.checkpoint.io import CheckpointError
+from torsh.engine.checkpoint.from_deepspeed import _Layout
 
 
 def _dir(tmp_path: Path, *names: str) -> Path:

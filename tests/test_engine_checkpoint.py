@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from torsh.config import LossScalingConfig, TorshConfig  # noqa: E402
-from torsh.engine.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from torsh.engine.checkpoint.save_load import load_checkpoint, save_checkpoint  # noqa: E402
 from torsh.engine.loss_scaler import build_loss_scaler  # noqa: E402
 from torsh.engine.schedulers import build_scheduler  # noqa: E402
 
@@ -86,7 +86,7 @@ def test_rng_is_not_restored_by_default_as_in_deepspeed(tmp_path):
 
 
 def test_no_checkpoint_at_all_returns_nones_with_a_warning(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="torsh.engine.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="torsh.engine.checkpoint.save_load"):
         assert load_checkpoint(tmp_path / "absent", None, **_job()) == (None, None, None)
         assert load_checkpoint(tmp_path, None, **_job()) == (None, None, None)
     assert "latest" in caplog.text
@@ -213,7 +213,7 @@ def test_ranks_saving_under_different_tags_all_raise(multiprocess_results):
 
 
 def test_rng_states_round_trip_through_a_safe_load(tmp_path):
-    from torsh.engine.checkpoint import _rng_state, _set_rng_state, _torch_bytes
+    from torsh.engine.checkpoint.save_load import _rng_state, _set_rng_state, _torch_bytes
 
     np = pytest.importorskip("numpy", reason="numpy's RNG is saved only when numpy is installed")
     (tmp_path / "rng.pt").write_bytes(_torch_bytes(_rng_state(), "RNG state"))

@@ -595,7 +595,7 @@ def test_units_never_split_a_leaf_module():
     with it the block is whole, under every unit policy."""
     from torsh.compat.deepspeed.utils import set_z3_leaf_modules, unset_z3_leaf_modules
     from torsh.config import ShardingConfig
-    from torsh.engine.units import plan_units
+    from torsh.engine.zero.units import plan_units
 
     model = moe_model(0)
     sharding = ShardingConfig(stage=3)
@@ -630,7 +630,7 @@ def test_mixtral_moe_blocks_are_leaves_by_default_like_deepspeed(records):
 def test_leaf_module_config_names_modules():
     """zero_optimization.leaf_module as DeepSpeed reads it: classes (default: the Mixtral/Qwen MoE blocks),
     names and name suffixes."""
-    from torsh.engine import leaves
+    from torsh.engine.zero import leaves
 
     model = moe_model(0)
     assert leaves.apply_config(model, {}) == []  # no default class in this model

@@ -98,7 +98,7 @@ def test_fsdp2_shards_are_stepped_with_foreach_ops_unless_the_config_says(tmp_pa
         told = build_optimizer(OptimizerConfig(name="AdamW", kwargs={"foreach": False}), sharded, offload=False)
         assert told.defaults["foreach"] is False
         # an optimizer the script built is rebuilt over the shards the same way, unless it chose foreach itself
-        from torsh.engine.rebuild import build_step_optimizer
+        from torsh.engine.optim import build_step_optimizer
 
         names = {id(p): f"p{i}" for i, p in enumerate(sharded)}
         by_name = {names[id(p)]: p for p in sharded}
@@ -132,7 +132,7 @@ def test_fsdp2_shards_are_stepped_with_foreach_ops_unless_the_config_says(tmp_pa
 def test_an_optimizer_class_that_cannot_be_rebuilt_is_a_config_error_naming_it():
     """A wrapper optimizer (its constructor takes another optimizer) cannot be rebuilt over the step's tensors:
     a ConfigError naming it and what to pass instead, not the TypeError of its constructor."""
-    from torsh.engine.rebuild import construct
+    from torsh.engine.optim import construct
 
     class Wrap(torch.optim.Optimizer):
         def __init__(self, inner, k):

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from torsh.config import WrapPolicy  # noqa: E402
-from torsh.engine.wrap import wrap_targets  # noqa: E402
+from torsh.engine.zero.wrap import wrap_targets  # noqa: E402
 from torsh.models import TinyTransformer  # noqa: E402
 
 

@@ -14,7 +14,7 @@ from torch import nn  # noqa: E402
 import _one_process as one_process  # noqa: E402
 from torsh import adapters  # noqa: E402
 from torsh.config import DdpConfig, ShardingConfig, TorshConfig, WrapPolicy  # noqa: E402
-from torsh.engine import units as u  # noqa: E402
+from torsh.engine.zero import units as u  # noqa: E402
 from torsh.errors import ConfigError  # noqa: E402
 
 BLOCK = 10 * 10 + 10  # parameters of one Linear(10, 10) block
@@ -236,7 +236,7 @@ def test_explain_lines_need_no_model():
 
 
 def test_importing_the_module_does_not_import_torch():
-    code = "import sys, torsh.engine.units; print('torch' in sys.modules)"
+    code = "import sys, torsh.engine.zero.units; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -133,7 +133,7 @@ def test_every_scheduler_holding_the_client_optimizer_drives_the_stepping_one(re
 def test_switches_are_kept_as_torch_allows_on_the_step_tensors(caplog):
     """fused/capturable that the step tensors' device cannot run are turned off, and said so; fused wins over
     foreach; a script's choice the device allows is kept (per group too)."""
-    from torsh.engine.rebuild import adopt_construction
+    from torsh.engine.optim import adopt_construction
 
     p = torch.nn.Parameter(torch.zeros(2))
     q = torch.nn.Parameter(torch.zeros(2))

@@ -110,7 +110,7 @@ def test_auto_hybrid_shard_size_is_the_node_and_unresolvable_auto_is_named(monke
 # ---- wrapping -----------------------------------------------------------------------------------
 
 def test_wrap_targets():
-    from torsh.engine.wrap import wrap_targets
+    from torsh.engine.zero.wrap import wrap_targets
 
     model = h.build_model()
     assert [type(m).__name__ for m in wrap_targets(model, WrapPolicy())] == ["Embedding", "Sequential", "LayerNorm",

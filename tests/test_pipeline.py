@@ -269,7 +269,7 @@ def test_pipeline_degree_is_refused_outside_the_pipeline_engine_only():
 def test_pipeline_refusals_name_the_key_and_the_alternative():
     from types import SimpleNamespace
 
-    from torsh.engine.pipeline import pipeline_degree, pipeline_refusals
+    from torsh.engine.pipeline.engine import pipeline_degree, pipeline_refusals
 
     module = SimpleNamespace(num_stages=2)
     zero3 = TorshConfig.model_validate({"sharding": {"stage": 3}})
@@ -292,7 +292,7 @@ def test_a_deepspeed_fp32_stage_file_loads(tmp_path):
 
     import torch
 
-    from torsh.engine.pipeline_checkpoint import load
+    from torsh.engine.pipeline.checkpoint import load
 
     def adam():
         torch.manual_seed(0)

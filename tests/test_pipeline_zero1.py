@@ -1,4 +1,4 @@
-"""The pipeline engine's ZeRO-1 on the engine's partition (``torsh.engine.zero_partition`` in its stage-1 mode over
+"""The pipeline engine's ZeRO-1 on the engine's partition (``torsh.engine.zero.partition`` in its stage-1 mode over
 a stage's data-parallel replicas), on 2 gloo ranks in one launch (1 stage x 2 replicas), beside real DeepSpeed
 0.19.8's ``PipelineEngine`` where values are compared:
 
@@ -161,7 +161,7 @@ def across(rank: int, world_size: int, scenario: dict) -> dict:
     """ZeRO-1 pipeline checkpoints between the engines: each one's weights load into the other
     (``load_optimizer_states=False``); DeepSpeed's optimizer partition asked of torsh is a CheckpointError saying
     so (DeepSpeed refuses torsh's with its own assertion)."""
-    from torsh.engine.checkpoint_io import CheckpointError
+    from torsh.engine.checkpoint.io import CheckpointError
 
     out = {}
     for writer, reader in (("torsh", "deepspeed"), ("deepspeed", "torsh")):

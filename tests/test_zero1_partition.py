@@ -1,4 +1,4 @@
-"""ZeRO-1 as DeepSpeed runs it (``torsh.engine.zero_partition`` with DDP's all-reduce), on 2 gloo ranks in one
+"""ZeRO-1 as DeepSpeed runs it (``torsh.engine.zero.partition`` with DDP's all-reduce), on 2 gloo ranks in one
 launch, beside real DeepSpeed 0.19.8 where values are compared:
 
 - per-step losses, gradient norms and final weights equal DeepSpeed's stage 1 (fp32 and bf16, weight-decay

@@ -1,4 +1,4 @@
-"""ZeRO-2 as DeepSpeed runs it (``torsh.engine.zero_partition``), on 2 gloo ranks in one launch, beside real
+"""ZeRO-2 as DeepSpeed runs it (``torsh.engine.zero.partition``), on 2 gloo ranks in one launch, beside real
 DeepSpeed 0.19.8 where values are compared:
 
 - between steps ``engine.module``'s parameters are plain whole tensors in the compute dtype, slices of one flat

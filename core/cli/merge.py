@@ -4,9 +4,9 @@ Two kinds of checkpoint directory, both in DeepSpeed's layout (``save_dir/latest
 
 * torsh's (``engine.save_checkpoint``): ``torch.distributed.checkpoint`` shards from any world size and ZeRO stage.
   They are read in one process by DCP's own loader into full-size tensors, through the safe reader of
-  :mod:`torsh.engine.checkpoint_io`, after checking the files against their checksums.
+  :mod:`torsh.engine.checkpoint.io`, after checking the files against their checksums.
 * DeepSpeed's (``mp_rank_00_model_states.pt``, ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``, ZeRO 0-3):
-  reassembled by :mod:`torsh.engine.ds_checkpoint` (what DeepSpeed's ``zero_to_fp32.py`` computes), its pickles
+  reassembled by :mod:`torsh.engine.checkpoint.from_deepspeed` (what DeepSpeed's ``zero_to_fp32.py`` computes), its pickles
   read with ``weights_only=True`` and no DeepSpeed install.
 
 Nothing in a checkpoint can run code. Only the model's weights and buffers are written, keyed by the module's
@@ -87,7 +87,7 @@ def _require_torch() -> None:
 
 def resolve(root: Path, tag: str | None) -> Path:
     """The tag directory to merge: ``root/<tag>``, ``root/<latest>``, or ``root`` itself when it is one."""
-    from torsh.engine.checkpoint import LATEST
+    from torsh.engine.checkpoint.save_load import LATEST
 
     if not root.is_dir():
         raise ConfigError([Problem("CHECKPOINT", str(root), "no such directory")])
@@ -112,14 +112,14 @@ def resolve(root: Path, tag: str | None) -> Path:
 
 
 def _is_deepspeed(path: Path) -> bool:
-    from torsh.engine.checkpoint import DCP_METADATA
-    from torsh.engine.ds_checkpoint import is_deepspeed_checkpoint
+    from torsh.engine.checkpoint.save_load import DCP_METADATA
+    from torsh.engine.checkpoint.from_deepspeed import is_deepspeed_checkpoint
 
     return is_deepspeed_checkpoint(path) and not (path / DCP_METADATA).is_file()
 
 
 def _is_checkpoint(path: Path) -> bool:
-    from torsh.engine.checkpoint import DCP_METADATA
+    from torsh.engine.checkpoint.save_load import DCP_METADATA
 
     return (path / DCP_METADATA).is_file() or _is_deepspeed(path)
 
@@ -143,8 +143,8 @@ def merged_weights(path: Path) -> tuple[dict[str, Any], str, frozenset[str] | No
     """
     if not _is_deepspeed(path):
         return merge_state_dict(path), "", None
-    from torsh.engine.checkpoint_io import CheckpointError
-    from torsh.engine.ds_checkpoint import _read_checked  # the engine's safe DeepSpeed reader
+    from torsh.engine.checkpoint.io import CheckpointError
+    from torsh.engine.checkpoint.from_deepspeed import _read_checked  # the engine's safe DeepSpeed reader
 
     try:
         restored = _read_checked(path, with_optimizer=False)
@@ -164,8 +164,8 @@ def merge_state_dict(path: Path) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from torsh.engine.checkpoint import DCP_METADATA
-    from torsh.engine.checkpoint_io import CheckpointError, read_dcp_metadata, read_manifest, verify_files
+    from torsh.engine.checkpoint.save_load import DCP_METADATA
+    from torsh.engine.checkpoint.io import CheckpointError, read_dcp_metadata, read_manifest, verify_files
 
     try:
         files = read_manifest(path)
@@ -213,7 +213,7 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from torsh.engine.checkpoint_io import CheckpointError, safe_dcp_classes
+    from torsh.engine.checkpoint.io import CheckpointError, safe_dcp_classes
 
     reader_cls, planner_cls = safe_dcp_classes()
     reader = reader_cls(path)

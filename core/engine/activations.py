@@ -6,7 +6,7 @@ from torch import nn
 
 from torsh.config import ActivationCheckpointingConfig, WrapPolicy
 
-from .wrap import modules_of_classes, wrap_targets
+from .zero.wrap import modules_of_classes, wrap_targets
 
 
 def apply_activation_checkpointing(model: nn.Module, ac: ActivationCheckpointingConfig, wrap: WrapPolicy) -> int:

@@ -17,7 +17,7 @@ from torsh.errors import ConfigError, Problem
 from torsh.translate import Translation
 
 from .distributed import DistInfo
-from .rebuild import rebind_scheduler
+from .optim import rebind_scheduler
 
 log = logging.getLogger("torsh.engine")
 

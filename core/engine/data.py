@@ -1,4 +1,4 @@
-"""The training dataloader DeepSpeed builds from ``training_data``."""
+"""The training dataloader DeepSpeed builds from ``training_data``, and the loader the pipeline engine repeats."""
 
 from __future__ import annotations
 
@@ -23,3 +23,22 @@ def build_dataloader(dataset, *, micro_batch_size: int, data: DataConfig, rank: 
     return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn,
                       num_workers=data.num_workers, drop_last=data.drop_last,
                       pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory)  # fmt: skip
+
+
+class RepeatingLoader:
+    """Iterate a loader forever: restart it when it is exhausted (DeepSpeed's ``RepeatingLoader``, which the
+    pipeline engine reads its micro-batches from)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.data_iter = iter(self.loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)

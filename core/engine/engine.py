@@ -21,14 +21,15 @@ from torch import nn
 from torsh.config import ResolvedBatch
 from torsh.plan import StepPolicy
 
-from . import whole_params, zero_params
 from .distributed import DistInfo, on_shutdown
 from .engine_members import DEEPSPEED_ENGINE_MEMBERS
 from .monitor import Monitor, ThroughputTimer
 from .precision import PrecisionPlan
-from .sharding import ShardPlan
-from .zero_partition import attach as _attach
-from .zero_partition import attach_buffers as _attach_buffers
+from .zero import params as zero_params
+from .zero import whole_params
+from .zero.partition import attach as _attach
+from .zero.partition import attach_buffers as _attach_buffers
+from .zero.sharding import ShardPlan
 
 log = logging.getLogger("torsh.engine")
 
@@ -99,7 +100,7 @@ class Engine(nn.Module):
         for name in ("offload_states", "reload_states"):
             if not hasattr(optimizer, name):
                 setattr(optimizer, name, _engine_method(self, name))
-        from .checkpoint_state import give_rank_state_dict
+        from .checkpoint.state import give_rank_state_dict
 
         give_rank_state_dict(optimizer)  # torch's ZeRO: state_dict() without consolidation, as DeepSpeed's
 
@@ -211,7 +212,7 @@ class Engine(nn.Module):
         if self.mp_world_size == 1:
             return dist.group.WORLD
         if self.__dict__.get("_dp_group") is None:
-            from .tensor_parallel import data_parallel_group
+            from .parallel.tensor_parallel import data_parallel_group
 
             self.__dict__["_dp_group"] = data_parallel_group(self._shard.mesh)
         return self.__dict__["_dp_group"]
@@ -467,7 +468,7 @@ class Engine(nn.Module):
 
     def _allreduce_gradients(self, masters: bool = False) -> None:
         """The local gradients of the parameters (or of the fp32 masters) averaged over the data-parallel ranks."""
-        from .sharding import allreduce_gradients
+        from .zero.sharding import allreduce_gradients
 
         holders = self._precision.masters.masters.values() if masters else self.module.parameters()
         grads = [p.grad for p in holders if p.grad is not None]
@@ -494,7 +495,7 @@ class Engine(nn.Module):
         return [n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
 
     def _switch_to_unused(self, unused: list[str]) -> None:
-        from .sharding import rebuild_ddp_for_unused
+        from .zero.sharding import rebuild_ddp_for_unused
 
         if self.global_rank == 0:
             log.info("the model has parameters its forward does not use (%s%s): DDP runs with "
@@ -824,7 +825,7 @@ class Engine(nn.Module):
         """Save model, optimizer, scheduler, loss scaler, counters and ``client_state`` under
         ``save_dir/<tag>/`` (tag default ``global_step{N}``) and, if ``save_latest``, ``save_dir/latest``;
         ``exclude_frozen_parameters`` leaves out the parameters that do not require a gradient."""
-        from .checkpoint import save_checkpoint
+        from .checkpoint.save_load import save_checkpoint
 
         if not save_dir:  # DeepSpeed's check: None or "" would write into the working directory
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
@@ -843,7 +844,7 @@ class Engine(nn.Module):
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):  # fmt: skip
         """Load a checkpoint written by :meth:`save_checkpoint` (at any world size); returns
         ``(load_path, client_state)``, ``(None, None)`` when there is none."""
-        from .checkpoint import load_checkpoint
+        from .checkpoint.save_load import load_checkpoint
 
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by the torsh engine")

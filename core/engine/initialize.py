@@ -35,10 +35,10 @@ from .data import build_dataloader
 from .distributed import init_distributed as start_process_group
 from .engine import Engine
 from .monitor import Monitor
-from .rebuild import build_step_optimizer, named_groups
+from .optim import build_step_optimizer, named_groups
 from .precision import apply_precision
-from .sharding import apply_sharding, sync_module_states
-from .units import with_deepspeed_buckets
+from .zero.sharding import apply_sharding, sync_module_states
+from .zero.units import with_deepspeed_buckets
 
 log = logging.getLogger("torsh.engine")
 
@@ -59,7 +59,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     """
     if model is None:
         raise ConfigError([Problem("model", None, "initialize needs a model")])
-    from .pipeline import initialize_pipeline, is_pipeline_module
+    from .pipeline.engine import initialize_pipeline, is_pipeline_module
 
     if is_pipeline_module(model):  # a deepspeed.pipe.PipelineModule: the pipeline engine
         return initialize_pipeline(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
@@ -150,7 +150,7 @@ def _shard_and_optimizer(model, cfg: TorshConfig, decided: EnginePlan, precision
     shard, hook the compression, then build the optimizer after sharding, so that it holds the tensors the step
     updates (the fp32 masters at stage 0 with low-precision compute)."""
     if decided.data_parallel in ("zero1", "zero2"):
-        from .zero_partition import build_zero
+        from .zero.partition import build_zero
 
         shard, optimizer = build_zero(model, cfg=cfg, decided=decided, precision=precision, info=info,
                                       client=optimizer, groups=groups, name_of=name_of, source=source)  # fmt: skip

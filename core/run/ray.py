@@ -128,7 +128,7 @@ def _worker_loop(config: dict[str, Any]) -> None:
     import runpy
 
     from torsh.compat import install_deepspeed_alias
-    from torsh.engine import checkpoint
+    from torsh.engine.checkpoint import save_load as checkpoint
 
     os.environ.update(config["env"])
     os.chdir(config["cwd"])

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
-from torsh.engine import checkpoint
+from torsh.engine.checkpoint import save_load as checkpoint
 
 
 def _job(seed: int):

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from torsh.config import LossScalingConfig, TorshConfig
-from torsh.engine.checkpoint import load_checkpoint, save_checkpoint
+from torsh.engine.checkpoint.save_load import load_checkpoint, save_checkpoint
 from torsh.engine.loss_scaler import build_loss_scaler
 from torsh.engine.schedulers import build_scheduler
 
@@ -79,7 +79,7 @@ def full_states(model, opt) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from torsh.engine.checkpoint import _param_names, _zero_state_dict
+    from torsh.engine.checkpoint.save_load import _param_names, _zero_state_dict
 
     full = StateDictOptions(full_state_dict=True)
     if isinstance(opt, ZeroRedundancyOptimizer):
@@ -186,7 +186,7 @@ def _missing(workdir: Path) -> None:
 
 
 def _expect_error_on_every_rank(root: Path, needle: str, **kwargs) -> None:
-    from torsh.engine.checkpoint import CheckpointError
+    from torsh.engine.checkpoint.save_load import CheckpointError
 
     model, opt, sched, scaler = build("ddp", seed=1)
     try:
@@ -217,7 +217,7 @@ def _corrupt(workdir: Path) -> None:
         shutil.rmtree(root)
         shutil.copytree(workdir / "w2_ddp", root)
         (root / TAG / "rng_states" / "rank1.pt").write_bytes(b"not a torch file")  # read by rank 1 alone
-        from torsh.engine import checkpoint_io
+        from torsh.engine.checkpoint import io as checkpoint_io
 
         shares = [checkpoint_io.hash_share(root / TAG, 0, 1)]
         (root / TAG / "manifest.json").write_bytes(checkpoint_io.write_manifest(root / TAG, shares))

@@ -7,8 +7,8 @@ import logging as _logging  # not ``logging``: that name is DeepSpeed's submodul
 import torch as _torch  # not ``torch``: that name is the submodule deepspeed.utils.torch once imported
 
 from torsh.engine.precision import MASTER
-from torsh.engine.zero_params import PENDING_FP32, write_whole
-from torsh.engine.zero_partition import ZERO_SLOT
+from torsh.engine.zero.params import PENDING_FP32, write_whole
+from torsh.engine.zero.partition import ZERO_SLOT
 
 from ..runtime.dataloader import RepeatingLoader  # noqa: F401
 from .._unsupported import unsupported_function

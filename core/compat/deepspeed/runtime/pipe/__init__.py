@@ -1,7 +1,7 @@
 """``deepspeed.runtime.pipe`` / ``deepspeed.pipe``: pipeline parallelism on ``torch.distributed.pipelining``.
 
 ``PipelineModule`` builds this rank's stage exactly as DeepSpeed 0.19.8 does; ``deepspeed.initialize`` returns the
-pipeline engine (:class:`torsh.engine.pipeline.PipelineEngine`) for it. ``DualPipeVModule`` is not run.
+pipeline engine (:class:`torsh.engine.pipeline.engine.PipelineEngine`) for it. ``DualPipeVModule`` is not run.
 """
 
 from ..._unsupported import unsupported_class
@@ -16,7 +16,7 @@ from .topology import (  # noqa: F401
 
 def __getattr__(name: str):
     if name == "PipelineEngine":
-        from torsh.engine.pipeline import PipelineEngine
+        from torsh.engine.pipeline.engine import PipelineEngine
 
         return PipelineEngine
     raise AttributeError(f"module 'deepspeed.runtime.pipe' has no attribute {name!r}")

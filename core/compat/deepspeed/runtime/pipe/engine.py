@@ -1,3 +1,3 @@
-"""``deepspeed.runtime.pipe.engine``: the pipeline engine is :class:`torsh.engine.pipeline.PipelineEngine`."""
+"""``deepspeed.runtime.pipe.engine``: the pipeline engine is :class:`torsh.engine.pipeline.engine.PipelineEngine`."""
 
-from torsh.engine.pipeline import PipelineEngine, PipelineError  # noqa: F401
+from torsh.engine.pipeline.engine import PipelineEngine, PipelineError  # noqa: F401

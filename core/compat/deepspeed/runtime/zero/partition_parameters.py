@@ -4,7 +4,7 @@ torsh shards at ``initialize`` (FSDP2 at stages 2/3), not while the model is bui
 model normally (full parameters on every rank); it only marks the parameters it saw created, so that
 ``GatheredParameters(..., modifier_rank=r)`` on them broadcasts rank ``r``'s values, as DeepSpeed's partitioned
 parameters do. After ``initialize`` at stages 2/3 the parameters are DTensor shards carrying DeepSpeed's
-``ds_id``/``ds_status`` (:mod:`torsh.engine.zero_params`): ``GatheredParameters`` puts full parameters, in
+``ds_id``/``ds_status`` (:mod:`torsh.engine.zero.params`): ``GatheredParameters`` puts full parameters, in
 DeepSpeed's parameter dtype, on their modules inside the context, makes ``param.data`` the whole value (what
 DeepSpeed scripts read there) and, with a ``modifier_rank``, writes that rank's values back into every rank's
 shard on exit. Plain (DDP) parameters are
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torsh.engine.zero_params import COMPUTE_DTYPE, ZeroParamStatus, write_shown
+from torsh.engine.zero.params import COMPUTE_DTYPE, ZeroParamStatus, write_shown
 
 _ZERO_INIT_MARK = "_torsh_zero_init"
 _GATHERED = "_torsh_gathered"

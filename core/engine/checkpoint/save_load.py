@@ -23,14 +23,14 @@ Atomicity: everything is written into ``save_dir/.tmp-<tag>``; after a barrier r
 set-aside copy and the next save moves it back. The next save also deletes staging directories of killed saves.
 
 Loading is safe and verified: no file is unpickled with plain pickle (DCP's metadata and non-tensor items go
-through :mod:`torsh.engine.checkpoint_io`, every ``.pt`` loads with ``weights_only=True``), every file is checked
+through :mod:`torsh.engine.checkpoint.io`, every ``.pt`` loads with ``weights_only=True``), every file is checked
 against ``manifest.json`` first, and a checkpoint that was asked for (an explicit tag, or the one ``latest`` names)
 but is missing, incomplete, corrupt or unsafe raises :class:`CheckpointError` naming the file, on every rank.
 Only "there is no checkpoint at all" (no ``latest``, no tag) returns ``(None, None, None)`` with a warning, as
 DeepSpeed does. Like DeepSpeed, loading does not restore RNG states unless asked (``load_rng_states=True``).
 
 A directory written by DeepSpeed itself (``mp_rank_00_model_states.pt``, ``*_optim_states.pt``; ZeRO stages
-0-3) loads too, at any world size and into any stage: see :mod:`torsh.engine.ds_checkpoint`.
+0-3) loads too, at any world size and into any stage: see :mod:`torsh.engine.checkpoint.from_deepspeed`.
 
 Every rank calls :func:`save_checkpoint` and :func:`load_checkpoint` (they are collective). The directory must
 be visible to every rank (a shared filesystem), as for DeepSpeed.
@@ -49,7 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .checkpoint_io import (
+from .io import (
     MANIFEST,
     CheckpointError,
     hash_share,
@@ -60,7 +60,7 @@ from .checkpoint_io import (
     verify_files,
     write_manifest,
 )
-from .checkpoint_state import (
+from .state import (
     _barrier,
     _broadcast,
     _dist,
@@ -75,8 +75,8 @@ from .checkpoint_state import (
     _zero_load_template,
     _zero_state_dict,
 )
-from .ds_checkpoint import is_deepspeed_checkpoint
-from .whole_params import sharded_state
+from .from_deepspeed import is_deepspeed_checkpoint
+from ..zero.whole_params import sharded_state
 
 log = logging.getLogger(__name__)
 
@@ -519,8 +519,8 @@ def _load_small_states(saved: dict[str, Any], lr_scheduler: Any, loss_scaler: An
 
 
 def _load_deepspeed(path: Path, **kwargs: Any) -> tuple[str, dict, dict | None]:
-    """A checkpoint directory written by DeepSpeed (see :mod:`torsh.engine.ds_checkpoint`)."""
-    from .ds_checkpoint import load_deepspeed_checkpoint
+    """A checkpoint directory written by DeepSpeed (see :mod:`torsh.engine.checkpoint.from_deepspeed`)."""
+    from .from_deepspeed import load_deepspeed_checkpoint
 
     log.info("loading DeepSpeed checkpoint %s", path)
     with sharded_state(kwargs["model"]), _quiet_without_dist():

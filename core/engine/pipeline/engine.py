@@ -6,7 +6,7 @@ Each rank holds one stage (the layers its ``PipelineModule`` built); ``train_bat
 through a ``Schedule1F1B`` over the pipeline's process group. Then, as DeepSpeed's train schedule ends: the
 gradients of tied weights are summed over the stages holding them, gradients are averaged over the stage's
 data-parallel replicas, and the optimizer steps. ZeRO-1 is the engine's partition
-(:class:`.zero_partition.ZeroPartition` in its stage-1 mode) over a stage's replicas: this engine all-reduces the
+(:class:`..zero.partition.ZeroPartition` in its stage-1 mode) over a stage's replicas: this engine all-reduces the
 whole gradients (bf16 weights: accumulated in fp32 over the micro-batches, as DeepSpeed's bf16 optimizer), each
 replica keeps its elements, steps its flat fp32 partition and the updated partitions are gathered. The loss is
 DeepSpeed's: the mean over micro-batches, averaged over replicas, broadcast from the last stage to every stage.
@@ -26,9 +26,9 @@ from torch import nn
 from torsh.config import TorshConfig
 from torsh.errors import ConfigError, Problem
 
-from .engine import Engine
-from .precision import MASTER
-from .sharding import ShardPlan
+from ..engine import Engine
+from ..precision import MASTER
+from ..zero.sharding import ShardPlan
 
 log = logging.getLogger("torsh.engine")
 
@@ -38,7 +38,7 @@ ZERO_INCOMPATIBLE = "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelis
 
 def is_pipeline_module(model: Any) -> bool:
     """Whether ``initialize`` was given a ``deepspeed.pipe.PipelineModule`` (torsh's)."""
-    from torsh.compat.deepspeed.runtime.pipe.module import PipelineModule
+    from .module import PipelineModule
 
     return isinstance(model, PipelineModule)
 
@@ -98,12 +98,12 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
     :class:`PipelineEngine`."""
     from torsh.plan import plan
 
-    from . import config_io as init
-    from .auto import log_resolved, resolve_auto
-    from .distributed import init_distributed as start_process_group
-    from .monitor import Monitor
-    from .precision import apply_precision
-    from .rebuild import build_step_optimizer, named_groups
+    from .. import config_io as init
+    from ..auto import log_resolved, resolve_auto
+    from ..distributed import init_distributed as start_process_group
+    from ..monitor import Monitor
+    from ..precision import apply_precision
+    from ..optim import build_step_optimizer, named_groups
 
     if mpu is not None:
         raise ConfigError([Problem("mpu", type(mpu).__name__, "mpu must be None with pipeline parallelism: the "
@@ -137,7 +137,7 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
     precision = apply_precision(model, cfg.precision, decided)
     partition = None
     if decided.data_parallel == "zero1":  # the plan's kind for a pipeline at stage 1: the partition over the replicas
-        from .zero_partition import partition_and_optimizer
+        from ..zero.partition import partition_and_optimizer
 
         # this engine reduces the whole gradients over the stage's replicas (fp32, as DeepSpeed's bf16 optimizer)
         partition, built = partition_and_optimizer(model, cfg=cfg, decided=decided, precision=precision,
@@ -287,7 +287,7 @@ class PipelineEngine(Engine):
         from torch.utils.data import DataLoader
         from torch.utils.data.distributed import DistributedSampler
 
-        from torsh.compat.deepspeed.runtime.dataloader import RepeatingLoader
+        from ..data import RepeatingLoader
 
         sampler = DistributedSampler(dataset, num_replicas=self.dp_world_size, rank=self.get_data_parallel_rank(),
                                      shuffle=False)  # fmt: skip
@@ -646,7 +646,7 @@ class PipelineEngine(Engine):
         """DeepSpeed's pipeline layout under ``save_dir/<tag>/``: ``layer_NN-model_states.pt`` per layer,
         ``mp_rank_SS_model_states.pt`` per stage (counters, scheduler, client state; the optimizer state without
         ZeRO) and, with ZeRO-1, ``zero_pp_rank_D_mp_rank_SS_optim_states.pt`` per rank; ``latest`` names the tag."""
-        from .pipeline_checkpoint import save
+        from .checkpoint import save
 
         return save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
@@ -654,7 +654,7 @@ class PipelineEngine(Engine):
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):  # fmt: skip
         """Load what :meth:`save_checkpoint` wrote (the same pipeline and data-parallel degrees); returns
         ``(load_path, client_state)``, ``(None, None)`` when there is no checkpoint."""
-        from .pipeline_checkpoint import load
+        from .checkpoint import load
 
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by the torsh engine")

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # torch is imported by the functions: torsh.engine.checkpoint imports this module without it
+if TYPE_CHECKING:  # torch is imported by the functions: checkpoint.save_load imports this module without it
     import torch
     from torch import nn
 

@@ -1,5 +1,5 @@
 """Data parallelism and sharding: stage 0 DDP, stage 1 DDP (the optimizer steps a partition:
-:mod:`.zero_partition`), stage 3 FSDP2, HSDP; stage 2 is :mod:`.zero_partition`.
+:mod:`.partition`), stage 3 FSDP2, HSDP; stage 2 is :mod:`.partition`.
 
 Also the two things that must happen around it: every rank starts from rank 0's weights, and DDP reduces
 gradients with DeepSpeed's operation (post-scale by default, ``gradient_predivide_factor``, sum or mean, the
@@ -18,9 +18,10 @@ from torch import nn
 from torsh.config import DdpConfig, GradientsConfig, ShardingConfig, TorshConfig
 from torsh.plan import EnginePlan
 
-from . import leaves, whole_params, zero_params
-from .distributed import DistInfo
-from .precision import PrecisionPlan
+from . import leaves, whole_params
+from . import params as zero_params
+from ..distributed import DistInfo
+from ..precision import PrecisionPlan
 from .units import plan_units
 
 log = logging.getLogger("torsh.engine")
@@ -40,7 +41,7 @@ class ShardPlan:
     mesh: object | None = None
     """The FSDP2 device mesh."""
     partition: object | None = None
-    """ZeRO-1/2: the :class:`.zero_partition.ZeroPartition` holding this rank's partition of the fp32 masters and
+    """ZeRO-1/2: the :class:`.partition.ZeroPartition` holding this rank's partition of the fp32 masters and
     gradients (at stage 2 (kind ``"zero"``) reducing the gradients into it; at stage 1 (kind ``"ddp"``) taking its
     elements of DDP's all-reduced gradients) and gathering the parameters after the step."""
     keep_whole: bool = False
@@ -86,7 +87,7 @@ def apply_sharding(model: nn.Module, cfg: TorshConfig, decided: EnginePlan, prec
     if not decided.fsdp:
         return _apply_ddp(model, cfg.ddp, cfg.gradients, precision, info, decided.compression != "comm_hook")
     if decided.tp > 1:  # tensor parallelism first, then FSDP2 on the data-parallel sub-mesh it leaves
-        from .tensor_parallel import apply_tensor_parallel
+        from ..parallel.tensor_parallel import apply_tensor_parallel
 
         return _apply_fsdp(model, cfg, decided, precision, info, source,
                            mesh=apply_tensor_parallel(model, cfg, decided, info))  # fmt: skip

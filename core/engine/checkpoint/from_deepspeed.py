@@ -28,7 +28,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .checkpoint_io import CheckpointError
+from .io import CheckpointError
 
 __all__ = ["is_deepspeed_checkpoint", "load_deepspeed_checkpoint"]
 
@@ -466,7 +466,7 @@ def load_deepspeed_checkpoint(path: Path, *, model: Any, optimizer: Any, lr_sche
     Returns ``(model states file, client_state, engine_state)`` like DeepSpeed's ``load_checkpoint``: the
     client state is every entry of the model states that DeepSpeed does not consume itself.
     """
-    from .checkpoint_state import _on_every_rank, _torch_optimizer
+    from .state import _on_every_rank, _torch_optimizer
 
     optimizer = _torch_optimizer(optimizer) if load_optimizer_states and not load_module_only else None
     # every rank reads the files (a failure on one rank is raised on all, before any collective)
@@ -523,7 +523,7 @@ def _client_state(restored: _Restored, *, load_module_only: bool, load_lr_schedu
 def _install(restored: _Restored, model: Any, optimizer: Any, *, strict: bool, file: Path) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    from .checkpoint_state import _param_names
+    from .state import _param_names
 
     names = _param_names(model)
     if restored.stage0 is not None and optimizer is not None:
@@ -545,7 +545,7 @@ def _set_states(restored: _Restored, model: Any, optimizer: Any, names: dict[int
     a torch optimizer together with the model."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    from .checkpoint_state import _is_zero, _zero_load, _zero_param_groups
+    from .state import _is_zero, _zero_load, _zero_param_groups
 
     if optimizer is None:
         set_model_state_dict(model, weights, options=options)

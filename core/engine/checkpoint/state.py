@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .checkpoint_io import CheckpointError
+from .io import CheckpointError
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from torsh.config import TorshConfig
 from torsh.errors import ConfigError, Problem
 from torsh.plan import TP_COLWISE, TP_ROWWISE, Degrees, EnginePlan
 
-from .distributed import DistInfo
+from ..distributed import DistInfo
 
 log = logging.getLogger("torsh.engine")
 

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint_state import RANK_STATE
+from ..checkpoint.state import RANK_STATE
 
 log = logging.getLogger("torsh.engine")
 
@@ -689,7 +689,7 @@ def partition_and_optimizer(model: nn.Module, *, cfg: Any, decided: Any, precisi
     ``process_group``: the data-parallel group (None: every rank); ``accum_dtype``: the partition gradients' dtype
     (None: the config's gradient accumulation dtype). The main engine's ZeRO-1/2 and the pipeline engine's ZeRO-1
     (over a stage's replicas, fp32 gradients) both build theirs here."""
-    from .precision import DTYPES
+    from ..precision import DTYPES
 
     by_name = dict(model.named_parameters())
     cls, defaults, named = _client_groups(client, cfg, groups, name_of, by_name)
@@ -723,8 +723,8 @@ def _client_groups(client: Any, cfg: Any, groups: list[dict], name_of: dict[int,
                    by_name: dict[str, nn.Parameter]) -> tuple[type | None, dict | None, list[dict]]:  # fmt: skip
     """The script's optimizer class, its arguments and its parameter groups by name (``groups``, the
     ``model_parameters``, without one); an optimizer that is not elementwise is refused."""
-    from .optim import check_elementwise
-    from .rebuild import rebuild_optimizer
+    from ..optim import check_elementwise
+    from ..optim import rebuild_optimizer
 
     cls = defaults = None
     named = groups
@@ -749,7 +749,7 @@ def _partition_optimizer(client: Any, cls: type | None, defaults: dict | None, n
                          partition: ZeroPartition, cfg: Any, decided: Any) -> Any:  # fmt: skip
     """The optimizer over the partition's flat masters, one parameter per group: the script's class and arguments
     (its object then a view of this one), its callable's, or the configured one; None without any."""
-    from .rebuild import adopt_construction, construct, forward_client
+    from ..optim import adopt_construction, construct, forward_client
 
     params = [{**g, "params": [m]} for g, m in zip(named, partition.masters)]
     if cls is not None:
@@ -760,7 +760,7 @@ def _partition_optimizer(client: Any, cls: type | None, defaults: dict | None, n
     if callable(client):
         return client(params)
     if cfg.optimizer is not None and cfg.optimizer.name:
-        from .optim import build_optimizer
+        from ..optim import build_optimizer
 
         return build_optimizer(cfg.optimizer, params, offload=decided.optimizer_on_cpu)
     return None

@@ -18,7 +18,7 @@ from torch import nn
 
 log = logging.getLogger("torsh.engine")
 
-#: DeepSpeed's ``deepspeed.utils`` functions (what ``from torsh.engine.leaves import *`` gives the drop-in).
+#: DeepSpeed's ``deepspeed.utils`` functions (what ``from torsh.engine.zero.leaves import *`` gives the drop-in).
 __all__ = ["get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
            "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"]  # fmt: skip
 

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint_state import RANK_STATE
-from .zero_partition import ZERO_SLOT
+from ..checkpoint.state import RANK_STATE
+from ..zero.partition import ZERO_SLOT
 
 
 def _model_file(engine: Any, root: Path) -> Path:
@@ -168,7 +168,7 @@ def _saved_optimizer(engine: Any, root: Path, state: dict[str, Any]) -> dict | N
     if _zero(engine) and _optim_file(engine, root).is_file():
         saved = torch.load(_optim_file(engine, root), map_location="cpu", weights_only=False)["optimizer_state_dict"]
         if "optimizer" not in saved:  # DeepSpeed's own ZeRO optimizer partition (base_optimizer_state, ...)
-            from .checkpoint_io import CheckpointError
+            from ..checkpoint.io import CheckpointError
 
             raise CheckpointError(f"{_optim_file(engine, root)} holds DeepSpeed's ZeRO-1 optimizer partition, which "
                                   "the pipeline engine does not read: load_checkpoint(..., load_optimizer_states="
