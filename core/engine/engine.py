@@ -22,7 +22,7 @@ from torsh.config import ResolvedBatch
 from torsh.plan import StepPolicy
 
 from .distributed import DistInfo, on_shutdown
-from .engine_members import DEEPSPEED_ENGINE_MEMBERS
+from .engine_members import DEEPSPEED_ENGINE_MEMBERS, config_view
 from .monitor import Monitor, ThroughputTimer
 from .precision import PrecisionPlan
 from .zero import params as zero_params
@@ -131,11 +131,9 @@ class Engine(nn.Module):
     @property
     def _config(self) -> Any:
         """DeepSpeed's ``DeepSpeedConfig`` of this engine (``engine._config.train_micro_batch_size_per_gpu``),
-        its batch sizes the ones the engine runs with."""
+        its batch sizes the ones the engine runs with (:func:`~torsh.engine.engine_members.config_view`)."""
         if "_ds_config" not in self.__dict__:
-            from torsh.compat.deepspeed.runtime.config import DeepSpeedConfig
-
-            self.__dict__["_ds_config"] = DeepSpeedConfig._of_engine(self)
+            self.__dict__["_ds_config"] = config_view(self)
         return self.__dict__["_ds_config"]
 
     mpu = None

@@ -1,5 +1,12 @@
 """The public members of DeepSpeed 0.19.8's ``DeepSpeedEngine``, for the error that names a member the torsh
-engine lacks (:meth:`torsh.engine.engine.Engine.__getattr__`)."""
+engine lacks (:meth:`torsh.engine.engine.Engine.__getattr__`), and ``engine._config``, DeepSpeed's view of the
+engine's config."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 #: Public members of DeepSpeed 0.19.8's ``DeepSpeedEngine`` (methods and attributes), for the error that names
 #: a member the torsh engine lacks.
@@ -54,3 +61,45 @@ zero_parameter_alignment zero_partial_offload zero_prefetch_bucket_size zero_qua
 zero_quantized_nontrainable_weights zero_quantized_weights zero_reduce_bucket_size zero_reduce_scatter
 zero_round_robin_gradients zero_save_muon_momentum_buffer_in_memory zero_sub_group_size zero_use_cpu_optimizer
 """.split())
+
+
+
+@dataclass(frozen=True)
+class ConfigView:
+    """DeepSpeed's names for the values the engine runs with: ``engine._config`` when no layer above gives
+    DeepSpeed's own ``DeepSpeedConfig`` (:func:`register_config_view`)."""
+
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    zero_optimization_stage: int
+    zero_enabled: bool
+    fp16_enabled: bool
+    bfloat16_enabled: bool
+    gradient_clipping: float
+    log_level: str | None
+
+
+#: Builds ``engine._config`` from an engine; a layer above the engine registers DeepSpeed's ``DeepSpeedConfig``
+#: reader here (the DeepSpeed compatibility package, when it loads), so that the engine never imports that layer.
+_config_view: Callable[[Any], Any] | None = None
+
+
+def register_config_view(build: Callable[[Any], Any]) -> None:
+    """Make ``build(engine)`` what ``engine._config`` is (on first access, per engine)."""
+    global _config_view
+    _config_view = build
+
+
+def config_view(engine: Any) -> Any:
+    """``engine._config``: the registered view (DeepSpeed's ``DeepSpeedConfig`` of the engine), else a
+    :class:`ConfigView` of the values the engine runs with."""
+    if _config_view is not None:
+        return _config_view(engine)
+    stage = engine.zero_optimization_stage()
+    return ConfigView(train_batch_size=engine.train_batch_size(),
+                      train_micro_batch_size_per_gpu=engine.train_micro_batch_size_per_gpu(),
+                      gradient_accumulation_steps=engine.gradient_accumulation_steps(), zero_optimization_stage=stage,
+                      zero_enabled=stage > 0, fp16_enabled=engine.fp16_enabled(),
+                      bfloat16_enabled=engine.bfloat16_enabled(), gradient_clipping=engine._clip,
+                      log_level=engine.config.get("log_level") if isinstance(engine.config, dict) else None)

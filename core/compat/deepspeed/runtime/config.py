@@ -15,6 +15,7 @@ import json
 import os
 from typing import Any
 
+from torsh.engine.engine_members import register_config_view
 from torsh.errors import ConfigError
 
 from .config_utils import dict_raise_error_on_duplicate_keys, get_scalar_param
@@ -445,3 +446,7 @@ class DeepSpeedConfig:
 def _batch_number(value):
     """A batch number as DeepSpeed would use it; ``"auto"`` (left by a library that fills it later) is None."""
     return None if isinstance(value, str) else value
+
+
+# engine._config of every torsh engine is this reading of its config (the engine does not import this package)
+register_config_view(DeepSpeedConfig._of_engine)
