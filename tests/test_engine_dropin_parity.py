@@ -699,7 +699,7 @@ def test_frozen_parameters_lora_style_like_deepspeed(records, saved, stage):
         assert "Missing key in checkpoint state_dict: model.embed.weight" in t["strict"]
         assert "load it with load_module_strict=False" in t["strict"]  # and torsh says what to do
     # torsh's checkpoint holds the trainable parameters only, as DeepSpeed's
-    from torsh.cli.merge import merged_weights
+    from torsh.engine.checkpoint.merge import merged_weights
 
     weights, _, _ = merged_weights(saved / f"frozen_s{stage}_torsh" / "f")
     assert sorted(weights) == ["blocks.0.down.bias", "blocks.0.down.weight", "blocks.1.down.bias",

@@ -46,7 +46,7 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_save_checkpoint_writes_a_zero_to_fp32_script_that_merges_our_checkpoint():
-    from torsh.cli.merge import merged_weights, resolve
+    from torsh.engine.checkpoint.merge import merged_weights, resolve
 
     with tempfile.TemporaryDirectory() as out:
         h.start(_worker, (2, h.free_port(), out), 2)

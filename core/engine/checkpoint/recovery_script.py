@@ -1,10 +1,10 @@
 """``zero_to_fp32.py`` in every save directory, as DeepSpeed writes it: the script the transformers documentation
 tells users to run on a DeepSpeed checkpoint (``python zero_to_fp32.py . output_dir``), here for torsh's checkpoints.
 
-The script is small and delegates to ``torsh-migrate merge``'s logic (:func:`torsh.cli.merge.merged_weights`), so
-it needs torsh installed where it runs (DeepSpeed's needs DeepSpeed's ``torch`` only). Its command line and its three
-functions follow DeepSpeed 0.19.8's: ``checkpoint_dir output_dir [-t TAG] [--safe_serialization]
-[--exclude_frozen_parameters] [--max_shard_size ..]``, writing ``pytorch_model.bin`` (``model.safetensors`` with
+The script is small and delegates to ``torsh-migrate merge``'s logic
+(:func:`torsh.engine.checkpoint.merge.merged_weights`), so it needs torsh installed where it runs (DeepSpeed's needs
+DeepSpeed's ``torch`` only). Its command line and its three functions follow DeepSpeed 0.19.8's: ``checkpoint_dir
+output_dir [-t TAG] [--safe_serialization] [--exclude_frozen_parameters] [--max_shard_size ..]``, writing ``pytorch_model.bin`` (``model.safetensors`` with
 ``--safe_serialization``) into ``output_dir``; an ``output_dir`` ending in ``.bin``/``.pt``/``.safetensors`` is the
 output file (the older scripts' form). The weights are written in one file (``--max_shard_size`` is accepted and not
 used).
@@ -34,7 +34,7 @@ from pathlib import Path
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
     """The model's full state dict (fp32 master weights when the job kept them, buffers as saved), on the CPU."""
-    from torsh.cli.merge import merged_weights, resolve
+    from torsh.engine.checkpoint.merge import merged_weights, resolve
 
     state, note, frozen = merged_weights(resolve(Path(checkpoint_dir), tag))
     if note:
@@ -47,7 +47,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_f
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_shard_size="5GB",
                                                safe_serialization=False, tag=None, exclude_frozen_parameters=False):
     """Write the state dict into ``output_dir`` (pytorch_model.bin, or model.safetensors), or to the file named."""
-    from torsh.cli.merge import write
+    from torsh.engine.checkpoint.merge import write
 
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
     output = Path(output_dir)

@@ -65,7 +65,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_f
                                              lazy_mode=False) -> dict[str, Any]:  # fmt: skip
     """The model's full state dict on the CPU (fp32 weights; buffers as saved). ``lazy_mode`` gives the same
     tensors (already loaded; ``.contiguous()`` returns them)."""
-    from torsh.cli.merge import merged_weights
+    from torsh.engine.checkpoint.merge import merged_weights
 
     path = _tag_dir(checkpoint_dir, tag)
     state, _, frozen = merged_weights(path)
@@ -85,7 +85,7 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, dtype=None
     when it is larger (the shards are planned by ``huggingface_hub``, as DeepSpeed does); each file is written as
     ``torsh-migrate merge`` writes it (atomically; a tied weight as two tensors in ``.safetensors``)."""
 
-    from torsh.cli.merge import write
+    from torsh.engine.checkpoint.merge import write
 
     dtype = _output_dtype(dtype)
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
