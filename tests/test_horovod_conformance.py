@@ -1,7 +1,9 @@
 """Horovod 0.28.1's own PyTorch test file, unchanged, against torsh.horovod on 2 gloo ranks.
 
 Horovod's ``test/parallel/test_torch.py`` and the helpers it imports are read at test time from Horovod's source
-archive in ``.venv/sdist`` (never copied into this repository), extracted to a temporary folder and run the way
+archive (never copied into this repository): ``horovod-0.28.1-src.tar.gz`` in ``../shared/conformance/`` beside the
+repository (the frameworks' test files CI provides), else an archive with the test folder in ``.venv/sdist``. They
+are extracted to a temporary folder and run the way
 Horovod's CI runs them: every rank runs the whole file under pytest, once with the variables ``horovodrun --gloo``
 exports (the file's Gloo-controller branch) and once with ``mpirun``'s (its MPI branch); see
 ``horovod_conformance_rank.py``. ``import horovod.torch`` resolves to ``torsh.horovod`` in every rank.
@@ -31,6 +33,8 @@ import pytest
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SDIST_DIR = ROOT / ".venv" / "sdist"
+# The frameworks' own test files, beside the repository (read-only in CI): see its README.md.
+SHARED_DIR = ROOT.parent / "shared" / "conformance"
 EXPECTED = HERE / "horovod_conformance_expected.txt"
 RANK_SCRIPT = HERE / "horovod_conformance_rank.py"
 BRANCHES = ("gloo", "mpi")
@@ -43,14 +47,16 @@ MEMBERS = (TEST_FILE, "test/utils/common.py", "test/conftest.py", "horovod/runne
 
 
 def _archives() -> list[Path]:
-    return sorted(SDIST_DIR.glob(f"horovod-{VERSION}*.tar.gz")) if SDIST_DIR.is_dir() else []
+    """Where Horovod's test file may be, in order: GitHub's source archive in the shared folder, then .venv/sdist."""
+    return [a for folder in (SHARED_DIR, SDIST_DIR) if folder.is_dir()
+            for a in sorted(folder.glob(f"horovod-{VERSION}*.tar.gz"))]  # fmt: skip
 
 
 def _extract(target: Path) -> bool:
-    """Horovod's test file and helpers from an archive in .venv/sdist into ``target``; False when none has them.
+    """Horovod's test file and helpers from the first archive that has them into ``target``; False when none has.
 
-    The PyPI sdist ``make venv`` downloads is tried first; Horovod's GitHub release archive of the same version
-    (``horovod-0.28.1-src.tar.gz``: the sdist ships no ``test/`` folder) is read when it is there.
+    GitHub's v0.28.1 source archive (``horovod-0.28.1-src.tar.gz``) in ``../shared/conformance/`` is read first;
+    the PyPI sdist ``make venv`` downloads to ``.venv/sdist`` ships no ``test/`` folder and is passed over.
     """
     for archive in _archives():
         with tarfile.open(archive) as tar:
@@ -175,8 +181,9 @@ def conformance(tmp_path_factory):
     work = tmp_path_factory.mktemp("horovod")
     source = work / "src"
     if not _extract(source):
-        pytest.skip(f"no Horovod {VERSION} archive with {TEST_FILE} in .venv/sdist (PyPI's sdist ships no test/ "
-                    f"folder: put GitHub's v{VERSION} source archive there as horovod-{VERSION}-src.tar.gz)")
+        pytest.skip(f"no Horovod {VERSION} archive with {TEST_FILE}: looked for horovod-{VERSION}*.tar.gz in "
+                    f"{SHARED_DIR} and {SDIST_DIR} (PyPI's sdist ships no test/ folder; GitHub's v{VERSION} source "
+                    f"archive, horovod-{VERSION}-src.tar.gz, has it)")
     names = _test_names(source)
     with ThreadPoolExecutor(len(BRANCHES)) as pool:
         futures = {b: pool.submit(run_branch, source, b, work / "runs", names) for b in BRANCHES}
