@@ -38,6 +38,9 @@ DEFERRED_SOURCES = {
     "scheduler.warmup_max_lr": "the training arguments (HF: learning_rate)",
     "scheduler.warmup_num_steps": "the training arguments (HF: warmup_steps or warmup_ratio x total steps)",
     "scheduler.total_num_steps": "the run length (HF: total optimizer steps)",
+    "sharding.buckets.reduce_bucket_size": "HF: hidden_size^2; DeepSpeed alone uses its default 5e8",
+    "sharding.buckets.prefetch_bucket_size": "HF: 0.9 x hidden_size^2; DeepSpeed alone uses its default 5e7",
+    "sharding.buckets.param_persistence_threshold": "HF: 10 x hidden_size; DeepSpeed alone uses its default 1e5",
 }
 
 
@@ -108,17 +111,23 @@ def unless_default_section(key: str, default: Any, status: Status) -> Hook:
                  f"{key} is off; no effect")  # fmt: skip
 
 
-def positive_or_drop(status: Status, default: str) -> Hook:
-    """``status`` for a positive value; 0 (which DeepSpeed 0.19.8 rejects) is dropped so its default applies."""
+def positive_or_drop(key: str, to: To, default: str) -> Hook:
+    """DeepSpeed's ``key`` read and written as ``to`` says, but 0 (which DeepSpeed 0.19.8 rejects) is dropped so its
+    default applies."""
 
     def read(value: Any, ctx: ReadContext, path: str) -> None:
         if value == 0:
             ctx.note(path, DROPPED, f"DeepSpeed 0.19.8 requires a value > 0 (validation error); dropped so its "
                      f"default {default} applies", value)  # fmt: skip
         else:
-            _status(ctx, path, value, status)
+            ctx.set(to.path, value, path, to.fidelity, to.reason)
 
-    return Hook(read=read)
+    def write(cfg: TorshConfig, ctx: WriteContext) -> None:
+        value = get_path(cfg.model_dump(), to.path, None)
+        if value is not None:
+            ctx.put(key, value, to.path, to.fidelity, to.reason)
+
+    return Hook(read=read, write=write, claims=(to.path,))
 
 
 #: The keys of DeepSpeed 0.19.8's ``tensor_parallel`` section (``TPTrainingConfig``) besides ``autotp_size``, read when

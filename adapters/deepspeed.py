@@ -37,6 +37,7 @@ from torsh.translate import (
     FieldMap,
     Ignored,
     Note,
+    ReadContext,
     To,
     Translation,
     Unsupported,
@@ -49,8 +50,8 @@ from ._deepspeed_precision import PRECISION
 
 _PERF = "a performance knob with no numerical effect; the torsh engine sizes this itself"
 _ZERO3_PERF = "a ZeRO-3 fetch/partition knob (FSDP2 prefetches implicitly); no numerical effect"
-#: The sizes torsh.engine.units reads from the kept value (DDP buckets, FSDP2 unit sizes, units kept gathered).
-_SIZES_UNITS = "no numerical effect; kept: the torsh engine sizes its DDP buckets / FSDP2 units from it (see explain)"
+#: The sizes the engine plan reads from ``sharding.buckets`` (DDP buckets, FSDP2 unit sizes, units kept gathered).
+_SIZES_UNITS = "no numerical effect; the torsh engine sizes its DDP buckets / FSDP2 units from it (see explain)"
 _OFFLOAD_IO = "an offload I/O knob; no numerical effect"
 _LOGGING = "logging only; no effect on training"
 _CHECKPOINTING_CALLS = (
@@ -104,15 +105,24 @@ FIELD_MAP: dict[str, Any] = {
         "allgather_partitions", "overlap_comm", "round_robin_gradients",
         "sub_group_size", "memory_efficient_linear", "parameter_alignment", "log_trace_cache_warnings",
         "enable_sanity_checks", "override_module_apply", "pipeline_loading_checkpoint",
-        "save_muon_momentum_buffer_in_memory", "compute_grad_norm", "ignore_unused_parameters",
+        "save_muon_momentum_buffer_in_memory", "compute_grad_norm",
         "load_from_fp32_weights", "elastic_checkpoint")},
-    "zero_optimization.leaf_module": Ignored("kept: the torsh engine never splits these modules (default: the Mixtral "
-                                             "and Qwen MoE blocks) into FSDP2 units, as DeepSpeed gathers them whole"),
-    "zero_optimization.reduce_bucket_size": rules.positive_or_drop(Ignored(_SIZES_UNITS), "5e8"),
-    **{f"zero_optimization.{k}": Ignored(_SIZES_UNITS) for k in (
+    "zero_optimization.ignore_unused_parameters": To("sharding.ignore_unused_parameters", Fidelity.IGNORED,
+                                                     "no numerical effect; false refuses a parameter without a "
+                                                     "gradient at the ZeRO-2 offload step, as DeepSpeed does"),
+    **{f"zero_optimization.leaf_module.{k}": To(f"sharding.leaf_modules.{k}", Fidelity.IGNORED,
+                                                "the torsh engine never splits these modules (default: the Mixtral "
+                                                "and Qwen MoE blocks) into FSDP2 units, as DeepSpeed gathers them "
+                                                "whole") for k in ("classes", "names", "name_suffixes")},
+    "zero_optimization.reduce_bucket_size": rules.positive_or_drop(
+        "zero_optimization.reduce_bucket_size", To("sharding.buckets.reduce_bucket_size", Fidelity.IGNORED,
+                                                   _SIZES_UNITS), "5e8"),
+    **{f"zero_optimization.{k}": To(f"sharding.buckets.{k}", Fidelity.IGNORED, _SIZES_UNITS) for k in (
         "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance")},
+    "zero_optimization.param_persistence_threshold": To("sharding.buckets.param_persistence_threshold",
+                                                        Fidelity.IGNORED, _ZERO3_PERF),
     **{f"zero_optimization.{k}": Ignored(_ZERO3_PERF) for k in (
-        "param_persistence_threshold", "model_persistence_threshold", "module_granularity_threshold",
+        "model_persistence_threshold", "module_granularity_threshold",
         "use_all_reduce_for_fetch_params", "allgather_sequential")},
     **{f"zero_optimization.{k}": rules.unless_default(False, Unsupported("ZeRO++ quantized communication has no "
                                                                          "torch equivalent"))
@@ -264,6 +274,11 @@ class DeepSpeed(Dialect):
         prepared.kept = {n.source_path: n.value for n in notes if n.source_path.startswith("flops_profiler.")}
         prepared.state["unknown"] = unknown.notes + nested.notes
         return prepared
+
+    def finalize(self, ctx: ReadContext, prepared: Prepared) -> None:
+        """A DeepSpeed job is sized as DeepSpeed sizes it: ``sharding.buckets`` is set (its defaults for the sizes
+        the file leaves out) even when the file states none."""
+        ctx.core.setdefault("sharding", {}).setdefault("buckets", {})
 
     def finish(self, translation: Translation[TorshConfig], prepared: Prepared) -> Translation[TorshConfig]:
         """Unknown keys last; an "auto" kept for DeepSpeed is deferred to whoever fills it."""

@@ -138,13 +138,13 @@ def torsh_wrapping(stage: str, precision: str, shape: Shape) -> dict:
     same: the blocks of each FSDP2 unit at stages 2/3, DDP's bucket size at stages 0/1 (``NativeJob``'s
     keyword arguments). Imports torsh's config reader and unit planner only (no engine)."""
     from torsh import adapters
-    from torsh.engine.zero.units import ddp_bucket_cap_mb, grad_bytes, plan_units
+    from torsh.engine.zero.units import plan_units
+    from torsh.sharding_plan import sharding_plan
 
-    cfg = adapters.load(deepspeed_config(stage, precision, shape)).result
-    if cfg.sharding.stage <= 1:
-        mb, _ = ddp_bucket_cap_mb(cfg.ddp, cfg.extensions, grad_bytes=grad_bytes(cfg), source="deepspeed")
-        return {"bucket_cap_mb": mb}
-    plan = plan_units(build(shape), cfg.sharding, cfg.extensions, source="deepspeed", hidden_size=shape.width)
+    layout = sharding_plan(adapters.load(deepspeed_config(stage, precision, shape)).result)
+    if layout.stage <= 1:
+        return {"bucket_cap_mb": layout.ddp.bucket_cap_mb}
+    plan = plan_units(build(shape), layout)
     return {"units": [list(unit.modules) for unit in plan.units],
             "reshard": [unit.reshard_after_forward for unit in plan.units]}  # fmt: skip
 

@@ -80,9 +80,11 @@ from .config_job import (
 from .config_training import (
     ActivationCheckpointingConfig,
     BatchConfig,
+    BucketSizes,
     CompressionConfig,
     DdpConfig,
     GradientsConfig,
+    LeafModules,
     LossScalingConfig,
     LRRangeTest,
     OffloadConfig,
@@ -111,6 +113,9 @@ SECTION_NAMES = (
     "activation_checkpointing", "communication", "launch", "checkpoint", "monitoring", "parallelism", "pipeline",
     "data", "extensions",
 )  # fmt: skip
+#: Core paths (prefixes) whose values size collectives and group modules but change no number a step computes: a
+#: dialect with no setting for them loses nothing a training run depends on (IGNORED on writing, not UNSUPPORTED).
+NO_NUMERICAL_EFFECT = ("sharding.buckets.", "sharding.leaf_modules.")
 
 
 class TorshConfig(Section):

@@ -110,6 +110,51 @@ class WrapPolicy(Section):
     """Wrap every module with at least this many parameters (FSDP1 ``size_based_auto_wrap_policy``)."""
 
 
+ElementCount = Annotated[int, Field(gt=0, le=MAX_BYTES_SIZE)]
+"""A positive number of tensor elements (a bucket, a window of parameters)."""
+ElementCountOrZero = Annotated[int, Field(ge=0, le=MAX_BYTES_SIZE)]
+"""A number of tensor elements where 0 switches the behaviour off (no bucketing, no prefetch, no reuse window)."""
+
+
+class BucketSizes(Section):
+    """The data-parallel collectives' sizes and windows in tensor elements, as DeepSpeed's ZeRO states them.
+
+    Each left None takes DeepSpeed 0.19.8's default. DDP (stages 0/1) counts its buckets in MiB of gradient bytes:
+    ``reduce_bucket_size`` becomes ``ddp.bucket_cap_mb`` unless that is set. FSDP2 (stage 3) issues one all-gather
+    and one reduce-scatter per unit: units of consecutive blocks are grouped up to these sizes."""
+
+    reduce_bucket_size: ElementCount | MaybeAuto | None = None
+    """Gradients reduced per collective (DeepSpeed ``reduce_bucket_size``, default 5e8)."""
+    allgather_bucket_size: ElementCountOrZero | MaybeAuto | None = None
+    """Parameters all-gathered per collective after a ZeRO-1/2 step (DeepSpeed ``allgather_bucket_size``, default
+    5e8; 0: no bucketing)."""
+    prefetch_bucket_size: ElementCountOrZero | MaybeAuto | None = None
+    """ZeRO-3 parameters fetched ahead in forward (DeepSpeed ``stage3_prefetch_bucket_size``, default 5e7; 0: no
+    prefetch)."""
+    max_live_parameters: ElementCountOrZero | MaybeAuto | None = None
+    """Most ZeRO-3 parameters kept gathered by prefetching (DeepSpeed ``stage3_max_live_parameters``, default 1e9;
+    0: none held ahead, so each block is its own unit)."""
+    max_reuse_distance: ElementCountOrZero | MaybeAuto | None = None
+    """A ZeRO-3 parameter used again within this many elements stays gathered (DeepSpeed
+    ``stage3_max_reuse_distance``, default 1e9; 0: always released)."""
+    param_persistence_threshold: ElementCountOrZero | MaybeAuto | None = None
+    """ZeRO-3 parameters with fewer elements stay whole on every rank (DeepSpeed
+    ``stage3_param_persistence_threshold``, default 1e5)."""
+
+
+class LeafModules(Section):
+    """Modules whose parameters are gathered together, never split into several sharding units (DeepSpeed's ZeRO-3
+    leaf modules: an MoE block whose ranks call different experts)."""
+
+    classes: list[str] | None = None
+    """Class names, qualified or not. None: DeepSpeed 0.19.8's defaults (the Mixtral, Qwen2-MoE and Qwen3-MoE
+    sparse blocks of transformers)."""
+    names: list[str] = []
+    """Module names as in ``model.named_modules()``."""
+    name_suffixes: list[str] = []
+    """Endings of module names."""
+
+
 class ShardingConfig(Section):
     """How parameters, gradients and optimizer state are partitioned across data-parallel ranks."""
 
@@ -128,6 +173,14 @@ class ShardingConfig(Section):
     """Prefetch the next all-gather in forward (static graphs only)."""
     sync_module_states: bool = True
     """Broadcast parameters and buffers from rank 0 at start-up, so every rank starts from the same weights."""
+    buckets: BucketSizes | None = None
+    """Collective sizes in elements, as DeepSpeed states them; set (even empty) for a job sized as DeepSpeed sizes
+    it. None: DDP's ``ddp.bucket_cap_mb``, and each direct child holding parameters is an FSDP2 unit."""
+    leaf_modules: LeafModules = LeafModules()
+    """Modules never split into several sharding units."""
+    ignore_unused_parameters: bool = True
+    """ZeRO-2 with optimizer offload: a parameter without a gradient since the last step is fine (False: the step
+    raises naming it, as DeepSpeed's ``ignore_unused_parameters: false``)."""
 
     @model_validator(mode="after")
     def _reshard_needs_sharded_params(self) -> "ShardingConfig":

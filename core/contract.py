@@ -108,12 +108,12 @@ def loss_scaling_rule(precision: PrecisionConfig) -> str:
     return f"Dynamic loss scaling, {rule}; {skip}."
 
 
-def engine_plan(cfg: TorshConfig, source: str | None = None, world_size: int | None = None) -> list[str]:
+def engine_plan(cfg: TorshConfig, world_size: int | None = None) -> list[str]:
     """What ``torsh.initialize`` builds for this config, in build order: :func:`torsh.plan.plan`'s steps
-    (``source``: the dialect it was read from; ``world_size`` None: the config's own, else 1)."""
+    (``world_size`` None: the config's own, else 1)."""
     from .plan import plan
 
-    return list(plan(cfg, _world_size(cfg, world_size), source=source).steps)
+    return list(plan(cfg, _world_size(cfg, world_size)).steps)
 
 
 def batch_math(batch: BatchConfig, world_size: int) -> str:
@@ -158,12 +158,12 @@ def _world_size(cfg: TorshConfig, world_size: int | None) -> int:
     return stated[0] if stated else 1
 
 
-def explain(cfg: TorshConfig, world_size: int | None = None, source: str | None = None) -> dict:
+def explain(cfg: TorshConfig, world_size: int | None = None) -> dict:
     """Everything ``torsh-migrate explain`` prints, as data; ``world_size`` None: the config's own, else 1."""
     from .plan import plan
 
     world_size = _world_size(cfg, world_size)
-    decided = plan(cfg, world_size, source=source)  # an optimizer assumed passed to initialize
+    decided = plan(cfg, world_size)  # an optimizer assumed passed to initialize
     laid = decided.degrees
     dp = laid.dp if laid is not None else world_size  # the batch is split over the data-parallel ranks only
     return {

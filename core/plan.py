@@ -18,6 +18,8 @@ from .compression_rules import fsdp_compression_problems
 from .config import DataConfig, DdpConfig, GradientsConfig, TorshConfig
 from .deferred import Deferred, is_deferred
 from .errors import ConfigError, Problem
+from .sharding_plan import ShardingPlan, sharding_plan
+from .sharding_plan import describe as describe_layout
 
 DataParallel = Literal["ddp", "zero1", "zero2", "fsdp2", "hsdp"]
 
@@ -106,6 +108,9 @@ class EnginePlan:
     """The model is a DeepSpeed ``PipelineModule`` and ``world_size`` the data-parallel degree of each stage: the
     pipeline engine reduces the gradients over a stage's replicas itself after its micro-batches (no DDP), and
     ``zero1`` is its stage 1 (the partition over those replicas)."""
+    sharding: ShardingPlan | None = None
+    """The layout's sizes: DDP's bucket, ZeRO-1/2's buckets, the FSDP2 unit policy and DeepSpeed's collective
+    sizes (:mod:`torsh.sharding_plan`)."""
 
     @property
     def tp(self) -> int:
@@ -251,12 +256,11 @@ def _model_parallel_refusals(cfg: TorshConfig, *, pipeline: bool = False) -> lis
     return problems
 
 
-def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimizer_given: bool = True,
-         pipeline: bool = False) -> EnginePlan:
-    """Decide how the engine runs ``cfg`` on ``world_size`` ranks (``source``: the dialect it was read from, which
-    decides whether DeepSpeed's bucket sizes size the units; ``optimizer_given``: the caller passes an optimizer
-    to ``initialize``). Refusals are collected, not raised: :meth:`EnginePlan.check` raises them."""
+def plan(cfg: TorshConfig, world_size: int, *, optimizer_given: bool = True, pipeline: bool = False) -> EnginePlan:
+    """Decide how the engine runs ``cfg`` on ``world_size`` ranks (``optimizer_given``: the caller passes an
+    optimizer to ``initialize``). Refusals are collected, not raised: :meth:`EnginePlan.check` raises them."""
     s, o, p = cfg.sharding, cfg.offload, cfg.precision
+    layout = sharding_plan(cfg)
     laid = degrees(cfg, world_size)
     # Tensor parallelism composes with FSDP2 on the data-parallel sub-mesh (as torchtitan does); stages 0-2 run
     # there as FSDP2 without resharding (ZeRO-2's layout, DDP's numerics).
@@ -278,11 +282,11 @@ def plan(cfg: TorshConfig, world_size: int, *, source: str | None = None, optimi
         masters_on_cpu=not fsdp and o.optimizer == "cpu", fsdp_cpu_offload=fsdp and "cpu" in (o.params, o.optimizer),
         compression="none" if not compressed else "reduce_dtype" if s.stage >= 2 or fsdp else "comm_hook",
         optimizer_on_cpu="cpu" in (o.params, o.optimizer),
-        step=_step_policy(cfg, scaling=scaler, compressed=compressed),
+        step=_step_policy(cfg, layout.ddp, scaling=scaler, compressed=compressed),
         refused=tuple(refusals(cfg, world_size=world_size, optimizer_given=optimizer_given, pipeline=pipeline)),
-        steps=(), degrees=laid, pipeline=pipeline,
+        steps=(), degrees=laid, pipeline=pipeline, sharding=layout,
     )  # fmt: skip
-    return _with_steps(decided, cfg, source)
+    return _with_steps(decided, cfg)
 
 
 def _data_parallel(stage: int, laid: Degrees | None, *, tp: int = 1,
@@ -303,13 +307,13 @@ def _data_parallel(stage: int, laid: Degrees | None, *, tp: int = 1,
     return "hsdp", (laid.dp_replicate, laid.dp_shard)
 
 
-def _step_policy(cfg: TorshConfig, *, scaling: bool, compressed: bool) -> StepPolicy:
+def _step_policy(cfg: TorshConfig, ddp: DdpConfig, *, scaling: bool, compressed: bool) -> StepPolicy:
     clip, ac = cfg.gradients.clip_max_norm, cfg.activation_checkpointing
     return StepPolicy(stage=cfg.sharding.stage, param_dtype=cfg.precision.param_dtype, loss_scaling=scaling,
                       compressed=compressed, clip_max_norm=0.0 if is_deferred(clip) else float(clip or 0.0),
                       skip_step_on_nonfinite=cfg.precision.skip_step_on_nonfinite,
                       steps_per_print=cfg.monitoring.steps_per_print, activations_on_cpu=ac.enabled and ac.cpu_offload,
-                      ddp=cfg.ddp, gradients=cfg.gradients, data=cfg.data, optimizer_offload=cfg.offload.optimizer,
+                      ddp=ddp, gradients=cfg.gradients, data=cfg.data, optimizer_offload=cfg.offload.optimizer,
                       save_full_weights=cfg.checkpoint.save_full_weights is True)  # fmt: skip
 
 
@@ -357,15 +361,15 @@ def _dtype(value: object) -> str:
     return "auto (chosen at start-up)" if isinstance(value, Deferred) else str(value)
 
 
-def _with_steps(decided: EnginePlan, cfg: TorshConfig, source: str | None) -> EnginePlan:
-    from .engine.zero.units import describe_policy  # torch-free: the sizes, not the model
-
+def _with_steps(decided: EnginePlan, cfg: TorshConfig) -> EnginePlan:
     steps = _mesh_steps(decided, cfg)
     steps += _checkpointing_steps(cfg)
     if decided.tp > 1:
         steps.append(tp_plan_step(cfg))
     steps.append(_sharding_step(decided, cfg))
-    steps += describe_policy(cfg, source=source)
+    s = cfg.sharding
+    zero2 = s.stage == 2 and not s.hybrid_shard_size and cfg.parallelism.tp == 1  # ZeRO-2: no FSDP2 units
+    steps += describe_layout(cfg, decided.sharding, ddp=s.stage <= 1, zero2=zero2)
     steps += _precision_steps(decided)
     steps += _offload_steps(decided, cfg)
     if decided.compression != "none":

@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import ValidationError
 
-from .config import TorshConfig, get_path, iter_leaves, set_path, validation_to_config_error
+from .config import NO_NUMERICAL_EFFECT, TorshConfig, get_path, iter_leaves, set_path, validation_to_config_error
 from .deferred import AUTO, Deferred, is_deferred
 from .errors import ConfigError, Problem, did_you_mean, unknown_key
 
@@ -265,7 +265,7 @@ class ReadContext:
         """Set a core value from a source key and note it; ``"auto"`` becomes AUTO with a DEFERRED note."""
         if is_deferred(value):
             value, fidelity = AUTO, Fidelity.DEFERRED
-            reason = reason or self.deferred_sources.get(core_path, "resolved by torsh.initialize")
+            reason = self.deferred_sources.get(core_path) or reason or "resolved by torsh.initialize"
         previous = get_path(self.core, core_path, NOTHING)
         if previous is not NOTHING and previous != value and self.origin.get(core_path) != source_path:
             self.problem(source_path, value, f"conflicts with {self.origin.get(core_path)}={previous!r} "
@@ -653,11 +653,16 @@ def write_mapping(cfg: TorshConfig, *, dialect: str, field_map: FieldMap,
         if any(core_path == c or core_path.startswith(c + ".") for c in claimed):
             continue
         default = defaults.get(core_path, NOTHING)
+        if value is None and default is NOTHING:
+            continue  # a field left unset inside a section the default model does not have
         if core_path in reverse:
             source, rule = reverse[core_path]
             if _equal(value, default) and (rule.default is NOTHING or _equal(rule.default, value)):
                 continue
             ctx.put(source, _unmap(value_maps or {}, source, value), core_path, rule.fidelity, rule.reason)
+        elif core_path.startswith(NO_NUMERICAL_EFFECT) and not _equal(value, default):
+            ctx.note(core_path, Fidelity.IGNORED, f"{dialect} has no setting for this; it sizes collectives or "
+                     "groups modules, no numerical effect", value)  # fmt: skip
         elif not _equal(value, default) and not (value in (None, {}, []) and default is NOTHING):
             ctx.note(core_path, Fidelity.UNSUPPORTED, f"{dialect} has no setting for this", value)
     _restore_extensions(cfg, ctx)

@@ -160,7 +160,7 @@ def test_auto_is_deferred_and_says_where_it_comes_from():
     prefetch = note(t, "zero_optimization.stage3_prefetch_bucket_size")
     assert prefetch.fidelity is Fidelity.DEFERRED and "hidden_size" in prefetch.reason
     out = write(t.result)
-    assert out["train_batch_size"] == "auto" and out["zero_optimization"]["stage3_prefetch_bucket_size"] == "auto"
+    assert out["train_batch_size"] == "auto" and out["zero_optimization"]["prefetch_bucket_size"] == "auto"
 
 
 @pytest.mark.parametrize("raw", [{"communication_data_type": "auto"}, {"torch_autocast": {"enabled": "auto"}}])
@@ -252,11 +252,13 @@ def test_legacy_cpu_offload_and_boolean_zero():
     assert read({**BASE, "zero_optimization": True}).result.sharding.stage == 1
 
 
-def test_stage3_prefixed_and_plain_spellings_are_both_kept_as_written():
+def test_stage3_prefixed_and_plain_spellings_are_read_into_one_field_and_written_in_the_current_one():
     raw = {**BASE, "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9, "prefetch_bucket_size": 5e7}}
-    out = write(read(raw).result)
-    assert out["zero_optimization"]["stage3_max_live_parameters"] == 1e9
-    assert out["zero_optimization"]["prefetch_bucket_size"] == 5e7
+    cfg = read(raw).result
+    assert (cfg.sharding.buckets.max_live_parameters, cfg.sharding.buckets.prefetch_bucket_size) == (10**9, 5 * 10**7)
+    out = write(cfg)
+    assert out["zero_optimization"]["max_live_parameters"] == 10**9 and "stage3_max_live_parameters" not in out
+    assert out["zero_optimization"]["prefetch_bucket_size"] == 5 * 10**7
 
 
 def test_hjson_comments_and_trailing_commas_parse_and_duplicates_are_rejected():

@@ -16,6 +16,7 @@ from torsh import adapters
 from torsh.config import LRRangeTest, OneCycle, TorshConfig, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from torsh.deferred import Deferred
 from torsh.formats import load_file, parse_text
+from torsh.sharding_plan import DEEPSPEED_DEFAULTS
 from torsh.translate import Fidelity
 
 CORPUS = Path(__file__).parent / "fixtures" / "corpus" / "deepspeed"
@@ -84,7 +85,9 @@ def test_removed_and_unknown_keys_in_the_corpus_are_reported_not_fatal():
 FILLED = {"optimizer.lr": 1e-4, "optimizer.betas": (0.9, 0.999), "optimizer.eps": 1e-8,
           "optimizer.weight_decay": 0.0, "gradients.clip_max_norm": 1.0, "scheduler.warmup_min_lr": 0.0,
           "scheduler.warmup_max_lr": 1e-4, "scheduler.warmup_num_steps": 10, "scheduler.total_num_steps": 100,
-          "precision.param_dtype": "bf16"}  # fmt: skip
+          "precision.param_dtype": "bf16",
+          # DeepSpeed reads "auto" in its ZeRO sizes as its default (what torsh.initialize fills)
+          **{f"sharding.buckets.{k}": v for k, v in DEEPSPEED_DEFAULTS.items()}}  # fmt: skip
 
 
 def resolved(cfg: TorshConfig) -> TorshConfig:

@@ -594,18 +594,20 @@ def test_units_never_split_a_leaf_module():
     """Without the flag the experts are the model's largest repeated blocks and become units (per-expert gathers);
     with it the block is whole, under every unit policy."""
     from torsh.compat.deepspeed.utils import set_z3_leaf_modules, unset_z3_leaf_modules
-    from torsh.config import ShardingConfig
+    from torsh.config import TorshConfig
     from torsh.engine.zero.units import plan_units
+    from torsh.sharding_plan import sharding_plan
 
     model = moe_model(0)
-    sharding = ShardingConfig(stage=3)
+    sharding = sharding_plan(TorshConfig.from_dict({"sharding": {"stage": 3}}))
     assert [u.modules for u in plan_units(model, sharding, policy="per_layer").units][:2] == [
         ("moe.experts.0",), ("moe.experts.1",)]
     set_z3_leaf_modules(model, ["Experts"])
     for policy in ("buckets", "per_layer", "children"):
         units = [name for u in plan_units(model, sharding, policy=policy).units for name in u.modules]
         assert not any(name.startswith("moe.") for name in units), (policy, units)
-    wrapped = ShardingConfig(stage=3, wrap={"module_classes": ["Sequential"]})
+    wrap = {"module_classes": ["Sequential"]}
+    wrapped = sharding_plan(TorshConfig.from_dict({"sharding": {"stage": 3, "wrap": wrap}}))
     assert [u.modules for u in plan_units(model, wrapped, policy="wrap").units] == [("moe",)]
     unset_z3_leaf_modules(model, ["Experts"])
     set_z3_leaf_modules(model, ["ModuleList"])  # the experts' container itself a leaf: its experts are not units
@@ -630,15 +632,20 @@ def test_mixtral_moe_blocks_are_leaves_by_default_like_deepspeed(records):
 def test_leaf_module_config_names_modules():
     """zero_optimization.leaf_module as DeepSpeed reads it: classes (default: the Mixtral/Qwen MoE blocks),
     names and name suffixes."""
+    from torsh import adapters
     from torsh.engine.zero import leaves
 
+    def leaf_modules(section: dict):
+        raw = {"train_batch_size": 2, "zero_optimization": {"stage": 3, **section}}
+        return adapters.load(raw).result.sharding.leaf_modules
+
     model = moe_model(0)
-    assert leaves.apply_config(model, {}) == []  # no default class in this model
-    config = {"deepspeed": {"zero_optimization.leaf_module": {"classes": [], "name_suffixes": ["moe"]}}}
-    assert leaves.apply_config(model, config) == [model.moe]
+    assert leaves.apply_config(model, leaf_modules({})) == []  # no default class in this model
+    assert leaves.apply_config(model, leaf_modules({"leaf_module": {"classes": [], "name_suffixes": ["moe"]}})) \
+        == [model.moe]  # fmt: skip
     model = moe_model(0)
-    config = {"deepspeed": {"zero_optimization.leaf_module": {"names": ["moe.experts.1"]}}}
-    assert leaves.apply_config(model, config) == [model.moe.experts[1]]
+    assert leaves.apply_config(model, leaf_modules({"leaf_module": {"names": ["moe.experts.1"]}})) == \
+        [model.moe.experts[1]]  # fmt: skip
 
 
 #: ``overflow_flag`` under DeepSpeed 0.19.8 in fp16 (initial scale 2**10): stage 0's FP16_Optimizer has only

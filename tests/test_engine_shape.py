@@ -33,12 +33,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("command line", ("torsh.cli", "torsh.demo", "torsh.__main__")),
 )  # fmt: skip
 
-#: Upward imports that are being removed, each with why it is still here.
-ALLOWED_UPWARD = {
-    # plan.py's describe_policy (torch-free bucket sizes) still comes from the engine's units in some trees; the
-    # torch-free part of units is moving into the config layer (torsh.sharding_plan), which removes this import.
-    ("torsh.plan", "torsh.engine.zero.units"),
-}
+#: Upward imports that are being removed, each with why it is still here (none now).
+ALLOWED_UPWARD: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:

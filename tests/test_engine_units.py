@@ -1,4 +1,5 @@
-"""FSDP2 units and DDP buckets sized from DeepSpeed's settings (``reduce_bucket_size`` and friends)."""
+"""FSDP2 units and DDP buckets sized from DeepSpeed's settings (``reduce_bucket_size`` and friends), which the
+DeepSpeed reader maps into ``sharding.buckets`` and the engine plan decides from (:mod:`torsh.sharding_plan`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from torch import nn  # noqa: E402
 
 import _one_process as one_process  # noqa: E402
 from torsh import adapters  # noqa: E402
-from torsh.config import DdpConfig, ShardingConfig, TorshConfig, WrapPolicy  # noqa: E402
+from torsh import sharding_plan as sp  # noqa: E402
+from torsh.config import DdpConfig, TorshConfig  # noqa: E402
 from torsh.engine.zero import units as u  # noqa: E402
 from torsh.errors import ConfigError  # noqa: E402
 
@@ -38,9 +40,18 @@ class Stack(nn.Module):
         return self.head(x)
 
 
-def ds(stage: int, **zero) -> dict:
-    """A DeepSpeed config's extensions as the DeepSpeed reader keeps them."""
-    return {"deepspeed": {f"zero_optimization.{k}": v for k, v in zero.items()}}
+def ds(stage: int, sharding: dict | None = None, **zero) -> sp.ShardingPlan:
+    """The plan's sharding section for a DeepSpeed config with these ``zero_optimization`` keys (``sharding``: core
+    sharding settings on top)."""
+    cfg = adapters.load({"train_batch_size": 8, "zero_optimization": {"stage": stage, **zero}}).result
+    if sharding:
+        cfg = cfg.model_copy(update={"sharding": type(cfg.sharding).model_validate({**dict(cfg.sharding), **sharding})})
+    return sp.sharding_plan(cfg)
+
+
+def native(sharding: dict) -> sp.ShardingPlan:
+    """The plan's sharding section for a native config (no DeepSpeed bucket section unless ``sharding`` has one)."""
+    return sp.sharding_plan(TorshConfig.from_dict({"sharding": sharding}))
 
 
 def sizes(plan: u.UnitPlan) -> list[int]:
@@ -55,25 +66,25 @@ def sizes(plan: u.UnitPlan) -> list[int]:
 ])
 def test_consecutive_blocks_are_grouped_up_to_the_smaller_bucket(bucket, expected):
     zero = {} if bucket is None else {"reduce_bucket_size": 10**6, "stage3_prefetch_bucket_size": bucket}
-    plan = u.plan_units(Stack(), ShardingConfig(stage=3), ds(3, **zero), source="deepspeed")
+    plan = u.plan_units(Stack(), ds(3, **zero))
     assert plan.policy == "buckets"
     assert sizes(plan) == expected
     assert [n for unit in plan.units for n in unit.modules] == [f"layers.{i}" for i in range(8)]  # in order
-    limit = bucket or u.DEEPSPEED_DEFAULTS["prefetch_bucket_size"]
+    limit = bucket or sp.DEEPSPEED_DEFAULTS["prefetch_bucket_size"]
     assert all(unit.numel <= limit for unit in plan.units if len(unit.modules) > 1)
     assert plan.root_numel == 7 * 10 + 7 * 10  # embedding and head stay in the root
 
 
 def test_the_reduce_bucket_bounds_units_when_it_is_the_smaller():
-    plan = u.plan_units(Stack(), ShardingConfig(stage=3), ds(3, reduce_bucket_size=4 * BLOCK), source="deepspeed")
+    plan = u.plan_units(Stack(), ds(3, reduce_bucket_size=4 * BLOCK))
     assert sizes(plan) == [4, 4]
-    assert "reduce_bucket_size" in plan.summary and "zero_optimization.reduce_bucket_size=440" in plan.summary
+    assert "reduce_bucket_size" in plan.summary and "sharding.buckets.reduce_bucket_size=440" in plan.summary
 
 
 def test_stage_2_uses_the_allgather_bucket_and_no_live_bound():
     ext = ds(2, allgather_bucket_size=2 * BLOCK, stage3_prefetch_bucket_size=8 * BLOCK,
              stage3_max_live_parameters=2)  # fmt: skip
-    plan = u.plan_units(Stack(), ShardingConfig(stage=2), ext, source="deepspeed")
+    plan = u.plan_units(Stack(), ext)
     assert sizes(plan) == [2, 2, 2, 2]
     assert "allgather_bucket_size" in plan.summary and "at most" not in plan.summary
 
@@ -83,7 +94,7 @@ def test_stage_2_uses_the_allgather_bucket_and_no_live_bound():
 def test_a_unit_never_holds_more_than_half_of_max_live_parameters(max_live, expected):
     """Two units are gathered at once at stage 3 (computing + prefetched): together within the bound."""
     ext = ds(3, reduce_bucket_size=10**6, stage3_prefetch_bucket_size=10**6, stage3_max_live_parameters=max_live)
-    plan = u.plan_units(Stack(), ShardingConfig(stage=3), ext, source="deepspeed")
+    plan = u.plan_units(Stack(), ext)
     assert sizes(plan) == expected
     multi = [unit for unit in plan.units if len(unit.modules) > 1]
     assert all(2 * unit.numel <= max_live for unit in multi)
@@ -93,8 +104,7 @@ def test_a_unit_never_holds_more_than_half_of_max_live_parameters(max_live, expe
 
 
 def test_every_unit_says_why():
-    plan = u.plan_units(Stack(), ShardingConfig(stage=3), ds(3, stage3_prefetch_bucket_size=3 * BLOCK),
-                        source="deepspeed")  # fmt: skip
+    plan = u.plan_units(Stack(), ds(3, stage3_prefetch_bucket_size=3 * BLOCK))
     lines = plan.describe()
     assert lines[0] == plan.summary and lines[-1].startswith("root: the remaining")
     assert "unit 0: layers.0 .. layers.2 (3 modules) (330 parameters)" in lines[1]
@@ -113,56 +123,56 @@ def test_stage3_units_reused_within_max_reuse_distance_stay_gathered(window, kep
     zero = {"stage3_prefetch_bucket_size": 3 * BLOCK}
     if window is not None:
         zero["stage3_max_reuse_distance"] = window
-    plan = u.plan_units(Stack(), ShardingConfig(stage=3), ds(3, **zero), source="deepspeed")
+    plan = u.plan_units(Stack(), ds(3, **zero))
     assert plan.root_numel == 70 + 70  # the embedding and the bias-free head
     assert [unit.reshard_after_forward is False for unit in plan.units] == kept
     assert all(unit.reshard_after_forward in (None, False) for unit in plan.units)
     assert ["kept gathered" in unit.reason for unit in plan.units] == kept
 
 
-@pytest.mark.parametrize("sharding", [ShardingConfig(stage=2), ShardingConfig(stage=3, reshard_after_forward=True)])
-def test_reuse_distance_leaves_stage2_and_an_explicit_reshard_alone(sharding):
-    plan = u.plan_units(Stack(), sharding, ds(sharding.stage), source="deepspeed")
+@pytest.mark.parametrize("stage, sharding", [(2, None), (3, {"reshard_after_forward": True})])
+def test_reuse_distance_leaves_stage2_and_an_explicit_reshard_alone(stage, sharding):
+    plan = u.plan_units(Stack(), ds(stage, sharding))
     assert [unit.reshard_after_forward for unit in plan.units] == [None]
 
 
 def test_max_reuse_distance_is_read_under_both_spellings_and_checked():
-    assert u.bucket_settings({}).max_reuse_distance == 10**9
-    assert u.bucket_settings(ds(3, max_reuse_distance=5)).max_reuse_distance == 5
-    assert u.bucket_settings(ds(3, stage3_max_reuse_distance=7)).sources["max_reuse_distance"] == \
-        "zero_optimization.stage3_max_reuse_distance=7"  # fmt: skip
+    assert sp.bucket_settings(None).max_reuse_distance == 10**9
+    assert ds(3, max_reuse_distance=5).buckets.max_reuse_distance == 5
+    assert ds(3, stage3_max_reuse_distance=7).buckets.sources["max_reuse_distance"] == \
+        "sharding.buckets.max_reuse_distance=7"  # fmt: skip
     with pytest.raises(ConfigError, match="stage3_max_reuse_distance"):
-        u.bucket_settings(ds(3, stage3_max_reuse_distance=-1))
+        ds(3, stage3_max_reuse_distance=-1)
 
 
 def test_per_layer_stays_selectable():
-    plan = u.plan_units(Stack(), ShardingConfig(stage=3), ds(3), source="deepspeed", policy="per_layer")
+    plan = u.plan_units(Stack(), ds(3), policy="per_layer")
     assert sizes(plan) == [1] * 8 and plan.policy == "per_layer"
     assert "memory first" in plan.units[0].reason
 
 
 def test_policy_resolution():
-    assert u.resolve_policy(ShardingConfig(stage=3), source="deepspeed") == "buckets"
-    assert u.resolve_policy(ShardingConfig(stage=3), extensions=ds(3, reduce_bucket_size=5)) == "buckets"
-    assert u.resolve_policy(ShardingConfig(stage=3), source="torsh") == "children"  # the engine's default
-    explicit = ShardingConfig(stage=3, wrap=WrapPolicy(module_classes=["Linear"]))
-    assert u.resolve_policy(explicit, source="deepspeed") == "wrap"  # a written wrap policy is kept
-    plan = u.plan_units(Stack(), explicit, {}, source="deepspeed")
+    assert ds(3).policy == "buckets"  # a DeepSpeed config: its bucket section, even empty
+    assert native({"stage": 3, "buckets": {"reduce_bucket_size": 5}}).policy == "buckets"
+    assert native({"stage": 3}).policy == "children"  # the engine's default
+    explicit = ds(3, {"wrap": {"module_classes": ["Linear"]}})
+    assert explicit.policy == "wrap"  # a written wrap policy is kept
+    plan = u.plan_units(Stack(), explicit)
     assert len(plan.units) == 9 and all("module_classes" in unit.reason for unit in plan.units)
     with pytest.raises(ConfigError, match="sharding.units"):
-        u.resolve_policy(ShardingConfig(stage=3), requested="coarse")
+        u.plan_units(Stack(), ds(3), policy="coarse")
 
 
 def test_blocks_sharing_a_weight_with_the_rest_stay_in_the_root():
     model = Stack()
     model.head = nn.Linear(10, 10, bias=False)
     model.head.weight = model.layers[0].weight  # tied across the container's boundary
-    plan = u.plan_units(model, ShardingConfig(stage=3), ds(3), source="deepspeed")
+    plan = u.plan_units(model, ds(3))
     assert "layers.0" not in plan.units[0].modules and plan.units[0].modules[0] == "layers.1"
 
 
 def test_tied_embeddings_stay_in_the_root_unit():
-    plan = u.plan_units(Stack(tied=True), ShardingConfig(stage=3), ds(3), source="deepspeed")
+    plan = u.plan_units(Stack(tied=True), ds(3))
     assert sizes(plan) == [8] and plan.root_numel == 70
 
 
@@ -170,73 +180,90 @@ def test_a_model_without_a_block_container_gets_one_unit_per_child():
     model = nn.Sequential()  # the root itself is not a container of blocks
     model.add_module("a", nn.Linear(4, 4))
     model.add_module("b", nn.ReLU())
-    plan = u.plan_units(model, ShardingConfig(stage=3), ds(3), source="deepspeed")
+    plan = u.plan_units(model, ds(3))
     assert [unit.modules for unit in plan.units] == [("a",)] and "no repeated-block container" in plan.summary
 
 
 def test_settings_read_from_a_deepspeed_config_in_either_spelling():
     for key in ("stage3_prefetch_bucket_size", "prefetch_bucket_size"):
         cfg = adapters.load({"train_batch_size": 8, "zero_optimization": {"stage": 3, key: 2 * BLOCK}}).result
-        assert u.bucket_settings(cfg.extensions).prefetch_bucket_size == 2 * BLOCK
-    settings = u.bucket_settings({})
+        assert cfg.sharding.buckets.prefetch_bucket_size == 2 * BLOCK
+        assert sp.sharding_plan(cfg).buckets.prefetch_bucket_size == 2 * BLOCK
+    settings = sp.bucket_settings(None)
     assert (settings.reduce_bucket_size, settings.prefetch_bucket_size) == (500_000_000, 50_000_000)
     assert settings.sources["max_live_parameters"] == "DeepSpeed's default 1e+09"
 
 
-def test_auto_is_filled_as_the_hugging_face_trainer_does():
-    ext = ds(3, reduce_bucket_size="auto", stage3_prefetch_bucket_size="auto")
-    settings = u.bucket_settings(ext, hidden_size=100)
-    assert (settings.reduce_bucket_size, settings.prefetch_bucket_size) == (10_000, 9_000)
-    assert u.bucket_settings(ext).reduce_bucket_size == 500_000_000  # no hidden size: DeepSpeed's default
+def test_auto_is_deferred_and_read_as_deepspeeds_default():
+    plan = ds(3, reduce_bucket_size="auto", stage3_prefetch_bucket_size="auto")
+    assert plan.buckets.reduce_bucket_size == 500_000_000  # DeepSpeed reads "auto" as its default
+    assert plan.buckets.sources["reduce_bucket_size"].startswith("sharding.buckets.reduce_bucket_size=auto")
 
 
 @pytest.mark.parametrize("key, bad", [("allgather_bucket_size", -1), ("allgather_bucket_size", "big"),
-                                      ("allgather_bucket_size", True), ("reduce_bucket_size", 0)])  # fmt: skip
+                                      ("allgather_bucket_size", True), ("stage3_max_live_parameters", -1)])  # fmt: skip
 def test_a_bad_bucket_size_names_its_key(key, bad):
-    # DeepSpeed 0.19.8 bounds: reduce_bucket_size gt=0; allgather_bucket_size ge=0 (0 is accepted, see below)
-    with pytest.raises(ConfigError, match=f"extensions.deepspeed.zero_optimization.{key}"):
-        u.bucket_settings(ds(3, **{key: bad}))
+    # DeepSpeed 0.19.8 bounds: reduce_bucket_size gt=0 (0 is dropped, see below), the others ge=0
+    with pytest.raises(ConfigError, match=f"zero_optimization.{key}"):
+        ds(3, **{key: bad})
+
+
+def test_a_zero_reduce_bucket_is_dropped_so_deepspeeds_default_applies():
+    translation = adapters.load({"train_batch_size": 8, "zero_optimization": {"stage": 2, "reduce_bucket_size": 0}})
+    assert translation.result.sharding.buckets.reduce_bucket_size is None
+    assert sp.sharding_plan(translation.result).reduce_bucket_numel == 500_000_000
 
 
 def test_a_zero_allgather_bucket_is_accepted_as_deepspeed_accepts_it():
-    assert u.bucket_settings(ds(2, allgather_bucket_size=0)).allgather_bucket_size == 0
+    assert ds(2, allgather_bucket_size=0).buckets.allgather_bucket_size == 0
+
+
+def test_zero_max_live_parameters_is_accepted_and_gives_one_unit_per_block():
+    """axolotl's ZeRO-3 configs set stage3_max_live_parameters 0, which DeepSpeed 0.19.8 accepts (ge=0): nothing is
+    held gathered ahead, so no two blocks share a unit."""
+    plan = u.plan_units(Stack(), ds(3, stage3_max_live_parameters=0))
+    assert sizes(plan) == [1] * 8
 
 
 # ---- DDP ------------------------------------------------------------------------------------------
 
 
 def test_ddp_bucket_is_reduce_bucket_size_in_mib_of_gradients():
-    mb, why = u.ddp_bucket_cap_mb(DdpConfig(), ds(0, reduce_bucket_size=2**20), grad_bytes=4, source="deepspeed")
+    mb, why = sp.ddp_bucket_cap_mb(DdpConfig(), _sizes(reduce_bucket_size=2**20), grad_bytes=4)
     assert mb == pytest.approx(4.0) and "x 4 bytes" in why
-    mb, _ = u.ddp_bucket_cap_mb(DdpConfig(), ds(0, reduce_bucket_size=2**20), grad_bytes=2, source="deepspeed")
+    mb, _ = sp.ddp_bucket_cap_mb(DdpConfig(), _sizes(reduce_bucket_size=2**20), grad_bytes=2)
     assert mb == pytest.approx(2.0)  # bf16 gradients: the same elements in half the bytes
 
 
+def _sizes(**sizes):
+    from torsh.config import BucketSizes
+
+    return BucketSizes(**sizes)
+
+
 def test_ddp_bucket_defaults_to_deepspeeds_5e8_elements():
-    mb, why = u.ddp_bucket_cap_mb(DdpConfig(), {}, grad_bytes=4, source="deepspeed")
+    mb, why = sp.ddp_bucket_cap_mb(DdpConfig(), _sizes(), grad_bytes=4)
     assert mb == pytest.approx(5e8 * 4 / 2**20)  # 1907.3 MiB, not DDP's 25
     assert "DeepSpeed's default" in why
 
 
-def test_ddp_bucket_keeps_an_explicit_value_and_other_dialects():
-    ext = ds(0, reduce_bucket_size=2**20)
-    assert u.ddp_bucket_cap_mb(DdpConfig(bucket_cap_mb=50), ext, grad_bytes=4, source="deepspeed")[0] == 50
-    assert u.ddp_bucket_cap_mb(DdpConfig(), {}, grad_bytes=4, source="fsdp")[0] == 25.0
+def test_ddp_bucket_keeps_an_explicit_value_and_jobs_without_buckets():
+    assert sp.ddp_bucket_cap_mb(DdpConfig(bucket_cap_mb=50), _sizes(reduce_bucket_size=2**20), grad_bytes=4)[0] == 50
+    assert sp.ddp_bucket_cap_mb(DdpConfig(), None, grad_bytes=4)[0] == 25.0
 
 
 def test_explain_lines_need_no_model():
+    from torsh.plan import plan
+
     cfg = adapters.load({"train_batch_size": 8, "zero_optimization": {"stage": 0, "reduce_bucket_size": 2**20}})
-    assert u.describe_policy(cfg.result, source="deepspeed") == [
-        "DDP gradient buckets of 4.0 MiB: reduce_bucket_size 1.05e+06 (zero_optimization.reduce_bucket_size"
-        "=1.05e+06) x 4 bytes per gradient element = 4.0 MiB"]
-    cfg3 = TorshConfig.from_dict({"sharding": {"stage": 3}})
-    assert u.describe_policy(cfg3) == ["FSDP2 units: each direct child holding parameters"]
-    assert u.describe_policy(cfg3, source="deepspeed")[0].startswith("FSDP2 units: consecutive blocks grouped up "
-                                                                     "to 50M parameters")
+    assert "DDP gradient buckets of 4.0 MiB: reduce_bucket_size 1.05e+06 (sharding.buckets.reduce_bucket_size" \
+           "=1.05e+06) x 4 bytes per gradient element = 4.0 MiB" in plan(cfg.result, 2).steps  # fmt: skip
+    assert native({"stage": 3}).describe_units() == ["FSDP2 units: each direct child holding parameters"]
+    assert ds(3).describe_units()[0].startswith("FSDP2 units: consecutive blocks grouped up to 50M parameters")
 
 
 def test_importing_the_module_does_not_import_torch():
-    code = "import sys, torsh.engine.zero.units; print('torch' in sys.modules)"
+    code = "import sys, torsh.engine.zero.units, torsh.sharding_plan; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -259,8 +286,7 @@ def test_fully_shard_takes_each_unit_as_a_list(tmp_path):
         model = Stack(tied=True)
         reference = Stack(tied=True)
         reference.load_state_dict(model.state_dict())
-        plan = u.plan_units(model, ShardingConfig(stage=3), ds(3, stage3_prefetch_bucket_size=3 * BLOCK),
-                            source="deepspeed")  # fmt: skip
+        plan = u.plan_units(model, ds(3, stage3_prefetch_bucket_size=3 * BLOCK))
         modules = dict(model.named_modules())
         mesh = init_device_mesh("cpu", (1,))
         for unit in plan.units:
@@ -278,21 +304,23 @@ def test_fully_shard_takes_each_unit_as_a_list(tmp_path):
         dist.destroy_process_group()
 
 
-def test_the_config_gets_ddp_buckets_from_reduce_bucket_size_before_sharding():
+def test_the_plan_gets_ddp_buckets_from_reduce_bucket_size():
+    from torsh.plan import plan
+
     raw = {"train_batch_size": 8, "zero_optimization": {"stage": 1, "reduce_bucket_size": 2**20},
            "bf16": {"enabled": True}}  # fmt: skip
     cfg = adapters.load(raw).result
-    sized = u.with_deepspeed_buckets(cfg, source="deepspeed")
-    assert sized.ddp.bucket_cap_mb == pytest.approx(2.0)  # 2**20 bf16 gradients
-    assert cfg.ddp.bucket_cap_mb == 25.0  # the caller's config is left alone
-    assert u.with_deepspeed_buckets(TorshConfig(), source="torsh") == TorshConfig()
-    stage3 = adapters.load({**raw, "zero_optimization": {"stage": 3}}).result
-    assert u.with_deepspeed_buckets(stage3, source="deepspeed") is stage3  # FSDP2 units carry the sizes there
+    decided = plan(cfg, 2)
+    assert decided.sharding.ddp.bucket_cap_mb == pytest.approx(2.0)  # 2**20 bf16 gradients
+    assert decided.step.ddp.bucket_cap_mb == pytest.approx(2.0)  # what the engine's DDP is built with
+    assert cfg.ddp.bucket_cap_mb == 25.0  # the config is left alone
+    assert plan(TorshConfig(), 2).sharding.ddp == TorshConfig().ddp  # no bucket section: DDP's own
+    assert decided.sharding.reduce_bucket_numel == 2**20  # ZeRO-1/2's buckets in elements
 
 
 def test_a_unit_that_would_split_a_tied_weight_is_left_to_the_root():
     """Each direct child as a unit would put the tied embedding and head in two units: both stay in the root."""
-    plan = u.plan_units(Stack(tied=True), ShardingConfig(stage=3), {}, source="torsh")
+    plan = u.plan_units(Stack(tied=True), native({"stage": 3}))
     assert plan.policy == "children"
     assert [unit.modules[0] for unit in plan.units] == [f"layers.{i}" for i in range(8)]
 

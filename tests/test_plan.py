@@ -229,7 +229,7 @@ def test_explain_prints_the_plan_the_engine_runs(tmp_path, capsys, sections, wor
     path.write_text(json.dumps(sections))
     assert main(["explain", str(path), "--world-size", str(world), "--report", "json"]) == 0
     steps = json.loads(capsys.readouterr().out)["engine"]
-    assert steps == list(plan.plan(_cfg(**sections), world, source="torsh").steps)
+    assert steps == list(plan.plan(_cfg(**sections), world).steps)
     assert any(says in s for s in steps), steps
     assert not_says is None or not any(not_says in s for s in steps), steps
 

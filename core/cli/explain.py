@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError([Problem("--world-size", args.world_size, "must be at least 1")])
     translation = adapters.load(args.file, args.dialect)
-    data = explain(translation.result, args.world_size, source=translation.source)
+    data = explain(translation.result, args.world_size)
     if args.report == "json":
         data["precision_contract"] = [asdict(r) for r in data["precision_contract"]]
         json.dump({"file": args.file, "dialect": translation.source, **data}, sys.stdout, indent=2)

@@ -16,6 +16,7 @@ import torch
 from torsh.config import ResolvedBatch, TorshConfig
 from torsh.deferred import is_deferred
 from torsh.errors import ConfigError, Problem
+from torsh.sharding_plan import DEEPSPEED_DEFAULTS
 
 log = logging.getLogger("torsh.engine")
 
@@ -74,6 +75,7 @@ def resolve_auto(cfg: TorshConfig, *, model: torch.nn.Module, optimizer: Any, tr
         grad_bytes = torch.tensor([], dtype=_first_float_dtype(model)).element_size()
         r.fill("ddp.bucket_cap_mb", size * size * grad_bytes / 2**20,
                f"hidden_size**2 elements, hidden_size from {source}")
+    _resolve_buckets(r)
     _resolve_optimizer(r, optimizer)
     _resolve_scheduler(r, cfg, training_data, world_size)
     r.fill("gradients.clip_max_norm", DEFAULT_CLIP, "DeepSpeed 0.19.8's and the HF Trainer's default")
@@ -105,6 +107,14 @@ def _resolve_batch(r: _Resolution, training_data: Any) -> None:
         r.fail("batch.micro_batch_size", "needs the data: pass a DataLoader as training_data or give a number")
     for key in ("global_batch_size", "gradient_accumulation_steps"):
         r.fill(f"batch.{key}", None, "derived from the other batch sizes and the world size")
+
+
+def _resolve_buckets(r: _Resolution) -> None:
+    """DeepSpeed's sizes left "auto" take DeepSpeed's default, as DeepSpeed reads "auto" itself (the Hugging Face
+    Trainer fills them from the model's hidden size before it calls ``initialize``)."""
+    for path in sorted(p for p in r.deferred if p.startswith("sharding.buckets.")):
+        r.fill(path, DEEPSPEED_DEFAULTS[path.rsplit(".", 1)[-1]], "DeepSpeed's default: DeepSpeed reads \"auto\" "
+               "as its default (the HF Trainer fills it from the hidden size before initialize)")
 
 
 def _resolve_optimizer(r: _Resolution, optimizer: Any) -> None:

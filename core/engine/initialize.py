@@ -38,7 +38,6 @@ from .monitor import Monitor
 from .optim import build_step_optimizer, named_groups
 from .precision import apply_precision
 from .zero.sharding import apply_sharding, sync_module_states
-from .zero.units import with_deepspeed_buckets
 
 log = logging.getLogger("torsh.engine")
 
@@ -83,12 +82,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     cfg, batch, resolved = resolve_auto(cfg, model=model, optimizer=optimizer if is_optimizer(optimizer) else None,
                                         training_data=training_data, world_size=dp_world)  # fmt: skip
     log_resolved(resolved, info.rank)
-    source = translation.source if translation is not None else None
-    cfg = with_deepspeed_buckets(cfg, source=source, rank=info.rank)  # DDP buckets from reduce_bucket_size
     # Every decision, and every refusal raised now, before the model is cast, wrapped or sharded: a refused
     # config leaves it as it was. `torsh-migrate explain` prints this same plan.
-    decided = plan(cfg, info.world_size, source=source, optimizer_given=optimizer is not None)
+    decided = plan(cfg, info.world_size, optimizer_given=optimizer is not None)
     decided.check()
+    _log_ddp_buckets(cfg, decided, info.rank)
 
     # Names are the identity that survives casting and sharding (fully_shard replaces the parameters).
     name_of = {id(p): n for n, p in model.named_parameters()}
@@ -101,7 +99,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     precision = apply_precision(model, cfg.precision, decided)
     _warn_section_not_built(cfg, optimizer, info.rank)
     shard, optimizer, compression_state = _shard_and_optimizer(model, cfg, decided, precision, info, optimizer,
-                                                               groups, name_of, source)  # fmt: skip
+                                                               groups, name_of)  # fmt: skip
     lr_scheduler = build_scheduler(cfg, lr_scheduler, optimizer)
     loss_scaler = build_loss_scaler(cfg)
     dataloader = _dataloader(training_data, cfg, decided, info, batch, dp_world, collate_fn)
@@ -116,6 +114,13 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                  batch.global_batch_size, batch.micro_batch_size, batch.gradient_accumulation_steps,
                  info.world_size)  # fmt: skip
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _log_ddp_buckets(cfg: TorshConfig, decided: EnginePlan, rank: int) -> None:
+    """DDP's bucket from DeepSpeed's ``reduce_bucket_size`` (stages 0/1 of a job sized as DeepSpeed sizes it)."""
+    if rank == 0 and cfg.sharding.stage <= 1 and cfg.sharding.buckets is not None:
+        log.info("DDP gradient buckets of %.1f MiB: %s", decided.sharding.ddp.bucket_cap_mb,
+                 decided.sharding.ddp_bucket_why)  # fmt: skip
 
 
 def _refuse_mesh_objects(mpu, mesh_param) -> None:
@@ -141,8 +146,8 @@ def _dataloader(training_data, cfg: TorshConfig, decided: EnginePlan, info, batc
                             rank=dp_rank, world_size=dp_world, collate_fn=collate_fn)  # fmt: skip
 
 
-def _shard_and_optimizer(model, cfg: TorshConfig, decided: EnginePlan, precision, info, optimizer, groups, name_of,
-                         source):  # fmt: skip
+def _shard_and_optimizer(model, cfg: TorshConfig, decided: EnginePlan, precision, info, optimizer, groups,
+                         name_of):  # fmt: skip
     """The sharded model and the optimizer that steps it: ``(shard, optimizer, compression state)``.
 
     ZeRO-1/2: the optimizer's groups decide the partition, and the optimizer steps its flat fp32 masters (stage 1
@@ -153,9 +158,9 @@ def _shard_and_optimizer(model, cfg: TorshConfig, decided: EnginePlan, precision
         from .zero.partition import build_zero
 
         shard, optimizer = build_zero(model, cfg=cfg, decided=decided, precision=precision, info=info,
-                                      client=optimizer, groups=groups, name_of=name_of, source=source)  # fmt: skip
+                                      client=optimizer, groups=groups, name_of=name_of)  # fmt: skip
         return shard, optimizer, apply_compression(shard, cfg, decided)
-    shard = apply_sharding(model, cfg, decided, precision, info, source=source)
+    shard = apply_sharding(model, cfg, decided, precision, info)
     compression_state = apply_compression(shard, cfg, decided)
     step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
     optimizer = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,

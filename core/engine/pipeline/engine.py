@@ -121,11 +121,10 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
     cfg, batch, resolved = resolve_auto(cfg, model=model, optimizer=optimizer if init.is_optimizer(optimizer)
                                         else None, training_data=training_data, world_size=dp)  # fmt: skip
     log_resolved(resolved, info.rank)
-    source = translation.source if translation is not None else None
-    decided = plan(cfg, dp, source=source, optimizer_given=optimizer is not None, pipeline=True)
+    decided = plan(cfg, dp, optimizer_given=optimizer is not None, pipeline=True)
     problems = list(decided.refused) + pipeline_refusals(cfg, model)
     if problems:
-        raise ConfigError(problems, source=source)
+        raise ConfigError(problems, source=translation.source if translation is not None else None)
 
     name_of = {id(p): n for n, p in model.named_parameters()}
     groups = named_groups(model_parameters, name_of, list(name_of.values()))
@@ -141,7 +140,7 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
 
         # this engine reduces the whole gradients over the stage's replicas (fp32, as DeepSpeed's bf16 optimizer)
         partition, built = partition_and_optimizer(model, cfg=cfg, decided=decided, precision=precision,
-                                                   client=optimizer, groups=groups, name_of=name_of, source=source,
+                                                   client=optimizer, groups=groups, name_of=name_of,
                                                    process_group=grid.get_data_parallel_group(),
                                                    accum_dtype=torch.float32)  # fmt: skip
     else:

@@ -10,11 +10,12 @@ gradient (zero when this rank's tokens skipped it), so every rank reduces the sa
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+from torsh.config import LeafModules
 
 log = logging.getLogger("torsh.engine")
 
@@ -105,15 +106,14 @@ DEFAULT_CLASSES = ("transformers.models.mixtral.modeling_mixtral.MixtralSparseMo
                    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock")  # fmt: skip
 
 
-def apply_config(model: nn.Module, extensions: Mapping[str, Any]) -> list[nn.Module]:
-    """Flag the leaf modules a DeepSpeed config names in ``zero_optimization.leaf_module`` (``classes``, ``names``,
+def apply_config(model: nn.Module, leaf_modules: LeafModules) -> list[nn.Module]:
+    """Flag the leaf modules the plan names (DeepSpeed's ``zero_optimization.leaf_module``: ``classes``, ``names``,
     ``name_suffixes``; classes default to :data:`DEFAULT_CLASSES`, as DeepSpeed applies them to every model)."""
-    section = extensions.get("deepspeed", {}).get("zero_optimization.leaf_module")
-    section = section if isinstance(section, Mapping) else {}
-    found = _flag_classes(model, list(section.get("classes", DEFAULT_CLASSES)), True, raise_if_not_found=False)
-    for key, by_suffix in (("names", False), ("name_suffixes", True)):
-        if section.get(key):
-            found += _flag_names(model, list(section[key]), True, False, by_suffix=by_suffix)[0]
+    classes = DEFAULT_CLASSES if leaf_modules.classes is None else leaf_modules.classes
+    found = _flag_classes(model, list(classes), True, raise_if_not_found=False)
+    for names, by_suffix in ((leaf_modules.names, False), (leaf_modules.name_suffixes, True)):
+        if names:
+            found += _flag_names(model, list(names), True, False, by_suffix=by_suffix)[0]
     unique = list({id(m): m for m in found}.values())
     if unique:
         log.info("sharding: ZeRO-3 leaf modules (parameters gathered together): %s",

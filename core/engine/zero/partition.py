@@ -657,23 +657,23 @@ def _link(b: Bucket, world: int, dtype: torch.dtype) -> None:
 
 
 def build_zero(model: nn.Module, *, cfg: Any, decided: Any, precision: Any, info: Any, client: Any, groups: list[dict],
-               name_of: dict[int, str], source: str | None) -> tuple[Any, Any]:  # fmt: skip
+               name_of: dict[int, str]) -> tuple[Any, Any]:  # fmt: skip
     """The ShardPlan of ZeRO-1/2 and its optimizer (None without one), from :func:`partition_and_optimizer`. At
     stage 1 DDP wraps the model and all-reduces the whole gradients (its buckets, overlap and communication hooks);
     at stage 2 the partition reduces them itself."""
     from .sharding import ShardPlan, apply_sharding
 
     partition, built = partition_and_optimizer(model, cfg=cfg, decided=decided, precision=precision, client=client,
-                                               groups=groups, name_of=name_of, source=source)  # fmt: skip
+                                               groups=groups, name_of=name_of)  # fmt: skip
     if info.rank == 0:
         log.info("ZeRO-%d: %d bucket(s); this rank holds %d of %d trainable elements", cfg.sharding.stage,
                  len(partition.buckets), sum(m.numel() for m in partition.masters),
                  sum(b.numel for b in partition.buckets))  # fmt: skip
     if partition.reduces:
-        _note_unit_settings(cfg.sharding, info.rank)
+        _note_unit_settings(decided.sharding, info.rank)
         shard = ShardPlan(model, model, "zero", partition=partition)
     else:  # stage 1: DDP all-reduces the whole gradients, as DeepSpeed's stage 1 averages them
-        shard = apply_sharding(model, cfg, decided, precision, info, source=source)
+        shard = apply_sharding(model, cfg, decided, precision, info)
         shard.partition = partition
     if built is not None:
         _accept_legacy_state(built, partition)
@@ -681,7 +681,7 @@ def build_zero(model: nn.Module, *, cfg: Any, decided: Any, precision: Any, info
 
 
 def partition_and_optimizer(model: nn.Module, *, cfg: Any, decided: Any, precision: Any, client: Any,
-                            groups: list[dict], name_of: dict[int, str], source: str | None,
+                            groups: list[dict], name_of: dict[int, str],
                             process_group: Any = None, accum_dtype: torch.dtype | None = None) -> tuple[Any, Any]:
     """The partition of ZeRO-1/2 and the optimizer over its flat fp32 masters (None without one): the optimizer's
     parameter groups (the script's optimizer's, else ``model_parameters``'s, by name) decide the partition's
@@ -693,7 +693,7 @@ def partition_and_optimizer(model: nn.Module, *, cfg: Any, decided: Any, precisi
 
     by_name = dict(model.named_parameters())
     cls, defaults, named = _client_groups(client, cfg, groups, name_of, by_name)
-    bucket, gather = _bucket_sizes(cfg, source)
+    bucket, gather = decided.sharding.reduce_bucket_numel, decided.sharding.allgather_bucket_numel
     accum = accum_dtype or DTYPES.get(cfg.precision.effective_grad_accum_dtype, precision.param_dtype)
     partition = ZeroPartition(model, _trainable(named, by_name), bucket_numel=max(1, bucket), allgather_numel=max(1, gather),
                               compute_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
@@ -701,22 +701,12 @@ def partition_and_optimizer(model: nn.Module, *, cfg: Any, decided: Any, precisi
                               mean=cfg.gradients.reduce_op == "mean", process_group=process_group,
                               reduce_in_backward=decided.data_parallel != "zero1")  # fmt: skip
     partition.legacy_order = [by_name[n] for g in named for n in g["params"]]  # the order ZeRO-1 saved before
-    partition.require_grads = partition.reduces and decided.masters_on_cpu and not _ignores_unused(cfg)
+    partition.require_grads = (partition.reduces and decided.masters_on_cpu
+                               and not decided.sharding.ignore_unused_parameters)
     built = _partition_optimizer(client, cls, defaults, named, partition, cfg, decided)
     if built is not None:
         built.optimizer = built  # DeepSpeed's engine.optimizer.optimizer: the torch optimizer of the partition
     return partition, built
-
-
-def _bucket_sizes(cfg: Any, source: str | None) -> tuple[int, int]:
-    """Elements per reduce bucket and per all-gather: DeepSpeed's sizes from its config, else DDP's bucket."""
-    from .units import DEEPSPEED_DEFAULTS, bucket_settings, grad_bytes, is_deepspeed_sized
-
-    if is_deepspeed_sized(cfg.extensions, source):
-        settings = bucket_settings(cfg.extensions)
-        return settings.reduce_bucket_size, settings.allgather_bucket_size or settings.reduce_bucket_size
-    bucket = int(float(cfg.ddp.bucket_cap_mb) * 2**20 / grad_bytes(cfg)) or DEEPSPEED_DEFAULTS["reduce_bucket_size"]
-    return bucket, bucket
 
 
 def _client_groups(client: Any, cfg: Any, groups: list[dict], name_of: dict[int, str],
@@ -738,11 +728,6 @@ def _trainable(named: list[dict], by_name: dict[str, nn.Parameter]) -> list[list
     """Each group's parameters the partition steps: trainable floating-point ones."""
     return [[by_name[n] for n in g["params"] if by_name[n].requires_grad and by_name[n].is_floating_point()]
             for g in named]  # fmt: skip
-
-
-def _ignores_unused(cfg: Any) -> bool:
-    """DeepSpeed's ``zero_optimization.ignore_unused_parameters`` (default true)."""
-    return bool((cfg.extensions.get("deepspeed") or {}).get("zero_optimization.ignore_unused_parameters", True))
 
 
 def _partition_optimizer(client: Any, cls: type | None, defaults: dict | None, named: list[dict],

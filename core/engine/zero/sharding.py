@@ -17,6 +17,7 @@ from torch import nn
 
 from torsh.config import DdpConfig, GradientsConfig, ShardingConfig, TorshConfig
 from torsh.plan import EnginePlan
+from torsh.sharding_plan import ShardingPlan
 
 from . import leaves, whole_params
 from . import params as zero_params
@@ -79,19 +80,18 @@ def sync_module_states(model: nn.Module, device: torch.device, sharding: Shardin
             t.copy_(part.view_as(t))
 
 
-def apply_sharding(model: nn.Module, cfg: TorshConfig, decided: EnginePlan, precision: PrecisionPlan, info: DistInfo,
-                   *, source: str | None = None) -> ShardPlan:  # fmt: skip
+def apply_sharding(model: nn.Module, cfg: TorshConfig, decided: EnginePlan, precision: PrecisionPlan,
+                   info: DistInfo) -> ShardPlan:  # fmt: skip
     """Wrap ``model`` as the plan says: DDP (stages 0/1; its own reduction unless a compression hook replaces it)
-    or FSDP2 on the plan's mesh. ``source`` (the dialect the config was read from) says whether DeepSpeed's
-    bucket sizes in ``cfg.extensions`` size the FSDP2 units (:func:`.units.plan_units`)."""
+    or FSDP2 on the plan's mesh, in the units the plan's sharding section gives (:func:`.units.plan_units`)."""
     if not decided.fsdp:
-        return _apply_ddp(model, cfg.ddp, cfg.gradients, precision, info, decided.compression != "comm_hook")
+        return _apply_ddp(model, decided.sharding.ddp, cfg.gradients, precision, info,
+                          decided.compression != "comm_hook")  # fmt: skip
     if decided.tp > 1:  # tensor parallelism first, then FSDP2 on the data-parallel sub-mesh it leaves
         from ..parallel.tensor_parallel import apply_tensor_parallel
 
-        return _apply_fsdp(model, cfg, decided, precision, info, source,
-                           mesh=apply_tensor_parallel(model, cfg, decided, info))  # fmt: skip
-    return _apply_fsdp(model, cfg, decided, precision, info, source)
+        return _apply_fsdp(model, cfg, decided, precision, info, mesh=apply_tensor_parallel(model, cfg, decided, info))
+    return _apply_fsdp(model, cfg, decided, precision, info)
 
 
 def _apply_ddp(model, ddp: DdpConfig, gradients: GradientsConfig, precision: PrecisionPlan, info: DistInfo,
@@ -199,16 +199,16 @@ def rebuild_ddp_for_unused(shard: ShardPlan, ddp: DdpConfig, gradients: Gradient
 
 
 def _apply_fsdp(model, cfg: TorshConfig, decided: EnginePlan, precision: PrecisionPlan, info: DistInfo,
-                source: str | None, mesh: object | None = None) -> ShardPlan:  # fmt: skip
+                mesh: object | None = None) -> ShardPlan:  # fmt: skip
     from torch.distributed.fsdp import fully_shard
 
     if cfg.offload.optimizer == "cpu" and cfg.offload.params == "none":
         log.info("offload.optimizer=cpu under FSDP2: CPUOffloadPolicy offloads parameters and gradients too "
                  "and steps the optimizer on the CPU")  # fmt: skip
     kwargs = _fsdp_kwargs(cfg, decided, precision, info, mesh)
-    # Units: sharding.wrap as written; for a DeepSpeed config, consecutive blocks grouped to its bucket sizes.
-    leaves.apply_config(model, cfg.extensions)  # before the units: they never split a leaf module
-    targets = _shard_units(model, cfg, kwargs, info, source)
+    # Units: sharding.wrap as written; with DeepSpeed's bucket sizes, consecutive blocks grouped to them.
+    leaves.apply_config(model, decided.sharding.leaf_modules)  # before the units: they never split a leaf module
+    targets = _shard_units(model, decided.sharding, kwargs, info)
     fully_shard(model, **kwargs)
     # a state dict read on one rank changes nothing, and is whole where it can be
     whole_params.install(model, mark_gathered=decided.reshard_after_forward is not False)
@@ -241,12 +241,12 @@ def _fsdp_kwargs(cfg: TorshConfig, decided: EnginePlan, precision: PrecisionPlan
                 offload_policy=CPUOffloadPolicy(pin_memory=pin) if decided.fsdp_cpu_offload else OffloadPolicy())
 
 
-def _shard_units(model: nn.Module, cfg: TorshConfig, kwargs: dict, info: DistInfo, source: str | None) -> list:
+def _shard_units(model: nn.Module, layout: ShardingPlan, kwargs: dict, info: DistInfo) -> list:
     """``fully_shard`` on each unit of the plan; the first module of each unit (a unit's modules share one FSDP2
     state), in order: the prefetch order."""
     from torch.distributed.fsdp import fully_shard
 
-    plan = plan_units(model, cfg.sharding, cfg.extensions, source=source)
+    plan = plan_units(model, layout)
     if info.rank == 0:
         for line in plan.describe():
             log.info("sharding: %s", line)
