@@ -276,11 +276,11 @@ def test_pipeline_refusals_name_the_key_and_the_alternative():
     [problem] = pipeline_refusals(zero3, module)
     assert problem.path == "sharding.stage" and "use zero_optimization.stage 0 or 1" in problem.reason
     other = TorshConfig.model_validate({"parallelism": {"pp": 4}})
-    assert pipeline_degree(other) == 4
+    assert pipeline_degree(other.parallelism) == 4
     [problem] = pipeline_refusals(other, module)
     assert problem.path == "parallelism.pp" and "has 2 stages" in problem.reason
     assert pipeline_refusals(TorshConfig.model_validate({"parallelism": {"pp": 2}}), module) == []
-    assert pipeline_degree(TorshConfig()) is None  # the default (1) does not contradict the module
+    assert pipeline_degree(TorshConfig().parallelism) is None  # the default (1) does not contradict the module
     tp = TorshConfig.model_validate({"parallelism": {"tp": 2}})
     assert [p.path for p in pipeline_refusals(tp, module)] == ["parallelism.tp"]
 

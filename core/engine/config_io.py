@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from torsh.config import TorshConfig
+from torsh.config import LossScalingConfig, SchedulerConfig, TorshConfig
 from torsh.errors import ConfigError, Problem
 from torsh.translate import Translation
 
@@ -88,24 +88,27 @@ def log_translation(translation: Translation | None, rank: int) -> None:
         log.warning("config: %s", note)
 
 
-def build_scheduler(cfg: TorshConfig, client: Any, optimizer: Any) -> Any:
+def build_scheduler(section: SchedulerConfig | None, client: Any, optimizer: Any) -> Any:
+    """The scheduler the engine steps: the script's (re-pointed at ``optimizer``, or its callable's), else the one
+    the ``scheduler`` section describes; None without an optimizer (DeepSpeed's rule) or any scheduler."""
     if optimizer is None:
         return None  # DeepSpeed configures a scheduler only when there is an optimizer
     if client is not None:
         if hasattr(client, "step") and hasattr(client, "optimizer"):
             return rebind_scheduler(client, optimizer)
         return client(optimizer)
-    if cfg.scheduler is None:
+    if section is None:
         return None
     from .schedulers import build_scheduler
 
-    return build_scheduler(cfg.scheduler, optimizer)
+    return build_scheduler(section, optimizer)
 
 
-def build_loss_scaler(cfg: TorshConfig) -> Any:
+def build_loss_scaler(loss_scaling: LossScalingConfig) -> Any:
+    """The loss scaler of the ``precision.loss_scaling`` section."""
     from .loss_scaler import build_loss_scaler
 
-    return build_loss_scaler(cfg.precision.loss_scaling)
+    return build_loss_scaler(loss_scaling)
 
 
 _OWN_EVENTS = ("the engine writes none of DeepSpeed's own Train/Samples events; engine.monitor.write_events writes "

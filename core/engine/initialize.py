@@ -12,9 +12,10 @@ import logging
 
 import torch
 
-from torsh.config import TorshConfig
+from torsh.config import CompressionConfig, DataConfig, OptimizerConfig, TorshConfig
 from torsh.errors import ConfigError, Problem
 from torsh.plan import EnginePlan, plan
+from torsh.sharding_plan import ShardingPlan
 
 from .activations import apply_activation_checkpointing
 from .auto import log_resolved, resolve_auto
@@ -36,7 +37,9 @@ from .distributed import init_distributed as start_process_group
 from .engine import Engine
 from .monitor import Monitor
 from .optim import build_step_optimizer, named_groups
+from .parallel.tensor_parallel import apply_tensor_parallel
 from .precision import apply_precision
+from .zero.partition import build_zero
 from .zero.sharding import apply_sharding, sync_module_states
 
 log = logging.getLogger("torsh.engine")
@@ -86,23 +89,39 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     # config leaves it as it was. `torsh-migrate explain` prints this same plan.
     decided = plan(cfg, info.world_size, optimizer_given=optimizer is not None)
     decided.check()
-    _log_ddp_buckets(cfg, decided, info.rank)
+    _log_ddp_buckets(decided.sharding, info.rank)
 
     # Names are the identity that survives casting and sharding (fully_shard replaces the parameters).
     name_of = {id(p): n for n, p in model.named_parameters()}
     groups = named_groups(model_parameters, name_of, list(name_of.values()))
 
-    # The apply_* steps, in the plan's order: every rank starts from rank 0's weights; checkpointing wraps the
-    # blocks before sharding sees them; precision before sharding, so that FSDP2 shards fp32 master weights.
+    # The apply_* steps, in the plan's order, each given the plan and its own section(s): every rank starts from
+    # rank 0's weights; checkpointing wraps the blocks before sharding sees them; precision before sharding, so
+    # that FSDP2 shards fp32 master weights; tensor parallelism before FSDP2, which shards over the data-parallel
+    # sub-mesh it leaves; the optimizer after sharding, so that it holds the tensors the step updates.
     sync_module_states(model, info.device, cfg.sharding)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.sharding.wrap)
     precision = apply_precision(model, cfg.precision, decided)
-    _warn_section_not_built(cfg, optimizer, info.rank)
-    shard, optimizer, compression_state = _shard_and_optimizer(model, cfg, decided, precision, info, optimizer,
-                                                               groups, name_of)  # fmt: skip
-    lr_scheduler = build_scheduler(cfg, lr_scheduler, optimizer)
-    loss_scaler = build_loss_scaler(cfg)
-    dataloader = _dataloader(training_data, cfg, decided, info, batch, dp_world, collate_fn)
+    _warn_section_not_built(cfg.optimizer, optimizer, info.rank)
+    if decided.data_parallel in ("zero1", "zero2"):
+        # ZeRO-1/2: the optimizer's groups decide the partition, and the optimizer steps its flat fp32 masters
+        # (stage 1 keeps DDP for the whole-gradient reduction, and with it DDP's compression hook)
+        shard, optimizer = build_zero(model, decided=decided, precision=precision, info=info,
+                                      gradients=cfg.gradients, optimizer=cfg.optimizer, client=optimizer,
+                                      groups=groups, name_of=name_of)  # fmt: skip
+        compression_state = apply_compression(shard, cfg.compression, decided)
+    else:
+        mesh = apply_tensor_parallel(model, cfg.parallelism, decided.degrees, info) if decided.tp > 1 else None
+        shard = apply_sharding(model, decided, precision, info, gradients=cfg.gradients, offload=cfg.offload,
+                               mesh=mesh)  # fmt: skip
+        compression_state = apply_compression(shard, cfg.compression, decided)
+        # the fp32 masters at stage 0 with low-precision compute, else the (sharded) parameters
+        step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
+        optimizer = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
+                                         by_name=step_params, offload=decided.optimizer_on_cpu)  # fmt: skip
+    lr_scheduler = build_scheduler(cfg.scheduler, lr_scheduler, optimizer)
+    loss_scaler = build_loss_scaler(cfg.precision.loss_scaling)
+    dataloader = _dataloader(training_data, cfg.data, decided, info, batch, dp_world, collate_fn)
     engine = Engine(config=config_as_dict(config), policy=decided.step, monitor=Monitor(cfg.monitoring, info.rank),
                     batch=batch, info=info, shard=shard, precision=precision,
                     optimizer=optimizer, lr_scheduler=lr_scheduler, loss_scaler=loss_scaler,
@@ -116,11 +135,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _log_ddp_buckets(cfg: TorshConfig, decided: EnginePlan, rank: int) -> None:
+def _log_ddp_buckets(layout: ShardingPlan, rank: int) -> None:
     """DDP's bucket from DeepSpeed's ``reduce_bucket_size`` (stages 0/1 of a job sized as DeepSpeed sizes it)."""
-    if rank == 0 and cfg.sharding.stage <= 1 and cfg.sharding.buckets is not None:
-        log.info("DDP gradient buckets of %.1f MiB: %s", decided.sharding.ddp.bucket_cap_mb,
-                 decided.sharding.ddp_bucket_why)  # fmt: skip
+    if rank == 0 and layout.stage <= 1 and layout.buckets is not None:
+        log.info("DDP gradient buckets of %.1f MiB: %s", layout.ddp.bucket_cap_mb, layout.ddp_bucket_why)
 
 
 def _refuse_mesh_objects(mpu, mesh_param) -> None:
@@ -131,41 +149,19 @@ def _refuse_mesh_objects(mpu, mesh_param) -> None:
                                    "the mesh")])  # fmt: skip
 
 
-def _warn_section_not_built(cfg: TorshConfig, optimizer, rank: int) -> None:
-    if optimizer is not None and cfg.optimizer is not None and cfg.optimizer.name and rank == 0:
+def _warn_section_not_built(section: OptimizerConfig | None, optimizer, rank: int) -> None:
+    if optimizer is not None and section is not None and section.name and rank == 0:
         log.warning("optimizer.name=%s is not built: the optimizer passed to initialize is used (as DeepSpeed "
-                    "does); its \"auto\" values were filled from it", cfg.optimizer.name)  # fmt: skip
+                    "does); its \"auto\" values were filled from it", section.name)  # fmt: skip
 
 
-def _dataloader(training_data, cfg: TorshConfig, decided: EnginePlan, info, batch, dp_world: int, collate_fn):
+def _dataloader(training_data, data: DataConfig, decided: EnginePlan, info, batch, dp_world: int, collate_fn):
     """The dataloader over ``training_data`` for this rank's data-parallel share (None: no training data)."""
     if training_data is None:
         return None
     dp_rank = decided.degrees.dp_rank(info.rank) if decided.degrees is not None else info.rank
-    return build_dataloader(training_data, micro_batch_size=batch.micro_batch_size, data=cfg.data,
+    return build_dataloader(training_data, micro_batch_size=batch.micro_batch_size, data=data,
                             rank=dp_rank, world_size=dp_world, collate_fn=collate_fn)  # fmt: skip
-
-
-def _shard_and_optimizer(model, cfg: TorshConfig, decided: EnginePlan, precision, info, optimizer, groups,
-                         name_of):  # fmt: skip
-    """The sharded model and the optimizer that steps it: ``(shard, optimizer, compression state)``.
-
-    ZeRO-1/2: the optimizer's groups decide the partition, and the optimizer steps its flat fp32 masters (stage 1
-    keeps DDP for the whole-gradient reduction, and with it DDP's compression hook). Otherwise (DDP or FSDP2):
-    shard, hook the compression, then build the optimizer after sharding, so that it holds the tensors the step
-    updates (the fp32 masters at stage 0 with low-precision compute)."""
-    if decided.data_parallel in ("zero1", "zero2"):
-        from .zero.partition import build_zero
-
-        shard, optimizer = build_zero(model, cfg=cfg, decided=decided, precision=precision, info=info,
-                                      client=optimizer, groups=groups, name_of=name_of)  # fmt: skip
-        return shard, optimizer, apply_compression(shard, cfg, decided)
-    shard = apply_sharding(model, cfg, decided, precision, info)
-    compression_state = apply_compression(shard, cfg, decided)
-    step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
-    optimizer = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
-                                     by_name=step_params, offload=decided.optimizer_on_cpu)  # fmt: skip
-    return shard, optimizer, compression_state
 
 
 def _with_tp_model_init(cfg: TorshConfig, model: torch.nn.Module) -> TorshConfig:
@@ -189,14 +185,14 @@ def _data_parallel_size(cfg: TorshConfig, world_size: int) -> int:
     return world_size // model if world_size % model == 0 else world_size
 
 
-def apply_compression(shard, cfg: TorshConfig, decided: EnginePlan) -> object | None:
+def apply_compression(shard, compression: CompressionConfig, decided: EnginePlan) -> object | None:
     """Gradient compression on the data-parallel reduction: a DDP comm hook (stages 0/1). Under FSDP2 a fp16/bf16
     "compression" is the reduce dtype ``apply_precision`` set; the plan refused the other methods there."""
     if decided.compression != "comm_hook":
         return None
-    from . import compression
+    from .compression import apply_compression as register_hook
 
-    return compression.apply_compression(shard.model, cfg.compression, process_group=None)
+    return register_hook(shard.model, compression, process_group=None)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -144,7 +144,7 @@ def _torch_optimizer_names() -> list[str]:
             and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"]  # fmt: skip
 
 
-def build_optimizer(cfg: Any, params: Any, *, offload: bool) -> Any:
+def build_optimizer(section: OptimizerConfig | None, params: Any, *, offload: bool) -> Any:
     """The ``torch.optim`` optimizer the ``optimizer`` section names, over ``params`` (tensors or param groups).
 
     Returns None when there is no section or it names no class (the training script passes its own optimizer).
@@ -153,13 +153,13 @@ def build_optimizer(cfg: Any, params: Any, *, offload: bool) -> Any:
     DeepSpeed-only names, unresolved "auto" values and keywords the class does not take raise
     :class:`~torsh.errors.ConfigError`.
     """
-    if cfg is None or cfg.name is None:
+    if section is None or section.name is None:
         return None
-    cls = _optimizer_class(cfg.name)
+    cls = _optimizer_class(section.name)
     check_steppable(cls, sharded=all_sharded(params), key="optimizer.name")
-    kwargs = _keywords(cfg)
+    kwargs = _keywords(section)
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
-    problems = _keyword_problems(cfg.name, kwargs, accepted, offload)
+    problems = _keyword_problems(section.name, kwargs, accepted, offload)
     if problems:
         raise ConfigError(problems)
     values = {key: value for key, (_, value) in kwargs.items()}
@@ -185,14 +185,14 @@ def _optimizer_class(name: str) -> type:
     return getattr(torch.optim, name)
 
 
-def _keywords(cfg: Any) -> dict[str, tuple[str, Any]]:
+def _keywords(section: OptimizerConfig) -> dict[str, tuple[str, Any]]:
     """Keyword -> (dotted path for messages, value): the typed fields that are set, then ``optimizer.kwargs``."""
     kwargs: dict[str, tuple[str, Any]] = {}
     for field in _TYPED_FIELDS:
-        value = getattr(cfg, field)
+        value = getattr(section, field)
         if value is not None:
             kwargs[field] = (f"optimizer.{field}", value)
-    for key, value in cfg.kwargs.items():
+    for key, value in section.kwargs.items():
         kwargs[key] = (f"optimizer.kwargs.{key}", value)
     return kwargs
 
@@ -407,7 +407,7 @@ ELEMENTWISE = frozenset({"Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "Adamax"
                          "RAdam", "ASGD", "SparseAdam"})  # fmt: skip
 
 
-def check_elementwise(client: Any, section: Any, cls: type | None, stage: int) -> None:
+def check_elementwise(client: Any, section: OptimizerConfig | None, cls: type | None, stage: int) -> None:
     """ZeRO-1/2 step flat partitions: a ConfigError for a torch optimizer (the script's class ``cls``, or the one
     ``section`` names when the script passes none) that updates whole tensors."""
     name = cls.__name__ if cls is not None else (section.name if client is None and section is not None else None)

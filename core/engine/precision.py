@@ -80,6 +80,10 @@ class PrecisionPlan:
     """Gradients accumulate in a wider dtype than the compute dtype (``grad_accum_dtype``), so each
     micro-batch's gradient is reduced and added to the wide (master / fp32 shard) gradient, as DeepSpeed
     ZeRO does, instead of accumulating low-precision gradients locally until the boundary."""
+    grad_accum_dtype: torch.dtype | None = None
+    """The dtype gradients accumulate in over the micro-steps (``precision.grad_accum_dtype``, else the compute
+    dtype; None: not a dtype the engine knows, the compute dtype then). ZeRO-1/2's partition gradients are kept
+    in it."""
 
 
 def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, decided: EnginePlan) -> PrecisionPlan:
@@ -99,7 +103,8 @@ def apply_precision(model: torch.nn.Module, precision: PrecisionConfig, decided:
                     "(%s); the state follows the master weights", precision.optimizer_state_dtype,
                     precision.master_dtype)  # fmt: skip
     plan = PrecisionPlan(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                         cast_forward_inputs=precision.cast_forward_inputs)  # fmt: skip
+                         cast_forward_inputs=precision.cast_forward_inputs,
+                         grad_accum_dtype=DTYPES.get(precision.effective_grad_accum_dtype))  # fmt: skip
 
     if decided.autocast:
         _autocast(model, plan, decided, master_dtype)

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from torsh.config import TorshConfig
+from torsh.config import ParallelismConfig
 from torsh.errors import ConfigError, Problem
-from torsh.plan import TP_COLWISE, TP_ROWWISE, Degrees, EnginePlan
+from torsh.plan import TP_COLWISE, TP_ROWWISE, Degrees
 
 from ..distributed import DistInfo
 
@@ -63,11 +63,11 @@ def _pattern(glob: str) -> re.Pattern:
     return re.compile("".join(out))
 
 
-def resolve_plan(model: nn.Module, cfg: TorshConfig, tp: int) -> dict[str, str]:
+def resolve_plan(model: nn.Module, parallelism: ParallelismConfig, tp: int) -> dict[str, str]:
     """Module name -> "colwise" / "rowwise" for the linear layers to split; a configured pattern that matches no
     linear layer, or a layer whose split dimension ``tp`` does not divide, is a ConfigError naming the key."""
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    configured = cfg.parallelism.tp_plan
+    configured = parallelism.tp_plan
     chosen = _configured_plan(linears, configured) if configured else _default_plan(model)
     bad = _undivided(chosen, linears, tp)
     if bad:
@@ -144,16 +144,16 @@ def _to_local(module: nn.Module, outputs: Any, mesh: Any) -> Any:
     return outputs
 
 
-def apply_tensor_parallel(model: nn.Module, cfg: TorshConfig, decided: EnginePlan, info: DistInfo) -> Any:
-    """Split ``model``'s planned linear layers over the tp ranks, replicate its other parameters there, and return
-    the data-parallel sub-mesh FSDP2 shards over."""
+def apply_tensor_parallel(model: nn.Module, parallelism: ParallelismConfig, degrees: Degrees, info: DistInfo) -> Any:
+    """Split ``model``'s planned linear layers (``parallelism.tp_plan``, else the default plan) over the tp ranks of
+    the plan's ``degrees``, replicate its other parameters there, and return the data-parallel sub-mesh FSDP2
+    shards over."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    degrees = decided.degrees
     mesh = build_mesh(degrees, info)
     tp_mesh = mesh["tp"]
-    chosen = resolve_plan(model, cfg, degrees.tp)
-    key = _KEY if cfg.parallelism.tp_plan else "parallelism.tp"
+    chosen = resolve_plan(model, parallelism, degrees.tp)
+    key = _KEY if parallelism.tp_plan else "parallelism.tp"
     if not chosen:
         raise ConfigError([Problem(key, degrees.tp, "no linear "
                                    "layer of the model is split by the default plan (it needs Hugging Face-style "

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torsh.config import TorshConfig
+from torsh.config import ParallelismConfig, TorshConfig
 from torsh.errors import ConfigError, Problem
 
 from ..engine import Engine
@@ -43,10 +43,10 @@ def is_pipeline_module(model: Any) -> bool:
     return isinstance(model, PipelineModule)
 
 
-def pipeline_degree(cfg: TorshConfig) -> int | None:
+def pipeline_degree(parallelism: ParallelismConfig) -> int | None:
     """The pipeline degree the config asks for (None: not set, or "auto": the module's ``num_stages`` decides)."""
-    stages = cfg.parallelism.pp
-    return stages if isinstance(stages, int) and "pp" in cfg.parallelism.model_fields_set else None
+    stages = parallelism.pp
+    return stages if isinstance(stages, int) and "pp" in parallelism.model_fields_set else None
 
 
 def pipeline_refusals(cfg: TorshConfig, module: Any) -> list[Problem]:
@@ -85,7 +85,7 @@ def _layout_refusals(cfg: TorshConfig, module: Any) -> list[Problem]:
     if cfg.parallelism.tp > 1:
         problems.append(Problem("parallelism.tp", cfg.parallelism.tp, "tensor parallelism inside a pipeline stage "
                                 "is not run by the torsh pipeline engine; set it to 1 with a PipelineModule"))
-    degree = pipeline_degree(cfg)
+    degree = pipeline_degree(cfg.parallelism)
     if degree is not None and degree != module.num_stages:
         problems.append(Problem("parallelism.pp", degree, f"the PipelineModule has {module.num_stages} stages; "
                                 "set the stages in one place (PipelineModule(num_stages=...)) or remove the key"))
@@ -139,7 +139,8 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
         from ..zero.partition import partition_and_optimizer
 
         # this engine reduces the whole gradients over the stage's replicas (fp32, as DeepSpeed's bf16 optimizer)
-        partition, built = partition_and_optimizer(model, cfg=cfg, decided=decided, precision=precision,
+        partition, built = partition_and_optimizer(model, decided=decided, precision=precision,
+                                                   gradients=cfg.gradients, optimizer=cfg.optimizer,
                                                    client=optimizer, groups=groups, name_of=name_of,
                                                    process_group=grid.get_data_parallel_group(),
                                                    accum_dtype=torch.float32)  # fmt: skip
@@ -147,7 +148,7 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
         step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
         built = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
                                      by_name=step_params, offload=decided.optimizer_on_cpu)  # fmt: skip
-    lr_scheduler = init.build_scheduler(cfg, lr_scheduler, built)
+    lr_scheduler = init.build_scheduler(cfg.scheduler, lr_scheduler, built)
     shard = ShardPlan(model=model, module=model, kind="pipe", partition=partition)
     engine = PipelineEngine(config=init.config_as_dict(config), policy=decided.step,
                             monitor=Monitor(cfg.monitoring, info.rank), batch=batch, info=info, shard=shard,

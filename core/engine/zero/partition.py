@@ -57,7 +57,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torsh.config import GradientsConfig, OptimizerConfig
+from torsh.plan import EnginePlan
+from torsh.sharding_plan import ShardingPlan
+
 from ..checkpoint.state import RANK_STATE
+from ..distributed import DistInfo
+from ..precision import PrecisionPlan
 
 log = logging.getLogger("torsh.engine")
 
@@ -656,63 +662,67 @@ def _link(b: Bucket, world: int, dtype: torch.dtype) -> None:
 # building the partition and its optimizer
 
 
-def build_zero(model: nn.Module, *, cfg: Any, decided: Any, precision: Any, info: Any, client: Any, groups: list[dict],
+def build_zero(model: nn.Module, *, decided: EnginePlan, precision: PrecisionPlan, info: DistInfo,
+               gradients: GradientsConfig, optimizer: OptimizerConfig | None, client: Any, groups: list[dict],
                name_of: dict[int, str]) -> tuple[Any, Any]:  # fmt: skip
     """The ShardPlan of ZeRO-1/2 and its optimizer (None without one), from :func:`partition_and_optimizer`. At
     stage 1 DDP wraps the model and all-reduces the whole gradients (its buckets, overlap and communication hooks);
     at stage 2 the partition reduces them itself."""
-    from .sharding import ShardPlan, apply_sharding
+    from .sharding import ShardPlan, apply_ddp
 
-    partition, built = partition_and_optimizer(model, cfg=cfg, decided=decided, precision=precision, client=client,
-                                               groups=groups, name_of=name_of)  # fmt: skip
+    partition, built = partition_and_optimizer(model, decided=decided, precision=precision, gradients=gradients,
+                                               optimizer=optimizer, client=client, groups=groups,
+                                               name_of=name_of)  # fmt: skip
     if info.rank == 0:
-        log.info("ZeRO-%d: %d bucket(s); this rank holds %d of %d trainable elements", cfg.sharding.stage,
+        log.info("ZeRO-%d: %d bucket(s); this rank holds %d of %d trainable elements", decided.sharding.stage,
                  len(partition.buckets), sum(m.numel() for m in partition.masters),
                  sum(b.numel for b in partition.buckets))  # fmt: skip
     if partition.reduces:
         _note_unit_settings(decided.sharding, info.rank)
         shard = ShardPlan(model, model, "zero", partition=partition)
     else:  # stage 1: DDP all-reduces the whole gradients, as DeepSpeed's stage 1 averages them
-        shard = apply_sharding(model, cfg, decided, precision, info)
+        shard = apply_ddp(model, decided, gradients, precision, info)
         shard.partition = partition
     if built is not None:
         _accept_legacy_state(built, partition)
     return shard, built
 
 
-def partition_and_optimizer(model: nn.Module, *, cfg: Any, decided: Any, precision: Any, client: Any,
-                            groups: list[dict], name_of: dict[int, str],
-                            process_group: Any = None, accum_dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+def partition_and_optimizer(model: nn.Module, *, decided: EnginePlan, precision: PrecisionPlan,
+                            gradients: GradientsConfig, optimizer: OptimizerConfig | None, client: Any,
+                            groups: list[dict], name_of: dict[int, str], process_group: Any = None,
+                            accum_dtype: torch.dtype | None = None) -> tuple[ZeroPartition, Any]:  # fmt: skip
     """The partition of ZeRO-1/2 and the optimizer over its flat fp32 masters (None without one): the optimizer's
     parameter groups (the script's optimizer's, else ``model_parameters``'s, by name) decide the partition's
-    groups; the optimizer is the script's class and arguments, its callable's, or the configured one.
-    ``process_group``: the data-parallel group (None: every rank); ``accum_dtype``: the partition gradients' dtype
-    (None: the config's gradient accumulation dtype). The main engine's ZeRO-1/2 and the pipeline engine's ZeRO-1
-    (over a stage's replicas, fp32 gradients) both build theirs here."""
-    from ..precision import DTYPES
-
+    groups; the optimizer is the script's class and arguments, its callable's, or the configured one
+    (``optimizer``). ``process_group``: the data-parallel group (None: every rank); ``accum_dtype``: the partition
+    gradients' dtype (None: the precision plan's gradient accumulation dtype). The main engine's ZeRO-1/2 and the
+    pipeline engine's ZeRO-1 (over a stage's replicas, fp32 gradients) both build theirs here."""
     by_name = dict(model.named_parameters())
-    cls, defaults, named = _client_groups(client, cfg, groups, name_of, by_name)
-    bucket, gather = decided.sharding.reduce_bucket_numel, decided.sharding.allgather_bucket_numel
-    accum = accum_dtype or DTYPES.get(cfg.precision.effective_grad_accum_dtype, precision.param_dtype)
-    partition = ZeroPartition(model, _trainable(named, by_name), bucket_numel=max(1, bucket), allgather_numel=max(1, gather),
-                              compute_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
-                              accum_dtype=accum, master_device=torch.device("cpu") if decided.masters_on_cpu else None,
-                              mean=cfg.gradients.reduce_op == "mean", process_group=process_group,
-                              reduce_in_backward=decided.data_parallel != "zero1")  # fmt: skip
+    cls, defaults, named = _client_groups(client, optimizer, decided.sharding.stage, groups, name_of, by_name)
+    layout = decided.sharding
+    partition = ZeroPartition(
+        model, _trainable(named, by_name),
+        bucket_numel=max(1, layout.reduce_bucket_numel), allgather_numel=max(1, layout.allgather_bucket_numel),
+        compute_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
+        accum_dtype=accum_dtype or precision.grad_accum_dtype or precision.param_dtype,
+        master_device=torch.device("cpu") if decided.masters_on_cpu else None, mean=gradients.reduce_op == "mean",
+        process_group=process_group, reduce_in_backward=decided.data_parallel != "zero1",
+    )
     partition.legacy_order = [by_name[n] for g in named for n in g["params"]]  # the order ZeRO-1 saved before
-    partition.require_grads = (partition.reduces and decided.masters_on_cpu
-                               and not decided.sharding.ignore_unused_parameters)
-    built = _partition_optimizer(client, cls, defaults, named, partition, cfg, decided)
+    partition.require_grads = partition.reduces and decided.masters_on_cpu and not layout.ignore_unused_parameters
+    built = _partition_optimizer(client, cls, defaults, named, partition, optimizer,
+                                 offload=decided.optimizer_on_cpu)  # fmt: skip
     if built is not None:
         built.optimizer = built  # DeepSpeed's engine.optimizer.optimizer: the torch optimizer of the partition
     return partition, built
 
 
-def _client_groups(client: Any, cfg: Any, groups: list[dict], name_of: dict[int, str],
-                   by_name: dict[str, nn.Parameter]) -> tuple[type | None, dict | None, list[dict]]:  # fmt: skip
+def _client_groups(client: Any, optimizer: OptimizerConfig | None, stage: int, groups: list[dict],
+                   name_of: dict[int, str], by_name: dict[str, nn.Parameter]
+                   ) -> tuple[type | None, dict | None, list[dict]]:  # fmt: skip
     """The script's optimizer class, its arguments and its parameter groups by name (``groups``, the
-    ``model_parameters``, without one); an optimizer that is not elementwise is refused."""
+    ``model_parameters``, without one); an optimizer that is not elementwise is refused at ``stage``."""
     from ..optim import check_elementwise
     from ..optim import rebuild_optimizer
 
@@ -720,7 +730,7 @@ def _client_groups(client: Any, cfg: Any, groups: list[dict], name_of: dict[int,
     named = groups
     if isinstance(client, torch.optim.Optimizer):
         cls, defaults, named = rebuild_optimizer(client, name_of, by_name)
-    check_elementwise(client, cfg.optimizer, cls, cfg.sharding.stage)
+    check_elementwise(client, optimizer, cls, stage)
     return cls, defaults, named
 
 
@@ -731,9 +741,10 @@ def _trainable(named: list[dict], by_name: dict[str, nn.Parameter]) -> list[list
 
 
 def _partition_optimizer(client: Any, cls: type | None, defaults: dict | None, named: list[dict],
-                         partition: ZeroPartition, cfg: Any, decided: Any) -> Any:  # fmt: skip
+                         partition: ZeroPartition, optimizer: OptimizerConfig | None, *, offload: bool) -> Any:
     """The optimizer over the partition's flat masters, one parameter per group: the script's class and arguments
-    (its object then a view of this one), its callable's, or the configured one; None without any."""
+    (its object then a view of this one), its callable's, or the configured one (``offload``: built for CPU
+    tensors); None without any."""
     from ..optim import adopt_construction, construct, forward_client
 
     params = [{**g, "params": [m]} for g, m in zip(named, partition.masters)]
@@ -744,10 +755,10 @@ def _partition_optimizer(client: Any, cls: type | None, defaults: dict | None, n
         return built
     if callable(client):
         return client(params)
-    if cfg.optimizer is not None and cfg.optimizer.name:
+    if optimizer is not None and optimizer.name:
         from ..optim import build_optimizer
 
-        return build_optimizer(cfg.optimizer, params, offload=decided.optimizer_on_cpu)
+        return build_optimizer(optimizer, params, offload=offload)
     return None
 
 
@@ -767,7 +778,7 @@ def _accept_legacy_state(optimizer: torch.optim.Optimizer, partition: ZeroPartit
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
 
 
-def _note_unit_settings(sharding: Any, rank: int) -> None:
+def _note_unit_settings(sharding: ShardingPlan, rank: int) -> None:
     """FSDP2's unit settings act at stage 3; at ZeRO-2 there are no units (said once, never silently dropped)."""
     wrap = sharding.wrap
     unused = [key for key, used in (("sharding.reshard_after_forward", sharding.reshard_after_forward is True),

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torsh.config import DdpConfig, GradientsConfig, ShardingConfig, TorshConfig
+from torsh.config import DdpConfig, GradientsConfig, OffloadConfig, ShardingConfig
 from torsh.plan import EnginePlan
 from torsh.sharding_plan import ShardingPlan
 
@@ -80,18 +80,20 @@ def sync_module_states(model: nn.Module, device: torch.device, sharding: Shardin
             t.copy_(part.view_as(t))
 
 
-def apply_sharding(model: nn.Module, cfg: TorshConfig, decided: EnginePlan, precision: PrecisionPlan,
-                   info: DistInfo) -> ShardPlan:  # fmt: skip
+def apply_sharding(model: nn.Module, decided: EnginePlan, precision: PrecisionPlan, info: DistInfo, *,
+                   gradients: GradientsConfig, offload: OffloadConfig, mesh: object | None = None) -> ShardPlan:
     """Wrap ``model`` as the plan says: DDP (stages 0/1; its own reduction unless a compression hook replaces it)
-    or FSDP2 on the plan's mesh, in the units the plan's sharding section gives (:func:`.units.plan_units`)."""
+    or FSDP2 on the plan's mesh (or ``mesh``: the data-parallel sub-mesh tensor parallelism left), in the units
+    the plan's sharding section gives (:func:`.units.plan_units`)."""
     if not decided.fsdp:
-        return _apply_ddp(model, decided.sharding.ddp, cfg.gradients, precision, info,
-                          decided.compression != "comm_hook")  # fmt: skip
-    if decided.tp > 1:  # tensor parallelism first, then FSDP2 on the data-parallel sub-mesh it leaves
-        from ..parallel.tensor_parallel import apply_tensor_parallel
+        return apply_ddp(model, decided, gradients, precision, info)
+    return _apply_fsdp(model, decided, gradients, offload, precision, info, mesh)
 
-        return _apply_fsdp(model, cfg, decided, precision, info, mesh=apply_tensor_parallel(model, cfg, decided, info))
-    return _apply_fsdp(model, cfg, decided, precision, info)
+
+def apply_ddp(model: nn.Module, decided: EnginePlan, gradients: GradientsConfig, precision: PrecisionPlan,
+              info: DistInfo) -> ShardPlan:  # fmt: skip
+    """DDP with the plan's bucket; DeepSpeed's reduction as a comm hook unless a compression hook replaces it."""
+    return _apply_ddp(model, decided.sharding.ddp, gradients, precision, info, decided.compression != "comm_hook")
 
 
 def _apply_ddp(model, ddp: DdpConfig, gradients: GradientsConfig, precision: PrecisionPlan, info: DistInfo,
@@ -198,35 +200,36 @@ def rebuild_ddp_for_unused(shard: ShardPlan, ddp: DdpConfig, gradients: Gradient
     return rebuilt
 
 
-def _apply_fsdp(model, cfg: TorshConfig, decided: EnginePlan, precision: PrecisionPlan, info: DistInfo,
-                mesh: object | None = None) -> ShardPlan:  # fmt: skip
+def _apply_fsdp(model, decided: EnginePlan, gradients: GradientsConfig, offload: OffloadConfig,
+                precision: PrecisionPlan, info: DistInfo, mesh: object | None) -> ShardPlan:  # fmt: skip
     from torch.distributed.fsdp import fully_shard
 
-    if cfg.offload.optimizer == "cpu" and cfg.offload.params == "none":
+    layout = decided.sharding
+    if offload.optimizer == "cpu" and offload.params == "none":
         log.info("offload.optimizer=cpu under FSDP2: CPUOffloadPolicy offloads parameters and gradients too "
                  "and steps the optimizer on the CPU")  # fmt: skip
-    kwargs = _fsdp_kwargs(cfg, decided, precision, info, mesh)
+    kwargs = _fsdp_kwargs(decided, offload, precision, info, mesh)
     # Units: sharding.wrap as written; with DeepSpeed's bucket sizes, consecutive blocks grouped to them.
-    leaves.apply_config(model, decided.sharding.leaf_modules)  # before the units: they never split a leaf module
-    targets = _shard_units(model, decided.sharding, kwargs, info)
+    leaves.apply_config(model, layout.leaf_modules)  # before the units: they never split a leaf module
+    targets = _shard_units(model, layout, kwargs, info)
     fully_shard(model, **kwargs)
     # a state dict read on one rank changes nothing, and is whole where it can be
     whole_params.install(model, mark_gathered=decided.reshard_after_forward is not False)
     for leaf in leaves.get_z3_leaf_modules(model):
         leaf.register_forward_hook(leaves.grads_for_every_parameter, prepend=True)  # before FSDP2 reshards it
     zero_params.mark_partitioned(model, precision.param_dtype)  # what DeepSpeed scripts test before gathering
-    if cfg.sharding.forward_prefetch:
+    if layout.forward_prefetch:
         # Each unit issues the next one's all-gather as soon as its own is copied out, so that the transfer
         # overlaps this unit's forward. Without it, a unit's all-gather starts only when its forward does: on
         # a GPU a separate stream still overlaps it, on the CPU nothing does. Units are in registration order,
         # which is the execution order of a stack of blocks.
         for current, following in zip(targets, targets[1:]):
             current.set_modules_to_forward_prefetch([following])
-    _fsdp_reduction(model, cfg.sharding, cfg.gradients)
+    _fsdp_reduction(model, layout, gradients)
     return ShardPlan(model, model, "fsdp", kwargs["mesh"], keep_whole=decided.reshard_after_forward is False)
 
 
-def _fsdp_kwargs(cfg: TorshConfig, decided: EnginePlan, precision: PrecisionPlan, info: DistInfo,
+def _fsdp_kwargs(decided: EnginePlan, offload: OffloadConfig, precision: PrecisionPlan, info: DistInfo,
                  mesh: object | None) -> dict:  # fmt: skip
     """``fully_shard``'s arguments: the plan's mesh (or ``mesh``), resharding, mixed precision and CPU offload."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -235,7 +238,7 @@ def _fsdp_kwargs(cfg: TorshConfig, decided: EnginePlan, precision: PrecisionPlan
     if mesh is None:
         names = ("replicate", "shard") if len(decided.mesh) == 2 else ("shard",)
         mesh = init_device_mesh(info.device.type, decided.mesh, mesh_dim_names=names)
-    pin = cfg.offload.pin_memory and torch.cuda.is_available()
+    pin = offload.pin_memory and torch.cuda.is_available()
     return dict(mesh=mesh, reshard_after_forward=decided.reshard_after_forward,
                 mp_policy=precision.fsdp_policy or MixedPrecisionPolicy(),
                 offload_policy=CPUOffloadPolicy(pin_memory=pin) if decided.fsdp_cpu_offload else OffloadPolicy())
@@ -261,7 +264,7 @@ def _shard_units(model: nn.Module, layout: ShardingPlan, kwargs: dict, info: Dis
     return targets
 
 
-def _fsdp_reduction(model: nn.Module, sharding: ShardingConfig, gradients: GradientsConfig) -> None:
+def _fsdp_reduction(model: nn.Module, layout: ShardingPlan, gradients: GradientsConfig) -> None:
     """FSDP2's reduction as configured (a plain sum for ``reduce_op: sum``); what it ignores said once."""
     if gradients.reduce_op == "sum":
         for unit in model.modules():
@@ -272,6 +275,6 @@ def _fsdp_reduction(model: nn.Module, sharding: ShardingConfig, gradients: Gradi
     if gradients.predivide_factor != 1.0 or gradients.prescale:
         log.info("gradients.predivide_factor/prescale: FSDP2 divides once for the mean; the result is the same "
                  "mean (DeepSpeed requires predivide 1.0 with ZeRO-2/3 reduce-scatter)")  # fmt: skip
-    if sharding.backward_prefetch:
+    if layout.backward_prefetch:
         log.info("sharding.backward_prefetch: FSDP2 prefetches the next unit in backward implicitly; the setting "
                  "has no effect")  # fmt: skip
