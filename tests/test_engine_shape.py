@@ -161,3 +161,102 @@ def test_no_engine_module_is_over_1000_lines():
     engine = ROOT / "core" / "engine"
     sizes = {str(p.relative_to(engine)): len(p.read_text(encoding="utf-8").splitlines()) for p in engine.rglob("*.py")}
     assert {name: n for name, n in sizes.items() if n > 1000} == {}
+
+
+# ---- the engine's components get their own sections of the config ----------------------------------------------
+
+#: Engine functions that may take the whole config (a ``TorshConfig``, or an untyped ``cfg``/``config``), by
+#: ``module:qualified name``, grouped by why. Everything else gets the plan (``EnginePlan``, with its ``sharding``)
+#: and the typed sections it reads, as torchtitan's components get theirs.
+WHOLE_CONFIG_READERS: dict[str, tuple[str, ...]] = {
+    # the entry points: what the user passed, a DeepSpeed dict or path, a file of any dialect, or a TorshConfig
+    "entry point reading the user's config": (
+        "torsh.engine.initialize:initialize", "torsh.engine.pipeline.engine:initialize_pipeline",
+        "torsh.engine.initialize:init_distributed",  # deepspeed.init_distributed's signature; the config is not read
+    ),
+    # choosing and reading that config into the model, and naming the settings it carries but the engine does not run
+    "reads the config before the plan exists": (
+        "torsh.engine.config_io:load_config", "torsh.engine.config_io:choose_config", "torsh.engine.config_io:_decoded",
+        "torsh.engine.config_io:read_config", "torsh.engine.config_io:config_as_dict",
+        "torsh.engine.config_io:warn_not_executed",
+    ),
+    # "auto" and the tensor-parallel degree tp_model_init recorded are filled in: a new config, which the plan reads
+    "resolves the config the plan is decided from": (
+        "torsh.engine.auto:resolve_auto", "torsh.engine.auto:_Resolution.__init__",
+        "torsh.engine.auto:_resolve_scheduler", "torsh.engine.auto:_total_steps",
+        "torsh.engine.initialize:_with_tp_model_init", "torsh.engine.initialize:_data_parallel_size",
+    ),
+    # the pipeline engine's own refusals, raised together with the plan's before the model is touched; they name
+    # keys of five sections (their home is the plan's refusals for a pipeline)
+    "refuses what the pipeline engine cannot run, beside the plan's refusals": (
+        "torsh.engine.pipeline.engine:pipeline_refusals", "torsh.engine.pipeline.engine:_config_refusals",
+        "torsh.engine.pipeline.engine:_layout_refusals",
+    ),
+}  # fmt: skip
+
+
+def _engine_functions() -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """``(module:qualified name, node)`` for every function and method of ``torsh.engine``."""
+    out = []
+
+    def visit(node: ast.AST, module: str, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append((f"{module}:{prefix}{child.name}", child))
+                visit(child, module, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, module, f"{prefix}{child.name}.")
+
+    for name, (path, _) in _modules().items():
+        if name == "torsh.engine" or name.startswith("torsh.engine."):
+            visit(ast.parse(path.read_text(encoding="utf-8")), name, "")
+    return out
+
+
+def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.arg]:
+    a = node.args
+    return [*a.posonlyargs, *a.args, *a.kwonlyargs, *([a.vararg] if a.vararg else []),
+            *([a.kwarg] if a.kwarg else [])]  # fmt: skip
+
+
+def _takes_whole_config(arg: ast.arg) -> bool:
+    """Annotated ``TorshConfig`` (whatever its name), or a ``cfg``/``config`` of no stated type (``Any`` or none),
+    behind which the root model would pass unseen."""
+    annotation = ast.unparse(arg.annotation) if arg.annotation is not None else None
+    if annotation is not None and "TorshConfig" in annotation:
+        return True
+    return arg.arg in ("cfg", "config") and annotation in (None, "Any", "typing.Any")
+
+
+def _whole_config_takers() -> set[str]:
+    return {name for name, node in _engine_functions() if any(_takes_whole_config(a) for a in _parameters(node))}
+
+
+def test_engine_components_take_their_sections_not_the_whole_config():
+    allowed = {name for names in WHOLE_CONFIG_READERS.values() for name in names}
+    assert sorted(_whole_config_takers() - allowed) == []
+
+
+def test_every_whole_config_reader_listed_still_takes_it():
+    allowed = {name for names in WHOLE_CONFIG_READERS.values() for name in names}
+    assert sorted(allowed - _whole_config_takers()) == []  # a listed function that no longer does leaves the list
+
+
+def test_the_engine_never_reads_extensions_nor_the_dialect_a_config_came_from():
+    # extensions holds the keys with no core meaning, kept for round trips; the plan carries everything the engine
+    # acts on, whichever dialect the config was written in
+    engine = ROOT / "core" / "engine"
+    mentions = sorted(str(p.relative_to(engine)) for p in engine.rglob("*.py") if "extensions" in p.read_text("utf-8"))
+    assert mentions == []
+    dialect_parameters = sorted(f"{name}({a.arg})" for name, node in _engine_functions() for a in _parameters(node)
+                                if a.arg in ("source", "dialect"))  # fmt: skip
+    assert dialect_parameters == []
+
+
+def test_the_whole_config_finder_sees_an_annotation_and_an_untyped_cfg():
+    source = ("def a(cfg: TorshConfig): ...\ndef b(x, *, whole: 'TorshConfig | None' = None): ...\n"
+              "def c(cfg: Any): ...\ndef d(cfg: GradientsConfig, config: dict): ...\n"
+              "class E:\n    def f(self, cfg): ...\n")  # fmt: skip
+    found = [node.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)
+             and any(_takes_whole_config(a) for a in _parameters(node))]  # fmt: skip
+    assert found == ["a", "b", "c", "f"]

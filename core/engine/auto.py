@@ -51,9 +51,10 @@ class _Resolution:
         self.problems: list[Problem] = []
         self.deferred = set(cfg.deferred_paths())
 
-    def fill(self, path: str, value: Any, source: str) -> None:
+    def fill(self, path: str, value: Any, origin: str) -> None:
+        """Record ``value`` for ``path`` with where it came from (``origin``, logged), if ``path`` is "auto"."""
         if path in self.deferred:
-            self.values[path] = (value, source)
+            self.values[path] = (value, origin)
 
     def fail(self, path: str, reason: str) -> None:
         if path in self.deferred:

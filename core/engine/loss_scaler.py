@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torsh.config import LossScalingConfig
 
 __all__ = ["LossScaleAtMinimumError", "LossScaler", "build_loss_scaler"]
 
@@ -160,7 +163,7 @@ def _float32(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
-def build_loss_scaler(cfg: Any) -> LossScaler:
+def build_loss_scaler(cfg: LossScalingConfig) -> LossScaler:
     """The loss scaler for a ``precision.loss_scaling`` section (:class:`torsh.config.LossScalingConfig`)."""
     common = {"growth_interval": cfg.growth_interval, "growth_factor": cfg.growth_factor,
               "backoff_factor": cfg.backoff_factor, "hysteresis": cfg.hysteresis,

@@ -382,7 +382,7 @@ def _reject_deferred(values: dict[str, Any], prefix: str) -> None:
         raise ConfigError(problems)
 
 
-def build_scheduler(cfg: Any, optimizer: Any) -> Any:
+def build_scheduler(cfg: C.SchedulerConfig, optimizer: Any) -> Any:
     """The learning-rate scheduler the core model's ``scheduler`` section describes, bound to ``optimizer``.
 
     DeepSpeed's five names build the DeepSpeed-exact schedules of this module; any other name must be a
