@@ -250,6 +250,149 @@ def test_call_to_str(engine):
 
 
 @both
+def test_get_weight_norm_and_global_norm(engine):
+    """unit/runtime/test_runtime_utils.py::TestCheckOverflow[True] reads ``get_weight_norm`` (missing on torsh): the
+    p-norm of the tensors' values as a float, -1 when it is infinite or NaN; ``get_global_norm`` is infinite when a
+    norm in its list is not one."""
+    import torch
+
+    utils = _ds(engine, "runtime.utils")
+    values = [torch.tensor([3.0, 0.0]), torch.tensor([[4.0]])]
+    assert utils.get_weight_norm(values) == pytest.approx(5.0)
+    assert utils.get_weight_norm(values, norm_type=1) == pytest.approx(7.0)
+    assert utils.get_weight_norm(values, norm_type=float("inf")) == pytest.approx(4.0)
+    assert utils.get_weight_norm(torch.tensor([1.0, float("inf")])) == -1
+    assert utils.get_weight_norm([torch.tensor([float("nan")])]) == -1
+    assert utils.get_global_norm([3.0, 4.0]) == pytest.approx(5.0)
+    assert utils.get_global_norm([3.0, -1]) == float("inf")
+
+
+@both
+def test_check_overflow_one_process(engine):
+    """TestCheckOverflow's ``CheckOverflow`` (missing on torsh) on one process, where nothing is reduced:
+    ``check()`` finds an infinite or NaN gradient among the groups given (or passed to it), ``check_using_norm``
+    takes an invalid norm (infinite, NaN, -1) for an overflow."""
+    import torch
+
+    utils = _ds(engine, "runtime.utils")
+
+    def param(*grad):
+        p = torch.nn.Parameter(torch.zeros(len(grad)))
+        p.grad = torch.tensor(grad)
+        return p
+
+    clean, bad, none = param(1.0, 2.0), param(1.0, float("nan")), torch.nn.Parameter(torch.zeros(2))
+    checker = utils.CheckOverflow([[clean, none]])
+    assert checker.check() is False
+    assert checker.check([[clean], [bad]]) is True
+    assert utils.CheckOverflow([[param(float("-inf"))]]).has_overflow_serial([clean, bad]) is True
+    assert checker.check_using_norm([1.0, 2.0], reduce_overflow=False) is False
+    for invalid in (float("inf"), float("nan"), -1, torch.tensor(float("inf"))):
+        assert checker.check_using_norm([1.0, invalid], reduce_overflow=False) is True
+
+
+@both
+def test_count_used_parameters_in_backward(engine):
+    """unit/runtime/test_runtime_utils.py::test_count_used_parameters_enables_grad_for_grad_acc_lookup (the name
+    was missing on torsh): called from a backward hook, the number of the parameters that this backward reaches
+    (one used twice counts once; unused and frozen ones do not count), with grad mode on for the lookup; outside
+    a backward pass a RuntimeError."""
+    import torch
+
+    utils = _ds(engine, "runtime.utils")
+    used, other, unused = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    seen = {}
+
+    def hook(grad):
+        seen["grad_mode"] = torch.is_grad_enabled()
+        seen["count"] = utils.count_used_parameters_in_backward([used, other, unused, frozen, used])
+        return grad
+
+    used.register_hook(hook)
+    ((used * other).sum() + (used * frozen).sum()).backward()
+    assert seen == {"grad_mode": False, "count": 2}
+    with pytest.raises(RuntimeError, match="during backward"):
+        utils.count_used_parameters_in_backward([used])
+
+
+def _expert_params(rank: int, scenario: dict):
+    """(``deepspeed.runtime.utils``, a function making [a shared parameter, an expert parameter] with the given
+    expert gradient): the expert parameter (``allreduce`` False) in expert-parallel groups of 2."""
+    import torch
+
+    _ds(scenario["engine"]).init_distributed(dist_backend="gloo")
+    _ds(scenario["engine"], "utils.groups")._create_expert_and_data_parallel(2)
+
+    def params(expert_grad):
+        shared = torch.nn.Parameter(torch.zeros(3))
+        shared.grad = torch.tensor([1.0, 2.0, 2.0])
+        expert = torch.nn.Parameter(torch.zeros(2))
+        expert.grad = torch.tensor(expert_grad)
+        expert.allreduce = False
+        return [shared, expert]
+
+    return _ds(scenario["engine"], "runtime.utils"), params
+
+
+def clip_norms(rank: int, world_size: int, scenario: dict) -> dict:
+    """TestClipGradNorm::test_gather on 2 ranks: the expert parameter's gradient differs between the ranks."""
+    utils, params = _expert_params(rank, scenario)
+    out = {}
+    for name, norm_type in (("l2", 2), ("inf", float("inf"))):
+        clipped = params([3.0 * (rank + 1), 4.0])
+        norm = utils.clip_grad_norm_(clipped, max_norm=1.0, norm_type=norm_type)
+        out[name] = [float(norm), [p.grad.tolist() for p in clipped]]
+    return out
+
+
+def expert_overflow(rank: int, world_size: int, scenario: dict) -> dict:
+    """TestCheckOverflow on 2 ranks: the expert parameter's gradient is infinite on rank 1 only."""
+    import torch
+
+    utils, params = _expert_params(rank, scenario)
+    bad = params([float("inf"), 1.0] if rank == 1 else [1.0, 1.0])
+    flat = torch.cat([p.grad.reshape(-1) for p in bad])
+    by_norm = utils.CheckOverflow([bad]).check_using_norm([utils.get_weight_norm([flat])], reduce_overflow=False)
+    clean = utils.CheckOverflow([params([1.0, 1.0])]).check()
+    return {"overflow": [utils.CheckOverflow([bad]).check(), by_norm, clean]}
+
+
+@pytest.fixture(scope="module")
+def runtime_utils_records():
+    """The runtime helpers' collectives (no engine is built): a 2-rank launch of their own."""
+    return h.run([{"kind": "call", "engine": engine, "name": f"{name}_{engine}", "target": f"{MODULE}:{target}"}
+                  for engine in ENGINES for name, target in (("clip", "clip_norms"), ("overflow", "expert_overflow"))])
+
+
+@both
+def test_clip_grad_norm_gather(runtime_utils_records, engine):
+    """unit/runtime/test_runtime_utils.py::TestClipGradNorm::test_gather: ``clip_grad_norm_`` averages each rank's
+    norm over the data-parallel group, so every rank clips by the same norm even where an expert parameter's
+    gradient differs between ranks (torsh returned each rank's own norm), for the 2-norm and the infinity norm;
+    the norms and clipped gradients are DeepSpeed's."""
+    ours, theirs = _ranks(runtime_utils_records, "clip", engine), _ranks(runtime_utils_records, "clip", "deepspeed")
+    for name in ("l2", "inf"):
+        assert ours[0][name][0] == pytest.approx(ours[1][name][0], rel=1e-6), name
+    # rank 0: sqrt(9 + 25), rank 1: sqrt(9 + 52), averaged; the infinity norms 4 and 6, averaged
+    assert ours[0]["l2"][0] == pytest.approx((34**0.5 + 61**0.5) / 2, rel=1e-6)
+    assert ours[0]["inf"][0] == pytest.approx(5.0, rel=1e-6)
+    for mine, real in zip(ours, theirs):
+        for name in ("l2", "inf"):
+            assert mine[name][0] == pytest.approx(real[name][0], rel=1e-6)
+            assert mine[name][1] == [pytest.approx(g, rel=1e-6) for g in real[name][1]]
+
+
+@both
+def test_check_overflow_expert_parameters(runtime_utils_records, engine):
+    """unit/runtime/test_runtime_utils.py::TestCheckOverflow[False] and [True]: an infinite gradient of an expert
+    parameter on one rank is an overflow on both (the finding is reduced over the expert-parallel group), by the
+    gradients and by ``get_weight_norm`` of them; finite gradients are none."""
+    for r in _ranks(runtime_utils_records, "overflow", engine):
+        assert r["overflow"] == [True, True, False]
+
+
+@both
 def test_engine_getters_read_the_config(engine):
     """TestGradientClippingConfig / TestLogLevelConfig: the engine's getters read ``engine._config``."""
     import types
