@@ -1,10 +1,40 @@
-"""``deepspeed.checkpoint.utils``: copying a state dict for ``torch.save``."""
+"""``deepspeed.checkpoint.utils``: the names of the files in a DeepSpeed checkpoint tag folder, and copying a state
+dict for ``torch.save``."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+
+# The parts of DeepSpeed's checkpoint file names (deepspeed.checkpoint.constants, which its utils import).
+MODEL_FILE_PREFIX = "mp_rank_"
+MODEL_FILE_SUFFIX = "_model_states.pt"
+ZERO_FILE_PREFIX = "zero_pp_rank_"
+OPTIM_FILE_SUFFIX = "_optim_states.pt"
+
+
+def get_model_ckpt_name_for_rank(base_folder, mp_rank_str) -> str:
+    """The model-state file of model-parallel rank ``mp_rank_str`` (a string, DeepSpeed writes two digits: "00")
+    in the tag folder ``base_folder``: ``<base_folder>/mp_rank_<mp_rank_str>_model_states.pt``. DeepSpeed writes
+    and reads its module, counters and client state there; torsh's pipeline engine writes its per-stage state
+    under the same name, and torsh's engine reads a DeepSpeed checkpoint from it (a torsh checkpoint of a
+    non-pipeline engine keeps its model state in ``torch.distributed.checkpoint`` files instead)."""
+    return os.path.join(base_folder, MODEL_FILE_PREFIX + mp_rank_str + MODEL_FILE_SUFFIX)
+
+
+def get_zero_ckpt_name_for_rank(base_folder, dp_rank, mp_rank) -> str:
+    """The ZeRO optimizer-state file of data-parallel rank ``dp_rank`` and model-parallel rank ``mp_rank`` (ints):
+    ``<base_folder>/zero_pp_rank_<dp_rank>_mp_rank_<mp_rank, two digits>_optim_states.pt``."""
+    name = f"{ZERO_FILE_PREFIX}{dp_rank}_{MODEL_FILE_PREFIX}{mp_rank:02d}{OPTIM_FILE_SUFFIX}"
+    return os.path.join(base_folder, name)
+
+
+def get_layer_ckpt_name_for_rank(base_folder, layer_id, tp_rank) -> str:
+    """A pipeline layer's file for tensor-parallel rank ``tp_rank`` (an int): ``<base_folder>/<layer_id>-model_<tp_rank,
+    two digits>_model_states.pt`` (``layer_id`` as given, e.g. ``layer_03``)."""
+    return os.path.join(base_folder, f"{layer_id}-model_{tp_rank:02d}{MODEL_FILE_SUFFIX}")
 
 
 def clone_tensors_for_torch_save(item: Any, device: Any = torch.device("cpu")) -> Any:
