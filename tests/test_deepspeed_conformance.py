@@ -433,6 +433,37 @@ def test_checkpoint_file_names_are_the_ones_torsh_writes_and_reads(tmp_path):
 
 
 @both
+def test_multiple_all_gather_handles(engine):
+    """unit/runtime/zero/test_zero_context.py imports ``MultipleAllGatherHandles`` and
+    ``partitioned_param_data_shape`` (missing on torsh: the file did not import): ``wait`` waits on each handle in
+    order, passing ``handle_dependency`` by keyword whatever the handle's ``wait`` signature; a partitioned
+    parameter's data has shape [0]."""
+    pp = _ds(engine, "runtime.zero.partition_parameters")
+    calls = []
+
+    class Positional:
+        def wait(self, handle_dependency=True):
+            calls.append(("positional", handle_dependency))
+
+    class KeywordOnly:
+        def wait(self, *, handle_dependency=True):
+            calls.append(("keyword", handle_dependency))
+
+    class AnyKeywords:
+        def wait(self, **kwargs):
+            calls.append(("kwargs", kwargs))
+
+    handles = [Positional(), KeywordOnly(), AnyKeywords()]
+    many = pp.MultipleAllGatherHandles(handles)
+    assert many.handles is handles
+    many.wait(handle_dependency=False)
+    many.wait()
+    assert calls == [("positional", False), ("keyword", False), ("kwargs", {"handle_dependency": False}),
+                     ("positional", True), ("keyword", True), ("kwargs", {"handle_dependency": True})]
+    assert pp.partitioned_param_data_shape == [0]
+
+
+@both
 def test_engine_getters_read_the_config(engine):
     """TestGradientClippingConfig / TestLogLevelConfig: the engine's getters read ``engine._config``."""
     import types

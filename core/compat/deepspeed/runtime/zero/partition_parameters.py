@@ -436,3 +436,22 @@ def unregister_external_parameter(module, parameter) -> None:
 def is_zero_param(parameter) -> bool:
     """Whether ``parameter`` is sharded (DeepSpeed: has ZeRO-3 attributes)."""
     return _is_sharded(parameter)
+
+
+#: The shape DeepSpeed gives ``param.data`` of a partitioned parameter outside ``GatheredParameters`` (its data is
+#: freed to an empty tensor; the partition is ``param.ds_tensor``).
+partitioned_param_data_shape = [0]
+
+
+class MultipleAllGatherHandles:
+    """Several all-gather handles waited on as one (DeepSpeed's, same constructor and ``wait``): ``wait`` calls
+    each handle's ``wait``, passing ``handle_dependency`` by keyword, in order. torsh's own gathers of partitioned
+    parameters (``param.all_gather()``, :class:`GatheredParameters`) complete before they return, so a handle
+    made of them has nothing left to wait for; the class serves code that groups handles of its own."""
+
+    def __init__(self, handles):
+        self.handles = handles
+
+    def wait(self, handle_dependency=True) -> None:
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)
