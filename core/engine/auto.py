@@ -35,7 +35,8 @@ def hidden_size(model: torch.nn.Module) -> tuple[int, str]:
     sizes = getattr(config, "hidden_sizes", None)
     if isinstance(sizes, (list, tuple)) and sizes:
         return max(sizes), "max(model.config.hidden_sizes)"
-    widest = max((max(p.shape) for p in model.parameters() if p.dim() == 2), default=0)
+    shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in model.parameters()]  # whole, if zero.Init partitioned
+    widest = max((max(shape) for shape in shapes if len(shape) == 2), default=0)
     if widest:
         return widest, "the widest 2-D parameter of the model"
     raise ConfigError([Problem("ddp.bucket_cap_mb", "auto", "cannot infer the model's hidden size (no "

@@ -39,6 +39,7 @@ from .monitor import Monitor
 from .optim import build_step_optimizer, named_groups
 from .parallel.tensor_parallel import apply_tensor_parallel
 from .precision import apply_precision
+from .zero.construction import materialize
 from .zero.partition import build_zero
 from .zero.sharding import apply_sharding, sync_module_states
 
@@ -90,6 +91,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     decided = plan(cfg, info.world_size, optimizer_given=optimizer is not None)
     decided.check()
     _log_ddp_buckets(decided.sharding, info.rank)
+    # Parameters deepspeed.zero.Init partitioned while the model was built: FSDP2 takes them shard by shard
+    # (apply_sharding); the layouts that keep whole parameters gather each whole now, one at a time.
+    if not (decided.fsdp and decided.tp == 1):
+        materialize(model)
 
     # Names are the identity that survives casting and sharding (fully_shard replaces the parameters).
     name_of = {id(p): n for n, p in model.named_parameters()}

@@ -48,7 +48,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     assert model is not None, "deepspeed.initialize requires a model (pass model=your nn.Module)"
 
     from .runtime.config import InvalidConfig, check_gradient_allreduce_op, check_optimizer_construction
-    from .runtime.zero.partition_parameters import check_before_initialize
 
     source = config if config is not None else config_params
     if source is None:
@@ -56,7 +55,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if source is not None:
         check_gradient_allreduce_op(source)  # DeepSpeed's engine refuses these when it reads the config
         check_optimizer_construction(source, optimizer)  # and these when it sets up the optimizer
-    check_before_initialize(model)
     try:
         result = torsh_initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                   training_data=training_data, lr_scheduler=lr_scheduler,

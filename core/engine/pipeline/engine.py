@@ -28,6 +28,7 @@ from torsh.errors import ConfigError, Problem
 
 from ..engine import Engine
 from ..precision import MASTER
+from ..zero.construction import partitioned_parameters
 from ..zero.sharding import ShardPlan
 
 log = logging.getLogger("torsh.engine")
@@ -123,6 +124,10 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
     log_resolved(resolved, info.rank)
     decided = plan(cfg, dp, optimizer_given=optimizer is not None, pipeline=True)
     problems = list(decided.refused) + pipeline_refusals(cfg, model)
+    if partitioned_parameters(model):
+        problems.append(Problem("model", type(model).__name__, "a PipelineModule built under deepspeed.zero.Init: "
+                                "its parameters are partitioned for ZeRO-3, which the pipeline engine does not run "
+                                "(nor does DeepSpeed's); build it outside zero.Init"))  # fmt: skip
     if problems:
         raise ConfigError(problems, source=translation.source if translation is not None else None)
 

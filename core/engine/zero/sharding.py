@@ -19,7 +19,7 @@ from torsh.config import DdpConfig, GradientsConfig, OffloadConfig, ShardingConf
 from torsh.plan import EnginePlan
 from torsh.sharding_plan import ShardingPlan
 
-from . import leaves, whole_params
+from . import construction, leaves, whole_params
 from . import params as zero_params
 from ..distributed import DistInfo
 from ..precision import PrecisionPlan
@@ -211,8 +211,12 @@ def _apply_fsdp(model, decided: EnginePlan, gradients: GradientsConfig, offload:
     kwargs = _fsdp_kwargs(decided, offload, precision, info, mesh)
     # Units: sharding.wrap as written; with DeepSpeed's bucket sizes, consecutive blocks grouped to them.
     leaves.apply_config(model, layout.leaf_modules)  # before the units: they never split a leaf module
+    # parameters zero.Init partitioned while the model was built are sharded without data (whole shapes on the meta
+    # device, so the units are sized as the model), then each shard is written from the partitions
+    deferred = construction.defer_to_shards(model)
     targets = _shard_units(model, layout, kwargs, info)
     fully_shard(model, **kwargs)
+    construction.fill_shards(model, deferred, torch.device("cpu") if decided.fsdp_cpu_offload else info.device)
     # a state dict read on one rank changes nothing, and is whole where it can be
     whole_params.install(model, mark_gathered=decided.reshard_after_forward is not False)
     for leaf in leaves.get_z3_leaf_modules(model):

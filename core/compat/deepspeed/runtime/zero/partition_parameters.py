@@ -1,20 +1,23 @@
 """``deepspeed.zero.Init`` and ``deepspeed.zero.GatheredParameters`` over the torsh engine's sharding.
 
-torsh shards at ``initialize`` (FSDP2 at stages 2/3), not while the model is built, so ``zero.Init`` builds the
-model normally (full parameters on every rank); it only marks the parameters it saw created, so that
-``GatheredParameters(..., modifier_rank=r)`` on them broadcasts rank ``r``'s values, as DeepSpeed's partitioned
-parameters do. After ``initialize`` at stages 2/3 the parameters are DTensor shards carrying DeepSpeed's
-``ds_id``/``ds_status`` (:mod:`torsh.engine.zero.params`): ``GatheredParameters`` puts full parameters, in
-DeepSpeed's parameter dtype, on their modules inside the context, makes ``param.data`` the whole value (what
-DeepSpeed scripts read there) and, with a ``modifier_rank``, writes that rank's values back into every rank's
-shard on exit. Plain (DDP) parameters are
-left alone, as DeepSpeed leaves parameters ZeRO did not partition.
+Inside ``zero.Init`` each module's parameters are partitioned when its constructor returns, as DeepSpeed does
+(:mod:`torsh.engine.zero.construction`): broadcast from the first rank, each rank keeps its partition as
+``param.ds_tensor`` and ``param.data`` is empty, so the whole model never exists on one rank. ``Module.apply``
+inside the context gathers a module's parameters around the function and partitions the first rank's result, and
+``torch.nn.utils.skip_init`` modules are partitioned once ``to_empty`` gives them storage, as in DeepSpeed.
+``initialize`` turns the partitions into FSDP2 shards (stage 3) or whole parameters (the other stages).
+
+After ``initialize`` at stages 2/3 the parameters are DTensor shards carrying DeepSpeed's ``ds_id``/``ds_status``
+(:mod:`torsh.engine.zero.params`): ``GatheredParameters`` puts full parameters, in DeepSpeed's parameter dtype, on
+their modules inside the context, makes ``param.data`` the whole value (what DeepSpeed scripts read there) and,
+with a ``modifier_rank``, writes that rank's values back into every rank's shard on exit. Plain (DDP) parameters
+are left alone, as DeepSpeed leaves parameters ZeRO did not partition.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
-import weakref
 from collections.abc import Iterable
 from enum import Enum
 
@@ -22,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torsh.engine.zero import construction
 from torsh.engine.zero.params import COMPUTE_DTYPE, ZeroParamStatus, write_shown
 
-_ZERO_INIT_MARK = "_torsh_zero_init"
 _GATHERED = "_torsh_gathered"
 
 
@@ -60,94 +63,124 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype, target_device):
 
 
 _init_lock = threading.Lock()
-_init_depth = 0
-_original_register_parameter = nn.Module.register_parameter
+_active: list = []  # the enabled Init contexts entered, innermost last (their partition settings apply)
+_patched: dict = {}  # class -> its own __init__, while replaced; and the Module methods replaced
 
 
-def _marking_register_parameter(self, name, param):
-    if param is not None:
-        setattr(param, _ZERO_INIT_MARK, True)
-        _built.append(weakref.ref(param))
-    return _original_register_parameter(self, name, param)
+def _all_module_classes() -> list[type]:
+    found, todo = [], [nn.Module]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            if sub not in found:
+                found.append(sub)
+                todo.append(sub)
+    return found
 
 
-#: A parameter built under ``zero.Init`` and partitioned, under DeepSpeed, when its module's constructor returned:
-#: the fingerprint of its value at that point, and how to name it.
-_SEAL = "_torsh_zero_init_seal"
-_built: list = []  # weak references to the parameters marked in the current outermost context
-_registration_hook = None
-
-
-def _fingerprint(p) -> tuple[str, str] | None:
-    """Two sums of the value, as text (a parameter left uninitialised by ``torch.empty`` may hold NaN)."""
-    try:
-        t = p.detach()
-        if t.is_meta:
-            return None
-        return (repr(float(t.sum(dtype=torch.float64))), repr(float(t.abs().sum(dtype=torch.float64))))
-    except Exception:  # noqa: BLE001 - a parameter that cannot be summed is not checked
-        return None
-
-
-def _seal(p, label: str) -> None:
-    """Remember ``p``'s value where DeepSpeed would partition it (its module's constructor has returned)."""
-    p.__dict__[_SEAL] = (_fingerprint(p), label)
-
-
-def _seal_module(module: nn.Module, *, recurse: bool = True) -> None:
-    for name, p in module.named_parameters(recurse=recurse):
-        if getattr(p, _ZERO_INIT_MARK, False) and _SEAL not in p.__dict__:
-            owner = type(module).__name__ if "." not in name else name.rsplit(".", 1)[0]
-            _seal(p, f"{owner}.{name.rsplit('.', 1)[-1]} {list(p.shape)}")
-
-
-def _on_child_registered(parent, name, child):  # torch's global module registration hook
-    if isinstance(child, nn.Module) and _init_depth > 0:
-        _seal_module(child)  # assigned to its parent: the child's constructor has returned
-
-
-def changed_after_construction(params) -> list:
-    """The parameters among ``params`` whose value changed since DeepSpeed would have partitioned them (their
-    module's constructor returned under ``zero.Init``), outside ``GatheredParameters(..., modifier_rank=r)``."""
-    out = []
-    for p in params:
-        seal = p.__dict__.get(_SEAL) if isinstance(p, torch.Tensor) else None
-        if seal is not None and seal[0] is not None and _fingerprint(p) != seal[0]:
-            out.append(p)
-    return out
-
-
-def _difference(what: str, names: list[str]) -> str:
-    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return (f"{what}: {len(names)} parameter(s) built under deepspeed.zero.Init changed after their module's "
-            f"constructor returned, outside deepspeed.zero.GatheredParameters(..., modifier_rank=...): {shown}. "
-            "Under DeepSpeed such parameters are already partitioned (empty) at that point: the change does nothing "
-            "there and draws nothing from torch's random generator, so the model you train (and the random stream "
-            "after it: dropout, data order) differs from DeepSpeed's. torsh keeps the change. For DeepSpeed's "
-            "model, drop that change (the constructors' own initialisation is what DeepSpeed keeps); to have it "
-            "under both engines, make it inside deepspeed.zero.GatheredParameters(params, modifier_rank=0), as "
-            "transformers >= 5 does for a model built from a config")  # fmt: skip
-
-
-def _warn(message: str) -> None:
-    import logging
-
-    logging.getLogger("torsh.compat").warning(message)
-
-
-def check_before_initialize(model) -> None:
-    """Called by ``deepspeed.initialize``: say which parameters built under ``zero.Init`` were changed after
-    construction (where DeepSpeed would have discarded the change), then forget the seals."""
-    if model is None:
+def _partition_module(module: nn.Module, *, recurse: bool = False) -> None:
+    """Partition ``module``'s parameters (its own; every one with ``recurse``) with the innermost context's
+    settings: its constructor has returned."""
+    if not _active:
         return
-    named = [(n, p) for n, p in model.named_parameters() if _SEAL in p.__dict__]
-    if not named:
-        return
-    changed = {id(p) for p in changed_after_construction([p for _, p in named])}
-    if changed:
-        _warn(_difference("deepspeed.initialize", [n for n, p in named if id(p) in changed]))
-    for _, p in named:
-        p.__dict__.pop(_SEAL, None)
+    context = _active[-1]
+    for p in module.parameters(recurse=recurse):
+        if p.is_meta or construction.is_partitioned(p):
+            continue
+        construction.partition(p, group=context.group, remote_device=context.remote_device,
+                               pin_memory=context.pin_memory)  # fmt: skip
+
+
+def _partition_after(init):
+    """``init`` (a module class's own ``__init__``) followed by the partition of the module's parameters, once per
+    module: after the constructor of its most derived class returns (its base classes' constructors, run inside,
+    leave the parameters to it). A module made on the meta device (``torch.nn.utils.skip_init``) is partitioned
+    when ``to_empty`` gives it storage."""
+
+    @functools.wraps(init)
+    def wrapper(module, *args, **kwargs):
+        outermost = "_ds_child_entered" not in module.__dict__
+        if outermost:
+            module.__dict__["_ds_child_entered"] = True
+        try:
+            init(module, *args, **kwargs)
+        finally:
+            if outermost:
+                module.__dict__.pop("_ds_child_entered", None)
+        if outermost:
+            if str(kwargs.get("device")) == "meta":
+                _partition_after_to_empty(module)
+            else:
+                _partition_module(module)
+
+    wrapper._torsh_partition_after = True
+    return wrapper
+
+
+def _partition_after_to_empty(module: nn.Module) -> None:
+    original = module.to_empty
+
+    def to_empty(*args, **kwargs):
+        del module.to_empty  # the class's own again
+        result = original(*args, **kwargs)
+        _partition_module(module, recurse=True)
+        return result
+
+    module.to_empty = to_empty
+
+
+def _apply_with_gather(apply):
+    """``Module.apply`` inside ``zero.Init`` (DeepSpeed's ``override_module_apply``): each module's partitioned
+    parameters are gathered around the function, then the first rank's values are partitioned again, so that a
+    parent's initialisation of its children's weights is kept, on every rank the same."""
+
+    def wrapped_apply(self, fn):
+        if getattr(fn, "_torsh_gathers", False):
+            return apply(self, fn)
+
+        def gathered(module):
+            params = [p for p in module.parameters(recurse=False) if construction.is_partitioned(p)]
+            for p in params:
+                construction.show_whole(p)
+            fn(module)
+            for p in params:
+                construction.repartition(p, written_by=p.__dict__[construction.PARTITIONED].source)
+
+        gathered._torsh_gathers = True
+        return apply(self, gathered)
+
+    return wrapped_apply
+
+
+def _patch() -> None:
+    for cls in _all_module_classes():
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "_torsh_partition_after", False):
+            _patched[cls] = init
+            cls.__init__ = _partition_after(init)
+    _patched["__init_subclass__"] = nn.Module.__dict__.get("__init_subclass__")
+    _patched["apply"] = nn.Module.apply
+
+    def init_subclass(cls, **kwargs):
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "_torsh_partition_after", False):
+            _patched[cls] = init
+            cls.__init__ = _partition_after(init)
+
+    nn.Module.__init_subclass__ = classmethod(init_subclass)
+    nn.Module.apply = _apply_with_gather(nn.Module.apply)
+
+
+def _unpatch() -> None:
+    nn.Module.apply = _patched.pop("apply")
+    original = _patched.pop("__init_subclass__")
+    if original is None:
+        del nn.Module.__init_subclass__
+    else:
+        nn.Module.__init_subclass__ = original
+    for cls, init in _patched.items():
+        cls.__init__ = init
+    _patched.clear()
 
 
 def _contradicting_single_rank_group(explicit_group) -> str | None:
@@ -169,17 +202,16 @@ def _contradicting_single_rank_group(explicit_group) -> str | None:
 
 
 class Init:
-    """DeepSpeed's ZeRO-3 construction context: here the model is built normally and sharded at ``initialize``.
+    """DeepSpeed's ZeRO-3 construction context: each module's parameters are partitioned when its constructor
+    returns (:mod:`torsh.engine.zero.construction`), so no rank holds the whole model.
 
     Every argument of DeepSpeed 0.19.8 is accepted. As DeepSpeed's, it starts ``torch.distributed``
     (:func:`deepspeed.init_distributed`) when it is not started yet, and ``config_dict_or_path`` is checked as
-    DeepSpeed checks it. ``module=`` (converting a built model) and ``enabled=False`` change nothing. Usable as a
-    context manager or a decorator.
-
-    DeepSpeed partitions each parameter when its module's constructor returns; a change made to it after that
-    point, outside ``GatheredParameters(..., modifier_rank=r)``, is lost under DeepSpeed and kept here. Such
-    changes are detected (at the end of the outermost context and at ``initialize``) and logged as a warning
-    naming the parameters, the difference, and how to get the same model under both engines.
+    DeepSpeed checks it. ``module=`` partitions a model built outside the context at once; ``data_parallel_group``
+    (or ``sequence_data_parallel_group``) is the group the parameters are partitioned over (default: every rank);
+    ``remote_device="cpu"`` keeps the partitions on the CPU (pinned with ``pin_memory`` on a CUDA machine);
+    ``enabled=False`` changes nothing. ``dtype``, ``mem_efficient_linear`` and the quantisation switches are
+    accepted and have no effect (the engine casts at ``initialize``). Usable as a context manager or a decorator.
     """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
@@ -204,44 +236,31 @@ class Init:
         if problem:
             raise RuntimeError(problem)
         self.enabled = enabled
-        if module is not None and enabled:
-            for p in module.parameters():
-                setattr(p, _ZERO_INIT_MARK, True)
-            _seal_module(module)  # DeepSpeed partitions a built module at once
+        self.group = data_parallel_group or sequence_data_parallel_group
+        self.remote_device = _remote_device(remote_device)
+        self.pin_memory = bool(pin_memory)
+        if module is not None and enabled:  # DeepSpeed partitions a built module at once
+            _active.append(self)
+            try:
+                _partition_module(module, recurse=True)
+            finally:
+                _active.pop()
 
     def __enter__(self):
-        global _init_depth, _registration_hook
         if self.enabled:
             with _init_lock:
-                _init_depth += 1
-                if _init_depth == 1:
-                    nn.Module.register_parameter = _marking_register_parameter
-                    _registration_hook = torch.nn.modules.module.register_module_module_registration_hook(
-                        _on_child_registered)
+                if not _active:
+                    _patch()
+                _active.append(self)
         return self
 
     def __exit__(self, *exc):
-        global _init_depth, _registration_hook
         if self.enabled:
             with _init_lock:
-                _init_depth -= 1
-                if _init_depth == 0:
-                    nn.Module.register_parameter = _original_register_parameter
-                    _registration_hook.remove()
-                    _registration_hook = None
-                    built, _built[:] = [r() for r in _built], []
-                    self._check([p for p in built if p is not None], failed=exc[0] is not None)
+                _active.pop()
+                if not _active:
+                    _unpatch()
         return False
-
-    @staticmethod
-    def _check(built: list, *, failed: bool) -> None:
-        sealed = [p for p in built if _SEAL in p.__dict__]
-        changed = {id(p) for p in changed_after_construction(sealed)}
-        if changed and not failed:
-            _warn(_difference("deepspeed.zero.Init", [p.__dict__[_SEAL][1] for p in sealed if id(p) in changed]))
-        for p in built:  # the rest (the outermost modules' own parameters) are partitioned on leaving
-            if id(p) in changed or _SEAL not in p.__dict__:
-                _seal(p, p.__dict__.get(_SEAL, (None, f"parameter {list(p.shape)}"))[1])
 
     def __call__(self, fn):
         def wrapped(*args, **kwargs):
@@ -249,6 +268,15 @@ class Init:
                 return fn(*args, **kwargs)
 
         return wrapped
+
+
+def _remote_device(remote_device) -> torch.device | None:
+    """Where partitions are kept: ``"cpu"`` (or ``"nvme"``, kept on the CPU: torsh has no NVMe swapper), else with
+    the parameter (None)."""
+    if remote_device is None:
+        return None
+    name = getattr(remote_device, "value", remote_device)
+    return torch.device("cpu") if str(name) in ("cpu", "nvme") else torch.device(str(name))
 
 
 def _as_list(params) -> list:
@@ -303,9 +331,10 @@ class GatheredParameters:
     fp16 under mixed precision, where torsh's shards hold the fp32 masters), so a value written there is rounded
     as DeepSpeed's parameter stores it. On exit, with ``modifier_rank`` set, that rank's full values are
     broadcast and written into every rank's shard: the elements that changed take the written value, the others
-    keep the fp32 master's (what a rank changed otherwise is discarded, as in DeepSpeed). Parameters built under
-    :class:`Init` and not yet sharded are broadcast from ``modifier_rank`` on exit. Other parameters (DDP, stages
-    0/1): a no-op. Every rank must enter the context, as in DeepSpeed.
+    keep the fp32 master's (what a rank changed otherwise is discarded, as in DeepSpeed). Parameters partitioned
+    by :class:`Init` and not yet taken by ``initialize`` are gathered whole inside the context and partitioned
+    again on exit, from ``modifier_rank``'s values when it is set (else what was written is dropped). Other
+    parameters (DDP, stages 0/1): a no-op. Every rank must enter the context, as in DeepSpeed.
     """
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
@@ -314,12 +343,15 @@ class GatheredParameters:
         self.fwd_module = fwd_module
         params = _as_list(params) if enabled else []
         self._sharded = [p for p in params if _is_sharded(p) and _GATHERED not in p.__dict__]  # not already gathered
-        self._built_in_init = [p for p in params if not _is_sharded(p) and getattr(p, _ZERO_INIT_MARK, False)]
+        self._partitioned = [p for p in params if construction.is_partitioned(p)
+                             and p.ds_status is ZeroParamStatus.NOT_AVAILABLE]  # not already gathered
         self._full: list[nn.Parameter] = []
         self._owners: dict[int, list[tuple[nn.Module, str]]] = {}
 
     @torch.no_grad()
     def __enter__(self):
+        for p in self._partitioned:
+            construction.show_whole(p)
         if not self._sharded:
             return None
         self._owners = _owners(self._sharded, self.fwd_module)
@@ -342,11 +374,8 @@ class GatheredParameters:
         self._full = []
         if self.modifier_rank is not None:
             self._write_back(written)
-            for p in self._built_in_init:
-                if _multi_process():
-                    dist.broadcast(p.data, src=self.modifier_rank)
-                if _SEAL in p.__dict__:  # written back, as DeepSpeed does: the new value is the partitioned one
-                    _seal(p, p.__dict__[_SEAL][1])
+        for p in self._partitioned:
+            construction.repartition(p, written_by=self.modifier_rank)
         return False
 
     def _write_back(self, written: list) -> None:
@@ -408,10 +437,6 @@ def _show_shard(p) -> None:
         p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
-def _multi_process() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def register_external_parameter(module, parameter) -> None:
     """DeepSpeed's hint that ``module``'s forward uses another module's parameter (a tied projection): kept where
     DeepSpeed keeps it (``module._external_params``), and read by the engine's unit planning at ZeRO-3 as a tie, so
@@ -434,8 +459,9 @@ def unregister_external_parameter(module, parameter) -> None:
 
 
 def is_zero_param(parameter) -> bool:
-    """Whether ``parameter`` is sharded (DeepSpeed: has ZeRO-3 attributes)."""
-    return _is_sharded(parameter)
+    """Whether ``parameter`` is partitioned (DeepSpeed: has ZeRO-3 attributes): by :class:`Init`, or sharded by
+    ``initialize``."""
+    return _is_sharded(parameter) or construction.is_partitioned(parameter)
 
 
 #: The shape DeepSpeed gives ``param.data`` of a partitioned parameter outside ``GatheredParameters`` (its data is

@@ -1,0 +1,190 @@
+"""``python -m benchmarks.zero_init``: memory per rank while a model is built under ``deepspeed.zero.Init`` (ZeRO-3),
+torsh against DeepSpeed 0.19.8, at 2 and 4 ranks.
+
+The model is 12 bias-free ``Linear(2048, 2048)`` layers in fp32 (192 MiB of weights), built with the same config
+on both engines, then ``initialize`` at stage 3 and one training step. Per rank: the resident memory the build adds
+(``VmRSS`` after minus before), the peak during the build (``VmHWM``, reset before it), the elements the rank holds
+after the build, and the peak after the first step. glibc keeps freed memory in the process unless
+``MALLOC_MMAP_THRESHOLD_`` is small, so it is set to 64 KiB for both engines. Each engine and world size runs in its
+own launch. Targets (issue: memory is the contract): the build adds at most DeepSpeed's + 10% and at most model /
+ranks + the largest module + 64 MiB; the peak after the first step stays at or below DeepSpeed's.
+
+Writes ``benchmarks/results/zero-init.json``, ``zero-init.md`` (the table the results page includes) and
+``docs/zero-init-memory.png`` (the ratios as a chart, on the same page).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+CHART = ROOT / "docs" / "zero-init-memory.png"
+LAYERS, WIDTH = 12, 2048
+MODEL_MIB = LAYERS * WIDTH * WIDTH * 4 / 2**20
+LARGEST_MODULE_MIB = WIDTH * WIDTH * 4 / 2**20
+
+
+def _status_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def _reset_peak() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux)
+    except OSError:
+        pass
+
+
+def worker(engine: str, out: str) -> None:
+    """One rank: build under zero.Init, initialize at stage 3, one step; rank 0 writes every rank's numbers."""
+    import torch
+    import torch.distributed as dist
+
+    if engine == "deepspeed":
+        import deepspeed
+    else:
+        import torsh.compat.deepspeed as deepspeed
+    deepspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}  # fmt: skip
+    torch.manual_seed(0)
+    dist.barrier()
+    before = _status_mib("VmRSS")
+    _reset_peak()
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)))
+    built = {"added_mib": _status_mib("VmRSS") - before, "build_peak_mib": _status_mib("VmHWM") - before,
+             "held_elements": sum(p.ds_tensor.numel() for p in model.parameters())}  # fmt: skip
+    engine_, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    _reset_peak()
+    x = torch.randn(2, WIDTH)
+    loss = engine_(x).float().pow(2).mean()
+    engine_.backward(loss)
+    engine_.step()
+    built["step_peak_mib"] = _status_mib("VmHWM")
+    gathered = [None] * world
+    dist.all_gather_object(gathered, built)
+    if rank == 0:
+        Path(out).write_text(json.dumps(gathered))
+    dist.barrier()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(engine: str, nproc: int) -> list[dict] | str:
+    """Every rank's numbers for one launch, or the error text."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "out.json")
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+               "PYTHONPATH": str(ROOT)}  # fmt: skip
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                   f"--master-port={_free_port()}", "-m", "benchmarks.zero_init", "--worker", engine, out]
+        try:
+            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        except subprocess.TimeoutExpired:
+            return "timed out after 900 s"
+        if done.returncode != 0 or not Path(out).exists():
+            return (done.stdout + done.stderr)[-2000:]
+        return json.loads(Path(out).read_text())
+
+
+def _worst(ranks: list[dict], key: str) -> float:
+    return max(r[key] for r in ranks)
+
+
+def table(results: dict) -> str:
+    lines = [f"Built under `zero.Init`: {LAYERS} x Linear({WIDTH}, {WIDTH}), no bias, fp32 ({MODEL_MIB:.0f} MiB); the "
+             "worst rank of each launch. Bound: model / ranks + largest module + 64 MiB.", "",
+             "| ranks | added by the build, MiB: DeepSpeed | torsh | torsh/DeepSpeed | bound | elements held per rank: "
+             "DeepSpeed | torsh | peak after the first step, MiB: DeepSpeed | torsh | torsh/DeepSpeed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for nproc, row in sorted(results.items(), key=lambda kv: int(kv[0])):
+        ds, ours = row.get("deepspeed"), row.get("torsh")
+        if not isinstance(ours, list):
+            lines.append(f"| {nproc} | error: {str(ours)[-200:]!r} |")
+            continue
+        bound = MODEL_MIB / int(nproc) + LARGEST_MODULE_MIB + 64
+        if isinstance(ds, list):
+            lines.append(f"| {nproc} | {_worst(ds, 'added_mib'):.0f} | {_worst(ours, 'added_mib'):.0f} | "
+                         f"{_worst(ours, 'added_mib') / _worst(ds, 'added_mib'):.2f} | {bound:.0f} | "
+                         f"{_worst(ds, 'held_elements') / 1e6:.1f} M | {_worst(ours, 'held_elements') / 1e6:.1f} M | "
+                         f"{_worst(ds, 'step_peak_mib'):.0f} | {_worst(ours, 'step_peak_mib'):.0f} | "
+                         f"{_worst(ours, 'step_peak_mib') / _worst(ds, 'step_peak_mib'):.2f} |")  # fmt: skip
+        else:
+            lines.append(f"| {nproc} | - | {_worst(ours, 'added_mib'):.0f} | - | {bound:.0f} | - | "
+                         f"{_worst(ours, 'held_elements') / 1e6:.1f} M | - | {_worst(ours, 'step_peak_mib'):.0f} | - |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(results: dict, path: Path) -> bool:
+    """The torsh/DeepSpeed ratios per world size as a bar chart (False when matplotlib or DeepSpeed is absent)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [(n, r) for n, r in sorted(results.items(), key=lambda kv: int(kv[0]))
+            if isinstance(r.get("torsh"), list) and isinstance(r.get("deepspeed"), list)]  # fmt: skip
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    width = 0.35
+    for i, (key, label) in enumerate((("added_mib", "memory added by the build"),
+                                      ("step_peak_mib", "peak after the first step"))):
+        ratios = [_worst(r["torsh"], key) / _worst(r["deepspeed"], key) for _, r in rows]
+        ax.bar([j + i * width for j in range(len(rows))], ratios, width, label=label)
+    ax.axhline(1.1, color="grey", linestyle="--", linewidth=1, label="target for the build (1.1)")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + width / 2 for j in range(len(rows))], [f"{n} ranks" for n, _ in rows])
+    ax.set_ylabel("torsh / DeepSpeed")
+    ax.set_title("ZeRO-3, model built under zero.Init")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.zero_init", description=__doc__)
+    parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--engines", default="torsh,deepspeed")
+    parser.add_argument("--worker", nargs=2, metavar=("ENGINE", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(*args.worker)
+        return 0
+    results: dict[str, dict] = {}
+    for nproc in args.ranks.split(","):
+        for engine in args.engines.split(","):
+            print(f"zero.Init, {nproc} ranks, {engine} ...", flush=True)
+            results.setdefault(nproc, {})[engine] = measure(engine, int(nproc))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "zero-init.json").write_text(json.dumps(results, indent=2) + "\n")
+    text = table(results)
+    (RESULTS / "zero-init.md").write_text(text)
+    chart(results, CHART)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

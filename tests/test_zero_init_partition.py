@@ -1,0 +1,190 @@
+"""``deepspeed.zero.Init`` partitions each module's parameters when its constructor returns, as DeepSpeed does, so
+that no rank ever holds the whole model (``torsh.engine.zero.construction``): one process here (each partition
+is then the whole flattened parameter); the 2-rank behaviour, the element count per rank and training from the
+partitions are in ``test_zero_init_ranks.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+
+@pytest.fixture
+def pp(monkeypatch):
+    """The partition_parameters module, with ``zero.Init`` not starting a process group in the test process."""
+    from torsh.compat.deepspeed import comm
+    from torsh.compat.deepspeed.runtime.zero import partition_parameters
+
+    started = []
+    monkeypatch.setattr(comm, "init_distributed", lambda *a, **k: started.append(True))
+    partition_parameters.started = started
+    return partition_parameters
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 3)  # Linear initialises its parameters in its own constructor
+        self.scale = nn.Parameter(torch.empty(3))
+        nn.init.constant_(self.scale, 0.5)  # its own parameter, in its own constructor: kept
+
+
+class _Model(nn.Module):
+    def __init__(self, post_init: bool = False, apply: bool = False):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.gain = nn.Parameter(torch.ones(2))
+        if post_init:  # the children are partitioned by now: an in-place change does nothing, as under DeepSpeed
+            for block in self.blocks:
+                nn.init.zeros_(block.proj.weight)
+        if apply:  # Module.apply gathers each module around the function (DeepSpeed's override_module_apply)
+            self.apply(self._init)
+        nn.init.constant_(self.gain, 2.0)  # its own parameter, inside its own constructor: kept
+
+    @staticmethod
+    def _init(module):
+        if isinstance(module, nn.Linear):
+            with torch.no_grad():
+                module.bias.fill_(7.0)
+
+
+def _whole(pp, param):
+    with pp.GatheredParameters([param]):
+        return param.detach().clone()
+
+
+def test_zero_init_starts_distributed_when_not_started(pp):
+    with pp.Init(enabled=False):
+        pass
+    assert pp.started == [True]
+
+
+def test_parameters_are_partitioned_when_their_constructor_returns(pp):
+    from torsh.engine.zero.params import ZeroParamStatus
+
+    with pp.Init():
+        model = _Model()
+    params = list(model.parameters())
+    assert all(p.numel() == 0 for p in params)  # DeepSpeed leaves param.data empty
+    assert [tuple(p.ds_shape) for p in params] == [(2,), (3,), (3, 3), (3,), (3,), (3, 3), (3,)]
+    assert [p.ds_tensor.numel() for p in params] == [p.ds_numel for p in params]  # one rank: the whole of each
+    assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE and not p.ds_persist for p in params)
+    ids = [p.ds_id for p in params]
+    assert len(set(ids)) == len(ids) and model.gain.ds_id == max(ids)  # the outer constructor returns last
+    assert all(pp.is_zero_param(p) for p in params)
+    assert torch.equal(_whole(pp, model.gain), torch.full((2,), 2.0))
+    assert torch.equal(_whole(pp, model.blocks[1].scale), torch.full((3,), 0.5))
+
+
+def test_a_change_after_the_constructor_returned_is_dropped_as_under_deepspeed(pp):
+    torch.manual_seed(0)
+    with pp.Init():
+        model = _Model(post_init=True)
+    with torch.no_grad():
+        model.blocks[1].scale.mul_(3)  # after the context: the data is empty
+    weight = _whole(pp, model.blocks[0].proj.weight)
+    assert weight.abs().sum() > 0  # Linear's own initialisation, not the zeros of the parent's post-init
+    assert torch.equal(_whole(pp, model.blocks[1].scale), torch.full((3,), 0.5))
+
+
+def test_module_apply_inside_the_context_gathers_each_module(pp):
+    with pp.Init():
+        model = _Model(apply=True)
+    assert torch.equal(_whole(pp, model.blocks[0].proj.bias), torch.full((3,), 7.0))
+    assert model.blocks[0].proj.bias.numel() == 0  # partitioned again
+    assert nn.Module.apply.__module__ == "torch.nn.modules.module"  # restored on leaving
+
+
+def test_gathered_parameters_keeps_a_write_only_with_a_modifier_rank(pp):
+    with pp.Init():
+        model = _Model()
+    with pp.GatheredParameters([model.gain], modifier_rank=0):
+        assert model.gain.shape == (2,)
+        model.gain.data.fill_(5.0)
+    with pp.GatheredParameters([model.gain]):
+        model.gain.data.fill_(9.0)  # no modifier rank: dropped, as DeepSpeed drops it
+    assert torch.equal(_whole(pp, model.gain), torch.full((2,), 5.0))
+    with pp.GatheredParameters(model.gain, modifier_rank=0):
+        with pp.GatheredParameters(model.gain):  # nested: already whole
+            assert model.gain.numel() == 2
+
+
+def test_deepspeeds_parameter_methods(pp):
+    from torsh.engine.zero.params import ZeroParamStatus
+
+    with pp.Init():
+        layer = nn.Linear(4, 2)
+    layer.weight.all_gather()
+    assert layer.weight.shape == (2, 4) and layer.weight.ds_status is ZeroParamStatus.AVAILABLE
+    layer.weight.data.fill_(3.0)
+    layer.weight.partition(has_been_updated=True)  # this rank's whole value becomes its partition
+    assert layer.weight.numel() == 0 and torch.all(layer.weight.ds_tensor == 3.0)
+    assert layer.weight.partition_numel() == 8 and layer.weight.padding_size() == 0
+    assert layer.weight.ds_summary()["shape"] == (2, 4)
+
+
+def test_skip_init_modules_are_partitioned_once_they_have_storage(pp):
+    with pp.Init():
+        layer = torch.nn.utils.skip_init(nn.Linear, 5, 4)
+    assert layer.weight.numel() == 0 and layer.weight.ds_tensor.numel() == 20
+
+
+def test_module_argument_nesting_and_disabled(pp):
+    built = _Model()
+    pp.Init(module=built)  # a model built outside the context, partitioned at once
+    assert all(p.numel() == 0 for p in built.parameters())
+    with pp.Init(enabled=False):
+        plain = nn.Linear(2, 2)
+    assert plain.weight.numel() == 4 and not pp.is_zero_param(plain.weight)
+    with pp.Init():
+        with pp.Init():  # nested, as transformers nests it
+            inner = nn.Linear(2, 2)
+        outer = nn.Linear(2, 2)
+    assert inner.weight.numel() == outer.weight.numel() == 0
+    after = nn.Linear(2, 2)
+    assert after.weight.numel() == 4  # the constructors are the classes' own again
+
+
+def test_a_failed_construction_restores_the_constructors(pp):
+    original = nn.Linear.__init__
+    with pytest.raises(RuntimeError, match="boom"):
+        with pp.Init():
+            _Model()
+            raise RuntimeError("boom")
+    assert nn.Linear.__init__ is original and nn.Linear(2, 2).weight.numel() == 4
+
+
+def test_classes_defined_inside_the_context_are_partitioned_too(pp):
+    with pp.Init():
+        class Late(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.ones(3))
+
+        late = Late()
+    assert late.w.numel() == 0 and torch.equal(_whole(pp, late.w), torch.ones(3))
+    assert Late().w.numel() == 3
+
+
+def test_remote_device_keeps_partitions_on_the_cpu(pp):
+    with pp.Init(remote_device="cpu", pin_memory=True):
+        layer = nn.Linear(2, 2)
+    assert layer.weight.ds_tensor.device.type == "cpu"
+
+
+def test_a_whole_model_is_made_of_the_partitions_one_parameter_at_a_time():
+    from torsh.compat.deepspeed.runtime.zero import partition_parameters as pp
+    from torsh.engine.zero import construction
+
+    torch.manual_seed(0)
+    reference = _Model()
+    torch.manual_seed(0)
+    with pp.Init():
+        model = _Model()
+    assert construction.materialize(model) == 7
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(p, q), name
+        assert not construction.is_partitioned(p)

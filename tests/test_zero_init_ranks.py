@@ -1,0 +1,141 @@
+"""``deepspeed.zero.Init`` on 2 gloo ranks: each rank holds only its partitions once the model is built (DeepSpeed's
+element count, checked against real DeepSpeed 0.19.8), ``GatheredParameters`` writes through ``modifier_rank``,
+and ``initialize`` trains from the partitions with the losses of the same model built whole, at ZeRO-3 (FSDP2
+shards filled one parameter at a time) and at the stages that keep whole parameters."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+import pytest
+
+pytest.importorskip("torch")
+
+import _engine_harness as h  # noqa: E402
+
+pytestmark = pytest.mark.slow  # one 2-rank launch per module: started first by make test's workers
+
+ENGINES = ("torsh", "deepspeed")
+
+
+def _ds(engine: str):
+    if engine == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        return deepspeed
+    import torsh.compat.deepspeed
+
+    return torsh.compat.deepspeed
+
+
+def _rank(rank: int, world_size: int, scenario: dict) -> dict:
+    return globals()[scenario["kind"]](rank, world_size, scenario)
+
+
+def construct(rank: int, world_size: int, scenario: dict) -> dict:
+    """The tiny LM built under ``zero.Init``: elements this rank holds, per parameter and in all."""
+    ds = _ds(scenario["engine"])
+    with ds.zero.Init(mem_efficient_linear=False):  # DeepSpeed's would replace F.linear for the whole process
+        model = h.build_model(0)
+    params = list(model.parameters())
+    return {"held": [p.ds_tensor.numel() for p in params], "data": sum(p.numel() for p in params),
+            "numel": [p.ds_numel for p in params], "shapes": [list(p.ds_shape) for p in params]}  # fmt: skip
+
+
+def modify(rank: int, world_size: int, scenario: dict) -> dict:
+    """``GatheredParameters(modifier_rank=1)``: rank 1's write is every rank's; a write without one is dropped."""
+    import torch
+
+    ds = _ds(scenario["engine"])
+    with ds.zero.Init(mem_efficient_linear=False):
+        layer = torch.nn.Linear(3, 5)
+    with ds.zero.GatheredParameters([layer.weight], modifier_rank=1):
+        with torch.no_grad():
+            layer.weight.fill_(float(rank + 1))
+    with ds.zero.GatheredParameters([layer.weight]):
+        with torch.no_grad():
+            layer.weight.fill_(-1.0)
+    with ds.zero.GatheredParameters([layer.weight]):
+        whole = layer.weight.detach().clone()
+    return {"whole": whole.unique().tolist(), "local": layer.weight.ds_tensor.tolist()}
+
+
+def train(rank: int, world_size: int, scenario: dict) -> dict:
+    """Three steps of the tiny LM at ``stage``, built under ``zero.Init`` or whole (``init``), seed 0 either way."""
+    import torch
+
+    ds = _ds("torsh")
+    torch.manual_seed(0)
+    if scenario["init"]:
+        with ds.zero.Init():
+            model = h.build_model(0)
+    else:
+        model = h.build_model(0)
+    engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=h.ds_config(scenario["stage"]))
+    losses = []
+    for step in range(3):
+        tokens, targets = h.batch(step, rank, 2)
+        loss = h.lm_loss(engine(tokens), targets)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    with ds.zero.GatheredParameters(list(engine.module.parameters())):
+        sums = [float(p.detach().double().sum()) for p in engine.module.parameters()]
+    return {"losses": losses, "sums": sums}
+
+
+SCENARIOS = [  # torsh's first: real DeepSpeed's zero.Init leaves hooks of its own in the process
+    *({"name": f"train{stage}_{init}", "kind": "train", "stage": stage, "init": init}
+      for stage in (3, 1) for init in (True, False)),
+    *({"name": f"construct_{e}", "kind": "construct", "engine": e} for e in ENGINES),
+    *({"name": f"modify_{e}", "kind": "modify", "engine": e} for e in ENGINES),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict]:
+    scenarios = SCENARIOS
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:  # the comparisons with real DeepSpeed skip below
+        scenarios = [s for s in SCENARIOS if s.get("engine") != "deepspeed"]
+    with tempfile.TemporaryDirectory() as out:
+        h.spawn(scenarios, 2, out, runner=_rank)
+        import json
+        from pathlib import Path
+
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _deepspeed(records, name):
+    if f"{name}_deepspeed" not in records[0]:
+        pytest.skip("real DeepSpeed 0.19.8 is installed by requirements-dev.txt in CI")
+    return h.ranks_of(records, f"{name}_deepspeed")
+
+
+def test_each_rank_holds_only_its_partition_once_the_model_is_built(records):
+    ours = h.ranks_of(records, "construct_torsh")
+    for r in ours:
+        assert r["data"] == 0  # no parameter holds its whole value
+        assert r["held"] == [math.ceil(n / 2) for n in r["numel"]]
+    assert sum(ours[0]["held"]) < sum(ours[0]["numel"]) / 2 + len(ours[0]["numel"])
+    assert ours == _deepspeed(records, "construct")  # DeepSpeed's shapes, sizes and count per rank
+
+
+def test_gathered_parameters_takes_the_modifier_ranks_write(records):
+    ours = h.ranks_of(records, "modify_torsh")
+    assert [r["whole"] for r in ours] == [[2.0], [2.0]]
+    assert ours[0]["local"] == [2.0] * 8 and ours[1]["local"] == [2.0] * 7 + [0.0]  # the last partition padded
+    theirs = _deepspeed(records, "modify")
+    assert [r["whole"] for r in theirs] == [[2.0], [2.0]]
+    assert [r["local"][:7] for r in theirs] == [r["local"][:7] for r in ours]  # the padding is DeepSpeed's own
+
+
+@pytest.mark.parametrize("stage", [3, 1])
+def test_training_from_the_partitions_equals_training_the_whole_model(records, stage):
+    built = h.ranks_of(records, f"train{stage}_True")
+    whole = h.ranks_of(records, f"train{stage}_False")
+    assert built == whole  # bit for bit: the same weights, the same steps
