@@ -84,7 +84,8 @@ def train(rank: int, world_size: int, scenario: dict) -> dict:
         losses.append(float(loss))
     with ds.zero.GatheredParameters(list(engine.module.parameters())):
         sums = [float(p.detach().double().sum()) for p in engine.module.parameters()]
-    return {"losses": losses, "sums": sums}
+    persist = sorted({str(getattr(p, "ds_persist", None)) for p in engine.module.parameters()})
+    return {"losses": losses, "sums": sums, "ds_persist": persist}
 
 
 SCENARIOS = [  # torsh's first: real DeepSpeed's zero.Init leaves hooks of its own in the process
@@ -139,3 +140,4 @@ def test_training_from_the_partitions_equals_training_the_whole_model(records, s
     built = h.ranks_of(records, f"train{stage}_True")
     whole = h.ranks_of(records, f"train{stage}_False")
     assert built == whole  # bit for bit: the same weights, the same steps
+    assert built[0]["ds_persist"] == (["False"] if stage == 3 else ["None"])  # DeepSpeed's attribute at ZeRO-3

@@ -169,10 +169,10 @@ def repartition(param: nn.Parameter, *, written_by: int | None = None, keep_writ
 
 
 def _forget(param: nn.Parameter) -> None:
-    """``param`` is no longer partitioned at construction (``initialize`` took it): its partition and DeepSpeed's
-    methods go (the engine's parameters carry the attributes it gives them)."""
-    for key in (PARTITIONED, "ds_tensor", "all_gather", "partition", "partition_numel", "padding_size",
-                "ds_summary"):
+    """``param`` is no longer partitioned at construction (``initialize`` took it): its partition, DeepSpeed's
+    attributes and methods go (a parameter the engine shards gets the attributes of its layout)."""
+    for key in [k for k in param.__dict__ if k.startswith("ds_")] + [
+            PARTITIONED, "all_gather", "partition", "partition_numel", "padding_size"]:  # fmt: skip
         param.__dict__.pop(key, None)
 
 

@@ -30,6 +30,7 @@ def mark_partitioned(model: nn.Module, compute_dtype: torch.dtype) -> None:
     sharded = [p for p in model.parameters() if isinstance(p, DTensor)]  # a tied weight once
     for ds_id, p in enumerate(sharded):
         p.ds_id, p.ds_status, p.ds_shape, p.ds_numel = ds_id, ZeroParamStatus.NOT_AVAILABLE, p.shape, p.numel()
+        p.ds_persist = False  # FSDP2 shards every parameter (DeepSpeed keeps those below its threshold whole)
         setattr(p, COMPUTE_DTYPE, compute_dtype)
 
 
