@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from torsh.concepts import sharding
 from torsh.config import AUTO, TorshConfig, get_path
 from torsh.errors import ConfigError, Problem
 from torsh.translate import NOTHING, Fidelity, Hook, Note, ReadContext, To, Unsupported, WriteContext
 
 from ._accelerate_launch import fsdp_unread
-from ._torch_names import SHARDING_STRATEGIES, STRATEGY_ALIASES, STRATEGY_TO_CORE, enum_name, to_bool
+from ._torch_names import SHARDING_STRATEGIES, STRATEGY_ALIASES, enum_name, to_bool
 
 NAME = "accelerate"
 
@@ -70,8 +71,7 @@ def _read_reshard(value: Any, ctx: ReadContext, path: str) -> Any:
         ctx.note(path, Fidelity.DROPPED, "a bool is what FSDP2 reads; Accelerate's FSDP1 plugin does not read this "
                  "key (fsdp_sharding_strategy decides): set fsdp_version: 2 if the file is meant for FSDP2", value)
         return None
-    if str(value).upper() not in SHARDING_STRATEGIES and str(value).upper() not in STRATEGY_ALIASES and not (
-            str(value).isdigit() and 1 <= int(value) <= len(SHARDING_STRATEGIES)):  # fmt: skip
+    if sharding.fsdp1_strategy_name(value) is None:
         ctx.keep(path, value)  # what accelerate config writes is a strategy name; anything else the plugin passes over
         ctx.note(path, Fidelity.DROPPED, "not a sharding strategy, and Accelerate's FSDP1 plugin does not read this "
                  "key (fsdp_sharding_strategy decides)", value)  # fmt: skip
@@ -207,41 +207,59 @@ def _fsdp_activation_offload(ctx: ReadContext, flag: bool, path: str, value: Any
 
 
 def _fsdp_stage(ctx: ReadContext, state: dict, version: int) -> None:
-    strategy, reshard = state.get("strategy"), state.get("reshard")
-    source, fidelity, reason = "fsdp_config.fsdp_sharding_strategy", Fidelity.DEFAULTED, "launcher default FULL_SHARD"
-    name = "FULL_SHARD"
-    if version >= 2 and reshard is not None:
-        name, source, fidelity, reason = ("FULL_SHARD" if reshard[0] else "SHARD_GRAD_OP"), reshard[1], \
-            Fidelity.EXACT, f"reshard_after_forward={reshard[0]}: ZeRO-{3 if reshard[0] else 2}"
-    elif version >= 2:
-        source, reason = "fsdp_config.fsdp_reshard_after_forward", "launcher default true"
-    if strategy is not None:
-        name, source, fidelity = strategy[0], strategy[1], Fidelity.EXACT
-        reason = "" if version == 1 else ("FSDP2 reads fsdp_reshard_after_forward; accelerate to-fsdp2 converts "
-                                          "this strategy")  # fmt: skip
-        if version >= 2:
-            fidelity = Fidelity.APPROXIMATE
-    if reshard is not None and version == 1:
-        if strategy is None:
-            name, source, fidelity = reshard[0], reshard[1], Fidelity.APPROXIMATE
-            reason = ("Accelerate's FSDP1 plugin reads fsdp_sharding_strategy, not this key, so accelerate launch "
-                      "runs FULL_SHARD; read as the strategy named here, which `accelerate config` meant")
-        elif reshard[0] != strategy[0]:
-            ctx.note(reshard[1], Fidelity.DROPPED, f"FSDP1 reads fsdp_sharding_strategy ({strategy[0]})", reshard[2])
-        else:
-            ctx.note(reshard[1], Fidelity.EXACT, "the same strategy (the key `accelerate config` writes)", reshard[2])
-    stage, hybrid = STRATEGY_TO_CORE[name]
+    name, source, fidelity, reason = (_fsdp1_strategy if version == 1 else _fsdp2_strategy)(ctx, state)
+    stage, hybrid = sharding.FSDP1_LAYOUTS[name]
     if name == "NO_SHARD":
         fidelity, reason = Fidelity.APPROXIMATE, "NO_SHARD: DDP-like replication; torsh runs DDP"
     ctx.set("sharding.stage", stage, source, fidelity, reason)
+    _fsdp_hybrid(ctx, state, hybrid and version == 1, source)
+
+
+def _fsdp1_strategy(ctx: ReadContext, state: dict) -> tuple[str, str, Fidelity, str]:
+    """FSDP1's strategy (name, source, fidelity, why): fsdp_sharding_strategy, else the strategy named under
+    fsdp_reshard_after_forward (what `accelerate config` writes), else the launcher's FULL_SHARD."""
+    strategy, reshard = state.get("strategy"), state.get("reshard")
+    if reshard is not None and strategy is None:
+        return reshard[0], reshard[1], Fidelity.APPROXIMATE, (
+            "Accelerate's FSDP1 plugin reads fsdp_sharding_strategy, not this key, so accelerate launch runs "
+            "FULL_SHARD; read as the strategy named here, which `accelerate config` meant")  # fmt: skip
+    if reshard is not None and reshard[0] != strategy[0]:
+        ctx.note(reshard[1], Fidelity.DROPPED, f"FSDP1 reads fsdp_sharding_strategy ({strategy[0]})", reshard[2])
+    elif reshard is not None:
+        ctx.note(reshard[1], Fidelity.EXACT, "the same strategy (the key `accelerate config` writes)", reshard[2])
+    if strategy is not None:
+        return strategy[0], strategy[1], Fidelity.EXACT, ""
+    return "FULL_SHARD", "fsdp_config.fsdp_sharding_strategy", Fidelity.DEFAULTED, "launcher default FULL_SHARD"
+
+
+def _fsdp2_strategy(ctx: ReadContext, state: dict) -> tuple[str, str, Fidelity, str]:
+    """FSDP2's layout as an FSDP1 strategy name: a strategy named under fsdp_sharding_strategy (read as
+    `accelerate to-fsdp2` converts it), else fsdp_reshard_after_forward (launcher default true)."""
+    strategy, reshard = state.get("strategy"), state.get("reshard")
+    if strategy is not None:
+        return strategy[0], strategy[1], Fidelity.APPROXIMATE, ("FSDP2 reads fsdp_reshard_after_forward; accelerate "
+                                                                 "to-fsdp2 converts this strategy")  # fmt: skip
+    if reshard is None:
+        return "FULL_SHARD", "fsdp_config.fsdp_reshard_after_forward", Fidelity.DEFAULTED, "launcher default true"
+    stage = sharding.stage_of_reshard(reshard[0])
+    return (sharding.fsdp1_strategy(stage, None, hybrid=False), reshard[1], Fidelity.EXACT,
+            f"reshard_after_forward={reshard[0]}: ZeRO-{stage}")  # fmt: skip
+
+
+def _fsdp_hybrid(ctx: ReadContext, state: dict, node_groups: bool, source: str) -> None:
+    """The hybrid shard group: each node (FSDP1's hybrid strategies), or parallelism_config's data-parallel mesh."""
     replicate, shard = state.get("dp_replicate_size"), state.get("dp_shard_size")
-    for item in (replicate, shard):
-        if item is not None:
-            ctx.note(item[1], Fidelity.EXACT, "data-parallel mesh size", item[2])
-    if hybrid and version == 1:
+    for item in (i for i in (replicate, shard) if i is not None):
+        ctx.note(item[1], Fidelity.EXACT, "data-parallel mesh size", item[2])
+    if node_groups:
         ctx.set("sharding.hybrid_shard_size", AUTO, source, Fidelity.DEFERRED, "HYBRID_SHARD shards within each node")
-    elif replicate and isinstance(replicate[0], int) and replicate[0] > 1 and shard and isinstance(shard[0], int):
+    elif _replicated_shards(replicate, shard):
         ctx.set("sharding.hybrid_shard_size", shard[0], shard[1], Fidelity.EXACT, "HSDP: dp_replicate_size > 1")
+
+
+def _replicated_shards(replicate: tuple | None, shard: tuple | None) -> bool:
+    return bool(replicate and isinstance(replicate[0], int) and replicate[0] > 1 and shard and
+                isinstance(shard[0], int))  # fmt: skip
 
 
 def _fsdp_wrap(ctx: ReadContext, state: dict) -> None:
@@ -297,12 +315,6 @@ def _set_or_default(ctx: ReadContext, core_path: str, found, source: str, defaul
         ctx.set(core_path, default, source, Fidelity.DEFAULTED, reason)
 
 
-def _names_a_strategy(value: Any) -> bool:
-    text = str(value).upper()
-    return not isinstance(value, (list, dict)) and (text in SHARDING_STRATEGIES or text in STRATEGY_ALIASES or (
-        text.isdigit() and 1 <= int(text) <= len(SHARDING_STRATEGIES)))  # fmt: skip
-
-
 def _unread_by_version(raw: dict) -> tuple[dict, list[Note], dict]:
     """fsdp_config keys the plugin does not read for this fsdp_version (``FSDP_UNREAD``), taken out with a note where
     their value says nothing torsh reads: FSDP2's use_orig_params and forward_prefetch whatever they hold, FSDP2's
@@ -311,7 +323,7 @@ def _unread_by_version(raw: dict) -> tuple[dict, list[Note], dict]:
     section, unread = raw.get("fsdp_config"), fsdp_unread(raw)
     if not unread:
         return raw, [], {}
-    said = {"fsdp_sharding_strategy": _names_a_strategy,
+    said = {"fsdp_sharding_strategy": lambda v: sharding.fsdp1_strategy_name(v) is not None,
             "fsdp_reshard_after_forward": lambda v: isinstance(v, (bool, int, str)),
             "fsdp_min_num_params": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
             "fsdp_sync_module_states": lambda v: v is None}  # fmt: skip
@@ -324,33 +336,41 @@ def _unread_by_version(raw: dict) -> tuple[dict, list[Note], dict]:
 
 def _write_fsdp_sharding(cfg: TorshConfig, ctx: WriteContext, version: int) -> None:
     s = cfg.sharding
-    reshard = bool(s.effective_reshard_after_forward) if s.stage >= 2 else s.stage == 0
-    name = ("FULL_SHARD" if reshard else "SHARD_GRAD_OP") if s.stage else "NO_SHARD"
-    if s.hybrid_shard_size is not None and version == 1:
-        name = "HYBRID_SHARD" if reshard else "HYBRID_SHARD_ZERO2"
-        if s.hybrid_shard_size is not AUTO:
-            ctx.note("sharding.hybrid_shard_size", Fidelity.APPROXIMATE, "Accelerate's FSDP1 HYBRID_SHARD shards "
-                     "within each node; a group of another size needs a device mesh", s.hybrid_shard_size)
     if version == 1:
-        ctx.put("fsdp_config.fsdp_sharding_strategy", name, "sharding.stage", Fidelity.EXACT, "what the FSDP1 plugin "
-                "reads (FSDP_SHARDING_STRATEGY)")  # fmt: skip
-        ctx.put("fsdp_config.fsdp_reshard_after_forward", name, "sharding.stage", Fidelity.EXACT, "the same strategy "
-                "under the key `accelerate config` writes for FSDP1: both keys, so every Accelerate version runs it")
+        _write_fsdp1_strategy(s, ctx)
         return
-    ctx.put("fsdp_config.fsdp_reshard_after_forward", reshard, "sharding.stage")
-    size, world = s.hybrid_shard_size, cfg.launch.world_size
-    if size is None:
-        return
-    model = cfg.parallelism.tp * cfg.parallelism.cp * (cfg.parallelism.pp if isinstance(cfg.parallelism.pp, int) else 1)
-    if isinstance(world, int) and world % model == 0:
-        world //= model  # the data-parallel processes
-    if size is AUTO or world is None or world % size:
+    # Stage 0 is written as FSDP2's default true: the launcher runs DDP for it (distributed_type MULTI_GPU).
+    ctx.put("fsdp_config.fsdp_reshard_after_forward", sharding.reshards(s.stage, s.reshard_after_forward) or
+            s.stage == 0, "sharding.stage")  # fmt: skip
+    if s.hybrid_shard_size is not None:
+        _write_fsdp2_hybrid(cfg, ctx)
+
+
+def _write_fsdp1_strategy(s: Any, ctx: WriteContext) -> None:
+    hybrid = s.hybrid_shard_size is not None
+    name = sharding.fsdp1_strategy(s.stage, s.reshard_after_forward, hybrid).lstrip("_")  # Accelerate's spelling
+    if hybrid and s.hybrid_shard_size is not AUTO:
+        ctx.note("sharding.hybrid_shard_size", Fidelity.APPROXIMATE, "Accelerate's FSDP1 HYBRID_SHARD shards within "
+                 "each node; a group of another size needs a device mesh", s.hybrid_shard_size)  # fmt: skip
+    ctx.put("fsdp_config.fsdp_sharding_strategy", name, "sharding.stage", Fidelity.EXACT, "what the FSDP1 plugin "
+            "reads (FSDP_SHARDING_STRATEGY)")  # fmt: skip
+    ctx.put("fsdp_config.fsdp_reshard_after_forward", name, "sharding.stage", Fidelity.EXACT, "the same strategy "
+            "under the key `accelerate config` writes for FSDP1: both keys, so every Accelerate version runs it")
+
+
+def _write_fsdp2_hybrid(cfg: TorshConfig, ctx: WriteContext) -> None:
+    """FSDP2 hybrid sharding: parallelism_config's dp_replicate_size x dp_shard_size over the data-parallel ranks."""
+    size, par = cfg.sharding.hybrid_shard_size, cfg.parallelism
+    ranks = sharding.data_parallel_ranks(cfg.launch.world_size, par.tp * par.cp * (par.pp if isinstance(par.pp, int)
+                                                                                   else 1))  # fmt: skip
+    mesh = None if size is AUTO else sharding.hybrid_mesh(size, ranks)
+    if mesh is None:
         ctx.note("sharding.hybrid_shard_size", Fidelity.UNSUPPORTED, "FSDP2 hybrid sharding in Accelerate is "
                  "parallelism_config dp_replicate_size x dp_shard_size: needs a known group size dividing "
                  "num_processes", size)  # fmt: skip
         return
-    ctx.put("parallelism_config.parallelism_config_dp_replicate_size", world // size, "sharding.hybrid_shard_size")
-    ctx.put("parallelism_config.parallelism_config_dp_shard_size", size, "sharding.hybrid_shard_size")
+    ctx.put("parallelism_config.parallelism_config_dp_replicate_size", mesh[0], "sharding.hybrid_shard_size")
+    ctx.put("parallelism_config.parallelism_config_dp_shard_size", mesh[1], "sharding.hybrid_shard_size")
 
 
 def _write_fsdp_rest(version: int):

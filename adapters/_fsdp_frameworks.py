@@ -13,14 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from torsh.concepts import sharding
 from torsh.concepts.precision import GRAD_SCALER, GRAD_SCALER_RULES
 from torsh.config import AUTO, get_path
 from torsh.translate import NOTHING, Fidelity, FieldMap, Hook, Ignored, ReadContext, To, Unsupported
 
 from ._torch_names import NO_SHARD_REASON, dtype, to_bool
 
-_TRAINER_OPTIONS = {"full_shard": (3, False), "shard_grad_op": (2, False), "hybrid_shard": (3, True),
-                    "hybrid_shard_zero2": (2, True), "no_shard": (0, False)}  # fmt: skip
+#: The Trainer's ``fsdp`` options: a strategy (``torsh.concepts.sharding.TRAINER_OPTIONS``) or one of these.
+_TRAINER_SWITCHES = ("offload", "auto_wrap")
 _NOT_DISTRIBUTED = "not a distributed-training setting"
 
 
@@ -31,14 +32,20 @@ def _state(ctx: Any) -> dict[str, Any]:
 # ---- Hugging Face TrainingArguments ------------------------------------------------------------------------------
 
 
-def _trainer_fsdp(value: Any, ctx: ReadContext, path: str) -> None:
+def _trainer_options(value: Any) -> list[str] | None:
+    """The Trainer's fsdp options (a space-separated string or a list); None when they are not all known."""
     options = value.split() if isinstance(value, str) else list(value) if isinstance(value, list) else None
-    if options is None or not all(isinstance(o, str) for o in options) or \
-            set(options) - {*_TRAINER_OPTIONS, "offload", "auto_wrap"}:
-        ctx.problem(path, value, f"expected options among {', '.join([*_TRAINER_OPTIONS, 'offload', 'auto_wrap'])}")
+    known = {*sharding.TRAINER_OPTIONS, *_TRAINER_SWITCHES}
+    return options if options is not None and all(isinstance(o, str) and o in known for o in options) else None
+
+
+def _trainer_fsdp(value: Any, ctx: ReadContext, path: str) -> None:
+    options = _trainer_options(value)
+    if options is None:
+        ctx.problem(path, value, f"expected options among {', '.join([*sharding.TRAINER_OPTIONS, *_TRAINER_SWITCHES])}")
         return
-    strategy = next((o for o in options if o in _TRAINER_OPTIONS), "full_shard")
-    stage, hybrid = _TRAINER_OPTIONS[strategy]
+    strategy = next((o for o in options if o in sharding.TRAINER_OPTIONS), "full_shard")
+    stage, hybrid = sharding.FSDP1_LAYOUTS[sharding.TRAINER_OPTIONS[strategy]]
     ctx.set("sharding.stage", stage, path, Fidelity.APPROXIMATE if stage == 0 else Fidelity.EXACT,
             NO_SHARD_REASON if stage == 0 else f"{strategy}: ZeRO-{stage}")  # fmt: skip
     if hybrid:
@@ -160,13 +167,10 @@ def _titan_degree(value: Any, ctx: ReadContext, path: str) -> None:
                  value)  # fmt: skip
 
 
-_TITAN_RESHARD = {"default": None, "always": True, "never": False}
-
-
 def _titan_reshard(value: Any, ctx: ReadContext, path: str) -> None:
-    if not isinstance(value, str) or value not in _TITAN_RESHARD:
+    if not isinstance(value, str) or value not in sharding.TORCHTITAN_RESHARD:
         ctx.problem(path, value, "expected default, always or never")
-    elif _TITAN_RESHARD[value] is False:
+    elif sharding.TORCHTITAN_RESHARD[value] is False:
         ctx.set("sharding.stage", 2, path, Fidelity.EXACT, "never: ZeRO-2")
     else:
         ctx.set("sharding.stage", 3, path, Fidelity.EXACT, "ZeRO-3 (default: not resharded under pipelining)")
@@ -197,7 +201,7 @@ def _titan_finalize(ctx: ReadContext) -> None:
     if get_path(ctx.core, "sharding.stage", NOTHING) is NOTHING:
         ctx.set("sharding.stage", 3 if shard != 1 else 0, "parallelism.data_parallel_shard_degree", Fidelity.DEFAULTED,
                 "torchtitan applies fully_shard over the data-parallel shard dimension")  # fmt: skip
-    if isinstance(replicate, int) and replicate > 1 and isinstance(shard, int) and shard > 1:
+    if sharding.hybrid_degrees(replicate, shard) == "hybrid":
         ctx.set("sharding.hybrid_shard_size", shard, "parallelism.data_parallel_shard_degree", Fidelity.EXACT, "HSDP")
 
 

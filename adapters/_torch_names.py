@@ -13,22 +13,12 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from torsh.concepts import dtypes
+from torsh.concepts import dtypes, sharding
 from torsh.deferred import AUTO, is_deferred
 from torsh.translate import Fidelity, FieldMap, Note, ReadContext, Status, WriteContext, delete_path
 
-#: ``ShardingStrategy`` members in declaration order: their ``auto()`` values 1..5 are the integer spellings.
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-#: Legacy / Accelerate spellings of the strategies (Accelerate drops the leading underscore).
-STRATEGY_ALIASES = {"HYBRID_SHARD_ZERO2": "_HYBRID_SHARD_ZERO2"}
-#: strategy -> (sharding.stage, hybrid?)
-STRATEGY_TO_CORE = {
-    "FULL_SHARD": (3, False),
-    "SHARD_GRAD_OP": (2, False),
-    "NO_SHARD": (0, False),
-    "HYBRID_SHARD": (3, True),
-    "_HYBRID_SHARD_ZERO2": (2, True),
-}
+#: FSDP1's strategies, their other spellings and their core layouts: ``torsh.concepts.sharding``.
+SHARDING_STRATEGIES, STRATEGY_ALIASES = sharding.FSDP1_STRATEGIES, sharding.FSDP1_ALIASES
 NO_SHARD_REASON = ("NO_SHARD (deprecated in FSDP1) replicates parameters and all-reduces gradients like DDP; torsh "
                    "runs DDP: same numerics, different bucketing")  # fmt: skip
 
@@ -145,12 +135,19 @@ def split_expressions(raw: Mapping[str, Any], fmap: FieldMap, dialect: str,
     return walk(raw, ""), notes, kept
 
 
+#: Keys of a mesh description that say how the script builds the mesh, not how it shards.
+_MESH_BUILD_KEYS = ("device_type", "expr", "parent_mesh", "dim")
+_MESH_KEYS = {"shape", "dim_names", *_MESH_BUILD_KEYS}
+#: The shard group's dimension of a 2-D mesh (dim 0 replicates).
+_SHARD_DIM = sharding.MESH_DIMS.index("shard")
+
+
 def mesh_shard_size(mesh: Any, ctx: ReadContext, path: str) -> tuple[int, Any] | None:
     """Read a device-mesh description: ``(ndim, shard_size or None)``; notes every part of it.
 
     The description is a mapping with ``shape`` (ints; -1 means "the remaining ranks"), ``dim_names``,
     ``device_type`` and ``expr`` (the script's own expression, kept). In a 2-D mesh dim 0 replicates and dim 1
-    shards (the ``fully_shard`` docstring), so the shard group size is ``shape[1]``.
+    shards (``torsh.concepts.sharding.MESH_DIMS``), so the shard group size is ``shape[1]``.
     """
     if mesh is None:
         ctx.note(path, Fidelity.EXACT, "no mesh: one group over all ranks", None)
@@ -162,39 +159,47 @@ def mesh_shard_size(mesh: Any, ctx: ReadContext, path: str) -> tuple[int, Any] |
     if not isinstance(mesh, Mapping):
         ctx.problem(path, mesh, "a device mesh is described by a mapping with shape / dim_names")
         return None
-    unknown = set(mesh) - {"shape", "dim_names", "device_type", "expr", "parent_mesh", "dim"}
-    for key in sorted(unknown):
-        ctx.problem(f"{path}.{key}", mesh[key], "unknown mesh key; expected shape, dim_names, device_type, expr")
-    for key in ("device_type", "expr", "parent_mesh", "dim"):
-        if key in mesh:
-            ctx.keep(f"{path}.{key}", mesh[key])
-            ctx.note(f"{path}.{key}", Fidelity.IGNORED, "describes how the script builds the mesh", mesh[key])
+    _note_mesh_keys(mesh, ctx, path)
     shape, names = mesh.get("shape"), mesh.get("dim_names")
     ndim = len(shape) if isinstance(shape, list) else len(names) if isinstance(names, list) else 1
     if "dim_names" in mesh:
-        ctx.keep(f"{path}.dim_names", names)
-        if ndim == 2 and "shape" not in mesh:
-            ctx.note(f"{path}.dim_names", Fidelity.DROPPED, "a 2-D mesh (hybrid sharding) whose sizes the script "
-                     "computes at run time; give shape: [replicate, shard] to translate the group size", names)
-        else:
-            ctx.note(f"{path}.dim_names", Fidelity.IGNORED, "dimension names do not change the sharding", names)
-    if "shape" not in mesh:
-        return ndim, None
+        _note_dim_names(names, ndim == 2 and "shape" not in mesh, ctx, f"{path}.dim_names")
+    return _mesh_shape(shape, ctx, f"{path}.shape") if "shape" in mesh else (ndim, None)
+
+
+def _note_mesh_keys(mesh: Mapping, ctx: ReadContext, path: str) -> None:
+    for key in sorted(set(mesh) - _MESH_KEYS):
+        ctx.problem(f"{path}.{key}", mesh[key], "unknown mesh key; expected shape, dim_names, device_type, expr")
+    for key in (k for k in _MESH_BUILD_KEYS if k in mesh):
+        ctx.keep(f"{path}.{key}", mesh[key])
+        ctx.note(f"{path}.{key}", Fidelity.IGNORED, "describes how the script builds the mesh", mesh[key])
+
+
+def _note_dim_names(names: Any, sizes_unknown: bool, ctx: ReadContext, path: str) -> None:
+    ctx.keep(path, names)
+    if sizes_unknown:
+        ctx.note(path, Fidelity.DROPPED, "a 2-D mesh (hybrid sharding) whose sizes the script computes at run time; "
+                 "give shape: [replicate, shard] to translate the group size", names)  # fmt: skip
+    else:
+        ctx.note(path, Fidelity.IGNORED, "dimension names do not change the sharding", names)
+
+
+def _mesh_shape(shape: Any, ctx: ReadContext, path: str) -> tuple[int, Any] | None:
     if not isinstance(shape, list) or not 1 <= len(shape) <= 2:
-        ctx.problem(f"{path}.shape", shape, "expected a list of 1 (FSDP) or 2 (HSDP: replicate, shard) sizes")
+        ctx.problem(path, shape, "expected a list of 1 (FSDP) or 2 (HSDP: replicate, shard) sizes")
         return None
     if len(shape) == 1:
-        ctx.note(f"{path}.shape", Fidelity.EXACT, "1-D mesh: shard over all its ranks", shape)
+        ctx.note(path, Fidelity.EXACT, "1-D mesh: shard over all its ranks", shape)
         return 1, None
-    size = shape[1]
+    size = shape[_SHARD_DIM]
     if is_deferred(size):
-        ctx.note(f"{path}.shape", Fidelity.DEFERRED, "shard within each node", shape)
+        ctx.note(path, Fidelity.DEFERRED, "shard within each node", shape)
         return 2, AUTO
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+    if sharding.is_count(size) and size > 0:
         return 2, size
-    ctx.keep(f"{path}.shape", shape)
-    ctx.note(f"{path}.shape", Fidelity.DROPPED, "the shard size (dim 1) is computed at run time; give it as a "
-             "number to translate the hybrid group size", shape)  # fmt: skip
+    ctx.keep(path, shape)
+    ctx.note(path, Fidelity.DROPPED, "the shard size (dim 1) is computed at run time; give it as a number to "
+             "translate the hybrid group size", shape)  # fmt: skip
     return 2, None
 
 

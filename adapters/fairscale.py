@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torsh.concepts import dtypes
+from torsh.concepts import dtypes, sharding
 from torsh.concepts.precision import GRAD_SCALER, GRAD_SCALER_KWARGS
 from torsh.config import AUTO, TorshConfig, get_path
 from torsh.dialect import Dialect, Prepared
@@ -62,7 +62,8 @@ def _remember(key: str, convert=lambda v, ctx, path: v):
 def _read_reshard(value: Any, ctx: ReadContext, path: str) -> None:
     flag = to_bool(value, ctx, path)
     if flag is not None:
-        ctx.set("sharding.stage", 3 if flag else 2, path, Fidelity.EXACT, f"ZeRO-{3 if flag else 2}")
+        stage = sharding.stage_of_reshard(flag)
+        ctx.set("sharding.stage", stage, path, Fidelity.EXACT, f"ZeRO-{stage}")
         ctx.keep(path, flag)  # so ZeRO-2 is written back as FairScale FSDP, not OSS + ShardedDataParallel
 
 
@@ -175,17 +176,32 @@ def _finalize(ctx: ReadContext) -> None:
     if "fsdp" in raw:
         _finalize_fsdp(ctx, state)
     elif "oss" in raw:
-        ctx.set("sharding.stage", 2 if "sdp" in raw else 1, "sdp" if "sdp" in raw else "oss", Fidelity.EXACT,
-                "OSS + ShardedDataParallel: ZeRO-2" if "sdp" in raw else "OSS: ZeRO-1 (optimizer state sharded)")
-        if get_path(ctx.core, "optimizer.name", NOTHING) is NOTHING:
-            ctx.set("optimizer.name", "SGD", "oss.optim", Fidelity.DEFAULTED, "OSS's default optimizer class")
-        _finalize_sdp(ctx, state)
+        _finalize_oss(ctx, state, "oss+sdp" if "sdp" in raw else "oss")
     if "scaler" in raw:
-        enabled = state.get("scaler_enabled", (True,))[0]
-        ctx.set("precision.loss_scaling.mode", "dynamic" if enabled else "none", "scaler", Fidelity.EXACT,
-                "ShardedGradScaler: torch GradScaler rules" if enabled else "disabled")  # fmt: skip
-        if enabled:
-            ctx.set("precision.loss_scaling.semantics", "torch_grad_scaler", "scaler", note=False)
+        _finalize_scaler(ctx, state)
+
+
+#: FairScale's stage of each of its layouts (``torsh.concepts.sharding.FAIRSCALE_LAYOUTS``, reversed).
+_LAYOUT_STAGE = {layout: stage for stage, layout in sharding.FAIRSCALE_LAYOUTS.items()}
+#: The OSS layouts: the key that says it, its name as a ZeRO stage, and what a reader adds.
+_OSS_LAYOUTS = {"oss": ("oss", "OSS: ZeRO-1", " (optimizer state sharded)"),
+                "oss+sdp": ("sdp", "OSS + ShardedDataParallel: ZeRO-2", "")}  # fmt: skip
+
+
+def _finalize_oss(ctx: ReadContext, state: dict, layout: str) -> None:
+    key, zero, detail = _OSS_LAYOUTS[layout]
+    ctx.set("sharding.stage", _LAYOUT_STAGE[layout], key, Fidelity.EXACT, zero + detail)
+    if get_path(ctx.core, "optimizer.name", NOTHING) is NOTHING:
+        ctx.set("optimizer.name", "SGD", "oss.optim", Fidelity.DEFAULTED, "OSS's default optimizer class")
+    _finalize_sdp(ctx, state)
+
+
+def _finalize_scaler(ctx: ReadContext, state: dict) -> None:
+    enabled = state.get("scaler_enabled", (True,))[0]
+    ctx.set("precision.loss_scaling.mode", "dynamic" if enabled else "none", "scaler", Fidelity.EXACT,
+            "ShardedGradScaler: torch GradScaler rules" if enabled else "disabled")  # fmt: skip
+    if enabled:
+        ctx.set("precision.loss_scaling.semantics", "torch_grad_scaler", "scaler", note=False)
 
 
 def _finalize_fsdp(ctx: ReadContext, state: dict) -> None:
@@ -277,7 +293,7 @@ def _layout(cfg: TorshConfig) -> str:
                   or s.reshard_after_forward is not None)
     if s.stage == 3 or (s.stage == 2 and (needs_fsdp or from_fsdp)):
         return "fsdp"
-    return {0: "none", 1: "oss", 2: "oss+sdp"}.get(s.stage, "fsdp")
+    return sharding.fairscale_layout(s.stage)
 
 
 def _write_sharding(cfg: TorshConfig, ctx: WriteContext) -> None:
@@ -288,26 +304,32 @@ def _write_sharding(cfg: TorshConfig, ctx: WriteContext) -> None:
     elif layout == "fsdp":
         ctx.put("fsdp.reshard_after_forward", bool(s.effective_reshard_after_forward), "sharding.stage")
     else:
-        zero = "OSS: ZeRO-1" if layout == "oss" else "OSS + ShardedDataParallel: ZeRO-2"
-        if cfg.optimizer and cfg.optimizer.name:
-            ctx.put("oss.optim", f"torch.optim.{cfg.optimizer.name}", "sharding.stage", Fidelity.EXACT, zero)
-        else:
-            ctx.put("oss.optim", "torch.optim.SGD", "sharding.stage", Fidelity.APPROXIMATE, zero + "; OSS builds the "
-                    "optimizer from its class and the script's is not in the config: SGD, OSS's default, written")
-        if layout == "oss+sdp":
-            ctx.put("sdp", {}, "sharding.stage", Fidelity.EXACT, "ShardedDataParallel over the OSS optimizer")
-            ctx.put("sdp.broadcast_buffers", cfg.ddp.broadcast_buffers, "ddp.broadcast_buffers")
-            ctx.put("sdp.sync_models_at_startup", s.sync_module_states, "sharding.sync_module_states")
-            if cfg.compression.method == "fp16":
-                ctx.put("sdp.reduce_fp16", True, "compression.method", Fidelity.EXACT, "with reduce_buffer_size 0, "
-                        "or FairScale silently ignores it")  # fmt: skip
-                ctx.put("sdp.reduce_buffer_size", 0, "compression.method")
+        _write_oss(cfg, ctx, layout)
     if s.hybrid_shard_size is not None:
         ctx.note("sharding.hybrid_shard_size", Fidelity.UNSUPPORTED, "FairScale has no hybrid sharding",
                  s.hybrid_shard_size)  # fmt: skip
     if s.wrap.module_classes or s.wrap.min_num_params:
         ctx.note("sharding.wrap", Fidelity.UNSUPPORTED, "FairScale wraps with enable_wrap/auto_wrap in the script, not "
                  "with an FSDP argument", s.wrap.model_dump())  # fmt: skip
+
+
+def _write_oss(cfg: TorshConfig, ctx: WriteContext, layout: str) -> None:
+    """OSS (ZeRO-1), with ShardedDataParallel over it for ZeRO-2."""
+    zero = _OSS_LAYOUTS[layout][1]
+    if cfg.optimizer and cfg.optimizer.name:
+        ctx.put("oss.optim", f"torch.optim.{cfg.optimizer.name}", "sharding.stage", Fidelity.EXACT, zero)
+    else:
+        ctx.put("oss.optim", "torch.optim.SGD", "sharding.stage", Fidelity.APPROXIMATE, zero + "; OSS builds the "
+                "optimizer from its class and the script's is not in the config: SGD, OSS's default, written")
+    if layout != "oss+sdp":
+        return
+    ctx.put("sdp", {}, "sharding.stage", Fidelity.EXACT, "ShardedDataParallel over the OSS optimizer")
+    ctx.put("sdp.broadcast_buffers", cfg.ddp.broadcast_buffers, "ddp.broadcast_buffers")
+    ctx.put("sdp.sync_models_at_startup", cfg.sharding.sync_module_states, "sharding.sync_module_states")
+    if cfg.compression.method == "fp16":
+        ctx.put("sdp.reduce_fp16", True, "compression.method", Fidelity.EXACT, "with reduce_buffer_size 0, or "
+                "FairScale silently ignores it")  # fmt: skip
+        ctx.put("sdp.reduce_buffer_size", 0, "compression.method")
 
 
 def _write_fsdp_precision(cfg: TorshConfig, ctx: WriteContext) -> None:

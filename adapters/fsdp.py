@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from torsh.concepts import dtypes
+from torsh.concepts import dtypes, sharding
 from torsh.config import AUTO, TorshConfig, get_path
 from torsh.dialect import Dialect, Prepared
 from torsh.errors import ConfigError, Problem
@@ -50,7 +50,6 @@ from ._torch_names import (
     SHARDING_STRATEGIES,
     STRATEGY_ALIASES,
     SCRIPT_SIDE,
-    STRATEGY_TO_CORE,
     enum_name,
     explain_unsupported,
     mesh_description,
@@ -80,7 +79,7 @@ def _read_strategy(value: Any, ctx: ReadContext, path: str) -> None:
     name = enum_name(value, SHARDING_STRATEGIES, "ShardingStrategy", ctx, path, STRATEGY_ALIASES)
     if name is None:
         return
-    stage, hybrid = STRATEGY_TO_CORE[name]
+    stage, hybrid = sharding.FSDP1_LAYOUTS[name]
     reason = NO_SHARD_REASON if name == "NO_SHARD" else f"{name}: ZeRO-{stage}" + (" within each shard group, "
                                                                                   "replicated across" if hybrid else "")
     ctx.set("sharding.stage", stage, path, Fidelity.APPROXIMATE if name == "NO_SHARD" else Fidelity.EXACT, reason)
@@ -103,7 +102,8 @@ def _read_reshard(value: Any, ctx: ReadContext, path: str) -> None:
         ctx.set("sharding.stage", 3, path, Fidelity.EXACT, "None (torch 2.13): the root keeps its parameters, every "
                 "other module reshards - ZeRO-3")  # fmt: skip
     elif isinstance(value, bool):
-        ctx.set("sharding.stage", 3 if value else 2, path, Fidelity.EXACT, f"ZeRO-{3 if value else 2}")
+        stage = sharding.stage_of_reshard(value)
+        ctx.set("sharding.stage", stage, path, Fidelity.EXACT, f"ZeRO-{stage}")
     elif isinstance(value, int) and value > 1:
         ctx.set("sharding.stage", 3, path, Fidelity.APPROXIMATE, "an int reshards to groups of that size after "
                 "forward (ZeRO++ hpZ)")  # fmt: skip
@@ -373,32 +373,34 @@ def layout(raw: Any) -> str:
 
 def _write_strategy(cfg: TorshConfig, ctx: WriteContext) -> None:
     s = cfg.sharding
+    name = sharding.fsdp1_strategy(s.stage, s.reshard_after_forward, s.hybrid_shard_size is not None)
     if s.stage == 0:
-        ctx.put("sharding_strategy", "NO_SHARD", "sharding.stage", Fidelity.APPROXIMATE, NO_SHARD_REASON)
+        ctx.put("sharding_strategy", name, "sharding.stage", Fidelity.APPROXIMATE, NO_SHARD_REASON)
         return
-    if s.stage == 1:
-        name, fidelity, reason = "SHARD_GRAD_OP", Fidelity.APPROXIMATE, _ZERO1_REASON
-    else:
-        name, fidelity, reason = ("FULL_SHARD" if s.effective_reshard_after_forward else "SHARD_GRAD_OP"), \
-            Fidelity.EXACT, ""
     if s.hybrid_shard_size is not None:
-        name = "HYBRID_SHARD" if name == "FULL_SHARD" else "_HYBRID_SHARD_ZERO2"
-        size = node_shard_size(cfg)
-        if size is AUTO and (s.wrap.module_classes or s.wrap.min_num_params):
-            ctx.notes.append(Note("sharding.hybrid_shard_size", None, AUTO, Fidelity.EXACT,
-                                   "HYBRID_SHARD without a mesh shards within each node"))  # fmt: skip
-        elif size is AUTO:
-            ctx.notes.append(Note("sharding.hybrid_shard_size", None, AUTO, Fidelity.APPROXIMATE, "HYBRID_SHARD "
-                                  "without a mesh: FSDP1 builds the node-local groups only with an auto_wrap_policy "
-                                  "and refuses it otherwise; pass device_mesh=init_device_mesh(device, (world size "
-                                  "// LOCAL_WORLD_SIZE, LOCAL_WORLD_SIZE)) in the script"))  # fmt: skip
-        else:
-            mesh = mesh_description(size, _mesh_names(cfg))
-            ctx.put("device_mesh", mesh, "sharding.hybrid_shard_size", Fidelity.EXACT,
-                    "dim 0 replicates, dim 1 shards; -1: the remaining ranks" + (
-                        f"; \"auto\" (each node) resolved to the {size} processes per node"
-                        if s.hybrid_shard_size is AUTO else ""))  # fmt: skip
+        _write_hybrid_mesh(cfg, ctx)
+    fidelity, reason = (Fidelity.APPROXIMATE, _ZERO1_REASON) if s.stage == 1 else (Fidelity.EXACT, "")
     ctx.put("sharding_strategy", name, "sharding.stage", fidelity, reason)
+
+
+#: Why FSDP1's HYBRID_SHARD without a mesh is fine or not: with an auto_wrap_policy or without one.
+_NODE_GROUPS = {True: (Fidelity.EXACT, "HYBRID_SHARD without a mesh shards within each node"),
+                False: (Fidelity.APPROXIMATE, "HYBRID_SHARD without a mesh: FSDP1 builds the node-local groups only "
+                        "with an auto_wrap_policy and refuses it otherwise; pass device_mesh=init_device_mesh(device, "
+                        "(world size // LOCAL_WORLD_SIZE, LOCAL_WORLD_SIZE)) in the script")}  # fmt: skip
+
+
+def _write_hybrid_mesh(cfg: TorshConfig, ctx: WriteContext) -> None:
+    """FSDP1's device_mesh for a hybrid strategy (none for groups of "each node" when the size is not known)."""
+    s, size = cfg.sharding, node_shard_size(cfg)
+    if size is AUTO:
+        wrapped = bool(s.wrap.module_classes or s.wrap.min_num_params)
+        ctx.notes.append(Note("sharding.hybrid_shard_size", None, AUTO, *_NODE_GROUPS[wrapped]))
+        return
+    ctx.put("device_mesh", mesh_description(size, _mesh_names(cfg)), "sharding.hybrid_shard_size", Fidelity.EXACT,
+            "dim 0 replicates, dim 1 shards; -1: the remaining ranks" + (
+                f"; \"auto\" (each node) resolved to the {size} processes per node"
+                if s.hybrid_shard_size is AUTO else ""))  # fmt: skip
 
 
 def _write_reshard(cfg: TorshConfig, ctx: WriteContext) -> None:
@@ -635,61 +637,18 @@ globals().update(DIALECT.exports())
 
 def snippet(cfg: TorshConfig) -> str:
     """Python that applies ``fully_shard`` to ``model`` as ``cfg`` says: mesh, policies, the modules to shard."""
-    s, p, o = cfg.sharding, cfg.precision, cfg.offload
+    s = cfg.sharding
     lines = ["import torch", "import torch.distributed as dist",
              "from torch.distributed.device_mesh import init_device_mesh",
              "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard", "",
              'device_type = "cuda" if torch.cuda.is_available() else "cpu"']  # fmt: skip
-    if s.hybrid_shard_size is not None:
-        size = node_shard_size(cfg)
-        if size is AUTO:
-            lines.insert(0, "import os")
-        size = 'int(os.environ.get("LOCAL_WORLD_SIZE", 1))' if size is AUTO else str(size)
-        lines += [f"shard_size = {size}  # ranks that shard together; the groups replicate",
-                  "mesh = init_device_mesh(device_type, (dist.get_world_size() // shard_size, shard_size),",
-                  f"                        mesh_dim_names={MESH_NAMES!r})"]  # fmt: skip
-    else:
-        lines.append("mesh = init_device_mesh(device_type, (dist.get_world_size(),))")
-    reshard = bool(s.effective_reshard_after_forward) if s.stage >= 2 else False
-    kwargs = ["mesh=mesh", f"reshard_after_forward={reshard}"]
-    mp = []
-    if p.param_dtype is AUTO:
-        lines.append('# precision "auto": add mp_policy=MixedPrecisionPolicy(param_dtype=...) for the training dtype')
-    elif p.param_dtype != "fp32":
-        mp.append(f"param_dtype={dtypes.TORCH[p.param_dtype]}")
-    if p.reduce_dtype is not None and p.reduce_dtype != p.param_dtype:
-        mp.append(f"reduce_dtype={dtypes.TORCH[p.reduce_dtype]}")
-    if mp and not p.cast_forward_inputs:
-        mp.append("cast_forward_inputs=False")
-    if mp:
-        kwargs.append(f"mp_policy=MixedPrecisionPolicy({', '.join(mp)})")
-    if o.params == "cpu":
-        kwargs.append(f"offload_policy=CPUOffloadPolicy(pin_memory={o.pin_memory})")
+    lines += _snippet_mesh(cfg, lines)
+    kwargs = ["mesh=mesh", f"reshard_after_forward={sharding.reshards(s.stage, s.reshard_after_forward)}"]
+    kwargs += _snippet_policies(cfg, lines)
     lines += ["fsdp_kwargs = dict(", *(f"    {k}," for k in kwargs), ")", ""]
     if s.sync_module_states:
         lines.append("full_state = model.state_dict() if dist.get_rank() == 0 else {}  # rank 0 loaded the weights")
-    # fully_shard refuses containers without a forward (ModuleList / ModuleDict, a model's ``layers``): like the
-    # engine, the snippet never makes one a unit and looks through them to their children.
-    containers = "(torch.nn.ModuleList, torch.nn.ModuleDict)"
-    if s.wrap.module_classes:
-        lines += [f"shard_classes = {set(s.wrap.module_classes)!r}",
-                  "blocks = [m for m in model.modules() if m is not model and type(m).__name__ in shard_classes]"]
-    elif s.wrap.min_num_params:
-        lines += [f"min_num_params = {s.wrap.min_num_params}",
-                  "blocks, taken = [], set()",
-                  "for m in reversed(list(model.modules())):  # children before parents, like size_based_auto_wrap",
-                  f"    if m is model or isinstance(m, {containers}):",
-                  "        continue",
-                  "    own = [q for q in m.parameters() if id(q) not in taken]",
-                  "    if sum(q.numel() for q in own) >= min_num_params:",
-                  "        blocks.append(m)",
-                  "        taken.update(id(q) for q in own)"]  # fmt: skip
-    else:
-        lines += ["def children(module):  # direct children, looking through ModuleList / ModuleDict",
-                  "    for child in module.children():",
-                  f"        yield from children(child) if isinstance(child, {containers}) else [child]",
-                  "",
-                  "blocks = [m for m in children(model) if any(True for _ in m.parameters())]"]  # fmt: skip
+    lines += _snippet_blocks(s.wrap)
     lines += ["for block in blocks:", "    fully_shard(block, **fsdp_kwargs)", "fully_shard(model, **fsdp_kwargs)"]
     if s.forward_prefetch:
         lines += ["for block, following in zip(blocks, blocks[1:]):  # forward_prefetch",
@@ -700,3 +659,59 @@ def snippet(cfg: TorshConfig) -> str:
                   "broadcast_from_rank0=True))"]  # fmt: skip
     lines.append("# build the optimizer after sharding, from model.parameters()")
     return "\n".join(lines) + "\n"
+
+
+def _snippet_mesh(cfg: TorshConfig, lines: list[str]) -> list[str]:
+    """The device mesh: 1-D over every rank, or (replicas, shard group) for hybrid sharding."""
+    if cfg.sharding.hybrid_shard_size is None:
+        return ["mesh = init_device_mesh(device_type, (dist.get_world_size(),))"]
+    size = node_shard_size(cfg)
+    if size is AUTO:
+        lines.insert(0, "import os")
+    size = 'int(os.environ.get("LOCAL_WORLD_SIZE", 1))' if size is AUTO else str(size)
+    return [f"shard_size = {size}  # ranks that shard together; the groups replicate",
+            "mesh = init_device_mesh(device_type, (dist.get_world_size() // shard_size, shard_size),",
+            f"                        mesh_dim_names={MESH_NAMES!r})"]  # fmt: skip
+
+
+def _snippet_policies(cfg: TorshConfig, lines: list[str]) -> list[str]:
+    """fully_shard's mixed-precision and offload policies."""
+    p, o = cfg.precision, cfg.offload
+    mp = []
+    if p.param_dtype is AUTO:
+        lines.append('# precision "auto": add mp_policy=MixedPrecisionPolicy(param_dtype=...) for the training dtype')
+    elif p.param_dtype != "fp32":
+        mp.append(f"param_dtype={dtypes.TORCH[p.param_dtype]}")
+    if p.reduce_dtype is not None and p.reduce_dtype != p.param_dtype:
+        mp.append(f"reduce_dtype={dtypes.TORCH[p.reduce_dtype]}")
+    if mp and not p.cast_forward_inputs:
+        mp.append("cast_forward_inputs=False")
+    kwargs = [f"mp_policy=MixedPrecisionPolicy({', '.join(mp)})"] if mp else []
+    return kwargs + ([f"offload_policy=CPUOffloadPolicy(pin_memory={o.pin_memory})"] if o.params == "cpu" else [])
+
+
+# fully_shard refuses containers without a forward (ModuleList / ModuleDict, a model's ``layers``): like the engine,
+# the snippet never makes one a unit and looks through them to their children.
+_CONTAINERS = "(torch.nn.ModuleList, torch.nn.ModuleDict)"
+
+
+def _snippet_blocks(wrap: Any) -> list[str]:
+    """The modules sharded before the root: by class name, by size (as size_based_auto_wrap), or each child."""
+    if wrap.module_classes:
+        return [f"shard_classes = {set(wrap.module_classes)!r}",
+                "blocks = [m for m in model.modules() if m is not model and type(m).__name__ in shard_classes]"]
+    if wrap.min_num_params:
+        return [f"min_num_params = {wrap.min_num_params}",
+                "blocks, taken = [], set()",
+                "for m in reversed(list(model.modules())):  # children before parents, like size_based_auto_wrap",
+                f"    if m is model or isinstance(m, {_CONTAINERS}):",
+                "        continue",
+                "    own = [q for q in m.parameters() if id(q) not in taken]",
+                "    if sum(q.numel() for q in own) >= min_num_params:",
+                "        blocks.append(m)",
+                "        taken.update(id(q) for q in own)"]  # fmt: skip
+    return ["def children(module):  # direct children, looking through ModuleList / ModuleDict",
+            "    for child in module.children():",
+            f"        yield from children(child) if isinstance(child, {_CONTAINERS}) else [child]",
+            "",
+            "blocks = [m for m in children(model) if any(True for _ in m.parameters())]"]  # fmt: skip

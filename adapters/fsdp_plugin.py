@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from torsh import schemas
+from torsh.concepts import sharding
 from torsh.config import TorshConfig, set_path
 from torsh.errors import ConfigError, Problem
 from torsh.translate import Fidelity, Note, Translation
@@ -35,7 +36,6 @@ _V1_DEFAULTS = {"backward_prefetch": "NO_PREFETCH", "forward_prefetch": False, "
                 "sync_module_states": True}  # fmt: skip
 _V2_ONLY = frozenset({"reshard_after_forward", "cpu_ram_efficient_loading", "activation_checkpointing"})
 _XLA = frozenset({"xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings"})
-_TRAINER_OPTIONS = {"full_shard": True, "shard_grad_op": False}
 #: How transformers 5.x reads each boolean setting it passes on (training_args.py, _process_fsdp_args): "text" is
 #: ``str_to_bool(str(value).lower())`` (true/false, yes/no, on/off, t/f, y/n, 1/0; anything else raises), "truth" is
 #: ``if fsdp_config.get(key)`` (any non-empty text is true, the text "false" too).
@@ -67,11 +67,13 @@ def _apply_options(options: Any, config: dict, notes: list[Note]) -> None:
     """The Trainer's ``fsdp`` option string or list, as transformers applies it to the settings."""
     items = options.split() if isinstance(options, str) else options if isinstance(options, list) else []
     fsdp1 = int(config.get("version", (None, 2))[1]) == 1
+    # FSDP1 takes every strategy (Accelerate reads the name); FSDP2 only the reshard decision.
+    strategies = sharding.TRAINER_OPTIONS if fsdp1 else sharding.TRAINER_FSDP2_OPTIONS
     for item in items:
         if item == "offload":
             config.setdefault("cpu_offload", ("fsdp", True))
-        elif item in _TRAINER_OPTIONS or (fsdp1 and item in ("hybrid_shard", "hybrid_shard_zero2", "no_shard")):
-            config.setdefault("reshard_after_forward", ("fsdp", item.upper() if fsdp1 else _TRAINER_OPTIONS[item]))
+        elif item in strategies:
+            config.setdefault("reshard_after_forward", ("fsdp", item.upper() if fsdp1 else strategies[item]))
         elif item != "auto_wrap":
             raise ConfigError([Problem("fsdp", options, f"transformers refuses the fsdp option {item!r} (FSDP"
                                        f"{1 if fsdp1 else 2}); it takes full_shard, shard_grad_op, offload, auto_wrap"
@@ -150,7 +152,24 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
     notes: list[Note] = []
     config, where = _settings(raw, notes)
     fsdp_version = int(config.get("version", (None, 2))[1])
-    section, spelling = {}, {}  # Accelerate's fsdp_config, and where each of its keys came from
+    section, spelling = _plugin_section(config, where, fsdp_version, notes)
+    filled = _fill_defaults(section, fsdp_version, where)
+    read_as = accelerate.read({"distributed_type": "FSDP", "fsdp_config": section})
+    renamed = [_respelt(n, filled, spelling, where) for n in read_as.notes if n.source_path != "distributed_type"]
+    kept = {n.source_path: n.value for n in notes if n.fidelity in (Fidelity.IGNORED, Fidelity.UNSUPPORTED)}
+    kept.update({"fsdp": raw["fsdp"]} if isinstance(raw.get("fsdp_config"), dict) and "fsdp" in raw else {})
+    cfg = read_as.result.model_copy(update={"extensions": {NAME: kept} if kept else {}})
+    return Translation(cfg, notes + renamed, NAME, "torsh")
+
+
+def _accelerate_key(key: str) -> str:
+    """Accelerate's fsdp_config key for transformers' (prefix stripped) one."""
+    return _RENAMED.get(key, f"fsdp_{key}")
+
+
+def _plugin_section(config: dict, where: Any, fsdp_version: int, notes: list[Note]) -> tuple[dict, dict]:
+    """Accelerate's fsdp_config as transformers hands it on, and where each of its keys came from in the file."""
+    section, spelling = {}, {}
     for key, (written, value) in config.items():
         source = written if written == "fsdp" else where(written)
         if value is None and key in _NULL_IS_UNSET:
@@ -161,20 +180,17 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
         if unread:
             notes.append(Note(source, None, value, *unread))
             continue
-        target = _RENAMED.get(key, f"fsdp_{key}")
-        section[target] = ",".join(value) if isinstance(value, list) else value  # the class list, comma-joined
-        spelling[f"fsdp_config.{target}"] = source
+        section[_accelerate_key(key)] = ",".join(value) if isinstance(value, list) else value  # classes, joined
+        spelling[f"fsdp_config.{_accelerate_key(key)}"] = source
+    return section, spelling
+
+
+def _fill_defaults(section: dict, fsdp_version: int, where: Any) -> dict[str, str]:
+    """transformers' defaults for the keys the file leaves out, put in ``section``: Accelerate's key -> the file's."""
     defaults = {**_DEFAULTS, **(_V1_DEFAULTS if fsdp_version == 1 else {"reshard_after_forward": True})}
-    filled = {f"fsdp_config.{_RENAMED.get(k, f'fsdp_{k}')}": where(k) for k in defaults
-              if _RENAMED.get(k, f"fsdp_{k}") not in section}  # fmt: skip
-    section.update({_RENAMED.get(k, f"fsdp_{k}"): v for k, v in defaults.items()
-                    if f"fsdp_config.{_RENAMED.get(k, f'fsdp_{k}')}" in filled})  # fmt: skip
-    read_as = accelerate.read({"distributed_type": "FSDP", "fsdp_config": section})
-    renamed = [_respelt(n, filled, spelling, where) for n in read_as.notes if n.source_path != "distributed_type"]
-    kept = {n.source_path: n.value for n in notes if n.fidelity in (Fidelity.IGNORED, Fidelity.UNSUPPORTED)}
-    kept.update({"fsdp": raw["fsdp"]} if isinstance(raw.get("fsdp_config"), dict) and "fsdp" in raw else {})
-    cfg = read_as.result.model_copy(update={"extensions": {NAME: kept} if kept else {}})
-    return Translation(cfg, notes + renamed, NAME, "torsh")
+    missing = {k: v for k, v in defaults.items() if _accelerate_key(k) not in section}
+    section.update({_accelerate_key(k): v for k, v in missing.items()})
+    return {f"fsdp_config.{_accelerate_key(k)}": where(k) for k in missing}
 
 
 def _respelt(note: Note, filled: dict, spelling: dict, where: Any) -> Note:

@@ -16,6 +16,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from torsh.concepts import sharding
 from torsh.concepts.dtypes import core_dtype
 from torsh.concepts.offload import fsdp_cpu_offload
 from torsh.config import TorshConfig
@@ -71,24 +72,30 @@ def _read_data_parallel(seen: Seen) -> None:
     if degrees is None:
         return
     replicate, shard, reshard = degrees
-    stage = 0 if shard == 1 else 2 if reshard == "never" else 3
+    stage = 0 if shard == 1 else sharding.stage_of_reshard(sharding.TORCHTITAN_RESHARD[reshard] is not False)
     why = ("data_parallel_shard_degree 1: DDP over the replicate degree" if stage == 0 else
            f"fully_shard over the data-parallel shard dimension, reshard_after_forward {reshard}: ZeRO-{stage}")
     seen.set("parallelism.data_parallel_shard_degree", "sharding.stage", stage, reason=why, default=stage)
-    if stage and replicate != 1 and shard == -1:
-        seen.set("parallelism.data_parallel_replicate_degree", "parallelism.dp_replicate", replicate,
-                 reason=f"HSDP: {replicate} replicas of shard groups of the remaining ranks")  # fmt: skip
-    elif stage and replicate != 1:
-        seen.set("parallelism.data_parallel_replicate_degree", "sharding.hybrid_shard_size", shard,
-                 reason=f"HSDP: {replicate} replicas of {shard}-rank shard groups")
-    else:
-        seen.inert("parallelism.data_parallel_replicate_degree", "1: no replication beyond the shard dimension" if
-                   replicate == 1 else "DDP: replicated over every rank")  # fmt: skip
+    _read_replicas(seen, stage, replicate, shard)
     if stage == 0:
         seen.inert("parallelism.fsdp_reshard_after_forward", "no effect without FSDP (shard degree 1)")
     else:
         seen.drop("parallelism.fsdp_reshard_after_forward", f"{reshard}: ZeRO-{stage}", Fidelity.EXACT)
     _read_model_degrees(seen)
+
+
+def _read_replicas(seen: Seen, stage: int, replicate: int, shard: int) -> None:
+    """The replicate degree: HSDP's replicas (of shard groups of a known size, or of the remaining ranks) or DDP."""
+    key = "parallelism.data_parallel_replicate_degree"
+    if stage and replicate != 1 and shard == -1:
+        seen.set(key, "parallelism.dp_replicate", replicate, reason=f"HSDP: {replicate} replicas of shard groups of "
+                 "the remaining ranks")  # fmt: skip
+    elif stage and replicate != 1:
+        seen.set(key, "sharding.hybrid_shard_size", shard, reason=f"HSDP: {replicate} replicas of {shard}-rank shard "
+                 "groups")  # fmt: skip
+    else:
+        seen.inert(key, "1: no replication beyond the shard dimension" if replicate == 1 else "DDP: replicated over "
+                   "every rank")  # fmt: skip
 
 
 #: torchtitan's model-parallel degrees -> the core degree, the fidelity and why.
@@ -139,34 +146,40 @@ def _write_data_parallel(cfg: TorshConfig, ctx: WriteContext) -> None:
                  f"size {world}", model)  # fmt: skip
         world = None
     if s.stage == 0:
-        if _is_int(world):
-            ctx.put("parallelism.data_parallel_shard_degree", 1, "sharding.stage", Fidelity.EXACT, "DDP")
-            ctx.put("parallelism.data_parallel_replicate_degree", world, "launch.world_size", Fidelity.EXACT,
-                    "DDP: one replica per rank")  # fmt: skip
-        else:
-            ctx.note("sharding.stage", Fidelity.APPROXIMATE, "torchtitan's DDP needs data_parallel_replicate_degree "
-                     "= the world size, which the config does not know: written as FSDP over every rank (same "
-                     "numerics)", 0)  # fmt: skip
+        _write_ddp(world, ctx)
         return
     if s.stage == 1:
         ctx.note("sharding.stage", Fidelity.APPROXIMATE, "FSDP cannot shard only the optimizer state (ZeRO-1): "
                  "written as ZeRO-2 (same numerics, less memory)", 1)  # fmt: skip
-    if s.stage in (1, 2) or s.reshard_after_forward is False:
+    if s.stage < 3 or s.reshard_after_forward is False:  # torchtitan's ZeRO-2 is FSDP that never reshards
         ctx.put("parallelism.fsdp_reshard_after_forward", "never", "sharding.stage", Fidelity.EXACT, "ZeRO-2")
-    size = s.hybrid_shard_size
     if cfg.parallelism.dp_replicate is not None:
         ctx.put("parallelism.data_parallel_replicate_degree", cfg.parallelism.dp_replicate, "parallelism.dp_replicate",
                 Fidelity.EXACT, "HSDP over the remaining ranks (data_parallel_shard_degree -1)")  # fmt: skip
-        return
-    if size is None:
-        return
-    if _is_int(size) and _is_int(world) and world % size == 0:
-        ctx.put("parallelism.data_parallel_shard_degree", size, "sharding.hybrid_shard_size")
-        ctx.put("parallelism.data_parallel_replicate_degree", world // size, "sharding.hybrid_shard_size",
-                Fidelity.EXACT, "HSDP: world size / shard group size")  # fmt: skip
+    elif s.hybrid_shard_size is not None:
+        _write_hybrid(s.hybrid_shard_size, world, ctx)
+
+
+def _write_ddp(world: Any, ctx: WriteContext) -> None:
+    """Stage 0: torchtitan's DDP is one replica per rank (shard degree 1), which needs the world size."""
+    if _is_int(world):
+        ctx.put("parallelism.data_parallel_shard_degree", 1, "sharding.stage", Fidelity.EXACT, "DDP")
+        ctx.put("parallelism.data_parallel_replicate_degree", world, "launch.world_size", Fidelity.EXACT,
+                "DDP: one replica per rank")  # fmt: skip
     else:
+        ctx.note("sharding.stage", Fidelity.APPROXIMATE, "torchtitan's DDP needs data_parallel_replicate_degree = the "
+                 "world size, which the config does not know: written as FSDP over every rank (same numerics)", 0)
+
+
+def _write_hybrid(size: Any, world: Any, ctx: WriteContext) -> None:
+    mesh = sharding.hybrid_mesh(size, world)
+    if mesh is None:
         ctx.note("sharding.hybrid_shard_size", Fidelity.UNSUPPORTED, "torchtitan's HSDP degrees are numbers: needs a "
                  "known shard group size that divides a known world size", size)  # fmt: skip
+        return
+    ctx.put("parallelism.data_parallel_shard_degree", mesh[1], "sharding.hybrid_shard_size")
+    ctx.put("parallelism.data_parallel_replicate_degree", mesh[0], "sharding.hybrid_shard_size", Fidelity.EXACT,
+            "HSDP: world size / shard group size")  # fmt: skip
 
 
 def _read_other_degree(value: Any, ctx: Any, path: str) -> None:

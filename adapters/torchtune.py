@@ -17,6 +17,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from torsh.concepts import sharding
 from torsh.concepts.offload import fsdp_cpu_offload
 from torsh.concepts.optim import TORCH_OPTIMIZERS
 from torsh.config import AUTO, TorshConfig
@@ -66,23 +67,34 @@ def _read_sharding(seen: Seen) -> None:
     reshard = _bool(seen, "fsdp_reshard_after_forward", True)
     if reshard is None:
         return
-    seen.set("fsdp_reshard_after_forward", "sharding.stage", 3 if reshard else 2, reason="fully_shard("
-             f"reshard_after_forward={reshard}): ZeRO-{3 if reshard else 2}", default=3 if reshard else 2)
+    stage = sharding.stage_of_reshard(reshard)
+    seen.set("fsdp_reshard_after_forward", "sharding.stage", stage, reason=f"fully_shard(reshard_after_forward="
+             f"{reshard}): ZeRO-{stage}", default=stage)  # fmt: skip
+    _read_dims(seen)
+    _read_offload(seen)
+
+
+def _read_dims(seen: Seen) -> None:
+    """The data-parallel dims (as torchtitan's degrees): HSDP when both are numbers and the replicas more than one."""
     shard, replicate = seen.value("data_parallel_shard_dim", -1), seen.value("data_parallel_replicate_dim", 1)
-    if isinstance(replicate, int) and replicate > 1 and isinstance(shard, int) and shard > 1:
+    layout = sharding.hybrid_degrees(replicate, shard)
+    if layout == "hybrid":
         seen.set("data_parallel_shard_dim", "sharding.hybrid_shard_size", shard, reason=f"HSDP: {replicate} "
                  f"replicas of {shard}-rank shard groups")  # fmt: skip
         seen.drop("data_parallel_replicate_dim", "with data_parallel_shard_dim: HSDP", Fidelity.EXACT)
-    elif isinstance(replicate, int) and replicate > 1 and shard == -1:
+    elif layout == "replicate_rest":
         seen.set("data_parallel_replicate_dim", "parallelism.dp_replicate", replicate, reason=f"HSDP: {replicate} "
                  "replicas of shard groups of the remaining ranks")  # fmt: skip
         seen.drop("data_parallel_shard_dim", "-1: the remaining ranks", Fidelity.EXACT)
     else:
         for key in ("data_parallel_shard_dim", "data_parallel_replicate_dim"):
-            value = seen.value(key)
-            seen.drop(key, "the default data-parallel layout" if value in (1, -1) else "HSDP over the remaining ranks: "
-                      "the group size depends on the world size; give both dims as numbers",
-                      Fidelity.EXACT if value in (1, -1) else Fidelity.APPROXIMATE)  # fmt: skip
+            default = seen.value(key) in (1, -1)
+            seen.drop(key, "the default data-parallel layout" if default else "HSDP over the remaining ranks: the "
+                      "group size depends on the world size; give both dims as numbers",
+                      Fidelity.EXACT if default else Fidelity.APPROXIMATE)  # fmt: skip
+
+
+def _read_offload(seen: Seen) -> None:
     offload = _bool(seen, "fsdp_cpu_offload", False)
     if offload:
         seen.set("fsdp_cpu_offload", "offload.params", "cpu", reason="CPUOffloadPolicy: parameters, gradients and "
@@ -101,20 +113,23 @@ def _write_sharding(cfg: TorshConfig, ctx: WriteContext) -> None:
     if cfg.parallelism.dp_replicate is not None:
         ctx.put("data_parallel_replicate_dim", cfg.parallelism.dp_replicate, "parallelism.dp_replicate")
     if s.hybrid_shard_size is not None:
-        world = cfg.launch.world_size
-        if isinstance(world, int) and world % cfg.parallelism.tp == 0:
-            world //= cfg.parallelism.tp  # the data-parallel ranks
-        if isinstance(s.hybrid_shard_size, int) and isinstance(world, int) and world % s.hybrid_shard_size == 0:
-            ctx.put("data_parallel_shard_dim", s.hybrid_shard_size, "sharding.hybrid_shard_size")
-            ctx.put("data_parallel_replicate_dim", world // s.hybrid_shard_size, "sharding.hybrid_shard_size")
-        else:
-            ctx.note("sharding.hybrid_shard_size", Fidelity.UNSUPPORTED, "torchtune's HSDP dims are numbers: needs a "
-                     "known group size dividing a known world size", s.hybrid_shard_size)  # fmt: skip
+        _write_dims(cfg, ctx)
     switch, why = fsdp_cpu_offload(o.params, o.optimizer, "torchtune")
     if switch is None:
         ctx.note("offload", Fidelity.UNSUPPORTED, why, f"{o.params}/{o.optimizer}")
     else:
         ctx.put("fsdp_cpu_offload", switch, "offload.params", Fidelity.APPROXIMATE if why else Fidelity.EXACT, why)
+
+
+def _write_dims(cfg: TorshConfig, ctx: WriteContext) -> None:
+    size = cfg.sharding.hybrid_shard_size
+    mesh = sharding.hybrid_mesh(size, sharding.data_parallel_ranks(cfg.launch.world_size, cfg.parallelism.tp))
+    if mesh is None:
+        ctx.note("sharding.hybrid_shard_size", Fidelity.UNSUPPORTED, "torchtune's HSDP dims are numbers: needs a "
+                 "known group size dividing a known world size", size)  # fmt: skip
+        return
+    ctx.put("data_parallel_shard_dim", mesh[1], "sharding.hybrid_shard_size")
+    ctx.put("data_parallel_replicate_dim", mesh[0], "sharding.hybrid_shard_size")
 
 
 # ---- precision: one dtype for everything ---------------------------------------------------------------------------
