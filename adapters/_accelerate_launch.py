@@ -73,44 +73,69 @@ def _read_distributed_type(value: Any, ctx: ReadContext, path: str) -> None:
         ctx.note(path, Fidelity.EXACT, f"{kind}: read from {kind.lower()}_config", value)
 
 
+#: num_processes as accelerate launch reads it: kind -> (read as the world size?, fidelity, why).
+_NUM_PROCESSES = {
+    "auto": (False, Fidelity.DEFERRED, "one process per visible accelerator: accelerate launch passes it to torchrun "
+             "--nproc_per_node auto"),
+    "text": (True, Fidelity.EXACT, "a number as text: torchrun reads it as one"),
+    "count": (True, Fidelity.EXACT, "processes over all machines"),
+    "unstated": (False, Fidelity.EXACT, "-1 is Accelerate's 'not stated': accelerate launch refuses this file unless "
+                 "--num_processes N is passed"),
+    "null_to_torchrun": (False, Fidelity.DEFERRED, "null: accelerate launch hands it to torchrun, which fails on it, "
+                         "unless --num_processes N is passed"),
+    "null": (False, Fidelity.EXACT, "every visible accelerator (decided at launch)"),
+}  # fmt: skip
+
+
+#: How each kind of num_processes is told, in order (the first that matches).
+_NUM_PROCESSES_KINDS = (
+    ("auto", lambda v: v == "auto"),
+    ("text", lambda v: isinstance(v, str) and v.strip().isdigit() and int(v) > 0),
+    ("count", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0),
+    ("unstated", lambda v: v == -1 and not isinstance(v, bool)),
+    ("null", lambda v: v is None),
+)
+
+
+def _num_processes_kind(value: Any, kind: str) -> str | None:
+    """Which of ``_NUM_PROCESSES`` a value is (None: none, refused), for a job of this distributed_type."""
+    found = next((name for name, test in _NUM_PROCESSES_KINDS if test(value)), None)
+    return "null_to_torchrun" if found == "null" and kind in _TORCHRUN_TYPES else found
+
+
 def _read_num_processes(value: Any, ctx: ReadContext, path: str) -> None:
     """num_processes: a positive count; -1 is Accelerate's own "not stated" default (``accelerate launch`` then
     demands --num_processes); null lets the launcher count the visible accelerators. "auto" and a number as text
     reach torchrun's --nproc_per_node as they are, for the kinds launched through torchrun on one machine (the
     other launchers compare the value with 1 and fail). Anything else is refused."""
-    text = isinstance(value, str)
-    if text and ctx.raw.get("use_cpu"):
+    if isinstance(value, str) and ctx.raw.get("use_cpu"):
         raise ConfigError([Problem(path, value, "with use_cpu set (to anything but false or empty), accelerate launch "
                                    "compares num_processes with 1 and fails on text: write the number of processes")],
                           source=NAME)  # fmt: skip
-    if text and value.strip().isdigit() and int(value) > 0 or value == "auto":
-        kind, machines = _kind(ctx), ctx.raw.get("num_machines", 1)
-        one_machine = isinstance(machines, int) and machines <= 1 or machines is None
-        if kind not in _TORCHRUN_TYPES or not one_machine:
-            where = (f"distributed_type {kind}" if kind not in _TORCHRUN_TYPES else
-                     f"num_machines {machines} (it divides num_processes by it)")  # fmt: skip
-            raise ConfigError([Problem(path, value, f"accelerate launch fails on a num_processes that is not a "
-                                       f"number with {where}; give the number of processes over all machines")],
-                              source=NAME)  # fmt: skip
-        if value == "auto":
-            ctx.note(path, Fidelity.DEFERRED, "one process per visible accelerator: accelerate launch passes it to "
-                     "torchrun --nproc_per_node auto", value)  # fmt: skip
-            return
-        ctx.set("launch.world_size", int(value), path, Fidelity.EXACT, "a number as text: torchrun reads it as one")
-    elif isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        ctx.set("launch.world_size", value, path, Fidelity.EXACT, "processes over all machines")
-    elif value == -1 and not isinstance(value, bool):
-        ctx.note(path, Fidelity.EXACT, "-1 is Accelerate's 'not stated': accelerate launch refuses this file unless "
-                 "--num_processes N is passed", value)  # fmt: skip
-    elif value is None and _kind(ctx) in _TORCHRUN_TYPES:
-        ctx.note(path, Fidelity.DEFERRED, "null: accelerate launch hands it to torchrun, which fails on it, unless "
-                 "--num_processes N is passed", value)  # fmt: skip
-    elif value is None:
-        ctx.note(path, Fidelity.EXACT, "every visible accelerator (decided at launch)", value)
-    else:
+    found = _num_processes_kind(value, _kind(ctx))
+    if found is None:
         raise ConfigError([Problem(path, value, "num_processes must be a positive process count (or -1 for 'pass "
                                    "--num_processes at launch'); set it to the number of processes over all "
                                    "machines")], source=NAME)  # fmt: skip
+    if found in ("auto", "text"):
+        _check_torchrun_reads(value, ctx, path)
+    world, fidelity, why = _NUM_PROCESSES[found]
+    if world:
+        ctx.set("launch.world_size", int(value), path, fidelity, why)
+    else:
+        ctx.note(path, fidelity, why, value)
+
+
+def _check_torchrun_reads(value: Any, ctx: ReadContext, path: str) -> None:
+    """Text reaches torchrun's --nproc_per_node only for the kinds launched through torchrun on one machine."""
+    kind, machines = _kind(ctx), ctx.raw.get("num_machines", 1)
+    one_machine = isinstance(machines, int) and machines <= 1 or machines is None
+    if kind in _TORCHRUN_TYPES and one_machine:
+        return
+    where = (f"distributed_type {kind}" if kind not in _TORCHRUN_TYPES else
+             f"num_machines {machines} (it divides num_processes by it)")  # fmt: skip
+    raise ConfigError([Problem(path, value, f"accelerate launch fails on a num_processes that is not a number with "
+                               f"{where}; give the number of processes over all machines")], source=NAME)  # fmt: skip
 
 
 def _read_gpu_ids(value: Any, ctx: ReadContext, path: str) -> None:
@@ -197,38 +222,63 @@ def _null_use_cpu(raw: dict) -> Note:
     return Note("use_cpu", None, None, Fidelity.EXACT, "null: not set (this launcher does not read it)")
 
 
+#: What a top-level null means to accelerate launch, where it means "not set": key -> (fidelity, why).
+_TOP_NULLS = {**dict.fromkeys(_NULL_IS_DEFAULT, (Fidelity.EXACT, "null: not set, Accelerate's default applies")),
+              **{k: (Fidelity.DEFERRED, why) for k, why in _NULL_IS_LEFT_TO_LAUNCH.items()}}  # fmt: skip
+#: A section every key of which was a null: taken out whole.
+_EMPTIED = object()
+
+
 def _without_nulls(raw: dict) -> tuple[dict, list[Note]]:
     """Nulls that mean "not set" to Accelerate (the launcher tests section keys with ``is not None``), taken out
     with a note so the defaults apply as they do in Accelerate."""
     notes, clean = [], {}
-    unread = fsdp_unread(raw)
-    fsdp_active = _kind_of(raw.get("distributed_type")) == "FSDP"  # another kind does not read fsdp_config
     for key, value in raw.items():
-        if value is None and key == "use_cpu":
-            notes.append(_null_use_cpu(raw))
+        note = _top_null(key, raw) if value is None else None
+        if note is not None:
+            notes.append(note)
             continue
-        nulls = [k for k in unread if k != "fsdp_sync_module_states" and k in value and value[k] is None] \
-            if key == "fsdp_config" else []  # fmt: skip
-        if nulls:
-            notes += [Note(f"{key}.{k}", None, None, Fidelity.IGNORED, "null: Accelerate's FSDP plugin does not read "
-                           "this key here") for k in nulls]  # fmt: skip
-            value = {k: v for k, v in value.items() if k not in nulls}
-        if value is None and key in _NULL_IS_DEFAULT:
-            notes.append(Note(key, None, None, Fidelity.EXACT, "null: not set, Accelerate's default applies"))
-            continue
-        if value is None and key in _NULL_IS_LEFT_TO_LAUNCH:
-            notes.append(Note(key, None, None, Fidelity.DEFERRED, _NULL_IS_LEFT_TO_LAUNCH[key]))
-            continue
-        if key == "fsdp_config" and fsdp_active and isinstance(value, dict) and set(_FSDP_NULL_REFUSED) & {
-                k for k, v in value.items() if v is None}:  # fmt: skip
-            raise ConfigError([Problem(f"{key}.{k}", None, "null: accelerate launch passes it on as the text 'None', "
-                                       "which Accelerate's FSDP plugin refuses; remove the key for its default")
-                               for k, v in value.items() if v is None and k in _FSDP_NULL_REFUSED], source=NAME)
-        if key in _SECTIONS and isinstance(value, dict) and None in value.values():
-            notes += [Note(f"{key}.{k}", None, None, Fidelity.EXACT, "null: not set, Accelerate's default applies")
-                      for k, v in value.items() if v is None]  # fmt: skip
-            value = {k: v for k, v in value.items() if v is not None}
-            if not value:
-                continue
-        clean[key] = value
+        value = _section_without_nulls(key, value, raw, notes)
+        if value is not _EMPTIED:
+            clean[key] = value
     return clean, notes
+
+
+def _top_null(key: str, raw: dict) -> Note | None:
+    """The note of a top-level null that means "not set" (None: the null stays, for the key's own rule)."""
+    if key == "use_cpu":
+        return _null_use_cpu(raw)
+    return Note(key, None, None, *_TOP_NULLS[key]) if key in _TOP_NULLS else None
+
+
+def _section_without_nulls(key: str, value: Any, raw: dict, notes: list[Note]) -> Any:
+    """A section without its nulls, each noted (``_EMPTIED`` when nothing else was in it)."""
+    if not isinstance(value, dict):
+        return value
+    if key == "fsdp_config":
+        value = _fsdp_without_nulls(value, raw, notes)
+    if key not in _SECTIONS or None not in value.values():
+        return value
+    notes += [Note(f"{key}.{k}", None, None, Fidelity.EXACT, "null: not set, Accelerate's default applies")
+              for k, v in value.items() if v is None]  # fmt: skip
+    return {k: v for k, v in value.items() if v is not None} or _EMPTIED
+
+
+def _fsdp_without_nulls(section: dict, raw: dict, notes: list[Note]) -> dict:
+    """fsdp_config without the nulls of keys the plugin does not read here; a null the launcher passes on as the
+    text 'None' to a key the plugin reads is refused."""
+    nulls = [k for k in fsdp_unread(raw) if k != "fsdp_sync_module_states" and section.get(k, 0) is None]
+    notes += [Note(f"fsdp_config.{k}", None, None, Fidelity.IGNORED, "null: Accelerate's FSDP plugin does not read "
+                   "this key here") for k in nulls]  # fmt: skip
+    section = {k: v for k, v in section.items() if k not in nulls}
+    if _kind_of(raw.get("distributed_type")) == "FSDP":  # another kind does not read fsdp_config
+        _refuse_passed_nulls(section)
+    return section
+
+
+def _refuse_passed_nulls(section: dict) -> None:
+    refused = [k for k in _FSDP_NULL_REFUSED if k in section and section[k] is None]
+    if refused:
+        raise ConfigError([Problem(f"fsdp_config.{k}", None, "null: accelerate launch passes it on as the text 'None', "
+                                   "which Accelerate's FSDP plugin refuses; remove the key for its default")
+                           for k in sorted(refused, key=list(section).index)], source=NAME)  # fmt: skip

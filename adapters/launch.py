@@ -449,51 +449,70 @@ def _is_deepspeed_job(data: dict, options: Mapping[str, Any]) -> bool:
     return kind == "DEEPSPEED" and not any(options.get(k) for k in _MODE_SWITCHES)
 
 
+def _text(value: Any, lower: bool = False) -> str:
+    """A value as accelerate launch writes it into the environment (booleans lower-cased, as str(value).lower())."""
+    return str(value).lower() if lower or isinstance(value, bool) else str(value)
+
+
+def _given(key: str, options: Mapping[str, Any], section: Mapping[str, Any],
+           lower: bool) -> tuple[str, str | None] | None:  # fmt: skip
+    """A setting the command line gives (it wins) or the config file's section does: (text, the option or None)."""
+    if options.get(key) is not None:
+        return _text(options[key], lower), key
+    if section.get(key) is not None:
+        return _text(section[key], lower), None
+    return None
+
+
+def _switched(key: str, var: str, on: str, data: dict,
+              options: Mapping[str, Any]) -> dict[str, tuple[str, str | None]]:  # fmt: skip
+    """A switch exported as ``var`` when the command line or the file sets it truthy."""
+    if options.get(key) or data.get(key):
+        return {var: (on, key if options.get(key) else None)}
+    return {}
+
+
+def _precision_env(data: dict, options: Mapping[str, Any], lower: bool) -> tuple[str, str | None]:
+    """ACCELERATE_MIXED_PRECISION: the command line wins over the file (prepare_multi_gpu_env), "no" without."""
+    if options.get("mixed_precision"):
+        return _text(options["mixed_precision"], lower), "mixed_precision"
+    return _text(data.get("mixed_precision") or "no", lower), None
+
+
 def _accelerate_env(data: dict, options: Mapping[str, Any]) -> dict[str, tuple[str, str | None]]:
     """The ACCELERATE_* / FSDP_* variables accelerate launch exports for this config and command line (FSDP,
     DeepSpeed and precision): variable -> (value, the option that gave it, None for the config file)."""
-    def text(value: Any, lower: bool = False) -> str:
-        return str(value).lower() if lower or isinstance(value, bool) else str(value)
-
     kind = str(data.get("distributed_type", "NO")).upper()
-    env: dict[str, tuple[str, str | None]] = {}
     if _is_deepspeed_job(data, options):
-        # launch_command / _validate_launch_command: the file's deepspeed_config keys become the options unless
-        # the command line gives them; the precision too, and ACCELERATE_CONFIG_DS_FIELDS lists what came from
-        # the file.
-        ds = dict(data.get("deepspeed_config") or {}) if kind == "DEEPSPEED" or data else {}
-        fields = list(ds)
-        if options.get("mixed_precision"):
-            env["ACCELERATE_MIXED_PRECISION"] = (text(options["mixed_precision"], True), "mixed_precision")
-        else:
-            env["ACCELERATE_MIXED_PRECISION"] = (text(data.get("mixed_precision") or "no", True), None)
-            fields += ["mixed_precision"] if data.get("mixed_precision") is not None else []
-        if options.get("debug") or data.get("debug"):
-            env["ACCELERATE_DEBUG_MODE"] = ("true", "debug" if options.get("debug") else None)
-        env["ACCELERATE_CONFIG_DS_FIELDS"] = (",".join(fields).lower(), None)
-        env["ACCELERATE_USE_DEEPSPEED"] = ("true", "use_deepspeed" if options.get("use_deepspeed") else None)
-        for key, lower in _DEEPSPEED_LOWER.items():
-            var = _cmdline.ACCELERATE_OPTION_ENV[key]
-            if options.get(key) is not None:
-                env[var] = (text(options[key], lower), key)
-            elif ds.get(key) is not None:
-                env[var] = (text(ds[key], lower), None)
-        if options.get("enable_cpu_affinity") or data.get("enable_cpu_affinity"):
-            env["ACCELERATE_CPU_AFFINITY"] = ("1", "enable_cpu_affinity" if options.get("enable_cpu_affinity")
-                                              else None)  # fmt: skip
-        return env
-    if options.get("mixed_precision"):  # the command line wins over the file (prepare_multi_gpu_env)
-        env["ACCELERATE_MIXED_PRECISION"] = (text(options["mixed_precision"]), "mixed_precision")
-    else:
-        env["ACCELERATE_MIXED_PRECISION"] = (text(data.get("mixed_precision") or "no"), None)
-    if kind == "FSDP":
-        fsdp = {k if k.startswith("fsdp_") else f"fsdp_{k}": v for k, v in (data.get("fsdp_config") or {}).items()}
-        env["ACCELERATE_USE_FSDP"] = ("true", None)
-        env["FSDP_VERSION"] = (text(fsdp.get("fsdp_version", 1)), None)
-        for key, (var, default) in _FSDP_ENV.items():
-            value = fsdp.get(key, default)
-            if value is not None:
-                env[var] = (text(value), None)
+        return _deepspeed_env(data, options, kind)
+    env = {"ACCELERATE_MIXED_PRECISION": _precision_env(data, options, lower=False)}
+    return {**env, **_fsdp_env(data)} if kind == "FSDP" else env
+
+
+def _deepspeed_env(data: dict, options: Mapping[str, Any], kind: str) -> dict[str, tuple[str, str | None]]:
+    """launch_command / _validate_launch_command: the file's deepspeed_config keys become the options unless the
+    command line gives them; the precision too, and ACCELERATE_CONFIG_DS_FIELDS lists what came from the file."""
+    ds = dict(data.get("deepspeed_config") or {}) if kind == "DEEPSPEED" or data else {}
+    from_file = not options.get("mixed_precision") and data.get("mixed_precision") is not None
+    env = {"ACCELERATE_MIXED_PRECISION": _precision_env(data, options, lower=True),
+           **_switched("debug", "ACCELERATE_DEBUG_MODE", "true", data, options),
+           "ACCELERATE_CONFIG_DS_FIELDS": (",".join([*ds, *["mixed_precision"] * from_file]).lower(), None),
+           "ACCELERATE_USE_DEEPSPEED": ("true", "use_deepspeed" if options.get("use_deepspeed") else None)}
+    for key, lower in _DEEPSPEED_LOWER.items():
+        found = _given(key, options, ds, lower)
+        if found is not None:
+            env[_cmdline.ACCELERATE_OPTION_ENV[key]] = found
+    return {**env, **_switched("enable_cpu_affinity", "ACCELERATE_CPU_AFFINITY", "1", data, options)}
+
+
+def _fsdp_env(data: dict) -> dict[str, tuple[str, str | None]]:
+    """The FSDP plugin's variables from the file's fsdp_config (with or without the fsdp_ prefix)."""
+    fsdp = {k if k.startswith("fsdp_") else f"fsdp_{k}": v for k, v in (data.get("fsdp_config") or {}).items()}
+    env = {"ACCELERATE_USE_FSDP": ("true", None), "FSDP_VERSION": (_text(fsdp.get("fsdp_version", 1)), None)}
+    for key, (var, default) in _FSDP_ENV.items():
+        value = fsdp.get(key, default)
+        if value is not None:
+            env[var] = (_text(value), None)
     return env
 
 

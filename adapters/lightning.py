@@ -168,33 +168,62 @@ def _unused_arguments(args: dict, a: dict, used: set[str], notes: list[Note]) ->
             notes.append(Note(f"DeepSpeedStrategy.{key}", None, value, Fidelity.IGNORED, "how Lightning runs"))
 
 
+def _state_dict_type(value: Any, path: str, origin: dict, notes: list[Note]) -> Any:
+    return f"{value.upper()}_STATE_DICT" if value in ("full", "sharded") else value
+
+
+def _auto_wrap_policy(value: Any, path: str, origin: dict, notes: list[Note]) -> Any:
+    if _classes(value) is None:
+        return value
+    origin["auto_wrap_policy.transformer_layer_cls"] = path
+    return {"transformer_layer_cls": _classes(value)}
+
+
+def _device_mesh(value: Any, path: str, origin: dict, notes: list[Note]) -> Any:
+    if not isinstance(value, list) or len(value) != 2:
+        return value
+    origin["device_mesh.shape"] = path
+    return {"shape": value}
+
+
+def _checkpointing(value: Any, path: str, origin: dict, notes: list[Note]) -> Any:
+    """Lightning's activation checkpointing argument: the blocks (a class set or one name), applied after FSDP."""
+    classes = _classes(value) if not isinstance(value, str) or value.startswith("{") else [value]
+    notes.append(Note(path, "activation_checkpointing.modules", value, Fidelity.EXACT if classes else
+                      Fidelity.DROPPED, "the blocks checkpointed" if classes else "a policy object of the script: "
+                      "which blocks are checkpointed is not in the file"))  # fmt: skip
+    if classes:
+        origin["(checkpointing)"] = classes
+    return _NOT_PASSED
+
+
+def _how_lightning_runs(value: Any, path: str, origin: dict, notes: list[Note]) -> Any:
+    notes.append(Note(path, None, value, Fidelity.IGNORED, _STRATEGY_ONLY.get(path.split(".")[-1],
+                                                                              "how Lightning runs")))  # fmt: skip
+    return _NOT_PASSED
+
+
+_NOT_PASSED = object()
+#: FSDPStrategy's own spellings of FSDP1 arguments (or arguments it keeps): argument -> what is passed to FSDP1.
+_FSDP_ARGUMENTS = {
+    "state_dict_type": _state_dict_type,
+    "auto_wrap_policy": _auto_wrap_policy,
+    "activation_checkpointing": _checkpointing,
+    "activation_checkpointing_policy": _checkpointing,
+    "device_mesh": _device_mesh,
+    **dict.fromkeys((*_STRATEGY_ONLY, "checkpoint_io", "cluster_environment", "parallel_devices"), _how_lightning_runs),
+}
+
+
 def _fsdp_kwargs(args: dict, notes: list[Note]) -> tuple[dict, dict[str, str]]:
     """FSDPStrategy's arguments as FSDP1 keyword arguments (Lightning's spellings turned into FSDP's)."""
     out, origin = {}, {}
     for key, value in args.items():
         path = f"FSDPStrategy.{key}"
-        if key == "state_dict_type" and value in ("full", "sharded"):
-            out[key] = f"{value.upper()}_STATE_DICT"
-        elif key == "auto_wrap_policy" and _classes(value) is not None:
-            out[key] = {"transformer_layer_cls": _classes(value)}
-            origin[f"{key}.transformer_layer_cls"] = path
-        elif key in ("activation_checkpointing", "activation_checkpointing_policy"):
-            classes = _classes(value) if not isinstance(value, str) or value.startswith("{") else [value]
-            notes.append(Note(path, "activation_checkpointing.modules", value, Fidelity.EXACT if classes else
-                              Fidelity.DROPPED, "the blocks checkpointed" if classes else "a policy object of the "
-                              "script: which blocks are checkpointed is not in the file"))  # fmt: skip
-            if classes:
-                origin["(checkpointing)"] = classes
-            continue
-        elif key == "device_mesh" and isinstance(value, list) and len(value) == 2:
-            out[key] = {"shape": value}
-            origin[f"{key}.shape"] = path
-        elif key in _STRATEGY_ONLY or key in ("checkpoint_io", "cluster_environment", "parallel_devices"):
-            notes.append(Note(path, None, value, Fidelity.IGNORED, _STRATEGY_ONLY.get(key, "how Lightning runs")))
-            continue
-        else:
-            out[key] = value
-        origin.setdefault(key, path)
+        passed = _FSDP_ARGUMENTS[key](value, path, origin, notes) if key in _FSDP_ARGUMENTS else value
+        if passed is not _NOT_PASSED:
+            out[key] = passed
+            origin.setdefault(key, path)
     out.setdefault("state_dict_type", "FULL_STATE_DICT")  # Lightning's default "full"
     return out, origin
 
@@ -294,12 +323,8 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
     """Read a Lightning strategy's arguments (with the Trainer's or Fabric's) into the core model."""
     strategy = _strategy(raw)
     notes: list[Note] = []
-    precision = None
-    for section in (s for s in LAUNCH if isinstance(raw.get(s), dict)):
-        precision = _launch_notes(section, raw[section], notes) or precision
-    counts = {core: count for section in LAUNCH for key, core in (("devices", "nproc_per_node"),
-                                                                  ("num_nodes", "nnodes"))
-              if (count := _count(f"{section}.{key}", raw.get(section, {}).get(key))) is not None}
+    precision = _launch_precision(raw, notes)
+    counts = _counts(raw)
     if strategy == "ModelParallelStrategy":
         from . import _lightning_model_parallel
 
@@ -307,23 +332,58 @@ def read(raw: Any, *, version: str | None = None) -> Translation[TorshConfig]:
             ".precision")])  # fmt: skip
     args = raw[strategy]
     precision_key = next((f"{s}.precision" for s in LAUNCH if s in raw), "")
-    inner, origin, prefix = (_read_deepspeed if strategy == "DeepSpeedStrategy" else _read_fsdp)(
-        args, precision, precision_key, notes)  # fmt: skip
-    given = {f"{strategy}.{k}" for k in args} | {precision_key}
-    renamed, seen = [], set()
-    for note in inner.notes:  # under the argument that gave each key; once per argument
-        source = origin.get(note.source_path, prefix + note.source_path)
-        if source not in seen:
-            seen.add(source)
-            built = "config" not in args and source not in given and note.fidelity is not Fidelity.DEFAULTED
-            renamed.append(replace(note, source_path=source, fidelity=Fidelity.DEFAULTED,
-                                   reason=f"not set; {strategy}'s default") if built else
-                           replace(note, source_path=source))  # fmt: skip
-    # What the inner dialect kept is this strategy's: a DeepSpeed JSON written from it is a standalone one.
-    kept = {f"{prefix}{k}": v for keys in inner.result.extensions.values() for k, v in keys.items()}
+    inner, origin, prefix = _READERS[strategy](args, precision, precision_key, notes)
+    given = None if "config" in args else {f"{strategy}.{k}" for k in args} | {precision_key}
+    renamed = _under_arguments(inner.notes, origin, prefix, given, strategy)
     cfg = inner.result.model_copy(update={"launch": inner.result.launch.model_copy(update=counts),
-                                          "extensions": {NAME: kept} if kept else {}})
+                                          "extensions": _kept(inner.result, prefix)})
     return Translation(cfg, notes + renamed, NAME, "torsh")
+
+
+def _launch_precision(raw: dict, notes: list[Note]) -> str | None:
+    """The Trainer's / Fabric's precision (the last section that names one), their other arguments noted."""
+    precision = None
+    for section in (s for s in LAUNCH if isinstance(raw.get(s), dict)):
+        precision = _launch_notes(section, raw[section], notes) or precision
+    return precision
+
+
+def _kept(inner: TorshConfig, prefix: str) -> dict[str, dict]:
+    """What the inner dialect kept is this strategy's: a DeepSpeed JSON written from it is a standalone one."""
+    kept = {f"{prefix}{k}": v for keys in inner.extensions.values() for k, v in keys.items()}
+    return {NAME: kept} if kept else {}
+
+
+def _counts(raw: dict) -> dict[str, int]:
+    """The device and node counts the Trainer / Fabric give (core launch field -> count)."""
+    counts = {}
+    for section in LAUNCH:
+        for key, core in (("devices", "nproc_per_node"), ("num_nodes", "nnodes")):
+            count = _count(f"{section}.{key}", raw.get(section, {}).get(key))
+            if count is not None:
+                counts[core] = count
+    return counts
+
+
+def _under_arguments(notes: list[Note], origin: dict, prefix: str, given: set[str] | None,
+                     strategy: str) -> list[Note]:  # fmt: skip
+    """The inner dialect's notes under the argument that gave each key, once per argument; a key the strategy built
+    from its defaults (``given``: the arguments written, None for a whole config) is DEFAULTED."""
+    renamed, seen = [], set()
+    for note in notes:
+        source = origin.get(note.source_path, prefix + note.source_path)
+        if source in seen:
+            continue
+        seen.add(source)
+        if given is not None and source not in given and note.fidelity is not Fidelity.DEFAULTED:
+            renamed.append(replace(note, source_path=source, fidelity=Fidelity.DEFAULTED,
+                                   reason=f"not set; {strategy}'s default"))  # fmt: skip
+        else:
+            renamed.append(replace(note, source_path=source))
+    return renamed
+
+
+_READERS = {"DeepSpeedStrategy": _read_deepspeed, "FSDPStrategy": _read_fsdp}
 
 
 def _inner(cfg: TorshConfig, dialect: str, prefix: str) -> TorshConfig:
