@@ -74,7 +74,11 @@ def train(rank: int, world_size: int, scenario: dict) -> dict:
             model = h.build_model(0)
     else:
         model = h.build_model(0)
-    engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=h.ds_config(scenario["stage"]))
+    extra = {"bf16": {"enabled": True}} if scenario.get("bf16") else {}
+    config = h.ds_config(scenario["stage"], **extra)
+    if scenario.get("offload"):
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
     losses = []
     for step in range(3):
         tokens, targets = h.batch(step, rank, 2)
@@ -89,8 +93,9 @@ def train(rank: int, world_size: int, scenario: dict) -> dict:
 
 
 SCENARIOS = [  # torsh's first: real DeepSpeed's zero.Init leaves hooks of its own in the process
-    *({"name": f"train{stage}_{init}", "kind": "train", "stage": stage, "init": init}
-      for stage in (3, 1) for init in (True, False)),
+    *({"name": f"train{case}_{init}", "kind": "train", "stage": int(case[0]), "init": init,
+       "offload": "offload" in case, "bf16": "bf16" in case}
+      for case in ("3", "3-offload", "3-bf16", "1") for init in (True, False)),
     *({"name": f"construct_{e}", "kind": "construct", "engine": e} for e in ENGINES),
     *({"name": f"modify_{e}", "kind": "modify", "engine": e} for e in ENGINES),
 ]  # fmt: skip
@@ -135,9 +140,11 @@ def test_gathered_parameters_takes_the_modifier_ranks_write(records):
     assert [r["local"][:7] for r in theirs] == [r["local"][:7] for r in ours]  # the padding is DeepSpeed's own
 
 
-@pytest.mark.parametrize("stage", [3, 1])
-def test_training_from_the_partitions_equals_training_the_whole_model(records, stage):
-    built = h.ranks_of(records, f"train{stage}_True")
-    whole = h.ranks_of(records, f"train{stage}_False")
+@pytest.mark.parametrize("case", ["3", "3-offload", "3-bf16", "1"])
+def test_training_from_the_partitions_equals_training_the_whole_model(records, case):
+    """Stage 3 (FSDP2 shards written from the partitions; also with optimizer offload, whose shards live on the
+    CPU, and in bf16) and stage 1 (whole parameters gathered at initialize)."""
+    built = h.ranks_of(records, f"train{case}_True")
+    whole = h.ranks_of(records, f"train{case}_False")
     assert built == whole  # bit for bit: the same weights, the same steps
-    assert built[0]["ds_persist"] == (["False"] if stage == 3 else ["None"])  # DeepSpeed's attribute at ZeRO-3
+    assert built[0]["ds_persist"] == (["None"] if case == "1" else ["False"])  # DeepSpeed's attribute at ZeRO-3
