@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # environments sharing the default cache do not rebuild it back and forth.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: run test venv schemas bench goldens clean fuzz docs
+.PHONY: run test venv schemas bench goldens clean fuzz docs conformance conformance-record-deepspeed
 
 $(STAMP): requirements-dev.txt requirements-nodeps.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,19 @@ run: $(STAMP)
 TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+## DeepSpeed's own unit tests (the archive in ../shared/conformance/, unchanged) on torsh, 2 CPU ranks, each test's
+## outcome compared with torsh's column of tests/deepspeed_unit_results.tsv: fails on any change, in either direction
+## (tests/conformance/README.md). UPDATE=1 rewrites that column instead (review the diff, give each new difference
+## its reason); CONFORMANCE_ARGS passes options (--files unit/..., --all-files, --test-timeout S, --jobs N).
+CONFORMANCE_ARGS ?=
+conformance: $(STAMP)
+	$(PY) tests/conformance/run_deepspeed.py $(if $(UPDATE),--update) $(CONFORMANCE_ARGS)
+
+## The same tests on real DeepSpeed 0.19.8, rewriting DeepSpeed's column of the list (not run in CI: DeepSpeed
+## JIT-builds its C++ ops into TORCH_EXTENSIONS_DIR first, a few minutes).
+conformance-record-deepspeed: $(STAMP)
+	$(PY) tests/conformance/run_deepspeed.py --engine deepspeed --update $(CONFORMANCE_ARGS)
 
 ## Regenerate the schemas generated from code.
 schemas: $(STAMP)
