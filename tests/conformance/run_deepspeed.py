@@ -253,15 +253,22 @@ def update(expected: Expected, engine: str, files: list[str], measured: dict[str
     """The engine's column rewritten for the files run; rows new to the list get the other engine ``not-run``.
 
     Reasons written by hand are kept. A row both engines pass has none. Otherwise a row without one gets the
-    engine's message: ``TODO: ...`` where both engines are recorded and differ or DeepSpeed does not pass (to be
-    replaced by the reason), ``measured: ...`` while the other engine is not recorded (``not-run``)."""
+    engine's message: ``TODO: ...`` where both engines are recorded and differ (to be replaced by the reason),
+    ``measured: ...`` where they agree or the other engine is not recorded (``not-run``)."""
     other = "torsh" if engine == "deepspeed" else "deepspeed"
     for name in sorted({n for n in expected.rows if file_of(n) in files} | set(measured)):
         got = _outcome_of(name, measured, expected)
-        if "::" not in name and got != "error":  # a file that did not import and now does: its tests are listed
-            expected.rows.pop(name, None)
-            continue
-        row = expected.rows.setdefault(name, {"nodeid": name, other: "not-run", "counted": "", "reason": ""})
+        if "::" not in name:  # a file that does not import on one engine: kept while it does not, on either
+            row = expected.rows.get(name, {"deepspeed": "absent", "torsh": "absent"})
+            if got != "error" and row[other] != "error":
+                expected.rows.pop(name, None)
+                continue
+            if got != "error":
+                row[engine] = "absent"
+                continue
+        file_row = expected.rows.get(file_of(name), {})  # the file did not import on the other engine
+        row = expected.rows.setdefault(name, {"nodeid": name, other: "error" if file_row.get(other) == "error"
+                                              else "not-run", "counted": "", "reason": ""})  # fmt: skip
         row[engine] = got
         ds, torsh = row["deepspeed"], row["torsh"]
         automatic = not row["reason"] or row["reason"].startswith(("TODO", "measured: "))
@@ -269,8 +276,11 @@ def update(expected: Expected, engine: str, files: list[str], measured: dict[str
             row["reason"] = ""
         elif automatic:
             result = measured.get(name) or measured.get(file_of(name)) or {}
-            prefix = "measured" if "not-run" in (ds, torsh) else "TODO"
-            row["reason"] = f"{prefix}: {engine} {got}: {_last_line(result)}"
+            if ds == torsh:
+                row["reason"] = f"measured: both {got}: {_last_line(result)}"
+            else:
+                prefix = "measured" if "not-run" in (ds, torsh) else "TODO"
+                row["reason"] = f"{prefix}: {engine} {got}: {_last_line(result)}"
     expected.rows = dict(sorted(expected.rows.items(), key=lambda kv: _order_key(kv[0])))
 
 
