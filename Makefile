@@ -51,13 +51,15 @@ schemas: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache
 
-## Benchmarks: torsh against hand-written PyTorch and DeepSpeed (ratios measured in one run).
+## Benchmarks: torsh against hand-written PyTorch and DeepSpeed (ratios measured in one run), then the memory per rank
+## while a model is built under deepspeed.zero.Init, against DeepSpeed's.
 bench: $(STAMP)
 	$(PY) -m benchmarks --update-readme
+	$(PY) -m benchmarks.zero_init
 
 ## Regenerate the golden files of migration_examples/ after an intended change (review the diff).
 goldens: $(STAMP)
-	TORSH_UPDATE_GOLDENS=1 $(PY) -m pytest -q -p no:randomly tests/test_deepspeed_cli.py tests/test_horovod_adapter.py tests/test_fsdp_migration_examples.py -k "golden"
+	TORSH_UPDATE_GOLDENS=1 $(PY) -m pytest -q -p no:randomly -k "golden" $$(grep -l "check_golden" tests/test_*.py)
 
 ## Long fuzzing run: FUZZ_INPUTS inputs per reader and per file parser, each with a FUZZ_TIMEOUT-second limit; prints
 ## per reader the inputs, crashes and hangs, keeps crashing inputs in tests/fixtures/fuzz_regressions/ (exit 1 if any).
