@@ -202,12 +202,15 @@ def run_file(tests_dir: Path, test_file: str, engine: str, work: Path, *, test_t
                 results[ev["test"]] = {k: ev[k] for k in ("outcome", "message", "seconds")}
         starts = [ev["test"] for ev in events if ev["event"] == "start"]
         tail = log.read_text()[-1200:]
-        if starts and starts[-1] not in results:  # started, no result: hung (or the process died in it)
-            hanged = "Test hanged" in tail
-            results[starts[-1]] = {"outcome": "hung", "seconds": None,
-                                   "message": killed_for if killed_for and not hanged else
-                                   f"no result within DS_UNITTEST_TIMEOUT ({test_timeout} s): DeepSpeed's "
-                                   "harness ended the session (pytest.exit 'Test hanged')"}  # fmt: skip
+        if starts and starts[-1] not in results:  # started, no result: hung, or the session died in it
+            if "Test hanged" in tail:
+                result = ("hung", f"no result within DS_UNITTEST_TIMEOUT ({test_timeout} s): DeepSpeed's harness "
+                                  "ended the session (pytest.exit 'Test hanged')")  # fmt: skip
+            elif killed_for:
+                result = ("hung", killed_for)
+            else:
+                result = ("failed", "the pytest session ended in this test: " + tail[-600:])
+            results[starts[-1]] = {"outcome": result[0], "seconds": None, "message": result[1]}
         if collected is None:  # nothing collected and no import error recorded: the session failed before
             if not any(r["outcome"] == "error" for r in results.values()):
                 results[test_file] = {"outcome": "error", "seconds": None, "message": tail}
