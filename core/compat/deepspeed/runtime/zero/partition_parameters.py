@@ -68,14 +68,15 @@ _patched: dict = {}  # class -> its own __init__, while replaced; and the Module
 
 
 def _all_module_classes() -> list[type]:
-    found, todo = [], [nn.Module]
+    """Every subclass of ``nn.Module`` defined so far (transformers defines thousands), each once."""
+    found: dict[type, None] = {}
+    todo = [nn.Module]
     while todo:
-        cls = todo.pop()
-        for sub in cls.__subclasses__():
+        for sub in todo.pop().__subclasses__():
             if sub not in found:
-                found.append(sub)
+                found[sub] = None
                 todo.append(sub)
-    return found
+    return list(found)
 
 
 def _partition_module(module: nn.Module, *, recurse: bool = False) -> None:
