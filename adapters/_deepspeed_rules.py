@@ -214,11 +214,9 @@ def _write_pipeline_stages(cfg: TorshConfig, ctx: WriteContext) -> None:
         ctx.put("pipeline.stages", pp, "parallelism.pp", APPROXIMATE, "used only with a DeepSpeed PipelineModule")
 
 
-#: "auto" on keys the core model keeps only in extensions: who fills it, and what DeepSpeed alone does.
+#: "auto" on keys kept in extensions: who fills it, and what DeepSpeed alone does (the ZeRO sizes, core fields
+#: now, say it in DEFERRED_SOURCES).
 AUTO_IN_EXTENSIONS = {
-    "reduce_bucket_size": "HF: hidden_size^2; DeepSpeed alone uses its default 5e8",
-    "prefetch_bucket_size": "HF: 0.9 x hidden_size^2; DeepSpeed alone uses its default 5e7",
-    "param_persistence_threshold": "HF: 10 x hidden_size; DeepSpeed alone uses its default 1e5",
     "gather_16bit_weights_on_model_save": "Accelerate: zero3_save_16bit_model; DeepSpeed alone uses false",
 }
 
