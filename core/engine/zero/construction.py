@@ -85,10 +85,7 @@ def partition(param: nn.Parameter, *, group: Any = None, remote_device: torch.de
         data = on_device
     size = partition_numel(data.numel(), where.world)
     local = torch.zeros(size, dtype=data.dtype, device=remote_device if remote_device is not None else param.device)
-    start = where.rank * size
-    take = max(0, min(size, data.numel() - start))
-    if take:
-        local[:take].copy_(data.reshape(-1)[start:start + take])
+    _keep_own(local, data, where)
     if pin_memory and local.device.type == "cpu" and torch.cuda.is_available():
         local = local.pin_memory()
     param.ds_tensor = local
@@ -125,6 +122,16 @@ def _attach_methods(param: nn.Parameter) -> None:
                                 "persist": param.ds_persist}  # fmt: skip
 
 
+def _keep_own(local: torch.Tensor, whole: torch.Tensor, where: Partitioned) -> None:
+    """Write this rank's partition of ``whole`` into ``local`` (its elements, zeros past the end)."""
+    size = local.numel()
+    start = where.rank * size
+    take = max(0, min(size, whole.numel() - start))
+    local.zero_()
+    if take:
+        local[:take].copy_(whole.reshape(-1)[start:start + take])
+
+
 @torch.no_grad()
 def gather(param: nn.Parameter) -> torch.Tensor:
     """The whole value of a parameter partitioned at construction (a new tensor of ``ds_shape``, on the device of
@@ -158,12 +165,7 @@ def repartition(param: nn.Parameter, *, written_by: int | None = None, keep_writ
         data = param.data.detach().to(_comm_device(where.group)).contiguous()
         if written_by is not None and where.world > 1:
             dist.broadcast(data, src=written_by, group=where.group)
-        size = param.ds_tensor.numel()
-        start = where.rank * size
-        take = max(0, min(size, param.ds_numel - start))
-        param.ds_tensor.zero_()
-        if take:
-            param.ds_tensor[:take].copy_(data.reshape(-1)[start:start + take])
+        _keep_own(param.ds_tensor, data, where)
     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
