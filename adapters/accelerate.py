@@ -15,6 +15,7 @@ DeepSpeed: deepspeed).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -117,8 +118,7 @@ def _read_deepspeed_file(value: Any, ctx: ReadContext, path: str, base_dir: Any)
         ctx.set(core_path, item, f"{value}:{core_path}", note=False)
     for dialect, keys in inner.result.extensions.items():
         ctx.core.setdefault("extensions", {}).setdefault(dialect, {}).update(keys)
-    ctx.notes.extend(Note(f"{value}:{n.source_path}", n.target_path, n.value, n.fidelity, n.reason)
-                     for n in inner.notes)  # fmt: skip
+    ctx.notes.extend(replace(n, source_path=f"{value}:{n.source_path}") for n in inner.notes)
 
 
 def _locate_deepspeed_file(value: str, base_dir: Any) -> tuple[Path | None, str]:

@@ -281,8 +281,10 @@ class DeepSpeed(Dialect):
         ctx.core.setdefault("sharding", {}).setdefault("buckets", {})
 
     def finish(self, translation: Translation[TorshConfig], prepared: Prepared) -> Translation[TorshConfig]:
-        """Unknown keys last; an "auto" kept for DeepSpeed is deferred to whoever fills it."""
+        """Unknown keys last; an "auto" kept for DeepSpeed is deferred to whoever fills it; a config with no batch
+        size is a finding --strict counts."""
         translation.notes.extend(prepared.state["unknown"])
+        translation.notes.extend(_unstated_batch(translation.result))
         translation.notes[:] = [_deferred_if_auto(n) for n in translation.notes]
         return translation
 
@@ -529,6 +531,24 @@ def _split(raw: Mapping[str, Any], fmap: FieldMap, unknown: _Unknown, actual: st
                         "error)" if actual else "DeepSpeed 0.19.8 ignores unknown top-level keys, so it has no effect "
                         "there", key, fmap.children(canonical))  # fmt: skip
     return known
+
+
+#: Where the finding for a config with no batch size is reported (what the HF Trainer, Accelerate and Lightning fill).
+NO_BATCH_KEY = "train_micro_batch_size_per_gpu"
+#: DeepSpeed's assertion for it (``DeepSpeedConfig._configure_train_batch_size``).
+NO_BATCH_MESSAGE = "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided"
+
+
+def _unstated_batch(cfg: TorshConfig) -> list[Note]:
+    """Neither train_batch_size nor train_micro_batch_size_per_gpu (given or "auto"): DeepSpeed refuses the config
+    unless its caller writes a batch in first. The HF Trainer and Accelerate fill only keys written "auto"."""
+    if cfg.batch.global_batch_size is not None or cfg.batch.micro_batch_size is not None:
+        return []
+    return [Note(NO_BATCH_KEY, "batch.micro_batch_size", None, _DEFERRED, f"no batch size: DeepSpeed refuses the "
+                 f"config as written (\"{NO_BATCH_MESSAGE}\"), as torsh.initialize does, unless the code calling "
+                 "initialize writes one in first (DeepSpeed's autotuner, Lightning's DeepSpeedStrategy); the HF "
+                 "Trainer and Accelerate fill only a batch size written \"auto\": give a number or \"auto\"",
+                 refused=True)]  # fmt: skip
 
 
 def _deferred_if_auto(note: Note) -> Note:

@@ -302,7 +302,14 @@ def _read_deepspeed(args: dict, precision: str | None, precision_key: str, notes
     except ConfigError as exc:  # named by the argument that gave the key
         raise ConfigError([replace(p, path=origin.get(p.path, prefix + p.path)) for p in exc.problems],
                           source=NAME) from None  # fmt: skip
+    inner.notes[:] = _without_the_batch_refusal(inner.notes)
     return inner, origin, prefix
+
+
+def _without_the_batch_refusal(notes: list[Note]) -> list[Note]:
+    """DeepSpeedStrategy writes a micro batch into a config that has none (the Trainer's: the dataloader's batch
+    size; Fabric's: 1), so DeepSpeed does not refuse what the strategy hands it."""
+    return [n for n in notes if not (n.refused and n.source_path == deepspeed.NO_BATCH_KEY)]
 
 
 def _read_fsdp(args: dict, precision: str | None, precision_key: str, notes: list[Note]):

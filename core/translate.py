@@ -72,10 +72,13 @@ class Note:
     """How faithfully it was carried across."""
     reason: str = ""
     """Why, in the user's terms."""
+    refused: bool = False
+    """The source's own framework refuses the input as written unless its caller fills this value in (a DeepSpeed
+    config with no batch size): counted as lossy, so ``--strict`` fails on it, whatever the fidelity."""
 
     @property
     def lossy(self) -> bool:
-        return self.fidelity in LOSSY
+        return self.fidelity in LOSSY or self.refused
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -84,6 +87,7 @@ class Note:
             "value": _jsonable(self.value),
             "fidelity": self.fidelity.value,
             "reason": self.reason,
+            "refused": self.refused,
         }
 
     def __str__(self) -> str:

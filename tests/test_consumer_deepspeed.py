@@ -81,3 +81,32 @@ def test_deepspeed_initializes_and_steps_the_written_json_at_every_stage(tmp_pat
         entry = results["scenarios"][scenario.name]
         assert "records" in entry, (scenario.name, entry.get("error"))
         assert len(entry["records"]) == 2
+
+
+NO_BATCH = HERE / "fixtures" / "corpus" / "deepspeed" / "deepspeedai__DeepSpeed__template_zero3.json"
+
+
+@pytest.mark.parametrize("with_loader", [False, True], ids=["no-data", "a-dataloader"])
+def test_the_drop_in_refuses_a_config_without_a_batch_size_as_deepspeed_does(with_loader):
+    """DeepSpeed checks the batch keys when it reads the config, before it looks at training_data: a DataLoader
+    does not fill a batch size the file leaves out (it fills one written "auto"). Stage 0 keeps it to one process."""
+    import json
+
+    import torch
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from torsh.compat import deepspeed as drop_in
+
+    raw = json.loads(NO_BATCH.read_text())
+    raw["zero_optimization"]["stage"] = 0
+    with pytest.raises(Exception) as theirs:
+        DeepSpeedConfig(raw)
+    model = torch.nn.Linear(4, 4)
+    data = torch.utils.data.TensorDataset(torch.zeros(8, 4))
+    loader = torch.utils.data.DataLoader(data, batch_size=2) if with_loader else None
+    with pytest.raises(drop_in.DeepSpeedConfigError) as ours:
+        drop_in.initialize(model=model, model_parameters=model.parameters(), config=raw, training_data=loader)
+    assert str(theirs.value) in str(ours.value)
+    engine, *_ = drop_in.initialize(model=model, model_parameters=model.parameters(), training_data=loader,
+                                    config={**raw, "train_micro_batch_size_per_gpu": "auto" if with_loader else 2})
+    assert engine.train_micro_batch_size_per_gpu() == 2

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -76,3 +77,68 @@ def test_deepspeed_auto_zero_stage_is_not_an_error():
 def test_wrong_type_in_a_strict_section_is_an_error():
     with pytest.raises(ConfigError):
         adapters.read({"train_batch_size": 8, "fp16": {"enabled": "yes please"}}, "deepspeed")
+
+
+# ---- a config with no batch size -----------------------------------------------------------------------------------
+
+#: DeepSpeed's own autotuning template (ZeRO-3 alone, no batch size: its autotuner writes one in before each run).
+NO_BATCH = Path(__file__).parent / "fixtures" / "corpus" / "deepspeed" / "deepspeedai__DeepSpeed__template_zero3.json"
+DEEPSPEED_SAYS = "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided"
+
+
+@pytest.mark.parametrize("extra", [{}, {"gradient_accumulation_steps": 4}], ids=["template", "accumulation-only"])
+def test_a_config_without_a_batch_size_deepspeed_refuses_fails_strict_naming_the_key(extra, tmp_path):
+    pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 decides what is refused")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    raw = {**json.loads(NO_BATCH.read_text()), **extra}
+    with pytest.raises(Exception, match=DEEPSPEED_SAYS):
+        DeepSpeedConfig(raw)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(raw))
+    assert run_cli(["validate", str(path)])[0] == 0  # read as it is: a caller may still write a batch in
+    code, out, err = run_cli(["validate", "--strict", str(path)])
+    assert code == 1 and "train_micro_batch_size_per_gpu" in err and DEEPSPEED_SAYS in err
+    note = next(n for n in adapters.load(path).notes if n.source_path == "train_micro_batch_size_per_gpu")
+    assert (note.target_path, note.fidelity, note.lossy) == ("batch.micro_batch_size", Fidelity.DEFERRED, True)
+    assert '"auto"' in note.reason  # how to have the HF Trainer / Accelerate fill it
+
+
+def test_the_strict_finding_is_in_the_json_report():
+    code, out, _ = run_cli(["validate", "--strict", "--report", "json", str(NO_BATCH)])
+    notes = json.loads(out)["files"][0]["report"]["notes"]
+    flagged = [n["source_path"] for n in notes if n["refused"]]
+    assert (code, flagged) == (1, ["train_micro_batch_size_per_gpu"])
+
+
+@pytest.mark.parametrize("batch", [{"train_micro_batch_size_per_gpu": "auto"}, {"train_batch_size": "auto"},
+                                   {"train_micro_batch_size_per_gpu": 2}, {"train_batch_size": 16}])  # fmt: skip
+def test_a_batch_size_auto_or_a_number_passes_strict(batch, tmp_path):
+    """"auto" stays a deferred value --strict accepts: the HF Trainer and Accelerate fill it (a key left out they
+    do not fill)."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**json.loads(NO_BATCH.read_text()), **batch}))
+    assert run_cli(["validate", "--strict", str(path)])[0] == 0
+    assert not any(n.refused for n in adapters.load(path).notes)
+
+
+def test_an_accelerate_config_naming_a_file_without_a_batch_size_fails_strict(tmp_path, monkeypatch):
+    """Accelerate fills the batch keys written "auto" in the file it names, and only those: DeepSpeed then refuses
+    the file the same way."""
+    (tmp_path / "ds.json").write_text(NO_BATCH.read_text())
+    (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 2\n"
+                                       "deepspeed_config:\n  deepspeed_config_file: ds.json\n")  # fmt: skip
+    monkeypatch.chdir(tmp_path)  # where accelerate launch opens the file from
+    code, _, err = run_cli(["validate", "--strict", "acc.yaml"])
+    assert code == 1 and "ds.json:train_micro_batch_size_per_gpu" in err
+
+
+def test_lightning_sets_the_micro_batch_a_deepspeed_config_leaves_out():
+    """DeepSpeedStrategy (the Trainer's: the dataloader's batch size; Fabric's: 1) writes the micro batch into the
+    config it hands DeepSpeed when there is none: no refusal to report."""
+    from torsh.adapters import lightning
+
+    config = json.loads(NO_BATCH.read_text())
+    for raw in ({"Trainer": {"devices": 2}, "DeepSpeedStrategy": {"config": config}},
+                {"Trainer": {"devices": 2}, "DeepSpeedStrategy": {"stage": 3}}):  # fmt: skip
+        assert not lightning.read(raw).lossy
