@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("torch")
 
 import _engine_harness as h  # noqa: E402
+import torch  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one 2-rank launch per module: started first by make test's workers
 
@@ -47,8 +48,6 @@ def construct(rank: int, world_size: int, scenario: dict) -> dict:
 
 def modify(rank: int, world_size: int, scenario: dict) -> dict:
     """``GatheredParameters(modifier_rank=1)``: rank 1's write is every rank's; a write without one is dropped."""
-    import torch
-
     ds = _ds(scenario["engine"])
     with ds.zero.Init(mem_efficient_linear=False):
         layer = torch.nn.Linear(3, 5)
@@ -65,8 +64,6 @@ def modify(rank: int, world_size: int, scenario: dict) -> dict:
 
 def train(rank: int, world_size: int, scenario: dict) -> dict:
     """Three steps of the tiny LM at ``stage``, built under ``zero.Init`` or whole (``init``), seed 0 either way."""
-    import torch
-
     ds = _ds("torsh")
     torch.manual_seed(0)
     if scenario["init"]:
@@ -92,12 +89,51 @@ def train(rank: int, world_size: int, scenario: dict) -> dict:
     return {"losses": losses, "sums": sums, "ds_persist": persist}
 
 
+class Scale(torch.nn.Module):
+    """Its input times a weight it is given (DeepSpeed's tests build models from weights they keep)."""
+
+    def __init__(self, weight: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x
+
+
+def layout(rank: int, world_size: int, scenario: dict) -> dict:
+    """After ``initialize`` at ZeRO-3, the weights the script built the model from: their partitions written per
+    rank (``ds_tensor``) reach the forward; the gradient partitions in DeepSpeed's layout; the partitions after a
+    step."""
+    ds = _ds(scenario["engine"])
+    weights = [torch.nn.Parameter(torch.zeros(3, 5)) for _ in range(2)]
+    model = torch.nn.Sequential(Scale(weights[0]), Scale(weights[1]))
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}  # fmt: skip
+    engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    record = {"data": [w.numel() for w in weights], "numel": [w.ds_numel for w in weights]}
+    for i, w in enumerate(weights):
+        w.ds_tensor.data = torch.full_like(w.ds_tensor.data, (i + 1) * (rank + 1))
+    out = engine(torch.ones(3, 5))
+    record["out"] = out.tolist()
+    engine.backward(out.sum())
+    parts = engine.optimizer.get_fp32_grad_partitions()
+    record["grads"] = {str(g): [parts[g][i].tolist() for i in sorted(parts[g])] for g in parts}
+    engine.allreduce_gradients()
+    averaged = engine.optimizer.averaged_gradients
+    record["averaged"] = [[t.float().tolist() for t in averaged[g]] for g in sorted(averaged)]
+    engine.step()
+    record["stepped"] = [w.ds_tensor.tolist() for w in weights]
+    record["out2"] = engine(torch.ones(3, 5)).tolist()
+    return record
+
+
 SCENARIOS = [  # torsh's first: real DeepSpeed's zero.Init leaves hooks of its own in the process
     *({"name": f"train{case}_{init}", "kind": "train", "stage": int(case[0]), "init": init,
        "offload": "offload" in case, "bf16": "bf16" in case}
       for case in ("3", "3-offload", "3-bf16", "1") for init in (True, False)),
     *({"name": f"construct_{e}", "kind": "construct", "engine": e} for e in ENGINES),
     *({"name": f"modify_{e}", "kind": "modify", "engine": e} for e in ENGINES),
+    *({"name": f"layout_{e}", "kind": "layout", "engine": e} for e in ENGINES),
 ]  # fmt: skip
 
 
@@ -148,3 +184,24 @@ def test_training_from_the_partitions_equals_training_the_whole_model(records, c
     whole = h.ranks_of(records, f"train{case}_False")
     assert built == whole  # bit for bit: the same weights, the same steps
     assert built[0]["ds_persist"] == (["None"] if case == "1" else ["False"])  # DeepSpeed's attribute at ZeRO-3
+
+
+def test_weights_the_model_was_built_from_are_deepspeeds_partitions_after_initialize(records):
+    """DeepSpeed's own ZeRO-3 tests keep the weights they build a model from, write each rank's partition, and read
+    the gradients' partitions: the same values on both engines, in DeepSpeed's flat layout (8 and 7 + 1 padding
+    elements of a 3x5 weight), though FSDP2 cuts the shards by rows."""
+    ours = h.ranks_of(records, "layout_torsh")
+    for r in ours:
+        assert r["data"] == [0, 0] and r["numel"] == [15, 15]  # no whole value left on the objects
+        assert r["out"] == [[2.0] * 5, [2.0] * 3 + [8.0] * 2, [8.0] * 5]  # rank 0's 8 elements, rank 1's 7
+    assert ours[1]["grads"]["0"][0] == [4.0] * 7 + [0.0]  # d(out)/d(w0) = w1: 2 * 2 on rank 1's elements
+    theirs = _deepspeed(records, "layout")
+    for mine, real in zip(ours, theirs):
+        assert mine["out"] == real["out"] and mine["grads"] == real["grads"]
+        assert mine["averaged"] == real["averaged"]
+    # the step moves the written partitions (Adam's first step: lr 0.1 against the gradient's sign). DeepSpeed's
+    # moves the fp32 copy it took at initialize instead (zeros), dropping the writes: not compared.
+    for rank, r in enumerate(ours):
+        for i, part in enumerate(r["stepped"]):
+            moved = [(i + 1) * (rank + 1) - 0.1] * (8 - rank) + [0.0] * rank  # rank 1's last element: padding
+            assert part == pytest.approx(moved, rel=1e-5)

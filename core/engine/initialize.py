@@ -40,6 +40,7 @@ from .optim import build_step_optimizer, named_groups
 from .parallel.tensor_parallel import apply_tensor_parallel
 from .precision import apply_precision
 from .zero.construction import materialize
+from .zero.ds_layout import attach_views
 from .zero.partition import build_zero
 from .zero.sharding import apply_sharding, sync_module_states
 
@@ -132,6 +133,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                     optimizer=optimizer, lr_scheduler=lr_scheduler, loss_scaler=loss_scaler,
                     training_dataloader=dataloader, degrees=decided.degrees)  # fmt: skip
     engine.compression_state = compression_state  # byte counts of the compressed reduction (None: dense)
+    if decided.step.stage == 3 and shard.kind == "fsdp" and engine.optimizer is not None:
+        attach_views(engine.optimizer, engine)  # DeepSpeed's ZeRO-3 gradient partitions, read by its tests
     if info.rank == 0:
         log.info("torsh engine: stage %d (%s), %s compute, world size %d, batch %d = %d x %d x %d",
                  cfg.sharding.stage, shard.kind, cfg.precision.param_dtype, info.world_size,

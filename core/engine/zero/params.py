@@ -10,6 +10,8 @@ carries them: at stage 3 as in DeepSpeed, and at stage 2 too, because torsh shar
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
@@ -31,7 +33,15 @@ def mark_partitioned(model: nn.Module, compute_dtype: torch.dtype) -> None:
     for ds_id, p in enumerate(sharded):
         p.ds_id, p.ds_status, p.ds_shape, p.ds_numel = ds_id, ZeroParamStatus.NOT_AVAILABLE, p.shape, p.numel()
         p.ds_persist = False  # FSDP2 shards every parameter (DeepSpeed keeps those below its threshold whole)
+        p.ds_summary = types.MethodType(ds_summary, p)
         setattr(p, COMPUTE_DTYPE, compute_dtype)
+
+
+def ds_summary(p: torch.Tensor) -> dict:
+    """DeepSpeed's ``param.ds_summary()``: what its assertion messages print about a ZeRO-3 parameter."""
+    return {"id": p.ds_id, "status": p.ds_status.name, "numel": p.numel(), "ds_numel": p.ds_numel,
+            "shape": tuple(p.shape), "ds_shape": tuple(p.ds_shape), "requires_grad": p.requires_grad,
+            "persist": p.ds_persist}  # fmt: skip
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ from torsh.config import DdpConfig, GradientsConfig, OffloadConfig, ShardingConf
 from torsh.plan import EnginePlan
 from torsh.sharding_plan import ShardingPlan
 
-from . import construction, leaves, whole_params
+from . import construction, ds_layout, leaves, whole_params
 from . import params as zero_params
 from ..distributed import DistInfo
 from ..precision import PrecisionPlan
@@ -213,6 +213,7 @@ def _apply_fsdp(model, decided: EnginePlan, gradients: GradientsConfig, offload:
     leaves.apply_config(model, layout.leaf_modules)  # before the units: they never split a leaf module
     # parameters zero.Init partitioned while the model was built are sharded without data (whole shapes on the meta
     # device, so the units are sized as the model), then each shard is written from the partitions
+    before = ds_layout.before_sharding(model)  # the parameter objects FSDP2 is about to replace
     deferred = construction.defer_to_shards(model)
     targets = _shard_units(model, layout, kwargs, info)
     fully_shard(model, **kwargs)
@@ -222,6 +223,8 @@ def _apply_fsdp(model, decided: EnginePlan, gradients: GradientsConfig, offload:
     for leaf in leaves.get_z3_leaf_modules(model):
         leaf.register_forward_hook(leaves.grads_for_every_parameter, prepend=True)  # before FSDP2 reshards it
     zero_params.mark_partitioned(model, precision.param_dtype)  # what DeepSpeed scripts test before gathering
+    if decided.step.stage == 3:  # the objects a script still holds: DeepSpeed's partitioned parameters, tied to shards
+        ds_layout.link_originals(model, before)
     if layout.forward_prefetch:
         # Each unit issues the next one's all-gather as soon as its own is copied out, so that the transfer
         # overlaps this unit's forward. Without it, a unit's all-gather starts only when its forward does: on
