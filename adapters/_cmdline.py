@@ -10,10 +10,12 @@ did-you-mean, because guessing its arity would misplace the script.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shlex
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from torsh.errors import ConfigError, Problem, did_you_mean
@@ -297,7 +299,7 @@ def parse(raw: str | Sequence[str]) -> dict[str, Any]:
     if env:
         out["env"] = env
     if wrapper:
-        out["wrapper"] = shlex.join(wrapper)
+        out["wrapper"] = join(wrapper)  # a variable stays one the shell expands
     if redirect:
         out["redirect"] = " ".join(redirect)
     return out
@@ -538,36 +540,152 @@ def _sbatch_directives(lines: list[str]) -> dict[str, Any]:
     return options
 
 
-def _note_assignment(line: str, assigned: dict[str, str]) -> None:
-    """Record ``NAME=value`` / ``export NAME="value"`` lines (a value with a command substitution or a default is left
-    unexpanded). ``NAME=value command ...`` sets NAME for that command only: not an assignment of the script."""
+#: Words in front of an assignment that declare the variable (their options, ``declare -a``, are skipped).
+_DECLARATIONS = frozenset({"export", "local", "declare", "readonly", "typeset"})
+_DECLARED = rf"^\s*(?:(?:{'|'.join(sorted(_DECLARATIONS))})(?:\s+-\w+)*\s+)?"
+#: ``NAME=(words)`` / ``NAME+=(words)``, a bash array (its words may span lines), after any declaration.
+_ARRAY = re.compile(_DECLARED + r"([A-Za-z_]\w*)(\+?)=\((.*)\)\s*(?:#.*)?$", re.S)
+_ARRAY_START = re.compile(_DECLARED + r"[A-Za-z_]\w*\+?=\(")
+#: One ``NAME=value`` / ``NAME+=value`` word: (name, "+" or "", value).
+_ASSIGNMENT_PARTS = re.compile(r"^([A-Za-z_]\w*)(\+?)=(.*)$", re.S)
+#: A value known only when the script runs: a command substitution, or a parameter expansion with a default or an
+#: edit (``${PORT:-29500}``, ``${X%.*}``). Other variables it names are kept as written (``$1``, ``${OPTS}``).
+_RUNTIME_VALUE = re.compile(r"\$\((?!\()|`|\$\{[^}]*[:#%/]")
+#: ``$NAME``, ``${NAME}``, ``${NAME[@]}`` / ``${NAME[*]}``; ``"${NAME[@]}"`` quoted is its words, each kept whole.
+_REFERENCE = re.compile(r'"\$\{([A-Za-z_]\w*)\[[@*]\]\}"|\$\{([A-Za-z_]\w*)(?:\[[@*]\])?\}|\$([A-Za-z_]\w*)')
+
+
+@dataclass
+class _ScriptVariables:
+    """What a script has assigned by the line being read."""
+
+    known: dict[str, str] = field(default_factory=dict)
+    """Values certain at this line: set outside any if/case/loop, from what was known there."""
+    seen: list[str] = field(default_factory=list)
+    """Every value assigned, in order, certain or not: where a launch command nothing runs is looked for."""
+    depth: int = 0
+    """The if/case/loop blocks around the line: an assignment there may not run (or runs with other values)."""
+
+    def assign(self, name: str, value: str | None, append: bool) -> None:
+        """Set (or append to) a variable; a value not known, or set inside a block, makes it unknown."""
+        if value is not None and append:
+            value = f"{self.known[name]} {value}".strip() if name in self.known else None
+        if value is not None:
+            self.seen.append(value)
+        if value is None or self.depth:
+            self.known.pop(name, None)
+        else:
+            self.known[name] = value
+
+
+def _note_assignment(line: str, variables: _ScriptVariables) -> bool:
+    """Record ``NAME=value``, ``NAME+=value``, ``NAME=(words)`` and their ``export``/``local``/``declare`` forms; True
+    when the line only assigns (it runs nothing). ``NAME=value command ...`` sets NAME for that command only: not an
+    assignment of the script. A value known only when the script runs is forgotten, never kept from before."""
+    array = _ARRAY.match(line)
+    if array:
+        variables.assign(array.group(1), _array_words(array.group(3), variables.known), bool(array.group(2)))
+        return True
+    tokens = _assignment_words(line)
+    for name, plus, value in (_ASSIGNMENT_PARTS.match(t).groups() for t in tokens or ()):
+        known = None if _RUNTIME_VALUE.search(value) else " ".join(_expand_assigned(value, variables.known).split())
+        variables.assign(name, known, bool(plus))
+    return tokens is not None
+
+
+#: The words that open a shell block whose body may not run, or runs several times, and the word that closes it.
+_BLOCKS = {"if": "fi", "case": "esac", "for": "done", "while": "done", "until": "done", "select": "done"}
+
+
+def _block_change(line: str) -> int:
+    """+1 when the line opens an if/case/loop it does not close, -1 when it closes one, else 0."""
     try:
-        tokens = shlex.split(line, comments=True)
+        words = shlex.split(_protect_substitutions(line), comments=True)
+    except ValueError:
+        return 0
+    first = words[0].rstrip(";") if words else ""
+    if first in _BLOCKS:
+        return 0 if any(w.rstrip(";") == _BLOCKS[first] for w in words) else 1
+    return -1 if first in _BLOCKS.values() else 0
+
+
+def _assignment_words(line: str) -> list[str] | None:
+    """The ``NAME=value`` words of a line that only assigns (after a declaration and its options), else None."""
+    try:  # a trailing ";" ends the command, as the next line would
+        tokens = [t.replace(_SPACE, " ") for t in shlex.split(_protect_substitutions(line.rstrip().removesuffix(";")),
+                                                               comments=True)]  # fmt: skip
     except ValueError:  # an unbalanced quote: not a line this reader understands
-        return
-    if tokens[:1] == ["export"]:
-        tokens = tokens[1:]
-    if not tokens or not all(_ASSIGNMENT.match(t) for t in tokens):
-        return
-    for token in tokens:
-        name, _, value = token.partition("=")
-        # a command substitution, or a parameter expansion with a default (`${PORT:-29500}`): known when it runs
-        if not re.search(r"\$\((?!\()|`|\$\{[^}]*[:#%/]", value):
-            assigned[name] = " ".join(_expand_assigned(value, assigned).split())
+        return None
+    if tokens[:1] and tokens[0] in _DECLARATIONS:
+        tokens = list(itertools.dropwhile(lambda t: t.startswith("-"), tokens[1:]))
+    return tokens if tokens and all(_ASSIGNMENT_PARTS.match(t) for t in tokens) else None
+
+
+def _array_words(body: str, assigned: dict[str, str]) -> str | None:
+    """An array's words as one command line, each quoted so that splitting it again gives the same words."""
+    if _RUNTIME_VALUE.search(body):
+        return None
+    try:
+        words = shlex.split(_expand_assigned(body, assigned), comments=True)
+    except ValueError:
+        return None
+    return " ".join(quote(w) for w in words)
 
 
 def _expand_assigned(line: str, assigned: dict[str, str]) -> str:
-    """``$NAME`` / ``${NAME}`` replaced by the script's own earlier assignments (others are left as written)."""
-    return re.sub(r"\$(?:\{([A-Za-z_]\w*)\}|([A-Za-z_]\w*))",
-                  lambda m: assigned.get(m.group(1) or m.group(2), m.group(0)), line)  # fmt: skip
+    """``$NAME`` / ``${NAME}`` / ``"${NAME[@]}"`` replaced by the script's own earlier assignments (others are left
+    as written)."""
+    def value(m: re.Match) -> str:
+        return assigned.get(m.group(1) or m.group(2) or m.group(3), m.group(0))
+
+    return _REFERENCE.sub(value, line)
+
+
+#: Commands that print their arguments rather than run them: a launch line after them is a message.
+_PRINTERS = frozenset({"echo", "printf"})
+
+
+def _command_of(line: str) -> str | None:
+    """The command a script line runs: None for one that prints (``echo $CMD``), the arguments of ``eval`` as the
+    line it reads (``eval "$CMD"``), else the line itself."""
+    words = tokenize(line)
+    if os.path.basename(words[0]) in _PRINTERS:
+        return None
+    if words[0] == "eval":
+        return " ".join(words[1:]) or None
+    return line
+
+
+def _logical_lines(lines: list[str]) -> list[str]:
+    """The script's lines without blank and comment lines; a quoted string or an array that spans lines is one."""
+    out: list[str] = []
+    for line in lines:
+        if out and _still_open(out[-1]):
+            out[-1] += "\n" + line
+        elif line.strip() and not line.lstrip().startswith("#"):
+            out.append(line)
+    return out
+
+
+def _still_open(text: str) -> bool:
+    """A quote, or an array's parenthesis, that the text opens and does not close."""
+    if _ARRAY_START.match(text) and text.count("(") > text.count(")"):
+        return True
+    try:
+        shlex.split(_protect_substitutions(text), comments=True)
+    except ValueError:
+        return True
+    return False
 
 
 def is_script(raw: Any) -> bool:
-    """A shell script rather than one command: a ``#!`` line, or several lines once continuations are joined."""
+    """A shell script rather than one command: a ``#!`` line, several lines once continuations are joined, or a line
+    that only assigns variables (``run_cmd="deepspeed ..."``: the command is in the value)."""
     if not isinstance(raw, str):
         return False
     lines = [line for line in re.sub(r"\\\n", " ", raw).splitlines() if line.strip()]
-    return raw.lstrip().startswith("#!") or len(lines) > 1
+    one_assignment = len(lines) == 1 and (_ARRAY.match(lines[0]) or _assignment_words(lines[0]) is not None)
+    return raw.lstrip().startswith("#!") or len(lines) > 1 or bool(one_assignment)
 
 
 def parse_script(text: str) -> dict[str, Any]:
@@ -595,18 +713,35 @@ def parse_sbatch(text: str) -> dict[str, Any]:
 
 def _first_launch(lines: list[str], what: str = "sbatch script") -> dict[str, Any]:
     """The first line of a script that runs a launcher, parsed. set -e, head_node=$(...), module load ...: not the
-    launch. It may use what the script set before (``export CMD="$LAUNCHER $SCRIPT"`` ... ``srun $CMD``, as
-    Accelerate's Slurm examples do): those are expanded. A launch line refused is the error, if none is found."""
-    assigned: dict[str, str] = {}
-    refused: ConfigError | None = None
-    for line in (line for line in lines if line.strip() and not line.lstrip().startswith("#")):
-        expanded = _expand_assigned(line, assigned)
-        _note_assignment(line, assigned)
-        try:
-            return parse(expanded)
-        except ConfigError as exc:
-            if not any(p.reason.startswith("no launcher found") for p in exc.problems):
-                refused = refused or exc
-    raise refused or ConfigError([Problem("script", None, f"no launch command in the {what} (torchrun, "
-                                          "deepspeed, horovodrun, mpirun, python -m torch.distributed.run, ...)")],
-                                 source="launch")  # fmt: skip
+    launch. It may run what the script set before (``export CMD="$LAUNCHER $SCRIPT"`` ... ``srun $CMD``, as
+    Accelerate's Slurm examples do; ``eval ${run_cmd}``; ``"${cmd[@]}"``): those are expanded, except what was set
+    inside an if/case/loop, which stays a variable. When no line runs one, a value assigned that is a launch command
+    is (it is run by a function, set in a branch, or the text is that assignment). A launch refused is the error, if
+    none is found."""
+    variables, refused = _ScriptVariables(), []
+    for line in _logical_lines(lines):
+        variables.depth = max(0, variables.depth + _block_change(line))
+        if not _note_assignment(line, variables):
+            found = _launch_or_none(_expand_assigned(line, variables.known), refused)
+            if found:
+                return found
+    for value in (*variables.known.values(), *variables.seen):
+        found = _launch_or_none(value, refused)
+        if found:
+            return found
+    raise refused[0] if refused else ConfigError([Problem("script", None, f"no launch command in the {what} "
+                                                          "(torchrun, deepspeed, horovodrun, mpirun, python -m "
+                                                          "torch.distributed.run, ...)")], source="launch")  # fmt: skip
+
+
+def _launch_or_none(text: str, refused: list[ConfigError]) -> dict[str, Any] | None:
+    """The launch command ``text`` runs, parsed; None when it runs none (a refusal of one is kept in ``refused``)."""
+    if not text.strip():
+        return None
+    try:
+        command = _command_of(text)
+        return parse(command) if command else None
+    except ConfigError as exc:
+        if not any(p.reason.startswith("no launcher found") for p in exc.problems):
+            refused.append(exc)
+        return None

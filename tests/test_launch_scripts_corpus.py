@@ -1,4 +1,4 @@
-"""Whole sbatch scripts and Kubeflow PyTorchJob manifests from public repositories (tests/fixtures/corpus/launch/
+"""Whole shell and sbatch scripts and Kubeflow PyTorchJob manifests from public repositories (tests/fixtures/corpus/launch/
 scripts/, sources in SOURCES.md): each is read with the layout it describes, and written for every launcher and
 scheduler without an error; the manifests written are valid PyTorchJobs."""
 
@@ -32,6 +32,11 @@ LAYOUT = {
     "kubeflow-deepspeed-demo.yaml": ("/train_bert_ds.py", 2, None, 1, None),
     "kubeflow-cpu-demo.yaml": ("demo.py", 2, None, 2, None),
     "torchtitan-run-train.sh": ("torchtitan.train", None, None, "${NGPU}", None),
+    # the launch line in a variable: run_cmd="... deepspeed ..." / CMD="python -m torch.distributed.launch ..."
+    "glm-ds-pretrain-nvidia.sh": ("pretrain_glm.py", 32, None, 8, None),
+    "glm-ds-finetune-superglue.sh": ("finetune_glm.py", 1, None, 8, None),
+    "modelcenter-pretrain-cpm2.sh": ("/mnt/sfs_turbo/ModelCenter/examples/cpm2/pretrain_cpm2.py", 1, None, 8, None),
+    "megatron-deepspeed-run-bf16.sh": ("${DIR}/pretrain_gpt.py", 1, None, "$((TP*PP*DP*SP))", None),
 }
 
 
@@ -99,7 +104,8 @@ def test_a_script_file_is_read_by_validate_and_convert_as_by_launch(path, capsys
     assert from_file.result.launch == launch.read(path.read_text()).result.launch
     capsys.readouterr()
     assert main(["convert", str(path), "--to", "launch", "--variant", "torchrun"]) == 0
-    assert "torchrun" in capsys.readouterr().out
+    # torchrun's spelling kept: `python -m torch.distributed.launch` stays that for the same launcher
+    assert re.search(r"(^|\s)(torchrun|python -m torch\.distributed\.(run|launch)) ", capsys.readouterr().out)
 
 
 def test_a_shell_script_is_read_as_its_launch_line_not_as_one_command():
@@ -120,3 +126,19 @@ def test_a_shell_script_without_a_launch_command_is_a_clear_error(tmp_path, caps
     assert "text with no launch command in it" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="no launch command in the script"):
         launch.read(script.read_text())
+
+
+def test_a_launch_line_held_in_a_variable_is_read_where_the_script_runs_it():
+    """GLM's scripts build run_cmd="${OPTIONS_NCCL} deepspeed ..." and run it with eval after echoing it: the NCCL
+    variables are the command's environment (echo is not a wrapper); ModelCenter's gathers its options with
+    OPTS+=" ..." and runs ${CMD} | tee; Megatron-DeepSpeed's options are appended inside an if, so they stay the
+    variable the shell expands."""
+    glm = launch.read((SCRIPTS / "glm-ds-pretrain-nvidia.sh").read_text()).result
+    assert glm.launch.env == {"NCCL_DEBUG": "info", "NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "2"}
+    assert (glm.launch.hostfile, glm.launch.master_port) == ("/workspace/hostfile", "${MASTER_PORT}")
+    assert "wrapper" not in glm.extensions["launch"]
+    cpm = launch.read((SCRIPTS / "modelcenter-pretrain-cpm2.sh").read_text()).result
+    assert cpm.launch.script_args[-6:] == ["--clip-grad", "1.0", "--loss-scale", "1048576", "--start-step", "110000"]
+    assert cpm.extensions["launch"]["redirect"] == "| tee /mnt/sfs_turbo/ModelCenter/logs/cpm2.log"
+    megatron = launch.read((SCRIPTS / "megatron-deepspeed-run-bf16.sh").read_text()).result.launch
+    assert (megatron.master_port, megatron.script_args) == (29700, ["$@", "${options}"])
