@@ -35,14 +35,19 @@ test: $(STAMP)
 ## outcome compared with torsh's column of tests/deepspeed_unit_results.tsv: fails on any change, in either direction
 ## (tests/conformance/README.md). UPDATE=1 rewrites that column instead (review the diff, give each new difference
 ## its reason); CONFORMANCE_ARGS passes options (--files unit/..., --all-files, --test-timeout S, --jobs N).
+## CONFORMANCE_ARCHIVE names a larger archive to run from (tests/conformance/extend_archive.py builds one); files the
+## list runs that the archive in use lacks are reported and skipped.
 CONFORMANCE_ARGS ?=
+CONFORMANCE_ARCHIVE ?=
 conformance: $(STAMP)
-	$(PY) tests/conformance/run_deepspeed.py $(if $(UPDATE),--update) $(CONFORMANCE_ARGS)
+	$(PY) tests/conformance/run_deepspeed.py $(if $(UPDATE),--update) \
+		$(if $(CONFORMANCE_ARCHIVE),--archive $(CONFORMANCE_ARCHIVE)) $(CONFORMANCE_ARGS)
 
 ## The same tests on real DeepSpeed 0.19.8, rewriting DeepSpeed's column of the list (not run in CI: DeepSpeed
 ## JIT-builds its C++ ops into TORCH_EXTENSIONS_DIR first, a few minutes).
 conformance-record-deepspeed: $(STAMP)
-	$(PY) tests/conformance/run_deepspeed.py --engine deepspeed --update $(CONFORMANCE_ARGS)
+	$(PY) tests/conformance/run_deepspeed.py --engine deepspeed --update \
+		$(if $(CONFORMANCE_ARCHIVE),--archive $(CONFORMANCE_ARCHIVE)) $(CONFORMANCE_ARGS)
 
 ## Regenerate the schemas generated from code.
 schemas: $(STAMP)

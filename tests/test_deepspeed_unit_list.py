@@ -6,13 +6,17 @@ reads the list, so that an edit that would break the comparison fails ``make tes
 
 from __future__ import annotations
 
+import io
+import signal
 import sys
+import tarfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "conformance"))
 
-from run_deepspeed import ENGINES, OUTCOMES, Expected, file_of  # noqa: E402
+from extend_archive import closure, imported_helpers  # noqa: E402
+from run_deepspeed import ENGINES, OUTCOMES, Expected, file_of, files_to_run, main  # noqa: E402
 
 
 def test_every_row_has_known_outcomes_and_a_reason_for_each_difference():
@@ -44,3 +48,50 @@ def test_files_are_declared_run_or_excluded_with_the_reason():
     for name in expected.rows:
         assert file_of(name) in expected.files, f"{name}: its file has no #file line"
     assert any(file_of(n) in run for n in expected.rows), "no row of a run file"
+
+
+def test_files_the_list_runs_that_the_archive_lacks_are_skipped_and_named(tmp_path):
+    expected = Expected()
+    run = expected.run_files()
+    every = run[1:] + ["unit/other/test_x.py"]
+    files, absent = files_to_run(expected, every, None)
+    assert files == run[1:] and absent == run[:1]
+    files, absent = files_to_run(expected, every, None, all_files=True)
+    assert set(files) == set(every) and absent == run[:1]
+    files, absent = files_to_run(expected, every, [run[0], "unit/other/test_x.py"])
+    assert files == ["unit/other/test_x.py"] and absent == run[:1]
+
+
+def test_a_run_with_an_archive_lacking_every_listed_file_passes_and_says_so(tmp_path, capsys, monkeypatch):
+    """CI runs the list with the shared archive, which may hold fewer files than the list declares run."""
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # the runner's handlers are not for this process
+    archive = tmp_path / "deepspeed-tests-edaa722.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        data = b"def test_nothing():\n    pass\n"
+        info = tarfile.TarInfo("deepspeed-tests-edaa722/tests/unit/other/test_x.py")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    assert main(["--archive", str(archive), "--results", str(tmp_path / "out.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("not in the archive") == 1
+    assert f"skipped: {len(Expected().run_files())} files" in out
+    # Named explicitly, a file the archive lacks is an error.
+    assert main(["--archive", str(archive), "--results", str(tmp_path / "out.json"),
+                 "--files", Expected().run_files()[0]]) == 2  # fmt: skip
+
+
+def test_extend_archive_takes_each_test_file_with_the_helpers_it_imports():
+    sources = {
+        "tests/unit/__init__.py": "",
+        "tests/unit/common.py": "import os\n",
+        "tests/unit/util.py": "from unit.common import x\n",
+        "tests/unit/alexnet_model.py": "from .util import y\n",
+        "tests/unit/simple_model.py": "import torch\n",
+        "tests/unit/v1/moe/__init__.py": "",
+        "tests/unit/v1/moe/test_moe.py": "from unit.simple_model import *\nfrom unit.alexnet_model import A\n",
+        "tests/unit/pipe/test_pipe.py": "def f():\n    import unit.common\n",
+    }
+    assert imported_helpers("tests/unit/alexnet_model.py", sources["tests/unit/alexnet_model.py"]) >= {
+        "tests/unit/util.py"}  # fmt: skip
+    found = closure(["tests/unit/v1/moe/test_moe.py", "tests/unit/pipe/test_pipe.py"], sources.get)
+    assert set(found) == set(sources)

@@ -19,7 +19,9 @@ After a deliberate change, or once the drop-in's code is final, re-record with `
 UPDATE=1``): the engine's column is rewritten for the files run, reasons are kept, rows new to the list get a
 ``TODO`` reason to fill in. Real DeepSpeed's column is recorded with ``--engine deepspeed --update`` (``make
 conformance-record-deepspeed``; DeepSpeed JIT-builds a C++ op the first time, into ``TORCH_EXTENSIONS_DIR``).
-``--files`` runs only some files; ``--all-files`` also runs the excluded ones.
+``--files`` runs only some files; ``--all-files`` also runs the excluded ones. ``--archive`` runs from another
+archive of the same shape (``extend_archive.py`` builds one with more files); files the list declares run that the
+archive in use lacks are named once and skipped.
 """
 
 from __future__ import annotations
@@ -313,13 +315,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-preload", action="store_true", help="each rank imports torch and the engine itself")
     parser.add_argument("--results", type=Path, help="JSON of the outcomes (default: .venv/conformance/)")
     parser.add_argument("--from-results", type=Path, help="compare (or --update) from a results JSON, run nothing")
+    parser.add_argument("--archive", type=Path, default=ARCHIVE,
+                        help="DeepSpeed's test archive to run from (default: the shared one; a larger one: "
+                             "extend_archive.py)")  # fmt: skip
     args = parser.parse_args(argv)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _stop)
 
-    if not ARCHIVE.is_file():
-        print(f"DeepSpeed's test archive is not there: looked for {ARCHIVE} (the shared conformance folder beside "
-              "the repository)", file=sys.stderr)  # fmt: skip
+    if not args.archive.is_file():
+        print(f"DeepSpeed's test archive is not there: looked for {args.archive}"
+              + (" (the shared conformance folder beside the repository)" if args.archive == ARCHIVE else ""),
+              file=sys.stderr)  # fmt: skip
         return 2
     expected = Expected()
     if args.from_results:
@@ -332,16 +338,18 @@ def main(argv: list[str] | None = None) -> int:
     results_path = args.results or RESULTS_DIR / f"deepspeed-unit-{args.engine}.json"
     with tempfile.TemporaryDirectory(prefix="ds-conformance-") as tmp:
         work = Path(tmp)
-        with tarfile.open(ARCHIVE) as tar:
+        with tarfile.open(args.archive) as tar:
             tar.extractall(work / "src", filter="data")
         (top,) = (work / "src").iterdir()
         tests_dir = top / "tests"
         every = sorted(str(p.relative_to(tests_dir)) for p in tests_dir.glob("unit/**/test_*.py"))
-        files = args.files or (every if args.all_files else expected.run_files())
-        unknown = sorted(set(files) - set(every))
-        if unknown:
-            print(f"not in the archive: {unknown}", file=sys.stderr)
+        files, absent = files_to_run(expected, every, args.files, all_files=args.all_files)
+        if args.files and absent:
+            print(f"not in the archive ({args.archive.name}): {absent}", file=sys.stderr)
             return 2
+        if absent:
+            print(f"not in the archive ({args.archive.name}), skipped: {len(absent)} files the list runs: "
+                  + ", ".join(absent), flush=True)  # fmt: skip
         print(f"DeepSpeed's unit tests on {args.engine}: {len(files)} files, {args.jobs} at once, "
               f"DS_UNITTEST_TIMEOUT={args.test_timeout}s, {args.file_timeout}s per file", flush=True)  # fmt: skip
         measured: dict[str, dict] = {}
@@ -374,6 +382,15 @@ def main(argv: list[str] | None = None) -> int:
     totals = {o: sum(1 for r in measured.values() if r["outcome"] == o) for o in OUTCOMES}
     print(f"{elapsed:.0f}s in all  {_tally(totals)}; results in {results_path}")
     return _conclude(expected, args.engine, files, measured, args.update)
+
+
+def files_to_run(expected: Expected, every: list[str], requested: list[str] | None, *,
+                 all_files: bool = False) -> tuple[list[str], list[str]]:  # fmt: skip
+    """The files to run and, apart, those asked for that the archive does not hold. The list may declare files
+    ``run`` that an older archive lacks (the shared archive is extended after the list): those are skipped, so
+    that the run compares what it can until the archive has them."""
+    wanted = requested or (sorted(set(every) | set(expected.run_files())) if all_files else expected.run_files())
+    return [f for f in wanted if f in every], [f for f in wanted if f not in every]
 
 
 def _tally(counts: dict[str, int]) -> str:
