@@ -124,6 +124,11 @@ def layout(rank: int, world_size: int, scenario: dict) -> dict:
     engine.step()
     record["stepped"] = [w.ds_tensor.tolist() for w in weights]
     record["out2"] = engine(torch.ones(3, 5)).tolist()
+    weights[1].all_gather()  # DeepSpeed's parameter methods: whole, then partitioned again
+    record["gathered"] = [list(weights[1].shape), str(weights[1].ds_status.name)]
+    record["gathered_sum"] = float(weights[1].sum())
+    weights[1].partition()
+    record["partitioned"] = [weights[1].numel(), str(weights[1].ds_status.name)]
     return record
 
 
@@ -201,7 +206,11 @@ def test_weights_the_model_was_built_from_are_deepspeeds_partitions_after_initia
         assert mine["averaged"] == real["averaged"]
     # the step moves the written partitions (Adam's first step: lr 0.1 against the gradient's sign). DeepSpeed's
     # moves the fp32 copy it took at initialize instead (zeros), dropping the writes: not compared.
+    for mine, real in zip(ours, theirs):
+        assert mine["gathered"] == real["gathered"] == [[3, 5], "AVAILABLE"]
+        assert mine["partitioned"] == real["partitioned"] == [0, "NOT_AVAILABLE"]
     for rank, r in enumerate(ours):
+        assert r["gathered_sum"] == pytest.approx(sum(ours[0]["stepped"][1][:8]) + sum(ours[1]["stepped"][1][:7]))
         for i, part in enumerate(r["stepped"]):
             moved = [(i + 1) * (rank + 1) - 0.1] * (8 - rank) + [0.0] * rank  # rank 1's last element: padding
             assert part == pytest.approx(moved, rel=1e-5)

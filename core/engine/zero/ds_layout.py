@@ -132,6 +132,25 @@ class OriginalParameter(nn.Parameter):
     def partition_numel(self) -> int:
         return self.__dict__[LINK].refresh().numel()
 
+    @torch.no_grad()
+    def all_gather(self, param_list=None, async_op=False, hierarchy=0) -> None:  # noqa: ARG002  (DeepSpeed's)
+        """DeepSpeed's ``param.all_gather()``: ``data`` becomes the shard's whole value (collective)."""
+        for p in param_list or [self]:
+            if isinstance(p, OriginalParameter) and p.ds_status is ZeroParamStatus.NOT_AVAILABLE:
+                p.data = _whole(p.__dict__[LINK].shard).to(p.dtype).view(p.ds_shape)
+                p.ds_status = ZeroParamStatus.AVAILABLE
+
+    @torch.no_grad()
+    def partition(self, param_list=None, hierarchy=0, has_been_updated=False, free_data=True) -> None:  # noqa: ARG002
+        """DeepSpeed's ``param.partition()``: ``data`` is freed again; ``has_been_updated``: what was written to the
+        whole value first becomes the shard's (every rank writes the same value)."""
+        for p in param_list or [self]:
+            if isinstance(p, OriginalParameter) and p.ds_status is ZeroParamStatus.AVAILABLE:
+                if has_been_updated:
+                    zero_params.write_whole(p.__dict__[LINK].shard, p.data)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
     ds_summary = zero_params.ds_summary
 
 
