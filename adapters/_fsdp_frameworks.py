@@ -18,6 +18,7 @@ from torsh.concepts.precision import GRAD_SCALER, GRAD_SCALER_RULES
 from torsh.config import AUTO, get_path
 from torsh.translate import NOTHING, Fidelity, FieldMap, Hook, Ignored, ReadContext, To, Unsupported
 
+from ._sniff import Shape
 from ._torch_names import NO_SHARD_REASON, dtype, to_bool
 
 #: The Trainer's ``fsdp`` options: a strategy (``torsh.concepts.sharding.TRAINER_OPTIONS``) or one of these.
@@ -210,6 +211,16 @@ LAYOUTS = {
     "hf_trainer": (HF_TRAINER_MAP, _trainer_finalize),
     "torchtune": (TORCHTUNE_MAP, _torchtune_finalize),
     "torchtitan": (TORCHTITAN_MAP, _titan_finalize),
+}
+
+
+#: Each framework's file, by the keys that identify it among the ones its map knows: above the native seed layout
+#: (0.9), which also has a [training] section, below torchtune's and torchtitan's own dialects (0.97).
+SHAPES = {
+    "hf_trainer": Shape(0.95, ({"fsdp"},), HF_TRAINER_MAP, where=lambda raw: isinstance(raw["fsdp"], (str, list))),
+    "torchtitan": Shape(0.95, ({"parallelism"},), TORCHTITAN_MAP, tables={"parallelism"}),
+    "torchtune": Shape(0.95, ({"fsdp_cpu_offload", "custom_sharded_layers", "enable_activation_checkpointing"},),
+                       TORCHTUNE_MAP),
 }
 
 

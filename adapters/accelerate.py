@@ -62,6 +62,7 @@ from ._accelerate_fsdp import (
     _write_fsdp_rest,
     _write_fsdp_sharding,
 )
+from ._sniff import Shape, best
 from ._torch_names import AUTO_SETTERS, SCRIPT_SIDE, explain_unsupported
 
 NAME = "accelerate"
@@ -409,13 +410,11 @@ def _finalize_precision(ctx: ReadContext, state: dict, kind: str) -> None:
 # ---- reading ------------------------------------------------------------------------------------------
 
 
-def _sniff(raw: Any) -> float:
-    """An accelerate config: ``distributed_type`` or its ``*_config`` sections next to the launch keys."""
-    if not isinstance(raw, dict):
-        return 0.0
-    if "distributed_type" in raw or "compute_environment" in raw:
-        return 1.0
-    return 0.8 if {"fsdp_config", "deepspeed_config"} & set(raw) and "num_processes" in raw else 0.0
+#: An accelerate config: ``distributed_type`` or ``compute_environment``, or (less surely) its FSDP or DeepSpeed
+#: section next to the launch keys.
+SHAPES = tuple(Shape(ceiling, anchors, {*FIELD_MAP, *ALIASES}) for ceiling, anchors in (
+    (1.0, ({"distributed_type", "compute_environment"},)),
+    (0.8, ({"fsdp_config", "deepspeed_config"}, {"num_processes"}))))
 
 
 def _check_ds_file_exclusive(raw: dict) -> None:
@@ -733,7 +732,7 @@ class Accelerate(Dialect):
         return translation
 
     def sniff(self, raw: Any) -> float:
-        return _sniff(raw)
+        return best(SHAPES, raw)
 
 
 DIALECT = Accelerate()

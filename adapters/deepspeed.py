@@ -47,6 +47,7 @@ from torsh.translate import (
 from . import _deepspeed_rules as rules
 from ._deepspeed_optim import OPTIMIZER, SCHEDULER
 from ._deepspeed_precision import PRECISION
+from ._sniff import Shape, best, top_keys
 
 _PERF = "a performance knob with no numerical effect; the torsh engine sizes this itself"
 _ZERO3_PERF = "a ZeRO-3 fetch/partition knob (FSDP2 prefetches implicitly); no numerical effect"
@@ -224,9 +225,12 @@ VALUE_MAPS = {
 
 #: Keys whose presence marks DeepSpeed JSON when sniffing.
 _MARKERS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_clipping", "steps_per_print",
-            "wall_clock_breakdown", "zero_allow_untested_optimizer"}
-#: DeepSpeed's precision and ZeRO keys are sections; HF Trainer arguments use the same names as booleans.
-_SECTION_MARKERS = ("zero_optimization", "fp16", "bf16", "bfloat16")
+            "wall_clock_breakdown", "zero_allow_untested_optimizer", "zero_optimization"}
+#: DeepSpeed's precision keys are sections; HF Trainer arguments use the same names as booleans.
+_SECTION_MARKERS = ("fp16", "bf16", "bfloat16")
+#: A DeepSpeed config: one of its own keys or sections, among keys DeepSpeed 0.19.8 knows (it ignores the others).
+SHAPES = (Shape(0.95, ({*_MARKERS, *_SECTION_MARKERS},), top_keys([*FIELD_MAP, *ALIASES]), tables=_SECTION_MARKERS,
+                lenient=True),)
 #: Keys whose DeepSpeed default *is* the string "auto" (not the Hugging Face convention).
 _DEEPSPEED_OWN_AUTO = ("pipeline.stages", "data_types.keep_in_fp32_modules", "zero_optimization.zenflow")
 #: A micro batch DeepSpeed accepts when the source leaves the batch to the training script.
@@ -302,11 +306,8 @@ class DeepSpeed(Dialect):
                               "(or \"auto\" when the HF Trainer / Accelerate fill it)"))  # fmt: skip
 
     def sniff(self, raw: Any) -> float:
-        """0.95 when the top level holds DeepSpeed's own keys (its sections as objects), else 0."""
-        if not isinstance(raw, dict) or not raw:
-            return 0.0
-        sections = any(isinstance(raw.get(k), dict) for k in _SECTION_MARKERS) or raw.get("zero_optimization") is True
-        return 0.95 if sections or _MARKERS & set(raw) else 0.0
+        """DeepSpeed's own top-level keys (``SHAPES``), lowered by keys DeepSpeed does not know."""
+        return best(SHAPES, raw)
 
 
 def _schema_check(raw: Mapping[str, Any]) -> list[Any]:

@@ -29,6 +29,7 @@ from torsh.translate import (
     settle_auto,
 )
 
+from ._sniff import Shape, best
 from ._torch_names import (
     AUTO_SETTERS,
     SCRIPT_SIDE,
@@ -276,11 +277,9 @@ def _finalize_sdp(ctx: ReadContext, state: dict) -> None:
         ctx.note(fp16[1], Fidelity.EXACT, "no compression", fp16[2], "compression.method")
 
 
-def _sniff(raw: Any) -> float:
-    """FairScale: top-level ``fsdp`` / ``oss`` / ``sdp`` / ``scaler`` mappings only."""
-    if not isinstance(raw, dict) or not raw or not set(raw) <= {"fsdp", "oss", "sdp", "scaler"}:
-        return 0.0
-    return 1.0 if all(isinstance(v, dict) for v in raw.values()) else 0.0
+_SECTIONS = ("fsdp", "oss", "sdp", "scaler")
+#: FairScale: top-level ``fsdp`` / ``oss`` / ``sdp`` / ``scaler`` mappings.
+SHAPES = (Shape(1.0, (_SECTIONS,), FIELD_MAP, tables=_SECTIONS),)
 
 
 # ---- writing ------------------------------------------------------------------------------------------------
@@ -466,7 +465,7 @@ class FairScale(Dialect):
         _finalize_write(ctx)
 
     def sniff(self, raw: Any) -> float:
-        return _sniff(raw)
+        return best(SHAPES, raw)
 
 
 DIALECT = FairScale()

@@ -43,6 +43,7 @@ from torsh.translate import (
 )
 
 from . import _fsdp_frameworks as frameworks
+from ._sniff import Shape, best, top_keys
 from ._torch_names import (
     AUTO_SETTERS,
     DTYPES,
@@ -343,19 +344,15 @@ def _finalize_read(version: str):
     return finalize
 
 
-def _sniff(raw: Any) -> float:
-    """FSDP kwargs: every top-level key is an FSDP1 kwarg, or the FSDP2 layout's ``fully_shard``."""
-    if not isinstance(raw, dict) or not raw:
-        return 0.0
-    if isinstance(raw.get("fully_shard"), dict):
-        return 1.0
-    if frameworks.layout(raw):
-        return 0.95  # above the native seed layout, which also has a "training" section
-    top = {k.split(".")[0] for k in FSDP1_MAP} | {"state_dict_type"}
-    # Accelerate also has a top-level mixed_precision, but as one of its strings.
-    if set(raw) <= top and str(raw.get("mixed_precision")).lower() not in ("no", "fp16", "bf16", "fp8"):
-        return 0.9
-    return 0.0
+#: Accelerate also has a top-level mixed_precision, but as one of its strings.
+_ACCELERATE_PRECISION = ("no", "fp16", "bf16", "fp8")
+#: FSDP2's fully_shard layout (1), a trainer framework's FSDP settings (0.95), FSDP1's keyword arguments (0.9).
+SHAPES = (
+    Shape(1.0, ({"fully_shard"},), FIELD_MAP, tables={"fully_shard"}),
+    *frameworks.SHAPES.values(),
+    Shape(0.9, ({*top_keys(FSDP1_MAP), "state_dict_type"},), {*FSDP1_MAP, "state_dict_type"},
+          where=lambda raw: str(raw.get("mixed_precision")).lower() not in _ACCELERATE_PRECISION),
+)
 
 
 def layout(raw: Any) -> str:
@@ -625,7 +622,7 @@ class Fsdp(Dialect):
         return translation
 
     def sniff(self, raw: Any) -> float:
-        return _sniff(raw)
+        return best(SHAPES, raw)
 
 
 DIALECT = Fsdp()

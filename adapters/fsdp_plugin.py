@@ -20,7 +20,8 @@ from torsh.config import TorshConfig, set_path
 from torsh.errors import ConfigError, Problem
 from torsh.translate import Fidelity, Note, Translation
 
-from . import accelerate
+from . import accelerate, fsdp
+from ._sniff import Shape, best, top_keys
 
 NAME = "fsdp_plugin"
 DEFAULT_FORMAT = "json"
@@ -260,14 +261,22 @@ def _plain(key: str) -> str:
     return {v: k for k, v in _RENAMED.items()}.get(key, key.removeprefix("fsdp_"))
 
 
+def _plugin_keys() -> set[str]:
+    """The plugin's keys as an fsdp_config holds them, with and without the ``fsdp_`` prefix."""
+    plain = {k.split(".", 1)[1].removeprefix("fsdp_") for k in accelerate.FSDP_MAP} | set(_RENAMED) | _XLA
+    plain |= {"min_num_params", "limit_all_gathers", "activation_cpu_offload"}
+    return plain | {f"fsdp_{k}" for k in plain}
+
+
+#: An fsdp_config: plugin keys, alone (one not also an FSDP keyword argument) or in an ``fsdp_config`` section
+#: (``_``-keys are comments), and nothing of an Accelerate YAML's top level.
+_ACCELERATE_TOP = ("distributed_type", "compute_environment")
+SHAPES = (Shape(0.96, (_plugin_keys() - top_keys(fsdp.FIELD_MAP),), {*_plugin_keys(), "_*"}, excludes=_ACCELERATE_TOP),
+          Shape(0.96, ({"fsdp_config"},), {"fsdp", "_*", "fsdp_config._*", *(f"fsdp_config.{k}" for k in
+                                                                            _plugin_keys())},
+                tables={"fsdp_config"}, excludes=_ACCELERATE_TOP))  # fmt: skip
+
+
 def sniff(raw: Any) -> float:
-    """An fsdp_config: FSDP plugin keys (with or without the prefix) and nothing of an Accelerate YAML's top level."""
-    if not isinstance(raw, dict) or not raw or "distributed_type" in raw or "compute_environment" in raw:
-        return 0.0
-    nested = isinstance(raw.get("fsdp_config"), dict)
-    config = raw["fsdp_config"] if nested else raw
-    keys = {str(k).removeprefix("fsdp_") for k in config if not str(k).startswith("_")}
-    known = {k.split(".", 1)[1].removeprefix("fsdp_") for k in accelerate.FSDP_MAP} | set(_RENAMED) | _XLA
-    beside = {str(k) for k in raw if not str(k).startswith("_")} - {"fsdp", "fsdp_config"} if nested else set()
-    plugin = keys and keys <= known | {"min_num_params", "limit_all_gathers", "activation_cpu_offload"}
-    return 0.96 if plugin and not beside else 0.0
+    """An fsdp_config (``SHAPES``)."""
+    return best(SHAPES, raw)

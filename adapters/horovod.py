@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
+from torsh.adapters._sniff import Shape, best
 from torsh.adapters._torch_names import AUTO_SETTERS
 from torsh.concepts.launch import HOROVOD_LOG_LEVELS
 from torsh.config import MAX_BYTES_SIZE, TorshConfig, get_path
@@ -423,25 +424,18 @@ _BUILD_TIME = ("HOROVOD_WITH_", "HOROVOD_WITHOUT_", "HOROVOD_GPU", "HOROVOD_BUIL
 # sniff and read
 
 
-def _is_env(raw: Any) -> bool:
-    return (isinstance(raw, dict) and bool(raw) and all(isinstance(k, str) for k in raw)
-            and any(k.startswith("HOROVOD_") for k in raw)
-            and all(not isinstance(v, (dict, list)) for v in raw.values()))  # fmt: skip
-
-
-def _is_config_file(raw: Any) -> bool:
-    """Mostly config-file sections (horovodrun passes over the other keys), none of the four-section layout's."""
-    if not isinstance(raw, dict) or not raw or set(raw) & set(SECTIONS):
-        return False
-    known = set(raw) & set(CONFIG_FILE_SECTIONS)
-    return 2 * len(known) >= len(raw) and bool(known - {"logging"} or isinstance(raw.get("logging"), dict))
+#: The four-section layout (1), and a bare config-file YAML or HOROVOD_* environment (0.9): horovodrun passes over
+#: a config file's other keys, and the environment holds other variables (written in capitals) too.
+FOUR_SECTIONS = Shape(1.0, (SECTIONS,))
+CONFIG_FILE = Shape(0.9, (CONFIG_FILE_SECTIONS,), tables={"logging"}, excludes=SECTIONS)
+ENV = Shape(0.9, ({"HOROVOD_*"},), {"[A-Z]*"}, where=lambda raw: all(isinstance(k, str) and not isinstance(
+    v, (dict, list)) for k, v in raw.items()))  # fmt: skip
+SHAPES = (FOUR_SECTIONS, CONFIG_FILE, ENV)
 
 
 def _bare_section(raw: Any) -> str:
     """The section a bare config-file YAML or HOROVOD_* mapping stands for ("" for the four-section layout)."""
-    if not isinstance(raw, dict) or set(raw) <= set(SECTIONS):
-        return ""
-    return "config_file" if _is_config_file(raw) else "env" if _is_env(raw) else ""
+    return "config_file" if CONFIG_FILE.confidence(raw) else "env" if ENV.confidence(raw) else ""
 
 
 def _unwrap(path: str, wrapped: str) -> str:
@@ -550,10 +544,8 @@ class Horovod(Dialect):
         settle_auto(ctx, AUTO_SETTERS)
 
     def sniff(self, raw: Any) -> float:
-        """1 for the four-section layout, 0.9 for a bare config-file YAML or HOROVOD_* environment, else 0."""
-        if isinstance(raw, dict) and raw and set(raw) <= set(SECTIONS):
-            return 1.0
-        return 0.9 if _is_config_file(raw) or _is_env(raw) else 0.0
+        """The four-section layout, a bare config-file YAML or a HOROVOD_* environment (``SHAPES``)."""
+        return best(SHAPES, raw)
 
 
 # --------------------------------------------------------------------------------------------------

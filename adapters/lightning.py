@@ -26,6 +26,7 @@ from torsh.errors import ConfigError, Problem
 from torsh.translate import Fidelity, Note, Translation
 
 from . import deepspeed, fsdp
+from ._sniff import Shape, best
 
 NAME = "lightning"
 VERSIONS = ("deepspeed", "fsdp")
@@ -428,9 +429,11 @@ def write(cfg: TorshConfig, *, version: str | None = None) -> Translation[dict]:
     return Translation({"FSDPStrategy": args}, notes, "torsh", NAME)
 
 
+#: A mapping with one Lightning strategy section (beside the Trainer's or Fabric's launch arguments).
+SHAPES = (Shape(1.0, (STRATEGIES,), LAUNCH, tables=STRATEGIES,
+                where=lambda raw: sum(isinstance(raw.get(k), dict) for k in STRATEGIES) == 1),)
+
+
 def sniff(raw: Any) -> float:
-    """A mapping with one Lightning strategy section."""
-    if not isinstance(raw, dict):
-        return 0.0
-    return 1.0 if sum(isinstance(raw.get(k), dict) for k in STRATEGIES) == 1 and set(raw) <= {*STRATEGIES, *LAUNCH} \
-        else 0.0
+    """A mapping with one Lightning strategy section (``SHAPES``)."""
+    return best(SHAPES, raw)

@@ -23,6 +23,8 @@ from torsh.config import TorshConfig
 from torsh.dialect import Dialect
 from torsh.translate import Fidelity, Group, Ignored, Seen, To, Unsupported, WriteContext, settle_auto
 
+from ._sniff import Shape, best
+
 NAME = "torchtitan"
 _NOT_DISTRIBUTED = "not a distributed setting"
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -507,6 +509,33 @@ def _post_init_problems(raw: Any) -> list:
     return problems
 
 
+def _keys_of(sections: dict[str, Any]) -> set[str]:
+    """Every section and key of a key table, dotted (``quantize.linear.float8.recipe_name``)."""
+    return {path for section, keys in sections.items() for path in (section, *(f"{section}.{k}" for k in keys))}
+
+
+def _current_keys() -> set[str]:
+    table = key_table()
+    return _keys_of(table["sections"]).union(*(_keys_of(extra) for extra in table["extensions"].values()))
+
+
+def _older_keys() -> set[str]:
+    """What torchtitan files from before 0.2 hold that 0.2.2 does not define (a removed section: all of it)."""
+    moved = {f"{section}.{key}" for section in ("training", "experimental") for key in key_table()["sections"]
+             ["parallelism"]}  # as _moved_to_parallelism finds them
+    return {*RENAMED_BEFORE_0_2, *moved, *(f"{k}.*" for k in RENAMED_BEFORE_0_2 if "." not in k)}
+
+
+_ANCHORS = ({"job", "parallelism"}, {"job", "model", "training"})
+#: A torchtitan job config, of torchtitan 0.2.2 (above the FSDP dialect's transcriptions of such files, 0.95) or of
+#: any version (below them: the FSDP dialect reads a transcription without refusing its old sections; above a torsh
+#: seed-layout file, 0.9).
+SHAPES = (
+    Shape(0.97, _ANCHORS, _current_keys(), tables={"job", "parallelism", "model", "training"}),
+    Shape(0.92, _ANCHORS, _current_keys() | _older_keys(), tables={"job", "parallelism", "model", "training"}),
+)
+
+
 class Torchtitan(Dialect):
     NAME = NAME
     DEFAULT_FORMAT = "toml"
@@ -536,17 +565,8 @@ class Torchtitan(Dialect):
         settle_auto(ctx, AUTO_SETTERS)
 
     def sniff(self, raw: Any) -> float:
-        """A torchtitan job config: its sections, with [parallelism] or [job] among them."""
-        if not isinstance(raw, dict) or not ({"parallelism", "job"} & set(raw)):
-            return 0.0
-        current = set(key_table()["sections"]) | {s for e in key_table()["extensions"].values() for s in e}
-        old = {k for k in RENAMED_BEFORE_0_2 if "." not in k}  # a torchtitan file of any version
-        tables = {k for k, v in raw.items() if isinstance(v, dict)}
-        if not (tables and tables <= current | old and {"training", "model", "job"} & tables):
-            return 0.0
-        # recognised through a section torchtitan 0.2 removed: above a torsh file of unknown keys (0.9), below the
-        # FSDP dialect's transcriptions of such files (0.95), which read them without refusing the old sections
-        return 0.97 if tables <= current else 0.92
+        """A torchtitan job config: [job] or [parallelism], with [job], [model] or [training] (see ``SHAPES``)."""
+        return best(SHAPES, raw)
 
 
 DIALECT = Torchtitan()

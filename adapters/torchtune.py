@@ -24,6 +24,8 @@ from torsh.config import AUTO, TorshConfig
 from torsh.dialect import Dialect, Prepared
 from torsh.translate import Fidelity, FieldMap, Group, Hook, Note, Seen, To, Unsupported, WriteContext, settle_auto
 
+from ._sniff import Shape, best
+
 NAME = "torchtune"
 _DTYPES = {"fp32": "fp32", "bf16": "bf16"}
 _OPTIMIZER_FIELDS = ("lr", "weight_decay", "betas", "eps", "momentum")
@@ -304,6 +306,13 @@ _FIELDS = {
 }
 
 
+#: A recipe config: ``_component_`` sections next to torchtune's training keys, among the keys its recipes read (a
+#: recipe ignores the others); above the fsdp dialect's torchtune excerpts (0.95).
+SHAPES = (Shape(0.97, ({"fsdp_cpu_offload", "enable_activation_checkpointing", "dtype", "checkpointer", "tokenizer"},),
+                recipe_keys(), where=lambda raw: any(isinstance(v, dict) and "_component_" in v for v in raw.values()),
+                lenient=True),)
+
+
 class Torchtune(Dialect):
     NAME = NAME
     DEFAULT_FORMAT = "yaml"
@@ -339,12 +348,8 @@ class Torchtune(Dialect):
         settle_auto(ctx, AUTO_SETTERS)
 
     def sniff(self, raw: Any) -> float:
-        """A recipe config: ``_component_`` sections next to torchtune's training keys."""
-        if not isinstance(raw, dict):
-            return 0.0
-        components = any(isinstance(v, dict) and "_component_" in v for v in raw.values())
-        ours = {"fsdp_cpu_offload", "enable_activation_checkpointing", "dtype", "checkpointer", "tokenizer"} & set(raw)
-        return 0.97 if components and ours else 0.0  # above the fsdp dialect's torchtune excerpts (0.95)
+        """A recipe config: ``_component_`` sections next to torchtune's training keys (``SHAPES``)."""
+        return best(SHAPES, raw)
 
 
 DIALECT = Torchtune()

@@ -11,13 +11,15 @@ Writing always produces the core layout.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel
 
-from torsh.config import SECTION_NAMES, ParallelismConfig, TorshConfig, iter_leaves
+from torsh.config import SECTION_NAMES, TorshConfig, iter_leaves
 from torsh.dialect import Dialect
 from torsh.translate import Fidelity, Hook, Ignored, Note, ReadContext, To, Translation
+
+from ._sniff import Shape, best
 
 NAME = "torsh"
 VERSIONS = ("1",)
@@ -60,13 +62,29 @@ VALUE_MAPS = {
 }
 ALIASES: dict[str, str] = {}
 
+def _section_keys() -> set[str]:
+    """The core layout's sections and the fields of each (a section that is a union, the scheduler, is opaque)."""
+    keys = set(SECTION_NAMES)
+    for name in SECTION_NAMES:
+        annotation = TorshConfig.model_fields[name].annotation
+        model = next((a for a in (annotation, *get_args(annotation)) if isinstance(a, type) and
+                      issubclass(a, BaseModel)), None)  # fmt: skip
+        keys |= {f"{name}.{field}" for field in (model.model_fields if model else ())}
+    return keys
+
+
 _SEED_SECTIONS = {"distributed", "training", "model"}
-_SEED_DDP_KEYS = {"bucket_size_mb", "overlap_communication", "gradient_compression"}
+#: The core layout (1: the model itself, above every dialect that shares a section name with it) and the seed layout
+#: (0.9: below the frameworks whose files also have [training] and [model] sections).
+CORE = Shape(1.0, (SECTION_NAMES,), _section_keys())
+SEED = Shape(0.9, ({*_SEED_SECTIONS, *(f"ddp.{k}" for k in ("bucket_size_mb", "overlap_communication",
+                                                             "gradient_compression"))},),
+             {*FIELD_MAP, *_SEED_SECTIONS, "ddp"}, tables=_SEED_SECTIONS)  # fmt: skip
+SHAPES = (CORE, SEED)
 
 
 def _is_seed_layout(raw: Any) -> bool:
-    ddp = raw.get("ddp")
-    return bool(_SEED_SECTIONS & set(raw)) or (isinstance(ddp, dict) and bool(_SEED_DDP_KEYS & set(ddp)))
+    return SEED.confidence(raw) > CORE.confidence(raw)
 
 
 class Torsh(Dialect):
@@ -103,17 +121,8 @@ class Torsh(Dialect):
         return Translation(data, _identity_notes(cfg.model_dump(mode="json", exclude_unset=True)), NAME, NAME)
 
     def sniff(self, raw: Any) -> float:
-        if not isinstance(raw, dict) or not raw:
-            return 0.0
-        if _is_seed_layout(raw):
-            return 0.9
-        if not set(raw) <= set(SECTION_NAMES):
-            return 0.0
-        # torchtitan's job config has a [parallelism] section too, with its own keys (data_parallel_shard_degree)
-        par = raw.get("parallelism")
-        if isinstance(par, dict) and not set(par) <= set(ParallelismConfig.model_fields):
-            return 0.0
-        return 1.0
+        """The core layout or the seed layout (``SHAPES``)."""
+        return best(SHAPES, raw)
 
 
 DIALECT = Torsh()
