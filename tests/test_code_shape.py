@@ -38,3 +38,23 @@ def test_few_blocks_are_complex(tree):
         f"{tree}: {len(complex_)} of {len(blocks)} blocks ({share:.1%}) are complexity C or worse; the limit is "
         f"{LIMITS[tree]:.0%}. Put what differs in a table a small function walks, or split along a concept:\n"
         f"{offenders}")
+
+
+#: Lines a module of adapters/ may hold: a dialect is a difference from the core model, mostly tables; a module past
+#: this holds a concept the core model or a shared reader step is missing.
+ADAPTER_MODULE_LINES = 750
+
+
+def test_adapter_modules_stay_short():
+    lengths = {path.name: len(path.read_text(encoding="utf-8").splitlines())
+               for path in sorted((ROOT / "adapters").glob("*.py"))}  # fmt: skip
+    assert lengths, "no adapter modules found"
+    long = {name: n for name, n in lengths.items() if n > ADAPTER_MODULE_LINES}
+    assert not long, f"adapter modules over {ADAPTER_MODULE_LINES} lines: {long}"
+
+
+def test_no_adapter_block_is_graded_e_or_worse():
+    """A block over complexity 30 is several concepts in one place, whatever the share of C blocks."""
+    worst = [(block.complexity, file, block.fullname) for file, block in _blocks("adapters")
+             if cc.cc_rank(block.complexity) >= "E"]  # fmt: skip
+    assert not worst, worst
