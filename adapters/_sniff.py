@@ -70,14 +70,13 @@ class Shape:
     _sections: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        groups = tuple(frozenset(group) for group in self.anchors)
-        entries = {str(e) for e in self.vocabulary} | {e for group in groups for e in group}
+        groups = tuple(map(frozenset, self.anchors))
+        entries = set(map(str, self.vocabulary)).union(*groups)
+        patterns = set(filter(_is_pattern, entries))
         for name, value in (("anchors", groups), ("tables", frozenset(self.tables)),
-                            ("excludes", frozenset(self.excludes))):  # fmt: skip
+                            ("excludes", frozenset(self.excludes)), ("_names", frozenset(entries - patterns)),
+                            ("_patterns", tuple(sorted(patterns))), ("_sections", _sections_of(entries))):  # fmt: skip
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "_names", frozenset(e for e in entries if not _is_pattern(e)))
-        object.__setattr__(self, "_patterns", tuple(sorted(e for e in entries if _is_pattern(e))))
-        object.__setattr__(self, "_sections", frozenset(e.rsplit(".", 1)[0] for e in entries if "." in e))
 
     def knows(self, path: str) -> bool:
         """Whether ``path`` is a key of this layout (a section the vocabulary names keys under is one)."""
@@ -96,19 +95,21 @@ class Shape:
         if not isinstance(raw, Mapping) or not raw:
             return 0.0
         found = dict(self.keys(raw))
-        present = {p for p, v in found.items() if p not in self.tables or isinstance(v, Mapping)}
-        if not all(any(self._holds(present, a) for a in group) for group in self.anchors):
+        if not self._fits(raw, found):
             return 0.0
-        if self.excludes & set(found) or (self.where is not None and not self.where(raw)):
-            return 0.0
-        known = sum(1 for path in found if self.knows(path))
+        known = sum(map(self.knows, found))
         return confidence(self.ceiling, known, len(found) - known, self.lenient)
 
-    @staticmethod
-    def _holds(present: set[str], anchor: str) -> bool:
-        if _is_pattern(anchor):
-            return any(fnmatchcase(path, anchor) for path in present)
-        return anchor in present
+    def _fits(self, raw: Mapping[str, Any], found: dict[str, Any]) -> bool:
+        """Each group of anchors shows, no excluded key does, and ``where`` holds."""
+        present = [p for p, v in found.items() if p not in self.tables or isinstance(v, Mapping)]
+        anchored = all(any(fnmatchcase(p, a) for p in present for a in group) for group in self.anchors)
+        return anchored and not self.excludes & found.keys() and (self.where is None or self.where(raw))
+
+
+def _sections_of(entries: Iterable[str]) -> frozenset[str]:
+    """The sections dotted keys are in (``quantize.linear`` for ``quantize.linear.float8``)."""
+    return frozenset(e.rsplit(".", 1)[0] for e in entries if "." in e)
 
 
 def best(shapes: Iterable[Shape], raw: Any) -> float:
