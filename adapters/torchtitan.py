@@ -383,6 +383,19 @@ def _extension_key(module: str):
     return read
 
 
+#: What the sections whose keys do not change the distributed plan configure (each key's ignored note says it).
+_WHAT_SECTIONS_SET = {
+    "job": "the run's description and output folder", "profiling": "profiler traces and memory snapshots",
+    "metrics": "what is logged and where", "model": "which model and tokenizer are built",
+    "lr_scheduler": "the learning-rate schedule (warm-up and decay)",
+    "validation": "evaluation on held-out data every few steps", "checkpoint": "when and where checkpoints are saved",
+    "training": "the data, sequence length and number of steps", "compile": "what torch.compile compiles",
+    "debug": "determinism and debugging switches", "memory_estimation": "a dry run that estimates memory",
+    "fault_tolerance": "TorchFT fault tolerance", "comm": "collective timeouts and tracing",
+    "experimental": "experimental extension modules",
+}  # fmt: skip
+
+
 def _field_map() -> dict[str, Any]:
     """Every key of every section: its meaning, or ignored (kept for the round trip)."""
     from torsh.translate import Hook
@@ -408,7 +421,8 @@ def _field_map() -> dict[str, Any]:
             elif section in ("parallelism", "activation_checkpoint", "float8") or section.startswith("quantize"):
                 fmap[path] = Ignored("used only with the parallelism or quantisation it configures")
             else:
-                fmap[path] = Ignored(_NOT_DISTRIBUTED)
+                fmap[path] = Ignored(f"{_WHAT_SECTIONS_SET.get(section.split('.')[0], 'a job setting')}; "
+                                     f"{_NOT_DISTRIBUTED}")  # fmt: skip
     return fmap
 
 
@@ -437,9 +451,10 @@ def _write_batch(cfg: TorshConfig, ctx: WriteContext) -> None:
                  "the number of ranks", steps)  # fmt: skip
 
 
-#: Keys of torchtitan job configs from before 0.2 (its 2024 TOMLs) that torchtitan 0.2.2 refuses, each with what
-#: replaced it: data, so a file of any torchtitan version is recognised and told what to rename. The degrees that
-#: moved from [training] / [experimental] to [parallelism] are found by name (``_moved_to_parallelism``).
+#: Keys of torchtitan job configs from before 0.2 (its 2024 TOMLs, and forks of its 2025 versions) that torchtitan
+#: 0.2.2 refuses, each with what replaced it: data, so a file of any torchtitan version is recognised and told what to
+#: rename. The degrees that moved from [training] / [experimental] to [parallelism] are found by name
+#: (``_moved_to_parallelism``).
 RENAMED_BEFORE_0_2: dict[str, str | None] = {  # None: removed
     "float8": "[quantize.linear.float8] (and model.converters = [\"quantize.linear.float8\"] to turn it on)",
     "float8.enable_float8_linear": "model.converters = [\"quantize.linear.float8\"]",
@@ -454,7 +469,20 @@ RENAMED_BEFORE_0_2: dict[str, str | None] = {  # None: removed
     "metrics.enable_color_printing": "metrics.disable_color_printing (inverted)",
     "model.norm_type": None,  # the model flavor decides its norm
     "job.use_for_integration_test": None,
+    "training.data_parallel_degree": "parallelism.data_parallel_shard_degree",
+    "lr_scheduler.lr_min": "lr_scheduler.min_lr_factor",
 }
+#: The last torchtitan that reads an old key (read in its git history); the others went before its first release.
+LAST_READ_BY = {
+    **dict.fromkeys(("float8", "checkpoint.enable_checkpoint", "training.compile", "job.use_for_integration_test",
+                     "lr_scheduler.lr_min"), "torchtitan 0.1.0"),
+    "validation.enabled": "torchtitan's main branch between 0.1.0 and 0.2.0",
+}  # fmt: skip
+_BEFORE_0_1 = "torchtitan before 0.1.0 (2024)"
+
+
+def _old(path: str) -> str:
+    return f"read by {LAST_READ_BY.get(path, _BEFORE_0_1)}; torchtitan 0.2.2 refuses it"
 
 
 def _moved_to_parallelism(section: str, key: str) -> str | None:
@@ -470,8 +498,8 @@ def _renamed_keys(raw: Any) -> list:
     sections, problems = key_table()["sections"], []
     for section, table in raw.items():
         if section in RENAMED_BEFORE_0_2 and section not in sections:
-            problems.append(Problem(section, table, f"moved in torchtitan 0.2 (0.2.2 refuses the old section): "
-                                    f"write {RENAMED_BEFORE_0_2[section]}"))  # fmt: skip
+            problems.append(Problem(section, table, f"an old torchtitan section ({_old(section)}): write "
+                                    f"{RENAMED_BEFORE_0_2[section]}"))  # fmt: skip
         if not isinstance(table, dict):
             continue
         for key, value in table.items():
@@ -481,11 +509,57 @@ def _renamed_keys(raw: Any) -> list:
             current = _moved_to_parallelism(section, key) or RENAMED_BEFORE_0_2.get(path, "")
             plain = current if current and " " not in current else None  # a dotted path: the did-you-mean
             if current:
-                problems.append(Problem(path, value, "renamed in torchtitan 0.2 (0.2.2 refuses the old name)" +
+                problems.append(Problem(path, value, f"an old torchtitan name ({_old(path)})" +
                                         ("" if plain else f": write {current}"), plain))  # fmt: skip
             elif path in RENAMED_BEFORE_0_2:
-                problems.append(Problem(path, value, "removed in torchtitan 0.2 (0.2.2 refuses it): delete it"))
+                problems.append(Problem(path, value, f"removed from torchtitan ({_old(path)}): delete it"))
     return problems
+
+
+def _is_old(path: str) -> bool:
+    """A key ``_renamed_keys`` reports (anything inside an old section too)."""
+    section, _, key = path.partition(".")
+    return section in RENAMED_BEFORE_0_2 or path in RENAMED_BEFORE_0_2 or bool(key and _moved_to_parallelism(
+        section, key))  # fmt: skip
+
+
+@cache
+def _defined() -> dict[str, frozenset[str]]:
+    """section -> the keys and sections torchtitan 0.2.2 defines in it, its extension modules' included ("": top)."""
+    table, known = key_table(), {"": set(key_table()["sections"])}
+    for sections in (table["sections"], *table["extensions"].values()):
+        for section, keys in sections.items():
+            known.setdefault(section, set()).update(keys)
+            parent, _, leaf = section.rpartition(".")
+            known.setdefault(parent, set()).add(leaf)
+    return {section: frozenset(keys) for section, keys in known.items()}
+
+
+def _foreign_keys(raw: Any) -> list:
+    """One problem per key that neither torchtitan 0.2.2 (with its extension modules) nor an older torchtitan torsh
+    knows defines: a fork's own key (llama-mimi's training.task, YNNtitan's [dataloader]) or a misspelling."""
+    from torsh.errors import Problem, did_you_mean
+
+    table, defined = key_table(), _defined()
+    module = (raw.get("job") if isinstance(raw.get("job"), dict) else {}).get("custom_config_module")
+    theirs = module and module not in table["extensions"] and module not in table.get("extension_aliases", {})
+    owner = (f"the module [job] custom_config_module names ({module!r}, which torsh does not read)" if theirs
+             else "a fork's JobConfig (or the module [job] custom_config_module names)")  # fmt: skip
+
+    def walk(node: dict, section: str) -> list:
+        found = []
+        for key, value in node.items():
+            path = f"{section}.{key}" if section else str(key)
+            if path in defined and isinstance(value, dict):
+                found += walk(value, path)
+            elif key not in defined.get(section, ()) and not _is_old(path):
+                where = f"[{section}] key" if section else "section"
+                found.append(Problem(path, value, f"torchtitan 0.2.2 defines no such {where} and torsh knows no "
+                                     f"torchtitan that did (0.2.2 refuses it): {owner} may define it",
+                                     did_you_mean(str(key), defined.get(section, ()))))  # fmt: skip
+        return found
+
+    return walk(raw, "")
 
 
 #: The checks torchtitan 0.2.2's JobConfig sections make when ConfigManager builds them (their __post_init__), on
@@ -545,7 +619,7 @@ class Torchtitan(Dialect):
 
     def check_schema(self, raw: Any) -> None:
         """A file written for torchtitan before 0.2 gets one error per renamed key, with its current spelling."""
-        renamed = _renamed_keys(raw) + _post_init_problems(raw)
+        renamed = _renamed_keys(raw) + _foreign_keys(raw) + _post_init_problems(raw)
         if renamed:
             from torsh.errors import ConfigError
 

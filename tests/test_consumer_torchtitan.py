@@ -45,7 +45,11 @@ def _same_job(a: object, b: object) -> None:
         assert vars(getattr(a, section)) == vars(getattr(b, section)), section
 
 
-@pytest.mark.parametrize("path", [p for p in TITAN if "__2024__" not in p.name], ids=lambda p: p.stem)
+#: torchtitan's own files that torchtitan 0.2.2 reads (not its 2024 ones, not forks' files with keys of their own)
+CURRENT = [p for p in TITAN if p.name.startswith("pytorch__torchtitan__") and "__2024__" not in p.name]
+
+
+@pytest.mark.parametrize("path", CURRENT, ids=lambda p: p.stem)
 def test_a_round_tripped_file_gives_torchtitan_the_same_job(path, parse, tmp_path):
     original = path.read_text(encoding="utf-8")
     try:

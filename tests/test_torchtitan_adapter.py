@@ -137,3 +137,15 @@ def test_the_deepspeed_example_converts_to_its_golden():
     example = ROOT / "migration_examples" / "torchtitan"
     written = adapters.write(adapters.load(example / "zero3_bf16_offload.json").result, "torchtitan")
     check_golden(example / "zero3_bf16_offload.expected.toml", dump_text(written.result, "toml"))
+
+
+def test_a_key_no_torchtitan_defines_is_refused_where_it_is_naming_the_forks_module():
+    """A fork that extends torchtitan through its own custom_config_module: torsh cannot read that module, so each
+    key torchtitan 0.2.2 lacks is refused, saying the module may define it; the rest of the file is torchtitan's."""
+    raw = {"job": {"custom_config_module": "mimi.job_config"}, "training": {"steps": 10, "task": "a2a"},
+           "parallelism": {"data_parallel_shard_degree": -1}}  # fmt: skip
+    assert adapters.sniff(raw) == "torchtitan"
+    with pytest.raises(ConfigError) as exc:
+        read(raw)
+    (problem,) = exc.value.problems
+    assert problem.path == "training.task" and "'mimi.job_config'" in problem.reason and "0.2.2" in problem.reason
