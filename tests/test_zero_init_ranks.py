@@ -129,6 +129,18 @@ def layout(rank: int, world_size: int, scenario: dict) -> dict:
     record["gathered_sum"] = float(weights[1].sum())
     weights[1].partition()
     record["partitioned"] = [weights[1].numel(), str(weights[1].ds_status.name)]
+    # comparing parameters (DeepSpeed's checkpoint tests compare two engines' parameters with torch.allclose)
+    record["allclose"] = [torch.allclose(p, p.detach().clone()) for p in engine.module.parameters()]
+    if scenario["engine"] == "torsh":  # one rank's shard changed: every rank answers False
+        p = next(engine.module.parameters())
+        q = p.detach().clone()
+        if rank == 0:
+            q.to_local().add_(1.0)
+        record["allclose_changed"] = torch.allclose(p, q)
+        record["optimizer"] = type(engine.optimizer).__name__  # the drop-in's class, with the views above
+    # private engine members DeepSpeed's checkpoint tests call
+    record["optim_file"] = os.path.basename(engine._get_optimizer_ckpt_name("save", "tag", 0))
+    engine._change_recovery_script_permissions(os.path.join("no-such-dir", "zero_to_fp32.py"))  # logged only
     return record
 
 
@@ -207,6 +219,9 @@ def test_weights_the_model_was_built_from_are_deepspeeds_partitions_after_initia
     # the step moves the written partitions (Adam's first step: lr 0.1 against the gradient's sign). DeepSpeed's
     # moves the fp32 copy it took at initialize instead (zeros), dropping the writes: not compared.
     for mine, real in zip(ours, theirs):
+        assert mine["allclose"] == real["allclose"] == [True, True]
+        assert mine["allclose_changed"] is False and mine["optimizer"] == "FusedAdam"
+        assert mine["optim_file"] == real["optim_file"] == "expp_rank_0_mp_rank_00_optim_states.pt"
         assert mine["gathered"] == real["gathered"] == [[3, 5], "AVAILABLE"]
         assert mine["partitioned"] == real["partitioned"] == [0, "NOT_AVAILABLE"]
     for rank, r in enumerate(ours):

@@ -22,19 +22,18 @@ from torsh.config import ResolvedBatch
 from torsh.plan import StepPolicy
 
 from .distributed import DistInfo, on_shutdown
+from .engine_checkpoint import CheckpointMethods
 from .engine_members import DEEPSPEED_ENGINE_MEMBERS, config_view
 from .monitor import Monitor, ThroughputTimer
 from .precision import PrecisionPlan
 from .zero import params as zero_params
 from .zero import whole_params
-from .zero.partition import attach as _attach
-from .zero.partition import attach_buffers as _attach_buffers
 from .zero.sharding import ShardPlan
 
 log = logging.getLogger("torsh.engine")
 
 
-class Engine(nn.Module):
+class Engine(CheckpointMethods, nn.Module):
     """A running job built by :func:`torsh.initialize`; behaves like ``deepspeed.DeepSpeedEngine``."""
 
     def __init__(self, *, config: dict, policy: StepPolicy, monitor: Monitor, batch: ResolvedBatch, info: DistInfo,
@@ -812,87 +811,6 @@ class Engine(nn.Module):
         return _tied_in_dtype(self.module, state, self._precision.param_dtype)
 
     save_fp16_model = save_16bit_model
-
-    def _engine_state(self) -> dict:
-        return {"global_steps": self.global_steps, "global_samples": self.global_samples,
-                "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
-                "dp_world_size": self.dp_world_size, "mp_world_size": self.mp_world_size}  # fmt: skip
-
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
-                        exclude_frozen_parameters=False) -> bool:  # fmt: skip
-        """Save model, optimizer, scheduler, loss scaler, counters and ``client_state`` under
-        ``save_dir/<tag>/`` (tag default ``global_step{N}``) and, if ``save_latest``, ``save_dir/latest``;
-        ``exclude_frozen_parameters`` leaves out the parameters that do not require a gradient."""
-        from .checkpoint.save_load import save_checkpoint
-
-        if not save_dir:  # DeepSpeed's check: None or "" would write into the working directory
-            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
-        frozen = frozenset(n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad)
-        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        section = self.config.get("checkpoint") if isinstance(self.config, dict) else None
-        validation = section.get("tag_validation", "warn") if isinstance(section, dict) else "warn"
-        with self._checkpoint_state(load=False) as (module, optimizer):
-            return save_checkpoint(save_dir, tag, model=module, optimizer=optimizer, lr_scheduler=self.lr_scheduler,
-                                   loss_scaler=self.loss_scaler, engine_state=self._engine_state(),
-                                   client_state=dict(client_state or {}), save_latest=save_latest,
-                                   frozen=frozen if exclude_frozen_parameters else frozenset(),
-                                   tag_validation=str(validation))  # fmt: skip
-
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):  # fmt: skip
-        """Load a checkpoint written by :meth:`save_checkpoint` (at any world size); returns
-        ``(load_path, client_state)``, ``(None, None)`` when there is none."""
-        from .checkpoint.save_load import load_checkpoint
-
-        if custom_load_fn is not None:
-            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by the torsh engine")
-        with self._checkpoint_state(load=True) as (module, optimizer):
-            path, client_state, state = load_checkpoint(
-                load_dir, tag, model=module, optimizer=optimizer, lr_scheduler=self.lr_scheduler,
-                loss_scaler=self.loss_scaler, load_module_strict=load_module_strict,
-                load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
-                load_module_only=load_module_only)  # fmt: skip
-        if path is None:
-            return None, None
-        if state and not load_module_only:
-            self.global_steps = state.get("global_steps", self.global_steps)
-            self.global_samples = state.get("global_samples", self.global_steps * self.train_batch_size())
-            self.micro_steps = state.get("micro_steps", self.global_steps * self.gradient_accumulation_steps())
-            self.skipped_steps = state.get("skipped_steps", 0)
-            self.loaded_checkpoint_mp_world_size = state.get("mp_world_size", 1)
-        if state:
-            # DeepSpeed sets it also when loading the module only
-            self.loaded_checkpoint_dp_world_size = state.get("dp_world_size")
-        if self._precision.masters is not None:
-            self._precision.masters.master_to_params()  # the checkpoint holds the fp32 masters
-        self._publish_scale()  # the loaded loss scale
-        return path, client_state
-
-    @contextlib.contextmanager
-    def _checkpoint_state(self, *, load: bool):
-        """The module and optimizer a checkpoint holds: under ZeRO-2 whole fp32 views of the partitions (collective;
-        with ``load``, sliced back into the partition afterwards), else :meth:`_checkpoint_module` and the
-        engine's optimizer."""
-        part = self._shard.partition
-        if part is None:
-            yield self._checkpoint_module(), self.optimizer
-            return
-        with part.full_view(self.module, self.optimizer, load=load) as pair:
-            yield pair
-
-    def _checkpoint_module(self) -> nn.Module:
-        """The module whose state is saved: the user's module, or - with master weights - the same names
-        holding the fp32 masters (the tensors the optimizer state belongs to) and the module's buffers."""
-        masters = self._precision.masters
-        if masters is None:
-            return self.module
-        if self._master_module is None:
-            root = nn.Module()
-            for name, tensor in masters.masters.items():
-                _attach(root, name, tensor, parameter=True)
-            _attach_buffers(root, self.module)  # the persistent buffers, as module.state_dict()
-            self.__dict__["_master_module"] = root  # not a submodule: engine.parameters() stays the model's
-        return self._master_module
 
 
 class NoSyncError(AssertionError, RuntimeError):

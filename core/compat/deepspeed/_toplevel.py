@@ -94,8 +94,10 @@ def _as_deepspeed_adam(engine) -> None:
     params = section.get("params") if isinstance(section.get("params"), dict) else {}
     if params.get("torch_adam", False):
         return
+    from torsh.engine.zero.ds_layout import base_class, retype
+
     target = engine.optimizer
-    if type(target) not in (torch.optim.Adam, torch.optim.AdamW):
+    if base_class(target) not in (torch.optim.Adam, torch.optim.AdamW):
         return
     zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
     offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
@@ -103,10 +105,10 @@ def _as_deepspeed_adam(engine) -> None:
     from .ops.adam import DeepSpeedCPUAdam, FusedAdam
 
     if str(offload.get("device", "none")).lower() in ("cpu", "nvme"):
-        target.__class__ = DeepSpeedCPUAdam
+        retype(target, DeepSpeedCPUAdam)
         target.defaults.update(adamw_mode=decoupled, bias_correction=True, fp32_optimizer_states=True)
     else:
-        target.__class__ = FusedAdam
+        retype(target, FusedAdam)
         target.defaults.update(adam_w_mode=decoupled, bias_correction=True, set_grad_none=True)
 
 

@@ -211,6 +211,36 @@ def link_originals(model: nn.Module, before: list[tuple[nn.Module, str, weakref.
     return originals
 
 
+# --- comparing shards ------------------------------------------------------------------------------------------
+
+
+def allow_allclose() -> None:
+    """``torch.allclose`` on FSDP2's DTensor parameters (DTensor has no rule for it, so scripts and DeepSpeed's tests
+    that compare two models' parameters after a checkpoint load failed): each rank compares its shards and the
+    ranks agree (one all-reduce per mesh dimension); operands laid out differently are compared whole."""
+    from torch.distributed.tensor import DTensor
+
+    handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
+    if isinstance(handlers, dict):
+        handlers.setdefault(torch.ops.aten.allclose.default, _allclose)
+
+
+def _allclose(op_call: Any, args: tuple, kwargs: dict) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    a, b, *rest = args
+    same = isinstance(a, DTensor) and isinstance(b, DTensor) and a.placements == b.placements \
+        and a.device_mesh == b.device_mesh and a.shape == b.shape
+    if not same:
+        return op_call(_whole(a) if isinstance(a, DTensor) else a, _whole(b) if isinstance(b, DTensor) else b,
+                       *rest, **kwargs)  # fmt: skip
+    local = op_call(a.to_local(), b.to_local(), *rest, **kwargs)
+    differs = torch.tensor([0 if local else 1], dtype=torch.int32, device=a.to_local().device)
+    for dim in range(a.device_mesh.ndim):
+        dist.all_reduce(differs, group=a.device_mesh.get_group(dim))
+    return int(differs.item()) == 0
+
+
 # --- the optimizer's views ----------------------------------------------------------------------------------------
 
 
@@ -261,15 +291,29 @@ _VIEWS = {"averaged_gradients": property(_averaged_gradients), "_global_grad_nor
           "fp16_groups": property(lambda self: [[p] for p in _shards(self)]),
           "fp32_partitioned_groups_flat": property(_shards)}  # fmt: skip
 _view_classes: dict[type, type] = {}
+_VIEWS_OF = "_torsh_views_of"  # on a class attach_views made: the class it extends
 
 
 def attach_views(optimizer: torch.optim.Optimizer, engine: Any) -> None:
     """Give ``optimizer`` (the torch optimizer of the FSDP2 shards) DeepSpeed's ZeRO-3 gradient views: its class
     becomes a subclass of its own with them (same name; ``isinstance`` unchanged)."""
-    cls = type(optimizer)
-    if any(name in cls.__dict__ for name in _VIEWS) or any(name in optimizer.__dict__ for name in _VIEWS):
+    if _VIEWS_OF in type(optimizer).__dict__ or any(name in optimizer.__dict__ for name in _VIEWS):
         return
-    if cls not in _view_classes:
-        _view_classes[cls] = type(cls.__name__, (cls,), {**_VIEWS, "__module__": cls.__module__})
-    optimizer.__class__ = _view_classes[cls]
+    optimizer.__class__ = _with_views(type(optimizer))
     optimizer.__dict__["_torsh_engine"] = weakref.ref(engine)
+
+
+def _with_views(cls: type) -> type:
+    if cls not in _view_classes:
+        _view_classes[cls] = type(cls.__name__, (cls,), {**_VIEWS, _VIEWS_OF: cls, "__module__": cls.__module__})
+    return _view_classes[cls]
+
+
+def base_class(optimizer: Any) -> type:
+    """The optimizer's class, without the views :func:`attach_views` added."""
+    return type(optimizer).__dict__.get(_VIEWS_OF, type(optimizer))
+
+
+def retype(optimizer: Any, cls: type) -> None:
+    """Make ``optimizer`` an instance of ``cls`` (the drop-in's ``FusedAdam`` for a torch Adam), keeping its views."""
+    optimizer.__class__ = _with_views(cls) if _VIEWS_OF in type(optimizer).__dict__ else cls

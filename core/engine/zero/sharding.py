@@ -225,6 +225,7 @@ def _apply_fsdp(model, decided: EnginePlan, gradients: GradientsConfig, offload:
     zero_params.mark_partitioned(model, precision.param_dtype)  # what DeepSpeed scripts test before gathering
     if decided.step.stage == 3:  # the objects a script still holds: DeepSpeed's partitioned parameters, tied to shards
         ds_layout.link_originals(model, before)
+    ds_layout.allow_allclose()
     if layout.forward_prefetch:
         # Each unit issues the next one's all-gather as soon as its own is copied out, so that the transfer
         # overlaps this unit's forward. Without it, a unit's all-gather starts only when its forward does: on
