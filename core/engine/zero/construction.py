@@ -54,7 +54,7 @@ def partition_numel(numel: int, world: int) -> int:
     return -(-numel // world)
 
 
-def _comm_device(group: Any) -> torch.device:
+def comm_device(group: Any) -> torch.device:
     """The device a collective of ``group`` runs on: the current accelerator under NCCL, else the CPU."""
     if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -80,12 +80,12 @@ def partition(param: nn.Parameter, *, group: Any = None, remote_device: torch.de
     where = _place(group)
     data = param.data
     if where.world > 1:
-        on_device = data.detach().to(_comm_device(group)).contiguous()
+        on_device = data.detach().to(comm_device(group)).contiguous()
         dist.broadcast(on_device, src=where.source, group=group)
         data = on_device
     size = partition_numel(data.numel(), where.world)
     local = torch.zeros(size, dtype=data.dtype, device=remote_device if remote_device is not None else param.device)
-    _keep_own(local, data, where)
+    keep_own(local, data, where)
     if pin_memory and local.device.type == "cpu" and torch.cuda.is_available():
         local = local.pin_memory()
     param.ds_tensor = local
@@ -122,8 +122,9 @@ def _attach_methods(param: nn.Parameter) -> None:
                                 "persist": param.ds_persist}  # fmt: skip
 
 
-def _keep_own(local: torch.Tensor, whole: torch.Tensor, where: Partitioned) -> None:
-    """Write this rank's partition of ``whole`` into ``local`` (its elements, zeros past the end)."""
+def keep_own(local: torch.Tensor, whole: torch.Tensor, where: Any) -> None:
+    """Write this rank's partition of ``whole`` into ``local`` (its elements, zeros past the end); ``where`` has
+    this rank's place in the group (``rank``)."""
     size = local.numel()
     start = where.rank * size
     take = max(0, min(size, whole.numel() - start))
@@ -137,7 +138,7 @@ def gather(param: nn.Parameter) -> torch.Tensor:
     """The whole value of a parameter partitioned at construction (a new tensor of ``ds_shape``, on the device of
     the partition group's collectives)."""
     where: Partitioned = param.__dict__[PARTITIONED]
-    local = param.ds_tensor.detach().to(_comm_device(where.group)).contiguous()
+    local = param.ds_tensor.detach().to(comm_device(where.group)).contiguous()
     if where.world == 1:
         whole = local.clone()
     else:
@@ -162,10 +163,10 @@ def repartition(param: nn.Parameter, *, written_by: int | None = None, keep_writ
     where: Partitioned = param.__dict__[PARTITIONED]
     whole = param.numel() == param.ds_numel and param.ds_numel > 0
     if whole and (written_by is not None or keep_written):
-        data = param.data.detach().to(_comm_device(where.group)).contiguous()
+        data = param.data.detach().to(comm_device(where.group)).contiguous()
         if written_by is not None and where.world > 1:
             dist.broadcast(data, src=written_by, group=where.group)
-        _keep_own(param.ds_tensor, data, where)
+        keep_own(param.ds_tensor, data, where)
     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import params as zero_params
-from .construction import _comm_device, partition_numel
+from .construction import comm_device, keep_own, partition_numel
 from .whole_params import ZeroParamStatus
 
 LINK = "_torsh_shard_link"
@@ -53,12 +53,8 @@ def shard_cut(shard: torch.Tensor) -> Cut:
 
 def flat_partition(whole: torch.Tensor, cut: Cut) -> torch.Tensor:
     """This rank's partition of ``whole`` in DeepSpeed's layout (a new tensor; zeros past the end)."""
-    size = partition_numel(whole.numel(), cut.world)
-    out = torch.zeros(size, dtype=whole.dtype, device=whole.device)
-    start = cut.rank * size
-    take = max(0, min(size, whole.numel() - start))
-    if take:
-        out[:take].copy_(whole.reshape(-1)[start:start + take])
+    out = torch.zeros(partition_numel(whole.numel(), cut.world), dtype=whole.dtype, device=whole.device)
+    keep_own(out, whole, cut)
     return out
 
 
@@ -104,7 +100,7 @@ class _Link:
         shard (collective over the shard group)."""
         whole = _whole(self.shard)
         own = self.mirror if mine else flat_partition(whole, self.cut)
-        device = _comm_device(self.cut.group)
+        device = comm_device(self.cut.group)
         own = own.detach().to(device=device, dtype=whole.dtype).reshape(-1).contiguous()
         everyone = torch.empty(own.numel() * self.cut.world, dtype=own.dtype, device=device)
         dist.all_gather_into_tensor(everyone, own, group=self.cut.group)
@@ -172,7 +168,7 @@ class Originals:
         watched = [self.links[k] for k in sorted(self.handed_out, key=lambda k: self.links[k].shard.ds_id)]
         if not watched:
             return
-        flags = torch.tensor([link.changed() for link in watched], dtype=torch.uint8, device=_comm_device(None))
+        flags = torch.tensor([link.changed() for link in watched], dtype=torch.uint8, device=comm_device(None))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         for link, mine, anyone in zip(watched, [link.changed() for link in watched], flags.tolist()):
