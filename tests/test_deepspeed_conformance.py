@@ -52,6 +52,18 @@ def test_zero_config_deprecatedfields(engine):
 
 
 @both
+def test_zero_config_elastic_checkpoint_deprecated_at_stage_3(engine, monkeypatch):
+    """unit/checkpoint/test_zero_optimizer.py: DeepSpeed's warning on its logger, at stage 3 only."""
+    cfg = _ds(engine, "runtime.zero.config")
+    warned = []
+    monkeypatch.setattr(_ds(engine, "utils").logger, "warning", lambda message, *a, **k: warned.append(message))
+    cfg.DeepSpeedZeroConfig(stage=2, elastic_checkpoint=True)
+    assert warned == []
+    cfg.DeepSpeedZeroConfig(stage=3, elastic_checkpoint=True)
+    assert any("elastic checkpointing is deprecated" in str(m).lower() for m in warned)
+
+
+@both
 def test_zero_config_aliasfields(engine):
     cfg = _ds(engine, "runtime.zero.config")
     for old, new in (("stage3_prefetch_bucket_size", "prefetch_bucket_size"),

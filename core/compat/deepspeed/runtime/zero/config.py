@@ -114,6 +114,9 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
             raise ValueError("compute_grad_norm=false is supported only with ZeRO Stage 1 or 2")
         if self.offload_optimizer is not None and self.offload_optimizer.ratio < 1.0:
             assert self.stage == ZeroStageEnum.weights, "Partial offloading only supported for ZeRO Stage 3."
+        if self.stage == ZeroStageEnum.weights and self.elastic_checkpoint:  # DeepSpeed's warning, on its logger
+            log.warning("ZeRO-3 elastic checkpointing is deprecated and no longer supported. Use Universal "
+                        "Checkpointing instead.")
         return self
 
 
