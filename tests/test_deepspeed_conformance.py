@@ -906,6 +906,28 @@ def explicit_allreduce(rank: int, world_size: int, scenario: dict) -> dict:
     return out
 
 
+def shared_loss(rank: int, world_size: int, scenario: dict) -> dict:
+    """unit/runtime/test_multiple_models.py: one loss summed over two engines' modules, ``loss.backward()`` run by
+    the script, then ``engine._backward_epilogue()`` and ``step()`` on each: the losses and weights of that."""
+    import torch
+
+    ds = _ds(scenario["engine"])
+    engines = [_init(ds, _config(scenario["stage"])) for _ in range(2)]
+    losses = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(2, 8, generator=g)
+        loss = sum(((e.module(x) - x) ** 2).mean() / (i + 1) for i, e in enumerate(engines))
+        loss.backward()
+        for e in engines:
+            e._backward_epilogue()
+        for e in engines:
+            e.step()
+            e.optimizer.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses}
+
+
 def _scenarios(tmp: str) -> list[dict]:
     out = []
     for engine in ENGINES:
@@ -925,6 +947,9 @@ def _scenarios(tmp: str) -> list[dict]:
         out.append({**call, "name": f"unused_{engine}", "target": f"{MODULE}:unused_parameters"})
         for stage in (0, 1):
             out.append({**call, "name": f"allreduce_s{stage}_{engine}", "target": f"{MODULE}:explicit_allreduce",
+                        "stage": stage})  # fmt: skip
+        for stage in (0, 2):
+            out.append({**call, "name": f"shared_s{stage}_{engine}", "target": f"{MODULE}:shared_loss",
                         "stage": stage})  # fmt: skip
         out.append({**call, "name": f"clientopt_{engine}", "target": f"{MODULE}:client_optimizer",
                     "dir": f"{tmp}/clientopt_{engine}"})
@@ -949,6 +974,16 @@ def _ranks(records, name: str, engine: str) -> list[dict]:
     for r in ranks:
         assert "error" not in r, f"{engine}: {r.get('traceback')}"
     return ranks
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_backward_epilogue_after_a_loss_of_two_engines(records, stage):
+    """The script's own ``loss.backward()`` over two engines, completed by ``_backward_epilogue()``: DeepSpeed's
+    losses."""
+    ours, theirs = _ranks(records, f"shared_s{stage}", "torsh"), _ranks(records, f"shared_s{stage}", "deepspeed")
+    for mine, real in zip(ours, theirs):
+        assert mine["losses"] == pytest.approx(real["losses"], rel=1e-5)
+    assert ours[0]["losses"][0] != ours[0]["losses"][-1]  # the steps moved the weights
 
 
 @both

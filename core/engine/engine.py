@@ -424,6 +424,13 @@ class Engine(CheckpointMethods, nn.Module):
         self._after_backward(sync)
         return loss.detach()
 
+    def _backward_epilogue(self) -> None:
+        """DeepSpeed's completion of a backward the script ran itself (``loss.backward()`` on a loss summed over
+        several engines, then ``engine._backward_epilogue()`` on each): this engine's gradient reduction, as
+        :meth:`backward` completes it."""
+        self._check_alive("_backward_epilogue")
+        self._after_backward(self._sync_now())
+
     def _after_backward(self, sync: bool) -> None:
         """What completes the reduction of one backward: ZeRO-2's last buckets, DDP's checks (stages 0/1),
         ZeRO-1's partition of the reduced gradients, accumulation into fp32 masters."""
