@@ -13,7 +13,8 @@ Slurm allocation leaves the batch step's ``SLURM_PROCID=0`` in every rank's envi
 1. ``torchrun`` (and ``torch.distributed.launch``, which is torchrun's agent): the innermost launcher when nested
    under Slurm or MPI, so it must beat them.
 2. ``deepspeed``: the DeepSpeed launcher sets the torchrun-style names plus Horovod-style ``CROSS_RANK``,
-   ``CROSS_SIZE``, ``LOCAL_SIZE`` and passes ``--local_rank=N`` in argv.
+   ``CROSS_SIZE``, ``LOCAL_SIZE`` and passes ``--local_rank=N`` in argv (recognised by ``CROSS_*``: a
+   ``LOCAL_SIZE`` alone is also DeepSpeed's CPU accelerator's device count, which users export themselves).
 3. ``env``: bare ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (accelerate, custom spawners, a user exporting them).
    Above the MPI rows because a user who exports them under ``mpirun -x`` means them.
 4. ``horovodrun`` (Gloo controller): ``HOROVOD_RANK`` ... and the Gloo rendezvous server's address.
@@ -153,7 +154,8 @@ LAUNCHERS: tuple[LauncherVars, ...] = (
                  rank=("RANK",), world_size=("WORLD_SIZE",), local_rank=("LOCAL_RANK",),
                  local_world_size=("LOCAL_WORLD_SIZE",), node_rank=("GROUP_RANK",),
                  num_nodes=("GROUP_WORLD_SIZE",), local_rank_in_argv=True),
-    LauncherVars("deepspeed", markers=("CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE"),
+    # not LOCAL_SIZE alone: DeepSpeed's CPU accelerator also reads it as its device count, set by hand
+    LauncherVars("deepspeed", markers=("CROSS_RANK", "CROSS_SIZE"),
                  rank=("RANK",), world_size=("WORLD_SIZE",), local_rank=("LOCAL_RANK",),
                  local_world_size=("LOCAL_SIZE",), node_rank=("CROSS_RANK",), num_nodes=("CROSS_SIZE",),
                  local_rank_in_argv=True),

@@ -80,6 +80,13 @@ def test_plain_env_variables_without_a_launcher_marker():
     assert (info.launcher, info.rank, info.local_world_size, info.node_rank) == ("env", 1, None, None)
 
 
+def test_deepspeed_cpu_device_count_alone_is_not_the_deepspeed_launcher():
+    """LOCAL_SIZE is also what DeepSpeed's CPU accelerator reads as its device count (users export it by hand, and
+    DeepSpeed's own serial tests run with it beside WORLD_SIZE=1): with no CROSS_* it says nothing of the job."""
+    info = discover({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "2"}, ["x"])
+    assert (info.launcher, info.world_size, info.rank) == ("env", 1, 0)
+
+
 def test_missing_variables_are_named():
     with pytest.raises(ConfigError) as err:
         discover({"RANK": "0"}, ["train.py"])
