@@ -594,6 +594,20 @@ def no_sync(rank: int, world_size: int, scenario: dict) -> dict:
     return {"enter": entered, "step_inside": step_inside}
 
 
+def no_sync_grad(rank: int, world_size: int, scenario: dict) -> dict:
+    """TestNoSyncCtxt::test_multiple_ctxts at ZeRO-1 in bf16: inside no_sync, safe_get_full_grad gives the gradient
+    the backward left locally (its norm, per parameter)."""
+    import torch
+
+    ds = _ds(scenario["engine"])
+    engine = _init(ds, _config(1, bf16={"enabled": True}))
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    with engine.no_sync():
+        engine.backward(((engine(x) - x).float() ** 2).mean())
+        grads = [ds.utils.safe_get_full_grad(p) for p in engine.module.parameters()]
+    return {"norms": [None if g is None else float(g.float().norm()) for g in grads]}
+
+
 def checkpoint_tags(rank: int, world_size: int, scenario: dict) -> dict:
     """TestCheckpointValidationTag and TestSaveCheckpointInvalidDir."""
     import torch.distributed
@@ -936,6 +950,7 @@ def _scenarios(tmp: str) -> list[dict]:
             out.append({**call, "name": f"applied_s{stage}_{engine}", "target": f"{MODULE}:applied", "stage": stage})
         for stage in (1, 2, 3):
             out.append({**call, "name": f"nosync_s{stage}_{engine}", "target": f"{MODULE}:no_sync", "stage": stage})
+        out.append({**call, "name": f"nosyncgrad_{engine}", "target": f"{MODULE}:no_sync_grad"})
         out.append({**call, "name": f"tags_{engine}", "target": f"{MODULE}:checkpoint_tags", "dir": f"{tmp}/{engine}"})
         out.append({**call, "name": f"members_{engine}", "target": f"{MODULE}:engine_members"})
         out.append({**call, "name": f"localgrad_{engine}", "target": f"{MODULE}:local_grad"})
@@ -1002,6 +1017,14 @@ def test_no_sync_ctxt_zero_stage(records, engine):
         s1["step_inside"]  # fmt: skip
     for rec in (s2, s3):
         assert "AssertionError" in rec["enter"] and "no_sync context manager is incompatible" in rec["enter"]
+
+
+def test_no_sync_safe_get_full_grad_is_the_local_gradient_at_zero_1(records):
+    ours, theirs = _ranks(records, "nosyncgrad", "torsh"), _ranks(records, "nosyncgrad", "deepspeed")
+    for mine, real in zip(ours, theirs):
+        assert None not in mine["norms"] and all(n > 0 for n in mine["norms"])
+        assert mine["norms"] == pytest.approx(real["norms"], rel=2e-2)  # bf16 gradients
+    assert ours[0]["norms"] != ours[1]["norms"]  # each rank's own, not reduced
 
 
 @both

@@ -425,10 +425,11 @@ class ZeroPartition:
         return self._split(self._gather_flat(self.masters[b.group].data), b.group)[id(p)]
 
     def full_grad(self, p: nn.Parameter) -> torch.Tensor | None:
-        """The whole reduced gradient of ``p`` in fp32 (collective); None before a reduced backward."""
+        """The whole reduced gradient of ``p`` in fp32 (collective). Before a reduced backward: the gradient the
+        backward left on ``p`` locally (stage 1 under ``no_sync``, as DeepSpeed's ZeRO-1 gives it), else None."""
         _, b, _ = getattr(p, ZERO_SLOT)
         if b.index not in self._written:
-            return None
+            return None if p.grad is None else p.grad.detach().float().clone()
         return self._split(self._gather_flat(self.grads[b.group]), b.group)[id(p)].float()
 
     @torch.no_grad()
