@@ -1,7 +1,9 @@
 """torchtitan: its job-config TOML (``--job.config_file``), as torchtitan 0.2.2 reads it.
 
-Every key of torchtitan's ``JobConfig`` is known (``schemas/keys/torchtitan.json``, generated from its source); a key
-it does not define is refused as torchtitan refuses it. The distributed meaning is read into the core model:
+Every key of torchtitan's ``JobConfig`` is known (``schemas/keys/torchtitan.json``, generated from its source). A key
+it does not define (an older torchtitan's, a fork's own) is not read: the rest of the file is, and that key gets a
+dropped note where it is, saying who reads it, which ``--strict`` fails on as torchtitan 0.2.2 refuses the file for
+it. The distributed meaning is read into the core model:
 ``[parallelism]`` degrees (FSDP over ``data_parallel_shard_degree``, HSDP with a replicate degree, DDP with shard
 degree 1), ``fsdp_reshard_after_forward``, ``[training]`` mixed precision, batch sizes, clipping and CPU offload,
 ``[optimizer]``, ``[activation_checkpoint]`` and the start-up timeout. Every other key is ignored as "not a
@@ -20,8 +22,8 @@ from torsh.concepts import sharding
 from torsh.concepts.dtypes import core_dtype
 from torsh.concepts.offload import fsdp_cpu_offload
 from torsh.config import TorshConfig
-from torsh.dialect import Dialect
-from torsh.translate import Fidelity, Group, Ignored, Seen, To, Unsupported, WriteContext, settle_auto
+from torsh.dialect import Dialect, Prepared
+from torsh.translate import Fidelity, Group, Ignored, Note, Seen, To, Unsupported, WriteContext, settle_auto
 
 from ._sniff import Shape, best
 
@@ -562,6 +564,29 @@ def _foreign_keys(raw: Any) -> list:
     return walk(raw, "")
 
 
+def _unknown_keys(raw: Any) -> list:
+    """One problem per key torchtitan 0.2.2 does not define: an older torchtitan's spelling or a fork's own key."""
+    return _renamed_keys(raw) + _foreign_keys(raw)
+
+
+def _unknown_note(problem: Any) -> Note:
+    """A key torchtitan 0.2.2 lacks, in a file that is torchtitan's: not read, not written back (torchtitan 0.2.2
+    would refuse the written file for it), and lossy, so ``--strict`` fails on it as torchtitan refuses the file."""
+    hint = f"; did you mean '{problem.suggestion}'?" if problem.suggestion else ""
+    return Note(problem.path, None, problem.value, Fidelity.DROPPED, f"{problem.reason}; not read, and not written "
+                f"back{hint}", refused=True)  # fmt: skip
+
+
+def _without(node: Any, paths: set[str], prefix: str = "") -> dict:
+    """``node`` without the keys at ``paths`` (dotted as ``_unknown_keys`` spells them)."""
+    out = {}
+    for key, value in node.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if path not in paths:
+            out[key] = _without(value, paths, path) if isinstance(value, dict) else value
+    return out
+
+
 #: The checks torchtitan 0.2.2's JobConfig sections make when ConfigManager builds them (their __post_init__), on
 #: keys the reader otherwise keeps without a meaning: key -> (test of the value, what torchtitan says).
 POST_INIT_CHECKS = {
@@ -608,6 +633,16 @@ SHAPES = (
     Shape(0.97, _ANCHORS, _current_keys(), tables={"job", "parallelism", "model", "training"}),
     Shape(0.92, _ANCHORS, _current_keys() | _older_keys(), tables={"job", "parallelism", "model", "training"}),
 )
+#: A file read as torchtitan without its anchors (``--from torchtitan`` on a fragment) is still torchtitan's when
+#: this layout fits it: mostly keys of some torchtitan version.
+_ANY_LAYOUT = Shape(0.92, (), _current_keys() | _older_keys())
+
+
+def _is_torchtitans(raw: Any) -> bool:
+    """Whether a file read as torchtitan is one: it names a section torchtitan 0.2.2 defines, and few keys none
+    defines. Its unknown keys are then noted; in any other file (another framework's, given with --from torchtitan)
+    each is an error."""
+    return any(key in key_table()["sections"] for key in raw) and _ANY_LAYOUT.confidence(raw) > 0
 
 
 class Torchtitan(Dialect):
@@ -615,16 +650,28 @@ class Torchtitan(Dialect):
     DEFAULT_FORMAT = "toml"
     FIELD_MAP = _field_map()
     GROUPS = _GROUPS
-    SCHEMA_NAMES_UNKNOWN_KEYS = False  # the map refuses them, with a did-you-mean
+    SCHEMA_NAMES_UNKNOWN_KEYS = False  # noted where they are, with who reads them (normalise)
 
     def check_schema(self, raw: Any) -> None:
-        """A file written for torchtitan before 0.2 gets one error per renamed key, with its current spelling."""
-        renamed = _renamed_keys(raw) + _foreign_keys(raw) + _post_init_problems(raw)
-        if renamed:
+        """The checks torchtitan makes as it builds its sections, then the schema's types and ranges; keys torchtitan
+        0.2.2 does not define are errors only in a file that is not torchtitan's (``_is_torchtitans``)."""
+        problems = _post_init_problems(raw)
+        if not _is_torchtitans(raw):
+            problems = _unknown_keys(raw) + problems
+        if problems:
             from torsh.errors import ConfigError
 
-            raise ConfigError(renamed, source=NAME)
+            raise ConfigError(problems, source=NAME)
         super().check_schema(raw)
+
+    def normalise(self, raw: Any, prepared: Prepared) -> Prepared:
+        """A key torchtitan 0.2.2 does not define (an older torchtitan's, a fork's) is a dropped note where it is, with
+        who reads it; the map reads the rest of the file."""
+        unknown = _unknown_keys(raw)
+        if unknown:
+            prepared.data = _without(raw, {p.path for p in unknown})
+            prepared.notes = [_unknown_note(p) for p in unknown]
+        return prepared
 
     def write_map(self, version: str | None):
         from torsh.translate import FieldMap, Hook

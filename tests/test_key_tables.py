@@ -451,7 +451,7 @@ TORCHTITAN_2024_KEYS = {
 def test_every_real_torchtitan_file_uses_only_keys_of_the_table():
     """Complete for real files: every key of every corpus TOML of torchtitan's is one torchtitan 0.2.2 defines (with the
     extension module the file or its run line names), except keys of the 2024 files that torchtitan itself dropped;
-    the forks' files hold keys of their own."""
+    the forks' files hold keys of their own. Those keys, and only they, are the reader's dropped notes."""
     import tomllib
 
     table, unknown = _table("torchtitan"), {}
@@ -467,9 +467,14 @@ def test_every_real_torchtitan_file_uses_only_keys_of_the_table():
     assert len(files) >= 25
     old = {name: keys for name, keys in unknown.items() if "__2024__" in name}
     assert len(old) == 4 and set().union(*old.values()) == TORCHTITAN_2024_KEYS
-    forks = {name for name in unknown if not name.startswith("pytorch__torchtitan__")}  # their own keys: refused
-    assert forks and all(unknown[name] for name in forks)
+    forks = {name for name in unknown if not name.startswith("pytorch__torchtitan__")}  # with keys of their own
+    assert len(forks) == 3 and all(unknown[name] for name in forks)
     assert not {name: keys for name, keys in unknown.items() if keys and name not in old and name not in forks}
+    # the reader reads every file, and its dropped notes are exactly the keys outside the table
+    for path in files:
+        noted = {n.source_path for n in adapters.load(path).notes if n.refused}
+        under = {key for key in unknown[path.name] if any(key == n or key.startswith(n + ".") for n in noted)}
+        assert under == unknown[path.name] and all(any(k == n or k.startswith(n + ".") for k in under) for n in noted)
 
 
 def test_torchtitan_table_has_the_distributed_keys():

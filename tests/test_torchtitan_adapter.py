@@ -12,7 +12,7 @@ from golden import check_golden
 from torsh import adapters
 from torsh.errors import ConfigError
 from torsh.formats import dump_text
-from torsh.translate import Fidelity
+from torsh.translate import ErrorLevel, Fidelity, LossyTranslationError
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "fixtures" / "corpus" / "torchtitan"
@@ -67,7 +67,6 @@ def test_model_parallel_degrees_are_the_core_degrees_and_expert_parallelism_is_u
 
 
 @pytest.mark.parametrize("raw, key", [
-    ({"parallelism": {"fsdp_reshard_after_forwrd": "never"}}, "parallelism.fsdp_reshard_after_forwrd"),
     ({"training": {"local_batch_size": "x"}}, "training.local_batch_size"),
     ({"parallelism": {"fsdp_reshard_after_forward": "sometimes"}}, "parallelism.fsdp_reshard_after_forward"),
     ({"parallelism": {"data_parallel_shard_degree": 0}}, "parallelism.data_parallel_shard_degree"),
@@ -79,17 +78,56 @@ def test_what_torchtitan_refuses_is_refused_naming_the_key(raw, key):
     assert any(p.path == key for p in exc.value.problems), exc.value.problems
 
 
-def test_keys_torchtitan_dropped_since_2024_are_refused_with_a_suggestion():
-    raw = tomllib.loads((CORPUS / "pytorch__torchtitan__2024__llama3_8b.toml").read_text("utf-8"))
+def _dropped(t) -> dict:
+    """The notes of the keys torchtitan 0.2.2 does not define: dropped, refused by torchtitan, so lossy."""
+    notes = {n.source_path: n for n in t.notes if n.refused}
+    assert all(n.fidelity is Fidelity.DROPPED and n.target_path is None and n.lossy for n in notes.values())
+    return notes
+
+
+def test_a_misspelt_key_is_read_as_dropped_with_a_did_you_mean_and_fails_strict():
+    """torchtitan refuses a misspelt key; torsh reads the rest of the file and notes the key where it is, with the
+    spelling torchtitan knows, and --strict fails on it (a fork may define a key torchtitan lacks)."""
+    t = read({"parallelism": {"fsdp_reshard_after_forwrd": "never"}, "training": {"local_batch_size": 4}})
+    (note,) = _dropped(t).values()
+    assert note.source_path == "parallelism.fsdp_reshard_after_forwrd"
+    assert "did you mean 'fsdp_reshard_after_forward'?" in note.reason and "0.2.2 refuses it" in note.reason
+    assert (t.result.sharding.stage, t.result.batch.micro_batch_size) == (3, 4)  # the default reshard policy
+    assert "fsdp_reshard_after_forwrd" not in adapters.write(t.result, "torchtitan").result.get("parallelism", {})
+    with pytest.raises(LossyTranslationError):
+        t.check(ErrorLevel.RAISE)
+
+
+def test_a_file_made_of_keys_torchtitan_lacks_is_refused_key_by_key_even_with_from_torchtitan():
+    """Another framework's file given as torchtitan is not read as a torchtitan file of defaults."""
+    raw = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     with pytest.raises(ConfigError) as exc:
         read(raw)
-    by_path = {p.path: p for p in exc.value.problems}
-    assert by_path["training.batch_size"].suggestion == "training.local_batch_size"
-    assert by_path["training.data_parallel_shard_degree"].suggestion == "parallelism.data_parallel_shard_degree"
+    assert {p.path for p in exc.value.problems} == set(raw)
+    with pytest.raises(ConfigError):
+        read({"training": {"a": 1, "b": 2, "c": 3, "d": 4}})  # one known section, mostly unknown keys
+
+
+def test_keys_torchtitan_dropped_since_2024_are_read_as_dropped_with_their_current_spelling():
+    raw = tomllib.loads((CORPUS / "pytorch__torchtitan__2024__llama3_8b.toml").read_text("utf-8"))
+    assert adapters.sniff(raw) == "torchtitan"
+    t = read(raw)
+    by_path = _dropped(t)
+    assert "did you mean 'training.local_batch_size'?" in by_path["training.batch_size"].reason
+    assert "'parallelism.data_parallel_shard_degree'" in by_path["training.data_parallel_shard_degree"].reason
     assert "quantize.linear.float8" in by_path["float8"].reason and "delete it" in by_path["model.norm_type"].reason
     # only the renamed keys: the file is recognised as torchtitan, not read as a torsh file of unknown keys
-    assert all("torchtitan 0.2" in p.reason for p in exc.value.problems)
-    assert adapters.sniff(raw) == "torchtitan"
+    assert all("torchtitan 0.2" in n.reason for n in by_path.values())
+    assert t.result.model_dump() == read(_without_keys(raw, by_path)).result.model_dump()
+
+
+def _without_keys(raw: dict, paths) -> dict:
+    out = {}
+    for key, value in raw.items():
+        if key not in paths:
+            inner = {k: v for k, v in value.items() if f"{key}.{k}" not in paths} if isinstance(value, dict) else value
+            out[key] = inner
+    return out
 
 
 def test_every_key_of_a_real_file_is_kept_for_a_round_trip():
@@ -139,13 +177,14 @@ def test_the_deepspeed_example_converts_to_its_golden():
     check_golden(example / "zero3_bf16_offload.expected.toml", dump_text(written.result, "toml"))
 
 
-def test_a_key_no_torchtitan_defines_is_refused_where_it_is_naming_the_forks_module():
+def test_a_key_no_torchtitan_defines_is_noted_where_it_is_naming_the_forks_module():
     """A fork that extends torchtitan through its own custom_config_module: torsh cannot read that module, so each
-    key torchtitan 0.2.2 lacks is refused, saying the module may define it; the rest of the file is torchtitan's."""
+    key torchtitan 0.2.2 lacks is a dropped note saying the module may define it; the rest of the file is read."""
     raw = {"job": {"custom_config_module": "mimi.job_config"}, "training": {"steps": 10, "task": "a2a"},
-           "parallelism": {"data_parallel_shard_degree": -1}}  # fmt: skip
+           "parallelism": {"data_parallel_shard_degree": 1, "data_parallel_replicate_degree": 4}}  # fmt: skip
     assert adapters.sniff(raw) == "torchtitan"
-    with pytest.raises(ConfigError) as exc:
-        read(raw)
-    (problem,) = exc.value.problems
-    assert problem.path == "training.task" and "'mimi.job_config'" in problem.reason and "0.2.2" in problem.reason
+    t = read(raw)
+    (note,) = _dropped(t).values()
+    assert note.source_path == "training.task" and "'mimi.job_config'" in note.reason and "0.2.2" in note.reason
+    assert t.result.sharding.stage == 0
+    assert note.to_dict()["refused"] is True and note.to_dict()["fidelity"] == "dropped"
