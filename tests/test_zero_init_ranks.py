@@ -113,6 +113,7 @@ def layout(rank: int, world_size: int, scenario: dict) -> dict:
     record = {"data": [w.numel() for w in weights], "numel": [w.ds_numel for w in weights]}
     for i, w in enumerate(weights):
         w.ds_tensor.data = torch.full_like(w.ds_tensor.data, (i + 1) * (rank + 1))
+    held = weights[0].ds_tensor
     out = engine(torch.ones(3, 5))
     record["out"] = out.tolist()
     engine.backward(out.sum())
@@ -123,6 +124,7 @@ def layout(rank: int, world_size: int, scenario: dict) -> dict:
     record["averaged"] = [[t.float().tolist() for t in averaged[g]] for g in sorted(averaged)]
     engine.step()
     record["stepped"] = [w.ds_tensor.tolist() for w in weights]
+    record["held"] = held.tolist() == record["stepped"][0]  # a partition the script holds shows the shard
     record["out2"] = engine(torch.ones(3, 5)).tolist()
     weights[1].all_gather()  # DeepSpeed's parameter methods: whole, then partitioned again
     record["gathered"] = [list(weights[1].shape), str(weights[1].ds_status.name)]
@@ -220,6 +222,7 @@ def test_weights_the_model_was_built_from_are_deepspeeds_partitions_after_initia
     # moves the fp32 copy it took at initialize instead (zeros), dropping the writes: not compared.
     for mine, real in zip(ours, theirs):
         assert mine["allclose"] == real["allclose"] == [True, True]
+        assert mine["held"] and real["held"]
         assert mine["allclose_changed"] is False and mine["optimizer"] == "FusedAdam"
         assert mine["optim_file"] == real["optim_file"] == "expp_rank_0_mp_rank_00_optim_states.pt"
         assert mine["gathered"] == real["gathered"] == [[3, 5], "AVAILABLE"]

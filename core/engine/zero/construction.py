@@ -30,7 +30,7 @@ PARTITIONED = "_torsh_partitioned"
 
 _ids = itertools.count()  # DeepSpeed numbers the parameters it partitions in construction order (``ds_id``)
 #: torch 2.13 renames all_gather_into_tensor (the older name is deprecated there); earlier releases have only it.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def gather(param: nn.Parameter) -> torch.Tensor:
         whole = local.clone()
     else:
         whole = torch.empty(local.numel() * where.world, dtype=local.dtype, device=local.device)
-        _all_gather(whole, local, group=where.group)
+        all_gather_into(whole, local, group=where.group)
     return whole[:param.ds_numel].view(param.ds_shape)
 
 

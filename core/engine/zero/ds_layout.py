@@ -9,11 +9,13 @@ own tests keep the list of weights they build a model from, and write their part
 frozen at their initial values: :func:`link_originals` turns each into DeepSpeed's partitioned form instead, tied
 to the shard that replaced it:
 
-- ``ds_tensor`` is this rank's partition in DeepSpeed's layout, read from the shard's current value (a collective
-  over the shard group: every rank reads it, as every rank enters ``GatheredParameters``);
-- a write to a partition that was read (``p.ds_tensor.data = ...``, or in place) reaches the shard before the next
-  forward: the model's pre-forward hook agrees over the ranks on which partitions changed (one small all-reduce
-  per forward, once a partition has been read) and writes their whole values into the shards.
+- ``ds_tensor`` is this rank's partition in DeepSpeed's layout, read from the shard the first time it is asked for
+  (a collective over the shard group: every rank reads it, as every rank enters ``GatheredParameters``) and kept
+  up to date at each forward and optimizer step, points every rank passes;
+- a write to it (``p.ds_tensor.data = ...``, or in place) reaches the shard before the next forward or step: they
+  agree over the ranks on which partitions changed (one small all-reduce, once a partition was handed out) and
+  write their whole values into the shards. (A shard changed otherwise - a checkpoint load - shows at the next
+  forward or step.)
 
 :func:`attach_views` gives the optimizer DeepSpeed's ZeRO-3 views of the gradients in the same layout
 (``averaged_gradients``, ``get_fp32_grad_partitions()``) and of the last norm (``_global_grad_norm``).
@@ -30,10 +32,11 @@ import torch.distributed as dist
 from torch import nn
 
 from . import params as zero_params
-from .construction import comm_device, keep_own, partition_numel
+from .construction import all_gather_into, comm_device, keep_own, partition_numel
 from .whole_params import ZeroParamStatus
 
 LINK = "_torsh_shard_link"
+ORIGINALS = "_torsh_originals"  # on the sharded model: its Originals
 
 
 @dataclass(frozen=True)
@@ -103,10 +106,9 @@ class _Link:
         device = comm_device(self.cut.group)
         own = own.detach().to(device=device, dtype=whole.dtype).reshape(-1).contiguous()
         everyone = torch.empty(own.numel() * self.cut.world, dtype=own.dtype, device=device)
-        dist.all_gather_into_tensor(everyone, own, group=self.cut.group)
+        all_gather_into(everyone, own, group=self.cut.group)
         zero_params.write_whole(self.shard, everyone[:whole.numel()])
-        self.mirror = None  # the next read takes the written value back from the shard
-        self.refresh()
+        self.refresh()  # the same mirror object, which the script may still hold, now shows what the shard holds
 
 
 class OriginalParameter(nn.Parameter):
@@ -114,19 +116,14 @@ class OriginalParameter(nn.Parameter):
 
     @property
     def ds_tensor(self) -> torch.Tensor:
-        link: _Link = self.__dict__[LINK]
-        _handed_out(self).add(id(link))
-        return link.refresh()
+        return _mirror(self)
 
     @ds_tensor.setter
     def ds_tensor(self, value: torch.Tensor) -> None:
-        link: _Link = self.__dict__[LINK]
-        link.refresh()
-        link.mirror.data = value.data if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-        _handed_out(self).add(id(link))
+        _mirror(self).data = value.data if isinstance(value, torch.Tensor) else torch.as_tensor(value)
 
     def partition_numel(self) -> int:
-        return self.__dict__[LINK].refresh().numel()
+        return _mirror(self).numel()
 
     @torch.no_grad()
     def all_gather(self, param_list=None, async_op=False, hierarchy=0) -> None:  # noqa: ARG002  (DeepSpeed's)
@@ -150,8 +147,14 @@ class OriginalParameter(nn.Parameter):
     ds_summary = zero_params.ds_summary
 
 
-def _handed_out(param: OriginalParameter) -> set[int]:
-    return param.__dict__["_torsh_links"].handed_out
+def _mirror(param: OriginalParameter) -> torch.Tensor:
+    """The partition of ``param`` handed out to the script: read from the shard the first time (collective), then
+    kept up to date at every forward and optimizer step (:meth:`Originals.sync`, :meth:`Originals.refresh`)."""
+    link: _Link = param.__dict__[LINK]
+    if link.mirror is None:
+        link.refresh()
+    param.__dict__["_torsh_links"].handed_out.add(id(link))
+    return link.mirror
 
 
 @dataclass
@@ -165,7 +168,7 @@ class Originals:
     def sync(self, *_: Any) -> None:
         """Before a forward: partitions written since they were read reach their shards; the others are read again
         from their shards (both collective, over the partitions handed out on every rank)."""
-        watched = [self.links[k] for k in sorted(self.handed_out, key=lambda k: self.links[k].shard.ds_id)]
+        watched = self._watched()
         if not watched:
             return
         flags = torch.tensor([link.changed() for link in watched], dtype=torch.uint8, device=comm_device(None))
@@ -176,6 +179,15 @@ class Originals:
                 link.write_back(mine)
             else:
                 link.refresh()
+
+    def _watched(self) -> list[_Link]:
+        return [self.links[k] for k in sorted(self.handed_out, key=lambda k: self.links[k].shard.ds_id)]
+
+    @torch.no_grad()
+    def refresh(self, *_: Any) -> None:
+        """After an optimizer step: the partitions handed out show the stepped shards (collective)."""
+        for link in self._watched():
+            link.refresh()
 
 
 def before_sharding(model: nn.Module) -> list[tuple[nn.Module, str, weakref.ref]]:
@@ -204,6 +216,7 @@ def link_originals(model: nn.Module, before: list[tuple[nn.Module, str, weakref.
         originals.links[id(link)] = link
     if originals.links:
         model.register_forward_pre_hook(originals.sync, prepend=True)  # before FSDP2 gathers the first unit
+        model.__dict__[ORIGINALS] = originals  # the optimizer's step syncs them too (attach_views)
     return originals
 
 
@@ -296,7 +309,13 @@ def attach_views(optimizer: torch.optim.Optimizer, engine: Any) -> None:
     if _VIEWS_OF in type(optimizer).__dict__ or any(name in optimizer.__dict__ for name in _VIEWS):
         return
     optimizer.__class__ = _with_views(type(optimizer))
+    _hook_steps(optimizer)
     optimizer.__dict__["_torsh_engine"] = weakref.ref(engine)
+    originals = engine.module.__dict__.get(ORIGINALS)
+    if originals is not None:  # a partition written since the last forward is what the step updates, and a
+        # partition the script holds shows the stepped value (the step is a point every rank passes)
+        optimizer.register_step_pre_hook(lambda *_: originals.sync())
+        optimizer.register_step_post_hook(lambda *_: originals.refresh())
 
 
 def _with_views(cls: type) -> type:
@@ -313,3 +332,12 @@ def base_class(optimizer: Any) -> type:
 def retype(optimizer: Any, cls: type) -> None:
     """Make ``optimizer`` an instance of ``cls`` (the drop-in's ``FusedAdam`` for a torch Adam), keeping its views."""
     optimizer.__class__ = _with_views(cls) if _VIEWS_OF in type(optimizer).__dict__ else cls
+    _hook_steps(optimizer)
+
+
+def _hook_steps(optimizer: Any) -> None:
+    """torch runs an optimizer's step hooks through its class's ``step``, wrapped when the first instance of the
+    class is built: a class given afterwards is wrapped here."""
+    patch = getattr(optimizer, "_patch_step_function", None)
+    if callable(patch):
+        patch()
