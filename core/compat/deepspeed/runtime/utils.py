@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Sequence
@@ -311,3 +312,85 @@ def memory_status(msg, print_rank=-1, reset_max=False) -> None:
         from ..accelerator import get_accelerator
 
         get_accelerator().reset_max_memory_allocated()
+
+
+def prefix_sum_inc(weights) -> list:
+    """The inclusive prefix sums of ``weights``: ``[3, 4, 5]`` -> ``[3, 7, 12]``."""
+    return list(itertools.accumulate(weights))
+
+
+class PartitionedTensor:
+    """A tensor split across the ranks of ``group``, each rank keeping one contiguous part of its flattened
+    elements (split as :func:`partition_uniform` splits them: sizes differ by at most one, the larger parts
+    first), as DeepSpeed's pipeline engine partitions activations across a model-parallel group.
+
+    ``full()`` gathers the whole tensor back on every rank (collective); ``to_meta()`` encodes the shape and the
+    split as a long tensor, which with ``data()`` rebuilds the object on a rank that received both
+    (``from_meta``)."""
+
+    def __init__(self, tensor, group, partition_meta=None):
+        import torch.distributed as dist
+
+        self.group = group
+        self.num_parts = dist.get_world_size(group=group)
+        self.rank = dist.get_rank(group=group)
+        self.orig_size = list(tensor.size())
+        self.orig_device = tensor.device
+        self.partition = partition_uniform(tensor.numel(), self.num_parts)
+        start, stop = self.partition[self.rank], self.partition[self.rank + 1]
+        self.local_data = tensor.detach().contiguous().view(-1)[start:stop].clone()
+        self.even_split = tensor.numel() % self.num_parts == 0
+
+    @classmethod
+    def from_meta(cls, meta, local_part, group, device=None):
+        """The object whose ``to_meta()`` gave ``meta``, holding ``local_part`` as this rank's part."""
+        import torch.distributed as dist
+
+        if meta.dtype != torch.long:
+            raise TypeError(f"PartitionedTensor.from_meta: meta must be a long tensor (to_meta()), got {meta.dtype}")
+        values = meta.tolist()
+        ndim = values[0]
+        num_parts, rank, partition = values[1 + ndim], values[2 + ndim], values[3 + ndim:]
+        if num_parts != dist.get_world_size(group=group) or rank != dist.get_rank(group=group):
+            raise ValueError(f"PartitionedTensor.from_meta: the meta was made by rank {rank} of {num_parts}; this is "
+                             f"rank {dist.get_rank(group=group)} of {dist.get_world_size(group=group)}")  # fmt: skip
+        obj = cls.__new__(cls)
+        obj.group, obj.num_parts, obj.rank = group, num_parts, rank
+        obj.orig_size = values[1 : 1 + ndim]
+        obj.orig_device = device if device is not None else _device()
+        obj.partition = partition
+        obj.local_data = local_part.detach()
+        obj.even_split = math.prod(obj.orig_size) % num_parts == 0
+        return obj
+
+    def full(self, device=None) -> torch.Tensor:
+        """The whole tensor, gathered from every rank's part (collective over the group)."""
+        import torch.distributed as dist
+
+        device = self.orig_device if device is None else device
+        flat = torch.zeros(math.prod(self.orig_size), dtype=self.local_data.dtype, device=device)
+        if self.even_split:
+            dist.all_gather_into_tensor(flat, self.local_data.to(device), group=self.group)
+        else:
+            for part in range(self.num_parts):
+                start, stop = self.partition[part], self.partition[part + 1]
+                piece = flat[start:stop]
+                if part == self.rank:
+                    piece.copy_(self.local_data)
+                dist.broadcast(piece, dist.get_global_rank(self.group, part) if self.group is not None else part,
+                               group=self.group)  # fmt: skip
+        return flat.view(self.orig_size).clone()
+
+    def to_meta(self) -> torch.Tensor:
+        """``[ndim, *shape, num_parts, rank, *partition]`` as a long tensor on the tensor's device."""
+        meta = [len(self.orig_size), *self.orig_size, self.num_parts, self.rank, *self.partition]
+        return torch.tensor(meta, dtype=torch.long, device=self.orig_device)
+
+    def data(self) -> torch.Tensor:
+        return self.local_data
+
+    def local_size(self) -> torch.Size:
+        return self.local_data.size()
+
+    def full_size(self) -> list[int]:
+        return self.orig_size
