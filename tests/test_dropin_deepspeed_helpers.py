@@ -2,7 +2,8 @@
 against DeepSpeed 0.19.8's own (installed by requirements-dev.txt) on the same inputs.
 
 They were found missing by DeepSpeed's own unit tests (``make conformance``): ``runtime/pipe/test_topology.py``,
-``runtime/pipe/test_pipe_schedule.py`` and ``runtime/utils/test_partition.py`` did not import on torsh.
+``runtime/pipe/test_pipe_schedule.py``, ``runtime/utils/test_partition.py``, ``launcher/test_ds_arguments.py`` and
+``launcher/test_run.py`` did not import, or failed on a missing name, on torsh.
 """
 
 from __future__ import annotations
@@ -91,3 +92,42 @@ def test_partitioned_tensor_splits_and_gathers_as_deepspeeds_on_two_ranks():
         assert record.pop("theirs") == "deepspeed.runtime.utils"  # DeepSpeed's own, not the drop-in under its name
         for shape, checks in record.items():
             assert all(checks.values()), (rank, shape, checks)
+
+
+def test_numa_core_lists_are_read_as_deepspeed_reads_them():
+    real = pytest.importorskip("deepspeed.utils.numa", reason=_REAL)
+    from torsh.compat.deepspeed.utils import numa
+
+    for text in ("0,2-4,6,8-9", "3", "0-0", "1-3,5-7"):
+        assert numa.parse_range_list(text) == real.parse_range_list(text)
+    for bad in ("0,2-6,5-9", "8,2-6", "1,6-2", "1-2-3", "a"):
+        for module in (numa, real):
+            with pytest.raises(ValueError):
+                module.parse_range_list(bad)
+
+
+def test_hostfile_and_include_exclude_filters_are_deepspeeds():
+    real = pytest.importorskip("deepspeed.launcher.runner", reason=_REAL)
+    from torsh.compat.deepspeed.launcher import runner as ours
+
+    hostfile = ["worker-1 slots=2", "", "  worker-2 slots=4  ", "# worker-3 slots=8", "10.0.0.7 slots=1"]
+    assert ours._parse_hostfile(hostfile) == real._parse_hostfile(hostfile)
+    for bad in (["worker-1 slots=2", "worker-1 slots=1"], ["this is bad slots=1"], ["missingslots"], ["", "# x"]):
+        for module in (ours, real):
+            with pytest.raises(ValueError):
+                module._parse_hostfile(bad)
+    hosts = {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3]}
+    for include, exclude in (("", ""), ("worker-1:0,3", ""), ("worker-0:1@worker-0:0,1", ""), ("worker-0", ""),
+                             ("", "worker-1"), ("", "worker-0:0,1@worker-1:3"), ("", "worker-0@worker-1"),
+                             ("", "worker-0:0,1,2,3")):  # fmt: skip
+        got = ours.parse_resource_filter(hosts, include_str=include, exclude_str=exclude)
+        want = real.parse_resource_filter(hosts, include_str=include, exclude_str=exclude)
+        assert list(got.items()) == list(want.items()), (include, exclude)
+    for include, exclude in (("A", "B"), ("jeff", ""), ("", "jeff"), ("worker-1:4", ""),
+                             ("", "worker-1@worker-0:1@5")):  # fmt: skip
+        for module in (ours, real):
+            with pytest.raises(ValueError):
+                module.parse_resource_filter(hosts, include_str=include, exclude_str=exclude)
+    pool = {"worker-0": 2, "worker-1": 3}
+    assert ours.parse_inclusion_exclusion(pool, "", "worker-1:0") == real.parse_inclusion_exclusion(pool, "",
+                                                                                                   "worker-1:0")

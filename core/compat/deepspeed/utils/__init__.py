@@ -194,7 +194,7 @@ safe_get_full_optimizer_state = unsupported_function(
 
 
 def __getattr__(name: str):
-    if name in ("zero_to_fp32", "logging", "groups", "torch", "module_utils", "z3_leaf_module"):
+    if name in ("zero_to_fp32", "logging", "groups", "torch", "module_utils", "z3_leaf_module", "numa"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
