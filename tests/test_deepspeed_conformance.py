@@ -665,6 +665,31 @@ def local_grad(rank: int, world_size: int, scenario: dict) -> dict:
     return {"parts": all(parts), "zeroed": zeroed}
 
 
+def full_grad_set(rank: int, world_size: int, scenario: dict) -> dict:
+    """runtime/half_precision/test_zero_optim_overflow.py's injection: between backward and step,
+    ``safe_set_full_grad`` writes a whole gradient (the same on every rank) that the step then uses, in bf16 at the
+    given stage: the gradient read back, and the update of the fp32 weights by one Adam step (the updates, not the
+    weights: DeepSpeed's ZeRO-3 in bf16 starts its fp32 masters from the bf16-rounded weights, torsh's from the
+    fp32 ones)."""
+    import torch
+
+    ds = _ds(scenario["engine"])
+    engine = _init(ds, _config(scenario["stage"], bf16={"enabled": True}))
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    engine.backward(((engine(x) - x).float() ** 2).mean())
+    params = list(engine.module.parameters())
+    for i, p in enumerate(params):  # signs unlike the backward's: the step shows which gradient it used
+        numel = int(p.ds_numel) if hasattr(p, "ds_numel") else p.numel()
+        shape = tuple(getattr(p, "ds_shape", p.shape))
+        value = torch.linspace(-1.0, 1.0, numel).roll(i).reshape(shape) + 0.01
+        ds.utils.safe_set_full_grad(p, value.to(torch.bfloat16))
+    read = [ds.utils.safe_get_full_grad(p).float().flatten().tolist() for p in params]
+    before = [ds.utils.safe_get_full_fp32_param(p).flatten() for p in params]
+    engine.step()
+    after = [ds.utils.safe_get_full_fp32_param(p).flatten() for p in params]
+    return {"grads": read, "updates": [(a - b).tolist() for a, b in zip(after, before)]}
+
+
 def zero_to_fp32_load(rank: int, world_size: int, scenario: dict) -> dict:
     """The use DeepSpeed's docs give: after training, ``load_state_dict_from_zero_checkpoint(engine.module,
     checkpoint_dir)`` at ZeRO-2 puts the checkpoint's fp32 weights into the model."""
@@ -954,6 +979,9 @@ def _scenarios(tmp: str) -> list[dict]:
         out.append({**call, "name": f"tags_{engine}", "target": f"{MODULE}:checkpoint_tags", "dir": f"{tmp}/{engine}"})
         out.append({**call, "name": f"members_{engine}", "target": f"{MODULE}:engine_members"})
         out.append({**call, "name": f"localgrad_{engine}", "target": f"{MODULE}:local_grad"})
+        for stage in (1, 2, 3):
+            out.append({**call, "name": f"fullgradset_s{stage}_{engine}", "target": f"{MODULE}:full_grad_set",
+                        "stage": stage})  # fmt: skip
         out.append({**call, "name": f"reduceop_{engine}", "target": f"{MODULE}:reduce_op"})
         out.append({**call, "name": f"external_{engine}", "target": f"{MODULE}:external_param"})
         out.append({**call, "name": f"lateinit_{engine}", "target": f"{MODULE}:zero_init_late_change"})
@@ -1053,6 +1081,20 @@ def test_engine_log_level_clipping_and_members(records, engine):
 def test_safe_get_set_local_grad_zero3(records, engine):
     for r in _ranks(records, "localgrad", engine):
         assert r == {"parts": True, "zeroed": True}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_safe_set_full_grad_is_the_gradient_the_step_uses(records, stage):
+    """A gradient written with safe_set_full_grad after backward reads back and drives the step, in bf16 at
+    ZeRO 1-3, as in DeepSpeed (its overflow tests inject inf and NaN this way)."""
+    name = f"fullgradset_s{stage}"
+    ours, theirs = _ranks(records, name, "torsh"), _ranks(records, name, "deepspeed")
+    for mine, real in zip(ours, theirs):
+        for got, want in zip(mine["grads"], real["grads"]):
+            assert got == pytest.approx(want, abs=1e-2)  # the bf16 value written
+        for got, want in zip(mine["updates"], real["updates"]):
+            assert got == pytest.approx(want, rel=1e-3, abs=1e-7)  # the first Adam step: about -lr * sign(grad)
+    assert ours[0]["updates"] == ours[1]["updates"]
 
 
 @both

@@ -81,6 +81,40 @@ def safe_get_full_grad(param) -> _torch.Tensor | None:
     return None if grad is None else _full(grad).to(source.dtype, copy=True)
 
 
+def safe_set_full_grad(param, value) -> None:
+    """Write ``value`` (the whole gradient of ``param``, the same on every rank) as the gradient the next optimizer
+    step uses, as DeepSpeed's: between ``backward`` and ``step`` (custom clipping, gradient surgery, injected
+    overflow). Each rank keeps its own part where the gradient is partitioned (ZeRO-2's reduced buckets, FSDP2's
+    shards); the fp32 master's gradient under fp16/bf16 at stages 0/1. Not collective."""
+    if value.numel() != param.numel():
+        raise ValueError(f"safe_set_full_grad: the value has {value.numel()} elements, the parameter "
+                         f"{param.numel()} (pass the whole gradient, shape {tuple(param.shape)})")  # fmt: skip
+    with _torch.no_grad():
+        if hasattr(param, ZERO_SLOT):
+            part, bucket, _ = getattr(param, ZERO_SLOT)
+            if bucket.index in part._written:  # reduced into this rank's flat partition: write its elements there
+                start, end = part.local_range(param)
+                part.local_view(param, part.grads[bucket.group]).copy_(value.reshape(-1)[start:end])
+                return
+        source = _fp32(param)
+        holder = source if source.grad is not None else param
+        if holder.grad is None:
+            holder.grad = _like(holder, value)
+        else:
+            _local(holder.grad).copy_(_local(_like(holder.grad, value)))
+
+
+def _like(target, value):
+    """``value`` as ``target`` holds it: its dtype and device, sharded as ``target`` when it is a DTensor (each
+    rank takes its shard of the whole value it holds; no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    value = value.detach().reshape(target.shape).to(dtype=target.dtype, device=_local(target).device, copy=True)
+    if isinstance(target, DTensor):
+        return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+    return value
+
+
 def safe_set_full_fp32_param(param, value) -> None:
     """Write ``value`` (the whole parameter, the same on every rank) into the fp32 weights the optimizer steps, as
     DeepSpeed's: the master copy at stages 0/1 under fp16/bf16; a parameter the optimizer steps directly (fp32,
