@@ -228,9 +228,11 @@ _MARKERS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_clip
             "wall_clock_breakdown", "zero_allow_untested_optimizer", "zero_optimization"}
 #: DeepSpeed's precision keys are sections; HF Trainer arguments use the same names as booleans.
 _SECTION_MARKERS = ("fp16", "bf16", "bfloat16")
-#: A DeepSpeed config: one of its own keys or sections, among keys DeepSpeed 0.19.8 knows (it ignores the others).
-SHAPES = (Shape(0.95, ({*_MARKERS, *_SECTION_MARKERS},), top_keys([*FIELD_MAP, *ALIASES]), tables=_SECTION_MARKERS,
-                lenient=True),)
+#: A DeepSpeed config: one of its own keys or sections, among keys DeepSpeed 0.19.8 knows (it ignores the others):
+#: every top-level key of its schema (``scheduler`` and ``optimizer`` are read by rules, not the map).
+SHAPES = (Shape(0.95, ({*_MARKERS, *_SECTION_MARKERS},),
+                top_keys([*FIELD_MAP, *ALIASES, *schemas.load("deepspeed").get("properties", {})]),
+                tables=_SECTION_MARKERS, lenient=True),)
 #: Keys whose DeepSpeed default *is* the string "auto" (not the Hugging Face convention).
 _DEEPSPEED_OWN_AUTO = ("pipeline.stages", "data_types.keep_in_fp32_modules", "zero_optimization.zenflow")
 #: A micro batch DeepSpeed accepts when the source leaves the batch to the training script.

@@ -125,3 +125,12 @@ def test_a_corpus_file_with_a_few_foreign_keys_is_still_its_dialect(path, data):
         target = changed if section is None else changed[section]
         target.setdefault(name, value)
     assert adapters.sniff(changed) == FOLDERS[path.parent.name]
+
+
+@pytest.mark.parametrize("section", [{"scheduler": {"type": "WarmupLR", "params": {}}},
+                                     {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}},
+                                     {"communication_data_type": "fp32"}])  # fmt: skip
+def test_every_top_level_key_of_deepspeeds_schema_is_a_deepspeed_key(section):
+    """DeepSpeed's own unit tests pass deepspeed.initialize a batch size and a scheduler section only: the keys its
+    reader handles by rules (scheduler, optimizer), not by the map, are DeepSpeed's keys too."""
+    assert adapters.sniff({"train_batch_size": 1, **section}) == "deepspeed"
