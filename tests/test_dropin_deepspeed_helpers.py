@@ -2,8 +2,9 @@
 against DeepSpeed 0.19.8's own (installed by requirements-dev.txt) on the same inputs.
 
 They were found missing by DeepSpeed's own unit tests (``make conformance``): ``runtime/pipe/test_topology.py``,
-``runtime/pipe/test_pipe_schedule.py``, ``runtime/utils/test_partition.py``, ``launcher/test_ds_arguments.py`` and
-``launcher/test_run.py`` did not import, or failed on a missing name, on torsh.
+``runtime/pipe/test_pipe_schedule.py``, ``runtime/utils/test_partition.py``,
+``runtime/comm/test_coalesced_collectives.py``, ``launcher/test_ds_arguments.py`` and ``launcher/test_run.py`` did
+not import, or failed on a missing name, on torsh.
 """
 
 from __future__ import annotations
@@ -79,17 +80,38 @@ def _partitioned_tensor_rank(rank: int, world_size: int, port: int, out: str) ->
             "sizes": [list(mine.local_size()), mine.full_size()] == [list(theirs.local_size()), theirs.full_size()],
         }
     record["theirs"] = Theirs.__module__
+    record["reduce_scatter_coalesced"] = _reduce_scatter_coalesced_checks(rank)
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
 
 
-def test_partitioned_tensor_splits_and_gathers_as_deepspeeds_on_two_ranks():
+def _reduce_scatter_coalesced_checks(rank: int) -> dict[str, bool]:
+    from deepspeed.runtime.comm import coalesced_collectives as theirs
+    from torsh.compat.deepspeed.runtime.comm import coalesced_collectives as ours
+
+    checks = {}
+    for name, shapes, dtype in (("one even", [(6,)], torch.half), ("two", [(6,), (3,)], torch.half),
+                                ("smaller than the group", [(1,)], torch.half),
+                                ("three fp32", [(5, 2), (7,), (4,)], torch.float32)):  # fmt: skip
+        inputs = [(rank + 1) * torch.arange(i, i + torch.Size(s).numel(), dtype=dtype).reshape(s)
+                  for i, s in enumerate(shapes)]  # fmt: skip
+        mine_in, theirs_in = [t.clone() for t in inputs], [t.clone() for t in inputs]
+        mine, real = ours.reduce_scatter_coalesced(mine_in, None), theirs.reduce_scatter_coalesced(theirs_in, None)
+        checks[name] = (len(mine) == len(real) and all(torch.equal(a, b) for a, b in zip(mine, real))
+                        and all(torch.equal(a, b) for a, b in zip(mine_in, theirs_in)))  # fmt: skip
+    return checks
+
+
+def test_partitioned_tensor_and_coalesced_reduce_scatter_are_deepspeeds_on_two_ranks():
+    """PartitionedTensor's split, gather and meta, and reduce_scatter_coalesced's parts of each tensor (the mean
+    over the ranks) and its in-place pre-division, against DeepSpeed's in the same 2-rank gloo job."""
     pytest.importorskip("deepspeed.runtime.utils", reason=_REAL)
     with tempfile.TemporaryDirectory() as out:
         _engine_harness.start(_partitioned_tensor_rank, (2, _engine_harness.free_port(), out), 2, timeout=300)
         records = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
     for rank, record in enumerate(records):
         assert record.pop("theirs") == "deepspeed.runtime.utils"  # DeepSpeed's own, not the drop-in under its name
+        assert all(record.pop("reduce_scatter_coalesced").values()), rank
         for shape, checks in record.items():
             assert all(checks.values()), (rank, shape, checks)
 

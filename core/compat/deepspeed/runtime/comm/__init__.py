@@ -1,0 +1,1 @@
+"""``deepspeed.runtime.comm``: DeepSpeed's collective helpers (:mod:`.coalesced_collectives`)."""
