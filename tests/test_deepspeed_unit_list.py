@@ -95,3 +95,19 @@ def test_extend_archive_takes_each_test_file_with_the_helpers_it_imports():
         "tests/unit/util.py"}  # fmt: skip
     found = closure(["tests/unit/v1/moe/test_moe.py", "tests/unit/pipe/test_pipe.py"], sources.get)
     assert set(found) == set(sources)
+
+
+def test_a_file_that_does_not_import_on_the_second_engine_recorded_is_absent_on_the_first(tmp_path):
+    """DeepSpeed's column recorded first (its tests ran), then torsh's with the file not importing: the file's own
+    row says DeepSpeed has no such row (absent), not that DeepSpeed was not run."""
+    from run_deepspeed import COLUMNS, update
+
+    path = tmp_path / "list.tsv"
+    path.write_text("#file\tunit/a/test_x.py\trun\n" + "\t".join(COLUMNS) + "\n")
+    expected = Expected(path)
+    update(expected, "deepspeed", ["unit/a/test_x.py"],
+           {"unit/a/test_x.py::test_one": {"outcome": "passed", "message": "", "seconds": 1}})  # fmt: skip
+    update(expected, "torsh", ["unit/a/test_x.py"],
+           {"unit/a/test_x.py": {"outcome": "error", "message": "E   ImportError: no name", "seconds": None}})  # fmt: skip
+    assert expected.rows["unit/a/test_x.py"]["deepspeed"] == "absent"
+    assert expected.rows["unit/a/test_x.py::test_one"]["torsh"] == "error"
