@@ -2,4 +2,4 @@
 
 from ..._lazy import submodule_getattr
 
-__getattr__ = submodule_getattr(__name__, {"checkpointing"})
+__getattr__ = submodule_getattr(__name__, {"checkpointing", "offload_activations"})

@@ -17,14 +17,44 @@ import torch.utils.checkpoint
 
 log = logging.getLogger("torsh.compat")
 
-_configured = False
-_options = {"partition_activations": False, "contiguous_checkpointing": False, "num_checkpoints": None,
-            "checkpoint_in_cpu": False, "synchronize": False, "profile": False}  # fmt: skip
+# DeepSpeed's module globals, under DeepSpeed's names (scripts and tests read and save them around configure()).
+deepspeed_checkpointing_enabled = False
+mpu = None
+PARTITION_ACTIVATIONS = False
+CONTIGUOUS_CHECKPOINTING = False
+num_layers = None
+CPU_CHECKPOINT = False
+SYNCHRONIZE = False
+PROFILE_TIME = False
+
+#: configure()'s argument -> the module global that holds it.
+_GLOBALS = {"partition_activations": "PARTITION_ACTIVATIONS", "contiguous_checkpointing": "CONTIGUOUS_CHECKPOINTING",
+            "num_checkpoints": "num_layers", "checkpoint_in_cpu": "CPU_CHECKPOINT", "synchronize": "SYNCHRONIZE",
+            "profile": "PROFILE_TIME"}  # fmt: skip
+_DEFAULTS = {"partition_activations": False, "contiguous_checkpointing": False, "num_checkpoints": None,
+             "checkpoint_in_cpu": False, "synchronize": False, "profile": False}  # fmt: skip
+
+
+class _Options:
+    """The options by configure()'s argument names, read from and written to the module globals."""
+
+    def __getitem__(self, key):
+        return globals()[_GLOBALS[key]]
+
+    def __setitem__(self, key, value) -> None:
+        globals()[_GLOBALS[key]] = value
+
+
+_options = _Options()
+
+
+class CheckpointingConfigError(ValueError, AssertionError):
+    """An impossible combination of options (an ``AssertionError`` too, as DeepSpeed's ``assert`` raises)."""
 
 
 def checkpoint(function, *args, **kwargs):
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in backward."""
-    offload = torch.autograd.graph.save_on_cpu(pin_memory=False) if _options["checkpoint_in_cpu"] else None
+    offload = torch.autograd.graph.save_on_cpu(pin_memory=False) if CPU_CHECKPOINT else None
     with offload or contextlib.nullcontext():
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
                                                  **kwargs)  # fmt: skip
@@ -50,21 +80,28 @@ def detach_variable(inputs, device=None):
 
 def configure(mpu_=None, deepspeed_config=None, partition_activations=None, contiguous_checkpointing=None,
               num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None, profile=None):  # fmt: skip
-    """Record DeepSpeed's activation-checkpointing options (from the arguments, else the config's
-    ``activation_checkpointing`` section); see the module docstring for what each does here."""
-    global _configured
+    """Set DeepSpeed's activation-checkpointing options: each call starts from the defaults, then takes the
+    config's ``activation_checkpointing`` section, then the arguments given (DeepSpeed's order); see the module
+    docstring for what each does here."""
+    global deepspeed_checkpointing_enabled, mpu
     section = _config_section(deepspeed_config)
     given = {"partition_activations": partition_activations, "contiguous_checkpointing": contiguous_checkpointing,
              "num_checkpoints": num_checkpoints, "checkpoint_in_cpu": checkpoint_in_cpu,
              "synchronize": synchronize, "profile": profile}  # fmt: skip
     for key, value in given.items():
         if value is None:
-            value = section.get(_CONFIG_KEYS.get(key, key))
-        if value is not None:
-            _options[key] = value
+            value = section.get(_CONFIG_KEYS.get(key, key), _DEFAULTS[key])
+        _options[key] = value
+    deepspeed_checkpointing_enabled = True
     if mpu_ is not None:
+        mpu = mpu_
         log.warning("deepspeed.checkpointing.configure: mpu is ignored (torsh runs data parallelism only)")
-    _configured = True
+    if CONTIGUOUS_CHECKPOINTING and not PARTITION_ACTIVATIONS:
+        raise CheckpointingConfigError("contiguous_checkpointing (contiguous_memory_optimization) needs "
+                                       "partition_activations: set both, or neither")
+    if CONTIGUOUS_CHECKPOINTING and num_layers is None:
+        raise CheckpointingConfigError("contiguous_checkpointing needs the number of layers: pass num_checkpoints= "
+                                       "(or number_checkpoints in the activation_checkpointing section)")
 
 
 #: configure()'s argument -> the key of the config's ``activation_checkpointing`` section (DeepSpeed's names).
@@ -85,7 +122,7 @@ def _config_section(deepspeed_config) -> dict:
 
 def is_configured() -> bool:
     """Whether :func:`configure` was called."""
-    return _configured
+    return deepspeed_checkpointing_enabled
 
 
 def reset() -> None:
@@ -93,11 +130,13 @@ def reset() -> None:
 
 
 def set_num_layers(nlayers) -> None:
-    _options["num_checkpoints"] = nlayers
+    global num_layers
+    num_layers = nlayers
 
 
 def partition_activations_in_checkpoint(partition_activation) -> None:
-    _options["partition_activations"] = bool(partition_activation)
+    global PARTITION_ACTIVATIONS
+    PARTITION_ACTIVATIONS = bool(partition_activation)
 
 
 def model_parallel_cuda_manual_seed(seed) -> None:

@@ -1,0 +1,177 @@
+"""Drop-in modules: activation offload, checkpointing globals, DeepSpeedCPUAdam's sub-group step, checkpoint reshaping
+helpers and the fp32 converter's tied weights; compared with DeepSpeed 0.19.8 where that is cheap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from torsh.compat.deepspeed.runtime.activation_checkpointing import checkpointing
+from torsh.compat.deepspeed.runtime.activation_checkpointing import offload_activations as oa
+
+
+# ---- activation offload ----------------------------------------------------------------------------------------
+class _PretendAccelerator:
+    """CPU tensors count as on an accelerator with streams, so the offload path runs on a CPU-only machine."""
+
+    def __init__(self):
+        self.pinned = 0
+
+    def is_synchronized_device(self):
+        return False
+
+    def on_accelerator(self, tensor):
+        return True
+
+    def pin_memory(self, tensor, align_bytes=1):
+        self.pinned += 1
+        return tensor
+
+
+@pytest.fixture
+def pretend(monkeypatch):
+    accelerator = _PretendAccelerator()
+    monkeypatch.setattr(oa, "get_accelerator", lambda: accelerator)
+    return accelerator
+
+
+def _chain(layers, x, manager=None):
+    h = x
+    for layer in layers:
+        if manager is not None:
+            manager.mark(h)
+        h = checkpoint(layer, h, use_reentrant=False)
+    return h.square().sum()
+
+
+@pytest.mark.parametrize("keep_last_count", [0, 1, 2])
+def test_offloaded_inputs_give_the_same_gradients_and_stay_newest_on_device(pretend, keep_last_count):
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+    x = torch.randn(3, 8, requires_grad=True)
+    _chain(layers, x).backward()
+    expected = [x.grad.clone()] + [p.grad.clone() for p in layers.parameters()]
+    layers.zero_grad(set_to_none=True)
+    x.grad = None
+    manager = oa.get_checkpoint_hidden_states_offloading_ctx_manager(min_offload_bytes=0,
+                                                                     keep_last_count=keep_last_count)
+    for _ in range(2):  # the second step takes its host buffers from the pool
+        layers.zero_grad(set_to_none=True)
+        x.grad = None
+        with manager:
+            loss = _chain(layers, x, manager)
+            assert list(manager._keep_last) == list(range(5 - keep_last_count, 5))[:keep_last_count]
+            assert all(buffer.device.type == "cpu" for buffer, *_ in manager._tracker.values())
+            loss.backward()
+        got = [x.grad] + [p.grad for p in layers.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        stats = manager.stats
+        assert (stats.marked_tensors, stats.offloaded_tensors, stats.restored_tensors, stats.kept_last_tensors) == (
+            4, 4 - keep_last_count, 4 - keep_last_count, keep_last_count)
+    assert pretend.pinned == 4 - keep_last_count  # pinned once; the pool served the second step
+    assert manager._cpu_buffer_pool_count == 4 - keep_last_count
+
+
+def test_offload_restores_strided_views_and_serves_a_second_backward(pretend):
+    base = torch.randn(6, 8)
+    x = base[:, ::2].detach().requires_grad_(True)
+    manager = oa.CheckpointHiddenStatesOffload(min_offload_bytes=0, keep_last_count=0, use_pin_memory=False)
+    with manager:
+        manager.mark(x)
+        loss = checkpoint(lambda t: t.sin().square(), x, use_reentrant=False).sum()
+        buffer = next(iter(manager._tracker.values()))[0]
+        assert buffer.is_contiguous() and buffer.shape == x.shape and pretend.pinned == 0
+        loss.backward(retain_graph=True)
+        first = x.grad.clone()
+        x.grad = None
+        loss.backward()
+    assert torch.allclose(x.grad, first) and torch.allclose(first, 2 * x.sin() * x.cos())
+    assert manager.stats.restored_tensors == 1
+
+
+def test_offload_leaves_small_parameter_and_overlapping_tensors_and_cpu_ones():
+    manager = oa.CheckpointHiddenStatesOffload(min_offload_bytes=0, keep_last_count=0)
+    x = torch.randn(4, 8, requires_grad=True)
+    with manager:  # on the CPU accelerator nothing moves
+        manager.mark(x)
+        checkpoint(torch.sin, x, use_reentrant=False).sum().backward()
+    assert (manager.stats.marked_tensors, manager.stats.skipped_marked_tensors, manager.stats.offloaded_tensors) == (
+        1, 1, 0)
+
+
+@pytest.mark.parametrize("tensor", [torch.nn.Parameter(torch.randn(4, 8)), torch.randn(4, 8).expand(2, 4, 8),
+                                    torch.randn(2)])  # fmt: skip
+def test_offload_skips_what_it_cannot_or_need_not_move(pretend, tensor):
+    manager = oa.CheckpointHiddenStatesOffload(min_offload_bytes=16, keep_last_count=0)
+    assert manager._stays(tensor)
+
+
+def test_offload_options_are_checked_and_the_manager_is_not_reentrant():
+    with pytest.raises(ValueError, match="keep_last_count must be >= 0, got -1"):
+        oa.CheckpointHiddenStatesOffload(keep_last_count=-1)
+    manager = oa.CheckpointHiddenStatesOffload()
+    with manager:
+        with pytest.raises(RuntimeError, match="not re-entrant"):
+            manager.__enter__()
+
+
+def test_offload_marks_gradient_checkpointing_layers_only_inside_the_block():
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "GradientCheckpointingLayer"):
+        pytest.skip("transformers has no GradientCheckpointingLayer")
+    from functools import partial
+
+    layer_cls = transformers.GradientCheckpointingLayer
+    original = layer_cls.__call__
+
+    class Layer(layer_cls):
+        def forward(self, hidden_states):
+            return hidden_states.sin()
+
+    layer = Layer()
+    layer.gradient_checkpointing, layer._gradient_checkpointing_func = True, partial(checkpoint, use_reentrant=False)
+    outer, inner = oa.CheckpointHiddenStatesOffload(), oa.CheckpointHiddenStatesOffload()
+    with outer:
+        with inner:
+            layer(torch.randn(2, 4, requires_grad=True))
+        assert layer_cls.__call__ is not original
+    assert layer_cls.__call__ is original
+    assert (outer.stats.marked_tensors, inner.stats.marked_tensors) == (0, 1)  # the innermost manager marks
+    with pytest.raises(ValueError, match="boom"), outer:
+        raise ValueError("boom")
+    assert layer_cls.__call__ is original
+
+
+def test_offload_counts_match_deepspeed_on_the_cpu():
+    deepspeed_oa = pytest.importorskip("deepspeed.runtime.activation_checkpointing.offload_activations")
+
+    def run(module):
+        manager = module.CheckpointHiddenStatesOffload(use_streams=False, min_offload_bytes=0)
+        x = torch.randn(4, 8, requires_grad=True)
+        with manager:
+            manager.mark(x)
+            checkpoint(torch.nn.Linear(8, 8), x, use_reentrant=False).square().sum().backward()
+        return manager.stats.__dict__
+
+    assert run(oa) == run(deepspeed_oa)
+
+
+# ---- deepspeed.checkpointing's module globals ------------------------------------------------------------------
+def test_checkpointing_configure_sets_deepspeeds_globals_and_checks_contiguous_needs():
+    saved = {name: getattr(checkpointing, name) for name in checkpointing._GLOBALS.values()}
+    try:
+        checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"partition_activations": True,
+                                                                                    "number_checkpoints": 3}})
+        assert checkpointing.PARTITION_ACTIVATIONS is True and checkpointing.num_layers == 3
+        assert checkpointing.is_configured() and checkpointing.deepspeed_checkpointing_enabled
+        checkpointing.configure(None, checkpoint_in_cpu=True)  # each call starts from the defaults
+        assert checkpointing.CPU_CHECKPOINT and not checkpointing.PARTITION_ACTIVATIONS
+        assert checkpointing.num_layers is None
+        with pytest.raises(AssertionError, match="number of layers"):
+            checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True)
+        with pytest.raises(ValueError, match="needs partition_activations"):
+            checkpointing.configure(None, contiguous_checkpointing=True, num_checkpoints=2)
+    finally:
+        for name, value in saved.items():
+            setattr(checkpointing, name, value)
