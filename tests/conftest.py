@@ -35,3 +35,16 @@ def pytest_collection_modifyitems(config, items):
     out in this order) the long ones start at once and the short ones fill the gaps, instead of one long module
     starting last while the other workers sit idle."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order is kept
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_running():
+    """A test that starts a process group in the pytest process stops it: one left running changes what the next
+    test in the same worker sees (``zero.Init`` does not start one, the engine does not choose its backend)."""
+    dist = sys.modules.get("torch.distributed")
+    before = dist is not None and dist.is_available() and dist.is_initialized()
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if not before and dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left a torch.distributed process group running in the pytest process")

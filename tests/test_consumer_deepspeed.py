@@ -107,6 +107,9 @@ def test_the_drop_in_refuses_a_config_without_a_batch_size_as_deepspeed_does(wit
     with pytest.raises(drop_in.DeepSpeedConfigError) as ours:
         drop_in.initialize(model=model, model_parameters=model.parameters(), config=raw, training_data=loader)
     assert str(theirs.value) in str(ours.value)
-    engine, *_ = drop_in.initialize(model=model, model_parameters=model.parameters(), training_data=loader,
-                                    config={**raw, "train_micro_batch_size_per_gpu": "auto" if with_loader else 2})
-    assert engine.train_micro_batch_size_per_gpu() == 2
+    try:
+        engine, *_ = drop_in.initialize(model=model, model_parameters=model.parameters(), training_data=loader,
+                                        config={**raw, "train_micro_batch_size_per_gpu": "auto" if with_loader else 2})
+        assert engine.train_micro_batch_size_per_gpu() == 2
+    finally:  # initialize started a one-process group, as DeepSpeed's does: the next test in this worker gets none
+        torch.distributed.destroy_process_group()

@@ -175,8 +175,7 @@ def test_remote_device_keeps_partitions_on_the_cpu(pp):
     assert layer.weight.ds_tensor.device.type == "cpu"
 
 
-def test_a_whole_model_is_made_of_the_partitions_one_parameter_at_a_time():
-    from torsh.compat.deepspeed.runtime.zero import partition_parameters as pp
+def test_a_whole_model_is_made_of_the_partitions_one_parameter_at_a_time(pp):
     from torsh.engine.zero import construction
 
     torch.manual_seed(0)
