@@ -135,6 +135,9 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
     groups = named_groups(model_parameters, name_of, list(name_of.values()))
     model.to(info.device)
     _broadcast_stage(model, grid)
+    as_dict = init.config_as_dict(config)
+    if _pipeline_key(as_dict, "use_reentrant") is False:  # DeepSpeed's choice of the module's checkpoint function
+        model.activation_checkpoint_func = model._non_reentrant_checkpoint
     interval = cfg.pipeline.activation_checkpoint_interval
     if interval > 0:  # the config's interval overrides the module's, as DeepSpeed's engine does
         model.activation_checkpoint_interval = interval
@@ -155,12 +158,19 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
                                      by_name=step_params, offload=decided.optimizer_on_cpu)  # fmt: skip
     lr_scheduler = init.build_scheduler(cfg.scheduler, lr_scheduler, built)
     shard = ShardPlan(model=model, module=model, kind="pipe", partition=partition)
-    engine = PipelineEngine(config=init.config_as_dict(config), policy=decided.step,
+    engine = PipelineEngine(config=as_dict, policy=decided.step,
                             monitor=Monitor(cfg.monitoring, info.rank), batch=batch, info=info, shard=shard,
                             precision=precision, optimizer=built, lr_scheduler=lr_scheduler, loss_scaler=None,
                             training_dataloader=None)  # fmt: skip
     engine._start(training_data=training_data, collate_fn=collate_fn, drop_last=cfg.data.drop_last)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _pipeline_key(config: dict, key: str) -> Any:
+    """``pipeline.<key>`` of a DeepSpeed-shaped config dict (None when absent): ``use_reentrant`` is a
+    PipelineModule detail the core model does not carry."""
+    section = config.get("pipeline") if isinstance(config, dict) else None
+    return section.get(key) if isinstance(section, dict) else None
 
 
 @torch.no_grad()
@@ -228,6 +238,16 @@ class PipelineEngine(Engine):
         if self.global_rank == 0:
             log.info("torsh pipeline engine: %d stages x %d data-parallel, micro_batches=%d micro_batch_size=%d",
                      self.num_stages, self.dp_world_size, self.micro_batches, self.micro_batch_size)  # fmt: skip
+
+    def _reentrant_activation_checkpointing(self) -> bool:
+        """Whether the module checkpoints activations with DeepSpeed's reentrant function (``checkpoint``, not
+        ``non_reentrant_checkpoint``; read from the module, so ``set_checkpoint_interval`` is followed). DeepSpeed
+        then marks the first stage's inputs as requiring grad; torsh's checkpoints recompute without reentry, so
+        its stages need no such marking, and this answers DeepSpeed's question for scripts that ask it."""
+        module = self.module
+        if module.activation_checkpoint_interval <= 0:
+            return False
+        return module.activation_checkpoint_func is not module._non_reentrant_checkpoint
 
     # ---- the grid ---------------------------------------------------------------------------------
 

@@ -50,6 +50,14 @@ class DeepSpeedFP16Config(DeepSpeedConfigModel):
             raise ValueError("fp16.loss_scale must be a finite number >= 0 (0 enables dynamic loss scaling)")
         return v
 
+    @field_validator("loss_scale_window", "min_loss_scale", mode="before")
+    @classmethod
+    def _integer_not_bool(cls, v, info):
+        # pydantic would read True as 1 and pass the positivity check below; DeepSpeed refuses a bool here
+        if isinstance(v, bool):
+            raise ValueError(f"fp16.{info.field_name} must be an integer, not bool")
+        return v
+
     @model_validator(mode="after")
     def _dynamic(self):
         if self.enabled and self.loss_scale == 0:

@@ -1,0 +1,143 @@
+"""Drop-in modules DeepSpeed's unit tests import: the communication logger and ``trim_mean``, the monitors, the
+multi-node runners' command lines, the pipeline engine's reentrant-checkpointing question, the fp16 section's
+integer fields, and DeepSpeed-Ulysses' ``DistributedAttention``; each checked against real DeepSpeed where that is
+cheap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torsh.compat.deepspeed.comm as ours_comm
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-process gloo group for the test, stopped after it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already running in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def real_deepspeed(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    return pytest.importorskip("deepspeed")
+
+
+# ---- the communication logger (test_comms_logger.py) -------------------------------------------------------------
+
+
+def _log_some_collectives(comm, configure) -> dict:
+    """The same calls through a ``deepspeed.comm``: what its logger records (by name, size -> count)."""
+    configure({"train_batch_size": 1, "comms_logger": {"enabled": True, "prof_all": False,
+                                                       "prof_ops": ["all_reduce"]}})  # fmt: skip
+    try:
+        t = torch.ones(256)
+        comm.all_reduce(t)
+        comm.all_reduce(t, log_name="custom")  # not in prof_ops: not recorded
+        comm.broadcast(t, 0)
+        comm.broadcast(t, 0, prof=True)  # this one call is
+        comm.inference_all_reduce(t)  # recorded as all_reduce, as DeepSpeed names it
+        comm.configure(prof_all=True)
+        comm.all_reduce_coalesced([t, t])  # one record of both tensors' bytes
+        comm.reduce_scatter_tensor(torch.empty(256), t)
+        comm.barrier()
+        raw = comm.comms_logger.get_raw_data()
+        return {name: {size: record[0] for size, record in sizes.items()} for name, sizes in raw.items()}
+    finally:
+        comm.configure(enabled=False, prof_all=True, prof_ops=[])
+        comm.comms_logger.reset_data()
+
+
+def test_comms_logger_records_the_collectives_deepspeed_records(one_rank_group, real_deepspeed):
+    import deepspeed.comm as theirs_comm
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    theirs_comm.init_distributed(dist_backend="gloo")  # its backend object over the running group
+    ours = _log_some_collectives(ours_comm, lambda config: ours_comm.configure(deepspeed_config=config))
+    theirs = _log_some_collectives(theirs_comm,
+                                   lambda config: theirs_comm.configure(deepspeed_config=DeepSpeedConfig(config)))
+    assert ours == theirs == {"all_reduce": {1024: 2, 2048: 1}, "broadcast": {1024: 1},
+                              "reduce_scatter_tensor": {1024: 1}, "barrier": {0: 1}}  # fmt: skip
+
+
+def test_comms_logger_is_off_by_default_and_summarises_without_reordering(one_rank_group, capsys):
+    from torsh.compat.deepspeed.utils.comms_logging import CommsLogger, calc_bw_log
+    from torsh.compat.deepspeed.utils.timer import trim_mean
+
+    ours_comm.all_reduce(torch.ones(4))
+    assert not ours_comm.comms_logger.has_data()
+    logger = CommsLogger()
+    latencies = [3.0, 1.0, 2.0]
+    logger.comms_dict = {"all_reduce": {1024: [3, list(latencies), [10 / x for x in latencies], [1.0, 2.0, 3.0]]}}
+    assert logger.get_operation_summary("all_reduce")[1024]["avg_latency_ms"] == 2.0
+    assert logger.comms_dict["all_reduce"][1024][1] == latencies
+    data = [5.0, 1.0, 9.0, 3.0]
+    assert trim_mean(data, 0.25) == 4.0 and data == [5.0, 1.0, 9.0, 3.0]
+    summary = logger.log_all(print_log=True, return_dict=True)
+    assert summary["summary"]["all_reduce"][1024]["count"] == 3 and "all_reduce" in capsys.readouterr().out
+    # 1 MB all-reduced in 1 ms on one rank: 16 Gbit/s of algorithm bandwidth, no bus traffic
+    assert calc_bw_log("all_reduce", 1_000_000, 1.0) == (16.0, 0.0)
+    with pytest.raises(ValueError, match="no bandwidth formula"):
+        calc_bw_log("all_reduce_magic", 1, 1.0)
+
+
+# ---- fp16 section (test_precision_config_dynamic_scale.py) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["loss_scale_window", "min_loss_scale"])
+def test_fp16_scale_fields_refuse_a_bool_as_deepspeed_does(field, real_deepspeed):
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config as Theirs
+    from pydantic import ValidationError
+
+    from torsh.compat.deepspeed.runtime.precision_config import DeepSpeedFP16Config as Ours
+
+    for cls in (Ours, Theirs):
+        for kwargs in ({"enabled": True, "loss_scale": 0}, {"enabled": False, "loss_scale": 128}):
+            with pytest.raises(ValidationError, match="not bool"):
+                cls(**kwargs, **{field: True})
+        assert getattr(cls(enabled=True, loss_scale=0, **{field: 2.0}), field) == 2
+
+
+# ---- the pipeline engine (test_pipe_module.py) -------------------------------------------------------------------
+
+
+def test_pipeline_engine_answers_whether_its_checkpoints_are_reentrant(monkeypatch, tmp_path):
+    """``engine._reentrant_activation_checkpointing()`` follows the module (its interval, ``set_checkpoint_interval``,
+    its function) and ``pipeline.use_reentrant: false`` gives the module DeepSpeed's non-reentrant function."""
+    import torsh.compat.deepspeed as deepspeed
+    from torsh.compat.deepspeed.pipe import PipelineModule
+    from torsh.engine.distributed import shutdown
+
+    from conftest import _free_port
+
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(_free_port())}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+
+    def recompute(function, *args):  # a script's own checkpoint function (DeepSpeed's counts as reentrant)
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+
+    config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "pipeline": {"activation_checkpoint_interval": 0}}
+    layers = [torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4)]
+    try:
+        model = PipelineModule(layers=layers, num_stages=1, activation_checkpoint_func=recompute)
+        engine, *_ = deepspeed.initialize(config=config, model=model, model_parameters=list(model.parameters()))
+        assert not engine._reentrant_activation_checkpointing()
+        engine.module.set_checkpoint_interval(2)
+        assert engine._reentrant_activation_checkpointing()
+        shutdown()
+        config["pipeline"]["use_reentrant"] = False
+        model = PipelineModule(layers=layers, num_stages=1, activation_checkpoint_func=recompute)
+        engine, *_ = deepspeed.initialize(config=config, model=model, model_parameters=list(model.parameters()))
+        engine.module.set_checkpoint_interval(1)
+        assert engine.module.activation_checkpoint_func is deepspeed.checkpointing.non_reentrant_checkpoint
+        assert not engine._reentrant_activation_checkpointing()
+    finally:
+        shutdown()
