@@ -141,3 +141,33 @@ def test_pipeline_engine_answers_whether_its_checkpoints_are_reentrant(monkeypat
         assert not engine._reentrant_activation_checkpointing()
     finally:
         shutdown()
+
+
+# ---- the monitors (test_monitor.py) ------------------------------------------------------------------------------
+
+
+def test_monitor_config_and_csv_monitor_as_deepspeeds(tmp_path, real_deepspeed):
+    """The four sections read with DeepSpeed's fields and defaults; ``MonitorMaster`` writes DeepSpeed's CSV files
+    (through the engine's writer); a writer whose package is missing says what to install."""
+    from deepspeed.monitor.config import get_monitor_config as theirs
+
+    from torsh.compat.deepspeed.monitor.config import DeepSpeedMonitorConfig, get_monitor_config
+    from torsh.compat.deepspeed.monitor.monitor import MonitorMaster
+
+    config = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "run"},
+              "wandb": {"group": "g", "team": "t"}, "comet": {"samples_log_interval": 7}}  # fmt: skip
+    ours = get_monitor_config(config)
+    assert ours.model_dump() == theirs(config).model_dump() and ours.enabled
+    assert not DeepSpeedMonitorConfig().enabled and DeepSpeedMonitorConfig().wandb.project == "deepspeed"
+    master = MonitorMaster(ours)
+    master.write_events([("Train/Samples/loss", 1.5, 2), ("lr", 0.1, 2)])
+    master.write_events([("Train/Samples/loss", 1.25, 4)])
+    assert (tmp_path / "run" / "Train_Samples_loss.csv").read_text().split() == ["step,loss", "2,1.5", "4,1.25"]
+    assert master.csv_monitor.filenames == ["Train_Samples_loss", "lr"]
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        from torsh.compat.deepspeed.monitor.tensorboard import TensorBoardMonitor
+
+        with pytest.raises(ImportError, match="pip install tensorboard"):
+            TensorBoardMonitor(ours.tensorboard)
