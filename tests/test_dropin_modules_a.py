@@ -175,3 +175,79 @@ def test_checkpointing_configure_sets_deepspeeds_globals_and_checks_contiguous_n
     finally:
         for name, value in saved.items():
             setattr(checkpointing, name, value)
+
+
+# ---- DeepSpeedCPUAdam ------------------------------------------------------------------------------------------
+def _cpu_adam():
+    from torsh.compat.deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam
+
+
+def test_cpu_adam_steps_bf16_parameters_in_fp32_with_fp32_moments():
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(64).bfloat16())
+    reference = torch.nn.Parameter(param.detach().double())
+    optimizer = _cpu_adam()([param], lr=1e-2, weight_decay=0.1)
+    torch_adamw = torch.optim.AdamW([reference], lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        grad = torch.randn(64).bfloat16()
+        param.grad, reference.grad = grad, grad.double()
+        optimizer.step()
+        torch_adamw.step()
+        reference.data.copy_(param.detach().double())  # the reference continues from the bf16-rounded parameter
+    state = optimizer.state[param]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32 and int(state["step"]) == 3
+    assert torch.allclose(state["exp_avg"].double(), torch_adamw.state[reference]["exp_avg"], atol=1e-6)
+    kept = _cpu_adam()([torch.nn.Parameter(torch.randn(4).bfloat16())], fp32_optimizer_states=False)
+    kept.param_groups[0]["params"][0].grad = torch.randn(4).bfloat16()
+    kept.step()
+    assert next(iter(kept.state.values()))["exp_avg"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_cpu_adam_rollback_subgroup_undoes_step_subgroup(adamw_mode):
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(32))
+    optimizer = _cpu_adam()([param], lr=1e-2, weight_decay=0.1, adamw_mode=adamw_mode)
+    for _ in range(2):
+        param.grad = torch.randn(32)
+        optimizer.step_subgroup(7)
+    before = param.detach().clone(), *(optimizer.state[7][k].clone() for k in ("exp_avg", "exp_avg_sq"))
+    param.grad = torch.randn(32)
+    optimizer.step_subgroup(7)
+    assert int(optimizer.state[7]["step"]) == 3 and 7 in optimizer.state and param not in optimizer.state
+    optimizer.rollback_subgroup(7)
+    after = param.detach(), optimizer.state[7]["exp_avg"], optimizer.state[7]["exp_avg_sq"]
+    assert int(optimizer.state[7]["step"]) == 2
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(after, before))
+
+
+def test_cpu_adam_subgroup_errors_name_the_sub_group():
+    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(2)]
+    optimizer = _cpu_adam()(params)
+    with pytest.raises(RuntimeError, match="sub_group_id 3 as it has not been initialized"):
+        optimizer.rollback_subgroup(3)
+    params[0].grad = params[1].grad = torch.randn(4)
+    with pytest.raises(ValueError, match="2 parameters have a gradient"):
+        optimizer.step_subgroup(0)
+    params[1].grad = None
+    optimizer.step_subgroup(0)
+    optimizer.rollback_subgroup(0)
+    with pytest.raises(RuntimeError, match="Cannot rollback sub_group_id 0: step count is 0"):
+        optimizer.rollback_subgroup(0)
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        _cpu_adam()(params, amsgrad=True)
+
+
+def test_cpu_adam_runs_step_hooks_once_and_matches_torch_adamw_in_fp32():
+    torch.manual_seed(0)
+    param, reference = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8))
+    reference.data.copy_(param.detach())
+    optimizer, torch_adamw = _cpu_adam()([param]), torch.optim.AdamW([reference], weight_decay=0)
+    calls = []
+    optimizer.register_step_post_hook(lambda *args: calls.append(1))
+    param.grad = reference.grad = torch.randn(8)
+    optimizer.step()
+    torch_adamw.step()
+    assert calls == [1] and torch.equal(param.detach(), reference.detach())
