@@ -171,3 +171,62 @@ def test_monitor_config_and_csv_monitor_as_deepspeeds(tmp_path, real_deepspeed):
 
         with pytest.raises(ImportError, match="pip install tensorboard"):
             TensorBoardMonitor(ours.tensorboard)
+
+
+# ---- the launcher (test_user_args.py, test_run.py) ---------------------------------------------------------------
+
+_LAUNCHES = [("--launcher pdsh --venv_script v.sh --module train.py --prompt 'a b' --q", "PDSHRunner"),
+             ("--launcher pdsh --no_local_rank --ssh_port 2222 train.py --x 1", "PDSHRunner"),
+             ("--launcher openmpi --launcher_args '--mca btl_tcp_if_include ib0' train.py --x", "OpenMPIRunner"),
+             ("--launcher openmpi --no_python run.sh", "OpenMPIRunner"),
+             ("--launcher mpich --module pkg.train --a", "MPICHRunner"),
+             ("--launcher impi train.py --a", "IMPIRunner"),
+             ("--launcher slurm -i w1 --launcher_args '-p q' train.py", "SlurmRunner"),
+             ("--launcher slurm --num_nodes 2 --num_gpus 2 train.py", "SlurmRunner")]  # fmt: skip
+
+
+def _commands(runners, runner_module) -> list:
+    import os
+    import shlex
+
+    out = []
+    for argv, name in _LAUNCHES:
+        args = runner_module.parse_args(shlex.split(argv))
+        args.master_addr = "10.0.0.1"
+        cls = getattr(runners, name)
+        runner = cls(args, "WORLD") if name == "PDSHRunner" else cls(args, "WORLD", {"w1": 2, "w2": 2})
+        runner.add_export("PYTHONPATH", "/usr/lib/python3/site-packages")
+        runner.add_export("SLURM_JOB_CPUS_PER_NODE", "64(x2)")
+        active = {"w1": [0, 1]} if " -i " in argv else {"w1": [0, 1], "w2": [0, 1]}
+        command = runner.get_cmd({}, active)
+        if name == "PDSHRunner":  # (command, kill command, environment): the ssh options' spacing differs
+            command = [*command[:2], " ".join(command[2].get("PDSH_SSH_ARGS_APPEND", "").split())]
+        out.append(repr(command).replace(os.path.dirname(runners.__file__), "<launcher dir>"))
+    return out
+
+
+def test_multinode_runners_build_deepspeeds_command_lines(real_deepspeed, capsys):
+    from deepspeed.launcher import multinode_runner as theirs
+    from deepspeed.launcher import runner as their_runner
+
+    from torsh.compat.deepspeed.launcher import multinode_runner as ours
+    from torsh.compat.deepspeed.launcher import runner as our_runner
+
+    assert _commands(ours, our_runner) == _commands(theirs, their_runner)
+    args = our_runner.parse_args(["--launcher", "openmpi", "--num_gpus", "1", "t.py"])
+    with pytest.raises(ValueError, match="openmpi backend does not support limiting num nodes/gpus"):
+        ours.OpenMPIRunner(args, "WORLD", {"w1": 2})
+    with pytest.raises(ValueError, match="slurm backend cannot select specific device ids"):
+        ours.SlurmRunner.validate_active_resources({"w1": [1]})
+
+
+def test_deepspeed_command_refuses_counts_with_filters_then_points_to_torsh_run():
+    from torsh.compat.deepspeed.launcher import runner
+
+    for argv in ("--num_nodes 1 -i localhost foo.py", "--num_gpus 1 -e localhost foo.py"):
+        with pytest.raises(ValueError, match="Cannot specify num_nodes/gpus with include/exclude"):
+            runner.main(argv.split())
+    with pytest.raises(SystemExit, match="torsh-migrate launch 'deepspeed --num_gpus 2 foo.py --lr 1'"):
+        runner.main("--num_gpus 2 foo.py --lr 1".split())
+    with pytest.raises(SystemExit, match="not the deepspeed command's"):
+        runner.main(["--no-such-flag"])
