@@ -5,7 +5,7 @@ Between steps every rank holds every parameter whole, as an ordinary tensor in t
 ``engine.module``, ``state_dict()``, hooks and rank-0-only code see is what DeepSpeed users see). The trainable
 parameters of each optimizer parameter group are cut into buckets of about ``reduce_bucket_size`` elements, in
 the order backward produces their gradients (the reverse of the module's order). Each bucket, padded to a multiple
-of the world size W, is split into W equal chunks; rank r owns chunk r of every bucket of a group, and the
+of 2W (W the world size), is split into W equal chunks; rank r owns chunk r of every bucket of a group, and the
 concatenation of its chunks is its *partition* of that group: one flat fp32 master tensor (on the CPU under
 optimizer offload) which the torch optimizer steps, so the optimizer state is one flat tensor per group holding
 this rank's 1/W. Elementwise optimizers (Adam, AdamW, SGD, Adagrad, ...) compute exactly what they compute on
@@ -46,10 +46,8 @@ each rank slices its chunks back out.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,8 +62,13 @@ from torsh.sharding_plan import ShardingPlan
 from ..checkpoint.state import RANK_STATE
 from ..distributed import DistInfo
 from ..precision import PrecisionPlan
+from .partition_checkpoint import CheckpointViews, attach, attach_buffers  # noqa: F401 (attach*: re-exported)
 
 log = logging.getLogger("torsh.engine")
+
+ALIGNMENT = 2
+"""Each rank's chunk of a bucket is a multiple of this many elements, so that in a 2-byte dtype every chunk starts
+4-byte aligned (DeepSpeed's ``nccl_start_alignment_factor``)."""
 
 ZERO_SLOT = "_torsh_zero_slot"
 """The attribute of a partitioned parameter: ``(partition, bucket, offset)`` (what ``deepspeed.utils``'s
@@ -105,7 +108,7 @@ class _Backward:
     arrived: set = field(default_factory=set)
 
 
-class ZeroPartition:
+class ZeroPartition(CheckpointViews):
     """The partitioned gradients, fp32 masters and all-gather of one model (see the module docstring)."""
 
     def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], *, bucket_numel: int,
@@ -137,8 +140,10 @@ class ZeroPartition:
         """DeepSpeed's ``ignore_unused_parameters: false`` under optimizer offload at stage 2: a parameter of this
         rank's partition without a gradient since the last step is an error at the step."""
         self._got: set[int] = set()  # parameters with a gradient since the last zero_grad (for require_grads)
-        for b in self.buckets:
-            _link(b, self.world, compute_dtype)
+        self.flats = [_link_group([b for b in self.buckets if b.group == gi], self.world, compute_dtype)
+                      for gi in range(len(groups))]  # fmt: skip
+        """Each group's parameters as one flat tensor in the compute dtype, their storage (DeepSpeed's
+        ``bit16_groups_flat``); None where they could not share one (see :func:`_link_group`)."""
         self.sync = True
         self._bw: _Backward | None = None
         self.collectives = 0  # reduction collectives launched (tests count them)
@@ -455,150 +460,6 @@ class ZeroPartition:
         base = b.master_offset + off + start - self.rank * b.chunk
         return flat[base:base + end - start]
 
-    # ---- checkpoints ---------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def full_view(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, *,
-                  load: bool) -> Iterator[tuple[nn.Module, Any]]:  # fmt: skip
-        """A module of whole fp32 parameters (the masters; a parameter outside the partition its own value in
-        fp32) and persistent buffers, and an optimizer of ``optimizer``'s class over them with the whole state:
-        what stage 0 with master weights saves. Collective. With ``load``, what was loaded into them is sliced
-        back into this rank's partition afterwards and the parameters gathered."""
-        root, view_of = self._module_view(module)
-        view_opt = self._optimizer_view(optimizer, view_of) if optimizer is not None else None
-        yield root, view_opt
-        if load:
-            self._load_view(module, optimizer, view_opt, view_of)
-
-    def _module_view(self, module: nn.Module) -> tuple[nn.Module, dict[int, nn.Parameter]]:
-        wholes: dict[int, torch.Tensor] = {}
-        for gi, m in enumerate(self.masters):
-            wholes.update(self._split(self._gather_flat(m.data), gi))
-        root = nn.Module()
-        view_of: dict[int, nn.Parameter] = {}
-        for n, p in module.named_parameters(remove_duplicate=False):  # a tied weight under each of its names
-            if id(p) not in view_of:
-                value = wholes.get(id(p))
-                view_of[id(p)] = nn.Parameter(value if value is not None else p.detach().float().clone(),
-                                              requires_grad=p.requires_grad)  # fmt: skip
-            attach(root, n, view_of[id(p)], parameter=True)
-        attach_buffers(root, module)
-        return root, view_of
-
-    @torch.no_grad()
-    def _load_view(self, module: nn.Module, optimizer: Any, view_opt: Any, view_of: dict[int, nn.Parameter]) -> None:
-        for b in self.buckets:
-            self._own(b).copy_(self._local_of(b, [view_of[id(p)].detach() for p in b.params]))
-        for p in module.parameters():
-            if not hasattr(p, ZERO_SLOT):
-                p.data.copy_(view_of[id(p)].detach())
-        if view_opt is not None:
-            self._load_optimizer(optimizer, view_opt, view_of)
-        self.gather_params()
-
-    def _optimizer_view(self, optimizer: torch.optim.Optimizer, view_of: dict[int, nn.Parameter]) -> Any:
-        cls = type(optimizer)
-        groups = [{**_hyper(g), "params": [view_of[id(p)] for p in self.group_params[gi]]}
-                  for gi, g in enumerate(optimizer.param_groups)]  # fmt: skip
-        view = cls.__new__(cls)
-        torch.optim.Optimizer.__init__(view, groups, dict(optimizer.defaults))
-        for gi, m in enumerate(self.masters):
-            state = optimizer.state.get(m)
-            if not state:
-                continue
-            split = {key: self._split(self._gather_flat(value), gi) for key, value in state.items()
-                     if _is_flat(value, m)}  # fmt: skip
-            for p in self.group_params[gi]:
-                view.state[view_of[id(p)]] = {k: split[k][id(p)] if k in split else _copy(v)
-                                              for k, v in state.items()}  # fmt: skip
-        return view
-
-    def _load_optimizer(self, optimizer: torch.optim.Optimizer, view: Any, view_of: dict[int, nn.Parameter]) -> None:
-        for gi, (group, vgroup) in enumerate(zip(optimizer.param_groups, view.param_groups)):
-            group.update(_hyper(vgroup))
-            loaded = {id(p): view.state.get(view_of[id(p)], {}) for p in self.group_params[gi]}
-            keys = {k for s in loaded.values() for k in s}
-            if keys:
-                state = optimizer.state.setdefault(self.masters[gi], {})
-                for key in keys:
-                    state[key] = self._partition_of(gi, key, loaded)
-
-    def _partition_of(self, gi: int, key: str, loaded: dict[int, dict]) -> Any:
-        """This rank's flat partition of optimizer state ``key`` of group ``gi`` from per-parameter values (a
-        scalar such as ``step`` as it is)."""
-        first = next(s[key] for s in loaded.values() if key in s)
-        if not (torch.is_tensor(first) and first.dim() > 0):
-            return _copy(first).to(self.master_device) if torch.is_tensor(first) else first
-        flat = torch.zeros(self.masters[gi].numel(), dtype=first.dtype, device=self.master_device)
-        for b in self.buckets:
-            if b.group == gi:
-                values = [loaded[id(p)].get(key) for p in b.params]
-                flat[b.master_offset:b.master_offset + b.chunk] = self._local_of(b, values).to(first.dtype)
-        return flat
-
-    def load_legacy_state(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        """Load what ``optimizer.state_dict()`` gave at stage 1 before stage 1 ran on this partition: torch's
-        ``ZeroRedundancyOptimizer`` format of one rank (global parameter indices, the state of the parameters
-        that rank owned; marked ``torsh_zero_partition``). Collective: every rank passes its own, and together
-        they hold every parameter's state, which is then sliced into this rank's flat partition."""
-        merged = self._legacy_states(state_dict[RANK_STATE], state_dict["state"])
-        with self.full_view(self.model, optimizer, load=True) as (_, view):
-            view_of = {id(p): v for gi, g in enumerate(view.param_groups)
-                       for p, v in zip(self.group_params[gi], g["params"])}  # fmt: skip
-            for group, saved in zip(view.param_groups, state_dict["param_groups"]):
-                group.update(_hyper(saved))
-            for i, p in enumerate(self.legacy_order):
-                if i in merged and id(p) in view_of:
-                    view.state[view_of[id(p)]] = merged[i]
-
-    def _legacy_states(self, mark: dict, states: dict) -> dict[int, dict]:
-        """Every rank's legacy ZeRO-1 state together, by global parameter index (collective); a ValueError unless
-        they are all the ranks of one job of this size."""
-        pieces: list[Any] = [None] * self.world
-        dist.all_gather_object(pieces, (mark, states), group=self.group)
-        ranks = {m["rank"] for m, _ in pieces}
-        sizes = {m["world_size"] for m, _ in pieces}
-        if sizes != {self.world} or len(ranks) != self.world:
-            raise ValueError(f"optimizer.load_state_dict(): these are ZeRO-1 optimizer states of rank(s) "
-                             f"{sorted(ranks)} of {sorted(sizes)} ranks, written before stage 1 partitioned a flat "
-                             f"fp32 master; they load on a job of that size, each rank its own (this job has "
-                             f"{self.world}); engine.save_checkpoint() checkpoints load at any world size")  # fmt: skip
-        return {int(i): s for _, piece in pieces for i, s in piece.items()}
-
-
-def _hyper(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def _is_flat(value: Any, master: torch.Tensor) -> bool:
-    """An optimizer state tensor shaped like the flat master (split per parameter in a whole view)."""
-    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == master.numel() and master.numel() > 0
-
-
-def attach_buffers(root: nn.Module, module: nn.Module) -> None:
-    """``module``'s persistent buffers under their names in ``root`` (as ``module.state_dict()`` holds them)."""
-    for prefix, sub in module.named_modules():
-        for name, buf in sub._buffers.items():
-            if buf is not None and name not in sub._non_persistent_buffers_set:
-                attach(root, f"{prefix}.{name}" if prefix else name, buf, parameter=False)
-
-
-def _copy(value: Any) -> Any:
-    return value.detach().clone() if torch.is_tensor(value) else value
-
-
-def attach(root: nn.Module, dotted: str, tensor: torch.Tensor, *, parameter: bool) -> None:
-    *parents, leaf = dotted.split(".")
-    node = root
-    for part in parents:
-        if part not in node._modules:
-            node.add_module(part, nn.Module())
-        node = node._modules[part]
-    if parameter:
-        node.register_parameter(leaf, tensor)
-    else:
-        node.register_buffer(leaf, tensor)
-
 
 def _flatten(values: list, size: int, dtype: torch.dtype, like: list | None = None) -> torch.Tensor:
     """``values`` flattened into one tensor of ``size`` elements (zeros for None and the padding)."""
@@ -629,7 +490,7 @@ def _make_buckets(groups: list[list[nn.Parameter]], bucket_numel: int, world: in
         for p in params:
             offsets.append(n)
             n += p.numel()
-        chunk = max(1, -(-n // world))
+        chunk = ALIGNMENT * max(1, -(-n // (world * ALIGNMENT)))  # every rank's chunk starts 4-byte aligned
         buckets.append(Bucket(index=len(buckets), group=gi, params=params, offsets=offsets, numel=n, chunk=chunk))
 
     for gi, p in order:
@@ -643,20 +504,25 @@ def _make_buckets(groups: list[list[nn.Parameter]], bucket_numel: int, world: in
     return buckets
 
 
-def _link(b: Bucket, world: int, dtype: torch.dtype) -> None:
-    """Make ``b``'s parameters slices of one flat tensor in the compute dtype (DeepSpeed's flat parameter groups),
-    padded to ``chunk * W`` elements, so that the all-gather after a step writes into them directly. Left as they
-    are when they differ in dtype or device, or are not dense and contiguous."""
-    first = b.params[0]
-    if any(p.dtype != dtype or p.device != first.device or p.layout != torch.strided or not p.is_contiguous()
-           for p in b.params):  # fmt: skip
-        return
+def _link_group(buckets: list[Bucket], world: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Make the parameters of one group's ``buckets`` slices of one flat tensor in the compute dtype (DeepSpeed's
+    flat parameter group), each bucket a run of ``chunk * W`` elements (padded), so that the all-gather after a step
+    writes into them directly; returns it. None, the parameters left as they are, for an empty group and when they
+    differ in dtype or device or are not dense and contiguous."""
+    params = [p for b in buckets for p in b.params]
+    if not params or any(p.dtype != dtype or p.device != params[0].device or p.layout != torch.strided
+                         or not p.is_contiguous() for p in params):  # fmt: skip
+        return None
     with torch.no_grad():
-        values = torch.zeros(b.chunk * world, dtype=dtype, device=first.device)
-        for p, off in zip(b.params, b.offsets):
-            values[off:off + p.numel()].copy_(p.data.reshape(-1))
-            p.data = values[off:off + p.numel()].view_as(p)
-    b.values = values
+        flat = torch.zeros(sum(b.chunk * world for b in buckets), dtype=dtype, device=params[0].device)
+        start = 0
+        for b in buckets:
+            b.values = flat[start:start + b.chunk * world]
+            start += b.chunk * world
+            for p, off in zip(b.params, b.offsets):
+                b.values[off:off + p.numel()].copy_(p.data.reshape(-1))
+                p.data = b.values[off:off + p.numel()].view_as(p)
+    return flat
 
 
 # --------------------------------------------------------------------------------------------------
@@ -715,7 +581,10 @@ def partition_and_optimizer(model: nn.Module, *, decided: EnginePlan, precision:
     built = _partition_optimizer(client, cls, defaults, named, partition, optimizer,
                                  offload=decided.optimizer_on_cpu)  # fmt: skip
     if built is not None:
+        from .partition_views import attach_zero_members
+
         built.optimizer = built  # DeepSpeed's engine.optimizer.optimizer: the torch optimizer of the partition
+        attach_zero_members(built, partition, offload=decided.masters_on_cpu, stage=layout.stage)
     return partition, built
 
 
