@@ -3,6 +3,8 @@ helpers and the fp32 converter's tied weights; compared with DeepSpeed 0.19.8 wh
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -251,3 +253,84 @@ def test_cpu_adam_runs_step_hooks_once_and_matches_torch_adamw_in_fp32():
     optimizer.step()
     torch_adamw.step()
     assert calls == [1] and torch.equal(param.detach(), reference.detach())
+
+
+# ---- deepspeed.checkpoint's readers of Megatron-DeepSpeed checkpoint folders --------------------------------------
+SHAPES = [((2, 2, 2), (1, 1, 1)), ((2, 2, 2), (1, 2, 1)), ((2, 2, 2), (2, 1, 2)), ((4, 2, 3), (2, 1, 3)),
+          ((2, 4, 4), (1, 2, 2)), ((3, 1, 2), (1, 1, 1))]  # fmt: skip
+
+
+def _maps(module, src, tgt):
+    return [{(i, j): m.get_data(i, j) for i in range(m.pp_degree) for j in range(m.tp_degree)}
+            for m in module.model_3d_desc(*src).reshape(module.model_3d_desc(*tgt))]  # fmt: skip
+
+
+@pytest.mark.parametrize("src, tgt", SHAPES)
+def test_checkpoint_reshape_maps_match_deepspeed(src, tgt):
+    from torsh.compat.deepspeed import checkpoint as ours
+
+    theirs = pytest.importorskip("deepspeed.checkpoint")
+    assert _maps(ours, src, tgt) == _maps(theirs, src, tgt)
+
+
+def test_checkpoint_reshape_refuses_growing_and_uneven_degrees():
+    from torsh.compat.deepspeed.checkpoint import model_3d_desc, reshape_meg_2d_parallel
+
+    ok, errors = model_3d_desc(1, 2, 2).can_reshape(model_3d_desc(2, 1, 2))
+    assert not ok and errors == ["Expansion reshape not supported - PP: 1 ---> 2"]
+    with pytest.raises(ValueError, match="PP: 1 ---> 2"):
+        model_3d_desc(1, 2, 2).reshape(model_3d_desc(2, 1, 2))
+    with pytest.raises(ValueError, match="cannot split 3 items into 2 equal parts"):
+        reshape_meg_2d_parallel(1, 3, 1, 2)
+
+
+def _write_megatron_folder(folder, dims=None):
+    """A pipeline 2 x tensor 1 x data 2 checkpoint with padded bf16 ZeRO files (two steps of a 3-element group)."""
+    from torsh.compat.deepspeed.checkpoint import constants as c
+
+    for mp in range(2):
+        state = {c.PARAM_SHAPES: [{f"w{mp}": torch.Size([3])}], "iteration": 7, "args": {"mp": mp}}
+        if dims:
+            state[c.CHECKPOINT_PARALLEL_DIMS] = dims
+        torch.save(state, folder / f"mp_rank_{mp:02d}_model_states.pt")
+        for dp in range(2):
+            flat = torch.arange(4.0) + 10 * mp + 100 * dp  # 3 values and 1 of padding
+            optimizer = {c.GROUP_PADDINGS: [1], c.PARTITION_COUNT: [2],
+                         c.BASE_OPTIMIZER_STATE: {"state": {0: {"exp_avg": flat, "step": 3}}}}
+            name = f"bf16_zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt"
+            torch.save({c.OPTIMIZER_STATE_DICT: optimizer}, folder / name)
+
+
+def _describe(module, folder):
+    checkpoint = module.DeepSpeedCheckpoint(str(folder), pp_degree=1, dp_degree=1)
+    state = checkpoint.get_zero_checkpoint_state(0, 0, 0)["optimizer_state_dict"]
+    return ((checkpoint.pp_degree, checkpoint.tp_degree, checkpoint.dp_degree, checkpoint.original_world_size),
+            checkpoint.get_iteration(), checkpoint.get_args(), [os.path.basename(p) for p in checkpoint.mp_rank_files],
+            checkpoint.get_2d_parallel_files(0, 0) == checkpoint.mp_rank_files, state["partition_count"],
+            state["group_paddings"], state["base_optimizer_state"]["state"][0]["exp_avg"].tolist())  # fmt: skip
+
+
+@pytest.mark.parametrize("dims", [None, {"pp_degree": 2, "tp_degree": 1}])
+def test_deepspeed_checkpoint_reads_a_folder_as_deepspeed_does(tmp_path, dims):
+    from torsh.compat.deepspeed import checkpoint as ours
+
+    theirs = pytest.importorskip("deepspeed.checkpoint")
+    _write_megatron_folder(tmp_path, dims)
+    if dims is None:  # counted from the files: two model-state files are two tensor ranks
+        assert ours.get_model_3d_descriptor(str(tmp_path)).get_desc() == "PP,TP,DP = (1, 2, 2)"
+        return
+    described = _describe(ours, tmp_path)
+    assert described == _describe(theirs, tmp_path)
+    assert described[0] == (1, 1, 1, 4) and described[-1] == [0, 1, 2, 100, 101, 102, 10, 11, 12, 110, 111, 112]
+
+
+def test_checkpoint_parallel_metadata_reads_the_mpu_spellings():
+    from types import SimpleNamespace
+
+    from torsh.compat.deepspeed.checkpoint.utils import checkpoint_parallel_metadata
+
+    megatron = SimpleNamespace(get_pipeline_model_parallel_world_size=lambda: 4,
+                               get_tensor_model_parallel_world_size=lambda: 2)
+    expected = {"checkpoint_parallel_dimensions": {"pp_degree": 4, "tp_degree": 2}}
+    assert checkpoint_parallel_metadata(megatron) == expected
+    assert checkpoint_parallel_metadata(None)["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": 1}

@@ -8,11 +8,8 @@ from typing import Any
 
 import torch
 
-# The parts of DeepSpeed's checkpoint file names (deepspeed.checkpoint.constants, which its utils import).
-MODEL_FILE_PREFIX = "mp_rank_"
-MODEL_FILE_SUFFIX = "_model_states.pt"
-ZERO_FILE_PREFIX = "zero_pp_rank_"
-OPTIM_FILE_SUFFIX = "_optim_states.pt"
+from .constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_PP_DEGREE, CHECKPOINT_TP_DEGREE
+from .constants import MODEL_FILE_PREFIX, MODEL_FILE_SUFFIX, OPTIM_FILE_SUFFIX, ZERO_FILE_PREFIX
 
 
 def get_model_ckpt_name_for_rank(base_folder, mp_rank_str) -> str:
@@ -35,6 +32,25 @@ def get_layer_ckpt_name_for_rank(base_folder, layer_id, tp_rank) -> str:
     """A pipeline layer's file for tensor-parallel rank ``tp_rank`` (an int): ``<base_folder>/<layer_id>-model_<tp_rank,
     two digits>_model_states.pt`` (``layer_id`` as given, e.g. ``layer_03``)."""
     return os.path.join(base_folder, f"{layer_id}-model_{tp_rank:02d}{MODEL_FILE_SUFFIX}")
+
+
+def checkpoint_parallel_metadata(mpu) -> dict:
+    """What DeepSpeed records in each model-state file about the run's model parallelism:
+    ``{CHECKPOINT_PARALLEL_DIMS: {pp_degree, tp_degree}}`` from a Megatron or DeepSpeed ``mpu`` (1 and 1 without
+    one), which the checkpoint readers use instead of counting files. DeepSpeed's engine names it
+    ``_checkpoint_parallel_metadata``."""
+    pp = _mpu_size(mpu, "get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size")
+    tp = _mpu_size(mpu, "get_tensor_model_parallel_world_size", "get_slice_parallel_world_size",
+                   "get_model_parallel_world_size")  # fmt: skip
+    return {CHECKPOINT_PARALLEL_DIMS: {CHECKPOINT_PP_DEGREE: pp, CHECKPOINT_TP_DEGREE: tp}}
+
+
+def _mpu_size(mpu, *methods) -> int:
+    """The first of ``methods`` ``mpu`` has, called (the spellings Megatron and DeepSpeed versions use); else 1."""
+    for name in methods:
+        if mpu is not None and hasattr(mpu, name):
+            return getattr(mpu, name)()
+    return 1
 
 
 def clone_tensors_for_torch_save(item: Any, device: Any = torch.device("cpu")) -> Any:
