@@ -99,6 +99,10 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
     import torsh.compat.deepspeed as ds
 
     record = {str(stage): _stage(ds, stage, rank) for stage in STAGES}
+    with ds.zero.Init():
+        layer = torch.nn.Linear(4, 4)
+    record["zero_init"] = [_error(lambda: ds.utils.safe_get_full_fp32_param(layer.weight)),
+                           _error(lambda: ds.utils.safe_get_local_optimizer_state(layer.weight, "exp_avg"))]
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
 
 
@@ -156,3 +160,11 @@ def test_frozen_parameters_have_none_and_misuse_is_a_clear_error(records, stage)
     assert "no 'momentum_buffer'" in r["errors"]["unknown"] and "exp_avg" in r["errors"]["unknown"]
     assert "4 elements" in r["errors"]["numel"] and "15 expected" in r["errors"]["numel"]
     assert "safe_set_local_optimizer_state" in r["errors"]["local_numel"]
+
+
+
+def test_a_parameter_zero_init_partitioned_before_initialize_is_refused_by_name(records):
+    """zero.Init's partitions before ``initialize`` have no fp32 weights, gradient or optimizer state yet (DeepSpeed
+    fails there on a missing attribute): a clear error, not the empty ``data`` read as the value."""
+    for message in records[0]["zero_init"]:
+        assert "deepspeed.zero.Init and no engine holds it yet" in message

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..precision import MASTER
 from . import whole_params
-from .construction import all_gather_into, comm_device, keep_own, partition_numel
+from .construction import all_gather_into, comm_device, is_partitioned, keep_own, partition_numel
 from .ds_layout import LINK, shard_cut
 from .params import write_whole
 from .partition import ZERO_SLOT
@@ -180,12 +180,24 @@ def locate(param: torch.Tensor) -> tuple[Layout, torch.Tensor]:
     """The layout holding ``param``'s training values, and the tensor the optimizer steps for it (the key of its
     optimizer state): a ZeRO-1/2 group's flat fp32 master, the FSDP2 shard, the fp32 master of stage 0 under
     fp16/bf16, or the parameter."""
+    if is_partitioned(param):
+        raise ValueError("the parameter is partitioned by deepspeed.zero.Init and no engine holds it yet: its fp32 "
+                         "weights, gradient and optimizer state exist from deepspeed.initialize() on; call the "
+                         "safe_get/set_* functions afterwards, on the engine's parameters")  # fmt: skip
     if hasattr(param, ZERO_SLOT):
         part, b, _ = getattr(param, ZERO_SLOT)
         return FlatPart(param), part.masters[b.group]
     if hasattr(param, "device_mesh"):
         return Shard(param), param
     return Whole(param), getattr(param, MASTER, param)
+
+
+def ds_tensor(param: torch.Tensor) -> torch.Tensor:
+    """DeepSpeed's ``param.ds_tensor`` for an FSDP2 parameter: this rank's partition in DeepSpeed's layout (what
+    ``safe_get_local_fp32_param`` reads). Where the first dimension splits evenly it is a view of the local shard
+    (writes reach the shard, steps show in it); otherwise a copy, read collectively."""
+    layout, local = Shard(param), param.to_local().detach()
+    return local.view(-1) if layout._even(param) and local.is_contiguous() else layout.local(param)
 
 
 def _live_optimizers() -> list[torch.optim.Optimizer]:
