@@ -26,7 +26,10 @@ class CheckpointMethods:
                         exclude_frozen_parameters=False) -> bool:  # fmt: skip
         """Save model, optimizer, scheduler, loss scaler, counters and ``client_state`` under
         ``save_dir/<tag>/`` (tag default ``global_step{N}``) and, if ``save_latest``, ``save_dir/latest``;
-        ``exclude_frozen_parameters`` leaves out the parameters that do not require a gradient."""
+        ``exclude_frozen_parameters`` leaves out the parameters that do not require a gradient. Where every rank
+        holds the whole model, DeepSpeed's ``mp_rank_00_model_states.pt`` is written too (see
+        :mod:`torsh.engine.checkpoint.ds_model_states`)."""
+        from .checkpoint.ds_model_states import model_states as deepspeed_model_states
         from .checkpoint.save_load import save_checkpoint
 
         if not save_dir:  # DeepSpeed's check: None or "" would write into the working directory
@@ -35,12 +38,14 @@ class CheckpointMethods:
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         section = self.config.get("checkpoint") if isinstance(self.config, dict) else None
         validation = section.get("tag_validation", "warn") if isinstance(section, dict) else "warn"
+        model_states = deepspeed_model_states(self, client_state=dict(client_state or {}),
+                                              exclude_frozen=exclude_frozen_parameters)  # fmt: skip
         with self._checkpoint_state(load=False) as (module, optimizer):
             return save_checkpoint(save_dir, tag, model=module, optimizer=optimizer, lr_scheduler=self.lr_scheduler,
                                    loss_scaler=self.loss_scaler, engine_state=self._engine_state(),
                                    client_state=dict(client_state or {}), save_latest=save_latest,
                                    frozen=frozen if exclude_frozen_parameters else frozenset(),
-                                   tag_validation=str(validation))  # fmt: skip
+                                   tag_validation=str(validation), model_states=model_states)  # fmt: skip
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):  # fmt: skip

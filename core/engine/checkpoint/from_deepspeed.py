@@ -40,8 +40,9 @@ _DEEPSPEED_KEYS = ("module", "skipped_steps", "global_steps", "dp_world_size", "
 
 
 def is_deepspeed_checkpoint(path: Path) -> bool:
-    """True if ``path`` holds DeepSpeed model-state files (and is therefore not a torsh checkpoint)."""
-    return path.is_dir() and any(path.glob("*model_states.pt"))
+    """True if ``path`` holds DeepSpeed model-state files and no DCP files (a torsh checkpoint may hold DeepSpeed's
+    ``mp_rank_00_model_states.pt`` too, beside its DCP ``.metadata``)."""
+    return path.is_dir() and any(path.glob("*model_states.pt")) and not (path / ".metadata").is_file()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ Layout::
       <tag>/                     # e.g. global_step100
         .metadata, *.distcp      # DCP: model and optimizer state, sharded; reshards at another world size
         engine_states.pt         # rank 0: scheduler, loss scaler, engine counters, client state
+        mp_rank_00_model_states.pt  # rank 0, where it holds the whole model: DeepSpeed's file (its readers)
         rng_states/rank<r>.pt    # every rank: python / numpy / torch (and CUDA) RNG states
         manifest.json            # SHA-256 and size of every other file, verified at load
 
@@ -250,7 +251,8 @@ def after_save(callback: Callable[[str, str], None], *, remove: bool = False) ->
 
 def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimizer: Any, lr_scheduler: Any,
                     loss_scaler: Any, engine_state: dict, client_state: dict, save_latest: bool,
-                    frozen: frozenset[str] = frozenset(), tag_validation: str = "fail") -> bool:  # fmt: skip
+                    frozen: frozenset[str] = frozenset(), tag_validation: str = "fail",
+                    model_states: dict | None = None) -> bool:  # fmt: skip
     """Write a checkpoint to ``save_dir/<tag>/`` atomically; collective (every rank calls it). Returns True.
 
     ``tag`` None means ``global_step{engine_state['global_steps']}`` (DeepSpeed's default). ``client_state`` is
@@ -258,6 +260,8 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     With ``save_latest`` rank 0 points ``save_dir/latest`` at the tag once the checkpoint is complete. The
     parameters named in ``frozen`` are left out of the model state (DeepSpeed's ``exclude_frozen_parameters``:
     a LoRA job's checkpoints hold its adapters, not the base model; load them with ``load_module_strict=False``).
+    ``model_states`` (rank 0's; None elsewhere or for none): DeepSpeed's model-states file, written beside the DCP
+    files and covered by the manifest (:mod:`torsh.engine.checkpoint.ds_model_states`).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -286,6 +290,8 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     # 2. small states: rank 0 writes the shared ones, every rank its RNG
     if rank == 0:
         _write_bytes(staging / ENGINE_STATES, engine_bytes)
+        if model_states is not None:
+            _write_model_states(staging, model_states)
     (staging / RNG_DIR).mkdir(exist_ok=True)
     _write_bytes(staging / RNG_DIR / f"rank{rank}.pt", rng_bytes)
     _barrier()
@@ -305,6 +311,18 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     for callback in list(_AFTER_SAVE):
         callback(str(final), tag)
     return True
+
+
+def _write_model_states(staging: Path, states: dict) -> None:
+    """DeepSpeed's model-states file (rank 0), written straight to disk (it holds the whole model)."""
+    import torch
+
+    from .ds_model_states import MODEL_STATES
+
+    with open(staging / MODEL_STATES, "wb") as f:
+        torch.save(states, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _engine_bytes(lr_scheduler: Any, loss_scaler: Any, engine_state: dict, client_state: dict) -> bytes:

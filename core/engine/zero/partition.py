@@ -542,8 +542,8 @@ def build_zero(model: nn.Module, *, decided: EnginePlan, precision: PrecisionPla
                                                name_of=name_of)  # fmt: skip
     if info.rank == 0:
         log.info("ZeRO-%d: %d bucket(s); this rank holds %d of %d trainable elements", decided.sharding.stage,
-                 len(partition.buckets), sum(m.numel() for m in partition.masters),
-                 sum(b.numel for b in partition.buckets))  # fmt: skip
+                 len(partition.buckets), sum(end - start for start, end in map(partition.local_range, (
+                     p for b in partition.buckets for p in b.params))), sum(b.numel for b in partition.buckets))
     if partition.reduces:
         _note_unit_settings(decided.sharding, info.rank)
         shard = ShardPlan(model, model, "zero", partition=partition)
