@@ -230,3 +230,114 @@ def test_deepspeed_command_refuses_counts_with_filters_then_points_to_torsh_run(
         runner.main("--num_gpus 2 foo.py --lr 1".split())
     with pytest.raises(SystemExit, match="not the deepspeed command's"):
         runner.main(["--no-such-flag"])
+
+
+# ---- DeepSpeed-Ulysses (test_ulysses.py) -------------------------------------------------------------------------
+
+ULYSSES_WORKER = r'''
+import json, os
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+from torsh.compat.deepspeed.sequence.layer import DistributedAttention as Ours
+try:
+    from deepspeed.sequence.layer import DistributedAttention as Theirs
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+except ImportError:
+    Theirs = None
+
+
+def attention(q, k, v, batch_dim_idx):  # causal attention, key/value heads repeated for grouped queries
+    if batch_dim_idx == 1:
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                                           is_causal=True).transpose(1, 2)
+    return out.transpose(0, 1) if batch_dim_idx == 1 else out
+
+
+results = {}
+cases = {"even": (4, 4, 0), "seq_first": (4, 4, 1), "gqa": (4, 2, 0), "uneven": (3, 3, 0), "uneven_gqa": (6, 3, 1)}
+for name, (heads, kv_heads, bdi) in cases.items():
+    torch.manual_seed(0)
+    lead = (2, 8) if bdi == 0 else (8, 2)
+    q, k, v = torch.randn(*lead, heads, 4), torch.randn(*lead, kv_heads, 4), torch.randn(*lead, kv_heads, 4)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*whole, bdi)
+    out.sum().backward()
+    block = lambda t: t.chunk(world, dim=1 - bdi)[rank]
+    reference = [block(out).detach()] + [block(t.grad) for t in whole]
+    record = {}
+    for label, cls in (("ours", Ours), ("theirs", Theirs)):
+        if cls is None or (label == "theirs" and kv_heads % world):  # DeepSpeed's uneven split needs its mpu
+            continue
+        local = [block(t).clone().requires_grad_() for t in (q, k, v)]
+        got = cls(lambda a, b, c: attention(a, b, c, bdi), dist.group.WORLD)(*local, bdi)
+        got.sum().backward()
+        record[label] = [got.detach()] + [t.grad for t in local]
+    results[name] = {label: all(torch.allclose(a, r, atol=1e-5) for a, r in zip(values, reference))
+                     for label, values in record.items()}
+    if "theirs" in record:
+        results[name]["equal_to_deepspeed"] = all(torch.equal(a, b) for a, b in zip(record["ours"], record["theirs"]))
+if rank == 0:
+    with open(os.environ["OUT"], "w") as handle:
+        json.dump(results, handle)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_ulysses_distributed_attention_equals_one_rank_attention_and_deepspeeds(tmp_path):
+    """On 2 ranks: output and input gradients equal causal attention over the whole sequence on one rank (even,
+    sequence-first, grouped-query and uneven head counts), and bitwise DeepSpeed's DistributedAttention where
+    DeepSpeed runs it without its mpu."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import _free_port
+
+    script = tmp_path / "ulysses.py"
+    script.write_text(ULYSSES_WORKER)
+    env = {**os.environ, "OUT": str(tmp_path / "out.json"), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           # DeepSpeed's prebuilt CPU communication op (two ranks building it at once can collide)
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix,
+                                                                                         "torch_extensions")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(_free_port()), str(script)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads((tmp_path / "out.json").read_text())
+    assert all(case["ours"] for case in results.values()), results
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return
+    assert {name for name, case in results.items() if case.get("equal_to_deepspeed")} == {"even", "seq_first", "gqa"}
+    assert all(case.get("theirs", True) for case in results.values()), results
+
+
+def test_ulysses_head_split_groups_and_refusals(one_rank_group):
+    from torsh.compat.deepspeed.runtime.sequence_parallel import parallel_state_sp as sp
+    from torsh.compat.deepspeed.sequence import fpdt_layer
+    from torsh.compat.deepspeed.sequence.layer import DistributedAttention, head_counts
+
+    assert head_counts(7, 4) == [2, 2, 2, 1] and head_counts(14, 4, num_kv_heads=7) == [4, 4, 4, 2]
+    assert head_counts(8, 2, num_kv_heads=2) == [4, 4]
+    with pytest.raises(ValueError, match="sequence_parallel_size must be greater than 1"):
+        sp.initialize_sequence_parallel(1)
+    with pytest.raises(RuntimeError, match="less than sequence_parallel_size"):
+        sp.initialize_sequence_parallel(2)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        sp.get_sequence_parallel_group()
+    one = DistributedAttention(lambda q, k, v: q + k + v, torch.distributed.group.WORLD)
+    x = torch.randn(2, 3, 2, 4)
+    assert torch.equal(one(x, x, x, 0), 3 * x)  # one rank: the local attention itself
+    with pytest.raises(ValueError, match="4-D tensors"):
+        one(x[0], x[0], x[0], 0)
+    with pytest.raises(ValueError, match="batch_dim_idx must be 0"):
+        one(x, x, x, 2)
+    with pytest.raises(fpdt_layer.NotSupportedByTorsh, match="DistributedAttention"):
+        fpdt_layer._FPDTGPUOffloadingAttentionImpl_.apply(x)
