@@ -158,6 +158,12 @@ def test_monitor_config_and_csv_monitor_as_deepspeeds(tmp_path, real_deepspeed):
               "wandb": {"group": "g", "team": "t"}, "comet": {"samples_log_interval": 7}}  # fmt: skip
     ours = get_monitor_config(config)
     assert ours.model_dump() == theirs(config).model_dump() and ours.enabled
+    from deepspeed.runtime.config import DeepSpeedConfig as TheirConfig
+
+    from torsh.compat.deepspeed.runtime.config import DeepSpeedConfig
+
+    full = {"train_batch_size": 2, **config}  # the config object carries it, as DeepSpeed's (the CSV tests read it)
+    assert DeepSpeedConfig(full).monitor_config.model_dump() == TheirConfig(full).monitor_config.model_dump()
     assert not DeepSpeedMonitorConfig().enabled and DeepSpeedMonitorConfig().wandb.project == "deepspeed"
     master = MonitorMaster(ours)
     master.write_events([("Train/Samples/loss", 1.5, 2), ("lr", 0.1, 2)])
@@ -341,3 +347,14 @@ def test_ulysses_head_split_groups_and_refusals(one_rank_group):
         one(x, x, x, 2)
     with pytest.raises(fpdt_layer.NotSupportedByTorsh, match="DistributedAttention"):
         fpdt_layer._FPDTGPUOffloadingAttentionImpl_.apply(x)
+
+
+def test_initialize_sets_the_communication_logger_from_the_config(one_rank_group, monkeypatch):
+    """DeepSpeed's engine reads ``comms_logger`` when it is built: collectives after ``initialize`` are recorded."""
+    from torsh.compat import deepspeed as drop_in
+
+    monkeypatch.setattr(ours_comm.comms_logger, "enabled", False)
+    model = torch.nn.Linear(2, 2)
+    drop_in.initialize(model=model, model_parameters=model.parameters(),
+                       config={"train_batch_size": 1, "comms_logger": {"enabled": True}})  # fmt: skip
+    assert ours_comm.comms_logger.enabled

@@ -69,6 +69,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if optimizer is None:
         _as_deepspeed_adam(result[0])
     _zero_optimizer_surface(result[0])
+    if isinstance(result[0].config, dict) and "comms_logger" in result[0].config:
+        from . import comm  # DeepSpeed's engine sets the communication logger from the config it reads
+
+        comm.configure(deepspeed_config=result[0].config)
     level = result[0].log_level()
     if level is not None:  # DeepSpeed sets its logger's level from the config's log_level
         from .utils import set_log_level_from_string

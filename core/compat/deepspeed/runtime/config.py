@@ -341,6 +341,7 @@ class DeepSpeedConfig:
         return self.__dict__["_torsh_config"]
 
     def _initialize_params(self, d: dict) -> None:
+        from ..monitor.config import get_monitor_config
         from .zero.config import get_zero_config
 
         self.train_batch_size = _batch_number(get_train_batch_size(d))
@@ -357,6 +358,7 @@ class DeepSpeedConfig:
         self.zero_optimization_stage = int(self.zero_config.stage)
         self.zero_enabled = self.zero_optimization_stage > 0
         self.gradient_clipping = get_gradient_clipping(d)
+        self.monitor_config = get_monitor_config(d)
         self.float16_config = get_float16_config(d)
         self.bfloat16_config = get_bfloat16_config(d)
         assert not (self.float16_config.enabled and self.bfloat16_config.enabled), (
