@@ -1,21 +1,21 @@
 """``deepspeed.utils.groups``: DeepSpeed's process-group accessors, on ``torch.distributed`` groups.
 
 The torsh engine runs data parallelism over the whole world: the data-parallel group is the world group, the
-model-, tensor- and sequence-parallel sizes are 1 (rank 0). The expert-parallel helpers build the groups
+model-, tensor- and sequence-parallel sizes are 1 (rank 0). The expert-parallel helpers give the groups
 DeepSpeed's MoE layout asks for (``_create_expert_and_data_parallel``: each data-parallel rank list cut into
-expert-parallel groups of consecutive members, and the expert-data-parallel groups across them) as
-``torch.distributed.new_group`` groups, for code that reduces over them; torsh's engine runs no MoE layer itself.
+expert-parallel groups of consecutive members, and the expert-data-parallel groups across them), made and kept
+by :mod:`torsh.engine.parallel.moe`, whose engine steps reduce expert gradients over them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from torsh.engine.parallel import moe as _moe
 
-_EXPERT_PARALLEL_GROUP: dict[str, Any] = {}
-_EXPERT_DATA_PARALLEL_GROUP: dict[str, Any] = {}
-_EXPERT_PARALLEL_GROUP_RANKS: dict[str, list[int]] = {}
-_EXPERT_DATA_PARALLEL_GROUP_RANKS: dict[str, list[int]] = {}
+from .._unsupported import NotSupportedByTorsh, message
+
 _WORLD_GROUP = None
+mpu = None
+"""DeepSpeed's model-parallel unit, as its engine records it; the torsh engine takes none (always None)."""
 
 
 def _dist():
@@ -122,61 +122,41 @@ def _clone_world_group():
     return _WORLD_GROUP
 
 
-# ---- expert parallelism ----------------------------------------------------------------------------------
+# ---- expert parallelism (the groups live in torsh.engine.parallel.moe, which the engine reads) ------------
 
 
 def _get_expert_parallel_ranks(world_size: int, tensor_parallel_size_: int, expert_parallel_size_: int,
                                pipeline_parallel_size_: int = 1,
                                use_data_before_expert_parallel_: bool = False) -> tuple[list, list]:  # fmt: skip
-    """(expert-parallel rank lists, expert-data-parallel rank lists) for DeepSpeed's E + M + D layout: ranks of
-    one tensor-parallel group are consecutive; each pipeline stage's data-parallel groups take every
-    ``tensor_parallel_size_``-th rank; each data-parallel list is cut into expert-parallel groups of
-    ``expert_parallel_size_`` consecutive members, and the i-th members of those groups form an
-    expert-data-parallel group. ``use_data_before_expert_parallel_`` (D + E) orders each data-parallel list
-    so that the expert-parallel groups are strided instead."""
-    tp, pp, ep = tensor_parallel_size_, pipeline_parallel_size_, expert_parallel_size_
-    _ensure_divisibility(world_size, tp * pp)
-    dp_world_size = world_size // (tp * pp)
-    _ensure_divisibility(dp_world_size, ep)
-    stage_size = world_size // pp
-    data_parallel: list[list[int]] = []
-    for stage_start in range(0, world_size, stage_size):
-        for offset in range(tp):
-            members = list(range(stage_start + offset, stage_start + stage_size, tp))
-            if use_data_before_expert_parallel_:
-                stride = dp_world_size // ep
-                members = [members[j] for first in range(stride) for j in range(first, dp_world_size, stride)]
-            data_parallel.append(members)
-    expert_parallel: list[list[int]] = []
-    expert_data_parallel: list[list[int]] = []
-    for members in data_parallel:
-        chunks = [members[i:i + ep] for i in range(0, dp_world_size, ep)]
-        expert_parallel.extend(chunks)
-        expert_data_parallel.extend([list(column) for column in zip(*chunks)])
-    return expert_parallel, expert_data_parallel
+    """(expert-parallel rank lists, expert-data-parallel rank lists) of DeepSpeed's E + M + D layout
+    (:func:`torsh.engine.parallel.moe.expert_parallel_ranks`)."""
+    return _moe.expert_parallel_ranks(world_size, tensor_parallel_size_, expert_parallel_size_,
+                                      pipeline_parallel_size_, use_data_before_expert_parallel_)  # fmt: skip
 
 
-def _create_expert_and_data_parallel(expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False):
+def _create_expert_and_data_parallel(expert_parallel_size_: int, mp_size=None, pp_size=None, mp_mode: str = "tp",
+                                     use_data_before_expert_parallel_: bool = False, folding_spec=None) -> None:
     """Make the expert-parallel and expert-data-parallel groups of size ``expert_parallel_size_`` (collective:
-    every rank calls it; done once per size, under the name ``ep_size_<n>``)."""
-    dist = _dist()
-    world = dist.get_world_size()
-    ep = min(expert_parallel_size_, world)
-    _ensure_divisibility(world, ep)
-    name = f"ep_size_{ep}"
-    if name in _EXPERT_PARALLEL_GROUP:
-        return
-    rank = dist.get_rank()
-    expert_parallel, expert_data_parallel = _get_expert_parallel_ranks(world, 1, ep, 1,
-                                                                       use_data_before_expert_parallel_)  # fmt: skip
-    for ranks in expert_parallel:
-        group = dist.new_group(ranks)  # every rank creates every group, as torch requires
-        if rank in ranks:
-            _EXPERT_PARALLEL_GROUP[name], _EXPERT_PARALLEL_GROUP_RANKS[name] = group, ranks
-    for ranks in expert_data_parallel:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            _EXPERT_DATA_PARALLEL_GROUP[name], _EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = group, ranks
+    every rank calls it; done once per size, under the name ``ep_size_<n>``). torsh runs no model parallelism
+    beside it: ``mp_size``/``pp_size`` above 1 and AutoEP's ``folding_spec`` are refused."""
+    if (mp_size or 1) > 1 or (pp_size or 1) > 1 or folding_spec is not None:
+        raise NotSupportedByTorsh(message("utils.groups._create_expert_and_data_parallel", "expert groups beside "
+                                          "tensor, sequence or pipeline parallelism (mp_size/pp_size > 1, AutoEP "
+                                          "folding) are not made by torsh; expert x data parallelism is"))
+    _moe.create_expert_groups(expert_parallel_size_, use_data_before_expert_parallel_)
+
+
+def _create_expert_data_and_model_parallel(expert_parallel_size_: int, mpu, use_data_before_expert_parallel_=False):
+    """DeepSpeed's expert groups beside a Megatron ``mpu``'s tensor parallelism: not made by torsh."""
+    raise NotSupportedByTorsh(message("utils.groups._create_expert_data_and_model_parallel", "expert tensor "
+                                      "parallelism beside an mpu is not run by torsh (the engine takes no mpu); "
+                                      "use enable_expert_tensor_parallelism=False"))
+
+
+_EXPERT_PARALLEL_GROUP = _moe.EXPERT_PARALLEL
+_EXPERT_DATA_PARALLEL_GROUP = _moe.EXPERT_DATA_PARALLEL
+_EXPERT_PARALLEL_GROUP_RANKS = _moe.EXPERT_PARALLEL_RANKS
+_EXPERT_DATA_PARALLEL_GROUP_RANKS = _moe.EXPERT_DATA_PARALLEL_RANKS
 
 
 def _get_max_expert_size() -> int | None:

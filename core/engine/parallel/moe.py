@@ -1,0 +1,240 @@
+"""Expert parallelism for DeepSpeed's mixture-of-experts layers: the process groups, and what the engine does
+differently for expert parameters.
+
+The layout is DeepSpeed's (E + D): each data-parallel rank list is cut into expert-parallel groups of ``ep_size``
+consecutive ranks (an MoE layer spreads its experts over one such group and exchanges tokens within it); the
+ranks holding the same experts, one from each expert-parallel group, form an expert-data-parallel group. A
+layer with ``ep_size`` 2 on 2 ranks: expert-parallel group [0, 1], expert-data-parallel groups [0] and [1].
+
+Expert parameters carry DeepSpeed's marks (``allreduce = False``, ``group_name = "ep_size_<n>"``). Where the
+expert-data-parallel group is the whole data-parallel world (``ep_size`` 1) they are ordinary data-parallel
+parameters. Otherwise (*local* experts) each rank holds other experts, and DeepSpeed's rules apply:
+
+- start-up: rank 0's values are not broadcast into them; each expert-data-parallel group takes its first rank's;
+- gradients: summed over the expert-data-parallel group only and divided by the data-parallel world size (an
+  expert already saw every expert-parallel rank's tokens through the all-to-all, so this is the mean over all
+  samples, the same value whatever ``ep_size``);
+- the gradient norm (stage 0): each rank's norm, averaged over the ranks (DeepSpeed's ``clip_grad_norm_``).
+
+:func:`prepare_experts` returns the :class:`ExpertPlan` the engine consults at those points (None for a model
+without MoE layers). The groups live here (the engine never imports the DeepSpeed compatibility layer);
+``deepspeed.utils.groups`` reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger("torsh.engine")
+
+EXPERT_PARALLEL: dict[str, Any] = {}
+"""This rank's expert-parallel group by name (``ep_size_<n>``)."""
+EXPERT_PARALLEL_RANKS: dict[str, list[int]] = {}
+EXPERT_DATA_PARALLEL: dict[str, Any] = {}
+"""This rank's expert-data-parallel group by name."""
+EXPERT_DATA_PARALLEL_RANKS: dict[str, list[int]] = {}
+
+
+class ExpertParallelNotSupported(NotImplementedError):
+    """An MoE layout the torsh engine cannot train correctly yet (raised instead of training it wrongly)."""
+
+
+def expert_parallel_ranks(world_size: int, tensor_parallel_size: int, expert_parallel_size: int,
+                          pipeline_parallel_size: int = 1,
+                          use_data_before_expert_parallel: bool = False) -> tuple[list, list]:  # fmt: skip
+    """(expert-parallel rank lists, expert-data-parallel rank lists) for DeepSpeed's E + M + D layout: ranks of
+    one tensor-parallel group are consecutive; each pipeline stage's data-parallel groups take every
+    ``tensor_parallel_size``-th rank; each data-parallel list is cut into expert-parallel groups of
+    ``expert_parallel_size`` consecutive members, and the i-th members of those groups form an
+    expert-data-parallel group. ``use_data_before_expert_parallel`` (D + E) orders each data-parallel list so
+    that the expert-parallel groups are strided instead."""
+    tp, pp, ep = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
+    _check_divides(world_size, tp * pp)
+    dp_world_size = world_size // (tp * pp)
+    _check_divides(dp_world_size, ep)
+    stage_size = world_size // pp
+    data_parallel: list[list[int]] = []
+    for stage_start in range(0, world_size, stage_size):
+        for offset in range(tp):
+            members = list(range(stage_start + offset, stage_start + stage_size, tp))
+            if use_data_before_expert_parallel:
+                stride = dp_world_size // ep
+                members = [members[j] for first in range(stride) for j in range(first, dp_world_size, stride)]
+            data_parallel.append(members)
+    expert_parallel: list[list[int]] = []
+    expert_data_parallel: list[list[int]] = []
+    for members in data_parallel:
+        chunks = [members[i:i + ep] for i in range(0, dp_world_size, ep)]
+        expert_parallel.extend(chunks)
+        expert_data_parallel.extend([list(column) for column in zip(*chunks)])
+    return expert_parallel, expert_data_parallel
+
+
+def _check_divides(numerator: int, denominator: int) -> None:
+    assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+
+
+def create_expert_groups(expert_parallel_size: int, use_data_before_expert_parallel: bool = False) -> str:
+    """Make the expert-parallel and expert-data-parallel groups of ``expert_parallel_size`` (at most the world)
+    over every rank; collective (every rank calls it; every rank creates every group, as torch requires); done
+    once per size. Returns the groups' name, ``ep_size_<n>``."""
+    world = dist.get_world_size()
+    ep = min(expert_parallel_size, world)
+    _check_divides(world, ep)
+    name = f"ep_size_{ep}"
+    if name in EXPERT_PARALLEL:
+        return name
+    rank = dist.get_rank()
+    expert_parallel, expert_data_parallel = expert_parallel_ranks(world, 1, ep, 1, use_data_before_expert_parallel)
+    for ranks in expert_parallel:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            EXPERT_PARALLEL[name], EXPERT_PARALLEL_RANKS[name] = group, ranks
+    for ranks in expert_data_parallel:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            EXPERT_DATA_PARALLEL[name], EXPERT_DATA_PARALLEL_RANKS[name] = group, ranks
+    return name
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    """DeepSpeed's mark of an expert parameter (``allreduce`` False)."""
+    return getattr(p, "allreduce", True) is False
+
+
+# --------------------------------------------------------------------------------------------------
+# what the engine does for local experts
+
+
+@dataclass
+class ExpertPlan:
+    """The local expert parameters of a model (those whose expert-data-parallel group is smaller than the
+    data-parallel world), by expert group name, and the engine's steps for them."""
+
+    local: dict[str, list[nn.Parameter]]
+    dp_world_size: int
+    _ids: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._ids = {id(p) for params in self.local.values() for p in params}
+
+    @property
+    def active(self) -> bool:
+        """Whether any parameter needs the expert rules (False: every expert is data-parallel over the world)."""
+        return bool(self._ids)
+
+    def is_local(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is a local expert parameter."""
+        return id(p) in self._ids
+
+    def shared(self, holders) -> list:
+        """``holders`` (parameters, or their fp32 master copies) without the local experts and their masters:
+        what the data-parallel reduction may touch."""
+        from ..precision import MASTER
+
+        skip = self._ids | {id(getattr(p, MASTER)) for ps in self.local.values() for p in ps if hasattr(p, MASTER)}
+        return [h for h in holders if id(h) not in skip]
+
+    @torch.no_grad()
+    def broadcast(self) -> None:
+        """Each expert-data-parallel group's first rank's values into the group's local experts (start-up)."""
+        for name, params in self.local.items():
+            group, src = EXPERT_DATA_PARALLEL[name], EXPERT_DATA_PARALLEL_RANKS[name][0]
+            if dist.get_world_size(group) == 1:
+                continue
+            for p in params:
+                dist.broadcast(p.data, src=src, group=group)
+
+    @torch.no_grad()
+    def reduce_gradients(self, gradients: Any = None, reduce_dtype: torch.dtype | None = None, *,
+                         masters: bool = False) -> None:  # fmt: skip
+        """The local experts' gradients summed over their expert-data-parallel group and divided by the
+        data-parallel world size, with the configured reduction (``gradients``: the engine's GradientsConfig;
+        post-scale, ``gradient_predivide_factor``, sum or mean, in ``reduce_dtype``), one flat collective per group
+        and dtype. A parameter without a gradient counts as zeros (it gets a zero gradient, as DeepSpeed gives
+        it). ``masters``: the gradients sit on the fp32 master copies (stage 0 accumulating in them)."""
+        from ..precision import MASTER
+        from ..zero.sharding import _after_reduce, _before_reduce, _ReduceState
+
+        for name, params in self.local.items():
+            holders = [getattr(p, MASTER, p) if masters else p for p in params]
+            holders = [h for h in holders if h.requires_grad or masters]
+            for h in holders:
+                if h.grad is None:
+                    h.grad = torch.zeros_like(h)
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for h in holders:
+                by_dtype.setdefault(h.grad.dtype, []).append(h.grad)
+            group = EXPERT_DATA_PARALLEL[name]
+            for dtype, grads in by_dtype.items():
+                state = _ReduceState(getattr(gradients, "reduce_op", "mean"), getattr(gradients, "prescale", False),
+                                     getattr(gradients, "predivide_factor", 1.0), reduce_dtype or dtype,
+                                     self.dp_world_size)  # fmt: skip
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                work = _before_reduce(state, flat)
+                if dist.get_world_size(group) > 1:
+                    dist.all_reduce(work, group=group)
+                _after_reduce(state, work, flat)
+                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                    g.copy_(part.view_as(g))
+
+    def global_norm(self, grads: list[torch.Tensor]) -> float:
+        """DeepSpeed's stage-0 gradient norm of a model with local experts: this rank's 2-norm of ``grads``,
+        averaged over the data-parallel ranks (the ranks hold different experts, so their norms differ; a
+        non-finite norm on any rank makes every rank's result non-finite, so all skip the step together)."""
+        local = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())
+        local = local.double().reshape(1) / self.dp_world_size
+        dist.all_reduce(local)
+        return float(local)
+
+
+def prepare_experts(model: nn.Module, *, stage: int, dp_world_size: int, kind: str = "ddp",
+                    use_data_before_expert_parallel: bool = False) -> ExpertPlan | None:  # fmt: skip
+    """Give the model's MoE layers their process groups (``set_deepspeed_parallelism`` on every module that has
+    it, as DeepSpeed's engine calls it; collective) and return the plan of its local experts (None: the model has
+    no expert parameters). Call it before the start-up broadcast and before DDP wraps the model: DDP is told to
+    leave the local experts alone (their gradients are reduced by :meth:`ExpertPlan.reduce_gradients`).
+
+    Refused (:class:`ExpertParallelNotSupported`) where the engine cannot yet train local experts correctly:
+    ZeRO stages 1-3 (their flat partitions span the whole world) and layouts other than DDP."""
+    for module in model.modules():
+        if hasattr(module, "set_deepspeed_parallelism"):
+            module.set_deepspeed_parallelism(use_data_before_expert_parallel)
+    experts = [p for p in model.parameters() if is_expert_param(p)]
+    if not experts:
+        return None
+    local: dict[str, list[nn.Parameter]] = {}
+    for p in experts:
+        name = getattr(p, "group_name", None)
+        if name not in EXPERT_DATA_PARALLEL:
+            raise ValueError(f"an expert parameter (allreduce=False) names the expert group {name!r}, which no MoE "
+                             f"layer created (made: {sorted(EXPERT_DATA_PARALLEL) or 'none'}): mark expert "
+                             "parameters through deepspeed.moe.layer.MoE")  # fmt: skip
+        if len(EXPERT_DATA_PARALLEL_RANKS[name]) < dp_world_size:
+            local.setdefault(name, []).append(p)
+    plan = ExpertPlan(local, dp_world_size)
+    if not plan.active:
+        return plan
+    if stage != 0 or kind != "ddp":
+        names = ", ".join(sorted(local))
+        raise ExpertParallelNotSupported(
+            f"MoE expert parallelism ({names}) at ZeRO stage {stage} is not run by the torsh engine yet: the "
+            "experts of each rank differ, and the ZeRO partition spans every rank. Use zero_optimization.stage 0, "
+            "or ep_size=1 (every rank holds every expert; all stages work)")  # fmt: skip
+    _ignore_in_ddp(model, plan)
+    return plan
+
+
+def _ignore_in_ddp(model: nn.Module, plan: ExpertPlan) -> None:
+    """Tell DDP (built later) not to reduce or broadcast the local experts."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = [n for n, p in model.named_parameters() if plan.is_local(p)]
+    names += list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(set(names)))
