@@ -37,7 +37,7 @@ from .params import write_whole
 from .partition import ZERO_SLOT
 
 
-def _check_numel(what: str, value: torch.Tensor, numel: int, hint: str) -> None:
+def check_numel(what: str, value: torch.Tensor, numel: int, hint: str) -> None:
     if value.numel() != numel:
         raise ValueError(f"{what}: the value has {value.numel()} elements, {numel} expected ({hint})")
 
@@ -76,14 +76,14 @@ class FlatPart:
     def write_full(self, flat: torch.Tensor, value: torch.Tensor, what: str) -> None:
         """The elements this rank owns of ``value`` (the whole parameter, the same on every rank) into ``flat``."""
         part = self.slot[0]
-        _check_numel(what, value, self.param.numel(), f"the whole parameter, shape {tuple(self.param.shape)}")
+        check_numel(what, value, self.param.numel(), f"the whole parameter, shape {tuple(self.param.shape)}")
         start, end = part.local_range(self.param)
         part.local_view(self.param, flat).copy_(value.detach().reshape(-1)[start:end])
 
     @torch.no_grad()
     def write_local(self, flat: torch.Tensor, value: torch.Tensor, what: str) -> None:
         view = self.slot[0].local_view(self.param, flat)
-        _check_numel(what, value, view.numel(), "this rank's part, as the matching safe_get_local_* gives it")
+        check_numel(what, value, view.numel(), "this rank's part, as the matching safe_get_local_* gives it")
         view.copy_(value.detach().reshape(-1))
 
 
@@ -125,7 +125,7 @@ class Shard:
     @torch.no_grad()
     def write_full(self, t: torch.Tensor, value: torch.Tensor, what: str) -> None:
         """This rank's shard of ``value`` (the whole tensor, the same on every rank) into ``t``; not collective."""
-        _check_numel(what, value, t.numel(), f"the whole parameter, shape {tuple(t.shape)}")
+        check_numel(what, value, t.numel(), f"the whole parameter, shape {tuple(t.shape)}")
         write_whole(t, value)
 
     @torch.no_grad()
@@ -133,7 +133,7 @@ class Shard:
         """``value`` (this rank's partition in DeepSpeed's layout) into ``t``. Collective unless the first dimension
         splits evenly: the ranks' partitions are gathered and each keeps its shard."""
         cut = shard_cut(t)
-        _check_numel(what, value, partition_numel(t.numel(), cut.world),
+        check_numel(what, value, partition_numel(t.numel(), cut.world),
                      "this rank's part, as the matching safe_get_local_* gives it")  # fmt: skip
         if self._even(t):
             local = t.to_local()
@@ -160,7 +160,7 @@ class Whole:
 
     @torch.no_grad()
     def write_full(self, t: torch.Tensor, value: torch.Tensor, what: str) -> None:
-        _check_numel(what, value, t.numel(), f"the whole parameter, shape {tuple(t.shape)}")
+        check_numel(what, value, t.numel(), f"the whole parameter, shape {tuple(t.shape)}")
         t.copy_(value.detach().reshape(t.shape))
 
     write_local = write_full

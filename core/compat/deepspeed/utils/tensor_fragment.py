@@ -4,8 +4,9 @@ weights the optimizer steps, the gradient the next step uses, and the optimizer 
 ``safe_get_full_*`` gives the whole value on every rank (a collective wherever the value is partitioned: call it on
 every rank); ``safe_set_full_*`` takes the whole value, the same on every rank, and each rank keeps its part (not
 collective). ``safe_get_local_*`` / ``safe_set_local_*`` read and write this rank's part: at ZeRO-3 its partition in
-DeepSpeed's layout (1-D, ``ceil(numel / W)`` elements, what ``param.ds_tensor`` holds), at ZeRO-1/2 this rank's
-elements of the parameter's flat partition, at stage 0 the whole tensor. A parameter that does not train has no
+DeepSpeed's layout (1-D, ``ceil(numel / W)`` elements, what ``param.ds_tensor`` holds: FSDP2 cuts by rows, so
+where the first dimension does not split evenly over the ranks reading or writing it is a collective, as the whole
+values are), at ZeRO-1/2 this rank's elements of the parameter's flat partition, at stage 0 the whole tensor. A parameter that does not train has no
 fp32 weights, gradient or state of the optimizer's: the getters give None and the setters leave it, as DeepSpeed's.
 
 Where the values are, per stage, is :mod:`torsh.engine.zero.fragments`. Optimizer state exists from the
@@ -61,7 +62,7 @@ def safe_set_full_fp32_param(param, value) -> None:
         return
     layout, held = _fp32_holder(param)
     if held is param:
-        fragments._check_numel("safe_set_full_fp32_param", value, param.numel(),
+        fragments.check_numel("safe_set_full_fp32_param", value, param.numel(),
                                f"the whole parameter, shape {tuple(param.shape)}")  # fmt: skip
         setattr(param, PENDING_FP32, value.detach().reshape(param.shape).clone())
     else:
@@ -146,7 +147,7 @@ def safe_set_full_grad(param, value) -> None:
     if grad is not None:
         layout.write_full(grad, value, "safe_set_full_grad")
         return
-    fragments._check_numel("safe_set_full_grad", value, param.numel(),
+    fragments.check_numel("safe_set_full_grad", value, param.numel(),
                            f"the whole gradient, shape {tuple(param.shape)}")  # fmt: skip
     param.grad = _like(param, value)
 
