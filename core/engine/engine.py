@@ -21,6 +21,8 @@ from torch import nn
 from torsh.config import ResolvedBatch
 from torsh.plan import StepPolicy
 
+from . import coalesce, direct_backward
+from . import precision as precision_helpers
 from .distributed import DistInfo, on_shutdown
 from .engine_checkpoint import CheckpointMethods
 from .engine_members import DEEPSPEED_ENGINE_MEMBERS, config_view
@@ -143,6 +145,11 @@ class Engine(CheckpointMethods, nn.Module):
     """DeepSpeed's Ulysses sequence parallelism is not run by torsh."""
     sparse_tensor_module_names: frozenset = frozenset()
     """DeepSpeed's modules reduced as sparse gradients (``sparse_gradients``): none, torsh reduces dense ones."""
+    pipeline_parallelism = False
+    """Whether this is DeepSpeed's pipeline engine (``deepspeed.pipe``)."""
+    _mixed_precision_dtypes = precision_helpers.mixed_precision_dtypes
+    _assert_valid_mixed_precision_config = precision_helpers.assert_valid_mixed_precision_config
+    _cast_module_mixed_precision = precision_helpers.cast_module_mixed_precision
 
     def wall_clock_breakdown(self) -> bool:
         """False: the torsh engine keeps no per-phase timers (said at start-up when the config asks for them), so
@@ -371,6 +378,26 @@ class Engine(CheckpointMethods, nn.Module):
         """Override the boundary (sticky, as in DeepSpeed; Accelerate sets it before every backward)."""
         self._boundary_override = bool(is_boundary)
 
+    @property
+    def _is_gradient_accumulation_boundary(self) -> bool | None:
+        """DeepSpeed's member: the boundary set by :meth:`set_gradient_accumulation_boundary` (None: not set)."""
+        return self._boundary_override
+
+    @_is_gradient_accumulation_boundary.setter
+    def _is_gradient_accumulation_boundary(self, value: bool | None) -> None:
+        self._boundary_override = None if value is None else bool(value)
+
+    def coalesce_grad_reduction(self):
+        """DeepSpeed's context manager (ZeRO stages 1-3): the backwards inside it leave their gradients on this
+        rank, added up, and leaving it reduces them once for the next ``step()`` (:mod:`torsh.engine.coalesce`)."""
+        return coalesce.coalesced(self)
+
+    def _flush_coalesced_reduction_zero12(self, optimizer: Any) -> None:
+        coalesce.flush_zero12(self)
+
+    def _flush_coalesced_reduction_zero3(self, optimizer: Any) -> None:
+        coalesce.flush_zero3(self)
+
     def _sync_now(self) -> bool:
         # Gradients are reduced on the boundary micro-batch only; stage 3 reduces every micro-batch so that
         # unsharded gradients are never held (its memory contract), and so does accumulation in a wider dtype.
@@ -393,7 +420,10 @@ class Engine(CheckpointMethods, nn.Module):
         if self._precision.cast_forward_inputs:
             inputs, kwargs = _cast_floating(inputs, kwargs, self._precision.param_dtype)
         with self._forward_context():
-            return self.wrapped(*inputs, **kwargs)
+            outputs = self.wrapped(*inputs, **kwargs)
+        if direct_backward.refuses(self):  # DeepSpeed's RuntimeError for a loss.backward() it cannot complete
+            direct_backward.guard(self, outputs)
+        return outputs
 
     def _forward_context(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -420,8 +450,13 @@ class Engine(CheckpointMethods, nn.Module):
         elif self._shard.partition is not None:
             self._shard.partition.before_backward(sync)
         scaled = self.loss_scaler.scale(loss) if self._scaling else loss
-        scaled.backward(retain_graph=retain_graph)
+        self.__dict__["_running_backward"] = True
+        try:
+            scaled.backward(retain_graph=retain_graph)
+        finally:
+            self.__dict__["_running_backward"] = False
         self._after_backward(sync)
+        coalesce.after_backward(self, sync)
         return loss.detach()
 
     def _backward_epilogue(self) -> None:
@@ -618,6 +653,7 @@ class Engine(CheckpointMethods, nn.Module):
         self._step_applied = True
 
     def _zero_all_grads(self) -> None:
+        coalesce.reset_micro_step(self)
         if self._shard.partition is not None:
             self._shard.partition.zero_grad()
         for p in self.module.parameters():

@@ -184,3 +184,76 @@ def _cast_params(model: torch.nn.Module, dtype: torch.dtype) -> None:
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
+
+
+# ---- DeepSpeedEngine's helpers for the module cast ---------------------------------------------------------
+# DeepSpeed's engine has them as methods reading only ``_config.param_dtype`` / ``_config.buffer_dtype``, the
+# fp16/bf16 flags and ``module``; scripts and DeepSpeed's own tests call them on the class with stand-in objects,
+# so they are written against those members alone (the torsh engine casts through :func:`apply_precision`).
+
+#: DeepSpeed's spellings of a dtype in ``data_types`` (its ``DtypeEnum``).
+DTYPE_NAMES = {
+    torch.float16: ("torch.float16", "fp16", "float16", "half"),
+    torch.float32: ("torch.float32", "fp32", "float32", "float"),
+    torch.int8: ("torch.int8", "int8"),
+    torch.bfloat16: ("torch.bfloat16", "bf16", "bfloat16"),
+}
+_CASTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def dtype_named(value) -> torch.dtype:
+    """The torch dtype of a ``data_types`` value (a torch dtype or one of DeepSpeed's names for it)."""
+    if isinstance(value, torch.dtype) and value in DTYPE_NAMES:
+        return value
+    for dtype, names in DTYPE_NAMES.items():
+        if value in names:
+            return dtype
+    known = sorted(n for names in DTYPE_NAMES.values() for n in names)
+    raise ValueError(f"{value!r} is not a dtype DeepSpeed's data_types accepts; use one of {known}")
+
+
+def _model_dtype(engine) -> torch.dtype | None:
+    if engine.fp16_enabled():
+        return torch.float16
+    return torch.bfloat16 if engine.bfloat16_enabled() else None
+
+
+def mixed_precision_dtypes(engine) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """DeepSpeed's ``_mixed_precision_dtypes``: (the parameters' dtype: fp16/bf16 when enabled, else None;
+    ``data_types.buffer_dtype``, else None: buffers keep their dtype)."""
+    buffer_dtype = engine._config.buffer_dtype
+    return _model_dtype(engine), None if buffer_dtype is None else dtype_named(buffer_dtype)
+
+
+def assert_valid_mixed_precision_config(engine) -> None:
+    """DeepSpeed's ``_assert_valid_mixed_precision_config``: ``data_types.param_dtype``, when set, must be the
+    dtype the fp16/bf16 flags give (fp32 without them); an AssertionError otherwise, as DeepSpeed's."""
+    requested = engine._config.param_dtype
+    if requested is None:
+        return
+    model_dtype = _model_dtype(engine) or torch.float32
+    assert dtype_named(requested) == model_dtype, (
+        f"data_types.param_dtype='{requested}' conflicts with the enabled precision mode (model dtype "
+        f"{model_dtype}): enable the matching fp16/bf16 flag or leave data_types.param_dtype unset")
+
+
+def cast_module_mixed_precision(engine, param_dtype, buffer_dtype, is_zero_init_model, keep_pattern=None) -> None:
+    """DeepSpeed's ``_cast_module_mixed_precision``: ``engine.module``'s floating parameters to ``param_dtype``
+    (not when ``zero.Init`` built them: they already are), its floating buffers to ``buffer_dtype`` only when it
+    is given; buffers whose full names match ``keep_pattern`` (a compiled regex) are kept in (made) fp32."""
+    module = engine.module
+    if param_dtype is not None and not is_zero_init_model:
+        for p in module.parameters():
+            if p.dtype in _CASTABLE and p.dtype != param_dtype:
+                p.data = p.data.to(param_dtype)
+    kept = set()
+    if keep_pattern is not None:
+        for name, b in module.named_buffers():
+            if b.is_floating_point() and keep_pattern.search(name):
+                kept.add(id(b))
+                if b.dtype != torch.float32:
+                    b.data = b.data.float()
+    if buffer_dtype is not None:
+        for b in module.buffers():
+            if id(b) not in kept and b.dtype in _CASTABLE and b.dtype != buffer_dtype:
+                b.data = b.data.to(buffer_dtype)
