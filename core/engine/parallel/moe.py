@@ -119,6 +119,9 @@ class ExpertPlan:
 
     local: dict[str, list[nn.Parameter]]
     dp_world_size: int
+    partitioned_in_backward: bool = False
+    """ZeRO-2: the expert partitions reduce the gradients in backward (:mod:`.moe_zero`); nothing is left to
+    :meth:`reduce_gradients`."""
     _ids: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -160,6 +163,9 @@ class ExpertPlan:
         and dtype. A parameter without a gradient counts as zeros (it gets a zero gradient, as DeepSpeed gives
         it). ``masters``: the gradients sit on the fp32 master copies (stage 0 accumulating in them)."""
         from ..precision import MASTER
+
+        if self.partitioned_in_backward:
+            return
         from ..zero.sharding import _after_reduce, _before_reduce, _ReduceState
 
         for name, params in self.local.items():
@@ -184,6 +190,14 @@ class ExpertPlan:
                 for g, part in zip(grads, flat.split([g.numel() for g in grads])):
                     g.copy_(part.view_as(g))
 
+    def build_zero(self, model: nn.Module, **kwargs) -> tuple[Any, Any]:
+        """ZeRO-1/2's ShardPlan and optimizer with the local experts partitioned over their expert-data-parallel
+        groups: :func:`.moe_zero.build_expert_zero`, taking the arguments of
+        :func:`torsh.engine.zero.partition.build_zero` (whose place it takes for such a model)."""
+        from .moe_zero import build_expert_zero
+
+        return build_expert_zero(model, self, **kwargs)
+
     def global_norm(self, grads: list[torch.Tensor]) -> float:
         """DeepSpeed's stage-0 gradient norm of a model with local experts: this rank's 2-norm of ``grads``,
         averaged over the data-parallel ranks (the ranks hold different experts, so their norms differ; a
@@ -201,8 +215,9 @@ def prepare_experts(model: nn.Module, *, stage: int, dp_world_size: int, kind: s
     no expert parameters). Call it before the start-up broadcast and before DDP wraps the model: DDP is told to
     leave the local experts alone (their gradients are reduced by :meth:`ExpertPlan.reduce_gradients`).
 
+    At ZeRO-1/2 the engine builds its partitions with :meth:`ExpertPlan.build_zero` instead of ``build_zero``.
     Refused (:class:`ExpertParallelNotSupported`) where the engine cannot yet train local experts correctly:
-    ZeRO stages 1-3 (their flat partitions span the whole world) and layouts other than DDP."""
+    ZeRO-3 / FSDP2 (its shards span the whole world)."""
     for module in model.modules():
         if hasattr(module, "set_deepspeed_parallelism"):
             module.set_deepspeed_parallelism(use_data_before_expert_parallel)
@@ -221,12 +236,12 @@ def prepare_experts(model: nn.Module, *, stage: int, dp_world_size: int, kind: s
     plan = ExpertPlan(local, dp_world_size)
     if not plan.active:
         return plan
-    if stage != 0 or kind != "ddp":
+    if stage > 2 or kind != "ddp":
         names = ", ".join(sorted(local))
         raise ExpertParallelNotSupported(
             f"MoE expert parallelism ({names}) at ZeRO stage {stage} is not run by the torsh engine yet: the "
-            "experts of each rank differ, and the ZeRO partition spans every rank. Use zero_optimization.stage 0, "
-            "or ep_size=1 (every rank holds every expert; all stages work)")  # fmt: skip
+            "experts of each rank differ, and FSDP2's shards span every rank. Use zero_optimization.stage 0, 1 or "
+            "2, or ep_size=1 (every rank holds every expert; all stages work)")  # fmt: skip
     _ignore_in_ddp(model, plan)
     return plan
 
