@@ -112,7 +112,12 @@ def _attach_methods(param: nn.Parameter) -> None:
             if is_partitioned(p):
                 repartition(p, keep_written=has_been_updated)
 
+    def all_gather_coalesced(params, safe_mode=False, quantize=False):
+        all_gather(list(params))
+        return GatherDone()
+
     param.all_gather = all_gather
+    param.all_gather_coalesced = all_gather_coalesced
     param.partition = partition
     param.partition_numel = lambda: param.ds_tensor.numel()
     param.padding_size = lambda: param.ds_tensor.numel() * param.__dict__[PARTITIONED].world - param.ds_numel
@@ -120,6 +125,14 @@ def _attach_methods(param: nn.Parameter) -> None:
                                 "ds_numel": param.ds_numel, "shape": tuple(param.ds_shape),
                                 "ds_shape": tuple(param.ds_shape), "requires_grad": param.requires_grad,
                                 "persist": param.ds_persist}  # fmt: skip
+
+
+class GatherDone:
+    """The handle of a gather that completed before it was returned (DeepSpeed's ``param.all_gather_coalesced``
+    hands out one to wait on; torsh gathers synchronously, so ``wait`` has nothing left to do)."""
+
+    def wait(self, handle_dependency: bool = True) -> None:  # noqa: ARG002  (DeepSpeed's signature)
+        return None
 
 
 def keep_own(local: torch.Tensor, whole: torch.Tensor, where: Any) -> None:
@@ -175,7 +188,7 @@ def _forget(param: nn.Parameter) -> None:
     """``param`` is no longer partitioned at construction (``initialize`` took it): its partition, DeepSpeed's
     attributes and methods go (a parameter the engine shards gets the attributes of its layout)."""
     for key in [k for k in param.__dict__ if k.startswith("ds_")] + [
-            PARTITIONED, "all_gather", "partition", "partition_numel", "padding_size"]:  # fmt: skip
+            PARTITIONED, "all_gather", "all_gather_coalesced", "partition", "partition_numel", "padding_size"]:  # fmt: skip
         param.__dict__.pop(key, None)
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import params as zero_params
-from .construction import all_gather_into, comm_device, keep_own, partition_numel
+from .construction import GatherDone, all_gather_into, comm_device, keep_own, partition_numel
 from .whole_params import ZeroParamStatus
 
 LINK = "_torsh_shard_link"
@@ -132,6 +132,12 @@ class OriginalParameter(nn.Parameter):
             if isinstance(p, OriginalParameter) and p.ds_status is ZeroParamStatus.NOT_AVAILABLE:
                 p.data = _whole(p.__dict__[LINK].shard).to(p.dtype).view(p.ds_shape)
                 p.ds_status = ZeroParamStatus.AVAILABLE
+
+    def all_gather_coalesced(self, params, safe_mode=False, quantize=False) -> GatherDone:  # noqa: ARG002
+        """DeepSpeed's ``param.all_gather_coalesced(params)``: each of ``params`` gathered now (collective); the
+        handle returned has nothing left to wait for."""
+        self.all_gather(list(params))
+        return GatherDone()
 
     @torch.no_grad()
     def partition(self, param_list=None, hierarchy=0, has_been_updated=False, free_data=True) -> None:  # noqa: ARG002

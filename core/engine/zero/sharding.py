@@ -19,7 +19,7 @@ from torsh.config import DdpConfig, GradientsConfig, OffloadConfig, ShardingConf
 from torsh.plan import EnginePlan
 from torsh.sharding_plan import ShardingPlan
 
-from . import construction, ds_layout, leaves, whole_params
+from . import construction, ds_layout, external_params, leaves, whole_params
 from . import params as zero_params
 from ..distributed import DistInfo
 from ..precision import PrecisionPlan
@@ -225,6 +225,7 @@ def _apply_fsdp(model, decided: EnginePlan, gradients: GradientsConfig, offload:
     zero_params.mark_partitioned(model, precision.param_dtype)  # what DeepSpeed scripts test before gathering
     if decided.step.stage == 3:  # the objects a script still holds: DeepSpeed's partitioned parameters, tied to shards
         ds_layout.link_originals(model, before)
+        external_params.install(model)  # another module's parameter read in the forward is gathered, as in DeepSpeed
     ds_layout.allow_allclose()
     if layout.forward_prefetch:
         # Each unit issues the next one's all-gather as soon as its own is copied out, so that the transfer

@@ -28,6 +28,9 @@ from torch import nn
 from torsh.engine.zero import construction
 from torsh.engine.zero.params import COMPUTE_DTYPE, ZeroParamStatus, write_shown
 
+from .linear import zero3_linear_wrap
+from .utils import is_zero_param  # noqa: F401  (DeepSpeed's name here too)
+
 _GATHERED = "_torsh_gathered"
 
 
@@ -184,25 +187,91 @@ def _unpatch() -> None:
     _patched.clear()
 
 
-def _contradicting_single_rank_group(explicit_group) -> str | None:
-    """DeepSpeed's guard: a world group of one process while the launcher started several."""
-    if explicit_group is not None or not dist.is_initialized() or dist.get_world_size() != 1:
+def _contradicting_single_rank_pg_error(dp_world_size, explicit_process_group, env=None) -> str | None:
+    """DeepSpeed's guard against a silent fallback to one rank: the message of the error ``zero.Init`` raises when
+    the group it partitions over has one rank (``dp_world_size``) while the launcher's ``WORLD_SIZE`` (from
+    ``env``, default the process environment) says several processes were started: a one-rank process group
+    was started before ``zero.Init`` (``from_pretrained`` before ``deepspeed.init_distributed()``), and every rank
+    would hold the whole model. None when there is no contradiction, when the caller passed the group explicitly
+    (a one-rank group is then intended) or when ``WORLD_SIZE`` is not a number."""
+    if dp_world_size != 1 or explicit_process_group is not None:
         return None
-    import os
+    if env is None:
+        import os
 
+        env = os.environ
     try:
-        launched = int(os.environ.get("WORLD_SIZE", "0") or "0")
-    except ValueError:
+        launched = int(env.get("WORLD_SIZE", "0") or "0")
+    except (TypeError, ValueError):
         return None
     if launched <= 1:
         return None
     return (f"zero.Init resolved a process group of world_size=1, but the launcher environment reports "
-            f"WORLD_SIZE={launched}. A single-rank process group was likely initialized before zero.Init ran. "
-            "Parameters would not be partitioned across the launched processes: call deepspeed.init_distributed() "
-            "before building the model under zero.Init, or pass data_parallel_group= if one rank is intended.")
+            f"WORLD_SIZE={launched}. A single-rank process group was likely initialized before zero.Init ran "
+            "(for example by from_pretrained before deepspeed.init_distributed()), so parameters would not be "
+            "partitioned and every rank would hold the whole model. Call deepspeed.init_distributed() before "
+            "building the model under zero.Init, or pass data_parallel_group= if a single-rank group is intended.")
 
 
-class Init:
+class InsertPostInitMethodToModuleSubClasses:
+    """The construction context :class:`Init` is (DeepSpeed's base class of it, by its name): while entered, each
+    module's constructor is followed by the partition of its parameters, and, with ``mem_efficient_linear``,
+    ``torch.nn.functional.linear`` becomes DeepSpeed's ZeRO-3 linear (:func:`enable_memory_efficient_linear`).
+    Nested contexts patch once, with the outermost one's settings; the last one out restores the constructors."""
+
+    def __init__(self, enabled=True, mem_efficient_linear=True, ds_config=None, dtype=None):  # noqa: ARG002
+        self.enabled = enabled
+        self.mem_efficient_linear = mem_efficient_linear
+
+    def _enable_mem_efficient_linear(self) -> None:
+        enable_memory_efficient_linear()
+
+    def __enter__(self):
+        if self.enabled:
+            with _init_lock:
+                if not _active:
+                    _patch()
+                    if self.mem_efficient_linear:
+                        self._enable_mem_efficient_linear()
+                _active.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            with _init_lock:
+                _active.pop()
+                if not _active:
+                    _unpatch()
+        return False
+
+
+def enable_memory_efficient_linear() -> None:
+    """``torch.nn.functional.linear`` becomes :func:`.linear.zero3_linear_wrap` (the same values; DeepSpeed's
+    ZeRO-3 autograd function), as DeepSpeed installs it when a ZeRO-3 context or engine with
+    ``memory_efficient_linear`` (its default) starts, and it stays so (DeepSpeed never puts it back). The function
+    found there the first time is kept as ``InsertPostInitMethodToModuleSubClasses.linear_bk``; it is replaced
+    only while it is still that function, so a wrapper another library put around the ZeRO-3 one stays."""
+    import torch.nn.functional as F
+
+    if not hasattr(InsertPostInitMethodToModuleSubClasses, "linear_bk"):
+        InsertPostInitMethodToModuleSubClasses.linear_bk = F.linear
+    if F.linear is InsertPostInitMethodToModuleSubClasses.linear_bk:
+        F.linear = zero3_linear_wrap
+
+
+def _memory_efficient_linear(config_dict_or_path, default: bool) -> bool:
+    """``zero_optimization.memory_efficient_linear`` of the config (which then decides, as in DeepSpeed), else
+    ``default`` (the ``mem_efficient_linear`` argument)."""
+    if config_dict_or_path is None:
+        return default
+    from ..config import _as_dict
+
+    config = _as_dict(config_dict_or_path) or {}
+    zero = config.get("zero_optimization")
+    return bool(zero.get("memory_efficient_linear", True)) if isinstance(zero, dict) else True
+
+
+class Init(InsertPostInitMethodToModuleSubClasses):
     """DeepSpeed's ZeRO-3 construction context: each module's parameters are partitioned when its constructor
     returns (:mod:`torsh.engine.zero.construction`), so no rank holds the whole model.
 
@@ -211,8 +280,11 @@ class Init:
     DeepSpeed checks it. ``module=`` partitions a model built outside the context at once; ``data_parallel_group``
     (or ``sequence_data_parallel_group``) is the group the parameters are partitioned over (default: every rank);
     ``remote_device="cpu"`` keeps the partitions on the CPU (pinned with ``pin_memory`` on a CUDA machine);
-    ``enabled=False`` changes nothing. ``dtype``, ``mem_efficient_linear`` and the quantisation switches are
-    accepted and have no effect (the engine casts at ``initialize``). Usable as a context manager or a decorator.
+    ``enabled=False`` changes nothing. ``mem_efficient_linear`` (the config's
+    ``zero_optimization.memory_efficient_linear`` when a config is given) installs DeepSpeed's ZeRO-3
+    ``F.linear`` when the context is entered or ``module=`` is given (:func:`enable_memory_efficient_linear`).
+    ``dtype`` and the quantisation switches are accepted and have no effect (the engine casts at ``initialize``).
+    Usable as a context manager or a decorator.
     """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
@@ -226,18 +298,23 @@ class Init:
             from ..config import check_gradient_allreduce_op
 
             check_gradient_allreduce_op(config_dict_or_path)  # DeepSpeed reads (and checks) the config here
+        super().__init__(enabled=enabled, mem_efficient_linear=_memory_efficient_linear(config_dict_or_path,
+                                                                                        mem_efficient_linear))
         if not dist.is_initialized():
             from ...comm import init_distributed
 
             init_distributed()
+        if module is not None and enabled and self.mem_efficient_linear:
+            self._enable_mem_efficient_linear()
         if sequence_data_parallel_group is not None and data_parallel_group is not None:
             raise ValueError("Both 'data_parallel_group' and 'sequence_data_parallel_group' were specified. Please "
                              "provide only one of these arguments.")  # fmt: skip
-        problem = _contradicting_single_rank_group(data_parallel_group or sequence_data_parallel_group)
+        explicit = data_parallel_group if data_parallel_group is not None else sequence_data_parallel_group
+        problem = dist.is_initialized() and _contradicting_single_rank_pg_error(dist.get_world_size(explicit),
+                                                                                  explicit)  # fmt: skip
         if problem:
             raise RuntimeError(problem)
-        self.enabled = enabled
-        self.group = data_parallel_group or sequence_data_parallel_group
+        self.group = explicit
         self.remote_device = _remote_device(remote_device)
         self.pin_memory = bool(pin_memory)
         if module is not None and enabled:  # DeepSpeed partitions a built module at once
@@ -246,22 +323,6 @@ class Init:
                 _partition_module(module, recurse=True)
             finally:
                 _active.pop()
-
-    def __enter__(self):
-        if self.enabled:
-            with _init_lock:
-                if not _active:
-                    _patch()
-                _active.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            with _init_lock:
-                _active.pop()
-                if not _active:
-                    _unpatch()
-        return False
 
     def __call__(self, fn):
         def wrapped(*args, **kwargs):
@@ -457,12 +518,6 @@ def unregister_external_parameter(module, parameter) -> None:
     if id(parameter) not in getattr(module, "_external_params", {}):
         raise RuntimeError("Parameter is not a registered external parameter of module.")
     del module._external_params[id(parameter)]
-
-
-def is_zero_param(parameter) -> bool:
-    """Whether ``parameter`` is partitioned (DeepSpeed: has ZeRO-3 attributes): by :class:`Init`, or sharded by
-    ``initialize``."""
-    return _is_sharded(parameter) or construction.is_partitioned(parameter)
 
 
 #: The shape DeepSpeed gives ``param.data`` of a partitioned parameter outside ``GatheredParameters`` (its data is

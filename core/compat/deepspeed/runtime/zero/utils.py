@@ -1,5 +1,5 @@
 """``deepspeed.runtime.zero.utils``: ``ZeRORuntimeException`` (what DeepSpeed raises for a ZeRO setup it refuses;
-scripts catch it) and ``is_zero_supported_optimizer``."""
+scripts catch it), ``is_zero_supported_optimizer`` and ``is_zero_param``."""
 
 from __future__ import annotations
 
@@ -14,3 +14,13 @@ def is_zero_supported_optimizer(optimizer) -> bool:
     import torch
 
     return isinstance(optimizer, torch.optim.Optimizer)
+
+
+def is_zero_param(parameter) -> bool:
+    """Whether ``parameter`` is partitioned (DeepSpeed: has ZeRO-3 attributes): by ``zero.Init``, or sharded by
+    ``initialize`` (an FSDP2 DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    from torsh.engine.zero import construction
+
+    return isinstance(parameter, DTensor) or construction.is_partitioned(parameter)
