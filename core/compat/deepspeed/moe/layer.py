@@ -43,6 +43,9 @@ class MoE(nn.Module):
                  use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
                  top2_2nd_expert_sampling: bool = True) -> None:  # fmt: skip
         super().__init__()
+        if not isinstance(expert, nn.Module):
+            raise TypeError(f"MoE(expert=...) takes the torch module each expert copies (e.g. an MLP); got "
+                            f"{type(expert).__name__}")  # fmt: skip
         self.use_residual = use_residual
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         assert num_experts % ep_size == 0, (f"Number of experts ({num_experts}) should be divisible by expert "
