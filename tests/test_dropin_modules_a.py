@@ -334,3 +334,46 @@ def test_checkpoint_parallel_metadata_reads_the_mpu_spellings():
     expected = {"checkpoint_parallel_dimensions": {"pp_degree": 4, "tp_degree": 2}}
     assert checkpoint_parallel_metadata(megatron) == expected
     assert checkpoint_parallel_metadata(None)["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": 1}
+
+
+# ---- zero_to_fp32: tied weights stay one tensor -------------------------------------------------------------------
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer1, self.layer2 = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+        self.layer1.weight = self.layer2.weight
+
+
+def _tied_checkpoint(root, shared_params):
+    from torsh.engine.checkpoint.save_load import save_checkpoint
+
+    model = _Tied()
+    save_checkpoint(root, "t", model=model, optimizer=torch.optim.AdamW(model.parameters()), lr_scheduler=None,
+                    loss_scaler=None, engine_state={"global_steps": 1, "shared_params": shared_params},
+                    client_state={}, save_latest=True)  # fmt: skip
+    return model
+
+
+@pytest.mark.parametrize("dtype", [None, "fp16"])
+def test_zero_to_fp32_keeps_a_recorded_tied_weight_as_one_tensor(tmp_path, dtype):
+    from torsh.compat.deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
+
+    model = _tied_checkpoint(tmp_path / "ckpt", {"layer1.weight": "layer2.weight"})
+    convert_zero_checkpoint_to_state_dict(tmp_path / "ckpt", tmp_path / "out", dtype=dtype)
+    state = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    assert state["layer1.weight"] is state["layer2.weight"] and state["layer1.bias"] is not state["layer2.bias"]
+    assert torch.equal(state["layer1.weight"].float(), model.layer2.weight.detach().half().float() if dtype
+                       else model.layer2.weight.detach())  # fmt: skip
+    _Tied().load_state_dict(state, strict=True)
+
+
+def test_merge_refuses_a_tie_record_that_the_values_contradict(tmp_path):
+    from torsh.engine.checkpoint.merge import merge_state_dict
+    from torsh.errors import ConfigError
+
+    _tied_checkpoint(tmp_path / "ckpt", {"layer1.bias": "layer2.bias"})  # the biases are not tied
+    with pytest.raises(ConfigError, match="records layer1.bias as tied to layer2.bias"):
+        merge_state_dict(tmp_path / "ckpt" / "t")
+    _tied_checkpoint(tmp_path / "old", {})  # nothing recorded: the names stay separate tensors
+    state = merge_state_dict(tmp_path / "old" / "t")
+    assert state["layer1.weight"] is not state["layer2.weight"]

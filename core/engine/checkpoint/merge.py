@@ -25,8 +25,8 @@ from typing import Any
 from torsh.errors import ConfigError, Problem
 
 from .from_deepspeed import _read_checked, is_deepspeed_checkpoint
-from .io import CheckpointError, read_dcp_metadata, read_manifest, safe_dcp_classes, verify_files
-from .save_load import DCP_METADATA, LATEST
+from .io import CheckpointError, read_dcp_metadata, read_manifest, safe_dcp_classes, safe_torch_load, verify_files
+from .save_load import DCP_METADATA, ENGINE_STATES, LATEST
 
 MODEL_PREFIX = "model."
 
@@ -118,9 +118,36 @@ def merge_state_dict(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"checkpoint {path} has no model entries ('{MODEL_PREFIX}*'); is it a torsh "
                                   "checkpoint?")  # fmt: skip
         _dcp_load(template, path)
+        state = {key[len(MODEL_PREFIX):]: value for key, value in template.items()}
+        _tie(state, _recorded_ties(path), path)
     except CheckpointError as exc:
         raise ConfigError([Problem("CHECKPOINT", str(path), str(exc))]) from None
-    return {key[len(MODEL_PREFIX):]: value for key, value in template.items()}
+    return state
+
+
+def _recorded_ties(path: Path) -> dict[str, str]:
+    """The tied parameters the engine recorded with the checkpoint (``engine_states.pt``: the engine state's
+    ``shared_params``, each further name -> the first name, as DeepSpeed's model states hold them); {} when none."""
+    file = path / ENGINE_STATES
+    saved = safe_torch_load(file) if file.is_file() else None
+    engine = saved.get("engine") if isinstance(saved, dict) else None
+    shared = engine.get("shared_params") if isinstance(engine, dict) else None
+    return shared if isinstance(shared, dict) else {}
+
+
+def _tie(state: dict[str, Any], shared: dict[str, str], path: Path) -> None:
+    """Each recorded alias of a tied weight becomes the very tensor of its source (DCP stores both names' values
+    separately), as DeepSpeed's ``zero_to_fp32`` returns it: one tensor under both names."""
+    import torch
+
+    for alias, source in shared.items():
+        if alias not in state or source not in state:
+            continue
+        a, b = state[alias], state[source]
+        if a.shape != b.shape or a.dtype != b.dtype or not torch.allclose(a, b, rtol=0, atol=0, equal_nan=True):
+            raise CheckpointError(f"checkpoint {path} records {alias} as tied to {source}, but their saved values "
+                                  "differ")  # fmt: skip
+        state[alias] = state[source]
 
 
 def _stage0_masters(weights: dict[str, Any], model_states: dict[str, Any]) -> tuple[dict[str, Any], str]:

@@ -83,13 +83,18 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, dtype=None
     """Write the state dict to ``output_dir`` as ``pytorch_model.bin`` or ``model.safetensors``, floating-point
     tensors in ``dtype`` (default fp32), in shards of at most ``max_shard_size`` with the Hugging Face index file
     when it is larger (the shards are planned by ``huggingface_hub``, as DeepSpeed does); each file is written as
-    ``torsh-migrate merge`` writes it (atomically; a tied weight as two tensors in ``.safetensors``)."""
+    ``torsh-migrate merge`` writes it (atomically; a tied weight is one tensor under both names in
+    ``pytorch_model.bin``, as DeepSpeed writes it, and two in ``.safetensors``, which cannot share)."""
 
     from torsh.engine.checkpoint.merge import write
 
     dtype = _output_dtype(dtype)
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    converted: dict[int, Any] = {}  # by id: a tied weight (one tensor under two names) stays one tensor
+    for value in state.values():
+        if id(value) not in converted:
+            converted[id(value)] = value.to(dtype) if value.is_floating_point() else value
+    state = {k: converted[id(v)] for k, v in state.items()}
     name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
     shards, index = _shards(state, name, max_shard_size)
     os.makedirs(output_dir, exist_ok=True)
