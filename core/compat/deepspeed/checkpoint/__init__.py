@@ -22,3 +22,7 @@ from .zero_checkpoint import ZeROCheckpoint
 enable_universal_checkpoint = unsupported_function(
     "checkpoint.enable_universal_checkpoint", "torsh writes no universal checkpoint; a torsh checkpoint loads at any "
     "world size and stage (engine.load_checkpoint), and torsh-migrate merge writes one state dict")  # fmt: skip
+
+__all__ = ["clone_tensors_for_torch_save", "get_model_ckpt_name_for_rank", "get_zero_ckpt_name_for_rank",
+           "get_layer_ckpt_name_for_rank", "DeepSpeedCheckpoint", "ZeROCheckpoint", "model_3d_desc",
+           "get_model_3d_descriptor", "reshape_meg_2d_parallel", "merge_state", "enable_universal_checkpoint"]
