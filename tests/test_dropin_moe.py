@@ -86,6 +86,7 @@ def test_moe_layer_forward_and_gradients_equal_deepspeeds(ds, k, noisy, residual
 
 
 def test_moe_param_groups_equal_deepspeeds(ds):
+    """The same groups as DeepSpeed's (shared, then one ``moe`` group per expert group and source group)."""
     from deepspeed.moe.layer import MoE as DsMoE
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as ds_split
 
@@ -98,11 +99,18 @@ def test_moe_param_groups_equal_deepspeeds(ds):
                 {"params": list(model["b"].parameters()), "name": "y"}]  # fmt: skip
 
     def named(gs):
-        return [{**g, "params": [name[id(p)] for p in g["params"]]} for g in gs]
+        # DeepSpeed orders the expert groups by a set of names (the order varies with PYTHONHASHSEED); ours
+        # are in the order the names first appear, the same on every rank: compared as collections
+        return sorted((repr({**g, "params": [name[id(p)] for p in g["params"]]}) for g in gs))
 
     for max_size in (None, 10):
         assert named(split_params_into_different_moe_groups_for_optimizer(groups(), max_size)) == named(
             ds_split(groups(), max_size))
+    from deepspeed.moe.utils import configure_moe_param_groups
+
+    # what the engine does to model_parameters of an MoE model when it builds the optimizer itself
+    for given in (lambda: list(model.parameters()), groups):
+        assert named(engine_moe.expert_param_groups(given())) == named(configure_moe_param_groups(given()))
 
 
 def test_expert_rank_layout_equals_deepspeeds(ds):
@@ -217,3 +225,13 @@ def test_expert_parallelism_under_fsdp_is_refused_by_name():
     finally:
         engine_moe.EXPERT_DATA_PARALLEL.pop("ep_size_2", None)
         engine_moe.EXPERT_DATA_PARALLEL_RANKS.pop("ep_size_2", None)
+
+
+def test_checkpoints_of_local_experts_are_refused_not_written_for_one_rank():
+    """Ranks holding different experts: one model file would keep rank 0's experts only; refused by name."""
+    expert = torch.nn.Parameter(torch.zeros(2))
+    plan = engine_moe.ExpertPlan({"ep_size_2": [expert]}, dp_world_size=2)
+    with pytest.raises(engine_moe.ExpertParallelNotSupported, match="save_checkpoint of a model with MoE expert "
+                       "parallelism \\(ep_size_2"):  # fmt: skip
+        plan.refuse_checkpoint("save_checkpoint")
+    engine_moe.ExpertPlan({}, dp_world_size=2).refuse_checkpoint("save_checkpoint")  # ep_size 1: nothing refused

@@ -109,6 +109,87 @@ def is_expert_param(p: torch.Tensor) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
+# optimizer parameter groups
+
+
+def split_expert_groups(param_groups: Any, max_group_size: int | float | None = 178956971) -> list:
+    """DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer``: the optimizer's parameter groups
+    with the expert parameters moved out. Each group keeps its shared parameters, and for each expert group name
+    any group holds parameters of, a copy of the group's options follows (``name`` the expert group's, ``moe:
+    True``) holding those expert parameters, cut into groups of at most ``max_group_size`` elements (None: not
+    cut). The list is changed in place and returned. The expert groups follow in the order their names first
+    appear (DeepSpeed iterates a set of the names, whose order can differ between processes; the partitions
+    need the same order on every rank)."""
+    if isinstance(param_groups, tuple):
+        param_groups = list(param_groups)
+    elif isinstance(param_groups, dict):
+        param_groups = [param_groups]
+    elif not isinstance(param_groups, list):
+        raise ValueError(f"Unknown param group type of {type(param_groups)}")
+    expert_names: list[str] = []
+    for group in param_groups:
+        for p in group["params"]:
+            if is_expert_param(p) and p.group_name not in expert_names:
+                expert_names.append(p.group_name)
+    # one expert group per (source group name, expert group name); source groups sharing a name share them
+    expert_groups: dict[Any, dict[str, dict]] = {}
+    for group in param_groups:
+        for name in expert_names:
+            expert_groups.setdefault(group["name"], {})[name] = {**group, "name": name, "moe": True, "params": []}
+    for group in param_groups:
+        shared = []
+        for p in group["params"]:
+            if is_expert_param(p):
+                expert_groups[group["name"]][p.group_name]["params"].append(p)
+            else:
+                shared.append(p)
+        group["params"] = shared
+    for by_name in expert_groups.values():
+        for group in by_name.values():
+            if max_group_size is None:
+                param_groups.append(group)
+                continue
+            for run in _runs(group["params"], max_group_size):
+                param_groups.append({**group, "params": run})
+    return param_groups
+
+
+def _runs(params: list, max_size: int | float) -> list[list]:
+    """``params`` in order, in runs of at most ``max_size`` elements (a larger parameter alone)."""
+    runs: list[list] = []
+    current: list = []
+    size = 0
+    for p in params:
+        numel = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+        if size + numel <= max_size:
+            current.append(p)
+            size += numel
+        else:
+            runs.append(current)
+            current, size = [p], numel
+    if current:
+        runs.append(current)
+    return runs
+
+
+def expert_param_groups(model_parameters: list) -> list:
+    """DeepSpeed's ``configure_moe_param_groups`` (what its engine does to ``model_parameters`` of a model with
+    MoE layers when it builds the optimizer): a list of parameters becomes one group ``dense-params`` and is
+    split; a list of groups is split unless it already holds ``moe`` groups."""
+    assert isinstance(model_parameters, list), "model_parameters must be a list"
+    for p in model_parameters:
+        if not isinstance(p, (torch.Tensor, dict)):
+            raise TypeError("param argument that would be given to the optimizer should be an iterable of Tensors "
+                            f"or dicts, but got {type(p)}")  # fmt: skip
+    first = model_parameters[0]
+    if isinstance(first, torch.nn.Parameter):
+        return split_expert_groups({"params": model_parameters, "name": "dense-params"})
+    if isinstance(first, dict) and not any("moe" in group for group in model_parameters):
+        return split_expert_groups(model_parameters)
+    return model_parameters
+
+
+# --------------------------------------------------------------------------------------------------
 # what the engine does for local experts
 
 
@@ -119,6 +200,9 @@ class ExpertPlan:
 
     local: dict[str, list[nn.Parameter]]
     dp_world_size: int
+    layers: list = field(default_factory=list)
+    """The model's MoE layers (modules with ``set_deepspeed_parallelism``)."""
+    model_params: list = field(default_factory=list)
     partitioned_in_backward: bool = False
     """ZeRO-2: the expert partitions reduce the gradients in backward (:mod:`.moe_zero`); nothing is left to
     :meth:`reduce_gradients`."""
@@ -190,6 +274,29 @@ class ExpertPlan:
                 for g, part in zip(grads, flat.split([g.numel() for g in grads])):
                     g.copy_(part.view_as(g))
 
+    def param_groups(self, model_parameters: Any) -> list:
+        """The optimizer's parameter groups as DeepSpeed's engine makes them for a model with MoE layers when it
+        builds the optimizer itself: ``model_parameters`` (None: the model's parameters) split into shared and
+        ``moe`` groups (:func:`expert_param_groups`)."""
+        return expert_param_groups(list(model_parameters if model_parameters is not None else self.model_params))
+
+    def engine_members(self) -> dict:
+        """DeepSpeed's engine attributes of an MoE model (``has_moe_layers``, ``num_experts``, ``moe_layers``,
+        ``gate_modules``, ``expert_parallel_group``, ``expert_data_parallel_group``), to set on the engine."""
+        return {"has_moe_layers": bool(self.layers), "num_experts": [m.num_experts for m in self.layers],
+                "moe_layers": [m.deepspeed_moe for m in self.layers if hasattr(m, "deepspeed_moe")],
+                "gate_modules": [m.deepspeed_moe.gate for m in self.layers if hasattr(m, "deepspeed_moe")],
+                "expert_parallel_group": EXPERT_PARALLEL, "expert_data_parallel_group": EXPERT_DATA_PARALLEL}
+
+    def refuse_checkpoint(self, what: str) -> None:
+        """Raise for ``what`` (a checkpoint save or load, a 16-bit model save) when ranks hold different experts:
+        the engine's files have one copy of the model, which would keep one rank's experts only."""
+        if self.active:
+            raise ExpertParallelNotSupported(
+                f"{what} of a model with MoE expert parallelism ({', '.join(sorted(self.local))}: the ranks hold "
+                "different experts) is not done by the torsh engine yet (DeepSpeed writes one file per expert); "
+                "train with ep_size=1 to checkpoint, or save each rank's experts yourself")  # fmt: skip
+
     def build_zero(self, model: nn.Module, **kwargs) -> tuple[Any, Any]:
         """ZeRO-1/2's ShardPlan and optimizer with the local experts partitioned over their expert-data-parallel
         groups: :func:`.moe_zero.build_expert_zero`, taking the arguments of
@@ -218,9 +325,9 @@ def prepare_experts(model: nn.Module, *, stage: int, dp_world_size: int, kind: s
     At ZeRO-1/2 the engine builds its partitions with :meth:`ExpertPlan.build_zero` instead of ``build_zero``.
     Refused (:class:`ExpertParallelNotSupported`) where the engine cannot yet train local experts correctly:
     ZeRO-3 / FSDP2 (its shards span the whole world)."""
-    for module in model.modules():
-        if hasattr(module, "set_deepspeed_parallelism"):
-            module.set_deepspeed_parallelism(use_data_before_expert_parallel)
+    layers = [m for m in model.modules() if hasattr(m, "set_deepspeed_parallelism")]
+    for module in layers:
+        module.set_deepspeed_parallelism(use_data_before_expert_parallel)
     experts = [p for p in model.parameters() if is_expert_param(p)]
     if not experts:
         return None
@@ -233,7 +340,7 @@ def prepare_experts(model: nn.Module, *, stage: int, dp_world_size: int, kind: s
                              "parameters through deepspeed.moe.layer.MoE")  # fmt: skip
         if len(EXPERT_DATA_PARALLEL_RANKS[name]) < dp_world_size:
             local.setdefault(name, []).append(p)
-    plan = ExpertPlan(local, dp_world_size)
+    plan = ExpertPlan(local, dp_world_size, layers, list(model.parameters()))
     if not plan.active:
         return plan
     if stage > 2 or kind != "ddp":
