@@ -106,9 +106,14 @@ def test_members_and_model_states_against_deepspeed(one_rank, ds_lines, tmp_path
     saved = torch.load(tmp_path / "global_step1" / "mp_rank_00_model_states.pt", weights_only=True)
     assert sorted(saved["module"]) == ["2.bias", "2.weight"]  # the frozen layer left out
     assert saved["optimizer"] is None and saved["global_steps"] == 1 and saved["ds_version"].startswith("0.19.8")
+    assert saved["dp_world_size"] == saved["mp_world_size"] == 1 and saved["frozen_param_shapes"] is None
     assert [list(s) for s in saved["param_shapes"]] == [["2.weight", "2.bias"]]
     weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
     engine.save_checkpoint(tmp_path, tag="all")
+    saved = torch.load(tmp_path / "all" / "mp_rank_00_model_states.pt", weights_only=True)
+    assert sorted(saved["module"]) == sorted(weights)  # the frozen layer too, and (ZeRO-2) its fragments
+    assert list(saved["frozen_param_shapes"]) == ["0.weight", "0.bias"]
+    assert torch.equal(saved["frozen_param_fragments"]["0.weight"], weights["0.weight"])
 
     model = _model(1, frozen=True)
     theirs, their_opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -177,3 +182,17 @@ def test_checkpoint_round_trip_keeps_the_optimizer_groups(one_rank, tmp_path):
     engine.save_checkpoint(tmp_path)
     engine.load_checkpoint(tmp_path)
     assert opt.state_dict()["param_groups"][0] == before
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_model_states_file_only_where_a_rank_holds_the_whole_model(one_rank, tmp_path, stage):
+    """Stage 0: DeepSpeed's file, without the ZeRO entries; stage 3 (FSDP2 shards): none (the DCP files only)."""
+    engine, _ = _ours(_model(0), _config(stage))
+    engine.save_checkpoint(tmp_path, tag="t")
+    file = tmp_path / "t" / "mp_rank_00_model_states.pt"
+    if stage == 3:
+        assert not file.exists() and (tmp_path / "t" / ".metadata").is_file()
+        return
+    saved = torch.load(file, weights_only=True)
+    assert saved["param_shapes"] is None and saved["shared_params"] is None and saved["optimizer"] is None
+    assert all(torch.equal(v, saved["module"][k]) for k, v in engine.module.state_dict().items())

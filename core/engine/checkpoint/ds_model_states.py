@@ -33,13 +33,13 @@ def model_states(engine: Any, *, client_state: dict, exclude_frozen: bool) -> di
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
-    module = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen)
-    if any(isinstance(t, DTensor) for t in module.values()) or any(
+    stage = engine.zero_optimization_stage()
+    if (dist.is_initialized() and dist.get_rank() != 0) or stage >= 3 or any(
             isinstance(p, DTensor) for p in engine.module.parameters()):  # fmt: skip
         return None
-    stage = engine.zero_optimization_stage()
+    module = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen)
+    if any(isinstance(t, DTensor) for t in module.values()):
+        return None
     names = {}
     for name, p in engine.module.named_parameters():
         names.setdefault(id(p), name)
