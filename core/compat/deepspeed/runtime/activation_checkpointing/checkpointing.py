@@ -60,7 +60,12 @@ def checkpoint(function, *args, **kwargs):
                                                  **kwargs)  # fmt: skip
 
 
-non_reentrant_checkpoint = checkpoint
+def non_reentrant_checkpoint(function, *args, **kwargs):
+    """DeepSpeed's non-reentrant variant: the same recomputation as :func:`checkpoint` here (torsh's ``checkpoint``
+    is non-reentrant too), kept a function of its own because DeepSpeed's pipeline engine tells the two apart: with
+    ``checkpoint`` it marks the first stage's inputs as requiring a gradient (reentrant checkpointing needs that),
+    with this one it does not."""
+    return checkpoint(function, *args, **kwargs)
 
 
 def detach_variable(inputs, device=None):
