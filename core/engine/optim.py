@@ -12,8 +12,9 @@ optimizer already holds the step tensors and is kept itself, as DeepSpeed keeps 
 
 A configured optimizer: the core model stores a ``torch.optim`` class name (the DeepSpeed adapter has already turned
 DeepSpeed's ``"Adam"``, decoupled weight decay unless ``adam_w_mode: false``, into ``AdamW`` or ``Adam`` and written
-DeepSpeed's weight-decay default of 0 explicitly). It is built over the (already sharded) parameters; the
-DeepSpeed-only optimizers torch has no equivalent for are refused, and every hyper-parameter is checked against the
+DeepSpeed's weight-decay default of 0 explicitly). It is built over the (already sharded) parameters; DeepSpeed's
+own optimizers torch has no class for (Lion, Lamb, Muon with its auxiliary Adam, mup's) are built by
+:mod:`torsh.engine.optimizers`, the removed 1-bit ones refused, and every hyper-parameter is checked against the
 class's constructor so that a misspelt or foreign keyword is a config error naming its key rather than a TypeError
 deep inside torch. Optimizers the engine cannot step (LBFGS, SparseAdam; whole-tensor updates on ZeRO-1/2's flat
 partitions) are refused at ``initialize``, naming what to use.
@@ -34,6 +35,8 @@ from torsh.config import OptimizerConfig
 from torsh.deferred import is_deferred
 from torsh.errors import ConfigError, Problem, did_you_mean
 
+from . import optimizers
+
 __all__ = ["UNSUPPORTED_OPTIMIZERS", "build_optimizer", "build_step_optimizer"]
 
 log = logging.getLogger("torsh.engine")
@@ -53,6 +56,7 @@ def build_step_optimizer(*, section: OptimizerConfig | None, client: Any, groups
     are ``model_parameters`` as names (:func:`named_groups`, taken before sharding replaced the tensors).
     ZeRO-1/2 build theirs over the flat fp32 partition instead (:func:`torsh.engine.zero.partition.build_zero`).
     """
+    _FLAT_NEXT[0] = None  # whole tensors or FSDP2 shards here, never flat partitions
     if isinstance(client, torch.optim.Optimizer):
         check_steppable(type(client), sharded=_sharded(by_name))
         if holds_step_tensors(client, name_of, by_name):
@@ -68,8 +72,21 @@ def build_step_optimizer(*, section: OptimizerConfig | None, client: Any, groups
         check_steppable(type(built), sharded=_sharded(by_name))
         return built
     if section is not None and section.name:
+        groups = split_for(section, groups, by_name)
         return build_optimizer(section, _resolve(groups, by_name), offload=offload)
     return None
+
+
+def split_for(section: OptimizerConfig | None, groups: list[dict], by_name: dict[str, torch.Tensor]) -> list[dict]:
+    """``groups`` (by name) as the configured optimizer needs them before the engine shards the parameters:
+    DeepSpeed's Muon splits each group into a Muon half (matrices) and an Adam half (the rest,
+    :func:`torsh.engine.optimizers.split_groups`); other optimizers take them as they are. ``by_name``: the
+    parameters (whole, or FSDP2 shards, whose shape is the whole shape)."""
+    if section is None or optimizers.canonical(section.name or "") != "Muon":
+        return groups
+    settings = optimizers.muon_settings(_keywords(section))
+    return optimizers.split_groups(groups, settings, shape_of=lambda n: tuple(by_name[n].shape),
+                                   trainable=lambda n: n in by_name and by_name[n].requires_grad)  # fmt: skip
 
 
 def holds_step_tensors(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
@@ -95,16 +112,24 @@ def holds_step_tensors(optimizer: torch.optim.Optimizer, name_of: dict[int, str]
     return True
 
 
-def named_groups(params: Iterable[Any] | None, name_of: dict[int, str], all_names: list[str]) -> list[dict]:
-    """``model_parameters`` (tensors or group dicts, DeepSpeed's argument) as groups of parameter *names*."""
+def named_groups(params: Iterable[Any] | None, name_of: dict[int, str], all_names: list[str], *,
+                 section: OptimizerConfig | None = None,
+                 by_name: dict[str, torch.Tensor] | None = None) -> list[dict]:  # fmt: skip
+    """``model_parameters`` (tensors or group dicts, DeepSpeed's argument) as groups of parameter *names*.
+
+    With the configured ``section`` (when the script passes no optimizer) and the model's parameters ``by_name``,
+    the groups are also split as that optimizer needs before the engine partitions them (:func:`split_for`:
+    Muon's halves, which ZeRO-1/2 partition as groups of their own, as DeepSpeed's do)."""
     if params is None:
-        return [{"params": list(all_names)}]
-    items = list(params)
-    if not items:
-        return [{"params": []}]
-    groups = [dict(g) for g in items] if isinstance(items[0], dict) else [{"params": items}]
-    out = [{**g, "params": _names_of(i, g["params"], name_of)} for i, g in enumerate(groups)]
-    return [g for g in out if g["params"]]  # DeepSpeed drops groups that end up empty
+        out = [{"params": list(all_names)}]
+    else:
+        items = list(params)
+        if not items:
+            return [{"params": []}]
+        groups = [dict(g) for g in items] if isinstance(items[0], dict) else [{"params": items}]
+        out = [{**g, "params": _names_of(i, g["params"], name_of)} for i, g in enumerate(groups)]
+        out = [g for g in out if g["params"]]  # DeepSpeed drops groups that end up empty
+    return split_for(section, out, by_name) if by_name is not None else out
 
 
 def _names_of(index: int, params: Any, name_of: dict[int, str]) -> list[str]:
@@ -122,17 +147,12 @@ def _resolve(groups: list[dict], by_name: dict[str, torch.Tensor]) -> list[dict]
 
 # ---- a configured optimizer -------------------------------------------------------------------------------
 
-#: DeepSpeed optimizer names with no torch.optim equivalent (lower-cased) -> what to use instead.
+#: DeepSpeed optimizer names the engine does not build (lower-cased) -> what to use instead. (Lamb, Lion, Muon and
+#: the mup optimizers are built by :mod:`torsh.engine.optimizers`.)
 UNSUPPORTED_OPTIMIZERS = {
-    "lamb": "AdamW (DeepSpeed's FusedLamb has no torch.optim counterpart)",
-    "lion": "AdamW (torch.optim has no Lion)",
-    "muadam": "Adam (mup's MuAdam needs the mup package's parameter groups)",
-    "muadamw": "AdamW (mup's MuAdamW needs the mup package's parameter groups)",
-    "musgd": "SGD (mup's MuSGD needs the mup package's parameter groups)",
-    "muon": "AdamW, or torch.optim.Muon by name with your own parameter split",
     "onebitadam": "AdamW (1-bit Adam was removed from DeepSpeed 0.19)",
     "zerooneadam": "AdamW (0/1 Adam was removed from DeepSpeed 0.19)",
-    "onebitlamb": "AdamW (1-bit LAMB was removed from DeepSpeed 0.19)",
+    "onebitlamb": "Lamb (1-bit LAMB was removed from DeepSpeed 0.19)",
 }
 
 # Hyper-parameters with their own field in the core model, in the order the constructor usually takes them.
@@ -155,6 +175,16 @@ def build_optimizer(section: OptimizerConfig | None, params: Any, *, offload: bo
     """
     if section is None or section.name is None:
         return None
+    flat_stage, _FLAT_NEXT[0] = _FLAT_NEXT[0], None
+    if optimizers.canonical(section.name):
+        problems = [Problem(path, value, "still 'auto': resolve it before the optimizer is built")
+                    for path, value in _keywords(section).values() if is_deferred(value)]  # fmt: skip
+        if problems:
+            raise ConfigError(problems)
+        built = optimizers.build(section.name, _keywords(section), params)
+        if flat_stage is not None:
+            optimizers.expect_flat(built, flat_stage)
+        return built
     cls = _optimizer_class(section.name)
     check_steppable(cls, sharded=all_sharded(params), key="optimizer.name")
     kwargs = _keywords(section)
@@ -246,14 +276,18 @@ def construct(cls: type, params: list[dict], defaults: dict) -> torch.optim.Opti
     """``cls(params, **defaults)``: the script's optimizer class built again over the tensors the step updates; a
     class that cannot be built from its parameter groups and ``defaults`` (a wrapper taking another optimizer) is a
     ConfigError saying what to pass instead."""
+    flat_stage, _FLAT_NEXT[0] = _FLAT_NEXT[0], None
     try:
-        return cls(params, **defaults)
+        built = cls(params, **defaults)
     except TypeError as exc:
         raise ConfigError([Problem("optimizer", cls.__name__, f"the optimizer passed to initialize is rebuilt over "
                                    f"the tensors the step updates (sharded parameters or fp32 masters) as "
                                    f"{cls.__name__}(param_groups, **defaults), which fails: {exc}; pass the "
                                    "optimizer it wraps, a callable that builds it from parameters, or configure "
                                    "the optimizer section")]) from None  # fmt: skip
+    if flat_stage is not None and isinstance(built, (optimizers.Lamb, optimizers.MuonWithAuxAdam)):
+        optimizers.expect_flat(built, flat_stage)
+    return built
 
 
 def _sharded(by_name: dict[str, torch.Tensor]) -> bool:
@@ -403,22 +437,39 @@ def check_steppable(cls: type, *, sharded: bool, key: str = "optimizer") -> None
 
 #: torch optimizers whose update of an element reads only that element (and the step count): exact on a flat
 #: partition. Others need whole tensors (a norm per parameter, a matrix) and are refused at ZeRO stages 1 and 2.
+#: DeepSpeed's Lion is elementwise too; its Lamb and Muon read whole parameters and gather what they need
+#: (:mod:`torsh.engine.optimizers.pieces`).
 ELEMENTWISE = frozenset({"Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "Adamax", "RMSprop", "Rprop", "NAdam",
                          "RAdam", "ASGD", "SparseAdam"})  # fmt: skip
+
+#: The ZeRO-1/2 stage the next optimizer built by :func:`build_optimizer` or :func:`construct` steps flat masters
+#: at, when it is a whole-tensor optimizer of :mod:`torsh.engine.optimizers` (set by :func:`check_elementwise`,
+#: which the ZeRO-1/2 builders call just before they build it; cleared by every build).
+_FLAT_NEXT: list[int | None] = [None]
 
 
 def check_elementwise(client: Any, section: OptimizerConfig | None, cls: type | None, stage: int) -> None:
     """ZeRO-1/2 step flat partitions: a ConfigError for a torch optimizer (the script's class ``cls``, or the one
-    ``section`` names when the script passes none) that updates whole tensors."""
+    ``section`` names when the script passes none) that updates whole tensors. DeepSpeed's optimizers built by
+    :mod:`torsh.engine.optimizers` run there (Lamb and Muon gather what they need; the one built next is told)."""
     name = cls.__name__ if cls is not None else (section.name if client is None and section is not None else None)
+    _FLAT_NEXT[0] = stage if _whole_tensor_ours(cls, name) else None
     if not name or name in ELEMENTWISE or (cls is not None and not cls.__module__.startswith("torch.optim")):
+        return
+    if cls is None and optimizers.canonical(name):
         return
     where = "stage 0" if name in _NOT_ON_SHARDS else "stage 0 or 3"
     key, value = ("sharding.stage", stage) if cls is not None else ("optimizer.name", name)
     raise ConfigError([Problem(key, value, f"{name} updates whole tensors (not element by element); ZeRO-{stage} "
                                "steps flat partitions of the parameters (as DeepSpeed's), where it would compute "
                                f"something else: use {where}, or an elementwise optimizer (Adam, AdamW, SGD, "
-                               "Adagrad)")])  # fmt: skip
+                               "Adagrad, Lion)")])  # fmt: skip
+
+
+def _whole_tensor_ours(cls: type | None, name: str | None) -> bool:
+    if cls is not None:
+        return issubclass(cls, (optimizers.Lamb, optimizers.MuonWithAuxAdam))
+    return bool(name) and optimizers.canonical(name) in optimizers.WHOLE_TENSOR
 
 
 # ---- the script's optimizer and scheduler, re-pointed at the one that steps ---------------------------------

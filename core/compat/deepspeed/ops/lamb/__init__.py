@@ -1,6 +1,3 @@
-"""``deepspeed.ops.lamb``: LAMB needs DeepSpeed's CUDA kernel; not run by torsh."""
+"""``deepspeed.ops.lamb``: ``FusedLamb``, DeepSpeed's LAMB, on torch ops (:mod:`.fused_lamb`)."""
 
-from ..._unsupported import unsupported_class
-
-FusedLamb = unsupported_class("ops.lamb.FusedLamb", "LAMB is DeepSpeed's CUDA kernel; use torch.optim.AdamW "
-                              "(or a LAMB implementation written in torch) and pass it to deepspeed.initialize")
+from .fused_lamb import FusedLamb  # noqa: F401

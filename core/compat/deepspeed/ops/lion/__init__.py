@@ -1,7 +1,4 @@
-"""``deepspeed.ops.lion``: Lion needs DeepSpeed's kernels; not run by torsh."""
+"""``deepspeed.ops.lion``: ``FusedLion`` and ``DeepSpeedCPULion``, DeepSpeed's Lion, on torch ops."""
 
-from ..._unsupported import unsupported_class
-
-_INSTEAD = "torch has no Lion; pass a Lion optimizer written in torch to deepspeed.initialize"
-FusedLion = unsupported_class("ops.lion.FusedLion", _INSTEAD)
-DeepSpeedCPULion = unsupported_class("ops.lion.DeepSpeedCPULion", _INSTEAD)
+from .cpu_lion import DeepSpeedCPULion  # noqa: F401
+from .fused_lion import FusedLion  # noqa: F401
