@@ -324,8 +324,13 @@ def prepare_experts(model: nn.Module, *, stage: int, dp_world_size: int, kind: s
 
     At ZeRO-1/2 the engine builds its partitions with :meth:`ExpertPlan.build_zero` instead of ``build_zero``.
     Refused (:class:`ExpertParallelNotSupported`) where the engine cannot yet train local experts correctly:
-    ZeRO-3 / FSDP2 (its shards span the whole world)."""
+    ZeRO-3 / FSDP2 (its shards span the whole world). ``kind``: the engine's layout, ``"ddp"`` (stages 0-2),
+    ``"fsdp"`` (stage 3), or a parallelism beside data parallelism (``"tp"``: refused with MoE layers)."""
     layers = [m for m in model.modules() if hasattr(m, "set_deepspeed_parallelism")]
+    if layers and kind not in ("ddp", "fsdp"):
+        raise ExpertParallelNotSupported(
+            f"MoE layers beside {kind} parallelism are not run by the torsh engine: the expert groups are cut from "
+            "a data-parallel world of every rank; drop the tensor/pipeline degree or the MoE layers")  # fmt: skip
     for module in layers:
         module.set_deepspeed_parallelism(use_data_before_expert_parallel)
     experts = [p for p in model.parameters() if is_expert_param(p)]
