@@ -77,7 +77,7 @@ def _checked(name: str, values: dict[str, tuple[str, Any]], accepted: set[str], 
     return out
 
 
-def muon_settings(values: dict[str, tuple[str, Any]]) -> dict:
+def muon_settings(values: dict[str, tuple[str, Any]], *, warn: bool = True) -> dict:
     """The config's Muon values the split reads (:func:`split_groups`); DeepSpeed ignores keys it does not read
     (warned), refuses ``per_head_muon`` here."""
     out = {}
@@ -88,13 +88,14 @@ def muon_settings(values: dict[str, tuple[str, Any]]) -> dict:
                                        "false (Muon then orthogonalises each projection whole)")])  # fmt: skip
         if key in _MUON_KEYS:
             out[key] = tuple(value) if key == "betas" else value
-        elif key not in _MUON_INERT and key not in ("adam_w_mode", "per_head_muon"):
+        elif warn and key not in _MUON_INERT and key not in ("adam_w_mode", "per_head_muon"):
             log.warning("Muon: %s=%r is not a key DeepSpeed's Muon reads; ignored, as DeepSpeed ignores it", path,
                         value)  # fmt: skip
     return out
 
 
 def _muon(values: dict[str, tuple[str, Any]], params: Any) -> MuonWithAuxAdam:
+    muon_settings(values, warn=False)  # its refusals (the split, which warned, has the values in the groups)
     groups = list(params)
     if not groups or not all(isinstance(g, dict) and "use_muon" in g for g in groups):
         raise ConfigError([Problem("optimizer.name", "Muon", "Muon needs its parameters split into Muon and Adam "
