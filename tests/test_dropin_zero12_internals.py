@@ -196,3 +196,18 @@ def test_model_states_file_only_where_a_rank_holds_the_whole_model(one_rank, tmp
     saved = torch.load(file, weights_only=True)
     assert saved["param_shapes"] is None and saved["shared_params"] is None and saved["optimizer"] is None
     assert all(torch.equal(v, saved["module"][k]) for k, v in engine.module.state_dict().items())
+
+
+def test_tied_weights_are_recorded_and_merge_as_one_tensor(one_rank, tmp_path):
+    """The engine state records the tied parameters (DeepSpeed's shared_params), and so does DeepSpeed's file at
+    ZeRO; the merged checkpoint holds the tied weight once, under both names."""
+    from torsh.engine.checkpoint.merge import merge_state_dict
+
+    model = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Linear(HIDDEN, HIDDEN))
+    model[1].weight = model[0].weight
+    engine, _ = _ours(model, _config(2))
+    engine.save_checkpoint(tmp_path, tag="t")
+    saved = torch.load(tmp_path / "t" / "mp_rank_00_model_states.pt", weights_only=True)
+    assert saved["shared_params"] == {"1.weight": "0.weight"}
+    merged = merge_state_dict(tmp_path / "t")
+    assert merged["1.weight"] is merged["0.weight"] and merged["1.bias"] is not merged["0.bias"]

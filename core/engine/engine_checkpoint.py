@@ -18,9 +18,14 @@ class CheckpointMethods:
     """Checkpoint methods of the engine (they read the engine's module, optimizer, scheduler and counters)."""
 
     def _engine_state(self) -> dict:
+        """The counters and sizes a checkpoint records, and the tied parameters (``shared_params``: each further
+        name -> the first, as DeepSpeed records them), which the merge of a checkpoint keeps as one tensor."""
+        from .checkpoint.ds_model_states import shared_params
+
         return {"global_steps": self.global_steps, "global_samples": self.global_samples,
                 "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
-                "dp_world_size": self.dp_world_size, "mp_world_size": self.mp_world_size}  # fmt: skip
+                "dp_world_size": self.dp_world_size, "mp_world_size": self.mp_world_size,
+                "shared_params": shared_params(self.module)}  # fmt: skip
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
                         exclude_frozen_parameters=False) -> bool:  # fmt: skip

@@ -54,7 +54,7 @@ def model_states(engine: Any, *, client_state: dict, exclude_frozen: bool) -> di
         "param_shapes": [OrderedDict((names[id(p)], p.shape) for p in ps) for ps in part.group_params]
         if part is not None else None,
         "frozen_param_shapes": OrderedDict((n, p.shape) for n, p in frozen) if keep_frozen else None,
-        "shared_params": _shared_params(engine.module) if stage >= 1 else None,
+        "shared_params": shared_params(engine.module) if stage >= 1 else None,
         "frozen_param_fragments": OrderedDict((n, _cpu(p)) for n, p in frozen) if keep_frozen else None,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "data_sampler": None,
@@ -82,7 +82,7 @@ def _buffer_names(module: Any) -> list[str]:
             if buf is not None and name not in sub._non_persistent_buffers_set]  # fmt: skip
 
 
-def _shared_params(module: Any) -> dict[str, str]:
+def shared_params(module: Any) -> dict[str, str]:
     """Each further name of a tied parameter -> the first name it has (DeepSpeed's ``shared_params``)."""
     first: dict[int, str] = {}
     shared = {}
