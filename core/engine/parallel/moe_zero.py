@@ -2,9 +2,9 @@
 
 DeepSpeed partitions an MoE parameter group over its expert-data-parallel group, not over the data-parallel
 world: the ranks of an expert-parallel group hold different experts, so a partition spanning them would mix
-different tensors under one name. Here the shared parameters form one :class:`~torsh.engine.zero.partition.ZeroPartition`
-over the world, and the local experts of each expert group name another over that name's expert-data-parallel
-group. :class:`ExpertZero` drives them together behind the one-partition interface the engine uses.
+different tensors under one name. Here the shared parameters form one
+:class:`~torsh.engine.zero.partition.ZeroPartition` over the world, and the local experts of each expert group
+name another over that name's expert-data-parallel group. :class:`ExpertZero` drives them together behind the one-partition interface the engine uses.
 
 The expert partitions reduce their gradients as DeepSpeed does: summed over the expert-data-parallel group and
 divided by the data-parallel world size (stage 2: the division on each gradient as it arrives, before the
@@ -57,7 +57,7 @@ class ExpertZero:
         the groups hold different experts, so every element counts once)."""
         if skip:
             raise NotImplementedError("a tied-weight skip list in the gradient norm of expert-parallel ZeRO: "
-                                      "pipeline parallelism with MoE experts is not run by the torsh engine")  # fmt: skip
+                                      "pipeline parallelism with MoE experts is not run by the torsh engine")
         return self.parts[0].global_norm(grads, over=over)
 
     def gather_params(self) -> None:
@@ -129,7 +129,8 @@ def build_expert_zero(model: nn.Module, plan: Any, *, decided: Any, precision: A
         # it arrives (registered before the partition's hook, which copies it out)
         hooks = [p.register_post_accumulate_grad_hook(_divider(float(plan.dp_world_size)))
                  for ps in plan.local.values() for p in ps if p.requires_grad]  # fmt: skip
-    common = dict(bucket_numel=max(1, layout.reduce_bucket_numel), allgather_numel=max(1, layout.allgather_bucket_numel),
+    common = dict(bucket_numel=max(1, layout.reduce_bucket_numel),
+                  allgather_numel=max(1, layout.allgather_bucket_numel),
                   compute_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
                   accum_dtype=precision.grad_accum_dtype or precision.param_dtype,
                   master_device=torch.device("cpu") if decided.masters_on_cpu else None,
