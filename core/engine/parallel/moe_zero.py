@@ -4,7 +4,8 @@ DeepSpeed partitions an MoE parameter group over its expert-data-parallel group,
 world: the ranks of an expert-parallel group hold different experts, so a partition spanning them would mix
 different tensors under one name. Here the shared parameters form one
 :class:`~torsh.engine.zero.partition.ZeroPartition` over the world, and the local experts of each expert group
-name another over that name's expert-data-parallel group. :class:`ExpertZero` drives them together behind the one-partition interface the engine uses.
+name another over that name's expert-data-parallel group. :class:`ExpertZero` drives them together behind the
+one-partition interface the engine uses.
 
 The expert partitions reduce their gradients as DeepSpeed does: summed over the expert-data-parallel group and
 divided by the data-parallel world size (stage 2: the division on each gradient as it arrives, before the
