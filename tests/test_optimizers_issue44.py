@@ -214,11 +214,10 @@ _OPTIMIZERS = {
 }
 # (optimizer, stage, gradient clipping, engines): DeepSpeed runs Lion on the CPU only as its offloaded CPU Lion, and
 # Lamb not at all (CUDA only: torsh's ZeRO stages are compared with its stage 0, tied to the reference above).
-_CASES = [("lion", 0, 1.0, ("torsh",)), ("lion", 1, 1.0, ("torsh", "deepspeed")), ("lion", 2, 1.0, ("torsh", "deepspeed")),
-          ("lion", 3, 1.0, ("torsh", "deepspeed")),
-          ("muon", 0, 1.0, ("torsh", "deepspeed")), ("muon", 1, 0.0, ("torsh", "deepspeed")),
-          ("muon", 2, 0.0, ("torsh", "deepspeed")), ("muon", 3, 0.0, ("torsh", "deepspeed")),
-          ("muon", 3, 1.0, ("torsh", "deepspeed")),
+_BOTH = ("torsh", "deepspeed")
+_CASES = [("lion", 0, 1.0, ("torsh",)), ("lion", 1, 1.0, _BOTH), ("lion", 2, 1.0, _BOTH), ("lion", 3, 1.0, _BOTH),
+          ("muon", 0, 1.0, _BOTH), ("muon", 1, 0.0, _BOTH), ("muon", 2, 0.0, _BOTH), ("muon", 3, 0.0, _BOTH),
+          ("muon", 3, 1.0, _BOTH),
           ("lamb", 0, 1.0, ("torsh",)), ("lamb", 1, 1.0, ("torsh",)), ("lamb", 2, 1.0, ("torsh",)),
           ("lamb", 3, 1.0, ("torsh",))]  # fmt: skip
 
