@@ -235,3 +235,68 @@ def test_checkpoints_of_local_experts_are_refused_not_written_for_one_rank():
                        "parallelism \\(ep_size_2"):  # fmt: skip
         plan.refuse_checkpoint("save_checkpoint")
     engine_moe.ExpertPlan({}, dp_world_size=2).refuse_checkpoint("save_checkpoint")  # ep_size 1: nothing refused
+
+
+# ---- 2 ranks through torsh.initialize (once the engine applies the expert plan) --------------------------------
+
+
+def _engine_applies_experts() -> bool:
+    import inspect
+
+    import torsh.engine.initialize
+
+    return "prepare_experts" in inspect.getsource(torsh.engine.initialize)
+
+
+def _trained_ranks(rank: int, world_size: int, port: int, out: str) -> None:
+    """ep_size 1 and 2 from the same weights (rank r's expert of the ep-2 model is expert r of the other), one
+    engine each at stages 0 and 2: the same losses, the same expert gradients (DeepSpeed's
+    TestExpertWeightGradWithZero), the ranks' experts kept apart by the step."""
+    import torch.distributed as dist
+
+    import torsh
+    from torsh.compat.deepspeed.utils import safe_get_full_grad
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    record = {}
+    for stage in (0, 2):
+        replicated, parallel = _expert_model(1), _expert_model(2)
+        mine = {k.replace(f"deepspeed_experts.{rank}.", "deepspeed_experts.0."): v
+                for k, v in replicated.state_dict().items()
+                if "deepspeed_experts" not in k or f"deepspeed_experts.{rank}." in k}  # fmt: skip
+        parallel.load_state_dict(mine)
+        config = {"train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": stage},
+                  "optimizer": {"type": "Adam", "params": {"lr": 0.1}}}  # fmt: skip
+        engines = [torsh.initialize(model=m, config=config)[0] for m in (replicated, parallel)]
+        x = torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(rank))
+        losses, same_grads = [], []
+        for _ in range(2):
+            for engine in engines:
+                loss = engine(x)
+                engine.backward(loss)
+                losses.append(float(loss))
+            theirs = engines[0].module.moe.deepspeed_moe.experts.deepspeed_experts
+            grads = [safe_get_full_grad(p) for e in theirs for p in e.parameters()]  # collective: every expert
+            ours = [safe_get_full_grad(p) for p in engines[1].module.moe.deepspeed_moe.experts.parameters()]
+            mine_of_theirs = grads[rank * len(ours):(rank + 1) * len(ours)]
+            same_grads.append(all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(ours, mine_of_theirs)))
+            for engine in engines:
+                engine.step()
+        record[stage] = {"losses": losses, "same_grads": same_grads}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not _engine_applies_experts(), reason="the engine does not apply the expert plan yet")
+def test_expert_parallel_training_equals_the_replicated_layers_on_two_ranks(tmp_path):
+    from _engine_harness import free_port, start
+
+    start(_trained_ranks, (2, free_port(), str(tmp_path)), 2)
+    for rank in range(2):
+        record = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
+        for stage in ("0", "2"):
+            losses = record[stage]["losses"]
+            assert losses[0::2] == pytest.approx(losses[1::2], rel=1e-5), (rank, stage)
+            assert all(record[stage]["same_grads"]), (rank, stage)
