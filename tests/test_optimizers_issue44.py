@@ -262,7 +262,7 @@ def records():
 
 
 def _preload_deepspeed() -> None:
-    """DeepSpeed's modules and CPU Lion op loaded once here, not again in each forked rank (several seconds of the launch)."""
+    """DeepSpeed's modules and CPU ops loaded once here, not again in each forked rank (seconds of the launch)."""
     import deepspeed  # noqa: F401
     import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
     from deepspeed.ops.op_builder import CPULionBuilder, FusedAdamBuilder
