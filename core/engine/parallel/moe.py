@@ -81,11 +81,11 @@ def _check_divides(numerator: int, denominator: int) -> None:
 
 
 def create_expert_groups(expert_parallel_size: int, use_data_before_expert_parallel: bool = False) -> str:
-    """Make the expert-parallel and expert-data-parallel groups of ``expert_parallel_size`` (at most the world)
-    over every rank; collective (every rank calls it; every rank creates every group, as torch requires); done
-    once per size. Returns the groups' name, ``ep_size_<n>``."""
+    """Make the expert-parallel and expert-data-parallel groups of ``expert_parallel_size`` (which must divide the
+    world size, as DeepSpeed asserts) over every rank; collective (every rank calls it; every rank creates every
+    group, as torch requires); done once per size. Returns the groups' name, ``ep_size_<n>``."""
     world = dist.get_world_size()
-    ep = min(expert_parallel_size, world)
+    ep = expert_parallel_size
     _check_divides(world, ep)
     name = f"ep_size_{ep}"
     if name in EXPERT_PARALLEL:
