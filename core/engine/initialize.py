@@ -99,7 +99,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
 
     # Names are the identity that survives casting and sharding (fully_shard replaces the parameters).
     name_of = {id(p): n for n, p in model.named_parameters()}
-    groups = named_groups(model_parameters, name_of, list(name_of.values()))
+    groups = named_groups(model_parameters, name_of, list(name_of.values()),
+                          section=cfg.optimizer if optimizer is None else None,
+                          by_name=dict(model.named_parameters()))  # split as the configured optimizer needs
 
     # The apply_* steps, in the plan's order, each given the plan and its own section(s): every rank starts from
     # rank 0's weights; checkpointing wraps the blocks before sharding sees them; precision before sharding, so

@@ -132,7 +132,9 @@ def initialize_pipeline(*, args, model, optimizer, model_parameters, training_da
         raise ConfigError(problems, source=translation.source if translation is not None else None)
 
     name_of = {id(p): n for n, p in model.named_parameters()}
-    groups = named_groups(model_parameters, name_of, list(name_of.values()))
+    groups = named_groups(model_parameters, name_of, list(name_of.values()),
+                          section=cfg.optimizer if optimizer is None else None,
+                          by_name=dict(model.named_parameters()))  # split as the configured optimizer needs
     model.to(info.device)
     _broadcast_stage(model, grid)
     as_dict = init.config_as_dict(config)

@@ -58,10 +58,10 @@ def clone_tensors_for_torch_save(item: Any, device: Any = torch.device("cpu")) -
     DeepSpeed's. A parameter sharded by the torsh engine (a DTensor at stages 2/3, where DeepSpeed's ZeRO-2 keeps
     whole parameters) is gathered into its full tensor first, so the copy holds the whole weights: every rank
     must then call it, as Accelerate's ``get_state_dict`` does."""
-    from ..utils import _full  # a sharded parameter's full value (collective), else the tensor detached
+    from torch.distributed.tensor import DTensor
 
     if torch.is_tensor(item):
-        item = _full(item)
+        item = item.full_tensor() if isinstance(item, DTensor) else item.detach()  # gathering is collective
         device = torch.device(device) if isinstance(device, str) else device
         return item.clone() if item.device == device else item.to(device)
     if isinstance(item, list):
