@@ -66,6 +66,7 @@ def coalesced(engine: Any) -> Iterator[None]:
     saved_boundary = engine._boundary_override
     engine._in_no_sync = True
     engine.__dict__["_coalescing"] = {}  # ZeRO-1 with a wider accumulation dtype: parameter -> local gradient
+    widened = engine.__dict__["_coalesce_widened"] = []  # FSDP2 settings changed for the block
     try:
         yield
     finally:
@@ -77,6 +78,7 @@ def coalesced(engine: Any) -> Iterator[None]:
             else:
                 engine._flush_coalesced_reduction_zero12(engine.optimizer)
         finally:
+            _restore(widened)
             engine.__dict__["_coalescing"] = None
             engine._boundary_override = saved_boundary
 
@@ -86,6 +88,8 @@ def after_backward(engine: Any, sync: bool) -> None:
     gradients out of ``.grad`` into that dtype; count the reduced micro-steps (``optimizer.micro_step_id``, the
     reduced backwards since the last step, a member of DeepSpeed's ZeRO-3 optimizer) under FSDP2."""
     held = engine.__dict__.get("_coalescing")
+    if held is not None and engine._shard.kind == "fsdp" and not engine.__dict__["_coalesce_widened"]:
+        engine.__dict__["_coalesce_widened"] += _widen_fsdp_accumulation(engine.wrapped)
     if held is not None and _accumulates_wider(engine):
         with torch.no_grad():
             for p in engine.module.parameters():
@@ -137,6 +141,42 @@ def flush_zero12(engine: Any) -> None:
         held.clear()
         return
     engine.allreduce_gradients()  # the gradients the block left in .grad (the engine marked them unreduced)
+
+
+def _widen_fsdp_accumulation(model: torch.nn.Module) -> list[tuple[Any, str, Any]]:
+    """Under FSDP2 with low-precision compute, make each unit add the block's unsharded gradients up in the dtype
+    of its sharded (fp32) parameters, as its sharded gradients add up outside a block, rather than in the compute
+    dtype (a sum of bf16 gradients rounded at every addition); the one reduction still communicates in the compute
+    dtype. FSDP2 does this itself when its reduce dtype differs from the compute dtype; here that dtype is set on
+    each parameter for the block only, after the block's first backward (FSDP2 sets its dtypes up in the first
+    forward), whose gradients are moved to that dtype at once. Returns what to put back (:func:`_restore`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    changed: list[tuple[Any, str, Any]] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", []):
+            if id(group) in seen or getattr(group, "_reduce_dtype", False) is not None:
+                continue
+            seen.add(id(group))
+            params = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad and fp.reduce_dtype is None
+                      and fp.param_dtype is not None and fp.param_dtype != fp.orig_dtype]  # fmt: skip
+            if not params:
+                continue
+            changed.append((group, "_reduce_dtype", None))
+            group._reduce_dtype = params[0].param_dtype  # the reduction keeps communicating in the compute dtype
+            for fp in params:
+                changed.append((fp, "reduce_dtype", None))
+                fp.reduce_dtype = fp.orig_dtype
+                fp.to_accumulated_grad_if_needed()
+    return changed
+
+
+def _restore(changed: list[tuple[Any, str, Any]]) -> None:
+    for holder, name, value in changed:
+        setattr(holder, name, value)
 
 
 def flush_zero3(engine: Any) -> None:

@@ -27,9 +27,9 @@ def refuses(engine: Any) -> bool:
 
 
 def guard(engine: Any, outputs: Any) -> None:
-    """Hook the tensors of ``outputs`` that backward can reach: a backward not run by ``engine.backward`` raises
-    when it gets there (once per backward is enough: the first hook raises)."""
-    if not torch.is_grad_enabled():
+    """Where DeepSpeed refuses a direct backward (:func:`refuses`), hook the tensors of ``outputs`` that backward
+    can reach: a backward not run by ``engine.backward`` raises when it gets there."""
+    if not torch.is_grad_enabled() or not refuses(engine):
         return
     tensors = [t for t in _tensors(outputs) if t.requires_grad]
     if not tensors:

@@ -93,6 +93,7 @@ class Engine(CheckpointMethods, nn.Module):
     def _adopt_optimizer(self, optimizer: Any) -> None:
         """The members DeepSpeed's optimizers have, on the one the engine steps."""
         optimizer.overflow = False  # DeepSpeed's optimizer attribute (scripts and Accelerate read it)
+        coalesce.reset_micro_step(self)  # ZeRO-3: DeepSpeed's optimizer.micro_step_id
         if hasattr(optimizer, "optim") and not hasattr(optimizer, "optimizer"):
             # a script's own torch ZeroRedundancyOptimizer, kept at stage 0 in fp32: the torch optimizer of this
             # rank's partition, where DeepSpeed's ZeRO optimizer has its own (engine.optimizer.optimizer)
@@ -392,7 +393,7 @@ class Engine(CheckpointMethods, nn.Module):
         rank, added up, and leaving it reduces them once for the next ``step()`` (:mod:`torsh.engine.coalesce`)."""
         return coalesce.coalesced(self)
 
-    def _flush_coalesced_reduction_zero12(self, optimizer: Any) -> None:
+    def _flush_coalesced_reduction_zero12(self, optimizer: Any) -> None:  # (DeepSpeed's names, spied on)
         coalesce.flush_zero12(self)
 
     def _flush_coalesced_reduction_zero3(self, optimizer: Any) -> None:
@@ -421,8 +422,7 @@ class Engine(CheckpointMethods, nn.Module):
             inputs, kwargs = _cast_floating(inputs, kwargs, self._precision.param_dtype)
         with self._forward_context():
             outputs = self.wrapped(*inputs, **kwargs)
-        if direct_backward.refuses(self):  # DeepSpeed's RuntimeError for a loss.backward() it cannot complete
-            direct_backward.guard(self, outputs)
+        direct_backward.guard(self, outputs)  # DeepSpeed's RuntimeError for a loss.backward() it cannot complete
         return outputs
 
     def _forward_context(self) -> contextlib.ExitStack:
