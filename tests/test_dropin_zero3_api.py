@@ -233,6 +233,8 @@ def test_a_parameter_read_outside_its_modules_forward_is_gathered_at_stage_3(mon
         engine.backward(engine(x))  # under FSDP2 alone: "mixed torch.Tensor and DTensor"
         reference(x).backward()
         torch.testing.assert_close(safe_get_full_grad(model.first.weight), reference.first.weight.grad)
+        assert model.first.weight.is_external_param and not model.second.weight.is_external_param
+        assert model.first.weight.ds_active_sub_modules == set()
         late = nn.Linear(4, 4)
         late._parameters = dict(late._parameters)
         engine.module.late = late  # attached after initialize: converted at the next forward

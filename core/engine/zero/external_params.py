@@ -43,6 +43,7 @@ class ZeROOrderedDict(OrderedDict):
         if getattr(self._parent_module._parameters, "_in_forward", False) and _is_shard(param):
             unit = _unit_of(self._parent_module, key)
             if unit is not None:
+                param.is_external_param = True  # DeepSpeed's mark of a parameter it found used outside its module
                 unit.unshard()  # the whole parameter is registered on the module in the shard's place
                 return super().__getitem__(key)
         return param

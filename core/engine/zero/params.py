@@ -33,6 +33,9 @@ def mark_partitioned(model: nn.Module, compute_dtype: torch.dtype) -> None:
     for ds_id, p in enumerate(sharded):
         p.ds_id, p.ds_status, p.ds_shape, p.ds_numel = ds_id, ZeroParamStatus.NOT_AVAILABLE, p.shape, p.numel()
         p.ds_persist = False  # FSDP2 shards every parameter (DeepSpeed keeps those below its threshold whole)
+        # the shard is never what a module computes with (FSDP2 registers a gathered parameter in its place), so no
+        # module has it in use; a read outside its module's forward marks it external (.external_params)
+        p.ds_active_sub_modules, p.is_external_param = set(), False
         p.ds_summary = types.MethodType(ds_summary, p)
         setattr(p, COMPUTE_DTYPE, compute_dtype)
 
