@@ -164,3 +164,24 @@ def test_mixed_precision_helpers_on_stand_ins():
                                         keep_pattern=re.compile("bias_keep"))  # fmt: skip
     assert {p.dtype for p in m.parameters()} == {torch.float32}  # zero.Init owns the parameters' dtype
     assert (m.inv_freq.dtype, m.bias_keep.dtype) == (torch.float16, torch.float32)
+
+
+def test_zero3_optimizer_is_deepspeeds_stage3_optimizer(one_rank):
+    """At ZeRO-3 ``engine.optimizer`` is an instance of ``DeepSpeedZeroOptimizer_Stage3`` with the members scripts
+    read (group gradient norms, the step's norm, this rank's fp32 elements); at ZeRO-1 it is not one."""
+    from torsh.compat.deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    assert not isinstance(_engine(_config(1)).optimizer, DeepSpeedZeroOptimizer_Stage3)
+    engine = _engine(_config(3))
+    optimizer = engine.optimizer
+    assert isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and optimizer.micro_step_id == 0
+    engine.backward(engine(torch.randn(2, HIDDEN).to(torch.bfloat16)).float().pow(2).mean())
+    norms = optimizer._get_norm_groups()
+    assert len(norms) == len(optimizer.param_groups) and optimizer.micro_step_id == 1
+    engine.step()
+    assert optimizer._global_grad_norm == pytest.approx(float(torch.linalg.vector_norm(torch.stack(norms))))
+    assert optimizer.micro_step_id == 0
+    flat = torch.cat([w.reshape(-1) for w in _weights(engine).values()])  # one rank: its elements are all
+    torch.testing.assert_close(torch.cat(list(optimizer.fp32_partitioned_groups_flat)), flat)
+    with pytest.raises(NotImplementedError, match="not supported by torsh"):
+        DeepSpeedZeroOptimizer_Stage3()

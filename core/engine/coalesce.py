@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from . import zero3_members
+
 
 class CoalesceError(AssertionError, RuntimeError):
     """``coalesce_grad_reduction()`` misused (nested): DeepSpeed raises ``AssertionError``."""
@@ -86,7 +88,7 @@ def coalesced(engine: Any) -> Iterator[None]:
 def after_backward(engine: Any, sync: bool) -> None:
     """After each ``engine.backward``: in a block at ZeRO-1 with a wider accumulation dtype, move the local
     gradients out of ``.grad`` into that dtype; count the reduced micro-steps (``optimizer.micro_step_id``, the
-    reduced backwards since the last step, a member of DeepSpeed's ZeRO-3 optimizer) under FSDP2."""
+    reduced backwards since the last step, a member of DeepSpeed's ZeRO-3 optimizer)."""
     held = engine.__dict__.get("_coalescing")
     if held is not None and engine._shard.kind == "fsdp" and not engine.__dict__["_coalesce_widened"]:
         engine.__dict__["_coalesce_widened"] += _widen_fsdp_accumulation(engine.wrapped)
@@ -97,19 +99,8 @@ def after_backward(engine: Any, sync: bool) -> None:
                     g = p.grad.to(engine._precision.grad_accum_dtype)
                     held[p] = g if p not in held else held[p].add_(g)
                     p.grad = None
-    if sync and engine._shard.kind == "fsdp":
-        _count_micro_step(engine.optimizer)
-
-
-def _count_micro_step(optimizer: Any) -> None:
-    if optimizer is not None:
-        optimizer.micro_step_id = getattr(optimizer, "micro_step_id", 0) + 1
-
-
-def reset_micro_step(engine: Any) -> None:
-    """At each optimizer step (and ``zero_grad``): no reduced micro-step in the gradients any more."""
-    if engine._shard.kind == "fsdp" and engine.optimizer is not None:
-        engine.optimizer.micro_step_id = 0
+    if sync:
+        zero3_members.count_micro_step(engine)
 
 
 def _accumulates_wider(engine: Any) -> bool:
@@ -186,5 +177,5 @@ def flush_zero3(engine: Any) -> None:
     model.set_requires_gradient_sync(True)
     state = model._get_fsdp_state()
     state._root_post_backward_final_callback()
-    _count_micro_step(engine.optimizer)
+    zero3_members.count_micro_step(engine)
 

@@ -21,7 +21,7 @@ from torch import nn
 from torsh.config import ResolvedBatch
 from torsh.plan import StepPolicy
 
-from . import coalesce, direct_backward
+from . import coalesce, direct_backward, zero3_members
 from . import precision as precision_helpers
 from .distributed import DistInfo, on_shutdown
 from .engine_checkpoint import CheckpointMethods
@@ -93,7 +93,7 @@ class Engine(CheckpointMethods, nn.Module):
     def _adopt_optimizer(self, optimizer: Any) -> None:
         """The members DeepSpeed's optimizers have, on the one the engine steps."""
         optimizer.overflow = False  # DeepSpeed's optimizer attribute (scripts and Accelerate read it)
-        coalesce.reset_micro_step(self)  # ZeRO-3: DeepSpeed's optimizer.micro_step_id
+        zero3_members.adopt(self, optimizer)  # ZeRO-3: what DeepSpeed's ZeRO-3 optimizer has
         if hasattr(optimizer, "optim") and not hasattr(optimizer, "optimizer"):
             # a script's own torch ZeroRedundancyOptimizer, kept at stage 0 in fp32: the torch optimizer of this
             # rank's partition, where DeepSpeed's ZeRO optimizer has its own (engine.optimizer.optimizer)
@@ -653,7 +653,7 @@ class Engine(CheckpointMethods, nn.Module):
         self._step_applied = True
 
     def _zero_all_grads(self) -> None:
-        coalesce.reset_micro_step(self)
+        zero3_members.after_step(self)
         if self._shard.partition is not None:
             self._shard.partition.zero_grad()
         for p in self.module.parameters():

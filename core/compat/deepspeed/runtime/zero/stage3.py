@@ -1,15 +1,30 @@
 """``deepspeed.runtime.zero.stage3``: DeepSpeed's ZeRO-3 memory estimators (scripts print them at start-up) and
-the name of its ZeRO-3 optimizer class, for ``isinstance`` checks: the torsh engine steps a torch optimizer, so
-nothing is an instance of it."""
+its ZeRO-3 optimizer class, for ``isinstance`` checks: the torsh engine's optimizer at ZeRO-3 (a torch optimizer
+over the FSDP2 shards, with the members of DeepSpeed's that :mod:`torsh.engine.zero3_members` gives it) is an
+instance of it; constructing one is refused (the engine builds its optimizer at initialize)."""
 
 from __future__ import annotations
+
+from torsh.engine.zero3_members import MARK
 
 from ..._unsupported import unsupported_class
 from . import _estimate
 
-DeepSpeedZeroOptimizer_Stage3 = unsupported_class(
+_Refused = unsupported_class(
     "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "the torsh engine builds its optimizer at initialize "
     "(engine.optimizer is a torch optimizer over the FSDP2-sharded parameters)")
+
+
+class _Stage3OptimizerType(type):
+    """``isinstance(x, DeepSpeedZeroOptimizer_Stage3)`` is true for the torsh engine's ZeRO-3 optimizer (marked by
+    the engine) as well as for instances of subclasses."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        return bool(getattr(obj, MARK, False)) or super().__instancecheck__(obj)
+
+
+class DeepSpeedZeroOptimizer_Stage3(_Refused, metaclass=_Stage3OptimizerType):  # noqa: N801 (DeepSpeed's name)
+    __doc__ = _Refused.__doc__
 
 
 def estimate_zero3_model_states_mem_needs(total_params, largest_layer_params, num_gpus_per_node=1, num_nodes=1,
