@@ -168,7 +168,7 @@ def test_mixed_precision_helpers_on_stand_ins():
 
 def test_zero3_optimizer_is_deepspeeds_stage3_optimizer(one_rank):
     """At ZeRO-3 ``engine.optimizer`` is an instance of ``DeepSpeedZeroOptimizer_Stage3`` with the members scripts
-    read (group gradient norms, the step's norm, this rank's fp32 elements); at ZeRO-1 it is not one."""
+    read (group gradient norms that make the step's norm, the reduced micro-steps); at ZeRO-1 it is not one."""
     from torsh.compat.deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     assert not isinstance(_engine(_config(1)).optimizer, DeepSpeedZeroOptimizer_Stage3)
@@ -181,7 +181,5 @@ def test_zero3_optimizer_is_deepspeeds_stage3_optimizer(one_rank):
     engine.step()
     assert optimizer._global_grad_norm == pytest.approx(float(torch.linalg.vector_norm(torch.stack(norms))))
     assert optimizer.micro_step_id == 0
-    flat = torch.cat([w.reshape(-1) for w in _weights(engine).values()])  # one rank: its elements are all
-    torch.testing.assert_close(torch.cat(list(optimizer.fp32_partitioned_groups_flat)), flat)
     with pytest.raises(NotImplementedError, match="not supported by torsh"):
         DeepSpeedZeroOptimizer_Stage3()
