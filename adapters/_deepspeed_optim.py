@@ -45,8 +45,10 @@ def _optimizer_name(seen: _Seen, params: dict[str, Any]) -> str | None:
         name = _adam(seen, lower)
     elif lower in optim.DEEPSPEED_ONLY_OPTIMIZERS:
         name = optim.DEEPSPEED_ONLY_OPTIMIZERS[lower]
-        seen.set("optimizer.type", "optimizer.name", name, UNSUPPORTED,
-                 f"{name} is DeepSpeed-only: the torsh engine cannot build it (DeepSpeed export keeps it)")
+        needs = " (from the mup package, which must be installed, as for DeepSpeed)" if lower.startswith("mu") \
+            and lower != "muon" else ""
+        seen.set("optimizer.type", "optimizer.name", name, EXACT,
+                 f"built with DeepSpeed's {name} update rule{needs}")
     elif given in optim.TORCH_OPTIMIZERS or lower == "adagrad":  # DeepSpeed matches its own names case-insensitively
         name = "Adagrad" if lower == "adagrad" else given
         seen.set("optimizer.type", "optimizer.name", name, EXACT, "built as torch.optim." + name)

@@ -326,9 +326,10 @@ class OptimizerConfig(Section):
     """The optimizer the engine builds (after sharding) when the training script does not pass one."""
 
     name: str | None = None
-    """A ``torch.optim`` class name (``AdamW``, ``Adam``, ``SGD``, ``Adagrad``, ...) or a DeepSpeed-only name
-    (``Lamb``, ``Lion``) that adapters report as unsupported by the engine. None: the training script passes
-    the optimizer, and the hyper-parameters set here are applied to its parameter groups."""
+    """A ``torch.optim`` class name (``AdamW``, ``Adam``, ``SGD``, ``Adagrad``, ...) or one of DeepSpeed's own
+    (``Lamb``, ``Lion``, ``Muon``, ``MuAdam``, ``MuAdamW``, ``MuSGD``), built with DeepSpeed's update rules. None:
+    the training script passes the optimizer, and the hyper-parameters set here are applied to its parameter
+    groups."""
     lr: NonNegativeFloat | MaybeAuto = 1e-3
     """Learning rate."""
     weight_decay: NonNegativeFloat | MaybeAuto | None = None

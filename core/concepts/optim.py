@@ -10,7 +10,8 @@ from __future__ import annotations
 TORCH_OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "Muon", "NAdam",
                     "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam")  # fmt: skip
 
-#: DeepSpeed's own optimizers (lower-case type -> name) the engine cannot build.
+#: DeepSpeed's own optimizers (lower-case type -> name), which the engine builds with DeepSpeed's update rules
+#: (``torsh.engine.optimizers``; the mup ones from the mup package, as DeepSpeed does).
 DEEPSPEED_ONLY_OPTIMIZERS = {"lamb": "Lamb", "lion": "Lion", "muadam": "MuAdam", "muadamw": "MuAdamW",
                              "musgd": "MuSGD", "muon": "Muon"}  # fmt: skip
 
