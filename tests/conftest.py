@@ -48,3 +48,19 @@ def _no_process_group_left_running():
     if not before and dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("the test left a torch.distributed process group running in the pytest process")
+
+
+@pytest.fixture(autouse=True)
+def _functional_linear_restored():
+    """``deepspeed.zero.Init`` replaces ``torch.nn.functional.linear`` for the rest of the process, as DeepSpeed's
+    does: a test that enters it in the pytest process must not change ``F.linear`` for the tests after it."""
+    functional = sys.modules.get("torch.nn.functional")
+    before = functional.linear if functional is not None else None
+    yield
+    functional = sys.modules.get("torch.nn.functional")
+    if functional is not None and before is not None and functional.linear is not before:
+        functional.linear = before
+    pp = sys.modules.get("torsh.compat.deepspeed.runtime.zero.partition_parameters")
+    keeper = getattr(pp, "InsertPostInitMethodToModuleSubClasses", None)
+    if keeper is not None and "linear_bk" in vars(keeper):
+        del keeper.linear_bk
