@@ -334,6 +334,9 @@ def test_checkpoint_parallel_metadata_reads_the_mpu_spellings():
     expected = {"checkpoint_parallel_dimensions": {"pp_degree": 4, "tp_degree": 2}}
     assert checkpoint_parallel_metadata(megatron) == expected
     assert checkpoint_parallel_metadata(None)["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": 1}
+    from torsh.compat.deepspeed.runtime.engine import _checkpoint_parallel_metadata  # where DeepSpeed's tests import it
+
+    assert _checkpoint_parallel_metadata is checkpoint_parallel_metadata
 
 
 # ---- zero_to_fp32: tied weights stay one tensor -------------------------------------------------------------------
