@@ -183,3 +183,13 @@ def test_zero3_optimizer_is_deepspeeds_stage3_optimizer(one_rank):
     assert optimizer.micro_step_id == 0
     with pytest.raises(NotImplementedError, match="not supported by torsh"):
         DeepSpeedZeroOptimizer_Stage3()
+
+
+def test_zero_modules_hold_count_used_parameters_in_backward():
+    """DeepSpeed's ZeRO optimizer modules import ``count_used_parameters_in_backward`` (scripts and tests patch it
+    there); the drop-in's hold the same function as ``deepspeed.runtime.utils``."""
+    from torsh.compat.deepspeed.runtime import utils
+    from torsh.compat.deepspeed.runtime.zero import stage3, stage_1_and_2
+
+    assert stage3.count_used_parameters_in_backward is utils.count_used_parameters_in_backward
+    assert stage_1_and_2.count_used_parameters_in_backward is utils.count_used_parameters_in_backward

@@ -8,6 +8,7 @@ from __future__ import annotations
 from torsh.engine.zero3_members import MARK
 
 from ..._unsupported import unsupported_class
+from ..utils import count_used_parameters_in_backward  # noqa: F401 (DeepSpeed's module imports it here)
 from . import _estimate
 
 _Refused = unsupported_class(

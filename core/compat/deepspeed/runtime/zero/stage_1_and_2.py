@@ -5,6 +5,7 @@ so nothing is an instance of it."""
 from __future__ import annotations
 
 from ..._unsupported import unsupported_class
+from ..utils import count_used_parameters_in_backward  # noqa: F401 (DeepSpeed's module imports it here)
 from . import _estimate
 
 DeepSpeedZeroOptimizer = unsupported_class(
