@@ -69,6 +69,7 @@ def coalesced(engine: Any) -> Iterator[None]:
     engine._in_no_sync = True
     engine.__dict__["_coalescing"] = {}  # ZeRO-1 with a wider accumulation dtype: parameter -> local gradient
     widened = engine.__dict__["_coalesce_widened"] = []  # FSDP2 settings changed for the block
+    engine.__dict__["_coalesced_backwards"] = 0
     try:
         yield
     finally:
@@ -90,6 +91,8 @@ def after_backward(engine: Any, sync: bool) -> None:
     gradients out of ``.grad`` into that dtype; count the reduced micro-steps (``optimizer.micro_step_id``, the
     reduced backwards since the last step, a member of DeepSpeed's ZeRO-3 optimizer)."""
     held = engine.__dict__.get("_coalescing")
+    if held is not None:
+        engine.__dict__["_coalesced_backwards"] += 1
     if held is not None and engine._shard.kind == "fsdp" and not engine.__dict__["_coalesce_widened"]:
         engine.__dict__["_coalesce_widened"] += _widen_fsdp_accumulation(engine.wrapped)
     if held is not None and _accumulates_wider(engine):
@@ -122,8 +125,8 @@ def flush_zero12(engine: Any) -> None:
             torch.autograd.backward(params, grads)
         engine._after_backward(True)  # the buckets without a gradient on this rank join the collectives as zeros
         return
-    held = engine.__dict__.get("_coalescing") or {}
-    if held:  # ZeRO-1 accumulating wider than the weights: reduce the held gradients, keep this rank's elements
+    if _accumulates_wider(engine):  # ZeRO-1: reduce the gradients held in the wider dtype, keep this rank's elements
+        held = engine.__dict__.get("_coalescing") or {}
         from .zero.sharding import allreduce_gradients
 
         allreduce_gradients(list(held.values()), engine._policy.gradients, engine._precision, engine.world_size)
@@ -175,6 +178,8 @@ def flush_zero3(engine: Any) -> None:
     (each unit reduce-scatters the unsharded gradients it accumulated and resharded)."""
     model = engine.wrapped
     model.set_requires_gradient_sync(True)
+    if not engine.__dict__.get("_coalesced_backwards"):
+        return  # no backward in the block: nothing was accumulated (and FSDP2 may not be set up yet)
     state = model._get_fsdp_state()
     state._root_post_backward_final_callback()
     zero3_members.count_micro_step(engine)
