@@ -380,3 +380,25 @@ def test_merge_refuses_a_tie_record_that_the_values_contradict(tmp_path):
     _tied_checkpoint(tmp_path / "old", {})  # nothing recorded: the names stay separate tensors
     state = merge_state_dict(tmp_path / "old" / "t")
     assert state["layer1.weight"] is not state["layer2.weight"]
+
+
+def test_checkpoint_readers_run_no_code_from_the_files(tmp_path):
+    """DeepSpeed's readers unpickle with weights_only=False; torsh's read the files as its checkpoint loader does:
+    a pickle that would call a function is refused, naming the file; Megatron's saved arguments still read."""
+    import argparse
+    import pickle
+
+    from torsh.compat.deepspeed.checkpoint.deepspeed_checkpoint import _load
+    from torsh.engine.checkpoint.io import CheckpointError
+
+    class _Payload:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    bad = tmp_path / "mp_rank_00_model_states.pt"
+    bad.write_bytes(pickle.dumps({"module": _Payload()}))
+    with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt"):
+        _load(bad)
+    good = tmp_path / "layer_01-model_00-model_states.pt"
+    torch.save({"args": argparse.Namespace(tensor_model_parallel_size=2), "w": torch.ones(2)}, good)
+    assert _load(good)["args"].tensor_model_parallel_size == 2

@@ -22,6 +22,7 @@ up with the model is a :class:`CheckpointError` naming the file.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import math
 import re
@@ -30,7 +31,7 @@ from typing import Any
 
 from .io import CheckpointError
 
-__all__ = ["is_deepspeed_checkpoint", "load_deepspeed_checkpoint"]
+__all__ = ["is_deepspeed_checkpoint", "load_deepspeed_checkpoint", "load_file"]
 
 _RANK_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(model|optim)_states\.pt$")
 _MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -68,7 +69,15 @@ _STAND_INS: list[tuple[Any, str]] = [
     (_Saved, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (_Saved, "deepspeed.utils.tensor_fragment.fragment_address"),
     (int, "deepspeed.runtime.zero.config.ZeroStageEnum"),  # an int Enum, pickled as ZeroStageEnum(<value>)
+    argparse.Namespace,  # Megatron-DeepSpeed saves its arguments (``args``): attributes only
 ]
+
+
+def load_file(path: Any) -> dict[str, Any]:
+    """One file of a DeepSpeed (or Megatron-DeepSpeed) checkpoint, read safely as :func:`load_deepspeed_checkpoint`
+    reads them (``weights_only``, DeepSpeed's classes as inert stand-ins); a :class:`CheckpointError` naming the
+    file when it cannot be."""
+    return _load(Path(path))
 
 
 def _load(path: Path) -> dict[str, Any]:

@@ -15,6 +15,8 @@ import re
 
 import torch
 
+from torsh.engine.checkpoint.from_deepspeed import load_file
+
 from .constants import (AUTOEP_LAYERS_KEY, AUTOEP_LAYERS_KEY_LEGACY, AUTOEP_ZERO12_REQUIRED_FIELDS,
                         CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_PP_DEGREE, CHECKPOINT_TP_DEGREE, LAYER_FILE_PREFIX,
                         MODEL_FILE_PREFIX, PARAM_SHAPES, UNIVERSAL_CHECKPOINT_INFO)  # fmt: skip
@@ -41,7 +43,7 @@ LAYER_CONCAT_DIM = {"self_attention.dense.weight": 1, "mlp.dense_4h_to_h.weight"
 
 
 def _load(path):
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return load_file(path)  # safely: weights_only, DeepSpeed's classes as inert stand-ins
 
 
 class DeepSpeedCheckpoint:

@@ -9,7 +9,7 @@ data ranks then split that list into consecutive equal parts.
 
 from __future__ import annotations
 
-import torch
+from torsh.engine.checkpoint.from_deepspeed import load_file
 
 from .constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_PP_DEGREE, CHECKPOINT_TP_DEGREE, LAYER_FILE_PREFIX
 from .constants import MODEL_FILE_PREFIX
@@ -115,7 +115,7 @@ def get_model_3d_descriptor(dir) -> model_3d_desc:
     file_list = get_files(dir)
     metadata = []
     for path in get_files_with_prefix(file_list, MODEL_FILE_PREFIX):
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = load_file(path)
         metadata.append((path, {CHECKPOINT_PARALLEL_DIMS: state.get(CHECKPOINT_PARALLEL_DIMS)}))
         del state
     return get_model_3d_descriptor_from_metadata(file_list, get_zero_files(dir), metadata)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from torsh.engine.checkpoint.from_deepspeed import load_file
+
 from .constants import BASE_OPTIMIZER_STATE, GROUP_PADDINGS, OPTIMIZER_STATE_DICT, PARTITION_COUNT
 from .reshape_3d_utils import get_model_3d_descriptor, model_3d_desc
 from .reshape_utils import basic_folder_validation, get_zero_files, merge_state
@@ -55,7 +57,7 @@ class ZeROCheckpoint:
         first when ``strip_tensor_paddings``; ``partition_count`` becomes the target's data-parallel degree."""
         merged = None
         for path in self.get_files_for_rank(pp_index, tp_index, dp_index):
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = load_file(path)
             for key in keys_to_ignore:
                 state.pop(key, None)
             if strip_tensor_paddings:
