@@ -195,3 +195,10 @@ def test_zero_modules_hold_count_used_parameters_in_backward():
 
     assert stage3.count_used_parameters_in_backward is utils.count_used_parameters_in_backward
     assert stage_1_and_2.count_used_parameters_in_backward is utils.count_used_parameters_in_backward
+
+
+def test_the_pipeline_engine_says_it_is_one_as_deepspeeds():
+    from torsh.engine.engine import Engine
+    from torsh.engine.pipeline.engine import PipelineEngine
+
+    assert PipelineEngine.pipeline_parallelism is True and Engine.pipeline_parallelism is False

@@ -609,7 +609,13 @@ class Engine(CheckpointMethods, nn.Module):
         params = self._params_to_step()
         inv_scale = 1.0 / float(self.loss_scaler.cur_scale) if self._scaling else 1.0
         part = self._shard.partition
-        norm = (part.global_norm if part is not None else _global_norm)([p.grad for p in params]) * inv_scale
+        global_norm = part.global_norm if part is not None else _global_norm  # collective: every rank agrees
+        if self.zero_optimization_stage() > 0 and hasattr(self.optimizer, "orthogonalise_grads"):
+            # DeepSpeed's ZeRO stages turn Muon's gradients into its updates before the norm and the clip (stage 0
+            # clips the raw gradients); gradients that overflowed are left for the skipped step
+            if not (self._check_overflow and not math.isfinite(global_norm([p.grad for p in params]))):
+                self.optimizer.orthogonalise_grads(loss_scale=1.0 / inv_scale)
+        norm = global_norm([p.grad for p in params]) * inv_scale
         self._global_grad_norm = norm
         overflow = self._check_overflow and not math.isfinite(norm)
         self.optimizer.overflow = overflow  # DeepSpeed's optimizers say whether the last step was skipped

@@ -93,7 +93,7 @@ def flat_layout(optimizer: torch.optim.Optimizer, tensor: torch.Tensor) -> FlatL
 
     A RuntimeError when the optimizer was built over flat masters (:func:`expect_flat`) but the engine gave it
     no layout (the expert-parallel ZeRO path keeps several masters per group)."""
-    from ..zero.partition import ZERO_SLOT
+    from ..zero.slots import ZERO_SLOT
 
     members = optimizer.__dict__
     masters = members.get("single_partition_of_fp32_groups")

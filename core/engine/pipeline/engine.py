@@ -204,6 +204,8 @@ class PipelineError(Exception):
 class PipelineEngine(Engine):
     """DeepSpeed's ``PipelineEngine``: ``train_batch``, ``eval_batch``, the stage queries and checkpoints."""
 
+    pipeline_parallelism = True  # DeepSpeed's flag (``coalesce_grad_reduction`` refuses a pipeline engine)
+
     def _start(self, *, training_data: Any, collate_fn: Any, drop_last: bool) -> None:
         module = self.module
         grid = module.mpu()

@@ -64,15 +64,9 @@ from ..distributed import DistInfo
 from ..precision import PrecisionPlan
 from .partition_checkpoint import CheckpointViews, attach, attach_buffers  # noqa: F401 (attach*: re-exported)
 
+from .slots import ALIGNMENT, ZERO_SLOT  # noqa: F401 (re-exported: the names other modules import from here)
+
 log = logging.getLogger("torsh.engine")
-
-ALIGNMENT = 2
-"""Each rank's chunk of a bucket is a multiple of this many elements, so that in a 2-byte dtype every chunk starts
-4-byte aligned (DeepSpeed's ``nccl_start_alignment_factor``)."""
-
-ZERO_SLOT = "_torsh_zero_slot"
-"""The attribute of a partitioned parameter: ``(partition, bucket, offset)`` (what ``deepspeed.utils``'s
-``safe_get_full_*`` helpers read)."""
 
 
 @dataclass

@@ -37,12 +37,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .partition import ALIGNMENT, ZERO_SLOT, ZeroPartition
+from .slots import ALIGNMENT, ZERO_SLOT
 
 ds_log = logging.getLogger("DeepSpeed")  # DeepSpeed's logger (deepspeed.utils.logger): its lines go there
 
 
-def attach_zero_members(optimizer: Any, partition: ZeroPartition, *, offload: bool, stage: int) -> None:
+def attach_zero_members(optimizer: Any, partition: Any, *, offload: bool, stage: int) -> None:
     """Give ``optimizer`` (the one stepping ``partition``'s masters) DeepSpeed's ZeRO-1/2 members (see the module
     docstring) as instance attributes, which survive the drop-in's change of its class (``FusedAdam``)."""
     flats = _group_flats(partition, stage)
@@ -62,7 +62,7 @@ def attach_zero_members(optimizer: Any, partition: ZeroPartition, *, offload: bo
             ds_log.info(f"Flattening param group {gi} on {flat.device.type} (sufficient memory)")
 
 
-def _group_flats(partition: ZeroPartition, stage: int) -> list[torch.Tensor] | Refused:
+def _group_flats(partition: Any, stage: int) -> list[torch.Tensor] | Refused:
     out = []
     for gi, flat in enumerate(partition.flats):
         if flat is None and partition.group_params[gi]:
@@ -75,7 +75,7 @@ def _group_flats(partition: ZeroPartition, stage: int) -> list[torch.Tensor] | R
     return out
 
 
-def _partitions(partition: ZeroPartition, flats: list[torch.Tensor] | Refused) -> list[list[torch.Tensor]] | Refused:
+def _partitions(partition: Any, flats: list[torch.Tensor] | Refused) -> list[list[torch.Tensor]] | Refused:
     if isinstance(flats, Refused):
         return Refused(flats.message.replace("bit16_groups_flat", "parallel_partitioned_bit16_groups"))
     out = []
@@ -110,7 +110,7 @@ class Refused(Sequence):
 class AccumulatedGrads(Mapping):
     """DeepSpeed's ``accumulated_grads_in_cpu`` over a partition: read live (see the module docstring)."""
 
-    def __init__(self, partition: ZeroPartition) -> None:
+    def __init__(self, partition: Any) -> None:
         self._partition = partition
         self._params: list[nn.Parameter] = [p for ps in partition.group_params for p in ps]
 

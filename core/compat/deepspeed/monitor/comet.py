@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .monitor import Monitor
+from .base import Monitor
 from .utils import check_comet_availability, rank
 
 

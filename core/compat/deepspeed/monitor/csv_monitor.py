@@ -9,7 +9,7 @@ import os
 from torsh.config import MonitoringConfig
 from torsh.engine.monitor import Monitor as _EngineMonitor
 
-from .monitor import Monitor
+from .base import Monitor
 from .utils import rank
 
 

@@ -3,21 +3,10 @@ every writer the config enables, on rank 0 only."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
+from .base import Monitor
 from .utils import rank
 
-
-class Monitor(ABC):
-    """A metric writer built from its config section; ``write_events([(name, value, step), ...])``."""
-
-    @abstractmethod
-    def __init__(self, monitor_config):
-        self.monitor_config = monitor_config
-
-    @abstractmethod
-    def write_events(self, event_list):
-        """Write ``(name, value, step)`` events."""
+__all__ = ["Monitor", "MonitorMaster"]
 
 
 class MonitorMaster(Monitor):

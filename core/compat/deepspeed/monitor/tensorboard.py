@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from .monitor import Monitor
+from .base import Monitor
 from .utils import check_tb_availability, rank
 
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .monitor import Monitor
+from .base import Monitor
 from .utils import check_wandb_availability, rank
 
 

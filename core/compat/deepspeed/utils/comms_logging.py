@@ -31,7 +31,7 @@ def get_caller_func(frame: int = 3) -> str:
 
 
 def print_rank_0(message) -> None:
-    from .. import comm
+    import torch.distributed as comm  # the process group deepspeed.comm runs on (no import cycle)
 
     if not comm.is_initialized() or comm.get_rank() == 0:
         print(message)
@@ -66,7 +66,7 @@ _BANDWIDTH_RULES = {
 def calc_bw_log(comm_op: str, size, duration) -> tuple[float, float]:
     """The algorithm and bus bandwidths (Gbps) of ``comm_op`` moving ``size`` bytes in ``duration`` ms over the
     default group's world size, by DeepSpeed's formulas."""
-    from .. import comm
+    import torch.distributed as comm  # the process group deepspeed.comm runs on (no import cycle)
 
     if comm_op not in _BANDWIDTH_RULES:
         raise ValueError(f"calc_bw_log: no bandwidth formula for the operation {comm_op!r}; the logged operations "
@@ -185,7 +185,7 @@ class CommsLogger:
         longer this rank took: an all-reduce over the default group, so every rank must call it."""
         import datetime
 
-        from .. import comm
+        import torch.distributed as comm  # the process group deepspeed.comm runs on (no import cycle)
 
         snapshot = self.comms_dict.copy()
         result = {"summary": {}, "straggler_analysis": None,
@@ -223,7 +223,7 @@ def _stragglers(snapshot: dict, print_log: bool) -> dict:
     """Per record: the fastest rank's latencies (an all-reduce MIN over the default group) and this rank's excess."""
     import torch
 
-    from .. import comm
+    import torch.distributed as comm  # the process group deepspeed.comm runs on (no import cycle)
     from ..accelerator import get_accelerator
     from .timer import trim_mean
 
