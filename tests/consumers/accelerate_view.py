@@ -33,11 +33,15 @@ def launch_view(config_file: str | Path, *extra: str, script: str = "probe.py") 
 
     Raises what ``accelerate launch`` raises for a file it refuses.
     """
+    from unittest import mock
+
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
     args = launch_command_parser().parse_args(["--config_file", str(config_file), *extra, script])
-    with _environment(dict(os.environ)), warnings.catch_warnings():
+    # nothing is launched: whether this machine's port is taken now (by another test) is not the file's doing
+    free = mock.patch("accelerate.utils.launch.is_port_in_use", return_value=False)
+    with _environment(dict(os.environ)), warnings.catch_warnings(), free:
         warnings.simplefilter("ignore")
         logging.getLogger("accelerate").setLevel(logging.ERROR)
         args, defaults, mp_from_config = _validate_launch_command(args)
