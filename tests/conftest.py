@@ -64,3 +64,22 @@ def _functional_linear_restored():
     keeper = getattr(pp, "InsertPostInitMethodToModuleSubClasses", None)
     if keeper is not None and "linear_bk" in vars(keeper):
         del keeper.linear_bk
+
+
+@pytest.fixture(autouse=True)
+def _deepspeed_group_caches_cleared():
+    """DeepSpeed's ``utils.groups`` (real and drop-in) caches the process groups of the first ``initialize``; a test
+    that ran one in the pytest process and then stopped its process group leaves groups of a dead process group in
+    the cache, and ranks later forked from this process would use them. Each test that ran one drops them after."""
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return  # a group still running (a module-scoped one): its groups are still good
+    for name in ("deepspeed.utils.groups", "torsh.compat.deepspeed.utils.groups"):
+        groups = sys.modules.get(name)
+        for attr, value in list(vars(groups).items()) if groups is not None else ():
+            if attr == "mpu" or (attr.startswith("_") and attr.isupper() and ("GROUP" in attr or "_MPU_" in attr)):
+                if isinstance(value, dict):
+                    value.clear()
+                elif value is not None and not callable(value) and not isinstance(value, str):
+                    setattr(groups, attr, None)
