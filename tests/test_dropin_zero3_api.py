@@ -242,3 +242,15 @@ def test_a_parameter_read_outside_its_modules_forward_is_gathered_at_stage_3(mon
         assert isinstance(late._parameters, ZeROOrderedDict) and not late._parameters._in_forward
     finally:
         shutdown()
+
+
+def test_zero_init_refuses_quantized_initialization_it_would_not_do():
+    """DeepSpeed's zero.Init quantizes the weights it builds under weight_quantization.quantized_initialization;
+    torsh would build them in full precision, so it says so instead of giving other values."""
+    from torsh.compat.deepspeed._unsupported import NotSupportedByTorsh
+    from torsh.compat.deepspeed.runtime.zero import partition_parameters as pp
+
+    config = {"train_batch_size": 2, "zero_optimization": {"stage": 3},
+              "weight_quantization": {"quantized_initialization": {"num_bits": 8}}}  # fmt: skip
+    with pytest.raises(NotSupportedByTorsh, match="weight_quantization.quantized_initialization"):
+        pp.Init(config_dict_or_path=config)

@@ -271,6 +271,22 @@ def _memory_efficient_linear(config_dict_or_path, default: bool) -> bool:
     return bool(zero.get("memory_efficient_linear", True)) if isinstance(zero, dict) else True
 
 
+def _refuse_quantized_initialization(config_dict_or_path) -> None:
+    """DeepSpeed's ``zero.Init`` quantizes the weights of the layers it builds when the config sets
+    ``weight_quantization.quantized_initialization``; torsh does not, and values that differ from DeepSpeed's are not
+    given silently."""
+    from ..config import _as_dict
+    from ..._unsupported import NotSupportedByTorsh, message
+
+    config = _as_dict(config_dict_or_path) or {}
+    quantization = config.get("weight_quantization")
+    if isinstance(quantization, dict) and quantization.get("quantized_initialization"):
+        raise NotSupportedByTorsh(message(
+            "zero.Init with weight_quantization.quantized_initialization",
+            "the layers' weights are not quantized at construction; remove the weight_quantization section (the "
+            "weights are then built in full precision)"))  # fmt: skip
+
+
 class Init(InsertPostInitMethodToModuleSubClasses):
     """DeepSpeed's ZeRO-3 construction context: each module's parameters are partitioned when its constructor
     returns (:mod:`torsh.engine.zero.construction`), so no rank holds the whole model.
@@ -283,7 +299,8 @@ class Init(InsertPostInitMethodToModuleSubClasses):
     ``enabled=False`` changes nothing. ``mem_efficient_linear`` (the config's
     ``zero_optimization.memory_efficient_linear`` when a config is given) installs DeepSpeed's ZeRO-3
     ``F.linear`` when the context is entered or ``module=`` is given (:func:`enable_memory_efficient_linear`).
-    ``dtype`` and the quantisation switches are accepted and have no effect (the engine casts at ``initialize``).
+    ``dtype`` and the ZeRO++ quantisation arguments are accepted and have no effect (the engine casts at
+    ``initialize``); ``weight_quantization.quantized_initialization`` in the config is refused.
     Usable as a context manager or a decorator.
     """
 
@@ -298,6 +315,7 @@ class Init(InsertPostInitMethodToModuleSubClasses):
             from ..config import check_gradient_allreduce_op
 
             check_gradient_allreduce_op(config_dict_or_path)  # DeepSpeed reads (and checks) the config here
+            _refuse_quantized_initialization(config_dict_or_path)
         super().__init__(enabled=enabled, mem_efficient_linear=_memory_efficient_linear(config_dict_or_path,
                                                                                         mem_efficient_linear))
         if not dist.is_initialized():
