@@ -237,15 +237,7 @@ def test_checkpoints_of_local_experts_are_refused_not_written_for_one_rank():
     engine_moe.ExpertPlan({}, dp_world_size=2).refuse_checkpoint("save_checkpoint")  # ep_size 1: nothing refused
 
 
-# ---- 2 ranks through torsh.initialize (once the engine applies the expert plan) --------------------------------
-
-
-def _engine_applies_experts() -> bool:
-    import inspect
-
-    import torsh.engine.initialize
-
-    return "prepare_experts" in inspect.getsource(torsh.engine.initialize)
+# ---- 2 ranks through torsh.initialize -------------------------------------------------------------------------
 
 
 def _trained_ranks(rank: int, world_size: int, port: int, out: str) -> None:
@@ -289,7 +281,6 @@ def _trained_ranks(rank: int, world_size: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not _engine_applies_experts(), reason="the engine does not apply the expert plan yet")
 def test_expert_parallel_training_equals_the_replicated_layers_on_two_ranks(tmp_path):
     from _engine_harness import free_port, start
 

@@ -474,6 +474,9 @@ class Engine(CheckpointMethods, nn.Module):
             part.finish_backward()  # (a no-op when autograd's end-of-backward callback ran it, and at stage 1)
         if self._shard.kind == "ddp":
             self._after_ddp_backward(sync)
+        experts = self.__dict__.get("_experts")
+        if sync and experts is not None:  # local experts: over their expert-data-parallel group only
+            experts.reduce_gradients(self._policy.gradients, self._precision.reduce_dtype)
         if part is not None and sync:
             part.absorb_grads()  # ZeRO-1: this rank's elements of the gradients DDP reduced (a no-op at stage 2)
         masters = self._precision.masters
@@ -502,6 +505,9 @@ class Engine(CheckpointMethods, nn.Module):
         self.__dict__["_unreduced"] = False
         masters = self._precision.masters
         self._allreduce_gradients(masters is not None and masters.accumulate_in_master)  # there the fp32 masters
+        if self.__dict__.get("_experts") is not None:
+            self._experts.reduce_gradients(self._policy.gradients, self._precision.reduce_dtype,
+                                           masters=masters is not None and masters.accumulate_in_master)
         if self._shard.partition is not None:
             self._shard.partition.absorb_grads()  # ZeRO-1: this rank's elements of the now reduced gradients
 
@@ -510,6 +516,8 @@ class Engine(CheckpointMethods, nn.Module):
         from .zero.sharding import allreduce_gradients
 
         holders = self._precision.masters.masters.values() if masters else self.module.parameters()
+        if self.__dict__.get("_experts") is not None:
+            holders = self._experts.shared(holders)
         grads = [p.grad for p in holders if p.grad is not None]
         allreduce_gradients(grads, self._policy.gradients, self._precision, self.world_size)
 
@@ -609,7 +617,9 @@ class Engine(CheckpointMethods, nn.Module):
         params = self._params_to_step()
         inv_scale = 1.0 / float(self.loss_scaler.cur_scale) if self._scaling else 1.0
         part = self._shard.partition
-        global_norm = part.global_norm if part is not None else _global_norm  # collective: every rank agrees
+        experts = self.__dict__.get("_experts")
+        plain = experts.global_norm if experts is not None else _global_norm
+        global_norm = part.global_norm if part is not None else plain  # collective: every rank agrees
         if self.zero_optimization_stage() > 0 and hasattr(self.optimizer, "orthogonalise_grads"):
             # DeepSpeed's ZeRO stages turn Muon's gradients into its updates before the norm and the clip (stage 0
             # clips the raw gradients); gradients that overflowed are left for the skipped step
@@ -820,6 +830,8 @@ class Engine(CheckpointMethods, nn.Module):
         ``save_dir/save_filename`` on rank 0; every rank must call it. Returns True."""
         import os
 
+        if self.__dict__.get("_experts") is not None:
+            self._experts.refuse_checkpoint("save_16bit_model")
         state = self._full_16bit_state(exclude_frozen_parameters)
         if state is not None:
             os.makedirs(save_dir, exist_ok=True)

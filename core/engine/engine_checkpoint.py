@@ -37,6 +37,8 @@ class CheckpointMethods:
         from .checkpoint.ds_model_states import model_states as deepspeed_model_states
         from .checkpoint.save_load import save_checkpoint
 
+        if self.__dict__.get("_experts") is not None:
+            self._experts.refuse_checkpoint("save_checkpoint")
         if not save_dir:  # DeepSpeed's check: None or "" would write into the working directory
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         frozen = frozenset(n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad)
@@ -58,6 +60,8 @@ class CheckpointMethods:
         ``(load_path, client_state)``, ``(None, None)`` when there is none."""
         from .checkpoint.save_load import load_checkpoint
 
+        if self.__dict__.get("_experts") is not None:
+            self._experts.refuse_checkpoint("load_checkpoint")
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by the torsh engine")
         with self._checkpoint_state(load=True) as (module, optimizer):

@@ -8,6 +8,7 @@ steps in order, then the engine, which gets the plan's step policy.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 
 import torch
@@ -37,6 +38,8 @@ from .distributed import init_distributed as start_process_group
 from .engine import Engine
 from .monitor import Monitor
 from .optim import build_step_optimizer, named_groups
+from .parallel.moe import prepare_experts
+from .parallel.moe_zero import build_expert_zero
 from .parallel.tensor_parallel import apply_tensor_parallel
 from .precision import apply_precision
 from .zero.construction import materialize
@@ -99,6 +102,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
 
     # Names are the identity that survives casting and sharding (fully_shard replaces the parameters).
     name_of = {id(p): n for n, p in model.named_parameters()}
+    # MoE layers get their expert groups now (collective), before the broadcast and DDP, which leave local experts
+    experts = prepare_experts(model, stage=decided.sharding.stage, dp_world_size=dp_world,
+                              kind="fsdp" if decided.fsdp else ("tp" if decided.tp > 1 else "ddp"))  # fmt: skip
+    if experts is not None and optimizer is None:  # DeepSpeed's MoE parameter groups for the optimizer it builds
+        model_parameters = experts.param_groups(model_parameters)
     groups = named_groups(model_parameters, name_of, list(name_of.values()),
                           section=cfg.optimizer if optimizer is None else None,
                           by_name=dict(model.named_parameters()))  # split as the configured optimizer needs
@@ -107,16 +115,18 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     # rank 0's weights; checkpointing wraps the blocks before sharding sees them; precision before sharding, so
     # that FSDP2 shards fp32 master weights; tensor parallelism before FSDP2, which shards over the data-parallel
     # sub-mesh it leaves; the optimizer after sharding, so that it holds the tensors the step updates.
-    sync_module_states(model, info.device, cfg.sharding)
+    sync_module_states(model, info.device, cfg.sharding, skip=experts)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.sharding.wrap)
     precision = apply_precision(model, cfg.precision, decided)
     _warn_section_not_built(cfg.optimizer, optimizer, info.rank)
     if decided.data_parallel in ("zero1", "zero2"):
         # ZeRO-1/2: the optimizer's groups decide the partition, and the optimizer steps its flat fp32 masters
         # (stage 1 keeps DDP for the whole-gradient reduction, and with it DDP's compression hook)
-        shard, optimizer = build_zero(model, decided=decided, precision=precision, info=info,
-                                      gradients=cfg.gradients, optimizer=cfg.optimizer, client=optimizer,
-                                      groups=groups, name_of=name_of)  # fmt: skip
+        build = functools.partial(build_expert_zero, plan=experts) if experts is not None and experts.active \
+            else build_zero  # local experts partitioned over their expert-data-parallel groups
+        shard, optimizer = build(model, decided=decided, precision=precision, info=info,
+                                 gradients=cfg.gradients, optimizer=cfg.optimizer, client=optimizer,
+                                 groups=groups, name_of=name_of)  # fmt: skip
         compression_state = apply_compression(shard, cfg.compression, decided)
     else:
         mesh = apply_tensor_parallel(model, cfg.parallelism, decided.degrees, info) if decided.tp > 1 else None
@@ -134,6 +144,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                     batch=batch, info=info, shard=shard, precision=precision,
                     optimizer=optimizer, lr_scheduler=lr_scheduler, loss_scaler=loss_scaler,
                     training_dataloader=dataloader, degrees=decided.degrees)  # fmt: skip
+    engine.__dict__["_experts"] = experts if experts is not None and experts.active else None
+    if experts is not None:
+        engine.__dict__.update(experts.engine_members())  # DeepSpeed's has_moe_layers, num_experts, moe_layers...
     engine.compression_state = compression_state  # byte counts of the compressed reduction (None: dense)
     if decided.step.stage == 3 and shard.kind == "fsdp" and engine.optimizer is not None:
         attach_views(engine.optimizer, engine)  # DeepSpeed's ZeRO-3 gradient partitions, read by its tests

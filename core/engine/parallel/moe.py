@@ -297,14 +297,6 @@ class ExpertPlan:
                 "different experts) is not done by the torsh engine yet (DeepSpeed writes one file per expert); "
                 "train with ep_size=1 to checkpoint, or save each rank's experts yourself")  # fmt: skip
 
-    def build_zero(self, model: nn.Module, **kwargs) -> tuple[Any, Any]:
-        """ZeRO-1/2's ShardPlan and optimizer with the local experts partitioned over their expert-data-parallel
-        groups: :func:`.moe_zero.build_expert_zero`, taking the arguments of
-        :func:`torsh.engine.zero.partition.build_zero` (whose place it takes for such a model)."""
-        from .moe_zero import build_expert_zero
-
-        return build_expert_zero(model, self, **kwargs)
-
     def global_norm(self, grads: list[torch.Tensor]) -> float:
         """DeepSpeed's stage-0 gradient norm of a model with local experts: this rank's 2-norm of ``grads``,
         averaged over the data-parallel ranks (the ranks hold different experts, so their norms differ; a
@@ -322,7 +314,7 @@ def prepare_experts(model: nn.Module, *, stage: int, dp_world_size: int, kind: s
     no expert parameters). Call it before the start-up broadcast and before DDP wraps the model: DDP is told to
     leave the local experts alone (their gradients are reduced by :meth:`ExpertPlan.reduce_gradients`).
 
-    At ZeRO-1/2 the engine builds its partitions with :meth:`ExpertPlan.build_zero` instead of ``build_zero``.
+    At ZeRO-1/2 the engine builds its partitions with :func:`.moe_zero.build_expert_zero` instead of ``build_zero``.
     Refused (:class:`ExpertParallelNotSupported`) where the engine cannot yet train local experts correctly:
     ZeRO-3 / FSDP2 (its shards span the whole world). ``kind``: the engine's layout, ``"ddp"`` (stages 0-2),
     ``"fsdp"`` (stage 3), or a parallelism beside data parallelism (``"tp"``: refused with MoE layers)."""

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .moe import EXPERT_DATA_PARALLEL
+
 log = logging.getLogger("torsh.engine")
 
 
@@ -116,7 +118,6 @@ def build_expert_zero(model: nn.Module, plan: Any, *, decided: Any, precision: A
     the arguments are those of :func:`torsh.engine.zero.partition.build_zero`, whose place it takes."""
     from ..zero.partition import ZeroPartition, _client_groups, _trainable
     from ..zero.sharding import ShardPlan, apply_ddp
-    from .moe import EXPERT_DATA_PARALLEL
 
     layout = decided.sharding
     by_name = dict(model.named_parameters())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ SYNC_BUCKET_BYTES = 250 * 2**20
 
 
 @torch.no_grad()
-def sync_module_states(model: nn.Module, device: torch.device, sharding: ShardingConfig) -> None:
+def sync_module_states(model: nn.Module, device: torch.device, sharding: ShardingConfig, skip: Any = None) -> None:
     """Move the model to ``device`` and, unless disabled, give every rank rank 0's parameters and buffers.
 
     The tensors travel flattened, one broadcast per bucket of one dtype, not one per tensor: a collective's
@@ -67,6 +68,8 @@ def sync_module_states(model: nn.Module, device: torch.device, sharding: Shardin
     buckets: list[list[torch.Tensor]] = []
     filling: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}  # the open bucket of each dtype, its bytes
     for t in [*model.parameters(), *model.buffers()]:
+        if skip is not None and skip.is_local(t):  # a rank's own experts: broadcast in their group below
+            continue
         bucket, size = filling.get(t.dtype, ([], 0))
         if not bucket or size + t.nbytes > SYNC_BUCKET_BYTES:
             bucket, size = [], 0
@@ -78,6 +81,8 @@ def sync_module_states(model: nn.Module, device: torch.device, sharding: Shardin
         dist.broadcast(flat, src=0)
         for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
             t.copy_(part.view_as(t))
+    if skip is not None:
+        skip.broadcast()
 
 
 def apply_sharding(model: nn.Module, decided: EnginePlan, precision: PrecisionPlan, info: DistInfo, *,
