@@ -108,6 +108,16 @@ def test_coalesce_refusals_and_boundary(one_rank):
         engine.set_gradient_accumulation_boundary(True)
         engine.backward(engine(torch.randn(2, HIDDEN).to(torch.bfloat16)).float().sum())
     assert engine._is_gradient_accumulation_boundary is False
+    engine.__dict__["_experts"] = object()  # local MoE experts reduce over their own groups: not coalesced
+    with pytest.raises(NotImplementedError, match="expert parallelism"):
+        with engine.coalesce_grad_reduction():
+            pass
+    engine.__dict__["_experts"] = None
+    with pytest.raises(ValueError, match="inside"):  # an error in the block: no flush, the settings go back
+        with engine.coalesce_grad_reduction():
+            engine.backward(engine(torch.randn(2, HIDDEN).to(torch.bfloat16)).float().sum())
+            raise ValueError("inside")
+    assert not engine._in_no_sync and engine.__dict__["_coalescing"] is None
     bf16_accum = _config(1, data_types={"grad_accum_dtype": "fp32"})  # DeepSpeed's BF16_Optimizer there
     with pytest.raises(NotImplementedError, match="optimizer wrapper"):
         with _engine(bf16_accum).coalesce_grad_reduction():
@@ -129,6 +139,11 @@ def test_direct_backward_raises_at_stage_0_only(one_rank):
                                                                  (x,)).sum())(params)  # fmt: skip
     assert set(grads) == set(params)
     engine(x).sum().detach()  # an output never backpropagated: nothing happens
+    weight = engine.module[0].weight
+    hooks = getattr(weight, "_backward_hooks", None)
+    engine.module.forward = lambda x, _w=weight: (x @ _w.T, _w)  # a model returning its own parameter
+    engine(x)
+    assert getattr(weight, "_backward_hooks", None) == hooks  # no guard left on the parameter itself
     _engine(_config(1, bf16={"enabled": False}))(x).sum().backward()
 
 

@@ -59,6 +59,10 @@ def check_allowed(engine: Any) -> None:
                                   "pass one to initialize or configure one")  # fmt: skip
     if engine._in_no_sync:
         raise CoalesceError("coalesce_grad_reduction cannot be nested inside another no_sync context")
+    if engine.__dict__.get("_experts") is not None:  # local experts reduce over their own groups, not in one flush
+        raise NotImplementedError("coalesce_grad_reduction with MoE expert parallelism (ep_size above 1) is not "
+                                  "run by the torsh engine: call engine.backward once per micro-batch, or use "
+                                  "ep_size=1")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -72,7 +76,15 @@ def coalesced(engine: Any) -> Iterator[None]:
     engine.__dict__["_coalesced_backwards"] = 0
     try:
         yield
-    finally:
+    except BaseException:
+        # the block failed (on this rank, maybe half-way through a backward): no flush, whose collectives the
+        # other ranks may never join; the settings go back and the error is the block's
+        engine._in_no_sync = False
+        _restore(widened)
+        engine.__dict__["_coalescing"] = None
+        engine._boundary_override = saved_boundary
+        raise
+    else:
         engine._in_no_sync = False
         engine._boundary_override = True  # the flush is a boundary reduction
         try:

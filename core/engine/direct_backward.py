@@ -31,7 +31,8 @@ def guard(engine: Any, outputs: Any) -> None:
     can reach: a backward not run by ``engine.backward`` raises when it gets there."""
     if not torch.is_grad_enabled() or not refuses(engine):
         return
-    tensors = [t for t in _tensors(outputs) if t.requires_grad]
+    # outputs computed in this forward only: a hook on a leaf (a parameter the model returns) would stay on it
+    tensors = [t for t in _tensors(outputs) if t.requires_grad and t.grad_fn is not None]
     if not tensors:
         return
     owner = weakref.ref(engine)

@@ -464,7 +464,9 @@ class Engine(CheckpointMethods, nn.Module):
         several engines, then ``engine._backward_epilogue()`` on each): this engine's gradient reduction, as
         :meth:`backward` completes it."""
         self._check_alive("_backward_epilogue")
-        self._after_backward(self._sync_now())
+        sync = self._sync_now()
+        self._after_backward(sync)
+        coalesce.after_backward(self, sync)  # inside coalesce_grad_reduction, as after engine.backward
 
     def _after_backward(self, sync: bool) -> None:
         """What completes the reduction of one backward: ZeRO-2's last buckets, DDP's checks (stages 0/1),

@@ -301,7 +301,12 @@ class ExpertPlan:
         """DeepSpeed's stage-0 gradient norm of a model with local experts: this rank's 2-norm of ``grads``,
         averaged over the data-parallel ranks (the ranks hold different experts, so their norms differ; a
         non-finite norm on any rank makes every rank's result non-finite, so all skip the step together)."""
-        local = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())
+        if grads:
+            local = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        else:  # on the device the process group reduces on (NCCL: the current accelerator)
+            from torsh.engine.zero.construction import comm_device
+
+            local = torch.zeros((), device=comm_device(None))
         local = local.double().reshape(1) / self.dp_world_size
         dist.all_reduce(local)
         return float(local)
