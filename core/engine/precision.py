@@ -233,8 +233,8 @@ def assert_valid_mixed_precision_config(engine) -> None:
         return
     model_dtype = _model_dtype(engine) or torch.float32
     assert dtype_named(requested) == model_dtype, (
-        f"data_types.param_dtype='{requested}' conflicts with the enabled precision mode (model dtype "
-        f"{model_dtype}): enable the matching fp16/bf16 flag or leave data_types.param_dtype unset")
+        f"data_types.param_dtype is '{requested}' but the fp16/bf16 settings make the model {model_dtype}: "
+        "enable the matching fp16/bf16 section, or leave data_types.param_dtype unset")
 
 
 def cast_module_mixed_precision(engine, param_dtype, buffer_dtype, is_zero_init_model, keep_pattern=None) -> None:
@@ -242,18 +242,14 @@ def cast_module_mixed_precision(engine, param_dtype, buffer_dtype, is_zero_init_
     (not when ``zero.Init`` built them: they already are), its floating buffers to ``buffer_dtype`` only when it
     is given; buffers whose full names match ``keep_pattern`` (a compiled regex) are kept in (made) fp32."""
     module = engine.module
+    wanted: list[tuple[torch.Tensor, torch.dtype]] = []  # (tensor, the dtype it ends in)
     if param_dtype is not None and not is_zero_init_model:
-        for p in module.parameters():
-            if p.dtype in _CASTABLE and p.dtype != param_dtype:
-                p.data = p.data.to(param_dtype)
-    kept = set()
-    if keep_pattern is not None:
-        for name, b in module.named_buffers():
-            if b.is_floating_point() and keep_pattern.search(name):
-                kept.add(id(b))
-                if b.dtype != torch.float32:
-                    b.data = b.data.float()
-    if buffer_dtype is not None:
-        for b in module.buffers():
-            if id(b) not in kept and b.dtype in _CASTABLE and b.dtype != buffer_dtype:
-                b.data = b.data.to(buffer_dtype)
+        wanted += [(p, param_dtype) for p in module.parameters() if p.dtype in _CASTABLE]
+    for name, b in module.named_buffers():
+        if keep_pattern is not None and b.is_floating_point() and keep_pattern.search(name):
+            wanted.append((b, torch.float32))
+        elif buffer_dtype is not None and b.dtype in _CASTABLE:
+            wanted.append((b, buffer_dtype))
+    for tensor, dtype in wanted:
+        if tensor.dtype != dtype:
+            tensor.data = tensor.data.to(dtype)

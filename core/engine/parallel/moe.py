@@ -125,7 +125,8 @@ def split_expert_groups(param_groups: Any, max_group_size: int | float | None = 
     elif isinstance(param_groups, dict):
         param_groups = [param_groups]
     elif not isinstance(param_groups, list):
-        raise ValueError(f"Unknown param group type of {type(param_groups)}")
+        raise ValueError(f"split_params_into_different_moe_groups_for_optimizer takes a parameter group (a dict) or "
+                         f"a list or tuple of them, not {type(param_groups).__name__}")  # fmt: skip
     expert_names: list[str] = []
     for group in param_groups:
         for p in group["params"]:
@@ -176,11 +177,13 @@ def expert_param_groups(model_parameters: list) -> list:
     """DeepSpeed's ``configure_moe_param_groups`` (what its engine does to ``model_parameters`` of a model with
     MoE layers when it builds the optimizer): a list of parameters becomes one group ``dense-params`` and is
     split; a list of groups is split unless it already holds ``moe`` groups."""
-    assert isinstance(model_parameters, list), "model_parameters must be a list"
-    for p in model_parameters:
-        if not isinstance(p, (torch.Tensor, dict)):
-            raise TypeError("param argument that would be given to the optimizer should be an iterable of Tensors "
-                            f"or dicts, but got {type(p)}")  # fmt: skip
+    assert isinstance(model_parameters, list), (
+        f"with MoE layers, model_parameters is a list of parameters or of parameter groups, not "
+        f"{type(model_parameters).__name__}")
+    wrong = [type(p).__name__ for p in model_parameters if not isinstance(p, (torch.Tensor, dict))]
+    if wrong:
+        raise TypeError(f"model_parameters holds a {wrong[0]}: the optimizer takes tensors or parameter groups "
+                        "(dicts)")
     first = model_parameters[0]
     if isinstance(first, torch.nn.Parameter):
         return split_expert_groups({"params": model_parameters, "name": "dense-params"})
