@@ -3,15 +3,16 @@ checkpoint folder (``mp_rank_XX_model_states.pt`` per pipeline x tensor rank, ``
 per pipeline layer and tensor rank, ZeRO files per data rank) that hands out each rank's state for a target shape
 whose degrees divide the source's (conversion tools build universal or Megatron checkpoints from it).
 
-The model-state files are loaded once, when the reader is built, and only what describes the checkpoint is kept
-(``model_state_metadata``: the parallel dimensions, parameter shapes, AutoEP layers and the ds_config's
-expert-data ordering per file; the iteration, args and checkpoint infos of the first file).
+Each model-state file is loaded once, when the reader is built, into a ``ModelFileSummary`` (its parallel degrees,
+parameter shapes, AutoEP layers and expert-data ordering); ``model_state_metadata`` lists them as
+``(path, {field: value})`` pairs, and the iteration, args and checkpoint infos are kept from the first file.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +24,7 @@ from .constants import (AUTOEP_LAYERS_KEY, AUTOEP_LAYERS_KEY_LEGACY, AUTOEP_ZERO
 from .reshape_3d_utils import get_model_3d_descriptor_from_metadata, model_3d_desc
 from .reshape_meg_2d import meg_2d_parallel_map, reshape_meg_2d_parallel
 from .reshape_utils import basic_folder_validation, get_files, get_files_with_prefix, get_zero_files, merge_state
-from .reshape_utils import partition_data
+from .reshape_utils import partition_data, report_missing_files
 from .zero_checkpoint import ZeROCheckpoint
 
 EMBEDDING_LAYER_INDEX = 0
@@ -46,6 +47,35 @@ def _load(path):
     return load_file(path)  # safely: weights_only, DeepSpeed's classes as inert stand-ins
 
 
+@dataclass(frozen=True)
+class ModelFileSummary:
+    """What one ``mp_rank_XX_model_states.pt`` file says about the checkpoint, read once when the reader is built.
+
+    A field whose stored value has an unexpected type holds that type's name instead, so the checks that consume
+    ``model_state_metadata`` can refuse it naming the file; None means the file records nothing for that field."""
+
+    path: str
+    parallel_dims: object
+    param_shapes: object
+    autoep_layers: object
+    ds_config: object
+
+    @classmethod
+    def of(cls, path: str, state: dict) -> "ModelFileSummary":
+        autoep = state.get(AUTOEP_LAYERS_KEY)
+        return cls(path=path,
+                   parallel_dims=_keep_if(state.get(CHECKPOINT_PARALLEL_DIMS), dict, _degrees_only),
+                   param_shapes=_keep_if(state.get(PARAM_SHAPES), (list, tuple), _flatten_shape_groups),
+                   autoep_layers=_keep_if(state.get(AUTOEP_LAYERS_KEY_LEGACY) if autoep is None else autoep, list,
+                                          lambda layers: [_keep_if(entry, dict, _autoep_fields, absent="NoneType") for entry in layers]),
+                   ds_config=_keep_if(state.get("ds_config", {}), dict, _expert_ordering, absent="NoneType"))  # fmt: skip
+
+    def as_metadata(self) -> tuple:
+        """The ``(path, {field: value})`` pair ``model_state_metadata`` lists per file."""
+        return self.path, {CHECKPOINT_PARALLEL_DIMS: self.parallel_dims, PARAM_SHAPES: self.param_shapes,
+                           AUTOEP_LAYERS_KEY: self.autoep_layers, "ds_config": self.ds_config}  # fmt: skip
+
+
 class DeepSpeedCheckpoint:
     """The checkpoint in folder ``dir``, read for ``tp_degree`` x ``pp_degree`` x ``dp_degree`` (default: its own)."""
 
@@ -54,52 +84,60 @@ class DeepSpeedCheckpoint:
         basic_folder_validation(dir)
         self.dir = dir
         self.final_layer_norm_idx = final_layer_norm_idx
-        self.file_list = get_files(dir)
-        self.layer_files = sorted(p for p in self.file_list
-                                  if re.fullmatch(LAYER_FILE_PREFIX_PATTERN, os.path.basename(p)))  # fmt: skip
-        self._validate_folder(dir, pipeline_parallel=bool(self.layer_files))
+        source = self._scan_folder()
+        self._choose_target(source, tp=tp_degree, pp=pp_degree, dp=dp_degree)
+        self._sanity_check()
+        self._map_layer_files()
+
+    # ---- reading the folder and choosing the target shape -----------------------------------------------------------
+    def _scan_folder(self) -> model_3d_desc:
+        """List the files, summarise each model-state file (one load each) and return the source shape."""
+        self.file_list = get_files(self.dir)
+        self.layer_files = sorted(path for path in self.file_list
+                                  if re.fullmatch(LAYER_FILE_PREFIX_PATTERN, os.path.basename(path)))  # fmt: skip
+        self._validate_folder(self.dir, pipeline_parallel=bool(self.layer_files))
         self.mp_rank_files = get_files_with_prefix(self.file_list, MODEL_FILE_PREFIX)
-        self.model_state_metadata, self.global_state = self._discover_model_state_metadata()
-        source = get_model_3d_descriptor_from_metadata(self.file_list, get_zero_files(dir), self.model_state_metadata)
-        self.zero_checkpoint = ZeROCheckpoint(dir, source_3d=source)
+        self.model_file_summaries = []
+        self._first_file_values = {}
+        for path in self.mp_rank_files:
+            state = _load(path)
+            self.model_file_summaries.append(ModelFileSummary.of(path, state))
+            if not self._first_file_values:
+                self._first_file_values = {key: state.get(key) for key in (ARGS_KEY, CHECKPOINT_INFO_KEY,
+                                                                            UNIVERSAL_CHECKPOINT_INFO)}  # fmt: skip
+                self._first_file_values[ITERATION_KEY] = state.get(ITERATION_KEY, 0)
+        self.model_state_metadata = [summary.as_metadata() for summary in self.model_file_summaries]
+        source = get_model_3d_descriptor_from_metadata(self.file_list, get_zero_files(self.dir),
+                                                       self.model_state_metadata)  # fmt: skip
+        self.zero_checkpoint = ZeROCheckpoint(self.dir, source_3d=source)
         self.layer_keys = self._get_layer_keys()
         self.layer_count = len(self.layer_keys)
+        return source
 
-        self.tp_degree = source.tp_degree if tp_degree is None else tp_degree
-        self.pp_degree = source.pp_degree if pp_degree is None else pp_degree
-        self.dp_degree = source.dp_degree if dp_degree is None else dp_degree
+    def _choose_target(self, source: model_3d_desc, tp, pp, dp) -> None:
+        """Fix the target degrees (the source's where not given) and reshape the ZeRO files' map to them."""
+        self.tp_degree, self.pp_degree, self.dp_degree = (own if wanted is None else wanted for own, wanted in
+                                                          ((source.tp_degree, tp), (source.pp_degree, pp),
+                                                           (source.dp_degree, dp)))  # fmt: skip
         self.original_world_size = source.world_size()
         self.world_size = self.tp_degree * self.pp_degree * self.dp_degree
         self.old_2d_map = meg_2d_parallel_map(source.pp_degree, source.tp_degree)
         self.old_2d_map.simple_init()
         self.new_2d_map = reshape_meg_2d_parallel(source.pp_degree, source.tp_degree, self.pp_degree, self.tp_degree)
-        if self.is_change_pp_degree() or self.is_change_tp_degree() or self.is_change_dp_degree():
+        if (self.tp_degree, self.pp_degree, self.dp_degree) != (source.tp_degree, source.pp_degree, source.dp_degree):
             self.zero_checkpoint.reshape(model_3d_desc(self.pp_degree, self.tp_degree, self.dp_degree))
-        self._sanity_check()
+
+    def _map_layer_files(self) -> None:
         self.pp_to_transformer_map = self._build_pp_transformer_map()
         self.transformer_file_map = self._build_transformer_file_map()
         self.tp_to_embedding_map = self._build_tp_other_layer_map(EMBEDDING_LAYER_INDEX)
         self.tp_to_final_norm_map = self._build_tp_other_layer_map(self.final_layer_norm_idx)
 
-    # ---- what the model-state files describe ------------------------------------------------------------------------
-    def _discover_model_state_metadata(self):
-        metadata, global_state = [], {}
-        for index, path in enumerate(self.mp_rank_files):
-            state = _load(path)
-            metadata.append((path, {CHECKPOINT_PARALLEL_DIMS: _parallel_dims(state),
-                                    PARAM_SHAPES: _param_shapes(state), AUTOEP_LAYERS_KEY: _autoep_layers(state),
-                                    "ds_config": _ds_config(state)}))  # fmt: skip
-            if index == 0:
-                global_state[ITERATION_KEY] = state.get(ITERATION_KEY, 0)
-                for key in (ARGS_KEY, CHECKPOINT_INFO_KEY, UNIVERSAL_CHECKPOINT_INFO):
-                    global_state[key] = state.get(key)
-            del state
-        return metadata, global_state
-
+    # ---- values of the first model-state file --------------------------------------------------------------------------
     def _get_checkpoint_value(self, key):
-        if key not in self.global_state:
-            self.global_state[key] = _load(self.mp_rank_files[0]).get(key)
-        return self.global_state[key]
+        if key not in self._first_file_values:
+            self._first_file_values[key] = _load(self.mp_rank_files[0]).get(key)
+        return self._first_file_values[key]
 
     def get_iteration(self):
         return self._get_checkpoint_value(ITERATION_KEY)
@@ -166,11 +204,11 @@ class DeepSpeedCheckpoint:
 
     # ---- printing ----------------------------------------------------------------------------------------------------
     def show_2d_mapping(self) -> None:
-        print("reshaped 2d map ---- begin")
-        for i in range(self.pp_degree):
-            for j in range(self.tp_degree):
-                print(f"[{i}, {j}] = {self.get_2d_parallel_files(pp_index=i, tp_index=j)}")
-        print("reshaped 2d map ---- end")
+        print(f"model-state files per target (pipeline, tensor) rank, {self.pp_degree} x {self.tp_degree}:")
+        for pp_index in range(self.pp_degree):
+            for tp_index in range(self.tp_degree):
+                files = self.get_2d_parallel_files(pp_index=pp_index, tp_index=tp_index)
+                print(f"  pipeline {pp_index}, tensor {tp_index}: {files}")
 
     def show_tp_embedding_map(self) -> None:
         _dump(self.tp_to_embedding_map, "tp_to_embedding_layers")
@@ -185,9 +223,7 @@ class DeepSpeedCheckpoint:
         _dump(self.transformer_file_map, "rank_to_transformer_files")
 
     def validate_files(self) -> None:
-        for path in self.file_list:
-            if not os.path.isfile(path):
-                print(f"Error: {path} is not existent")
+        report_missing_files(self.file_list)
 
     # ---- layer files -------------------------------------------------------------------------------------------------
     def _get_layer_keys(self) -> list[str]:
@@ -245,39 +281,35 @@ class DeepSpeedCheckpoint:
                              f"{self.pp_degree}")  # fmt: skip
 
 
-# ---- the metadata kept per model-state file (a type name where a value has the wrong type) ---------------------------
-def _parallel_dims(state: dict):
-    dims = state.get(CHECKPOINT_PARALLEL_DIMS)
-    if dims is None or not isinstance(dims, dict):
-        return dims if dims is None else type(dims).__name__
+# ---- summarising one model-state file ----------------------------------------------------------------------------
+def _keep_if(value, expected, keep, absent=None):
+    """``keep(value)`` when it has the expected type; its type's name when not; ``absent`` when it is None."""
+    if value is None:
+        return absent
+    return keep(value) if isinstance(value, expected) else type(value).__name__
+
+
+def _degrees_only(dims: dict) -> dict:
     return {key: dims.get(key) for key in (CHECKPOINT_PP_DEGREE, CHECKPOINT_TP_DEGREE)}
 
 
-def _param_shapes(state: dict):
-    shapes = state.get(PARAM_SHAPES)
-    if not isinstance(shapes, (list, tuple)) or not all(isinstance(group, dict) for group in shapes):
-        return None if shapes is None else type(shapes).__name__
-    return {name: shape for group in shapes for name, shape in group.items()}
+def _flatten_shape_groups(groups):
+    """One {name: shape} over all parameter groups (the groups' container type's name if one is not a dict)."""
+    if any(not isinstance(group, dict) for group in groups):
+        return type(groups).__name__
+    return {name: shape for group in groups for name, shape in group.items()}
 
 
-def _autoep_layers(state: dict):
-    layers = state.get(AUTOEP_LAYERS_KEY)
-    layers = state.get(AUTOEP_LAYERS_KEY_LEGACY) if layers is None else layers
-    if layers is None or not isinstance(layers, list):
-        return layers if layers is None else type(layers).__name__
-    return [{k: entry[k] for k in AUTOEP_METADATA_FIELDS if k in entry} if isinstance(entry, dict)
-            else type(entry).__name__ for entry in layers]  # fmt: skip
+def _autoep_fields(entry: dict) -> dict:
+    return {field: entry[field] for field in AUTOEP_METADATA_FIELDS if field in entry}
 
 
-def _ds_config(state: dict):
-    config = state.get("ds_config", {})
-    if not isinstance(config, dict):
-        return type(config).__name__
-    ordering = config.get(USE_DATA_BEFORE_EXPERT_PARALLELISM, False)
-    return {USE_DATA_BEFORE_EXPERT_PARALLELISM: ordering if isinstance(ordering, bool) else type(ordering).__name__}
+def _expert_ordering(config: dict) -> dict:
+    return {USE_DATA_BEFORE_EXPERT_PARALLELISM: _keep_if(config.get(USE_DATA_BEFORE_EXPERT_PARALLELISM, False), bool,
+                                                         lambda flag: flag, absent="NoneType")}  # fmt: skip
 
 
 def _dump(table: dict, tag: str) -> None:
-    print(f"Dump mapping: {tag}")
+    print(f"{tag} ({len(table)} entries):")
     for key, value in table.items():
-        print(f"{key} = {value}")
+        print(f"  {key}: {value}")

@@ -30,10 +30,17 @@ def get_files_with_prefix(all_files, prefix) -> list[str]:
     return sorted(path for path in all_files if os.path.basename(path).startswith(prefix))
 
 
+def report_missing_files(file_list) -> list[str]:
+    """Print, and return, the paths of ``file_list`` that are not (or no longer) regular files."""
+    missing = [path for path in file_list if not os.path.isfile(path)]
+    for path in missing:
+        print(f"{path}: listed as a checkpoint file but no such file")
+    return missing
+
+
 def validate_files(file_list) -> None:
-    for path in file_list:
-        if not os.path.isfile(path):
-            print(f"Error: {path} is not existent")
+    """Print each path of ``file_list`` that is not a file."""
+    report_missing_files(file_list)
 
 
 def sort_zero_files(files, prefix) -> list[str]:
