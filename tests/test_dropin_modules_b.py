@@ -185,7 +185,6 @@ _LAUNCHES = [("--launcher pdsh --venv_script v.sh --module train.py --prompt 'a 
              ("--launcher pdsh --no_local_rank --ssh_port 2222 train.py --x 1", "PDSHRunner"),
              ("--launcher openmpi --launcher_args '--mca btl_tcp_if_include ib0' train.py --x", "OpenMPIRunner"),
              ("--launcher openmpi --no_python run.sh", "OpenMPIRunner"),
-             ("--launcher mpich --module pkg.train --a", "MPICHRunner"),
              ("--launcher impi train.py --a", "IMPIRunner"),
              ("--launcher slurm -i w1 --launcher_args '-p q' train.py", "SlurmRunner"),
              ("--launcher slurm --num_nodes 2 --num_gpus 2 train.py", "SlurmRunner")]  # fmt: skip
@@ -224,6 +223,27 @@ def test_multinode_runners_build_deepspeeds_command_lines(real_deepspeed, capsys
         ours.OpenMPIRunner(args, "WORLD", {"w1": 2})
     with pytest.raises(ValueError, match="slurm backend cannot select specific device ids"):
         ours.SlurmRunner.validate_active_resources({"w1": [1]})
+
+
+def test_mpich_runner_refuses_and_mvapich_runner_writes_no_file(tmp_path, monkeypatch):
+    from torsh.compat.deepspeed.launcher import multinode_runner as ours
+    from torsh.compat.deepspeed.launcher import runner as our_runner
+
+    args = our_runner.parse_args(["--launcher", "mpich", "--module", "pkg.train", "--a"])
+    args.master_addr = "10.0.0.1"
+    with pytest.raises(NotImplementedError, match="torsh run"):
+        ours.MPICHRunner(args, "WORLD", {"w1": 2, "w2": 2}).get_cmd({}, {"w1": [0, 1], "w2": [0, 1]})
+    args = our_runner.parse_args(["--launcher", "mvapich", "train.py"])
+    args.master_addr = "10.0.0.1"
+    runner = ours.MVAPICHRunner(args, "WORLD", {"w1": 2, "w2": 2})
+    runner.hostfile_path = str(tmp_path / "hosts")
+    opened = []
+    monkeypatch.setattr("builtins.open", lambda *a, **k: opened.append(a))
+    command = runner.get_cmd({}, {"w1": [0, 1], "w2": [0, 1]})
+    monkeypatch.undo()
+    assert opened == [] and not (tmp_path / "hosts").exists()
+    assert command[command.index("--hostfile") + 1] == str(tmp_path / "hosts")
+    assert runner.hostfile_lines() == ["w1\n", "w2\n"]
 
 
 def test_deepspeed_command_refuses_counts_with_filters_then_points_to_torsh_run():

@@ -6,8 +6,9 @@ Each runner takes the launcher's parsed arguments (:func:`deepspeed.launcher.run
 ``add_export`` (a value with characters the shell would read is double-quoted). The lines are DeepSpeed's: the
 MPI and Slurm ones start ``python -u <script>`` on every rank, so the script must find ``deepspeed`` there (under
 torsh, start the job with ``torsh run``, or translate the whole command with ``torsh-migrate launch``); the pdsh
-line starts DeepSpeed's per-node launcher (``deepspeed.launcher.launch``), which torsh does not provide. torsh
-itself never runs these commands.
+line starts DeepSpeed's per-node launcher (``deepspeed.launcher.launch``), which torsh does not provide. MPICH's
+``get_cmd`` is refused (its line would run a per-rank helper script torsh does not ship). torsh itself never runs
+these commands, and building them writes no file.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ class OpenMPIRunner(_MPIRunner):
 
 
 class MPICHRunner(_MPIRunner):
-    """MPICH's ``mpirun -n N -ppn P``, the rendezvous in ``-genv``, DeepSpeed's launcher helper per rank."""
+    """MPICH: detected and validated as DeepSpeed does, but :meth:`get_cmd` is refused (see there)."""
 
     def backend_exists(self):
         return shutil.which("mpirun")
@@ -181,19 +182,13 @@ class MPICHRunner(_MPIRunner):
         return "mpich"
 
     def get_cmd(self, environment, active_resources):
-        total, per_node = self._per_node("MPICH")
-        mpirun = ["mpirun", "-n", str(total), "-ppn", str(per_node), *split(self.args.launcher_args)]
-        exports = [item for key, value in self.exports.items() for item in ("-genv", f"{key}={value}")]
-        exports += self._rendezvous_env("-genv", total, per_node) + self._hosts()
-        helper = ["--launcher", self.args.launcher]
-        if self.args.no_python:
-            helper.append("--no_python")
-        elif self.args.module:
-            helper.append("--module")
-        # DeepSpeed's helper script (deepspeed/launcher/launcher_helper.py): it sets each rank's variables
-        helper_path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "launcher_helper.py")
-        return (mpirun + exports + _python(self.args) + [helper_path] + helper + [self.user_script]
-                + self.user_arguments)  # fmt: skip
+        """Refused: the MPICH command runs a per-rank helper script of DeepSpeed's launcher that torsh does not ship,
+        so no command built here could start. Start the job with ``torsh run`` (torchrun's options) or torchrun,
+        or translate the deepspeed command with ``torsh-migrate launch ... --to torchrun``."""
+        raise NotImplementedError("mpich backend: torsh's drop-in builds no MPICH command (it would run a per-rank "
+                                  "launcher helper script torsh does not ship); start the job with `torsh run` "
+                                  "(torchrun's options) or torchrun, or translate the deepspeed command with "
+                                  "`torsh-migrate launch '<command>' --to torchrun`")  # fmt: skip
 
 
 class IMPIRunner(_MPIRunner):
@@ -269,8 +264,12 @@ class SlurmRunner(_MPIRunner):
 
 
 class MVAPICHRunner(_MPIRunner):
-    """MVAPICH2-GDR's ``mpirun -np N -ppn P --hostfile`` (the hosts written to DeepSpeed's temporary hostfile),
-    with MVAPICH's variables for deep-learning jobs."""
+    """MVAPICH2-GDR's ``mpirun -np N -ppn P --hostfile H``, with MVAPICH's variables for deep-learning jobs.
+
+    Building the command writes no file: ``H`` is :attr:`hostfile_path` (DeepSpeed's usual temporary hostfile
+    path unless changed), and the caller writes :meth:`hostfile_lines` there before running the command."""
+
+    hostfile_path = MVAPICH_TMP_HOSTFILE
 
     def __init__(self, args, world_info_base64, resource_pool):
         super().__init__(args, world_info_base64, resource_pool)
@@ -299,10 +298,13 @@ class MVAPICHRunner(_MPIRunner):
         return "mvapich"
 
     def get_cmd(self, environment, active_resources):
+        """The mpirun command naming :attr:`hostfile_path`; nothing is written (the caller writes the hostfile)."""
         total, per_node = self._per_node("mvapich")
-        with open(MVAPICH_TMP_HOSTFILE, "w") as handle:
-            handle.writelines(f"{host}\n" for host in self.resource_pool)
-        mpirun = ["mpirun", "-np", str(total), "-ppn", str(per_node), "--hostfile", MVAPICH_TMP_HOSTFILE,
+        mpirun = ["mpirun", "-np", str(total), "-ppn", str(per_node), "--hostfile", self.hostfile_path,
                   *split(self.args.launcher_args)]  # fmt: skip
         exports = [item for key, value in self.exports.items() for item in ("-env", f"{key}={value}")]
         return mpirun + exports + _python(self.args) + [self.user_script] + self.user_arguments
+
+    def hostfile_lines(self) -> list[str]:
+        """The hostfile the command expects at :attr:`hostfile_path`: one host per line, in resource-pool order."""
+        return [f"{host}\n" for host in self.resource_pool]
