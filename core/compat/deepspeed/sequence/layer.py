@@ -193,8 +193,7 @@ class DistributedAttention(Module):
             query_layer = apply_rotary_pos_emb(query_layer, cos, sin)
             key_layer = apply_rotary_pos_emb(key_layer, cos, sin)
         context = self.local_attn(query_layer, key_layer, value_layer, *args, **kwargs)
-        # the output's heads are the query's as shared out, unless the local attention changed their number
-        counts = split.get(query.shape[2])
-        if context.dim() != 4 or counts is None or context.shape[2] != counts[dist.get_rank(self.spg)]:
-            counts = None
-        return exchange(context, self.gather_idx, self.scatter_idx, counts)
+        # the way back always gathers every rank's head count of the output (one small all-gather): whether the
+        # local attention kept the query's split is only known per rank, and a collective taken on some ranks
+        # only would hang the others
+        return exchange(context, self.gather_idx, self.scatter_idx, None)
