@@ -1,8 +1,9 @@
 """``deepspeed.ops.adam``: ``FusedAdam`` and ``DeepSpeedCPUAdam`` as ``torch.optim.Adam`` with DeepSpeed's
 arguments: ``adam_w_mode`` / ``adamw_mode`` (default True) selects decoupled weight decay (AdamW), False is
-Adam with L2 weight decay; both are DeepSpeed's update rule. ``FusedAdam`` is torch's Adam step, which always
-applies bias correction, so its ``bias_correction=False`` is refused; ``DeepSpeedCPUAdam`` (:mod:`.cpu_adam`) does
-DeepSpeed's fp32 update where torch's differs (low-precision parameters, no bias correction)."""
+Adam with L2 weight decay; both are DeepSpeed's update rule. Both classes always apply bias correction, so
+``bias_correction=False`` is refused by each: ``FusedAdam`` is torch's Adam step, and ``DeepSpeedCPUAdam``
+(:mod:`.cpu_adam`) steps through torch's Adam too, doing DeepSpeed's fp32 update itself only where torch's differs
+(fp16/bf16 parameters)."""
 
 from __future__ import annotations
 
