@@ -205,10 +205,10 @@ class CheckpointHiddenStatesOffload(saved_tensors_hooks):
         if self in _active():
             raise RuntimeError("CheckpointHiddenStatesOffload is not re-entrant: this manager is already active; "
                                "use a second instance for a nested block")
-        _MarkerPatch.acquire()
-        self.reset()
-        _active().append(self)
-        try:
+        try:  # acquire counts its user first, so _leave's release balances it even if installing the patch raised
+            _MarkerPatch.acquire()
+            self.reset()
+            _active().append(self)
             return super().__enter__()
         except BaseException:
             self._leave()
