@@ -87,6 +87,24 @@ def test_comms_logger_is_off_by_default_and_summarises_without_reordering(one_ra
         calc_bw_log("all_reduce_magic", 1, 1.0)
 
 
+def test_comms_straggler_refuses_records_that_differ_across_ranks(one_rank_group, monkeypatch):
+    import torch.distributed as dist
+
+    from torsh.compat.deepspeed.utils.comms_logging import _stragglers
+
+    snapshot = {"all_reduce": {1024: [2, [1.0, 2.0], [1.0, 1.0], [1.0, 1.0]]}}
+    assert _stragglers(snapshot, print_log=False)["all_reduce"][1024]["count"] == 2
+
+    def other_rank_has_more(out, obj, group=None):  # as if a second rank had logged one more call
+        out[:] = [obj, [(name, size, count + 1) for name, size, count in obj]]
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_object", other_rank_has_more)
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("all-reduce reached with differing records"))
+    with pytest.raises(ValueError, match=r"ranks \[1\] differ from rank 0"):
+        _stragglers(snapshot, print_log=False)
+
+
 # ---- fp16 section (test_precision_config_dynamic_scale.py) -------------------------------------------------------
 
 

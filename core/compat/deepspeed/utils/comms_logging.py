@@ -219,6 +219,20 @@ def _summary(size: int, record: list) -> dict:
             "msg_size_bytes": size, "msg_size_str": convert_size(size)}  # fmt: skip
 
 
+def _check_same_records(comm, snapshot: dict) -> None:
+    """One all-gather of every rank's (op, message size, latency count) list, in the order the all-reduces below
+    walk it; a ValueError (on every rank alike) when they differ, instead of mismatched all-reduces that hang."""
+    layout = [(name, size, len(record[1]))
+              for name, sizes in snapshot.items() for size, record in sorted(sizes.items())]  # fmt: skip
+    every = [None] * comm.get_world_size()
+    comm.all_gather_object(every, layout)
+    differing = [rank for rank, theirs in enumerate(every) if theirs != every[0]]
+    if differing:
+        raise ValueError(f"show_straggler needs the same communication records on every rank, in the same order "
+                         f"(op, message size, number of latencies); ranks {differing} differ from rank 0: "
+                         f"rank 0 has {every[0]}, rank {differing[0]} has {every[differing[0]]}")  # fmt: skip
+
+
 def _stragglers(snapshot: dict, print_log: bool) -> dict:
     """Per record: the fastest rank's latencies (an all-reduce MIN over the default group) and this rank's excess."""
     import torch
@@ -232,6 +246,8 @@ def _stragglers(snapshot: dict, print_log: bool) -> dict:
         print(f"{'Comm. Op': <20}{'Message Size': <20}{'Count': <20}{'Total comm lat(ms)': <20}"
               f"{'Total straggler(ms)': <20}{'Avg comm lat(ms)': <20}{'Avg straggler(ms)': <20}")  # fmt: skip
     device = get_accelerator().current_device_name()
+    if comm.is_initialized():
+        _check_same_records(comm, snapshot)
     out: dict = {}
     for name, sizes in snapshot.items():
         if print_log:
