@@ -7,6 +7,7 @@ every micro-batch) on a tiny language model with deterministic per-rank data; th
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -53,6 +54,10 @@ def start(fn: Any, args: tuple, nprocs: int, join: bool = True, timeout: float =
         import torch._dynamo  # noqa: F401
 
         import torsh.engine.initialize  # noqa: F401
+
+        # objects of earlier tests' process groups left in reference cycles are finalized here, where their
+        # threads exist: a forked rank that collected them would wait forever for threads fork did not copy
+        gc.collect()
     context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="fork" if fork else "spawn")
     if not join:
         return context
