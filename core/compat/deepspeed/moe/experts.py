@@ -9,25 +9,30 @@ import torch
 from torch import nn
 
 
+def _as_expert_parameters(module: nn.Module, group_name: Optional[str]) -> nn.Module:
+    """Flag ``module``'s parameters as expert parameters the way DeepSpeed's optimizer helpers look for them:
+    ``allreduce = False`` (not averaged over the whole data-parallel world) and ``group_name`` (the
+    ``ep_size_<n>`` group whose expert-data-parallel ranks average them instead)."""
+    for weight in module.parameters():
+        weight.allreduce, weight.group_name = False, group_name
+    return module
+
+
 class Experts(nn.Module):
-    """``num_local_experts`` independent copies of ``expert``. Their parameters carry DeepSpeed's marks:
-    ``allreduce = False`` (an expert parameter: its gradient is not averaged over the whole data-parallel world)
-    and ``group_name`` (the expert-parallel group, ``ep_size_<n>``, whose expert-data-parallel group averages it
-    instead)."""
+    """``num_local_experts`` independent replicas of ``expert`` (deep copies, in ``deepspeed_experts``, the
+    attribute name checkpoints use)."""
 
     def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: Optional[str] = None) -> None:
         super().__init__()
-        self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
         self.num_local_experts = num_local_experts
-        for local in self.deepspeed_experts:
-            for param in local.parameters():
-                param.allreduce = False
-                param.group_name = expert_group_name
+        replicas = (_as_expert_parameters(copy.deepcopy(expert), expert_group_name) for _ in range(num_local_experts))
+        self.deepspeed_experts = nn.ModuleList(replicas)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """``inputs`` ``[ep_size, num_local_experts, C, M]``: local expert i runs on slice i of dim 1."""
-        outputs = []
-        for chunk, expert in zip(inputs.chunk(self.num_local_experts, dim=1), self.deepspeed_experts):
-            out = expert(chunk)
-            outputs.append(out[0] if isinstance(out, tuple) else out)  # (output, bias): the bias is dropped
-        return torch.cat(outputs, dim=1)
+        """``inputs`` ``[ep_size, num_local_experts, C, M]``: replica i handles index i of dim 1. An expert
+        returning ``(output, bias)`` contributes its output only."""
+        results = []
+        for index, replica in enumerate(self.deepspeed_experts):
+            produced = replica(inputs.narrow(1, index, 1))
+            results.append(produced[0] if isinstance(produced, tuple) else produced)
+        return torch.cat(results, dim=1)

@@ -43,52 +43,49 @@ SECOND_ALLTOALL_TIMER = "2nd_a2a"
 USE_EINSUM = True  # DeepSpeed's switch; torch.einsum is used either way
 TUTEL_INSTALLED = False  # Tutel's fused kernels are not used: the layer runs torch's dispatch
 
-uniform_map: dict = {}
-gumbel_map: dict = {}
-exp_selection_uniform_map: dict = {}
+_NOISE: dict = {}
 
 
-def _sampler(cache: dict, device: torch.device, make):
-    """A distribution's ``rsample`` for ``device``, made once (its parameters are tensors on the device)."""
-    sample = cache.get(device)
-    if sample is None:
-        sample = cache[device] = make(device).rsample
-    return sample
+def _noise(kind: str, shape: tuple, device: torch.device, epsilon: float = 0.0) -> Tensor:
+    """A draw of ``shape`` from the default generator: ``'gumbel'`` (standard Gumbel), ``'pick'`` (uniform in
+    [0, 1), random token selection) or ``'jitter'`` (uniform in [1 - epsilon, 1 + epsilon]). The distribution
+    objects are kept per device, as their parameters live there."""
+    key = (kind, device, epsilon)
+    draw = _NOISE.get(key)
+    if draw is None:
+        def on(value: float) -> Tensor:
+            return torch.tensor(value, device=device)
+
+        if kind == "gumbel":
+            dist_ = torch.distributions.gumbel.Gumbel(on(0.0), on(1.0))
+        elif kind == "pick":
+            dist_ = torch.distributions.uniform.Uniform(on(0.0), on(1.0))
+        else:
+            dist_ = torch.distributions.uniform.Uniform(on(1.0 - epsilon), on(1.0 + epsilon))
+        draw = _NOISE[key] = dist_.rsample
+    return draw(shape)
 
 
 def multiplicative_jitter(x: Tensor, device: torch.device, epsilon: float = 1e-2) -> Tensor:
-    """``x`` times uniform noise in ``[1 - epsilon, 1 + epsilon]`` (the 'Jitter' gate policy)."""
-    if epsilon == 0:
-        return x
-    uniform = _sampler(uniform_map, device, lambda d: torch.distributions.uniform.Uniform(
-        torch.tensor(1.0 - epsilon, device=d), torch.tensor(1.0 + epsilon, device=d)))  # fmt: skip
-    return x * uniform(x.shape)
+    """``x`` scaled element-wise by noise in ``[1 - epsilon, 1 + epsilon]`` (the 'Jitter' gate policy)."""
+    return x if epsilon == 0 else x * _noise("jitter", x.shape, device, epsilon)
 
 
 def gumbel_rsample(shape: tuple, device: torch.device) -> Tensor:
     """Standard Gumbel noise of ``shape`` (the 'RSample' policy and top-2's sampled second expert)."""
-    gumbel = _sampler(gumbel_map, device, lambda d: torch.distributions.gumbel.Gumbel(
-        torch.tensor(0.0, device=d), torch.tensor(1.0, device=d)))  # fmt: skip
-    return gumbel(shape)
-
-
-def _token_selection_noise(shape: tuple, device: torch.device) -> Tensor:
-    uniform = _sampler(exp_selection_uniform_map, device, lambda d: torch.distributions.uniform.Uniform(
-        torch.tensor(0.0, device=d), torch.tensor(1.0, device=d)))  # fmt: skip
-    return uniform(shape)
+    return _noise("gumbel", shape, device)
 
 
 class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` over ``group``: chunk i of the input goes to the group's rank i. Its backward is
-    the same exchange (it is its own inverse)."""
+    """``all_to_all_single`` over ``group``: block i of the input goes to the group's rank i. The gradient
+    travels back by the same exchange."""
 
     @staticmethod
     def forward(ctx: Any, group: Any, input: Tensor) -> Tensor:  # type: ignore[override]
         ctx.group = group
-        input = input.contiguous()
-        output = torch.empty_like(input)
-        dist.all_to_all_single(output, input, group=group)
-        return output
+        received = torch.empty_like(input.contiguous())
+        dist.all_to_all_single(received, input.contiguous(), group=group)
+        return received
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor) -> tuple[None, Tensor]:
@@ -96,221 +93,192 @@ class _AllToAll(torch.autograd.Function):
 
 
 def einsum(rule: str, a: Tensor, b: Tensor) -> Tensor:
-    """``torch.einsum`` (DeepSpeed's switch between einsum and hand-written products; the results agree)."""
+    """Kept for scripts that import it: plain ``torch.einsum``."""
     return torch.einsum(rule, a, b)
 
 
-def _is_parallel(group: Any) -> bool:
-    """Whether ``group`` spans more than one rank; None means no expert parallelism (never the world)."""
-    return group is not None and dist.get_world_size(group) > 1
+def _spans_ranks(group: Any) -> bool:
+    """True when ``group`` has more than one member (None: no expert parallelism at all)."""
+    return False if group is None else dist.get_world_size(group) > 1
 
 
-def _capacity(gates: Tensor, capacity_factor: Tensor, min_capacity: Tensor) -> Tensor:
-    """Slots per expert: ``ceil(tokens / experts * capacity_factor)``, at least ``min_capacity`` (a tensor)."""
-    num_tokens, num_experts = gates.shape[0], gates.shape[1]
-    capacity = torch.ceil((num_tokens / num_experts) * capacity_factor).to(torch.int64)
-    return torch.maximum(capacity, min_capacity.to(torch.int64))
+def _slots_per_expert(logits: Tensor, factor: float, min_capacity: int) -> Tensor:
+    """The dropping capacity, an int64 tensor: ``tokens / experts * factor`` rounded up, floored at
+    ``min_capacity``."""
+    share = logits.shape[0] / logits.shape[1]
+    wanted = torch.ceil(share * torch.tensor(factor)).to(torch.int64)
+    return torch.maximum(wanted, torch.tensor(min_capacity).to(torch.int64))
 
 
-def _undropped_capacity(exp_counts: Tensor, ep_group: Any) -> Tensor:
-    """``drop_tokens=False``: the largest expert load, the maximum over the expert-parallel group (every rank
-    must size its buffers alike for the all-to-all), rounded up to a multiple of the tensor-parallel degree
-    when the experts are not tensor-parallel (the layer then splits the slots over that degree)."""
-    capacity = torch.max(exp_counts)
-    if _is_parallel(ep_group):
-        dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=ep_group)
-    if groups._get_expert_model_parallel_world_size() == 1:
-        tp = tensor_parallel_world_size()
-        capacity = torch.ceil(capacity / tp).mul(tp).to(capacity.dtype)
-    return capacity
+def _busiest_expert(counts: Tensor, ep_group: Any) -> Tensor:
+    """The capacity without dropping: the heaviest expert load, agreed (MAX) over the expert-parallel group so
+    all ranks exchange buffers of one size; without expert tensor parallelism rounded up to a multiple of the
+    tensor-parallel degree, which the layer later divides the slots by."""
+    peak = counts.max()
+    if _spans_ranks(ep_group):
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=ep_group)
+    if groups._get_expert_model_parallel_world_size() > 1:
+        return peak
+    degree = tensor_parallel_world_size()
+    return torch.ceil(peak / degree).mul(degree).to(peak.dtype)
 
 
-def _stack_routes(routes: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
-    """A ``[S, k]`` per-route tensor as the ``[k, S]`` block the dispatch reads (cast once)."""
-    routes = routes.t().contiguous()
-    return routes if dtype is None else routes.to(dtype)
+def _balance_loss(gates: Tensor, routed: Tensor, squared: bool, k: int = 1) -> Tensor:
+    """GShard's auxiliary loss from the mean router probability and the routed share of every expert."""
+    experts = gates.shape[1]
+    per_expert = gates.mean(dim=0) * routed.float().mean(dim=0)
+    if not squared:
+        return per_expert.sum() * experts
+    loss = per_expert.mean() * experts * experts
+    return loss if k == 1 else loss / k
 
 
-def _route_slots(indices: Tensor, locations: Tensor, num_experts: int, capacity: int) -> Tensor:
-    """The flat slot ``expert * capacity + location`` of every route in the ``[E * C]`` expert buffer; a dropped
-    route (index < 0) points at the extra slot ``E * C``, which the encode and decode leave out."""
-    slot = indices.long() * capacity + locations.long()
-    return torch.where(indices >= 0, slot, torch.full_like(slot, num_experts * capacity))
+def _queue_positions(tiers: list) -> list:
+    """Where each route stands in its expert's queue: tier by tier (a later tier waits behind every route of
+    the earlier ones), token order inside a tier. One ``[S, E]`` position tensor per tier."""
+    positions, before = [], 0
+    for tier in tiers:
+        positions.append(torch.cumsum(tier, dim=0) - 1 + before)
+        before = before + tier.sum(dim=0, keepdim=True)
+    return positions
 
 
-def _sparse_encode(reshaped_input: Tensor, slots: Tensor, num_experts: int, capacity: int) -> Tensor:
-    """The ``[E, C, M]`` expert buffer: each slot holds the token routed to it, empty slots zeros (one gather)."""
-    num_tokens, d_model = reshaped_input.shape
-    source = torch.full((num_experts * capacity + 1, ), num_tokens, dtype=torch.long, device=slots.device)
-    token_of_route = torch.arange(num_tokens, device=slots.device).expand_as(slots)
-    source.scatter_(0, slots.reshape(-1), token_of_route.reshape(-1))
-    padded = torch.cat([reshaped_input, reshaped_input.new_zeros(1, d_model)])  # row S: the empty slot's zeros
-    return padded.index_select(0, source[:-1]).view(num_experts, capacity, d_model)
+def _keep_best(mask: Tensor, scores: Tensor, capacity: Tensor) -> Tensor:
+    """``mask`` with, per expert, only the routes among the ``capacity`` highest ``scores`` (never more than
+    there are tokens)."""
+    limit = int(min(capacity, torch.tensor(scores.shape[0]).to(capacity.device)))
+    best = torch.topk(scores, k=limit, dim=0, sorted=False)[1]
+    return mask * torch.zeros_like(mask).scatter_(0, best, 1)
 
 
-def _sparse_decode(expert_output: Tensor, slots: Tensor, gates: Tensor, num_tokens: int) -> Tensor:
-    """Each token's expert results, weighted by its gate values and summed over its routes (in fp32, the gates'
-    dtype), in the experts' dtype. ``expert_output``: ``[E * C, M]``."""
-    d_model = expert_output.size(-1)
-    padded = torch.cat([expert_output, expert_output.new_zeros(1, d_model)])
-    routed = padded.index_select(0, slots.reshape(-1)).view(slots.size(0), num_tokens, d_model)
-    return (routed * gates.unsqueeze(-1)).sum(0).to(expert_output.dtype)
+def _route(gates: Tensor, chosen: Tensor, tiers: list, capacity: Tensor, policy: str, scores: Tensor = None,
+           normalize: bool = True, l_aux: Tensor = None, counts: Tensor = None, sparse: bool = False) -> tuple:
+    """The shared tail of every gate. ``chosen`` ``[S, k]``: each token's experts by rank; ``tiers``: their
+    ``[S, E]`` masks grouped in queue order. ``policy``: ``'queue'`` drops routes placed beyond ``capacity``
+    (None: drop none), ``'best'`` keeps the best ``scores`` per expert and queues the survivors."""
+    if policy == "best":
+        tiers = [_keep_best(tier, scores, capacity) for tier in tiers]
+        positions = _queue_positions(tiers)
+    else:
+        positions = _queue_positions(tiers)
+        if capacity is not None and policy == "queue":
+            tiers = [tier * torch.lt(pos, capacity) for tier, pos in zip(tiers, positions)]
+    kept = sum(tiers[1:], tiers[0])
+    place = sum((pos * tier for pos, tier in zip(positions[1:], tiers[1:])), positions[0] * tiers[0])
+    weights = gates * kept
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).eps)
+    if sparse:
+        live = kept.gather(1, chosen) > 0
+        experts = torch.where(live, chosen, torch.full_like(chosen, -1))
+        return (l_aux, capacity, gates.shape[1], experts.t().to(torch.int32),
+                place.gather(1, chosen).t().to(torch.int32), weights.gather(1, chosen).t().contiguous(), counts)
+    combine = weights.unsqueeze(-1) * F.one_hot(place.long(), num_classes=int(capacity)).float()
+    return l_aux, combine, combine.bool(), counts
 
 
 def top1gating(logits: Tensor, capacity_factor: float, min_capacity: int, used_token: Tensor = None,
                noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True, use_rts: bool = True,
                ep_group: Union[Any, None] = None, sparse_routes: bool = False,
                use_tutel: bool = False) -> tuple:  # fmt: skip
-    """Top-1 gating of ``logits`` ``[S, E]`` (see the module docstring for what it returns)."""
-    if noisy_gate_policy == "RSample":
-        noisy_logits = logits + gumbel_rsample(logits.shape, device=logits.device)
+    """Each token to its most probable expert (Gumbel-perturbed under 'RSample'); an over-full expert keeps
+    random tokens (``use_rts``) or the first ones. Returns as the module docstring says."""
+    if logits.shape[0] < min_capacity:
+        raise ValueError(f"top-1 gating got {logits.shape[0]} tokens, fewer than min_capacity={min_capacity}: "
+                         "lower min_capacity (0 disables it) or feed larger batches")
+    perturbed = logits + gumbel_rsample(logits.shape, logits.device) if noisy_gate_policy == "RSample" else None
     gates = F.softmax(logits, dim=1)
-    capacity = _capacity(gates, torch.tensor(capacity_factor), torch.tensor(min_capacity))
-    indices1_s = torch.argmax(noisy_logits if noisy_gate_policy == "RSample" else gates, dim=1)
-    num_experts = int(gates.shape[1])
-    mask1 = F.one_hot(indices1_s, num_classes=num_experts)
+    capacity = _slots_per_expert(gates, capacity_factor, min_capacity)
+    best = (gates if perturbed is None else perturbed).argmax(dim=1)
+    routed = F.one_hot(best, num_classes=gates.shape[1])
     if used_token is not None:
-        mask1 = einsum("s,se->se", used_token, mask1)
-    exp_counts = torch.sum(mask1, dim=0).detach().to(logits.device)
+        routed = used_token.unsqueeze(1) * routed
+    counts = routed.sum(dim=0).detach().to(logits.device)
     if not drop_tokens:
-        capacity = _undropped_capacity(exp_counts, ep_group).to(logits.device)
-        capacity = min(capacity, torch.tensor(mask1.size(0)).to(capacity.device))  # never more than the tokens
-
-    # the load-balancing loss: mean gate probability times the fraction of tokens, per expert
-    me = torch.mean(gates, dim=0)
-    ce = torch.mean(mask1.float(), dim=0)
-    l_aux = torch.sum(me * ce) * num_experts
-
-    # which tokens an over-full expert keeps: random ones (use_rts), else the first
-    mask1_rand = mask1 * _token_selection_noise(mask1.shape, logits.device) if use_rts else mask1
-    assert logits.shape[0] >= min_capacity, ("No. of tokens (batch-size) should be greater than min_capacity. "
-                                             "Either set min_capacity to 0 or increase your batch size.")
-    selection = min(capacity, torch.tensor(mask1.size(0)).to(capacity.device))  # topk cannot pick more than S
-    top_idx = torch.topk(mask1_rand, k=selection, dim=0)[1]
-    mask1 = mask1 * torch.zeros_like(mask1).scatter_(0, top_idx, 1)
-
-    if sparse_routes:
-        indices1_s = torch.min(indices1_s, mask1.sum(dim=1) * num_experts - 1)  # a dropped token: -1
-    locations1 = torch.cumsum(mask1, dim=0) - 1
-    locations1_s = torch.sum(locations1 * mask1, dim=1)
-    if sparse_routes:
-        gates1_s = (gates * mask1).sum(dim=1)
-        return (l_aux, capacity, num_experts, indices1_s.to(torch.int32).unsqueeze(0),
-                locations1_s.to(torch.int32).unsqueeze(0), gates1_s.unsqueeze(0), exp_counts)  # fmt: skip
-
-    gates = gates * mask1.float()
-    locations1_sc = F.one_hot(locations1_s, num_classes=int(capacity)).float()
-    combine_weights = einsum("se,sc->sec", gates, locations1_sc)
-    return l_aux, combine_weights, combine_weights.bool(), exp_counts
+        capacity = _busiest_expert(counts, ep_group).to(logits.device)
+        capacity = min(capacity, torch.tensor(routed.shape[0]).to(capacity.device))
+    l_aux = _balance_loss(gates, routed, squared=False)
+    scores = routed * _noise("pick", routed.shape, logits.device) if use_rts else routed
+    return _route(gates, best.unsqueeze(1), [routed], capacity, "best", scores, False, l_aux, counts,
+                  sparse_routes)  # fmt: skip
 
 
 def top2gating(logits: Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
                ep_group: Union[Any, None] = None, top2_2nd_expert_sampling: bool = True,
                sparse_routes: bool = False) -> tuple:  # fmt: skip
-    """Top-2 gating of ``logits`` ``[S, E]``: the most probable expert, and the next one (sampled with Gumbel
-    noise unless ``top2_2nd_expert_sampling=False``); the two gate values normalised to sum to 1."""
+    """Each token to its most probable expert and to a second one (the best other logit, Gumbel-perturbed
+    unless ``top2_2nd_expert_sampling=False``); first choices queue ahead of second ones; the two gate values
+    are rescaled to sum to 1."""
     gates = F.softmax(logits, dim=1)
-    indices1_s = torch.argmax(gates, dim=1)
-    num_experts = int(gates.shape[1])
-    mask1 = F.one_hot(indices1_s, num_classes=num_experts)
+    experts = gates.shape[1]
+    first = gates.argmax(dim=1)
+    first_mask = F.one_hot(first, num_classes=experts)
     if top2_2nd_expert_sampling:
-        logits = logits + gumbel_rsample(logits.shape, device=logits.device)
-    indices2_s = torch.argmax(logits.masked_fill(mask1.bool(), float("-inf")), dim=1)
-    mask2 = F.one_hot(indices2_s, num_classes=num_experts)
-
-    # slots: first choices first, then second choices after all first choices of the expert
-    locations1 = torch.cumsum(mask1, dim=0) - 1
-    locations2 = torch.cumsum(mask2, dim=0) - 1
-    locations2 += torch.sum(mask1, dim=0, keepdim=True)
-
-    me = torch.mean(gates, dim=0)
-    ce = torch.mean(mask1.float(), dim=0)
-    l_aux = torch.mean(me * ce) * num_experts * num_experts
-    exp_counts = torch.sum(mask1 + mask2, dim=0).detach().to(logits.device)
-
+        logits = logits + gumbel_rsample(logits.shape, logits.device)
+    second = logits.masked_fill(first_mask.bool(), float("-inf")).argmax(dim=1)
+    second_mask = F.one_hot(second, num_classes=experts)
+    l_aux = _balance_loss(gates, first_mask, squared=True)
+    counts = (first_mask + second_mask).sum(dim=0).detach().to(logits.device)
     if drop_tokens:
-        capacity = _capacity(gates, torch.tensor(capacity_factor * 2), torch.tensor(min_capacity))
-        mask1 *= torch.lt(locations1, capacity)
-        mask2 *= torch.lt(locations2, capacity)
+        capacity, policy = _slots_per_expert(gates, capacity_factor * 2, min_capacity), "queue"
     else:
-        capacity = _undropped_capacity(exp_counts, ep_group)
-
-    locations1_s = torch.sum(locations1 * mask1, dim=1)
-    locations2_s = torch.sum(locations2 * mask2, dim=1)
-    mask1_float, mask2_float = mask1.float(), mask2.float()
-    gates1_s = einsum("se,se->s", gates, mask1_float)
-    gates2_s = einsum("se,se->s", gates, mask2_float)
-    denom_s = torch.clamp(gates1_s + gates2_s, min=torch.finfo(gates1_s.dtype).eps)
-    gates1_s /= denom_s
-    gates2_s /= denom_s
-
-    if sparse_routes:
-        indices1_s = torch.where(mask1.any(dim=1), indices1_s, torch.full_like(indices1_s, -1))
-        indices2_s = torch.where(mask2.any(dim=1), indices2_s, torch.full_like(indices2_s, -1))
-        return (l_aux, capacity, num_experts, torch.stack([indices1_s, indices2_s]).to(torch.int32),
-                torch.stack([locations1_s, locations2_s]).to(torch.int32), torch.stack([gates1_s, gates2_s]),
-                exp_counts)  # fmt: skip
-
-    gates1 = einsum("s,se->se", gates1_s, mask1_float)
-    gates2 = einsum("s,se->se", gates2_s, mask2_float)
-    locations1_sc = F.one_hot(locations1_s, num_classes=int(capacity)).float()
-    locations2_sc = F.one_hot(locations2_s, num_classes=int(capacity)).float()
-    combine_weights = einsum("se,sc->sec", gates1, locations1_sc) + einsum("se,sc->sec", gates2, locations2_sc)
-    return l_aux, combine_weights, combine_weights.bool(), exp_counts
+        capacity, policy = _busiest_expert(counts, ep_group), "all"
+    return _route(gates, torch.stack([first, second], dim=1), [first_mask, second_mask], capacity, policy,
+                  l_aux=l_aux, counts=counts, sparse=sparse_routes)  # fmt: skip
 
 
 def topkgating(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
                ep_group: Union[Any, None] = None, drop_policy: str = "probs", sparse_routes: bool = False) -> tuple:
-    """Top-k gating of ``logits`` ``[S, E]``; the k gate values of a token normalised to sum to 1. Over capacity,
-    ``drop_policy='probs'`` keeps each expert's most probable routes, ``'position'`` its first ones."""
+    """Each token to its ``k`` most probable experts, queued in token order; the k gate values rescaled to sum
+    to 1. Over capacity, ``drop_policy='probs'`` keeps an expert's highest-probability routes, ``'position'``
+    its earliest."""
     gates = F.softmax(logits, dim=1)
-    num_experts = int(gates.shape[1])
-    top_gate, top_idx = torch.topk(gates, k=k, dim=1)
-    mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, 1)
-    exp_counts = torch.sum(mask, dim=0).detach().to(logits.device)
-
-    me = torch.mean(gates, dim=0)
-    ce = torch.mean(mask.float(), dim=0)
-    l_aux = torch.mean(me * ce) * num_experts * num_experts / k
-
-    if drop_tokens:
-        capacity = _capacity(gates, torch.tensor(capacity_factor * k), torch.tensor(min_capacity))
-        if drop_policy == "probs":
-            routed_gates = torch.zeros_like(gates).scatter(1, top_idx, top_gate)
-            selection = min(capacity, torch.tensor(gates.size(0)).to(capacity.device))
-            _, kept = torch.topk(routed_gates, k=selection, dim=0, sorted=False)
-            mask &= torch.zeros_like(gates, dtype=torch.bool).scatter_(0, kept, True)
-            locations = torch.cumsum(mask, dim=0) - 1
-        elif drop_policy == "position":
-            locations = torch.cumsum(mask, dim=0) - 1
-            mask *= torch.lt(locations, capacity)
-        else:
-            raise ValueError(f"Invalid drop_policy: {drop_policy}")
+    picked = torch.topk(gates, k=k, dim=1)[1]
+    routed = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, picked, 1)
+    counts = routed.sum(dim=0).detach().to(logits.device)
+    l_aux = _balance_loss(gates, routed, squared=True, k=k)
+    if not drop_tokens:
+        capacity, policy = _busiest_expert(counts, ep_group), "all"
+    elif drop_policy in ("probs", "position"):
+        capacity = _slots_per_expert(gates, capacity_factor * k, min_capacity)
+        policy = "best" if drop_policy == "probs" else "queue"
     else:
-        capacity = _undropped_capacity(exp_counts, ep_group)
-        locations = torch.cumsum(mask, dim=0) - 1
+        raise ValueError(f"Invalid drop_policy: {drop_policy} (expected 'probs' or 'position')")
+    return _route(gates, picked, [routed], capacity, policy, gates * routed, l_aux=l_aux, counts=counts,
+                  sparse=sparse_routes)  # fmt: skip
 
-    gates_masked = gates * mask
-    denom_s = torch.clamp(torch.sum(gates_masked, dim=-1, keepdim=True), min=torch.finfo(gates_masked.dtype).eps)
-    gates_masked = gates_masked / denom_s
 
-    if sparse_routes:
-        kept_route = mask.gather(1, top_idx)
-        route_indices = torch.where(kept_route, top_idx, torch.full_like(top_idx, -1))
-        route_locations = locations.gather(1, top_idx) * kept_route
-        route_gates = gates_masked.gather(1, top_idx)
-        return (l_aux, capacity, num_experts, _stack_routes(route_indices, torch.int32),
-                _stack_routes(route_locations, torch.int32), _stack_routes(route_gates), exp_counts)  # fmt: skip
+def _route_slots(indices: Tensor, locations: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """Every route's row in the flat ``[E * C]`` expert buffer (``expert * C + position``); a dropped route
+    (expert -1) gets the spare row ``E * C`` that encode and decode ignore."""
+    spare = num_experts * capacity
+    row = indices.long().mul(capacity).add(locations.long())
+    return row.masked_fill(indices < 0, spare)
 
-    locations_sc = F.one_hot(locations * mask, num_classes=int(capacity)).float()
-    combine_weights = torch.einsum("se,sec->sec", gates_masked, locations_sc)
-    return l_aux, combine_weights, combine_weights.bool(), exp_counts
+
+def _sparse_encode(reshaped_input: Tensor, slots: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """The ``[E, C, M]`` buffer the experts read: each row filled from the token routed there, zeros where no
+    token was."""
+    tokens, width = reshaped_input.shape
+    owner = torch.full((num_experts * capacity + 1, ), tokens, dtype=torch.long, device=slots.device)
+    owner[slots.reshape(-1)] = torch.arange(tokens, device=slots.device).repeat(slots.shape[0])
+    with_blank = torch.cat([reshaped_input, reshaped_input.new_zeros(1, width)])
+    return with_blank[owner[:-1]].view(num_experts, capacity, width)
+
+
+def _sparse_decode(expert_output: Tensor, slots: Tensor, gates: Tensor, num_tokens: int) -> Tensor:
+    """Back to tokens: each token's rows of ``expert_output`` (``[E * C, M]``) times its gate values, summed over
+    its routes in the gates' precision, returned in the experts' dtype."""
+    width = expert_output.shape[-1]
+    with_blank = torch.cat([expert_output, expert_output.new_zeros(1, width)])
+    picked = with_blank[slots.reshape(-1)].view(*slots.shape, width)
+    return torch.einsum("ksm,ks->sm", picked, gates).to(expert_output.dtype)
 
 
 class TopKGate(Module):
-    """The router: a bias-free linear layer ``wg`` from the model dimension to the experts, in fp32, then top-1,
-    top-2 or top-k gating (``k``). ``capacity_factor`` applies in training, ``eval_capacity_factor`` in eval;
-    the noise policy only in training."""
+    """The router: ``wg``, a bias-free linear map from the model width to one logit per expert, evaluated in
+    fp32, followed by top-1, top-2 or top-k gating by ``k``. Training uses ``capacity_factor`` and the noise
+    policy; evaluation uses ``eval_capacity_factor`` and no noise."""
 
     wg: torch.nn.Linear
 
@@ -320,32 +288,28 @@ class TopKGate(Module):
                  top2_2nd_expert_sampling: bool = True) -> None:  # fmt: skip
         super().__init__()
         self.wg = torch.nn.Linear(model_dim, num_experts, bias=False)
-        self.ep_group = ep_group
-        self.k = k
-        self.capacity_factor = capacity_factor
-        self.eval_capacity_factor = eval_capacity_factor
-        self.min_capacity = min_capacity
-        self.noisy_gate_policy = noisy_gate_policy
-        self.wall_clock_breakdown = False
-        self.gate_time = 0.0
-        self.drop_tokens = drop_tokens
-        self.use_rts = use_rts
+        self.k, self.ep_group = k, ep_group
+        self.capacity_factor, self.eval_capacity_factor = capacity_factor, eval_capacity_factor
+        self.min_capacity, self.noisy_gate_policy = min_capacity, noisy_gate_policy
+        self.drop_tokens, self.use_rts = drop_tokens, use_rts
         self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
+        self.wall_clock_breakdown, self.gate_time = False, 0.0
 
     def _set_ep_group(self, ep_group: Any) -> None:
-        assert self.ep_group is None, "Attempting to override an existing ep_group"
+        if self.ep_group is not None:
+            raise ValueError("this gate already has an expert-parallel group; it is set once")
         self.ep_group = ep_group
 
     def forward(self, input: Tensor, used_token: Tensor = None, sparse_routes: bool = False,
                 use_tutel: bool = False) -> tuple:  # fmt: skip
-        input_fp32 = input.float()
-        if self.noisy_gate_policy == "Jitter" and self.training:
-            input_fp32 = multiplicative_jitter(input_fp32, device=input.device)
-        logits = F.linear(input_fp32, weight=self.wg.weight.float(), bias=None)
+        x = input.float()
+        noise = self.noisy_gate_policy if self.training else None
+        if noise == "Jitter":
+            x = multiplicative_jitter(x, device=input.device)
+        logits = F.linear(x, self.wg.weight.float())
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
-            return top1gating(logits, factor, self.min_capacity, used_token,
-                              self.noisy_gate_policy if self.training else None, self.drop_tokens, self.use_rts,
+            return top1gating(logits, factor, self.min_capacity, used_token, noise, self.drop_tokens, self.use_rts,
                               self.ep_group, sparse_routes, use_tutel)  # fmt: skip
         if self.k == 2:
             return top2gating(logits, factor, self.min_capacity, self.drop_tokens, self.ep_group,
@@ -355,61 +319,57 @@ class TopKGate(Module):
 
 
 class MOELayer(Module):
-    """Gate, dispatch, experts, combine. The experts of the layer are spread over the ``ep_size`` ranks of the
-    expert-parallel group (``num_local_experts`` on each): the ``[E, C, M]`` buffer of dispatched tokens is
-    exchanged so that each rank receives every rank's tokens for its own experts, and the results go back the
-    same way. ``l_aux`` and ``exp_counts`` of the last forward are kept on the layer."""
+    """Route, dispatch, run the experts, combine. With ``ep_size`` ranks in the expert-parallel group, each
+    holding ``num_local_experts`` experts, the ``[E, C, M]`` dispatch buffer is exchanged all-to-all so every
+    rank gets all ranks' tokens for its experts, and the expert results return the same way. The last
+    forward's ``l_aux`` and ``exp_counts`` stay on the layer."""
 
     def __init__(self, gate: Module, experts: Module, ep_group_name: str, ep_size: int, num_local_experts: int,
                  use_tutel: bool = False) -> None:  # fmt: skip
         super().__init__()
-        self.gate = gate
-        self.experts = experts
-        self.ep_group = None
-        self.ep_size = ep_size
-        self.ep_group_name = ep_group_name
+        self.gate, self.experts = gate, experts
+        self.ep_group, self.ep_group_name, self.ep_size = None, ep_group_name, ep_size
         self.num_local_experts = num_local_experts
-        self.time_falltoall = 0.0
-        self.time_salltoall = 0.0
-        self.time_moe = 0.0
+        self.time_falltoall = self.time_salltoall = self.time_moe = 0.0
         self.wall_clock_breakdown = False
         self.use_tutel = False
         if use_tutel:
-            log.warning("MoE(use_tutel=True): Tutel's fused dispatch is not used by torsh; the layer runs torch's "
-                        "dispatch (the same results)")  # fmt: skip
+            log.warning("MoE(use_tutel=True) is accepted but Tutel is not used: torsh dispatches with torch "
+                        "operations, which give the same results")  # fmt: skip
 
     def _set_ep_group(self, ep_group: Any) -> None:
         self.ep_group = ep_group
         self.gate._set_ep_group(ep_group)
 
     def forward(self, *input: Tensor, **kwargs: Any) -> Tensor:
-        d_model = input[0].shape[-1]
-        tokens = input[0].reshape(-1, d_model)
-        self.l_aux, capacity, num_experts, indices, locations, gates, self.exp_counts = self.gate(
-            tokens, input[1] if len(input) > 1 else None, True, False)
-        capacity = int(capacity)
-        slots = _route_slots(indices, locations, num_experts, capacity)
-        dispatched = _sparse_encode(tokens, slots, num_experts, capacity)
+        hidden = input[0]
+        width = hidden.shape[-1]
+        flat = hidden.reshape(-1, width)
+        mask = input[1] if len(input) > 1 else None
+        routes = self.gate(flat, mask, True, False)
+        self.l_aux, capacity, experts, self.exp_counts = routes[0], int(routes[1]), routes[2], routes[6]
+        rows = _route_slots(routes[3], routes[4], experts, capacity)
+        buffer = _sparse_encode(flat, rows, experts, capacity)
 
-        tp = tensor_parallel_world_size()
-        expert_tp = groups._get_expert_model_parallel_world_size() > 1
-        if tp > 1:  # the tensor-parallel ranks hold the same tokens: each sends only its share of the slots
-            dispatched = drop_tokens(dispatched, dim=1)
-        dispatched = self._exchange(dispatched)
-        if tp > 1 and expert_tp:
-            dispatched = gather_tokens(dispatched, dim=1)
-        expert_output = self.experts(dispatched.reshape(self.ep_size, self.num_local_experts, -1, d_model))
-        expert_output = expert_output.reshape(self.ep_size * self.num_local_experts, -1, d_model)
-        if tp > 1 and expert_tp:
-            expert_output = drop_tokens(expert_output, dim=1)
-        expert_output = self._exchange(expert_output)
-        if tp > 1:
-            expert_output = gather_tokens(expert_output, dim=1)
-        combined = _sparse_decode(expert_output.view(num_experts * capacity, d_model), slots, gates, tokens.size(0))
-        return combined.reshape(input[0].shape)
+        split_slots = tensor_parallel_world_size() > 1  # tensor-parallel peers hold the same tokens
+        expert_tp = split_slots and groups._get_expert_model_parallel_world_size() > 1
+        if split_slots:
+            buffer = drop_tokens(buffer, dim=1)
+        buffer = self._exchange(buffer)
+        if expert_tp:
+            buffer = gather_tokens(buffer, dim=1)
+        results = self.experts(buffer.reshape(self.ep_size, self.num_local_experts, -1, width))
+        results = results.reshape(self.ep_size * self.num_local_experts, -1, width)
+        if expert_tp:
+            results = drop_tokens(results, dim=1)
+        results = self._exchange(results)
+        if split_slots:
+            results = gather_tokens(results, dim=1)
+        merged = _sparse_decode(results.view(experts * capacity, width), rows, routes[5], flat.shape[0])
+        return merged.reshape(hidden.shape)
 
     def _exchange(self, buffer: Tensor) -> Tensor:
-        """The all-to-all over the expert-parallel group (none with one rank per layer's experts)."""
+        """The all-to-all over the expert-parallel group (nothing to exchange when ``ep_size`` is 1)."""
         if self.ep_size == 1:
             return buffer.contiguous()
         if self.ep_group is None:
