@@ -171,21 +171,10 @@ def _optimizer(client: Any, cls: type | None, defaults: dict | None, named: list
                optimizer: Any, *, offload: bool) -> Any:  # fmt: skip
     """The optimizer over the flat masters: group i of the script's groups over every partition's master i (the
     partitions without elements of the group left out, the shared one always kept)."""
-    from ..optim import adopt_construction, construct, forward_client
+    from ..zero.partition import optimizer_over
 
     params = []
     for i, group in enumerate(named):
         masters = [parts[0].masters[i]] + [part.masters[i] for part in parts[1:] if part.masters[i].numel()]
         params.append({**group, "params": masters})
-    if cls is not None:
-        defaults, params = adopt_construction(cls, defaults, params)
-        built = construct(cls, params, defaults)
-        forward_client(client, built)
-        return built
-    if callable(client):
-        return client(params)
-    if optimizer is not None and optimizer.name:
-        from ..optim import build_optimizer
-
-        return build_optimizer(optimizer, params, offload=offload)
-    return None
+    return optimizer_over(params, client, cls, defaults, optimizer, offload=offload)

@@ -609,9 +609,16 @@ def _partition_optimizer(client: Any, cls: type | None, defaults: dict | None, n
     """The optimizer over the partition's flat masters, one parameter per group: the script's class and arguments
     (its object then a view of this one), its callable's, or the configured one (``offload``: built for CPU
     tensors); None without any."""
+    params = [{**g, "params": [m]} for g, m in zip(named, partition.masters)]
+    return optimizer_over(params, client, cls, defaults, optimizer, offload=offload)
+
+
+def optimizer_over(params: list[dict], client: Any, cls: type | None, defaults: dict | None,
+                   optimizer: OptimizerConfig | None, *, offload: bool) -> Any:
+    """The optimizer over ``params`` (groups of flat masters): the script's class and arguments (its object then a
+    view of this one), its callable's, or the configured one; None without any. Shared by every flat layout."""
     from ..optim import adopt_construction, construct, forward_client
 
-    params = [{**g, "params": [m]} for g, m in zip(named, partition.masters)]
     if cls is not None:
         defaults, params = adopt_construction(cls, defaults, params)
         built = construct(cls, params, defaults)
