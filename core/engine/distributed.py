@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,6 +136,7 @@ def elastic_store(world_size: int, timeout: datetime.timedelta | None = None) ->
 
 _teardowns: list[weakref.ReferenceType] = []
 _exit_handler_registered = False
+_GIL_HANDOFF_S = 0.02
 
 
 def on_shutdown(callback: Callable[[], object]) -> None:
@@ -176,6 +178,11 @@ def shutdown(*, destroy_group: bool = True) -> None:
         except Exception as exc:  # noqa: BLE001
             log.warning("shutdown: destroy_process_group failed: %s: %s", type(exc).__name__, exc)
     gc.collect()
+    # A group something still references (a layer holding its sequence or expert group) keeps its gloo threads
+    # after the destroy. Such a thread releases the tensors of the collective it just ran after the caller has
+    # moved on, and needs the GIL to do it; waiting for the GIL once finalisation has begun aborts the process.
+    # Releasing the GIL here for a moment lets it finish first.
+    time.sleep(_GIL_HANDOFF_S)
 
 
 def _shutdown_at_exit() -> None:
@@ -187,7 +194,8 @@ def _shutdown_at_exit() -> None:
 
 
 def register_exit_handler() -> None:
-    """Run :func:`shutdown` at interpreter exit (once, however often called); for code that creates its own group."""
+    """Run :func:`shutdown` at interpreter exit (once, however often called); for code that creates its own group,
+    and for layers that hold a process group the script may have created itself."""
     global _exit_handler_registered
     if not _exit_handler_registered:
         atexit.register(_shutdown_at_exit)
