@@ -222,8 +222,8 @@ class MonitoringConfig(Section):
 class ParallelismConfig(Section):
     """The parallel degrees of the job's device mesh, named as torchtitan and Accelerate name them.
 
-    The data-parallel degree is what the others leave: world size / (tp x pp x cp). Within it, the shard group is
-    ``sharding.hybrid_shard_size`` (the dp_shard degree; None: every data-parallel rank) and ``dp_replicate`` the
+    The data-parallel degree is what the others leave: world size / (tp x pp x cp x sp). Within it, the shard group
+    is ``sharding.hybrid_shard_size`` (the dp_shard degree; None: every data-parallel rank) and ``dp_replicate`` the
     number of groups; give one of the two, the other follows from the world size.
     """
 
@@ -235,7 +235,11 @@ class ParallelismConfig(Section):
     pp: Annotated[int, Field(gt=0, le=MAX_PROCESSES)] | MaybeAuto = 1
     """Pipeline-parallel degree (pipeline stages). "auto": the stages of a DeepSpeed ``PipelineModule``."""
     cp: Annotated[int, Field(gt=0, le=MAX_PROCESSES)] = 1
-    """Context (sequence) parallel degree."""
+    """Context parallel degree (torch's context_parallel: ring attention over a sequence split across ranks)."""
+    sp: Annotated[int, Field(gt=0, le=MAX_PROCESSES)] = 1
+    """Sequence-parallel degree (DeepSpeed-Ulysses, DeepSpeed's ``sequence_parallel_size``): each sequence is split
+    over this many consecutive ranks, whose ``DistributedAttention`` exchanges heads for sequence; gradients are
+    summed over them and averaged over the world size / sp data-parallel replicas, as DeepSpeed reduces them."""
     tp_plan: dict[str, Literal["colwise", "rowwise"]] | None = None
     """Which linear layers tensor parallelism splits: module-name patterns (``*`` matches within one dotted name,
     ``**`` across them) -> colwise or rowwise. None: the default plan for Hugging Face-style names."""
