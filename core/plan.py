@@ -150,11 +150,14 @@ class Degrees:
     """Replicas of the data-parallel shard groups (1: no HSDP)."""
     dp_shard: int
     """Ranks of one data-parallel shard group (1 under DDP)."""
+    sp: int = 1
+    """Sequence-parallel degree (DeepSpeed-Ulysses): consecutive data-parallel ranks that share one sequence. The
+    gradient reduction and the shards span them (DeepSpeed's sequence-data-parallel group); the batch does not."""
 
     @property
     def dp(self) -> int:
-        """The data-parallel degree: the ranks the batch is split over."""
-        return self.dp_replicate * self.dp_shard
+        """The data-parallel degree: the ranks the batch is split over (the sequence-parallel peers share one)."""
+        return self.dp_replicate * self.dp_shard // self.sp
 
     @property
     def dims(self) -> tuple[tuple[str, int], ...]:
@@ -177,7 +180,7 @@ class Degrees:
     def dp_rank(self, rank: int) -> int:
         """``rank``'s index among the data-parallel ranks (which batch shard it reads)."""
         at = self.coordinates(rank)
-        return at.get("dp_replicate", 0) * self.dp_shard + at.get("dp_shard", 0)
+        return (at.get("dp_replicate", 0) * self.dp_shard + at.get("dp_shard", 0)) // self.sp
 
 
 def pipeline_degree(cfg: TorshConfig) -> int:
@@ -193,9 +196,16 @@ def degrees(cfg: TorshConfig, world_size: int) -> Degrees | None:
     par, s = cfg.parallelism, cfg.sharding
     tp, pp, cp = par.tp, pipeline_degree(cfg), par.cp
     model = tp * pp * cp
-    if world_size < 1 or world_size % model:
+    if world_size < 1 or world_size % (model * par.sp):
         return None
-    dp = world_size // model
+    # Ulysses' sequence-parallel peers are data-parallel ranks of the reduction and the shards, not of the batch
+    laid = _data_degrees(cfg, world_size, tp, pp, cp, world_size // model)
+    return None if laid is None else replace(laid, sp=par.sp)
+
+
+def _data_degrees(cfg: TorshConfig, world_size: int, tp: int, pp: int, cp: int, dp: int) -> Degrees | None:
+    """The data-parallel split of ``dp`` ranks (replicas x shard group) at the config's stage."""
+    par, s = cfg.parallelism, cfg.sharding
     if s.stage < 2:  # DDP replicates; with tensor parallelism FSDP2 shards over the data-parallel ranks (see plan)
         return Degrees(world_size, tp, pp, cp, dp_replicate=1 if tp > 1 else dp, dp_shard=dp if tp > 1 else 1)
     if par.dp_replicate is not None:
@@ -223,6 +233,10 @@ def degree_problems(cfg: TorshConfig, world_size: int) -> list[Problem]:
                         f"parallelism.{max(named, key=named.get)}")]  # fmt: skip
     dp = world_size // model
     problems = []
+    if dp % par.sp:
+        problems.append(Problem("parallelism.sp", par.sp, f"the sequence-parallel degree must divide the {dp} "
+                                f"data-parallel rank(s) (world size {world_size}): launch a multiple of {par.sp} "
+                                "processes, or lower it"))  # fmt: skip
     if s.stage >= 2 and par.dp_replicate is not None and dp % par.dp_replicate:
         problems.append(Problem("parallelism.dp_replicate", par.dp_replicate, f"must divide the {dp} data-parallel "
                                 f"ranks (world size {world_size} / {model} for tp x pp x cp)"))  # fmt: skip
@@ -241,8 +255,14 @@ def _model_parallel_refusals(cfg: TorshConfig, *, pipeline: bool = False) -> lis
     if par.cp > 1:
         problems.append(Problem("parallelism.cp", par.cp, "context parallelism is not run by the torsh engine "
                                 "(torch's context_parallel is experimental and only splits scaled-dot-product "
-                                "attention); set it to 1 and fit long sequences with activation checkpointing, "
-                                "sharding.stage 3 or parallelism.tp"))  # fmt: skip
+                                "attention); set it to 1 and fit long sequences with DeepSpeed-Ulysses sequence "
+                                "parallelism (parallelism.sp: DeepSpeed's sequence_parallel_size, Accelerate's "
+                                "sp_size), activation checkpointing, sharding.stage 3 or parallelism.tp"))  # fmt: skip
+    others = {k: v for k, v in (("tp", par.tp), ("pp", pipeline_degree(cfg)), ("cp", par.cp)) if v > 1}
+    if par.sp > 1 and (others or pipeline):
+        problems.append(Problem("parallelism.sp", par.sp, "sequence parallelism is run beside data parallelism "
+                                "only, not with " + (", ".join(f"parallelism.{k} {v}" for k, v in others.items())
+                                                     or "a PipelineModule") + ": set one of them to 1"))  # fmt: skip
     if pipeline_degree(cfg) > 1 and not pipeline:
         problems.append(Problem("parallelism.pp", par.pp, "pipeline parallelism runs only for a "
                                 "deepspeed.pipe.PipelineModule (the pipeline engine): pass one to initialize, or set "
@@ -363,6 +383,7 @@ def _dtype(value: object) -> str:
 
 def _with_steps(decided: EnginePlan, cfg: TorshConfig) -> EnginePlan:
     steps = _mesh_steps(decided, cfg)
+    steps += sequence_steps(decided.degrees)
     steps += _checkpointing_steps(cfg)
     if decided.tp > 1:
         steps.append(tp_plan_step(cfg))
@@ -430,6 +451,26 @@ def _mesh_steps(decided: EnginePlan, cfg: TorshConfig) -> list[str]:
     more = f"; ... ({decided.world_size - _RANKS_LISTED} more)" if decided.world_size > _RANKS_LISTED else ""
     lines.append("what runs where: " + "; ".join(placed) + more)
     return lines
+
+
+def sequence_groups(world_size: int, sp: int) -> tuple[list[list[int]], list[int]]:
+    """DeepSpeed-Ulysses' groups on ``world_size`` ranks (``parallel_state_sp.initialize_sequence_parallel``): the
+    sequence-parallel groups of ``sp`` consecutive ranks, and the sequence-data-parallel group of every rank."""
+    return [list(range(first, first + sp)) for first in range(0, world_size, sp)], list(range(world_size))
+
+
+def sequence_steps(laid: Degrees | None) -> list[str]:
+    """The sequence-parallel degree and groups in words (nothing without sequence parallelism)."""
+    if laid is None or laid.sp == 1:
+        return []
+    sp_groups, everyone = sequence_groups(laid.world_size, laid.sp)
+    listed = "; ".join(str(g) for g in sp_groups[:_RANKS_LISTED]) + (" ..." if len(sp_groups) > _RANKS_LISTED else "")
+    every = str(everyone) if laid.world_size <= _RANKS_LISTED else f"[0..{laid.world_size - 1}]"
+    return [f"sequence parallelism (DeepSpeed-Ulysses) of degree {laid.sp}: sequence-parallel groups {listed} (each "
+            f"sequence split over one group; the model's DistributedAttention all-to-alls heads for sequence in it), "
+            f"sequence-data-parallel group {every} (gradient reduction and ZeRO partitions); gradients summed over "
+            f"the sp ranks and averaged over the {laid.dp} data-parallel replica(s) (all-reduce over every rank / "
+            f"{laid.dp}, as DeepSpeed); the sp ranks of a group read the same batch shard"]  # fmt: skip
 
 
 #: The default tensor-parallel plan: a linear layer's last name -> how it is split (Hugging Face-style names, as
