@@ -65,7 +65,7 @@ def test_zero_init_starts_distributed_when_not_started(pp):
 def test_parameters_are_partitioned_when_their_constructor_returns(pp):
     from torsh.engine.zero.params import ZeroParamStatus
 
-    with pp.Init():
+    with pp.Init(dtype=torch.float):
         model = _Model()
     params = list(model.parameters())
     assert all(p.numel() == 0 for p in params)  # DeepSpeed leaves param.data empty
@@ -81,7 +81,7 @@ def test_parameters_are_partitioned_when_their_constructor_returns(pp):
 
 def test_a_change_after_the_constructor_returned_is_dropped_as_under_deepspeed(pp):
     torch.manual_seed(0)
-    with pp.Init():
+    with pp.Init(dtype=torch.float):
         model = _Model(post_init=True)
     with torch.no_grad():
         model.blocks[1].scale.mul_(3)  # after the context: the data is empty
@@ -91,7 +91,7 @@ def test_a_change_after_the_constructor_returned_is_dropped_as_under_deepspeed(p
 
 
 def test_module_apply_inside_the_context_gathers_each_module(pp):
-    with pp.Init():
+    with pp.Init(dtype=torch.float):
         model = _Model(apply=True)
     assert torch.equal(_whole(pp, model.blocks[0].proj.bias), torch.full((3,), 7.0))
     assert model.blocks[0].proj.bias.numel() == 0  # partitioned again
@@ -99,7 +99,7 @@ def test_module_apply_inside_the_context_gathers_each_module(pp):
 
 
 def test_gathered_parameters_keeps_a_write_only_with_a_modifier_rank(pp):
-    with pp.Init():
+    with pp.Init(dtype=torch.float):
         model = _Model()
     with pp.GatheredParameters([model.gain], modifier_rank=0):
         assert model.gain.shape == (2,)
@@ -115,7 +115,7 @@ def test_gathered_parameters_keeps_a_write_only_with_a_modifier_rank(pp):
 def test_deepspeeds_parameter_methods(pp):
     from torsh.engine.zero.params import ZeroParamStatus
 
-    with pp.Init():
+    with pp.Init(dtype=torch.float):
         layer = nn.Linear(4, 2)
     layer.weight.all_gather()
     assert layer.weight.shape == (2, 4) and layer.weight.ds_status is ZeroParamStatus.AVAILABLE
@@ -127,7 +127,7 @@ def test_deepspeeds_parameter_methods(pp):
 
 
 def test_skip_init_modules_are_partitioned_once_they_have_storage(pp):
-    with pp.Init():
+    with pp.Init(dtype=torch.float):
         layer = torch.nn.utils.skip_init(nn.Linear, 5, 4)
     assert layer.weight.numel() == 0 and layer.weight.ds_tensor.numel() == 20
 
@@ -139,8 +139,8 @@ def test_module_argument_nesting_and_disabled(pp):
     with pp.Init(enabled=False):
         plain = nn.Linear(2, 2)
     assert plain.weight.numel() == 4 and not pp.is_zero_param(plain.weight)
-    with pp.Init():
-        with pp.Init():  # nested, as transformers nests it
+    with pp.Init(dtype=torch.float):
+        with pp.Init(dtype=torch.float):  # nested, as transformers nests it
             inner = nn.Linear(2, 2)
         outer = nn.Linear(2, 2)
     assert inner.weight.numel() == outer.weight.numel() == 0
@@ -151,14 +151,14 @@ def test_module_argument_nesting_and_disabled(pp):
 def test_a_failed_construction_restores_the_constructors(pp):
     original = nn.Linear.__init__
     with pytest.raises(RuntimeError, match="boom"):
-        with pp.Init():
+        with pp.Init(dtype=torch.float):
             _Model()
             raise RuntimeError("boom")
     assert nn.Linear.__init__ is original and nn.Linear(2, 2).weight.numel() == 4
 
 
 def test_classes_defined_inside_the_context_are_partitioned_too(pp):
-    with pp.Init():
+    with pp.Init(dtype=torch.float):
         class Late(nn.Module):
             def __init__(self):
                 super().__init__()
@@ -181,7 +181,7 @@ def test_a_whole_model_is_made_of_the_partitions_one_parameter_at_a_time(pp):
     torch.manual_seed(0)
     reference = _Model()
     torch.manual_seed(0)
-    with pp.Init():
+    with pp.Init(dtype=torch.float):
         model = _Model()
     assert construction.materialize(model) == 7
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):

@@ -65,16 +65,16 @@ def modify(rank: int, world_size: int, scenario: dict) -> dict:
 def train(rank: int, world_size: int, scenario: dict) -> dict:
     """Three steps of the tiny LM at ``stage``, built under ``zero.Init`` or whole (``init``), seed 0 either way."""
     ds = _ds("torsh")
-    torch.manual_seed(0)
-    if scenario["init"]:
-        with ds.zero.Init():
-            model = h.build_model(0)
-    else:
-        model = h.build_model(0)
     extra = {"bf16": {"enabled": True}} if scenario.get("bf16") else {}
     config = h.ds_config(scenario["stage"], **extra)
     if scenario.get("offload"):
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    torch.manual_seed(0)
+    if scenario["init"]:  # built in fp32 (a bf16 config alone would draw the weights in bf16, as DeepSpeed does)
+        with ds.zero.Init(config_dict_or_path=config, dtype=torch.float):
+            model = h.build_model(0)
+    else:
+        model = h.build_model(0)
     engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
     losses = []
     for step in range(3):

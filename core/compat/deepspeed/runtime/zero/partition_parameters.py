@@ -40,10 +40,10 @@ class ZeroParamType(Enum):
     REMOTE = 3
 
 
-# The torch constructors as they were before any ``zero.Init``, and DeepSpeed's wrapper for them. torsh's ``Init``
-# does not wrap constructors (the model is built normally and sharded at ``initialize``), but transformers swaps
-# the wrapper for one of its own around ``zero.Init`` (``prevent_arange_dtype_change``, every ``from_pretrained``
-# at ZeRO-3) and compares the constructor with ``_orig_torch_arange``.
+# The torch constructors as they were before any ``zero.Init``. While the outermost context is entered they are
+# replaced by :func:`zero_wrapper_for_fp_tensor_constructor` around these (looked up by name when the context is
+# entered: transformers swaps it for one of its own, ``prevent_arange_dtype_change``, and compares the constructor
+# with ``_orig_torch_arange``).
 _orig_torch_tensor, _orig_torch_empty, _orig_torch_zeros, _orig_torch_ones = (torch.tensor, torch.empty, torch.zeros,
                                                                               torch.ones)  # fmt: skip
 _orig_torch_full, _orig_torch_arange, _orig_torch_eye, _orig_torch_randn = (torch.full, torch.arange, torch.eye,
@@ -63,6 +63,87 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype, target_device):
         return tensor
 
     return wrapped_fn
+
+
+def get_new_tensor_fn_for_dtype(target_fp_dtype, target_device):
+    """``torch.Tensor.__new__`` inside ``zero.Init``: an uninitialised tensor of the given shape on
+    ``target_device``, floating ones in ``target_fp_dtype`` (DeepSpeed's signature and behaviour)."""
+
+    def new_tensor(cls, *args, **kwargs):
+        base = _orig_torch_empty(0) if target_device is None else _orig_torch_empty(0, device=target_device)
+        tensor = base.new_empty(*(args or (0,)), **kwargs)
+        if target_fp_dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(target_fp_dtype)
+        return tensor
+
+    return new_tensor
+
+
+class DeepSpeedTensorOverride(Enum):
+    """What ``zero.Init`` changes in the tensors made inside it (``tensor_overrides``): their floating dtype, their
+    device, or both (the default)."""
+
+    dtype = 1
+    device = 2
+
+
+DEFAULT_TENSOR_OVERRIDES = [DeepSpeedTensorOverride.dtype, DeepSpeedTensorOverride.device]
+_CONSTRUCTORS = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
+
+
+def _add_tensor_creation_wrappers(target_fp_dtype, target_device) -> None:
+    """Floating tensors made by torch's constructors become ``target_fp_dtype`` and land on ``target_device`` (when
+    no device is named), as inside DeepSpeed's ``zero.Init``: a layer's weights are drawn in the parameter dtype
+    DeepSpeed gives them, not drawn in fp32 and cast later (which gives other values)."""
+    _patched["Tensor.__new__"] = torch.Tensor.__new__
+    torch.Tensor.__new__ = get_new_tensor_fn_for_dtype(target_fp_dtype, target_device)
+    wrap = globals()["zero_wrapper_for_fp_tensor_constructor"]  # as it is now (transformers may have swapped it)
+    for name in _CONSTRUCTORS:
+        original = globals()[f"_orig_torch_{name}"]
+        setattr(torch, name, wrap(original, target_fp_dtype=target_fp_dtype, target_device=target_device))
+
+
+def _remove_tensor_creation_wrappers() -> None:
+    if "Tensor.__new__" not in _patched:
+        return
+    torch.Tensor.__new__ = _patched.pop("Tensor.__new__")
+    for name in _CONSTRUCTORS:
+        setattr(torch, name, globals()[f"_orig_torch_{name}"])
+
+
+def _init_dtype(ds_config, dtype) -> torch.dtype:
+    """The floating dtype ``zero.Init`` builds parameters in, by DeepSpeed's rule: ``dtype`` when given; else the
+    config's (bf16, fp16, or fp32 when it enables neither); with no config either, fp16 where the accelerator
+    supports it, else bf16, else fp32."""
+    from ...accelerator import get_accelerator
+
+    if dtype is None and ds_config is not None:
+        precision = {key: ds_config.get(key) for key in ("bf16", "bfloat16", "fp16")}
+        enabled = {key for key, section in precision.items() if isinstance(section, dict) and
+                   section.get("enabled") is True}  # fmt: skip
+        if "fp16" in enabled and enabled & {"bf16", "bfloat16"}:
+            raise RuntimeError("bfloat16 and fp16 cannot be enabled at once")
+        return torch.bfloat16 if enabled & {"bf16", "bfloat16"} else torch.half if enabled else torch.float
+    if dtype is not None:
+        chosen = dtype
+    else:
+        accelerator = get_accelerator()
+        chosen = (torch.float16 if accelerator.is_fp16_supported() else
+                  torch.bfloat16 if accelerator.is_bf16_supported() else torch.float32)  # fmt: skip
+    if chosen not in (torch.half, torch.bfloat16, torch.float):
+        raise ValueError(f"zero.Init(dtype={chosen}): the parameter dtype must be torch.half, torch.bfloat16 or "
+                         "torch.float")  # fmt: skip
+    return chosen
+
+
+def _local_device() -> torch.device:
+    """The device ``zero.Init`` builds on (DeepSpeed's ``local_device``): this process's GPU on a CUDA machine, else
+    the CPU."""
+    from ...accelerator import get_accelerator
+
+    import os
+
+    return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0") or 0)))
 
 
 _init_lock = threading.Lock()
@@ -219,9 +300,12 @@ class InsertPostInitMethodToModuleSubClasses:
     ``torch.nn.functional.linear`` becomes DeepSpeed's ZeRO-3 linear (:func:`enable_memory_efficient_linear`).
     Nested contexts patch once, with the outermost one's settings; the last one out restores the constructors."""
 
-    def __init__(self, enabled=True, mem_efficient_linear=True, ds_config=None, dtype=None):  # noqa: ARG002
+    def __init__(self, enabled=True, mem_efficient_linear=True, ds_config=None, dtype=None):
         self.enabled = enabled
         self.mem_efficient_linear = mem_efficient_linear
+        self.dtype = _init_dtype(ds_config, dtype)
+        if not hasattr(self, "tensor_overrides"):
+            self.tensor_overrides = list(DEFAULT_TENSOR_OVERRIDES)
 
     def _enable_mem_efficient_linear(self) -> None:
         enable_memory_efficient_linear()
@@ -231,6 +315,11 @@ class InsertPostInitMethodToModuleSubClasses:
             with _init_lock:
                 if not _active:
                     _patch()
+                    overrides = self.tensor_overrides or ()
+                    if overrides:
+                        _add_tensor_creation_wrappers(
+                            self.dtype if DeepSpeedTensorOverride.dtype in overrides else None,
+                            _local_device() if DeepSpeedTensorOverride.device in overrides else None)
                     if self.mem_efficient_linear:
                         self._enable_mem_efficient_linear()
                 _active.append(self)
@@ -241,6 +330,7 @@ class InsertPostInitMethodToModuleSubClasses:
             with _init_lock:
                 _active.pop()
                 if not _active:
+                    _remove_tensor_creation_wrappers()
                     _unpatch()
         return False
 
@@ -299,8 +389,11 @@ class Init(InsertPostInitMethodToModuleSubClasses):
     ``enabled=False`` changes nothing. ``mem_efficient_linear`` (the config's
     ``zero_optimization.memory_efficient_linear`` when a config is given) installs DeepSpeed's ZeRO-3
     ``F.linear`` when the context is entered or ``module=`` is given (:func:`enable_memory_efficient_linear`).
-    ``dtype`` and the ZeRO++ quantisation arguments are accepted and have no effect (the engine casts at
-    ``initialize``); ``weight_quantization.quantized_initialization`` in the config is refused.
+    Floating tensors made inside the context are built in DeepSpeed's parameter dtype (``dtype``, else the config's
+    bf16/fp16, fp32 when it enables neither; with neither, fp16 where the accelerator supports it, else bf16) on
+    this process's device, so weights are drawn as DeepSpeed draws them (``tensor_overrides`` chooses which of the
+    two is changed, as in DeepSpeed). The ZeRO++ quantisation arguments are accepted and have no effect;
+    ``weight_quantization.quantized_initialization`` in the config is refused.
     Usable as a context manager or a decorator.
     """
 
@@ -311,13 +404,17 @@ class Init(InsertPostInitMethodToModuleSubClasses):
                  tensor_overrides=None):  # fmt: skip
         if config is not None:
             config_dict_or_path = config
+        ds_config = None
         if config_dict_or_path is not None:
-            from ..config import check_gradient_allreduce_op
+            from ..config import _as_dict, check_gradient_allreduce_op
 
             check_gradient_allreduce_op(config_dict_or_path)  # DeepSpeed reads (and checks) the config here
             _refuse_quantized_initialization(config_dict_or_path)
+            ds_config = _as_dict(config_dict_or_path) or {}
+        self.tensor_overrides = list(DEFAULT_TENSOR_OVERRIDES if tensor_overrides is None else tensor_overrides)
         super().__init__(enabled=enabled, mem_efficient_linear=_memory_efficient_linear(config_dict_or_path,
-                                                                                        mem_efficient_linear))
+                                                                                        mem_efficient_linear),
+                         ds_config=ds_config, dtype=dtype)  # fmt: skip
         if not dist.is_initialized():
             from ...comm import init_distributed
 
