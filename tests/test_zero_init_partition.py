@@ -187,3 +187,54 @@ def test_a_whole_model_is_made_of_the_partitions_one_parameter_at_a_time(pp):
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.equal(p, q), name
         assert not construction.is_partitioned(p)
+
+
+def test_tensors_made_inside_are_built_in_deepspeeds_parameter_dtype(pp, monkeypatch):
+    """DeepSpeed's rule: ``dtype`` if given, else the config's bf16/fp16 (fp32 when it enables neither), else fp16
+    where the accelerator supports it, bf16 otherwise; ``tensor_overrides`` without the dtype leaves fp32. Weights
+    are drawn in that dtype (not drawn in fp32 and cast), and the constructors are torch's again afterwards."""
+    from torsh.compat.deepspeed.accelerator import get_accelerator
+
+    def built(**kwargs):
+        torch.manual_seed(0)
+        with pp.Init(**kwargs):
+            layer = nn.Linear(4, 4)
+            made = torch.zeros(2), torch.empty(2), torch.tensor([1.0]), torch.tensor([1]), torch.Tensor(2)
+        return layer, made
+
+    layer, made = built(config_dict_or_path={"train_batch_size": 2, "bf16": {"enabled": True}})
+    assert layer.weight.ds_tensor.dtype == torch.bfloat16 and layer.weight.dtype == torch.bfloat16
+    assert [t.dtype for t in made] == [torch.bfloat16] * 3 + [torch.int64, torch.bfloat16]
+    torch.manual_seed(0)
+    drawn = torch.empty(4, 4, dtype=torch.bfloat16)
+    nn.init.kaiming_uniform_(drawn, a=5 ** 0.5)  # what Linear draws, in bf16
+    assert torch.equal(_whole(pp, layer.weight), drawn)
+    assert torch.empty(2).dtype == torch.float32 and torch.Tensor.__new__ is not None  # restored on exit
+    assert built(config_dict_or_path={"train_batch_size": 2, "fp16": {"enabled": True}})[0].weight.dtype == torch.half
+    assert built(config_dict_or_path={"train_batch_size": 2})[0].weight.dtype == torch.float32
+    assert built(dtype=torch.half)[0].weight.dtype == torch.half
+    assert built(dtype=torch.bfloat16, tensor_overrides=[])[0].weight.dtype == torch.float32
+    accelerator = get_accelerator()
+    expected = (torch.half if accelerator.is_fp16_supported() else torch.bfloat16)
+    assert built()[0].weight.dtype == expected
+    monkeypatch.setattr(type(accelerator), "is_fp16_supported", lambda self: True)
+    assert built()[0].weight.dtype == torch.half
+    with pytest.raises(ValueError, match="torch.half, torch.bfloat16 or torch.float"):
+        pp.Init(dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="cannot be enabled at once"):
+        pp.Init(config_dict_or_path={"train_batch_size": 2, "bf16": {"enabled": True}, "fp16": {"enabled": True}})
+
+
+def test_transformers_keeps_arange_out_of_the_dtype_change(pp, monkeypatch):
+    """transformers swaps ``zero_wrapper_for_fp_tensor_constructor`` around ``zero.Init`` so that ``torch.arange``
+    (rotary embedding buffers) keeps its dtype; the swap is looked up when the context is entered."""
+    original = pp.zero_wrapper_for_fp_tensor_constructor
+
+    def without_arange(fn, target_fp_dtype=None, target_device=None):
+        return fn if fn is pp._orig_torch_arange else original(fn, target_fp_dtype, target_device)
+
+    monkeypatch.setattr(pp, "zero_wrapper_for_fp_tensor_constructor", without_arange)
+    with pp.Init(dtype=torch.bfloat16):
+        assert torch.arange(3, dtype=torch.float32).dtype == torch.float32
+        assert torch.ones(3).dtype == torch.bfloat16
+    assert torch.arange is pp._orig_torch_arange and torch.ones is pp._orig_torch_ones
