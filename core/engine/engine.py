@@ -143,7 +143,10 @@ class Engine(CheckpointMethods, nn.Module):
     has_moe_layers = False
     """DeepSpeed's MoE layers (``deepspeed.moe``) are not run by torsh; an MoE block written in torch trains."""
     sequence_parallel_size = 1
-    """DeepSpeed's Ulysses sequence parallelism is not run by torsh."""
+    """The Ulysses sequence-parallel degree (``parallelism.sp``; :mod:`torsh.engine.parallel.sequence` sets it with
+    DeepSpeed's ``seq_parallel_group``, ``seq_data_parallel_group`` and ``seq_dp_world_size``)."""
+    _sp_loss_factor = 1.0
+    """Ulysses: the back-propagated loss x sp, so that the mean over every rank is DeepSpeed's reduction."""
     sparse_tensor_module_names: frozenset = frozenset()
     """DeepSpeed's modules reduced as sparse gradients (``sparse_gradients``): none, torsh reduces dense ones."""
     pipeline_parallelism = False
@@ -450,6 +453,7 @@ class Engine(CheckpointMethods, nn.Module):
         elif self._shard.partition is not None:
             self._shard.partition.before_backward(sync)
         scaled = self.loss_scaler.scale(loss) if self._scaling else loss
+        scaled = scaled * self._sp_loss_factor if self._sp_loss_factor != 1.0 else scaled
         self.__dict__["_running_backward"] = True
         try:
             scaled.backward(retain_graph=retain_graph)
