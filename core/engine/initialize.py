@@ -40,6 +40,7 @@ from .monitor import Monitor
 from .optim import build_step_optimizer, named_groups
 from .parallel.moe import prepare_experts
 from .parallel.moe_zero import build_expert_zero
+from .parallel.sequence import build_sequence_groups, is_sequence_mpu, with_sequence_mpu
 from .parallel.tensor_parallel import apply_tensor_parallel
 from .precision import apply_precision
 from .zero.construction import materialize
@@ -73,7 +74,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                    training_data=training_data, lr_scheduler=lr_scheduler,
                                    distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
                                    collate_fn=collate_fn, config=config, config_params=config_params)  # fmt: skip
-    _refuse_mesh_objects(mpu, mesh_param)
+    _refuse_mesh_objects(None if is_sequence_mpu(mpu) else mpu, mesh_param)  # parallel_state_sp: Ulysses' groups
     config = choose_config(args, config, config_params)
     cfg, translation = read_config(config)
     cfg = _with_tp_model_init(cfg, model)
@@ -83,6 +84,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     check_local_rank(args, info)
     log_translation(translation, info.rank)
     warn_not_executed(cfg, info.rank)
+    cfg = with_sequence_mpu(cfg, mpu)  # DeepSpeed's parallel_state_sp gives the sequence-parallel degree
 
     # "auto" needs the world size, the model, the passed optimizer and the data; the batch is split over the
     # data-parallel ranks, what tensor / pipeline / context parallelism leave of the world.
@@ -105,6 +107,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     # MoE layers get their expert groups now (collective), before the broadcast and DDP, which leave local experts
     experts = prepare_experts(model, stage=decided.sharding.stage, dp_world_size=dp_world,
                               kind="fsdp" if decided.fsdp else ("tp" if decided.tp > 1 else "ddp"))  # fmt: skip
+    # Ulysses' sequence-parallel and sequence-data-parallel groups (collective), or those of a parallel_state_sp mpu
+    sequence = build_sequence_groups(cfg.parallelism.sp, mpu=mpu, reduce_op=cfg.gradients.reduce_op,
+                                     experts=experts is not None and experts.active)  # fmt: skip
     if experts is not None and optimizer is None:  # DeepSpeed's MoE parameter groups for the optimizer it builds
         model_parameters = experts.param_groups(model_parameters)
     groups = named_groups(model_parameters, name_of, list(name_of.values()),
@@ -144,6 +149,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                     batch=batch, info=info, shard=shard, precision=precision,
                     optimizer=optimizer, lr_scheduler=lr_scheduler, loss_scaler=loss_scaler,
                     training_dataloader=dataloader, degrees=decided.degrees)  # fmt: skip
+    if sequence is not None:
+        engine.__dict__.update(sequence.engine_members())  # DeepSpeed's seq_parallel_group, sequence_parallel_size...
     engine.__dict__["_experts"] = experts if experts is not None and experts.active else None
     if experts is not None:
         engine.__dict__.update(experts.engine_members())  # DeepSpeed's has_moe_layers, num_experts, moe_layers...
@@ -200,11 +207,11 @@ def _with_tp_model_init(cfg: TorshConfig, model: torch.nn.Module) -> TorshConfig
 
 
 def _data_parallel_size(cfg: TorshConfig, world_size: int) -> int:
-    """The ranks the batch is split over: the world size / (tp x pp x cp) (the world itself when they do not
+    """The ranks the batch is split over: the world size / (tp x pp x cp x sp) (the world itself when they do not
     divide it, which the plan refuses)."""
     from torsh.plan import pipeline_degree
 
-    model = cfg.parallelism.tp * pipeline_degree(cfg) * cfg.parallelism.cp
+    model = cfg.parallelism.tp * pipeline_degree(cfg) * cfg.parallelism.cp * cfg.parallelism.sp  # Ulysses' peers
     return world_size // model if world_size % model == 0 else world_size
 
 
