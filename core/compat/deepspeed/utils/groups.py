@@ -1,7 +1,10 @@
 """``deepspeed.utils.groups``: DeepSpeed's process-group accessors, on ``torch.distributed`` groups.
 
 The torsh engine runs data parallelism over the whole world: the data-parallel group is the world group, the
-model-, tensor- and sequence-parallel sizes are 1 (rank 0). The expert-parallel helpers give the groups
+model- and tensor-parallel sizes are 1 (rank 0). The sequence-parallel accessors give the groups of the engine's
+Ulysses sequence parallelism (``sequence_parallel_size``, kept by :mod:`torsh.engine.parallel.sequence`): groups of
+``sp`` consecutive ranks, and the sequence-data-parallel group of every rank; size 1 (and DeepSpeed's KeyError for
+the group) without it. The expert-parallel helpers give the groups
 DeepSpeed's MoE layout asks for (``_create_expert_and_data_parallel``: each data-parallel rank list cut into
 expert-parallel groups of consecutive members, and the expert-data-parallel groups across them), made and kept
 by :mod:`torsh.engine.parallel.moe`, whose engine steps reduce expert gradients over them.
@@ -10,6 +13,7 @@ by :mod:`torsh.engine.parallel.moe`, whose engine steps reduce expert gradients 
 from __future__ import annotations
 
 from torsh.engine.parallel import moe as _moe
+from torsh.engine.parallel import sequence as _sequence
 
 from .._unsupported import NotSupportedByTorsh, message
 
@@ -92,21 +96,25 @@ def get_tensor_model_parallel_src_rank() -> int:
     return _get_data_parallel_rank()
 
 
-def _get_sequence_parallel_world_size() -> int:
-    return 1
+_get_sequence_parallel_world_size = _sequence.world_size
+_get_sequence_parallel_rank = _sequence.rank
+_get_sequence_parallel_group = _sequence.group
 
 
-def _get_sequence_parallel_rank() -> int:
-    return 0
+def _get_sequence_data_parallel_group():
+    """The group gradients are reduced over: every rank (under sequence parallelism its own group of them)."""
+    group = _sequence.data_group()
+    return group if group is not None else _get_data_parallel_group()
 
 
-def _get_sequence_parallel_group():
-    return None
+def _get_sequence_data_parallel_world_size() -> int:
+    group = _sequence.data_group()
+    return _dist().get_world_size(group=group) if group is not None else _get_data_parallel_world_size()
 
 
-_get_sequence_data_parallel_world_size = _get_data_parallel_world_size
-_get_sequence_data_parallel_rank = _get_data_parallel_rank
-_get_sequence_data_parallel_group = _get_data_parallel_group
+def _get_sequence_data_parallel_rank() -> int:
+    group = _sequence.data_group()
+    return _dist().get_rank(group=group) if group is not None else _get_data_parallel_rank()
 
 
 def _get_expert_model_parallel_world_size() -> int:
