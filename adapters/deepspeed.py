@@ -179,7 +179,7 @@ FIELD_MAP: dict[str, Any] = {
     **{f"pipeline.{k}": Ignored("a PipelineModule detail") for k in (
         "seed_layers", "pipe_partitioned", "grad_partitioned", "use_reentrant")},
     "tensor_parallel": rules.TENSOR_PARALLEL,
-    "sequence_parallel_size": rules.unless_default(1, Unsupported("sequence parallelism is not run by torsh")),
+    "sequence_parallel_size": To("parallelism.sp"),
     "data_parallel_size": Unsupported("an explicit data-parallel mesh size; torsh uses the launch world size"),
     "expert_parallel": Unsupported(_DS_ONLY),
     "use_data_before_expert_parallelism": rules.unless_default(False, Unsupported(_DS_ONLY)),
