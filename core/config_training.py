@@ -313,7 +313,17 @@ class OffloadConfig(Section):
     pin_memory: bool = True
     """Page-lock offloaded CPU memory for faster transfers."""
     nvme_path: str | None = None
-    """Directory for NVMe offload."""
+    """Directory for NVMe offload (the optimizer state's files go under ``zero_stage_<stage>/optimizer/rank<r>``)."""
+    nvme_sub_group_size: PositiveInt = 1_000_000_000
+    """NVMe offload: optimizer-state elements read, stepped and written back at a time (DeepSpeed's
+    ``zero_optimization.sub_group_size``); smaller keeps less state in host memory during the step."""
+    nvme_block_size: PositiveInt = 1_048_576
+    """NVMe offload: bytes per file read or write request (DeepSpeed's ``aio.block_size``)."""
+    nvme_threads: PositiveInt = 1
+    """NVMe offload: threads issuing the read and write requests (DeepSpeed's ``aio.intra_op_parallelism``)."""
+    nvme_pipeline: bool = False
+    """NVMe offload: read the next piece and write the last one while a piece steps (DeepSpeed's
+    ``offload_optimizer.pipeline_read`` / ``pipeline_write``)."""
 
     @model_validator(mode="after")
     def _nvme_needs_path(self) -> "OffloadConfig":

@@ -269,7 +269,7 @@ def _model_parallel_refusals(cfg: TorshConfig, *, pipeline: bool = False) -> lis
                                 "it to 1 and use sharding.stage 3 (FSDP2) or parallelism.tp to fit the model"))
     if par.tp > 1:
         o = cfg.offload
-        if "cpu" in (o.params, o.optimizer) and "nvme" not in (o.params, o.optimizer):  # nvme: refused anyway
+        if o.params != "none" or o.optimizer != "none":
             problems.append(Problem("offload", f"{o.params}/{o.optimizer}", "offload with tensor parallelism "
                                     "(parallelism.tp > 1) is not run by the engine; set offload to 'none' or "
                                     "parallelism.tp to 1"))  # fmt: skip
@@ -294,14 +294,15 @@ def plan(cfg: TorshConfig, world_size: int, *, optimizer_given: bool = True, pip
         reduce = p.reduce_dtype or held
     compressed = cfg.compression.method != "none"
     scaler = p.loss_scaling.mode != "none"  # the engine scales whenever it is set; DeepSpeed's reader sets it for fp16
+    offloaded = o.params != "none" or o.optimizer != "none"  # nvme: the CPU offload, with the state in files
     decided = EnginePlan(
         world_size=world_size, data_parallel=dp, mesh=mesh,
         reshard_after_forward=(s.effective_reshard_after_forward if s.stage >= 2 else False) if fsdp else None,
         param_dtype=p.param_dtype, master_dtype=p.master_dtype, reduce_dtype=reduce, autocast=p.autocast,
         fsdp_mixed_precision=fsdp and (held != p.master_dtype or reduce != held),
-        masters_on_cpu=not fsdp and o.optimizer == "cpu", fsdp_cpu_offload=fsdp and "cpu" in (o.params, o.optimizer),
+        masters_on_cpu=not fsdp and o.optimizer != "none", fsdp_cpu_offload=fsdp and offloaded,
         compression="none" if not compressed else "reduce_dtype" if s.stage >= 2 or fsdp else "comm_hook",
-        optimizer_on_cpu="cpu" in (o.params, o.optimizer),
+        optimizer_on_cpu=offloaded,
         step=_step_policy(cfg, layout.ddp, scaling=scaler, compressed=compressed),
         refused=tuple(refusals(cfg, world_size=world_size, optimizer_given=optimizer_given, pipeline=pipeline)),
         steps=(), degrees=laid, pipeline=pipeline, sharding=layout,
@@ -360,9 +361,6 @@ def refusals(cfg: TorshConfig, *, world_size: int, optimizer_given: bool = True,
 
 def _fsdp_refusals(cfg: TorshConfig) -> list[Problem]:
     problems = []
-    if "nvme" in (cfg.offload.params, cfg.offload.optimizer):
-        problems.append(Problem("offload", "nvme", "NVMe offload has no native PyTorch equivalent; use 'cpu' or "
-                                "'none'"))  # fmt: skip
     if cfg.compression.method != "none":
         problems += fsdp_compression_problems(cfg.compression, cfg.precision.reduce_dtype)
     return problems
@@ -540,14 +538,25 @@ def _offload_steps(decided: EnginePlan, cfg: TorshConfig) -> list[str]:
         return []
     parts = ", ".join(x for x in (f"parameters -> {o.params}" if o.params != "none" else "",
                                   f"optimizer -> {o.optimizer}" if o.optimizer != "none" else "") if x)  # fmt: skip
-    if "nvme" in (o.params, o.optimizer):
-        how = "NVMe offload is not supported by the engine"
-    elif decided.fsdp_cpu_offload:
+    if decided.fsdp_cpu_offload:
         how = f"CPUOffloadPolicy(pin_memory={o.pin_memory})" + (
             "; it keeps the sharded parameters and gradients on the CPU too" if o.params == "none" else "")
     else:
         how = "the fp32 master weights, their gradients and the optimizer step on the CPU"
-    return [f"offload ({parts}): {how}"]
+    return [f"offload ({parts}): {how}"] + _nvme_steps(o)
+
+
+def _nvme_steps(o) -> list[str]:
+    """NVMe offload in words: the optimizer state in files, the parameters (approximate) in CPU memory."""
+    steps = []
+    if o.optimizer == "nvme":
+        steps.append(f"NVMe offload: the per-element optimizer state (exp_avg, exp_avg_sq, ...) in files under "
+                     f"{o.nvme_path}/zero_stage_<stage>/optimizer/rank<r>, read in and written back piece by piece "
+                     "around each rank's optimizer step; the fp32 master weights stay in CPU memory")  # fmt: skip
+    if o.params == "nvme":
+        steps.append("offload.params=nvme (approximate): the parameters are kept in CPU memory "
+                     "(CPUOffloadPolicy), not swapped to files - NVMe parameter swapping is done as CPU offload")
+    return steps
 
 
 def _precision_steps(decided: EnginePlan) -> list[str]:

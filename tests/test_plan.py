@@ -27,8 +27,8 @@ def test_plan_imports_no_torch():
 
 @pytest.mark.parametrize(("sections", "world", "key"), [
     ({"gradients": {"reduce_op": "adasum"}}, 2, "gradients.reduce_op"),
-    ({"sharding": {"stage": 3}, "offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": "/nvme"}}, 2,
-     "offload"),
+    ({"parallelism": {"tp": 2}, "sharding": {"stage": 3}, "offload": {"optimizer": "nvme", "nvme_path": "/nvme"}},
+     2, "offload"),
     ({"sharding": {"stage": 3, "hybrid_shard_size": 2}}, 3, "sharding.hybrid_shard_size"),
     ({"sharding": {"stage": 2}, "compression": {"method": "topk", "ratio": 0.01}}, 2, "compression.method"),
     ({"sharding": {"stage": 3}, "compression": {"method": "fp16"}, "precision": {"reduce_dtype": "bf16"}}, 2,

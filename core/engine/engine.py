@@ -323,8 +323,8 @@ class Engine(CheckpointMethods, nn.Module):
         return self._policy.save_full_weights
 
     def zero_cpu_offload(self) -> bool:
-        """Whether the optimizer state is offloaded to the CPU."""
-        return self._policy.optimizer_offload == "cpu"
+        """Whether the optimizer state is offloaded to the CPU (or NVMe, whose step runs on the CPU), as DeepSpeed's."""
+        return self._policy.optimizer_offload in ("cpu", "nvme")
 
     def _publish_scale(self) -> None:
         """The loss scale on the optimizer where DeepSpeed's optimizer has it (GPT-NeoX and Megatron-DeepSpeed

@@ -45,6 +45,7 @@ from .parallel.tensor_parallel import apply_tensor_parallel
 from .precision import apply_precision
 from .zero.construction import materialize
 from .zero.ds_layout import attach_views
+from .zero.nvme import attach_nvme
 from .zero.partition import build_zero
 from .zero.sharding import apply_sharding, sync_module_states
 
@@ -142,6 +143,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
         optimizer = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
                                          by_name=step_params, offload=decided.optimizer_on_cpu)  # fmt: skip
+    # NVMe offload: the optimizer's per-element state in files (before the scheduler wraps its step)
+    optimizer = attach_nvme(optimizer, cfg.offload, stage=cfg.sharding.stage, rank=info.rank)
     lr_scheduler = build_scheduler(cfg.scheduler, lr_scheduler, optimizer)
     loss_scaler = build_loss_scaler(cfg.precision.loss_scaling)
     dataloader = _dataloader(training_data, cfg.data, decided, info, batch, dp_world, collate_fn)

@@ -27,12 +27,16 @@ class CheckpointViews:
         """A module of whole fp32 parameters (the masters; a parameter outside the partition its own value in
         fp32) and persistent buffers, and an optimizer of ``optimizer``'s class over them with the whole state:
         what stage 0 with master weights saves. Collective. With ``load``, what was loaded into them is sliced
-        back into this rank's partition afterwards and the parameters gathered."""
-        root, view_of = self._module_view(module)
-        view_opt = self._optimizer_view(optimizer, view_of) if optimizer is not None else None
-        yield root, view_opt
-        if load:
-            self._load_view(module, optimizer, view_opt, view_of)
+        back into this rank's partition afterwards and the parameters gathered. Under NVMe offload the state is
+        read back from its files for the duration (and a loaded one written out after)."""
+        from .nvme import resident
+
+        with resident(optimizer):
+            root, view_of = self._module_view(module)
+            view_opt = self._optimizer_view(optimizer, view_of) if optimizer is not None else None
+            yield root, view_opt
+            if load:
+                self._load_view(module, optimizer, view_opt, view_of)
 
     def _module_view(self, module: nn.Module) -> tuple[nn.Module, dict[int, nn.Parameter]]:
         wholes: dict[int, torch.Tensor] = {}

@@ -1,0 +1,418 @@
+"""NVMe offload of the optimizer state (DeepSpeed's ZeRO-Infinity ``offload_optimizer.device: nvme``).
+
+The optimizer state that has one value per parameter element (Adam's ``exp_avg`` and ``exp_avg_sq``, AMSGrad's
+maximum, SGD's momentum, ...) lives in files under ``nvme_path/zero_stage_<stage>/optimizer/rank<r>`` (the rank
+subdirectory DeepSpeed makes), one file per parameter and state name. Between steps only the small state (Adam's
+``step`` counter) stays in host memory.
+
+The step reads each parameter's state in pieces of ``sub_group_numel`` elements (DeepSpeed's ``sub_group_size``),
+steps that piece of the parameter with the torch optimizer and writes the piece back, so at most one piece of
+state is in host memory at a time. The optimizers the engine steps under offload are elementwise, so a piece
+steps exactly as the whole tensor would (bit for bit): the ``step`` counter each piece starts from is the
+parameter's, and the last piece's is kept.
+
+The I/O is plain positional file reads and writes (``os.preadv``/``os.pwritev`` straight into and out of the
+tensors' memory) in requests of ``block_size`` bytes (DeepSpeed's ``aio.block_size``); with more than one thread
+(``aio.intra_op_parallelism`` / ``thread_count``) a thread pool issues the requests in parallel, and with
+``pipeline`` (``pipeline_read``/``pipeline_write``) the next piece is read and the last one written while a piece
+steps.
+
+The fp32 master weights stay in host memory, as under CPU offload (at ZeRO-1/2 the flat partitions the post-step
+all-gather reads, at stage 3 FSDP2's sharded parameters the forward gathers from); ``offload_param: nvme`` keeps
+the parameters on the CPU (FSDP2's ``CPUOffloadPolicy``): both are said once in the log.
+
+Checkpoints: :func:`resident` reads the whole state back for the duration of a save or load (and writes it out
+after a load); ``optimizer.state_dict()`` and ``load_state_dict()`` do the same, so checkpoints hold the state as
+under CPU offload and move between offload devices, stages and world sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import types
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torsh.errors import ConfigError, Problem
+
+log = logging.getLogger("torsh.engine")
+
+PATH_KEY = "offload_optimizer.nvme_path"
+"""The key a bad path is reported under (the DeepSpeed config's; torsh's ``offload.nvme_path``)."""
+SWAP_ATTR = "_torsh_nvme"
+"""The attribute of an optimizer holding its :class:`NvmeSwapper`."""
+STATES_PER_ELEMENT = 2
+"""Files per parameter element the space check asks for (Adam's two moments)."""
+
+
+@dataclass(frozen=True)
+class NvmeHints:
+    """The I/O sizes (DeepSpeed's ``aio`` section and the offload section's pipelining)."""
+
+    sub_group_numel: int = 1_000_000_000
+    """Elements stepped at a time (DeepSpeed's ``zero_optimization.sub_group_size``)."""
+    block_size: int = 1_048_576
+    """Bytes per read or write request (``aio.block_size``)."""
+    threads: int = 1
+    """Threads issuing the requests (``aio.intra_op_parallelism``; 1: the calling thread)."""
+    pipeline: bool = False
+    """Read the next piece and write the last one while a piece steps (``pipeline_read`` / ``pipeline_write``)."""
+
+
+@dataclass
+class _File:
+    path: str
+    dtype: torch.dtype
+
+
+# --------------------------------------------------------------------------------------------------
+# the path
+
+
+def path_problem(nvme_path: str | None, need_bytes: int) -> str | None:
+    """What is wrong with ``nvme_path`` for ``need_bytes`` of state (None: it can be used)."""
+    if not nvme_path:
+        return "is not set: give a directory on a local NVMe (or any local) disk"
+    path = Path(nvme_path)
+    if not path.is_dir():
+        return (f"{nvme_path!r} does not exist or is not a directory: create it (a directory on a local NVMe disk) "
+                "or point the key at one")  # fmt: skip
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{nvme_path!r} is not writable by this process: choose a directory it can write, or fix its mode"
+    free = shutil.disk_usage(path).free
+    if free < need_bytes:
+        return (f"{nvme_path!r} has {free / 2**20:,.1f} MiB free, the optimizer state needs about "
+                f"{need_bytes / 2**20:,.1f} MiB: free space there or choose a larger disk")  # fmt: skip
+    return None
+
+
+def _agreed_problem(problem: str | None, rank: int) -> str | None:
+    """Every rank's verdict on the path (a rank that cannot use it stops all of them, instead of a hang)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return problem
+    verdicts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, (rank, problem))
+    bad = [(r, p) for r, p in verdicts if p is not None]
+    if not bad:
+        return None
+    return problem or f"on rank {bad[0][0]}: {bad[0][1]}"
+
+
+# --------------------------------------------------------------------------------------------------
+# file I/O
+
+
+class _Io:
+    """Positional reads and writes of whole tensors in ``block_size`` requests, on ``threads`` threads."""
+
+    def __init__(self, hints: NvmeHints):
+        self.block = max(4096, int(hints.block_size))
+        self.blocks = ThreadPoolExecutor(max_workers=hints.threads) if hints.threads > 1 else None
+        self.pipe = ThreadPoolExecutor(max_workers=2) if hints.pipeline else None
+        """The pipelined reads and writes of whole pieces (their requests go to ``blocks``)."""
+
+    def _requests(self, nbytes: int) -> list[tuple[int, int]]:
+        return [(start, min(nbytes, start + self.block)) for start in range(0, nbytes, self.block)]
+
+    def _run(self, fn: Any, fd: int, view: memoryview, offset: int) -> None:
+        jobs = self._requests(len(view))
+        if self.blocks is not None and len(jobs) > 1:
+            for f in [self.blocks.submit(fn, fd, view[a:b], offset + a) for a, b in jobs]:
+                f.result()
+        else:
+            for a, b in jobs:
+                fn(fd, view[a:b], offset + a)
+
+    def read(self, file: _File, first: int, numel: int) -> torch.Tensor:
+        out = torch.empty(numel, dtype=file.dtype)
+        size = out.element_size()
+        fd = os.open(file.path, os.O_RDONLY)
+        try:
+            self._run(_pread, fd, _bytes(out), first * size)
+        finally:
+            os.close(fd)
+        return out
+
+    def write(self, file: _File, first: int, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().contiguous().view(-1)
+        fd = os.open(file.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            self._run(_pwrite, fd, _bytes(tensor), first * tensor.element_size())
+        except OSError as e:
+            raise _write_error(e, file.path) from e
+        finally:
+            os.close(fd)
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+
+
+def _pread(fd: int, view: memoryview, offset: int) -> None:
+    got = os.preadv(fd, [view], offset)
+    if got != len(view):
+        raise OSError(errno.EIO, f"short read of an NVMe offload file ({got} of {len(view)} bytes)")
+
+
+def _pwrite(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        done = os.pwritev(fd, [view], offset)
+        view, offset = view[done:], offset + done
+
+
+def _write_error(e: OSError, path: str) -> Exception:
+    if e.errno == errno.ENOSPC:
+        return ConfigError([Problem(PATH_KEY, os.path.dirname(path), "the disk is full while writing the "
+                                    "optimizer state: free space there or choose a larger disk")])  # fmt: skip
+    return e
+
+
+# --------------------------------------------------------------------------------------------------
+# the swapper
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view of it), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _per_element(value: Any, param: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) == tuple(param.shape)
+
+
+class NvmeSwapper:
+    """Keeps ``optimizer``'s per-element state in files under ``folder`` (see the module docstring)."""
+
+    def __init__(self, optimizer: Any, folder: Path, hints: NvmeHints):
+        self.optimizer = optimizer
+        self.folder = folder
+        self.hints = hints
+        self.io = _Io(hints)
+        self.files: dict[nn.Parameter, dict[str, _File]] = {}
+        self.index = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        self.depth = 0  # nested resident() calls
+        self.swapped_bytes = 0
+
+    # the step -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, original: Any) -> None:
+        """Step every parameter with a gradient piece by piece (``original``: the optimizer's own step)."""
+        for group in self.optimizer.param_groups:
+            params = group["params"]
+            try:
+                for p in params:
+                    if p.grad is not None:
+                        self._step_param(group, p, original)
+            finally:
+                group["params"] = params
+
+    def _step_param(self, group: dict, p: nn.Parameter, original: Any) -> None:
+        state = self.optimizer.state
+        small = dict(state.pop(p, {}))
+        files = self.files.setdefault(p, {})
+        flat, grad = _local(p.detach()).view(-1), _local(p.grad).reshape(-1)
+        chunk = max(1, int(self.hints.sub_group_numel))
+        spans = [(a, min(flat.numel(), a + chunk)) for a in range(0, max(1, flat.numel()), chunk)]
+        reads = self._reads(files, spans) if files else iter(lambda: {}, None)  # files: not the first step
+        kept, writes = small, []
+        for (a, b), loaded in zip(spans, reads):
+            piece = nn.Parameter(flat[a:b], requires_grad=p.requires_grad)
+            piece.grad = grad[a:b]
+            state[piece] = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in small.items()}, **loaded}
+            group["params"] = [piece]
+            original()
+            kept, elementwise = self._split(state.pop(piece), piece)
+            writes.append(self._write_behind(p, files, a, elementwise))
+        for w in writes:
+            w.result()
+        state[p] = kept
+
+    def _reads(self, files: dict[str, _File], spans: list[tuple[int, int]]) -> Iterator[dict[str, torch.Tensor]]:
+        """Each span's state, the next one read while the caller steps this one (``pipeline``)."""
+        ahead = self._read_ahead(files, spans[0])
+        for following in spans[1:]:
+            loaded, ahead = ahead.result(), self._read_ahead(files, following)
+            yield loaded
+        yield ahead.result()
+
+    def _split(self, st: dict, piece: torch.Tensor) -> tuple[dict, dict]:
+        elementwise = {k: v for k, v in st.items() if _per_element(v, piece)}
+        return {k: v for k, v in st.items() if k not in elementwise}, elementwise
+
+    def _file(self, files: dict[str, _File], p: nn.Parameter, key: str, dtype: torch.dtype) -> _File:
+        if key not in files:
+            files[key] = _File(str(self.folder / f"{self.index[p]}_{key}.tensor.swp"), dtype)
+        return files[key]
+
+    def _read_ahead(self, files: dict[str, _File], span: tuple[int, int]) -> Any:
+        a, b = span
+        if self.hints.pipeline:
+            return self.io.pipe.submit(self._read_span, files, a, b)
+        return _Later(lambda: self._read_span(files, a, b))  # read when the piece steps
+
+    def _read_span(self, files: dict[str, _File], a: int, b: int) -> dict[str, torch.Tensor]:
+        return {k: self.io.read(f, a, b - a) for k, f in files.items()}
+
+    def _write_behind(self, p: nn.Parameter, files: dict[str, _File], first: int, elementwise: dict) -> Any:
+        for k, v in elementwise.items():  # the first step made the state: name its files
+            self._file(files, p, k, v.dtype)
+        if self.hints.pipeline:
+            return self.io.pipe.submit(self._write_span, files, first, elementwise)
+        self._write_span(files, first, elementwise)
+        return _Later(lambda: None)
+
+    def _write_span(self, files: dict[str, _File], first: int, elementwise: dict) -> None:
+        for k, v in elementwise.items():
+            self.io.write(files[k], first, v)
+
+    # whole state in and out ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def swap_in(self) -> None:
+        """Read every parameter's state back into ``optimizer.state`` as the optimizer holds it."""
+        for p, files in self.files.items():
+            st = self.optimizer.state.setdefault(p, {})
+            local = _local(p.detach())
+            for key, f in files.items():
+                st[key] = _as_param_like(self.io.read(f, 0, local.numel()).view(local.shape), p)
+
+    @torch.no_grad()
+    def swap_out(self) -> None:
+        """Write every per-element state tensor to its file and drop it from host memory."""
+        total = 0
+        for p in self.index:
+            st = self.optimizer.state.get(p)
+            if not st:
+                continue
+            files = self.files.setdefault(p, {})
+            for key, value in st.items():
+                if _per_element(value, p):
+                    value = _local(value)
+                    self.io.write(self._file(files, p, key, value.dtype), 0, value)
+                    total += value.numel() * value.element_size()
+            # a new dict: a state_dict() taken while resident keeps the old one, with the tensors
+            self.optimizer.state[p] = {k: v for k, v in st.items() if not _per_element(v, p)}
+        self.swapped_bytes = total
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """The whole state in host memory for the duration (checkpoints), written back out afterwards."""
+        self.depth += 1
+        try:
+            if self.depth == 1:
+                self.swap_in()
+            yield
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                self.swap_out()
+
+
+class _Later:
+    """A future of the calling thread: ``result()`` runs ``fn``."""
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+
+    def result(self) -> Any:
+        return self.fn()
+
+
+def _as_param_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``local`` as the optimizer would hold it for ``p`` (a DTensor of the same layout when ``p`` is one)."""
+    if not hasattr(p, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+# --------------------------------------------------------------------------------------------------
+# attaching to an optimizer
+
+
+def nvme_hints(o: Any) -> NvmeHints:
+    """The I/O sizes of an ``offload`` section."""
+    return NvmeHints(sub_group_numel=o.nvme_sub_group_size, block_size=o.nvme_block_size, threads=o.nvme_threads,
+                     pipeline=o.nvme_pipeline)
+
+
+def attach_nvme(optimizer: Any, offload: Any, *, stage: int, rank: int, hints: NvmeHints | None = None) -> Any:
+    """Under ``offload.optimizer == "nvme"``, keep ``optimizer``'s per-element state in files under
+    ``offload.nvme_path`` (the optimizer itself, with its step and state-dict methods swapping); else unchanged.
+    Raises a ConfigError naming ``offload_optimizer.nvme_path`` (on every rank) when a rank cannot use it."""
+    if offload.params == "nvme" and rank == 0:
+        log.warning("offload_param.device=nvme (approximate): the parameters are kept in CPU memory, not swapped to "
+                    "files under nvme_path - NVMe parameter swapping is done as CPU offload (FSDP2 CPUOffloadPolicy)")
+    if offload.optimizer != "nvme" or optimizer is None:
+        return optimizer
+    hints = hints or nvme_hints(offload)
+    folder = _rank_folder(optimizer, offload.nvme_path, stage, rank)
+    swapper = NvmeSwapper(optimizer, folder, hints)
+    _patch(optimizer, swapper)
+    if rank == 0:
+        log.info("offload_optimizer.device=nvme: optimizer state in %s (sub-groups of %d elements, %d-byte "
+                 "requests, %d thread(s), pipelined=%s); the fp32 master weights stay in host memory",
+                 folder.parent, hints.sub_group_numel, hints.block_size, hints.threads, hints.pipeline)  # fmt: skip
+    return optimizer
+
+
+def _rank_folder(optimizer: Any, nvme_path: str, stage: int, rank: int) -> Path:
+    """This rank's empty swap folder under ``nvme_path`` (checked on every rank first)."""
+    need = sum(_local(p).numel() * 4 for g in optimizer.param_groups for p in g["params"]) * STATES_PER_ELEMENT
+    problem = _agreed_problem(path_problem(nvme_path, need), rank)
+    if problem is not None:
+        raise ConfigError([Problem(PATH_KEY, nvme_path, problem)])
+    folder = Path(nvme_path) / f"zero_stage_{stage}" / "optimizer" / f"rank{rank}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.tensor.swp"):  # a previous run's state: a resumed run loads its checkpoint
+        stale.unlink()
+    return folder
+
+
+def _patch(optimizer: Any, swapper: NvmeSwapper) -> None:
+    """The optimizer's ``step``, ``state_dict`` and ``load_state_dict`` swap (instance attributes, so that an LR
+    scheduler built afterwards wraps this step)."""
+    own_step, own_save, own_load = optimizer.step, optimizer.state_dict, optimizer.load_state_dict
+
+    def step(self: Any, closure: Any = None) -> Any:
+        if closure is not None:  # the closure recomputes the loss: step everything at once, resident
+            with swapper.resident():
+                return own_step(closure)
+        swapper.step(own_step)
+        return None
+
+    def state_dict(self: Any) -> dict:
+        with swapper.resident():
+            return own_save()
+
+    def load_state_dict(self: Any, state_dict: dict) -> None:
+        with swapper.resident():
+            own_load(state_dict)
+
+    optimizer.step = types.MethodType(step, optimizer)
+    optimizer.state_dict = types.MethodType(state_dict, optimizer)
+    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
+    setattr(optimizer, SWAP_ATTR, swapper)
+
+
+@contextlib.contextmanager
+def resident(optimizer: Any) -> Iterator[None]:
+    """``optimizer``'s whole state in host memory for the duration (no-op without NVMe offload)."""
+    swapper = getattr(optimizer, SWAP_ATTR, None)
+    if swapper is None:
+        yield
+        return
+    with swapper.resident():
+        yield
