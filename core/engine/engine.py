@@ -139,7 +139,8 @@ class Engine(CheckpointMethods, nn.Module):
         return self.__dict__["_ds_config"]
 
     mpu = None
-    """DeepSpeed's model-parallel unit: torsh runs data parallelism only (``initialize`` refuses an ``mpu``)."""
+    """The Megatron-style ``mpu`` passed to ``initialize`` (its groups drive the data-parallel reduction, the
+    clipping norm and the checkpoint names: :mod:`torsh.engine.parallel.mpu`), else None."""
     has_moe_layers = False
     """DeepSpeed's MoE layers (``deepspeed.moe``) are not run by torsh; an MoE block written in torch trains."""
     sequence_parallel_size = 1
@@ -525,7 +526,9 @@ class Engine(CheckpointMethods, nn.Module):
         if self.__dict__.get("_experts") is not None:
             holders = self._experts.shared(holders)
         grads = [p.grad for p in holders if p.grad is not None]
-        allreduce_gradients(grads, self._policy.gradients, self._precision, self.world_size)
+        mpu = self.__dict__.get("_mpu")  # an mpu's data-parallel group, else every rank
+        allreduce_gradients(grads, self._policy.gradients, self._precision,
+                            mpu.dp if mpu is not None else self.world_size, mpu.dp_group if mpu is not None else None)
 
     def _check_ddp_finished(self) -> None:
         """A parameter used in earlier steps but not in this one leaves DDP's reduction unfinished (one C++
@@ -626,6 +629,8 @@ class Engine(CheckpointMethods, nn.Module):
         experts = self.__dict__.get("_experts")
         plain = experts.global_norm if experts is not None else _global_norm
         global_norm = part.global_norm if part is not None else plain  # collective: every rank agrees
+        if self.__dict__.get("_mpu") is not None:  # DeepSpeed's norm over the mpu's model-parallel slices
+            global_norm = self._mpu.norm_function(params, part) or global_norm
         if self.zero_optimization_stage() > 0 and hasattr(self.optimizer, "orthogonalise_grads"):
             # DeepSpeed's ZeRO stages turn Muon's gradients into its updates before the norm and the clip (stage 0
             # clips the raw gradients); gradients that overflowed are left for the skipped step

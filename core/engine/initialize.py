@@ -40,6 +40,8 @@ from .monitor import Monitor
 from .optim import build_step_optimizer, named_groups
 from .parallel.moe import prepare_experts
 from .parallel.moe_zero import build_expert_zero
+from .parallel.mpu import engine_members as mpu_members
+from .parallel.mpu import read_mpu, refuse_with
 from .parallel.sequence import build_sequence_groups, is_sequence_mpu, with_sequence_mpu
 from .parallel.tensor_parallel import apply_tensor_parallel
 from .precision import apply_precision
@@ -75,7 +77,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                    training_data=training_data, lr_scheduler=lr_scheduler,
                                    distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
                                    collate_fn=collate_fn, config=config, config_params=config_params)  # fmt: skip
-    _refuse_mesh_objects(None if is_sequence_mpu(mpu) else mpu, mesh_param)  # parallel_state_sp: Ulysses' groups
+    _refuse_mesh_objects(mesh_param)
     config = choose_config(args, config, config_params)
     cfg, translation = read_config(config)
     cfg = _with_tp_model_init(cfg, model)
@@ -85,17 +87,18 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     check_local_rank(args, info)
     log_translation(translation, info.rank)
     warn_not_executed(cfg, info.rank)
+    mp = read_mpu(mpu, info.world_size) if mpu is not None and not is_sequence_mpu(mpu) else None  # Megatron's
     cfg = with_sequence_mpu(cfg, mpu)  # DeepSpeed's parallel_state_sp gives the sequence-parallel degree
 
     # "auto" needs the world size, the model, the passed optimizer and the data; the batch is split over the
-    # data-parallel ranks, what tensor / pipeline / context parallelism leave of the world.
-    dp_world = _data_parallel_size(cfg, info.world_size)
+    # data-parallel ranks, what tensor / pipeline / context parallelism (or an mpu's model axis) leave of the world.
+    dp_world = mp.dp if mp is not None else _data_parallel_size(cfg, info.world_size)
     cfg, batch, resolved = resolve_auto(cfg, model=model, optimizer=optimizer if is_optimizer(optimizer) else None,
                                         training_data=training_data, world_size=dp_world)  # fmt: skip
     log_resolved(resolved, info.rank)
     # Every decision, and every refusal raised now, before the model is cast, wrapped or sharded: a refused
     # config leaves it as it was. `torsh-migrate explain` prints this same plan.
-    decided = plan(cfg, info.world_size, optimizer_given=optimizer is not None)
+    decided = plan(cfg, dp_world if mp is not None else info.world_size, optimizer_given=optimizer is not None)
     decided.check()
     _log_ddp_buckets(decided.sharding, info.rank)
     # Parameters deepspeed.zero.Init partitioned while the model was built: FSDP2 takes them shard by shard
@@ -108,6 +111,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     # MoE layers get their expert groups now (collective), before the broadcast and DDP, which leave local experts
     experts = prepare_experts(model, stage=decided.sharding.stage, dp_world_size=dp_world,
                               kind="fsdp" if decided.fsdp else ("tp" if decided.tp > 1 else "ddp"))  # fmt: skip
+    if mp is not None:
+        refuse_with(mp, stage=decided.sharding.stage, experts=experts,
+                    model_degrees=info.world_size // _data_parallel_size(cfg, info.world_size))  # fmt: skip
     # Ulysses' sequence-parallel and sequence-data-parallel groups (collective), or those of a parallel_state_sp mpu
     sequence = build_sequence_groups(cfg.parallelism.sp, mpu=mpu, reduce_op=cfg.gradients.reduce_op,
                                      experts=experts is not None and experts.active)  # fmt: skip
@@ -121,24 +127,27 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     # rank 0's weights; checkpointing wraps the blocks before sharding sees them; precision before sharding, so
     # that FSDP2 shards fp32 master weights; tensor parallelism before FSDP2, which shards over the data-parallel
     # sub-mesh it leaves; the optimizer after sharding, so that it holds the tensors the step updates.
-    sync_module_states(model, info.device, cfg.sharding, skip=experts)
+    sync_module_states(model, info.device, cfg.sharding, skip=mp.start_up(model) if mp is not None else experts)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.sharding.wrap)
     precision = apply_precision(model, cfg.precision, decided)
+    if mp is not None:
+        mp.attach(model)  # the parameters (and fp32 masters) the norm counts on model-parallel rank 0 only
+    dp_group = mp.dp_group if mp is not None else None  # DDP's, ZeRO-1/2's and compression's group (None: world)
     _warn_section_not_built(cfg.optimizer, optimizer, info.rank)
     if decided.data_parallel in ("zero1", "zero2"):
         # ZeRO-1/2: the optimizer's groups decide the partition, and the optimizer steps its flat fp32 masters
         # (stage 1 keeps DDP for the whole-gradient reduction, and with it DDP's compression hook)
         build = functools.partial(build_expert_zero, plan=experts) if experts is not None and experts.active \
-            else build_zero  # local experts partitioned over their expert-data-parallel groups
+            else functools.partial(build_zero, process_group=dp_group)  # local experts: their expert-dp groups
         shard, optimizer = build(model, decided=decided, precision=precision, info=info,
                                  gradients=cfg.gradients, optimizer=cfg.optimizer, client=optimizer,
                                  groups=groups, name_of=name_of)  # fmt: skip
-        compression_state = apply_compression(shard, cfg.compression, decided)
+        compression_state = apply_compression(shard, cfg.compression, decided, dp_group)
     else:
         mesh = apply_tensor_parallel(model, cfg.parallelism, decided.degrees, info) if decided.tp > 1 else None
         shard = apply_sharding(model, decided, precision, info, gradients=cfg.gradients, offload=cfg.offload,
-                               mesh=mesh)  # fmt: skip
-        compression_state = apply_compression(shard, cfg.compression, decided)
+                               mesh=mesh, process_group=dp_group)  # fmt: skip
+        compression_state = apply_compression(shard, cfg.compression, decided, dp_group)
         # the fp32 masters at stage 0 with low-precision compute, else the (sharded) parameters
         step_params = precision.masters.masters if precision.masters else dict(model.named_parameters())
         optimizer = build_step_optimizer(section=cfg.optimizer, client=optimizer, groups=groups, name_of=name_of,
@@ -147,11 +156,13 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     optimizer = attach_nvme(optimizer, cfg.offload, stage=cfg.sharding.stage, rank=info.rank)
     lr_scheduler = build_scheduler(cfg.scheduler, lr_scheduler, optimizer)
     loss_scaler = build_loss_scaler(cfg.precision.loss_scaling)
-    dataloader = _dataloader(training_data, cfg.data, decided, info, batch, dp_world, collate_fn)
+    degrees = mp if mp is not None else decided.degrees  # an mpu answers the engine's rank and size queries
+    dataloader = _dataloader(training_data, cfg.data, degrees, info, batch, dp_world, collate_fn)
     engine = Engine(config=config_as_dict(config), policy=decided.step, monitor=Monitor(cfg.monitoring, info.rank),
                     batch=batch, info=info, shard=shard, precision=precision,
                     optimizer=optimizer, lr_scheduler=lr_scheduler, loss_scaler=loss_scaler,
-                    training_dataloader=dataloader, degrees=decided.degrees)  # fmt: skip
+                    training_dataloader=dataloader, degrees=degrees)  # fmt: skip
+    engine.__dict__.update(mpu_members(mp))  # DeepSpeed's engine.mpu; the mpu's groups
     if sequence is not None:
         engine.__dict__.update(sequence.engine_members())  # DeepSpeed's seq_parallel_group, sequence_parallel_size...
     engine.__dict__["_experts"] = experts if experts is not None and experts.active else None
@@ -164,7 +175,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         log.info("torsh engine: stage %d (%s), %s compute, world size %d, batch %d = %d x %d x %d",
                  cfg.sharding.stage, shard.kind, cfg.precision.param_dtype, info.world_size,
                  batch.global_batch_size, batch.micro_batch_size, batch.gradient_accumulation_steps,
-                 info.world_size)  # fmt: skip
+                 dp_world)  # fmt: skip
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
@@ -174,12 +185,12 @@ def _log_ddp_buckets(layout: ShardingPlan, rank: int) -> None:
         log.info("DDP gradient buckets of %.1f MiB: %s", layout.ddp.bucket_cap_mb, layout.ddp_bucket_why)
 
 
-def _refuse_mesh_objects(mpu, mesh_param) -> None:
-    if mpu is not None or mesh_param is not None:
-        raise ConfigError([Problem("mpu" if mpu is not None else "mesh_param", type(mpu or mesh_param).__name__,
-                                   "an mpu or mesh object is not read by the torsh engine: give the parallel "
-                                   "degrees in the config (parallelism.tp, parallelism.pp) and the engine builds "
-                                   "the mesh")])  # fmt: skip
+def _refuse_mesh_objects(mesh_param) -> None:
+    if mesh_param is not None:
+        raise ConfigError([Problem("mesh_param", type(mesh_param).__name__,
+                                   "a mesh object is not read by the torsh engine: give the parallel degrees in "
+                                   "the config (parallelism.tp, parallelism.pp) and the engine builds the mesh, "
+                                   "or pass a Megatron-style mpu")])  # fmt: skip
 
 
 def _warn_section_not_built(section: OptimizerConfig | None, optimizer, rank: int) -> None:
@@ -188,11 +199,11 @@ def _warn_section_not_built(section: OptimizerConfig | None, optimizer, rank: in
                     "does); its \"auto\" values were filled from it", section.name)  # fmt: skip
 
 
-def _dataloader(training_data, data: DataConfig, decided: EnginePlan, info, batch, dp_world: int, collate_fn):
+def _dataloader(training_data, data: DataConfig, degrees, info, batch, dp_world: int, collate_fn):
     """The dataloader over ``training_data`` for this rank's data-parallel share (None: no training data)."""
     if training_data is None:
         return None
-    dp_rank = decided.degrees.dp_rank(info.rank) if decided.degrees is not None else info.rank
+    dp_rank = degrees.dp_rank(info.rank) if degrees is not None else info.rank
     return build_dataloader(training_data, micro_batch_size=batch.micro_batch_size, data=data,
                             rank=dp_rank, world_size=dp_world, collate_fn=collate_fn)  # fmt: skip
 
@@ -218,14 +229,15 @@ def _data_parallel_size(cfg: TorshConfig, world_size: int) -> int:
     return world_size // model if world_size % model == 0 else world_size
 
 
-def apply_compression(shard, compression: CompressionConfig, decided: EnginePlan) -> object | None:
+def apply_compression(shard, compression: CompressionConfig, decided: EnginePlan,
+                      process_group=None) -> object | None:  # fmt: skip
     """Gradient compression on the data-parallel reduction: a DDP comm hook (stages 0/1). Under FSDP2 a fp16/bf16
     "compression" is the reduce dtype ``apply_precision`` set; the plan refused the other methods there."""
     if decided.compression != "comm_hook":
         return None
     from .compression import apply_compression as register_hook
 
-    return register_hook(shard.model, compression, process_group=None)
+    return register_hook(shard.model, compression, process_group=process_group)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

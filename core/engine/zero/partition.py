@@ -525,15 +525,16 @@ def _link_group(buckets: list[Bucket], world: int, dtype: torch.dtype) -> torch.
 
 def build_zero(model: nn.Module, *, decided: EnginePlan, precision: PrecisionPlan, info: DistInfo,
                gradients: GradientsConfig, optimizer: OptimizerConfig | None, client: Any, groups: list[dict],
-               name_of: dict[int, str]) -> tuple[Any, Any]:  # fmt: skip
+               name_of: dict[int, str], process_group: Any = None) -> tuple[Any, Any]:  # fmt: skip
     """The ShardPlan of ZeRO-1/2 and its optimizer (None without one), from :func:`partition_and_optimizer`. At
     stage 1 DDP wraps the model and all-reduces the whole gradients (its buckets, overlap and communication hooks);
-    at stage 2 the partition reduces them itself."""
+    at stage 2 the partition reduces them itself. ``process_group``: the data-parallel group (an mpu's; None: every
+    rank)."""
     from .sharding import ShardPlan, apply_ddp
 
     partition, built = partition_and_optimizer(model, decided=decided, precision=precision, gradients=gradients,
                                                optimizer=optimizer, client=client, groups=groups,
-                                               name_of=name_of)  # fmt: skip
+                                               name_of=name_of, process_group=process_group)  # fmt: skip
     if info.rank == 0:
         log.info("ZeRO-%d: %d bucket(s); this rank holds %d of %d trainable elements", decided.sharding.stage,
                  len(partition.buckets), sum(end - start for start, end in map(partition.local_range, (
@@ -542,7 +543,7 @@ def build_zero(model: nn.Module, *, decided: EnginePlan, precision: PrecisionPla
         _note_unit_settings(decided.sharding, info.rank)
         shard = ShardPlan(model, model, "zero", partition=partition)
     else:  # stage 1: DDP all-reduces the whole gradients, as DeepSpeed's stage 1 averages them
-        shard = apply_ddp(model, decided, gradients, precision, info)
+        shard = apply_ddp(model, decided, gradients, precision, info, process_group=process_group)
         shard.partition = partition
     if built is not None:
         _accept_legacy_state(built, partition)

@@ -86,27 +86,32 @@ def sync_module_states(model: nn.Module, device: torch.device, sharding: Shardin
 
 
 def apply_sharding(model: nn.Module, decided: EnginePlan, precision: PrecisionPlan, info: DistInfo, *,
-                   gradients: GradientsConfig, offload: OffloadConfig, mesh: object | None = None) -> ShardPlan:
+                   gradients: GradientsConfig, offload: OffloadConfig, mesh: object | None = None,
+                   process_group: Any = None) -> ShardPlan:  # fmt: skip
     """Wrap ``model`` as the plan says: DDP (stages 0/1; its own reduction unless a compression hook replaces it)
     or FSDP2 on the plan's mesh (or ``mesh``: the data-parallel sub-mesh tensor parallelism left), in the units
-    the plan's sharding section gives (:func:`.units.plan_units`)."""
+    the plan's sharding section gives (:func:`.units.plan_units`). ``process_group``: DDP's data-parallel group (an
+    mpu's; None: every rank)."""
     if not decided.fsdp:
-        return apply_ddp(model, decided, gradients, precision, info)
+        return apply_ddp(model, decided, gradients, precision, info, process_group=process_group)
     return _apply_fsdp(model, decided, gradients, offload, precision, info, mesh)
 
 
 def apply_ddp(model: nn.Module, decided: EnginePlan, gradients: GradientsConfig, precision: PrecisionPlan,
-              info: DistInfo) -> ShardPlan:  # fmt: skip
-    """DDP with the plan's bucket; DeepSpeed's reduction as a comm hook unless a compression hook replaces it."""
-    return _apply_ddp(model, decided.sharding.ddp, gradients, precision, info, decided.compression != "comm_hook")
+              info: DistInfo, process_group: Any = None) -> ShardPlan:  # fmt: skip
+    """DDP with the plan's bucket over ``process_group`` (None: every rank); DeepSpeed's reduction as a comm hook
+    unless a compression hook replaces it."""
+    return _apply_ddp(model, decided.sharding.ddp, gradients, precision, info, decided.compression != "comm_hook",
+                      process_group)  # fmt: skip
 
 
 def _apply_ddp(model, ddp: DdpConfig, gradients: GradientsConfig, precision: PrecisionPlan, info: DistInfo,
-               reduce_hook: bool) -> ShardPlan:  # fmt: skip
+               reduce_hook: bool, process_group: Any = None) -> ShardPlan:  # fmt: skip
     from torch.nn.parallel import DistributedDataParallel
 
     wrapped = DistributedDataParallel(
         model,
+        process_group=process_group,
         device_ids=[info.device.index] if info.device.type == "cuda" else None,
         init_sync=False,  # sync_module_states did it before the master weights were copied
         bucket_cap_mb=float(ddp.bucket_cap_mb),
@@ -115,9 +120,10 @@ def _apply_ddp(model, ddp: DdpConfig, gradients: GradientsConfig, precision: Pre
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
         forward_sync_buffers=ddp.broadcast_buffers,
     )
-    if reduce_hook and _needs_reduce_hook(gradients, precision, info.world_size):
+    world = dist.get_world_size(process_group) if process_group is not None else info.world_size
+    if reduce_hook and _needs_reduce_hook(gradients, precision, world):
         state = _ReduceState(gradients.reduce_op, gradients.prescale, gradients.predivide_factor,
-                             precision.reduce_dtype, info.world_size)  # fmt: skip
+                             precision.reduce_dtype, world, process_group)  # fmt: skip
         wrapped.register_comm_hook(state, _deepspeed_reduce)
     return ShardPlan(wrapped, model, "ddp")
 
@@ -138,6 +144,7 @@ class _ReduceState:
     factor: float
     dtype: torch.dtype
     world_size: int
+    group: Any = None
 
 
 def _deepspeed_reduce(state: _ReduceState, bucket):
@@ -145,7 +152,7 @@ def _deepspeed_reduce(state: _ReduceState, bucket):
     ``predivide_factor`` and multiplied by ``factor / W`` afterwards (post-scale), or a plain sum."""
     buffer = bucket.buffer()
     work = _before_reduce(state, buffer)
-    future = dist.all_reduce(work, async_op=True).get_future()
+    future = dist.all_reduce(work, group=state.group, async_op=True).get_future()
 
     def finish(fut):
         return _after_reduce(state, fut.value()[0], buffer)
@@ -173,9 +180,10 @@ def _after_reduce(state: _ReduceState, reduced: torch.Tensor, buffer: torch.Tens
 
 @torch.no_grad()
 def allreduce_gradients(grads: list[torch.Tensor], gradients: GradientsConfig, precision: PrecisionPlan,
-                        world_size: int) -> None:  # fmt: skip
-    """Reduce ``grads`` in place over every rank outside DDP (the script bypassed its forward, or the first step
-    checks for unused parameters), with the math of DDP's reduction above: one flat collective per dtype."""
+                        world_size: int, process_group: Any = None) -> None:  # fmt: skip
+    """Reduce ``grads`` in place over every rank (or ``process_group``, of ``world_size`` ranks) outside DDP (the script
+    bypassed its forward, or the first step checks for unused parameters), with the math of DDP's reduction above:
+    one flat collective per dtype."""
     if world_size == 1 or not grads:
         return
     state = _ReduceState(gradients.reduce_op, gradients.prescale, gradients.predivide_factor,
@@ -186,7 +194,7 @@ def allreduce_gradients(grads: list[torch.Tensor], gradients: GradientsConfig, p
     for group in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in group])
         work = _before_reduce(state, flat)
-        dist.all_reduce(work)
+        dist.all_reduce(work, group=process_group)
         _after_reduce(state, work, flat)
         for g, part in zip(group, flat.split([g.numel() for g in group])):
             g.copy_(part.view_as(g))
@@ -200,7 +208,7 @@ def rebuild_ddp_for_unused(shard: ShardPlan, ddp: DdpConfig, gradients: Gradient
     if remove is not None:
         remove()
     rebuilt = _apply_ddp(shard.module, ddp.model_copy(update={"find_unused_parameters": True}), gradients,
-                         precision, info, reduce_hook)  # fmt: skip
+                         precision, info, reduce_hook, process_group=shard.model.process_group)  # fmt: skip
     rebuilt.partition = shard.partition  # ZeRO-1: the same partition steps DDP's reduced gradients
     return rebuilt
 

@@ -1,0 +1,354 @@
+"""A Megatron-style ``mpu`` passed to ``initialize(..., mpu=mpu)`` drives the engine (2 gloo ranks).
+
+A column/row-parallel MLP written here (Megatron's layout: the first linear split on its output features, the
+second on its input features with an all-reduce in forward; the split parameters marked ``tensor_model_parallel``,
+the rest duplicated) trains over an mpu of model-parallel size 2 with clipping, and must give the losses and
+gradient norms of the same MLP unsplit on one rank; real DeepSpeed 0.19.8 runs the same script with the same mpu.
+An mpu of data-parallel size 2 behaves as plain data parallelism; DeepSpeed's ``PipelineParallelGrid`` over a
+``PipeModelDataParallelTopology`` serves as the mpu; a bad mpu is a ``ConfigError`` naming ``mpu``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import _engine_harness as h  # noqa: E402
+
+from torsh.engine.parallel.mpu import read_mpu  # noqa: E402
+from torsh.errors import ConfigError  # noqa: E402
+
+D_IN, HIDDEN, D_OUT, BATCH, STEPS, CLIP, LR = 8, 16, 4, 4, 4, 0.05, 1e-2
+REL = 1e-5
+
+
+# ---- the model-parallel pieces a Megatron script brings ---------------------------------------------
+
+
+class MegatronMpu:
+    """Megatron's parallel_state in miniature: model-parallel groups of ``mp`` neighbouring ranks, data-parallel
+    groups of the ranks at the same model-parallel index."""
+
+    def __init__(self, mp: int):
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.mp, self.dp, self.rank = mp, world // mp, rank
+        for start in range(0, world, mp):  # every rank makes every group, in one order (new_group is collective)
+            group = dist.new_group(list(range(start, start + mp)))
+            if start <= rank < start + mp:
+                self.mp_group = group
+        for first in range(mp):
+            ranks = list(range(first, world, mp))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                self.dp_group, self.dp_ranks = group, ranks
+
+    def get_model_parallel_group(self):
+        return self.mp_group
+
+    def get_model_parallel_rank(self):
+        return self.rank % self.mp
+
+    def get_model_parallel_world_size(self):
+        return self.mp
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_rank(self):
+        return self.rank // self.mp
+
+    def get_data_parallel_world_size(self):
+        return self.dp
+
+    def get_data_parallel_group_ranks(self):
+        return self.dp_ranks
+
+
+def _parallel_layers():
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn import functional as F
+
+    class CopyToModelParallel(torch.autograd.Function):
+        """Identity forward; the input's gradient summed over the model-parallel group in backward."""
+
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            dist.all_reduce(grad, group=ctx.group)
+            return grad, None
+
+    class ReduceFromModelParallel(torch.autograd.Function):
+        """The partial sums of the model-parallel ranks added in forward; identity backward."""
+
+        @staticmethod
+        def forward(ctx, x, group):
+            x = x.clone()
+            dist.all_reduce(x, group=group)
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    def mark(p: nn.Parameter, dim: int) -> nn.Parameter:
+        p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1  # Megatron's marks
+        return p
+
+    class ColumnParallelLinear(nn.Module):
+        def __init__(self, full: nn.Linear, rank: int, size: int, group):
+            super().__init__()
+            rows = full.out_features // size
+            self.group = group
+            self.weight = mark(nn.Parameter(full.weight.detach()[rank * rows:(rank + 1) * rows].clone()), 0)
+            self.bias = mark(nn.Parameter(full.bias.detach()[rank * rows:(rank + 1) * rows].clone()), 0)
+
+        def forward(self, x):
+            return F.linear(CopyToModelParallel.apply(x, self.group), self.weight, self.bias)
+
+    class RowParallelLinear(nn.Module):
+        def __init__(self, full: nn.Linear, rank: int, size: int, group):
+            super().__init__()
+            cols = full.in_features // size
+            self.group = group
+            self.weight = mark(nn.Parameter(full.weight.detach()[:, rank * cols:(rank + 1) * cols].clone()), 1)
+            self.bias = nn.Parameter(full.bias.detach().clone())  # duplicated: added once, after the reduction
+
+        def forward(self, x):
+            return ReduceFromModelParallel.apply(F.linear(x, self.weight), self.group) + self.bias
+
+    return ColumnParallelLinear, RowParallelLinear
+
+
+def full_mlp(seed: int = 0):
+    from torch import nn
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, D_IN), nn.LayerNorm(D_IN),
+                         nn.Linear(D_IN, D_OUT))  # fmt: skip
+
+
+def split_mlp(full, rank: int, size: int, group):
+    """``full`` with its first linear column-parallel and its second row-parallel over ``group``; the layer norm
+    and the head duplicated on every model-parallel rank."""
+    import copy
+
+    from torch import nn
+
+    column, row = _parallel_layers()
+    return nn.Sequential(column(full[0], rank, size, group), nn.GELU(), row(full[2], rank, size, group),
+                         copy.deepcopy(full[3]), copy.deepcopy(full[4]))  # fmt: skip
+
+
+def data(step: int, dp_rank: int):
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    return torch.randn(BATCH, D_IN, generator=g), torch.randn(BATCH, D_OUT, generator=g)
+
+
+def config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 10**9, "gradient_clipping": CLIP,
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}}}
+
+
+def reference(dp_ranks: int) -> dict:
+    """The unsplit MLP on one rank: the batches of ``dp_ranks`` data-parallel ranks averaged, AdamW, and
+    DeepSpeed's clipping (max_norm / (norm + 1e-6), never above 1)."""
+    model = full_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses, norms = [], []
+    for step in range(STEPS):
+        total = 0.0
+        for r in range(dp_ranks):
+            x, y = data(step, r)
+            loss = torch.nn.functional.mse_loss(model(x), y) / dp_ranks
+            loss.backward()
+            total += loss.item()
+        norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        for p in model.parameters():
+            p.grad.mul_(min(1.0, CLIP / (norm + 1e-6)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+        norms.append(norm)
+    return {"losses": losses, "norms": norms}
+
+
+def make_mpu(kind: str, mp: int):
+    if kind == "megatron":
+        return MegatronMpu(mp)
+    from torsh.compat.deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
+
+    topo = PipeModelDataParallelTopology(num_pp=1, num_mp=mp, num_dp=2 // mp)
+    return PipelineParallelGrid(topology=topo)
+
+
+def train(rank: int, world_size: int, scenario: dict) -> dict:
+    """The DeepSpeed training loop with ``mpu=`` on torsh or real DeepSpeed."""
+    deepspeed = h.backend(scenario.get("backend", "torsh"))
+    mp_size = scenario.get("mp", 2)
+    mpu = make_mpu(scenario["mpu"], mp_size) if scenario.get("mpu") else None
+    model = full_mlp()
+    if mpu is not None and mp_size > 1:
+        model = split_mlp(model, mpu.get_model_parallel_rank(), mp_size, mpu.get_model_parallel_group())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), mpu=mpu,
+                                      config=config(scenario.get("stage", 0)))  # fmt: skip
+    dp_rank = mpu.get_data_parallel_rank() if mpu is not None else rank
+    rec: dict = {"losses": [], "norms": [], "dp_world_size": engine.dp_world_size,
+                 "mp_world_size": engine.mp_world_size, "dp_rank": dp_rank}  # fmt: skip
+    for step in range(STEPS):
+        x, y = data(step, dp_rank)
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        rec["losses"].append(loss.item())
+        norm = engine.get_global_grad_norm()
+        rec["norms"].append(None if norm is None else float(norm))
+    if scenario.get("save"):
+        engine.save_checkpoint(scenario["save"], tag="t")
+        rec["files"] = sorted(os.listdir(Path(scenario["save"], "t")))
+    engine.destroy() if hasattr(engine, "destroy") else None
+    return rec
+
+
+def refused(rank: int, world_size: int, scenario: dict) -> dict:  # noqa: ARG001
+    """``initialize`` with a bad mpu (or a refused combination): the error's text."""
+    import torsh
+
+    mpu = make_mpu("megatron", scenario.get("mp", 2))
+    if scenario["case"] == "sizes":
+        mpu.get_data_parallel_world_size = lambda: 2  # 2 x 2 on a 2-rank job
+    elif scenario["case"] == "group":
+        mpu.get_data_parallel_group = lambda: None  # the world, where the mpu says 1 rank
+    model = full_mlp()
+    try:
+        torsh.initialize(model=model, model_parameters=model.parameters(), mpu=mpu,
+                         config=config(scenario.get("stage", 0)))  # fmt: skip
+    except ConfigError as err:
+        return {"error_text": str(err)}
+    return {"error_text": None}
+
+
+def run_case(rank: int, world_size: int, scenario: dict) -> dict:
+    return (refused if scenario.get("refused") else train)(rank, world_size, scenario)
+
+
+def _run(scenarios: list[dict]) -> list[dict]:
+    import json
+
+    with tempfile.TemporaryDirectory() as out:
+        h.spawn(scenarios, 2, out, runner=run_case)
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _close(got: list[float], want: list[float], label: str) -> None:
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert abs(a - b) <= REL * max(abs(b), 1e-12), f"{label}[{i}]: {a} vs {b} (all: {got} vs {want})"
+
+
+# ---- tests ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    save = tmp_path_factory.mktemp("mpu_ckpt")
+    scenarios = [{"name": f"mp2_s{s}", "mpu": "megatron", "stage": s} for s in (0, 1, 2)]
+    scenarios += [{"name": "grid_s0", "mpu": "grid", "stage": 0, "save": str(save / "grid")},
+                  {"name": "grid_s2", "mpu": "grid", "stage": 2},
+                  {"name": "dp2_s0", "mpu": "megatron", "mp": 1, "stage": 0},
+                  {"name": "dp2_s2", "mpu": "megatron", "mp": 1, "stage": 2},
+                  {"name": "plain_s0", "stage": 0},
+                  {"name": "plain_s2", "stage": 2}]  # fmt: skip
+    scenarios += [{"name": f"bad_{c}", "refused": True, "case": c} for c in ("sizes", "group")]
+    scenarios += [{"name": "bad_stage3", "refused": True, "case": "stage3", "stage": 3}]
+    return _run(scenarios)
+
+
+@pytest.mark.parametrize("name", ["mp2_s0", "mp2_s1", "mp2_s2", "grid_s0", "grid_s2"])
+def test_model_parallel_mlp_trains_with_the_losses_and_norms_of_the_unsplit_mlp(records, name):
+    """Model-parallel size 2, data-parallel size 1: both ranks see one batch, each holds half of each split
+    linear; the losses and the clipping norm (split parameters summed over the model group, duplicated ones
+    counted once) equal the unsplit MLP's on one rank, and clipping bites (norms above the max norm)."""
+    want = reference(1)
+    assert min(want["norms"]) > CLIP
+    for rec in h.ranks_of(records, name):
+        assert (rec["dp_world_size"], rec["mp_world_size"], rec["dp_rank"]) == (1, 2, 0)
+        _close(rec["losses"], want["losses"], f"{name} losses")
+        _close(rec["norms"], want["norms"], f"{name} norms")
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_data_parallel_mpu_is_plain_data_parallelism(records, stage):
+    """Model-parallel size 1, data-parallel size 2: the losses and norms of the same job without an mpu, and
+    those of the one-rank run over both ranks' batches."""
+    mine, plain = h.ranks_of(records, f"dp2_s{stage}"), h.ranks_of(records, f"plain_s{stage}")
+    want = reference(2)
+    for r, (a, b) in enumerate(zip(mine, plain)):
+        assert (a["dp_world_size"], a["mp_world_size"], a["dp_rank"]) == (2, 1, r)
+        assert a["losses"] == b["losses"] and a["norms"] == b["norms"]
+        _close(a["norms"], want["norms"], "dp2 norms")
+    _close([(a + b) / 2 for a, b in zip(mine[0]["losses"], mine[1]["losses"])], want["losses"], "dp2 losses")
+
+
+def test_bad_mpus_are_errors_naming_mpu(records):
+    sizes, group, stage3 = (h.ranks_of(records, f"bad_{c}")[0]["error_text"] for c in ("sizes", "group", "stage3"))
+    assert "mpu" in sizes and "2 x model-parallel size 2 = 4, but the job has 2 ranks" in sizes
+    assert "get_data_parallel_group() has 2 ranks" in group and "get_data_parallel_world_size() is 1" in group
+    assert "mpu" in stage3 and "ZeRO stage 3" in stage3
+
+
+def test_an_mpu_without_its_methods_is_an_error_naming_them():
+    class Partial:
+        def get_data_parallel_group(self):
+            return None
+
+    with pytest.raises(ConfigError, match=r"mpu.*has no get_data_parallel_rank, get_data_parallel_world_size"):
+        read_mpu(Partial(), 2)
+
+    class Uninitialised(MegatronMpu):
+        def __init__(self):  # the groups were never made
+            self.mp, self.dp, self.rank = 2, 1, 0
+
+    with pytest.raises(ConfigError, match=r"mpu.get_data_parallel_group\(\) raised AttributeError"):
+        read_mpu(Uninitialised(), 2)
+
+    class Negative(Uninitialised):
+        dp_group = mp_group = None
+
+        def get_model_parallel_rank(self):
+            return -1
+
+    with pytest.raises(ConfigError, match=r"get_model_parallel_rank\(\) returned -1, not an integer >= 0"):
+        read_mpu(Negative(), 2)
+
+
+@pytest.mark.slow
+def test_real_deepspeed_gives_the_same_losses_with_the_same_mpu():
+    """The same script and mpu under real DeepSpeed 0.19.8 (CPU): the losses torsh gives, at stages 0-2."""
+    pytest.importorskip("deepspeed")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    scenarios = []
+    for stage in (0, 1, 2):
+        for backend in ("torsh", "deepspeed"):
+            scenarios.append({"name": f"s{stage}_{backend}", "mpu": "megatron", "stage": stage, "backend": backend})
+    records = _run(scenarios)
+    for stage in (0, 1, 2):
+        ours, theirs = h.both(records, f"s{stage}")
+        for a, b in zip(ours, theirs):
+            _close(a["losses"], b["losses"], f"stage {stage} losses vs DeepSpeed")
