@@ -167,7 +167,10 @@ _DEGREES = {
                 "the model's own Hugging Face tp_plan, torsh's default plan the same Hugging Face-style names "
                 "(q/k/v/gate/up colwise, o/down rowwise)"),
     "cp_size": ("parallelism.cp", Fidelity.EXACT, "context parallelism"),
+    "sp_size": ("parallelism.sp", Fidelity.EXACT, "DeepSpeed-Ulysses (DeepSpeed's sequence_parallel_size)"),
 }
+_SP_SETTINGS = {"sp_backend": "DeepSpeed-Ulysses, which the torsh engine runs", **dict.fromkeys(
+    ("sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation"), "for the attention Accelerate swaps in")}
 #: The Megatron-LM backend's degrees: Megatron's own model classes split themselves; the degree is the same.
 _MEGATRON_DEGREES = {
     "megatron_lm_tp_degree": "parallelism.tp",
@@ -224,7 +227,7 @@ def _read_parallelism(value: Any, ctx: ReadContext, path: str) -> None:
             _state(ctx)[key] = (value, path, value)
     elif key.endswith("_size") and value == 1 and not isinstance(value, bool):
         ctx.note(path, Fidelity.EXACT, "1: no such parallelism", value)
-    elif key in _DEGREES:
+    elif key in _DEGREES and (key != "sp_size" or _kind(ctx) == "DEEPSPEED"):
         core, fidelity, reason = _DEGREES[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             ctx.problem(path, value, "a degree is a positive number of processes")
@@ -235,8 +238,16 @@ def _read_parallelism(value: Any, ctx: ReadContext, path: str) -> None:
         ctx.note(path, Fidelity.UNSUPPORTED, f"the data-parallel degree of a {_kind(ctx)} layout; torsh's data "
                  "parallelism takes every process the model-parallel degrees leave", value)  # fmt: skip
     else:
-        ctx.keep(path, value)
-        ctx.note(path, Fidelity.UNSUPPORTED, "sequence parallelism (and its settings) is not run by torsh", value)
+        _read_sp_setting(key, value, ctx, path)
+
+
+def _read_sp_setting(key: str, value: Any, ctx: ReadContext, path: str) -> None:
+    """The other settings: Ulysses' under the DeepSpeed backend (the only one Accelerate runs sp with)."""
+    ds, sp = _kind(ctx) == "DEEPSPEED", key.startswith("sp_")
+    ctx.keep(path, value)
+    reason = (_SP_SETTINGS.get(key) if ds else "Accelerate runs sp with its DeepSpeed backend only") if sp else None
+    ctx.note(path, Fidelity.EXACT if ds and (key, value) == ("sp_backend", "deepspeed") else Fidelity.UNSUPPORTED,
+             reason or "sequence parallelism (and its settings) is not run by torsh", value)  # fmt: skip
 
 
 def _check_parallelism_sizes(ctx: ReadContext) -> None:
@@ -519,7 +530,7 @@ def _write_kind(backend: str):
 def _write_degrees(cfg: TorshConfig, ctx: WriteContext) -> None:
     """parallelism_config's model-parallel degrees (Accelerate's ParallelismConfig)."""
     par = cfg.parallelism
-    for key, core in (("tp_size", "parallelism.tp"), ("cp_size", "parallelism.cp")):
+    for key, core in (("tp_size", "parallelism.tp"), ("cp_size", "parallelism.cp"), ("sp_size", "parallelism.sp")):
         value = getattr(par, core.split(".")[1])
         if value != 1:
             ctx.put(f"parallelism_config.parallelism_config_{key}", value, core)
