@@ -125,9 +125,6 @@ FIELD_MAP: dict[str, Any] = {
     **{f"zero_optimization.{k}": Ignored(_ZERO3_PERF) for k in (
         "model_persistence_threshold", "module_granularity_threshold",
         "use_all_reduce_for_fetch_params", "allgather_sequential")},
-    **{f"zero_optimization.{k}": rules.unless_default(False, Unsupported("ZeRO++ quantized communication has no "
-                                                                         "torch equivalent"))
-       for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")},
     "zero_optimization.zenflow": Unsupported(_DS_ONLY),
     "zero_optimization.legacy_stage1": rules.unless_default(False, Dropped("DeepSpeed 0.19.8 raises when true")),
     **{f"zero_optimization.{k}": _removed(instead) for k, instead in (
