@@ -277,3 +277,17 @@ def test_hpz_on_4_ranks_shards_optimizer_state_over_all_ranks_as_deepspeed():
     torsh, ds = _ok(got["torsh"]), _ok(got["ds_hpz"])
     _close(torsh, ds)
     assert [r["state"] for r in torsh] == [r["state"] for r in ds]  # 1/4 of the Adam state each, not 1/2 (HSDP)
+
+
+def test_drop_in_initialize_refuses_an_hpz_size_that_does_not_divide_the_ranks_as_deepspeed(monkeypatch):
+    # DeepSpeed 0.19.8 on 4 ranks with zero_hpz_partition_size 3: "AssertionError: 4 is not divisible by 3"
+    from torsh.compat import deepspeed
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(deepspeed.DeepSpeedConfigError) as exc:
+        deepspeed.initialize(model=build_model(0), config=_zero3(zero_hpz_partition_size=3))
+    assert [p.path for p in exc.value.problems] == [HPZ] and "4 is not divisible by 3" in str(exc.value)
+    from torsh.compat.deepspeed.runtime.config import check_hpz_partition_size
+
+    check_hpz_partition_size(_zero3(zero_hpz_partition_size=8), 4)  # capped at the ranks: one group, as DeepSpeed
+    check_hpz_partition_size({**_zero3(), "zero_optimization": {"stage": 2, "zero_hpz_partition_size": 3}}, 4)

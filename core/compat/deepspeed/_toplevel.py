@@ -47,7 +47,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     assert model is not None, "deepspeed.initialize requires a model (pass model=your nn.Module)"
 
-    from .runtime.config import InvalidConfig, check_gradient_allreduce_op, check_optimizer_construction
+    from .runtime.config import (
+        InvalidConfig,
+        check_gradient_allreduce_op,
+        check_hpz_partition_size,
+        check_optimizer_construction,
+    )
 
     source = config if config is not None else config_params
     if source is None:
@@ -55,6 +60,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if source is not None:
         check_gradient_allreduce_op(source)  # DeepSpeed's engine refuses these when it reads the config
         check_optimizer_construction(source, optimizer)  # and these when it sets up the optimizer
+        check_hpz_partition_size(source, _world_size())  # and this when ZeRO-3 partitions the model
     try:
         result = torsh_initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                   training_data=training_data, lr_scheduler=lr_scheduler,
@@ -79,6 +85,21 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
         set_log_level_from_string(level)
     return result
+
+
+def _world_size() -> int:
+    """The number of ranks: the started process group's, else the launcher's ``WORLD_SIZE`` (initialize starts
+    the group from it)."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def _as_deepspeed_adam(engine) -> None:

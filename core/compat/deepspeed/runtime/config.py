@@ -181,6 +181,23 @@ def check_optimizer_construction(config, optimizer) -> None:
         assert int(size) % 2 == 0, "allgather_bucket_size must be a multiple of nccl_start_alignment_factor, 2 "
 
 
+
+def check_hpz_partition_size(config, world_size: int) -> None:
+    """What DeepSpeed refuses about ZeRO++ ``zero_hpz_partition_size`` when ZeRO-3 starts: a partition size
+    (capped at ``world_size``) that does not divide the number of ranks (its ``_ensure_divisibility``). The engine
+    runs hpZ as plain ZeRO-3 over all ranks (the DeepSpeed reader's finding), so this is the only check left."""
+    d = _as_dict(config)
+    zero = d.get("zero_optimization") if isinstance(d, dict) else None
+    if not isinstance(zero, dict) or str(zero.get("stage")) != "3":
+        return
+    size = zero.get("zero_hpz_partition_size")
+    if isinstance(size, int) and not isinstance(size, bool) and size > 1 and world_size % min(size, world_size):
+        from torsh.errors import Problem
+
+        raise InvalidConfig([Problem("zero_optimization.zero_hpz_partition_size", size,
+                                     f"{world_size} is not divisible by {size}, as DeepSpeed refuses it: use a "
+                                     "divisor of the number of ranks, or 1 (off)")])
+
 def get_prescale_gradients(param_dict):
     return get_scalar_param(param_dict, "prescale_gradients", False)
 
