@@ -227,16 +227,6 @@ def test_expert_parallelism_under_fsdp_is_refused_by_name():
         engine_moe.EXPERT_DATA_PARALLEL_RANKS.pop("ep_size_2", None)
 
 
-def test_checkpoints_of_local_experts_are_refused_not_written_for_one_rank():
-    """Ranks holding different experts: one model file would keep rank 0's experts only; refused by name."""
-    expert = torch.nn.Parameter(torch.zeros(2))
-    plan = engine_moe.ExpertPlan({"ep_size_2": [expert]}, dp_world_size=2)
-    with pytest.raises(engine_moe.ExpertParallelNotSupported, match="save_checkpoint of a model with MoE expert "
-                       "parallelism \\(ep_size_2"):  # fmt: skip
-        plan.refuse_checkpoint("save_checkpoint")
-    engine_moe.ExpertPlan({}, dp_world_size=2).refuse_checkpoint("save_checkpoint")  # ep_size 1: nothing refused
-
-
 # ---- 2 ranks through torsh.initialize -------------------------------------------------------------------------
 
 

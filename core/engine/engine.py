@@ -842,7 +842,7 @@ class Engine(CheckpointMethods, nn.Module):
         import os
 
         if self.__dict__.get("_experts") is not None:
-            self._experts.refuse_checkpoint("save_16bit_model")
+            self._experts.warn_16bit_save()  # DeepSpeed's file: rank 0's module, its own experts only
         state = self._full_16bit_state(exclude_frozen_parameters)
         if state is not None:
             os.makedirs(save_dir, exist_ok=True)

@@ -35,10 +35,9 @@ class CheckpointMethods:
         holds the whole model, DeepSpeed's ``mp_rank_00_model_states.pt`` is written too (see
         :mod:`torsh.engine.checkpoint.ds_model_states`)."""
         from .checkpoint.ds_model_states import model_states as deepspeed_model_states
+        from .checkpoint.moe_experts import for_save
         from .checkpoint.save_load import save_checkpoint
 
-        if self.__dict__.get("_experts") is not None:
-            self._experts.refuse_checkpoint("save_checkpoint")
         if not save_dir:  # DeepSpeed's check: None or "" would write into the working directory
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         frozen = frozenset(n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad)
@@ -47,21 +46,24 @@ class CheckpointMethods:
         validation = section.get("tag_validation", "warn") if isinstance(section, dict) else "warn"
         model_states = deepspeed_model_states(self, client_state=dict(client_state or {}),
                                               exclude_frozen=exclude_frozen_parameters)  # fmt: skip
+        # MoE layers: DeepSpeed's expert files, and each expert under its global name in the DCP files
+        model_states, rank_files, key_map = for_save(self, model_states, exclude_frozen=exclude_frozen_parameters)
         with self._checkpoint_state(load=False) as (module, optimizer):
             return save_checkpoint(save_dir, tag, model=module, optimizer=optimizer, lr_scheduler=self.lr_scheduler,
                                    loss_scaler=self.loss_scaler, engine_state=self._engine_state(),
                                    client_state=dict(client_state or {}), save_latest=save_latest,
                                    frozen=frozen if exclude_frozen_parameters else frozenset(),
-                                   tag_validation=str(validation), model_states=model_states)  # fmt: skip
+                                   tag_validation=str(validation), model_states=model_states, key_map=key_map,
+                                   rank_files=rank_files)  # fmt: skip
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):  # fmt: skip
         """Load a checkpoint written by :meth:`save_checkpoint` (at any world size); returns
         ``(load_path, client_state)``, ``(None, None)`` when there is none."""
+        from .checkpoint.moe_experts import for_load
         from .checkpoint.save_load import load_checkpoint
 
-        if self.__dict__.get("_experts") is not None:
-            self._experts.refuse_checkpoint("load_checkpoint")
+        key_map, experts = for_load(self)  # MoE layers: their experts' global names and files
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by the torsh engine")
         with self._checkpoint_state(load=True) as (module, optimizer):
@@ -69,7 +71,7 @@ class CheckpointMethods:
                 load_dir, tag, model=module, optimizer=optimizer, lr_scheduler=self.lr_scheduler,
                 loss_scaler=self.loss_scaler, load_module_strict=load_module_strict,
                 load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
-                load_module_only=load_module_only)  # fmt: skip
+                load_module_only=load_module_only, key_map=key_map, experts=experts)  # fmt: skip
         if path is None:
             return None, None
         if state and not load_module_only:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .io import CheckpointError
+from .moe_experts import EXPERT_FILE
 
 __all__ = ["is_deepspeed_checkpoint", "load_deepspeed_checkpoint", "load_file"]
 
@@ -148,6 +149,8 @@ def _rank_file(file: Path) -> tuple[str, int] | None:
             raise CheckpointError(f"{file} is part of a tensor- or pipeline-parallel DeepSpeed checkpoint "
                                   f"(mp_rank {match.group(2)}); only data-parallel checkpoints can be loaded")
         return match.group(3), int(match.group(1))
+    if EXPERT_FILE.match(file.name):  # an MoE expert's weights (read by moe_experts)
+        return None
     if file.name.endswith("model_states.pt") and file.name != _MODEL_FILE:
         raise CheckpointError(f"{file} is not a DeepSpeed data-parallel checkpoint file (pipeline or "
                               f"tensor-parallel checkpoints cannot be loaded)")  # fmt: skip
@@ -246,12 +249,15 @@ class _Restored:
         self.aliases: dict[str, str] = {}  # a tied parameter's other names -> the name it was saved under first
 
 
-def _read(layout: _Layout, with_optimizer: bool) -> _Restored:
+def _read(layout: _Layout, with_optimizer: bool, experts: Any = None) -> _Restored:
     out = _Restored()
     out.model_file = layout.model_files[0]
     ms = out.model_states = _load(out.model_file)
     module = _need(ms, "module", out.model_file)
     out.aliases = _tied_names(module)
+    if _holds_experts(ms, experts):
+        _read_moe(layout, out, with_optimizer, experts)
+        return out
     buffers = set(ms.get("buffer_names") or [])
     out.weights.update({k: v for k, v in module.items() if k in buffers})
     if not layout.optim_files:  # stage 0: weights and the torch optimizer live in the model states
@@ -264,6 +270,40 @@ def _read(layout: _Layout, with_optimizer: bool) -> _Restored:
     _frozen(ms, layout, out)
     _shared_params(ms, out)
     return out
+
+
+def _holds_experts(ms: dict[str, Any], experts: Any) -> bool:
+    """The checkpoint or the model has MoE layers (DeepSpeed's ``num_experts`` entry; the model's layers)."""
+    return experts is not None or "num_experts" in ms
+
+
+def _read_moe(layout: _Layout, out: _Restored, with_optimizer: bool, experts: Any) -> None:
+    """A model with MoE layers (DeepSpeed's ``_save_moe_checkpoint``): the module without the experts, this
+    rank's experts from their files, and at stage 0 the optimizer state of this rank's ``expp_rank`` file."""
+    from .moe_experts import optimizer_file
+
+    ms, file = out.model_states, out.model_file
+    if experts is None or "num_experts" not in ms:
+        which = "holds MoE experts and this model has no MoE layers" if experts is None else (
+            "has no MoE experts (no 'num_experts') and this model has MoE layers")
+        raise CheckpointError(f"the DeepSpeed checkpoint {layout.path} {which}; load it into the model it was "
+                              "saved from")  # fmt: skip
+    experts.check_saved(ms, file)
+    out.weights.update(ms["module"])
+    out.weights.update(experts.read_experts(layout.path, _load))
+    if not with_optimizer:
+        return
+    if layout.optim_files:
+        raise CheckpointError(f"the optimizer state of the DeepSpeed MoE checkpoint {layout.path} (ZeRO stage 1-2: "
+                              "each expert group partitioned over its own ranks) is not read by the torsh engine; "
+                              "load it with load_optimizer_states=False or load_module_only=True (the weights load, "
+                              "the optimizer starts afresh)")  # fmt: skip
+    optim = layout.path / optimizer_file(experts.ep_rank)
+    if not optim.is_file():
+        raise CheckpointError(f"the DeepSpeed MoE checkpoint {layout.path} has no {optim.name} (the optimizer state "
+                              "of this rank's experts); load it with load_optimizer_states=False")  # fmt: skip
+    _read_stage0_optimizer(_need(_load(optim), "optimizer", optim), out, optim)
+    out.stage0["by_optimizer"] = True  # positions follow the optimizer's groups (experts in groups of their own)
 
 
 def _read_partitioned(layout: _Layout, ms: dict[str, Any], out: _Restored, with_optimizer: bool) -> None:
@@ -313,10 +353,10 @@ def _tied_names(module: dict[str, Any]) -> dict[str, str]:
     return aliases
 
 
-def _read_checked(path: Path, with_optimizer: bool) -> _Restored:
+def _read_checked(path: Path, with_optimizer: bool, experts: Any = None) -> _Restored:
     """:func:`_read`, with any surprise in the files' structure reported as a CheckpointError naming them."""
     try:
-        return _read(_Layout(path), with_optimizer)
+        return _read(_Layout(path), with_optimizer, experts)
     except CheckpointError:
         raise
     except (KeyError, TypeError, AttributeError, ValueError, IndexError, RuntimeError) as exc:
@@ -470,17 +510,19 @@ def _frozen(ms: dict[str, Any], layout: _Layout, out: _Restored) -> None:
 
 def load_deepspeed_checkpoint(path: Path, *, model: Any, optimizer: Any, lr_scheduler: Any, loss_scaler: Any,
                               strict: bool, load_optimizer_states: bool, load_lr_scheduler_states: bool,
-                              load_module_only: bool) -> tuple[str, dict, dict | None]:  # fmt: skip
+                              load_module_only: bool, experts: Any = None) -> tuple[str, dict, dict | None]:  # fmt: skip
     """Load the DeepSpeed checkpoint directory ``path`` (one tag) into the engine's model and optimizer.
 
     Returns ``(model states file, client_state, engine_state)`` like DeepSpeed's ``load_checkpoint``: the
-    client state is every entry of the model states that DeepSpeed does not consume itself.
+    client state is every entry of the model states that DeepSpeed does not consume itself. ``experts``: the
+    model's MoE layers (:class:`~torsh.engine.checkpoint.moe_experts.ExpertCheckpoint`), whose expert files it
+    reads.
     """
     from .state import _on_every_rank, _torch_optimizer
 
     optimizer = _torch_optimizer(optimizer) if load_optimizer_states and not load_module_only else None
     # every rank reads the files (a failure on one rank is raised on all, before any collective)
-    restored = _on_every_rank(_read_checked, path, optimizer is not None)
+    restored = _on_every_rank(_read_checked, path, optimizer is not None, experts)
     _install(restored, model, optimizer, strict=strict, file=restored.model_file)
     ms = restored.model_states
     engine_state = None
@@ -537,7 +579,9 @@ def _install(restored: _Restored, model: Any, optimizer: Any, *, strict: bool, f
 
     names = _param_names(model)
     if restored.stage0 is not None and optimizer is not None:
-        _stage0_to_names(restored, list(names.values()), file)
+        ordered = ([names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+                   if restored.stage0.get("by_optimizer") else list(names.values()))  # fmt: skip
+        _stage0_to_names(restored, ordered, file)
     weights = dict(restored.weights)
     _check_keys(model, weights, strict, file, restored.aliases)
     options = StateDictOptions(full_state_dict=True, strict=strict)

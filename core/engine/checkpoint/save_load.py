@@ -77,6 +77,7 @@ from .state import (
     _zero_state_dict,
 )
 from .from_deepspeed import is_deepspeed_checkpoint
+from .moe_experts import rename_state
 from ..zero.whole_params import sharded_state
 
 log = logging.getLogger(__name__)
@@ -252,7 +253,8 @@ def after_save(callback: Callable[[str, str], None], *, remove: bool = False) ->
 def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimizer: Any, lr_scheduler: Any,
                     loss_scaler: Any, engine_state: dict, client_state: dict, save_latest: bool,
                     frozen: frozenset[str] = frozenset(), tag_validation: str = "fail",
-                    model_states: dict | None = None) -> bool:  # fmt: skip
+                    model_states: dict | None = None, key_map: dict[str, str] | None = None,
+                    rank_files: dict[str, Any] | None = None) -> bool:  # fmt: skip
     """Write a checkpoint to ``save_dir/<tag>/`` atomically; collective (every rank calls it). Returns True.
 
     ``tag`` None means ``global_step{engine_state['global_steps']}`` (DeepSpeed's default). ``client_state`` is
@@ -261,7 +263,10 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     parameters named in ``frozen`` are left out of the model state (DeepSpeed's ``exclude_frozen_parameters``:
     a LoRA job's checkpoints hold its adapters, not the base model; load them with ``load_module_strict=False``).
     ``model_states`` (rank 0's; None elsewhere or for none): DeepSpeed's model-states file, written beside the DCP
-    files and covered by the manifest (:mod:`torsh.engine.checkpoint.ds_model_states`).
+    files and covered by the manifest (:mod:`torsh.engine.checkpoint.ds_model_states`). ``key_map``: model and
+    optimizer-state keys saved under another name (a rank's MoE experts under their global names,
+    :mod:`torsh.engine.checkpoint.moe_experts`); ``rank_files``: this rank's further files (name -> object to
+    ``torch.save``), written beside the others (DeepSpeed's expert files).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -285,15 +290,11 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
 
     # 1. model and optimizer (sharded; every rank writes its part, rank 0 writes .metadata last)
     with sharded_state(model), _quiet_without_dist():  # DCP writes each rank's shards
-        dcp.save(_state_to_save(model, _torch_optimizer(optimizer), frozen), checkpoint_id=staging)
+        state = rename_state(_state_to_save(model, _torch_optimizer(optimizer), frozen), key_map)
+        dcp.save(state, checkpoint_id=staging)
 
-    # 2. small states: rank 0 writes the shared ones, every rank its RNG
-    if rank == 0:
-        _write_bytes(staging / ENGINE_STATES, engine_bytes)
-        if model_states is not None:
-            _write_model_states(staging, model_states)
-    (staging / RNG_DIR).mkdir(exist_ok=True)
-    _write_bytes(staging / RNG_DIR / f"rank{rank}.pt", rng_bytes)
+    # 2. small states: rank 0 writes the shared ones, every rank its RNG (and its files)
+    _write_small_states(staging, rank, engine_bytes, rng_bytes, model_states, rank_files)
     _barrier()
 
     # 3. checksums: every rank hashes a share of the files, rank 0 writes the manifest into the staging dir
@@ -313,13 +314,26 @@ def save_checkpoint(save_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     return True
 
 
-def _write_model_states(staging: Path, states: dict) -> None:
-    """DeepSpeed's model-states file (rank 0), written straight to disk (it holds the whole model)."""
+def _write_small_states(staging: Path, rank: int, engine_bytes: bytes, rng_bytes: bytes, model_states: dict | None,
+                        rank_files: dict[str, Any] | None) -> None:  # fmt: skip
+    if rank == 0:
+        _write_bytes(staging / ENGINE_STATES, engine_bytes)
+        if model_states is not None:
+            _write_model_states(staging, model_states)
+    for name, obj in (rank_files or {}).items():
+        _write_model_states(staging, obj, name)
+    (staging / RNG_DIR).mkdir(exist_ok=True)
+    _write_bytes(staging / RNG_DIR / f"rank{rank}.pt", rng_bytes)
+
+
+def _write_model_states(staging: Path, states: dict, name: str | None = None) -> None:
+    """DeepSpeed's model-states file (rank 0; or the file ``name``), written straight to disk (it holds the whole
+    model)."""
     import torch
 
     from .ds_model_states import MODEL_STATES
 
-    with open(staging / MODEL_STATES, "wb") as f:
+    with open(staging / (name or MODEL_STATES), "wb") as f:
         torch.save(states, f)
         f.flush()
         os.fsync(f.fileno())
@@ -475,7 +489,8 @@ def _read_engine_states(path: Path) -> dict[str, Any]:
 def load_checkpoint(load_dir: str | os.PathLike, tag: Any, *, model: Any, optimizer: Any, lr_scheduler: Any,
                     loss_scaler: Any, load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                    load_rng_states: bool = False) -> tuple[str | None, dict | None, dict | None]:  # fmt: skip
+                    load_rng_states: bool = False, key_map: dict[str, str] | None = None,
+                    experts: Any = None) -> tuple[str | None, dict | None, dict | None]:  # fmt: skip
     """Load a checkpoint written by :func:`save_checkpoint` (at any world size); collective.
 
     ``tag`` None reads ``load_dir/latest``. Returns ``(path, client_state, engine_state)``; ``(None, None, None)``
@@ -484,7 +499,9 @@ def load_checkpoint(load_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     holds anything but plain data raises :class:`CheckpointError` naming the file, on every rank.
     ``load_module_only`` loads the weights only (no optimizer, scheduler, loss scaler; ``engine_state`` is None
     so the engine keeps its counters). The loss scaler is restored together with the optimizer states. RNG
-    states are restored only with ``load_rng_states=True`` (DeepSpeed never restores them).
+    states are restored only with ``load_rng_states=True`` (DeepSpeed never restores them). ``key_map``: as for
+    :func:`save_checkpoint`; ``experts``: the model's MoE layers
+    (:class:`~torsh.engine.checkpoint.moe_experts.ExpertCheckpoint`), for a DeepSpeed checkpoint's expert files.
     """
     path = _resolve_on_rank0(Path(load_dir), tag)
     if path is None:
@@ -494,9 +511,10 @@ def load_checkpoint(load_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
                                loss_scaler=loss_scaler, strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,
-                               load_module_only=load_module_only)  # fmt: skip
+                               load_module_only=load_module_only, experts=experts)  # fmt: skip
     with_optimizer = load_optimizer_states and not load_module_only and optimizer is not None
-    saved = _load_torsh(path, model, optimizer if with_optimizer else None, strict=load_module_strict)
+    saved = _load_torsh(path, model, optimizer if with_optimizer else None, strict=load_module_strict,
+                        key_map=key_map)  # fmt: skip
     if not load_module_only:
         _load_small_states(saved, lr_scheduler, loss_scaler, scheduler=load_lr_scheduler_states,
                            scaler=with_optimizer)  # fmt: skip
@@ -506,11 +524,12 @@ def load_checkpoint(load_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     return str(path), saved["client_state"], None if load_module_only else saved["engine"]
 
 
-def _load_torsh(path: Path, model: Any, optimizer: Any, *, strict: bool) -> dict[str, Any]:
+def _load_torsh(path: Path, model: Any, optimizer: Any, *, strict: bool,
+                key_map: dict[str, str] | None) -> dict[str, Any]:  # fmt: skip
     """Model (and optimizer, unless None) state of a torsh checkpoint; its engine states."""
     saved = _verified_engine_states(path)
     with sharded_state(model), _quiet_without_dist():
-        _load_model_and_optimizer(path, model, _torch_optimizer(optimizer), strict=strict)
+        _load_model_and_optimizer(path, model, _torch_optimizer(optimizer), strict=strict, key_map=key_map)
     return saved
 
 
@@ -585,7 +604,8 @@ def _failures_text(path: Path, exc: Any) -> str:
     return f"cannot load checkpoint {path}: {'; '.join(messages) or exc}"
 
 
-def _load_model_and_optimizer(path: Path, model: Any, optimizer: Any, *, strict: bool) -> None:
+def _load_model_and_optimizer(path: Path, model: Any, optimizer: Any, *, strict: bool,
+                              key_map: dict[str, str] | None = None) -> None:  # fmt: skip
     """Read model (and optimizer, unless None) state from the DCP files, resharding to the current layout."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -600,10 +620,14 @@ def _load_model_and_optimizer(path: Path, model: Any, optimizer: Any, *, strict:
     options = StateDictOptions(strict=strict)
     # Non-strict loading tolerates parameters the checkpoint lacks (DCP refuses them otherwise).
     partial = not strict
+    key_map = key_map or {}
+    back = {v: k for k, v in key_map.items()}
+    if key_map and _is_zero(optimizer):
+        raise NotImplementedError("MoE experts saved under their global names with a ZeroRedundancyOptimizer")
     if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
+        state = rename_state({"model": get_model_state_dict(model)}, key_map)
         _dcp_load(state, path, allow_partial_load=partial)
-        set_model_state_dict(model, state["model"], options=options)
+        set_model_state_dict(model, rename_state(state, back)["model"], options=options)
     elif _is_zero(optimizer):
         names = _param_names(model)
         state = {"model": get_model_state_dict(model), "optim": _zero_load_template(optimizer, names, metadata)}
@@ -612,8 +636,9 @@ def _load_model_and_optimizer(path: Path, model: Any, optimizer: Any, *, strict:
         _zero_load(optimizer, names, state["optim"])
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = rename_state({"model": model_sd, "optim": optim_sd}, key_map)
         _dcp_load(state, path, allow_partial_load=partial)
+        state = rename_state(state, back)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=options)  # fmt: skip
 

@@ -291,14 +291,13 @@ class ExpertPlan:
                 "gate_modules": [m.deepspeed_moe.gate for m in self.layers if hasattr(m, "deepspeed_moe")],
                 "expert_parallel_group": EXPERT_PARALLEL, "expert_data_parallel_group": EXPERT_DATA_PARALLEL}
 
-    def refuse_checkpoint(self, what: str) -> None:
-        """Raise for ``what`` (a checkpoint save or load, a 16-bit model save) when ranks hold different experts:
-        the engine's files have one copy of the model, which would keep one rank's experts only."""
-        if self.active:
-            raise ExpertParallelNotSupported(
-                f"{what} of a model with MoE expert parallelism ({', '.join(sorted(self.local))}: the ranks hold "
-                "different experts) is not done by the torsh engine yet (DeepSpeed writes one file per expert); "
-                "train with ep_size=1 to checkpoint, or save each rank's experts yourself")  # fmt: skip
+    def warn_16bit_save(self) -> None:
+        """``save_16bit_model`` writes what DeepSpeed writes below stage 3: rank 0's module state, which holds
+        rank 0's experts only (under their local ids) when the ranks hold different experts; said in the log
+        (``save_checkpoint`` writes every expert, in DeepSpeed's expert files)."""
+        if self.active and dist.is_initialized() and dist.get_rank() == 0:
+            log.warning("save_16bit_model with MoE expert parallelism (%s): the file holds rank 0's experts only, "
+                        "as DeepSpeed writes it; save_checkpoint writes every expert", ", ".join(sorted(self.local)))
 
     def global_norm(self, grads: list[torch.Tensor]) -> float:
         """DeepSpeed's stage-0 gradient norm of a model with local experts: this rank's 2-norm of ``grads``,
