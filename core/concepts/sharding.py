@@ -13,8 +13,10 @@ The frameworks say it so:
   a 2-D mesh is (replicate, shard): its dim 1 is the shard group. Accelerate's ``fsdp_reshard_after_forward`` (with
   ``fsdp_version: 2``) is the same bool, its ``parallelism_config`` ``dp_replicate_size`` x ``dp_shard_size`` the
   mesh;
-* DeepSpeed: ``zero_optimization.stage`` is the core stage itself; ``zero_hpz_partition_size`` (ZeRO++) a secondary
-  parameter partition of that many ranks;
+* DeepSpeed: ``zero_optimization.stage`` is the core stage itself; ``zero_hpz_partition_size`` (ZeRO++ hpZ) a
+  secondary parameter partition of that many ranks for the backward all-gather, read as plain stage 3 (hpZ keeps
+  the optimizer state sharded over all ranks, which ``hybrid_shard_size`` would not) and written from
+  ``hybrid_shard_size``;
 * Lightning: the strategy names its registry knows (``deepspeed_stage_2``, ``fsdp``, ...) build a strategy with
   arguments (``LIGHTNING_STRATEGIES``); ``ModelParallelStrategy`` applies FSDP2 over its data-parallel dimension;
 * FairScale: FSDP (``reshard_after_forward`` as FSDP2's bool), OSS alone 1, OSS + ShardedDataParallel 2;
