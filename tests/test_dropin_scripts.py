@@ -45,6 +45,15 @@ CIFAR_FP16_CONFIG = {**CIFAR_CONFIG, "fp16": {"enabled": True, "initial_scale_po
 CASES = {
     "cifar_style": ("cifar_style", ["--deepspeed_config", "{tmp}/ds_config.json"], "fp32", CIFAR_CONFIG),
     "cifar_style_fp16": ("cifar_style", ["--deepspeed_config", "{tmp}/ds_config.json"], "fp16", CIFAR_FP16_CONFIG),
+    # DeepSpeedExamples' cifar10 --moe: 2 experts over 2 ranks, top-1 with RSample noise, the expert param groups
+    "cifar_moe_style": ("cifar_style", ["--deepspeed_config", "{tmp}/ds_config.json", "--moe", "--ep-world-size", "2",
+                                        "--num-experts", "2", "--top-k", "1", "--noisy-gate-policy", "RSample",
+                                        "--moe-param-group", "--save_dir", "{tmp}/checkpoints"], "fp32",
+                        CIFAR_CONFIG),
+    "cifar_moe_zero2_style": ("cifar_style", ["--deepspeed_config", "{tmp}/ds_config.json", "--moe", "--ep-world-size",
+                                              "2", "--num-experts", "2", "--top-k", "1", "--moe-param-group",
+                                              "--save_dir", "{tmp}/checkpoints"], "fp32",
+                              {**CIFAR_CONFIG, "zero_optimization": {"stage": 2}}),
     "comm_checkpoint_style": ("comm_checkpoint_style", ["--ckpt_dir", "{tmp}/checkpoints"], "fp32", None),
     "bert_unused_raw_style": ("bert_unused_raw_style", [], "fp32", None),
     "hf_causal_lm_style": ("hf_causal_lm_style", [], "bf16", None),
@@ -319,6 +328,17 @@ def test_script_losses_match_real_deepspeed(name, deepspeed_results, torsh_resul
         for key, (shape, total) in theirs["state"].items():
             assert ours["state"][key][0] == shape and ours["state"][key][1] == pytest.approx(total, rel=tolerance)
         assert ours["after_load"] == pytest.approx(theirs["after_load"], rel=tolerance)
+    if name.startswith("cifar_moe"):  # DeepSpeed's files of the checkpoint: the same names, keys, shapes and values
+        assert ours["expert_groups"] == theirs["expert_groups"] == [2, 1]
+        assert ours["checkpoint"].keys() == theirs["checkpoint"].keys() and len(theirs["checkpoint"]) == 3
+        for file, entries in theirs["checkpoint"].items():
+            assert ours["checkpoint"][file].keys() == entries.keys(), file
+            for key, value in entries.items():
+                if key == "num_experts":
+                    assert ours["checkpoint"][file][key] == value == [2]
+                    continue
+                assert ours["checkpoint"][file][key][0] == value[0], (file, key)
+                assert ours["checkpoint"][file][key][1] == pytest.approx(value[1], rel=tolerance, abs=1e-5), (file, key)
     if name.startswith("hf_trainer"):  # the model save_model wrote: the same tensors as DeepSpeed's
         assert ours["saved"].keys() == theirs["saved"].keys()
         for key, (shape, dtype, total) in theirs["saved"].items():
