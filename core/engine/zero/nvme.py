@@ -33,6 +33,7 @@ import errno
 import logging
 import os
 import shutil
+import tempfile
 import types
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -85,13 +86,15 @@ def path_problem(nvme_path: str | None, need_bytes: int) -> str | None:
         return "is not set: give a directory on a local NVMe (or any local) disk"
     path = Path(nvme_path)
     if not path.is_dir():
-        return (f"{nvme_path!r} does not exist or is not a directory: create it (a directory on a local NVMe disk) "
-                "or point the key at one")  # fmt: skip
-    if not os.access(path, os.W_OK | os.X_OK):
-        return f"{nvme_path!r} is not writable by this process: choose a directory it can write, or fix its mode"
+        return "does not exist or is not a directory: create it (a directory on a local NVMe disk) or point the key at one"
+    try:  # a real write (root passes any access() check, a read-only mount does not)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return f"cannot be written by this process ({e.strerror}): choose a directory it can write, or fix its mode"
     free = shutil.disk_usage(path).free
     if free < need_bytes:
-        return (f"{nvme_path!r} has {free / 2**20:,.1f} MiB free, the optimizer state needs about "
+        return (f"has {free / 2**20:,.1f} MiB free, the optimizer state needs about "
                 f"{need_bytes / 2**20:,.1f} MiB: free space there or choose a larger disk")  # fmt: skip
     return None
 

@@ -1,0 +1,228 @@
+"""NVMe offload (ZeRO-Infinity's ``offload_optimizer.device: nvme``): the optimizer state in files under
+``nvme_path``, stepped piece by piece, with the same losses as CPU offload, resumable, and a clear error for a bad
+path; ``offload_param.device: nvme`` runs as CPU offload, said as approximate."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import _engine_harness as h
+from torsh import plan as plan_mod
+from torsh.config import TorshConfig
+from torsh.config_training import OffloadConfig
+from torsh.engine.zero import nvme
+from torsh.errors import ConfigError
+
+
+# --------------------------------------------------------------------------------------------------
+# one process: the swapper
+
+
+def _offload(path) -> OffloadConfig:
+    return OffloadConfig(optimizer="nvme", nvme_path=str(path))
+
+
+def _adamw_pair(tmp_path, hints):
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(37, 5)), nn.Parameter(torch.randn(11)), nn.Parameter(torch.randn(0))]
+    qs = [nn.Parameter(p.detach().clone()) for p in ps]
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True}
+    plain, swapped = torch.optim.AdamW(ps, **kwargs), torch.optim.AdamW(qs, **kwargs)
+    offload = _offload(tmp_path)
+    nvme.attach_nvme(swapped, offload, stage=2, rank=0, hints=hints)
+    return ps, qs, plain, swapped
+
+
+@pytest.mark.parametrize("hints", [nvme.NvmeHints(sub_group_numel=16),
+                                   nvme.NvmeHints(sub_group_numel=7, block_size=4096, threads=3, pipeline=True),
+                                   nvme.NvmeHints()], ids=["pieces", "threads-pipelined", "whole"])  # fmt: skip
+def test_pieces_step_bit_for_bit_as_the_whole_tensor(tmp_path, hints):
+    ps, qs, plain, swapped = _adamw_pair(tmp_path, hints)
+    for _ in range(4):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        plain.step()
+        swapped.step()
+    assert all(torch.equal(p, q) for p, q in zip(ps, qs))
+    # between steps only the step counter is in memory; the moments are in the rank's files
+    assert {k for st in swapped.state.values() for k in st} == {"step"}
+    folder = tmp_path / "zero_stage_2" / "optimizer" / "rank0"
+    assert (folder / "0_exp_avg.tensor.swp").stat().st_size == 37 * 5 * 4
+    assert {f.name.split("_", 1)[1] for f in folder.iterdir()} == {"exp_avg.tensor.swp", "exp_avg_sq.tensor.swp",
+                                                                   "max_exp_avg_sq.tensor.swp"}  # fmt: skip
+    # state_dict reads it back; loading writes it out again (a resumed run)
+    want, got = plain.state_dict()["state"], swapped.state_dict()["state"]
+    assert all(torch.equal(got[i][k], want[i][k]) for i in want for k in want[i])
+    assert {k for st in swapped.state.values() for k in st} == {"step"}
+    fresh = [nn.Parameter(q.detach().clone()) for q in qs]
+    other = torch.optim.AdamW(fresh, lr=1e-2, weight_decay=0.1, amsgrad=True)
+    (tmp_path / "b").mkdir()
+    nvme.attach_nvme(other, _offload(tmp_path / "b"),
+                     stage=2, rank=0, hints=hints)  # fmt: skip
+    other.load_state_dict(copy.deepcopy(plain.state_dict()))  # (torch shares the step tensors it loads)
+    for p, f in zip(ps, fresh):
+        p.grad = torch.randn_like(p)
+        f.grad = p.grad.clone()
+    plain.step()
+    other.step()
+    assert all(torch.equal(p, f) for p, f in zip(ps, fresh))
+
+
+def test_pipelined_io_waits_for_its_writes(tmp_path):
+    """A read of the next step sees every piece the last step wrote (the pipelined writes are awaited)."""
+    ps, qs, plain, swapped = _adamw_pair(tmp_path, nvme.NvmeHints(sub_group_numel=5, threads=2, pipeline=True))
+    for _ in range(3):
+        for p, q in zip(ps, qs):
+            p.grad = torch.ones_like(p)
+            q.grad = torch.ones_like(q)
+        plain.step()
+        swapped.step()
+    with nvme.resident(swapped):
+        assert torch.equal(swapped.state[qs[0]]["exp_avg_sq"], plain.state[ps[0]]["exp_avg_sq"])
+
+
+def test_bad_nvme_path_is_a_clear_error(tmp_path, monkeypatch):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert "does not exist" in nvme.path_problem(str(tmp_path / "missing"), 1)
+    assert "not a directory" in nvme.path_problem(str(a_file), 1)
+    assert "cannot be written" in nvme.path_problem("/proc", 1)
+    assert nvme.path_problem(str(tmp_path), 1) is None
+    monkeypatch.setattr(nvme.shutil, "disk_usage", lambda _: types.SimpleNamespace(free=1024))
+    assert "MiB free" in nvme.path_problem(str(tmp_path), 10 * 2**20)
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(2**20))])
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path.*MiB free.*larger disk"):
+        nvme.attach_nvme(opt, _offload(tmp_path),
+                         stage=3, rank=0)  # fmt: skip
+
+
+def test_a_full_disk_while_writing_names_the_key(tmp_path, monkeypatch):
+    ps, qs, plain, swapped = _adamw_pair(tmp_path, nvme.NvmeHints())
+
+    def full(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(nvme.os, "pwritev", full)
+    qs[0].grad = torch.ones_like(qs[0])
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path.*disk is full"):
+        swapped.step()
+
+
+# --------------------------------------------------------------------------------------------------
+# the plan
+
+
+def _cfg(**offload) -> TorshConfig:
+    return TorshConfig.model_validate({"sharding": {"stage": offload.pop("stage")}, "offload": offload})
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_plan_runs_nvme_offload_and_says_how(stage):
+    decided = plan_mod.plan(_cfg(stage=stage, optimizer="nvme", params="nvme" if stage == 3 else "none",
+                                 nvme_path="/local_nvme"), 2)  # fmt: skip
+    assert decided.refused == ()
+    assert decided.optimizer_on_cpu and (decided.fsdp_cpu_offload if stage == 3 else decided.masters_on_cpu)
+    words = "\n".join(decided.steps)
+    assert "NVMe offload: the per-element optimizer state" in words and "/local_nvme/zero_stage_<stage>" in words
+    assert ("NVMe parameter swapping is done as CPU offload" in words) == (stage == 3)
+
+
+def test_tensor_parallelism_still_refuses_nvme_offload():
+    cfg = TorshConfig.model_validate({"parallelism": {"tp": 2}, "sharding": {"stage": 3},
+                                      "offload": {"optimizer": "nvme", "nvme_path": "/x"}})  # fmt: skip
+    assert [p.path for p in plan_mod.refusals(cfg, world_size=2)] == ["offload"]
+
+
+# --------------------------------------------------------------------------------------------------
+# two ranks: the same losses as CPU offload, resumable, the error on every rank
+
+
+def _config(stage: int, device: str, path: str, dtype: str, **extra) -> dict:
+    cfg = h.base_config(**{"sharding.stage": stage, "offload.optimizer": device, "offload.nvme_path": path,
+                           "offload.nvme_sub_group_size": 300, "precision.param_dtype": dtype, **extra})  # fmt: skip
+    if dtype == "bf16":
+        cfg["precision"]["master_dtype"] = "fp32"
+    return cfg
+
+
+def _run_losses(rank: int, world_size: int, scenario: dict) -> dict:
+    import torsh
+
+    cfg = scenario["config"]
+    engine, opt, *_ = torsh.initialize(model=h.build_model(0), config=cfg)
+    losses = h.train(engine, rank, 0, 4)
+    out = {"losses": losses, "params": h._checksum(engine), "offload": engine.zero_cpu_offload()}
+    if cfg["offload"]["optimizer"] == "nvme":
+        folder = Path(cfg["offload"]["nvme_path"], f"zero_stage_{cfg['sharding']['stage']}", "optimizer",
+                      f"rank{rank}")  # fmt: skip
+        out["files"] = sorted(f.name for f in folder.iterdir())
+        out["resident"] = sorted({k for st in opt.state.values() for k in st})
+        if scenario.get("resume"):  # save after 4, 2 more; a fresh engine loading the checkpoint repeats them
+            engine.save_checkpoint(scenario["resume"])
+            out["uninterrupted"] = h.train(engine, rank, 4, 2)
+            fresh, *_ = torsh.initialize(model=h.build_model(1), config=cfg)
+            fresh.load_checkpoint(scenario["resume"])
+            out["resumed"] = h.train(fresh, rank, 4, 2)
+    return out
+
+
+def _run_bad_path(rank: int, world_size: int, scenario: dict) -> dict:
+    import torsh
+
+    cfg = json.loads(json.dumps(scenario["config"]))
+    if rank == 1:
+        cfg["offload"]["nvme_path"] += "/missing"
+    try:
+        torsh.initialize(model=h.build_model(0), config=cfg)
+    except ConfigError as e:
+        return {"error_text": str(e)}
+    return {"error_text": None}
+
+
+@pytest.mark.slow
+def test_nvme_offload_trains_as_cpu_offload_and_resumes(tmp_path):
+    """Stages 1-3, fp32 and bf16: NVMe offload's losses and weights are CPU offload's, bit for bit; at stages 2
+    and 3 a checkpoint of NVMe-offloaded state resumes with the same losses."""
+    scenarios = []
+    for stage in (1, 2, 3):
+        for dtype in ("fp32", "bf16"):
+            for device in ("cpu", "nvme"):
+                name = f"s{stage}-{dtype}-{device}"
+                scenarios.append({"name": name, "config": _config(stage, device, str(tmp_path / name), dtype),
+                                  "resume": str(tmp_path / f"ckpt-{name}") if device == "nvme" and dtype == "fp32"
+                                  and stage > 1 else None})  # fmt: skip
+    for s in scenarios:
+        os.makedirs(s["config"]["offload"]["nvme_path"], exist_ok=True)
+    with tempfile.TemporaryDirectory() as out:
+        h.spawn(scenarios, 2, out, _run_losses)
+        records = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    for stage in (1, 2, 3):
+        for dtype in ("fp32", "bf16"):
+            cpu, disk = h.ranks_of(records, f"s{stage}-{dtype}-cpu"), h.ranks_of(records, f"s{stage}-{dtype}-nvme")
+            for c, d in zip(cpu, disk):
+                assert d["losses"] == c["losses"] and d["params"] == c["params"], (stage, dtype)
+                assert d["offload"] is True
+                assert d["resident"] == ["step"]
+                assert "0_exp_avg.tensor.swp" in d["files"] and "0_exp_avg_sq.tensor.swp" in d["files"]
+                if "resumed" in d:
+                    assert d["resumed"] == d["uninterrupted"], (stage, dtype)
+
+
+def test_a_bad_nvme_path_on_one_rank_stops_every_rank(tmp_path):
+    cfg = _config(2, "nvme", str(tmp_path), "fp32")
+    with tempfile.TemporaryDirectory() as out:
+        h.spawn([{"name": "bad", "config": cfg}], 2, out, _run_bad_path)
+        records = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    texts = [r["bad"]["error_text"] for r in records]
+    assert all(t and "offload_optimizer.nvme_path" in t and "does not exist" in t for t in texts), texts
+    assert "on rank 1" in texts[0]
