@@ -42,7 +42,7 @@ from .parallel.moe import prepare_experts
 from .parallel.moe_zero import build_expert_zero
 from .parallel.mpu import engine_members as mpu_members
 from .parallel.mpu import read_mpu, refuse_with
-from .parallel.sequence import build_sequence_groups, is_sequence_mpu, with_sequence_mpu
+from .parallel.sequence import build_sequence_groups, degree_with_mpu, is_sequence_mpu
 from .parallel.tensor_parallel import apply_tensor_parallel
 from .precision import apply_precision
 from .zero.construction import materialize
@@ -88,7 +88,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     log_translation(translation, info.rank)
     warn_not_executed(cfg, info.rank)
     mp = read_mpu(mpu, info.world_size) if mpu is not None and not is_sequence_mpu(mpu) else None  # Megatron's
-    cfg = with_sequence_mpu(cfg, mpu)  # DeepSpeed's parallel_state_sp gives the sequence-parallel degree
+    if is_sequence_mpu(mpu):  # DeepSpeed's parallel_state_sp gives the sequence-parallel degree
+        cfg = cfg.resolve_deferred({"parallelism.sp": degree_with_mpu(cfg.parallelism.sp, mpu)})
 
     # "auto" needs the world size, the model, the passed optimizer and the data; the batch is split over the
     # data-parallel ranks, what tensor / pipeline / context parallelism (or an mpu's model axis) leave of the world.

@@ -103,6 +103,10 @@ def build_sequence_groups(sp: int, *, mpu: Any = None, reduce_op: str = "mean",
         raise ConfigError([Problem("parallelism.sp", sp, "sequence parallelism beside MoE expert parallelism is "
                                    "not run by the torsh engine: set sequence_parallel_size to 1, or the MoE "
                                    "layers' ep_size to 1")])  # fmt: skip
+    if mpu is not None and not is_sequence_mpu(mpu):
+        raise ConfigError([Problem("parallelism.sp", sp, "sequence parallelism beside a Megatron-style mpu's model "
+                                   "axis is not run by the torsh engine: set sequence_parallel_size to 1, or pass "
+                                   "DeepSpeed's parallel_state_sp as the mpu")])  # fmt: skip
     factor = float(sp) if reduce_op == "mean" else 1.0
     if is_sequence_mpu(mpu):
         group, data_group = mpu.get_sequence_parallel_group(), mpu.get_sequence_data_parallel_group()
@@ -147,12 +151,3 @@ def data_group() -> Any | None:
 
 def _live() -> bool:
     return CURRENT is not None and dist.is_available() and dist.is_initialized() and CURRENT.world is dist.group.WORLD
-
-
-def with_sequence_mpu(cfg: Any, mpu: Any) -> Any:
-    """``cfg`` (a TorshConfig) with the sequence-parallel degree of a sequence-parallel ``mpu`` (unchanged for any
-    other ``mpu``): DeepSpeed takes the degree from it."""
-    if not is_sequence_mpu(mpu):
-        return cfg
-    sp = degree_with_mpu(cfg.parallelism.sp, mpu)
-    return cfg if sp == cfg.parallelism.sp else cfg.resolve_deferred({"parallelism.sp": sp})
