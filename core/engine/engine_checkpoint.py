@@ -48,6 +48,8 @@ class CheckpointMethods:
                                               exclude_frozen=exclude_frozen_parameters)  # fmt: skip
         # MoE layers: DeepSpeed's expert files, and each expert under its global name in the DCP files
         model_states, rank_files, key_map = for_save(self, model_states, exclude_frozen=exclude_frozen_parameters)
+        if self.__dict__.get("_mpu") is not None:  # DeepSpeed's mp_rank_XX file per model-parallel rank
+            model_states, rank_files, key_map = self._mpu.checkpoint_files(model_states, self.module.state_dict())
         with self._checkpoint_state(load=False) as (module, optimizer):
             return save_checkpoint(save_dir, tag, model=module, optimizer=optimizer, lr_scheduler=self.lr_scheduler,
                                    loss_scaler=self.loss_scaler, engine_state=self._engine_state(),
@@ -64,6 +66,8 @@ class CheckpointMethods:
         from .checkpoint.save_load import load_checkpoint
 
         key_map, experts = for_load(self)  # MoE layers: their experts' global names and files
+        if self.__dict__.get("_mpu") is not None:  # each model-parallel rank's slices under its own keys
+            key_map = self._mpu.key_map(self.module.state_dict())
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by the torsh engine")
         with self._checkpoint_state(load=True) as (module, optimizer):

@@ -28,13 +28,16 @@ VERSION = "0.19.8+torsh"
 
 
 def model_states(engine: Any, *, client_state: dict, exclude_frozen: bool) -> dict | None:
-    """The contents of DeepSpeed's model-states file for ``engine``'s checkpoint (only rank 0 writes it; None on
-    the other ranks and where no rank holds the whole model)."""
+    """The contents of DeepSpeed's model-states file for ``engine``'s checkpoint (only rank 0 writes it, or under a
+    Megatron-style mpu each model-parallel rank's first data-parallel rank; None on the other ranks and where no
+    rank holds the whole model)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     stage = engine.zero_optimization_stage()
-    if (dist.is_initialized() and dist.get_rank() != 0) or stage >= 3 or any(
+    mpu = engine.__dict__.get("_mpu")  # under an mpu the first rank of each data-parallel group writes its own
+    writer = mpu.dp_rank(0) == 0 if mpu is not None else not (dist.is_initialized() and dist.get_rank() != 0)
+    if not writer or stage >= 3 or any(
             isinstance(p, DTensor) for p in engine.module.parameters()):  # fmt: skip
         return None
     module = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen)

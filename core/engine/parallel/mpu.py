@@ -88,12 +88,20 @@ class MpuGroups:
         """DeepSpeed's model-states file of this model-parallel rank."""
         return f"mp_rank_{self.checkpoint_mp_rank:02d}_model_states.pt"
 
-    @property
-    def key_prefix(self) -> str:
-        """The prefix of this rank's model and optimizer keys in a checkpoint's DCP files: the model-parallel
-        ranks hold different slices under the same names, which one set of DCP files keeps once per name
-        (empty when the model is not split)."""
-        return f"mp_rank_{self.checkpoint_mp_rank:02d}." if self.tp > 1 else ""
+    def key_map(self, names) -> dict[str, str]:
+        """This rank's model and optimizer-state keys in a checkpoint's DCP files: the model-parallel ranks hold
+        different slices under the same names, which one set of DCP files would keep once, so each name is saved
+        under ``mp_rank_XX/`` (unchanged when the model is not split)."""
+        if self.tp == 1:
+            return {}
+        return {name: f"mp_rank_{self.checkpoint_mp_rank:02d}/{name}" for name in names}
+
+    def checkpoint_files(self, model_states: dict | None, names) -> tuple[None, dict[str, dict], dict[str, str]]:
+        """``(model_states, rank_files, key_map)`` for the checkpoint writer: DeepSpeed's model-states file of this
+        model-parallel rank, written by the data-parallel group's first rank under its ``mp_rank_XX`` name, and
+        the DCP keys of :meth:`key_map`."""
+        files = {self.model_states_name: model_states} if model_states is not None else {}
+        return None, files, self.key_map(names)
 
     # -- start-up broadcast and gradient norm ------------------------------------------------------------
 
