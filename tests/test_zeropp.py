@@ -203,6 +203,8 @@ def _side_by_side(rank: int, world: int, scenario: dict) -> dict:
     logger = logging.getLogger("torsh.engine")
     logger.addHandler(handler)
     try:
+        if scenario["engine"] == "torsh":  # the construction context's quantisation argument is noted too
+            deepspeed.zero.Init(enabled=False, zero_quantized_weights=True)
         model = build_model(0)
         engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                        config=scenario["config"])  # fmt: skip
@@ -265,6 +267,7 @@ def test_zeropp_configs_train_with_deepspeed_s_losses_and_say_what_they_run():
     warned = " ".join(torsh[0]["log"])
     for key, reason in {**ZEROPP_QUANTIZATION, HPZ: _note(_read({"stage": 3, **ALL_ON}), HPZ).reason}.items():
         assert f"{key}: approximate ({reason})" in warned, key
+    assert f"deepspeed.zero.Init(zero_quantized_weights=True): approximate ({ZEROPP_QUANTIZATION[QW]})" in warned
     assert not any(key in " ".join(torsh[1]["log"]) for key in ZEROPP_QUANTIZATION)
 
 

@@ -17,6 +17,7 @@ are left alone, as DeepSpeed leaves parameters ZeRO did not partition.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Iterable
 from enum import Enum
@@ -335,6 +336,19 @@ class InsertPostInitMethodToModuleSubClasses:
         return False
 
 
+def _note_quantization(**switches: bool) -> None:
+    """ZeRO++ weight quantisation asked of the context: the engine all-gathers the weights unquantized, as the
+    DeepSpeed reader's note on the config key of the same name says (logged once, on rank 0)."""
+    from torsh.adapters._deepspeed_rules import ZEROPP_QUANTIZATION
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    for name, on in switches.items():
+        if on:
+            logging.getLogger("torsh.engine").warning("deepspeed.zero.Init(%s=True): approximate (%s)", name,
+                                                      ZEROPP_QUANTIZATION[f"zero_optimization.{name}"])
+
+
 def enable_memory_efficient_linear() -> None:
     """``torch.nn.functional.linear`` becomes :func:`.linear.zero3_linear_wrap` (the same values; DeepSpeed's
     ZeRO-3 autograd function), as DeepSpeed installs it when a ZeRO-3 context or engine with
@@ -392,7 +406,8 @@ class Init(InsertPostInitMethodToModuleSubClasses):
     Floating tensors made inside the context are built in DeepSpeed's parameter dtype (``dtype``, else the config's
     bf16/fp16, fp32 when it enables neither; with neither, fp16 where the accelerator supports it, else bf16) on
     this process's device, so weights are drawn as DeepSpeed draws them (``tensor_overrides`` chooses which of the
-    two is changed, as in DeepSpeed). The ZeRO++ quantisation arguments are accepted and have no effect;
+    two is changed, as in DeepSpeed). The ZeRO++ quantisation arguments are accepted and logged as approximate
+    (the weights are all-gathered unquantized);
     ``weight_quantization.quantized_initialization`` in the config is refused.
     Usable as a context manager or a decorator.
     """
@@ -419,6 +434,8 @@ class Init(InsertPostInitMethodToModuleSubClasses):
             from ...comm import init_distributed
 
             init_distributed()
+        _note_quantization(zero_quantized_weights=zero_quantized_weights,
+                           zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights)
         if module is not None and enabled and self.mem_efficient_linear:
             self._enable_mem_efficient_linear()
         if sequence_data_parallel_group is not None and data_parallel_group is not None:
