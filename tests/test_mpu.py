@@ -193,9 +193,11 @@ def reference(dp_ranks: int) -> dict:
 def make_mpu(kind: str, mp: int):
     if kind == "megatron":
         return MegatronMpu(mp)
+    import torch.distributed as dist
+
     from torsh.compat.deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
 
-    topo = PipeModelDataParallelTopology(num_pp=1, num_mp=mp, num_dp=2 // mp)
+    topo = PipeModelDataParallelTopology(num_pp=1, num_mp=mp, num_dp=dist.get_world_size() // mp)
     return PipelineParallelGrid(topology=topo)
 
 
@@ -245,7 +247,7 @@ def resume(rank: int, world_size: int, scenario: dict) -> dict:  # noqa: ARG001
         for step in range(STEPS):
             if run == "resumed" and step < STEPS // 2:
                 continue
-            x, y = data(step, 0)
+            x, y = data(step, mpu.get_data_parallel_rank())
             loss = torch.nn.functional.mse_loss(engine(x), y)
             engine.backward(loss)
             engine.step()
@@ -286,12 +288,12 @@ def run_case(rank: int, world_size: int, scenario: dict) -> dict:
     return run(rank, world_size, scenario)
 
 
-def _run(scenarios: list[dict]) -> list[dict]:
+def _run(scenarios: list[dict], world_size: int = 2) -> list[dict]:
     import json
 
     with tempfile.TemporaryDirectory() as out:
-        h.spawn(scenarios, 2, out, runner=run_case)
-        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+        h.spawn(scenarios, world_size, out, runner=run_case)
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
 def _close(got: list[float], want: list[float], label: str) -> None:
@@ -386,6 +388,26 @@ def test_an_mpu_without_its_methods_is_an_error_naming_them():
 
     with pytest.raises(ConfigError, match=r"get_model_parallel_rank\(\) returned -1, not an integer >= 0"):
         read_mpu(Negative(), 2)
+
+
+@pytest.mark.slow
+def test_four_ranks_with_both_axes(tmp_path):
+    """Data-parallel size 2 x model-parallel size 2 (4 gloo ranks): the gradients are averaged over the
+    data-parallel pairs (0, 2) and (1, 3) only, the norm summed over the model pairs; the losses and norms are the
+    unsplit MLP's on one rank over both batches, and a checkpoint resumes with the same losses."""
+    scenarios = [{"name": "s0", "mpu": "megatron", "stage": 0}, {"name": "s2", "mpu": "grid", "stage": 2},
+                 {"name": "resume", "resume": True, "mpu": "megatron", "stage": 1, "save": str(tmp_path)}]
+    records = _run(scenarios, world_size=4)
+    want = reference(2)
+    for name in ("s0", "s2"):
+        ranks = h.ranks_of(records, name)
+        assert [(r["dp_world_size"], r["mp_world_size"], r["dp_rank"]) for r in ranks] == [(2, 2, 0), (2, 2, 0),
+                                                                                            (2, 2, 1), (2, 2, 1)]
+        _close([(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[2]["losses"])], want["losses"], name)
+        for r in ranks:
+            _close(r["norms"], want["norms"], f"{name} norms")
+    for rec in h.ranks_of(records, "resume"):
+        assert rec["resumed"] == rec["first"][STEPS // 2:] and rec["file_holds_this_ranks_slices"]
 
 
 @pytest.mark.slow
