@@ -281,6 +281,10 @@ _OPTIMIZER_OFFLOAD = ("DeepSpeed steps DeepSpeedCPUAdam on the offloaded state; 
                       "CPUOffloadPolicy (which also offloads parameters and gradients)")  # fmt: skip
 
 
+_PARAM_NVME = ("torsh keeps the parameters in CPU memory (FSDP2's CPUOffloadPolicy), not in files under nvme_path: "
+               "NVMe parameter swapping is done as CPU offload (the optimizer state is swapped to NVMe)")
+
+
 def _read_offload(seen: _Seen) -> None:
     active = [prefix for part, core, legacy in _OFFLOAD_PARTS
               if (prefix := _offload_part(seen, _stage(seen), part, core, legacy))]  # fmt: skip
@@ -304,8 +308,8 @@ def _offload_part(seen: _Seen, stage: int, part: str, core: str, legacy_key: str
         for key in (f"{prefix}.device", f"{prefix}.nvme_path", f"{prefix}.pin_memory", legacy_key):
             seen.inert(key, why)
         return None
-    reason = "" if part == "param" else _OPTIMIZER_OFFLOAD
-    seen.set(source, core, device, EXACT if part == "param" else APPROXIMATE,
+    reason = (_PARAM_NVME if device == "nvme" else "") if part == "param" else _OPTIMIZER_OFFLOAD
+    seen.set(source, core, device, EXACT if part == "param" and device != "nvme" else APPROXIMATE,
              f"{_LEGACY_OFFLOAD}; {reason}".rstrip("; ") if source == legacy_key else reason)
     if device != "nvme":
         seen.inert(f"{prefix}.nvme_path", f"offload device is {device}; nvme_path is unused")
@@ -374,7 +378,8 @@ ZEROPP_QUANTIZATION = {
     "zero_optimization.zero_quantized_weights": (
         "parameters are all-gathered unquantized, not as DeepSpeed's blockwise symmetric int8 of each rank's "
         "partition: the losses are those of unquantized ZeRO-3, which differ from a reference of DeepSpeed's "
-        "quantisation by up to 1.2e-3 relative (small model, 2 ranks, 6 steps)"),
+        "quantisation (each parameter's partition in its own groups; DeepSpeed's groups also span the parameters it "
+        "gathers together) by up to 1.2e-3 relative (small model, 2 ranks, 6 steps)"),
     "zero_optimization.zero_quantized_nontrainable_weights": (
         "frozen parameters are kept and all-gathered unquantized, not stored as DeepSpeed's blockwise int8: more "
         "memory for them, and the losses of unquantized ZeRO-3, which differ from a reference of DeepSpeed's "

@@ -16,7 +16,10 @@ elements) to int8 after a cast to fp16, in DeepSpeed's number of groups for that
 on the dequantized weights and the gradient reaches the fp32 weights unchanged. qgZ (taken only between nodes, here
 2 nodes of 1 rank) quantizes each 2-D gradient to int4 in ``max(rows, cols, world)`` groups, requantizes the reduced
 values the same way for the inter-node step, and averages over the nodes; 1-D gradients and those whose size is not
-a multiple of ``2 * world`` are averaged unquantized, as DeepSpeed falls back for them.
+a multiple of ``2 * world`` are averaged unquantized, as DeepSpeed falls back for them. Where the reference is
+simpler than DeepSpeed: it quantizes each parameter's partition on its own (DeepSpeed quantizes the partitions of the
+parameters one fetch gathers together as one tensor, so its groups depend on its fetch schedule), quantizes every
+gather (small parameters DeepSpeed keeps gathered included), and quantizes gradients in fp32.
 """
 
 from __future__ import annotations
