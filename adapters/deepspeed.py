@@ -94,7 +94,13 @@ FIELD_MAP: dict[str, Any] = {
     **{f"zero_optimization.offload_param.{k}": Ignored(_OFFLOAD_IO)
        for k in ("buffer_count", "buffer_size", "max_in_cpu")},
     **{f"zero_optimization.offload_optimizer.{k}": Ignored(_OFFLOAD_IO)
-       for k in ("buffer_count", "pipeline_read", "pipeline_write", "fast_init", "cpuadam_cores_perc")},
+       for k in ("buffer_count", "fast_init", "cpuadam_cores_perc")},
+    # NVMe offload's I/O: pieces of sub_group_size elements, block_size requests on intra_op_parallelism threads
+    "zero_optimization.offload_optimizer.pipeline_read": To("offload.nvme_pipeline", default=False),
+    "zero_optimization.offload_optimizer.pipeline_write": To("offload.nvme_pipeline", write=False),
+    "zero_optimization.sub_group_size": To("offload.nvme_sub_group_size", default=1_000_000_000),
+    "aio.block_size": To("offload.nvme_block_size", default=1_048_576),
+    "aio.intra_op_parallelism": To("offload.nvme_threads", default=1),
     "zero_optimization.offload_optimizer.ratio": rules.unless_default(
         1.0, Unsupported("partial optimizer offload (ZeRO-3 only) has no torch equivalent")),
     "zero_optimization.offload_optimizer.super_offload": rules.unless_default(
@@ -104,7 +110,7 @@ FIELD_MAP: dict[str, Any] = {
     **{f"zero_optimization.{k}": Ignored(_PERF) for k in (
         "contiguous_gradients", "reduce_scatter", "use_multi_rank_bucket_allreduce",
         "allgather_partitions", "overlap_comm", "round_robin_gradients",
-        "sub_group_size", "memory_efficient_linear", "parameter_alignment", "log_trace_cache_warnings",
+        "memory_efficient_linear", "parameter_alignment", "log_trace_cache_warnings",
         "enable_sanity_checks", "override_module_apply", "pipeline_loading_checkpoint",
         "save_muon_momentum_buffer_in_memory", "compute_grad_norm",
         "load_from_fp32_weights", "elastic_checkpoint")},
@@ -187,7 +193,7 @@ FIELD_MAP: dict[str, Any] = {
     "disable_allgather": Ignored(_PERF),
     "disable_python_gc": Ignored(_PERF),
     **{f"aio.{k}": Ignored("NVMe asynchronous-I/O tuning; no numerical effect") for k in (
-        "block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds")},
+        "queue_depth", "single_submit", "overlap_events", "use_gds")},
     "autotuning": Ignored("DeepSpeed's autotuner searches knobs offline; no effect on a training run"),
     # removed top-level sections
     "elasticity": _removed("set train_batch_size / train_micro_batch_size_per_gpu / gradient_accumulation_steps "
