@@ -204,6 +204,8 @@ def make_mpu(kind: str, mp: int):
 def train(rank: int, world_size: int, scenario: dict) -> dict:
     """The DeepSpeed training loop with ``mpu=`` on torsh or real DeepSpeed."""
     deepspeed = h.backend(scenario.get("backend", "torsh"))
+    if scenario.get("mpu") == "grid":  # the drop-in's deepspeed.initialize, as a script under `torsh run` calls it
+        import torsh.compat.deepspeed as deepspeed
     mp_size = scenario.get("mp", 2)
     mpu = make_mpu(scenario["mpu"], mp_size) if scenario.get("mpu") else None
     model = full_mlp()
