@@ -489,12 +489,12 @@ def _backend(cfg: TorshConfig, version: str | None) -> str:
     """The Accelerate backend to write: asked for, else what the stage and offload need, else the source's."""
     if version is not None:
         return version
-    s, o = cfg.sharding, cfg.offload
+    s, o, sp = cfg.sharding, cfg.offload, cfg.parallelism.sp
     kept = cfg.extensions.get(NAME, {})
-    if s.stage == 0:
+    if s.stage == 0 and sp == 1:
         return "ddp"
-    if s.stage == 1 or "nvme" in (o.params, o.optimizer) or (o.optimizer != "none" and o.params == "none"):
-        return "deepspeed"  # the only Accelerate backend with ZeRO-1 and these offloads
+    if s.stage <= 1 or sp > 1 or "nvme" in (o.params, o.optimizer) or (o.optimizer != "none" and o.params == "none"):
+        return "deepspeed"  # the only Accelerate backend with ZeRO-1, sequence parallelism (sp) and these offloads
     if kept.get("distributed_type") == "DEEPSPEED" or "deepspeed" in cfg.extensions:
         return "deepspeed"  # a DeepSpeed job stays on Accelerate's DeepSpeed backend
     return "fsdp1" if str(kept.get("fsdp_config.fsdp_version", 2)) == "1" else "fsdp2"

@@ -327,3 +327,24 @@ def test_sequence_groups_refuse_what_they_do_not_run_beside():
     assert sequence.degree_with_mpu(1, ulysses) == 4 and sequence.degree_with_mpu(4, ulysses) == 4
     with pytest.raises(ConfigError, match="sequence_parallel_size.*4 ranks"):
         sequence.degree_with_mpu(2, ulysses)
+
+
+def test_accelerate_accepts_the_sp_size_torsh_writes(tmp_path):
+    """The Accelerate file written for parallelism.sp 2 (ZeRO-2) loads with Accelerate's own config loader, and its
+    ParallelismConfig takes the size as DeepSpeed-Ulysses sequence parallelism."""
+    pytest.importorskip("accelerate")
+    import yaml
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from torsh import adapters
+
+    cfg = TorshConfig.from_dict({"parallelism": {"sp": 2}, "sharding": {"stage": 2}, "launch": {"nproc_per_node": 4}})
+    written = adapters.get("accelerate").write(cfg).result
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(yaml.safe_dump(written))
+    loaded = load_config_from_file(str(path))
+    assert loaded.distributed_type == "DEEPSPEED"
+    size = loaded.parallelism_config["parallelism_config_sp_size"]
+    parallelism = ParallelismConfig(sp_size=size)
+    assert parallelism.sp_enabled and parallelism.sp_backend == "deepspeed" and parallelism.sp_size == 2
