@@ -10,6 +10,7 @@ An mpu of data-parallel size 2 behaves as plain data parallelism; DeepSpeed's ``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -161,9 +162,12 @@ def data(step: int, dp_rank: int):
     return torch.randn(BATCH, D_IN, generator=g), torch.randn(BATCH, D_OUT, generator=g)
 
 
-def config(stage: int, bf16: bool = False) -> dict:
+def config(stage: int, bf16: bool = False, wide: bool = False) -> dict:
+    """DeepSpeed's JSON; ``wide``: bf16 weights with fp32 gradient accumulation and the optimizer offloaded."""
+    zero: dict = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if wide else {})}
     return {"train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 10**9, "gradient_clipping": CLIP,
-            "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
+            "zero_optimization": zero, "bf16": {"enabled": bf16 or wide},
+            **({"data_types": {"grad_accum_dtype": "fp32"}} if wide else {}),
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}}}
 
 
@@ -212,14 +216,16 @@ def train(rank: int, world_size: int, scenario: dict) -> dict:
     if mpu is not None and mp_size > 1:
         model = split_mlp(model, mpu.get_model_parallel_rank(), mp_size, mpu.get_model_parallel_group())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), mpu=mpu,
-                                      config=config(scenario.get("stage", 0), scenario.get("bf16", False)))  # fmt: skip
+                                      config=config(scenario.get("stage", 0), scenario.get("bf16", False),
+                                                    scenario.get("wide", False)))  # fmt: skip
     dp_rank = mpu.get_data_parallel_rank() if mpu is not None else rank
     rec: dict = {"losses": [], "norms": [], "dp_world_size": engine.dp_world_size,
                  "mp_world_size": engine.mp_world_size, "dp_rank": dp_rank}  # fmt: skip
     for step in range(STEPS):
         x, y = data(step, dp_rank)
         loss = torch.nn.functional.mse_loss(engine(x.to(engine.module[0].weight.dtype)).float(), y)
-        engine.backward(loss)
+        with engine.coalesce_grad_reduction() if scenario.get("coalesce") else contextlib.nullcontext():
+            engine.backward(loss)  # in the block: reduced once when it ends, over the data-parallel group
         engine.step()
         rec["losses"].append(loss.item())
         norm = engine.get_global_grad_norm()
@@ -318,6 +324,8 @@ def records(tmp_path_factory):
                   {"name": "dp2_s2", "mpu": "megatron", "mp": 1, "stage": 2},
                   {"name": "plain_s0", "stage": 0},
                   {"name": "plain_s2", "stage": 2}]  # fmt: skip
+    scenarios += [{"name": f"wide_{c}", "mpu": "megatron", "stage": 1, "wide": True, "coalesce": c}
+                  for c in (False, True)]  # fmt: skip
     scenarios += [{"name": f"bad_{c}", "refused": True, "case": c} for c in ("sizes", "group")]
     scenarios += [{"name": "bad_stage3", "refused": True, "case": "stage3", "stage": 3}]
     return _run(scenarios)
@@ -358,6 +366,14 @@ def test_checkpoint_per_model_parallel_rank_resumes_with_the_same_losses(records
         assert rec["resumed"] == rec["first"][STEPS // 2:]
         assert rec["file_holds_this_ranks_slices"] and rec["mp_world_size"] == 2
         assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= set(rec["files"]), rec["files"]
+
+
+def test_coalesced_reduction_averages_over_the_data_parallel_group_only(records):
+    """ZeRO-1 with fp32 gradient accumulation reduces a ``coalesce_grad_reduction`` block's gradients itself:
+    over the mpu's data-parallel group (here each rank alone), so the losses are those of the same steps without
+    the block (averaging the two model-parallel ranks' different slices would change them)."""
+    for coalesced, plain in zip(h.ranks_of(records, "wide_True"), h.ranks_of(records, "wide_False")):
+        assert coalesced["losses"] == plain["losses"]
 
 
 def test_bad_mpus_are_errors_naming_mpu(records):

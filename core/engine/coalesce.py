@@ -139,9 +139,11 @@ def flush_zero12(engine: Any) -> None:
         return
     if _accumulates_wider(engine):  # ZeRO-1: reduce the gradients held in the wider dtype, keep this rank's elements
         held = engine.__dict__.get("_coalescing") or {}
+        from .parallel.mpu import reduction_group
         from .zero.sharding import allreduce_gradients
 
-        allreduce_gradients(list(held.values()), engine._policy.gradients, engine._precision, engine.world_size)
+        allreduce_gradients(list(held.values()), engine._policy.gradients, engine._precision,
+                            *reduction_group(engine))  # fmt: skip
         engine.__dict__["_unreduced"] = False
         part.absorb_grads({id(p): g for p, g in held.items()})
         held.clear()

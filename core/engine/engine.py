@@ -327,6 +327,10 @@ class Engine(CheckpointMethods, nn.Module):
         """Whether the optimizer state is offloaded to the CPU (or NVMe, whose step runs on the CPU), as DeepSpeed's."""
         return self._policy.optimizer_offload in ("cpu", "nvme")
 
+    def zero_nvme_offload_optimizer(self) -> bool:
+        """Whether the optimizer state is offloaded to NVMe (files under ``nvme_path``)."""
+        return self._policy.optimizer_offload == "nvme"
+
     def _publish_scale(self) -> None:
         """The loss scale on the optimizer where DeepSpeed's optimizer has it (GPT-NeoX and Megatron-DeepSpeed
         log it from there): ``cur_scale`` and ``loss_scale`` on the ZeRO optimizers (stages 1-3), ``loss_scale``
@@ -520,15 +524,14 @@ class Engine(CheckpointMethods, nn.Module):
 
     def _allreduce_gradients(self, masters: bool = False) -> None:
         """The local gradients of the parameters (or of the fp32 masters) averaged over the data-parallel ranks."""
+        from .parallel.mpu import reduction_group
         from .zero.sharding import allreduce_gradients
 
         holders = self._precision.masters.masters.values() if masters else self.module.parameters()
         if self.__dict__.get("_experts") is not None:
             holders = self._experts.shared(holders)
         grads = [p.grad for p in holders if p.grad is not None]
-        mpu = self.__dict__.get("_mpu")  # an mpu's data-parallel group, else every rank
-        allreduce_gradients(grads, self._policy.gradients, self._precision,
-                            mpu.dp if mpu is not None else self.world_size, mpu.dp_group if mpu is not None else None)
+        allreduce_gradients(grads, self._policy.gradients, self._precision, *reduction_group(self))
 
     def _check_ddp_finished(self) -> None:
         """A parameter used in earlier steps but not in this one leaves DDP's reduction unfinished (one C++

@@ -249,6 +249,13 @@ def refuse_with(mpu_groups: MpuGroups, *, stage: int, model_degrees: int, expert
         raise ConfigError(problems)
 
 
+def reduction_group(engine: Any) -> tuple[int, Any]:
+    """``(size, group)`` of the ranks the engine averages gradients over outside DDP (a backward DDP did not
+    reduce, a ``coalesce_grad_reduction`` block): an mpu's data-parallel group, else every rank (None)."""
+    groups = engine.__dict__.get("_mpu")
+    return (groups.dp, groups.dp_group) if groups is not None else (engine.world_size, None)
+
+
 def engine_members(groups: MpuGroups | None) -> dict[str, Any]:
     """What the engine holds of an mpu: DeepSpeed's ``engine.mpu``, the checked groups, and the data-parallel
     group its ``data_parallel_group`` returns (none without an mpu)."""
