@@ -409,6 +409,15 @@ def test_an_mpu_without_its_methods_is_an_error_naming_them():
 
 
 @pytest.mark.slow
+def test_data_parallel_mpu_at_zero3_is_plain_zero3():
+    """ZeRO-3 runs beside an mpu without a model axis (its data-parallel group is the world): the losses and norms
+    of the same job without the mpu (with a model axis it is refused, see above)."""
+    records = _run([{"name": "dp2_s3", "mpu": "megatron", "mp": 1, "stage": 3}, {"name": "plain_s3", "stage": 3}])
+    for a, b in zip(h.ranks_of(records, "dp2_s3"), h.ranks_of(records, "plain_s3")):
+        assert a["losses"] == b["losses"] and a["norms"] == b["norms"] and a["dp_world_size"] == 2
+
+
+@pytest.mark.slow
 def test_four_ranks_with_both_axes(tmp_path):
     """Data-parallel size 2 x model-parallel size 2 (4 gloo ranks): the gradients are averaged over the
     data-parallel pairs (0, 2) and (1, 3) only, the norm summed over the model pairs; the losses and norms are the
