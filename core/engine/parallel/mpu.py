@@ -133,8 +133,11 @@ class MpuGroups:
         return functools.partial(self._norm, params)
 
     def _norm(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
-        device = grads[0].device if grads else torch.device("cpu")
-        local = torch.zeros((), dtype=torch.float64, device=device)
+        """Stage 0: this rank's counted squares, summed over the model-parallel group (every data-parallel replica
+        holds the same reduced gradients, so no sum over it)."""
+        from ..zero.construction import comm_device
+
+        local = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else comm_device(self.mp_group))
         for p, g in zip(params, grads):
             if self.mp_rank == 0 or id(p) not in self._duplicated_ids:
                 local += torch.linalg.vector_norm(g.detach(), 2).double() ** 2
