@@ -282,10 +282,15 @@ def refused(rank: int, world_size: int, scenario: dict) -> dict:  # noqa: ARG001
         mpu.get_data_parallel_world_size = lambda: 2  # 2 x 2 on a 2-rank job
     elif scenario["case"] == "group":
         mpu.get_data_parallel_group = lambda: None  # the world, where the mpu says 1 rank
-    model = full_mlp()
+    model, cfg = full_mlp(), config(scenario.get("stage", 0))
+    if scenario["case"] == "tp":
+        cfg["tensor_parallel"] = {"autotp_size": 2}
+    elif scenario["case"] == "moe":
+        from torsh.compat.deepspeed.moe.layer import MoE
+
+        model.append(MoE(D_OUT, torch.nn.Linear(D_OUT, D_OUT), num_experts=2))
     try:
-        torsh.initialize(model=model, model_parameters=model.parameters(), mpu=mpu,
-                         config=config(scenario.get("stage", 0)))  # fmt: skip
+        torsh.initialize(model=model, model_parameters=model.parameters(), mpu=mpu, config=cfg)
     except ConfigError as err:
         return {"error_text": str(err)}
     return {"error_text": None}
@@ -327,7 +332,8 @@ def records(tmp_path_factory):
     scenarios += [{"name": f"wide_{c}", "mpu": "megatron", "stage": 1, "wide": True, "coalesce": c}
                   for c in (False, True)]  # fmt: skip
     scenarios += [{"name": f"bad_{c}", "refused": True, "case": c} for c in ("sizes", "group")]
-    scenarios += [{"name": "bad_stage3", "refused": True, "case": "stage3", "stage": 3}]
+    scenarios += [{"name": f"bad_{c}", "refused": True, "case": c, "stage": 3 if c == "stage3" else 0}
+                  for c in ("stage3", "tp", "moe")]  # fmt: skip
     return _run(scenarios)
 
 
@@ -381,6 +387,9 @@ def test_bad_mpus_are_errors_naming_mpu(records):
     assert "mpu" in sizes and "2 x model-parallel size 2 = 4, but the job has 2 ranks" in sizes
     assert "get_data_parallel_group() has 2 ranks" in group and "get_data_parallel_world_size() is 1" in group
     assert "mpu" in stage3 and "ZeRO stage 3" in stage3
+    tp, moe = (h.ranks_of(records, f"bad_{c}")[0]["error_text"] for c in ("tp", "moe"))
+    assert "mpu" in tp and "the config's own tensor / pipeline / context / sequence parallel degrees" in tp
+    assert "mpu" in moe and "MoE layers" in moe
 
 
 def test_an_mpu_without_its_methods_is_an_error_naming_them():

@@ -88,6 +88,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     log_translation(translation, info.rank)
     warn_not_executed(cfg, info.rank)
     mp = read_mpu(mpu, info.world_size) if mpu is not None and not is_sequence_mpu(mpu) else None  # Megatron's
+    if mp is not None:  # its groups, not the config's own tp / pp / sp degrees (refused before they are laid out)
+        refuse_with(mp, model_degrees=info.world_size // _data_parallel_size(cfg, info.world_size))
     if is_sequence_mpu(mpu):  # DeepSpeed's parallel_state_sp gives the sequence-parallel degree
         cfg = cfg.resolve_deferred({"parallelism.sp": degree_with_mpu(cfg.parallelism.sp, mpu)})
 
@@ -113,8 +115,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     experts = prepare_experts(model, stage=decided.sharding.stage, dp_world_size=dp_world,
                               kind="fsdp" if decided.fsdp else ("tp" if decided.tp > 1 else "ddp"))  # fmt: skip
     if mp is not None:
-        refuse_with(mp, stage=decided.sharding.stage, experts=experts,
-                    model_degrees=info.world_size // _data_parallel_size(cfg, info.world_size))  # fmt: skip
+        refuse_with(mp, stage=decided.sharding.stage, experts=experts)
     # Ulysses' sequence-parallel and sequence-data-parallel groups (collective), or those of a parallel_state_sp mpu
     sequence = build_sequence_groups(cfg.parallelism.sp, mpu=mpu, reduce_op=cfg.gradients.reduce_op,
                                      experts=experts is not None and experts.active)  # fmt: skip

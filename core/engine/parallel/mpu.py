@@ -233,8 +233,9 @@ def _group_problems(axis: str, group: Any, size: int, rank: int) -> list[str]:
     return []
 
 
-def refuse_with(mpu_groups: MpuGroups, *, stage: int, model_degrees: int, experts: Any) -> None:
-    """What the engine does not run beside an mpu, refused by name before the model is touched."""
+def refuse_with(mpu_groups: MpuGroups, *, stage: int = 0, model_degrees: int = 1, experts: Any = None) -> None:
+    """What the engine does not run beside an mpu, refused by name before the model is touched: the config's own
+    model degrees (``model_degrees``: tp x pp x cp x sp), ZeRO ``stage`` 3 with a model axis, MoE ``experts``."""
     problems = []
     kind = type(mpu_groups.mpu).__name__
     if stage == 3 and mpu_groups.tp > 1:
