@@ -61,6 +61,7 @@ clean:
 bench: $(STAMP)
 	$(PY) -m benchmarks --update-readme
 	$(PY) -m benchmarks.zero_init
+	$(PY) -m benchmarks.nvme_offload
 
 ## Regenerate the golden files of migration_examples/ after an intended change (review the diff).
 goldens: $(STAMP)
