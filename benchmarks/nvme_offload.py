@@ -141,7 +141,8 @@ def table(results: dict) -> str:
                 continue
             same = isinstance(cpu, list) and all(a["losses"] == b["losses"] for a, b in zip(ranks, cpu))
             ratio = (lambda k: f"{_worst(ranks, k) / _worst(cpu, k):.2f}") if isinstance(cpu, list) else (lambda k: "-")
-            lines.append(f"| {stage} | {variant} | {_worst(ranks, 'peak_mib'):.0f} | {_worst(ranks, 'between_mib'):.0f} | "
+            lines.append(f"| {stage} | {variant} | {_worst(ranks, 'peak_mib'):.0f} | "
+                         f"{_worst(ranks, 'between_mib'):.0f} | "
                          f"{_worst(ranks, 'step_s'):.2f} | {ratio('peak_mib')} | {ratio('step_s')} | "
                          f"{'yes' if same else 'no'} |")  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -86,7 +86,8 @@ def path_problem(nvme_path: str | None, need_bytes: int) -> str | None:
         return "is not set: give a directory on a local NVMe (or any local) disk"
     path = Path(nvme_path)
     if not path.is_dir():
-        return "does not exist or is not a directory: create it (a directory on a local NVMe disk) or point the key at one"
+        return ("does not exist or is not a directory: create it (a directory on a local NVMe disk) or point the "
+                "key at one")  # fmt: skip
     try:  # a real write (root passes any access() check, a read-only mount does not)
         with tempfile.TemporaryFile(dir=path):
             pass
