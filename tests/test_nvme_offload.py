@@ -306,3 +306,12 @@ def test_deepspeed_config_sets_the_io_sizes_and_reports_parameters_as_approximat
     report = "\n".join(map(str, t.notes))
     assert "offload_param.device -> offload.params: approximate" in report
     assert "NVMe parameter swapping is done as CPU offload" in report
+
+
+def test_parameters_on_nvme_are_logged_as_cpu_offload(tmp_path, caplog):
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(4))])
+    with caplog.at_level("WARNING", logger="torsh.engine"):
+        nvme.attach_nvme(opt, OffloadConfig(params="nvme", optimizer="cpu", nvme_path=str(tmp_path)), stage=3, rank=0)
+    assert "offload_param.device=nvme (approximate)" in caplog.text
+    assert "NVMe parameter swapping is done as CPU offload" in caplog.text
+    assert not hasattr(opt, nvme.SWAP_ATTR)  # the optimizer state stays in memory under offload_optimizer cpu
