@@ -221,6 +221,12 @@ def train(rank: int, world_size: int, scenario: dict) -> dict:
     dp_rank = mpu.get_data_parallel_rank() if mpu is not None else rank
     rec: dict = {"losses": [], "norms": [], "dp_world_size": engine.dp_world_size,
                  "mp_world_size": engine.mp_world_size, "dp_rank": dp_rank}  # fmt: skip
+    if scenario.get("mpu") == "grid":  # DeepSpeed's engine records the unit in deepspeed.utils.groups
+        groups = deepspeed.utils.groups
+        rec["groups"] = [groups.mpu is mpu, groups._get_model_parallel_world_size(),
+                         groups._get_data_parallel_world_size(), groups._get_data_parallel_rank(),
+                         groups.get_model_parallel_rank() == mpu.get_model_parallel_rank(),
+                         groups._get_data_parallel_group() is mpu.get_data_parallel_group()]  # fmt: skip
     for step in range(STEPS):
         x, y = data(step, dp_rank)
         loss = torch.nn.functional.mse_loss(engine(x.to(engine.module[0].weight.dtype)).float(), y)
@@ -466,3 +472,9 @@ def test_real_deepspeed_gives_the_same_losses_with_the_same_mpu():
             _close(a["losses"], b["losses"], f"{name} losses vs DeepSpeed")
             if stage > 0:
                 _close(a["norms"], b["norms"], f"{name} norms vs DeepSpeed")
+
+
+def test_deepspeed_utils_groups_answer_from_the_mpu_initialize_was_given(records):
+    """As DeepSpeed's engine records it (``groups.mpu``): the model-parallel size 2, the data-parallel size 1."""
+    for r in h.ranks_of(records, "grid_s0"):
+        assert r["groups"] == [True, 2, 1, 0, True, True]

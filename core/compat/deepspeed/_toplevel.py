@@ -72,6 +72,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             raise
         # the same problems, as an error `except deepspeed.DeepSpeedConfigError` catches too (and ValueError)
         raise InvalidConfig(exc.problems, source=exc.source) from None
+    if mpu is not None:  # DeepSpeed's engine records the unit, and deepspeed.utils.groups answers from it
+        from .utils import groups
+
+        groups.mpu = mpu
     if optimizer is None:
         _as_deepspeed_adam(result[0])
     _zero_optimizer_surface(result[0])

@@ -1,7 +1,10 @@
 """``deepspeed.utils.groups``: DeepSpeed's process-group accessors, on ``torch.distributed`` groups.
 
-The torsh engine runs data parallelism over the whole world: the data-parallel group is the world group, the
-model- and tensor-parallel sizes are 1 (rank 0). The sequence-parallel accessors give the groups of the engine's
+Without a model-parallel unit the data-parallel group is the world group and the model- and tensor-parallel sizes
+are 1 (rank 0). ``deepspeed.initialize(mpu=...)`` records a Megatron-style ``mpu`` here, as DeepSpeed's engine does
+(``groups.mpu``): the data- and model-parallel accessors then answer from it (a ``parallel_state_sp`` sequence
+unit gives no data-parallel group and a model-parallel size of 1, as in DeepSpeed). The sequence-parallel accessors
+give the groups of the engine's
 Ulysses sequence parallelism (``sequence_parallel_size``, kept by :mod:`torsh.engine.parallel.sequence`): groups of
 ``sp`` consecutive ranks, and the sequence-data-parallel group of every rank; size 1 (and DeepSpeed's KeyError for
 the group) without it. The expert-parallel helpers give the groups
@@ -19,7 +22,7 @@ from .._unsupported import NotSupportedByTorsh, message
 
 _WORLD_GROUP = None
 mpu = None
-"""DeepSpeed's model-parallel unit, as its engine records it; the torsh engine takes none (always None)."""
+"""DeepSpeed's model-parallel unit, as its engine records it (``deepspeed.initialize(mpu=...)``), else None."""
 
 
 def _dist():
@@ -44,7 +47,15 @@ def initialize(ep_size: int = 1, mpu=None) -> None:
 # ---- data / model / sequence parallelism (torsh: data parallel over the world) ----------------------------
 
 
+def _model_unit():
+    """The recorded Megatron-style unit; None when there is none or it is a ``parallel_state_sp`` sequence unit
+    (DeepSpeed's accessors treat that one as having no data- or model-parallel axis of its own)."""
+    return None if mpu is None or hasattr(mpu, "initialize_sequence_parallel") else mpu
+
+
 def _get_data_parallel_group():
+    if mpu is not None:
+        return None if _model_unit() is None else mpu.get_data_parallel_group()
     return _dist().group.WORLD
 
 
@@ -52,14 +63,24 @@ get_data_parallel_group = _get_data_parallel_group
 
 
 def _get_data_parallel_group_ranks() -> list[int]:
+    unit = _model_unit()
+    if unit is not None and hasattr(unit, "get_data_parallel_group_ranks"):
+        return list(unit.get_data_parallel_group_ranks())
+    if unit is not None:
+        return list(_dist().get_process_group_ranks(unit.get_data_parallel_group()))
     return list(range(_get_data_parallel_world_size()))
 
 
-def _get_data_parallel_world_size() -> int:
+def _get_data_parallel_world_size():
+    if mpu is not None:
+        return None if _model_unit() is None else mpu.get_data_parallel_world_size()
     return _dist().get_world_size() if _initialized() else 1
 
 
 def _get_data_parallel_rank() -> int:
+    unit = _model_unit()
+    if unit is not None:
+        return unit.get_data_parallel_rank()
     return _dist().get_rank() if _initialized() else 0
 
 
@@ -72,19 +93,22 @@ def _get_broadcast_src_rank() -> int:
 
 
 def _get_model_parallel_world_size() -> int:
-    return 1
+    unit = _model_unit()
+    return 1 if unit is None else unit.get_model_parallel_world_size()
 
 
 def get_model_parallel_group():
-    return None
+    unit = _model_unit()
+    return None if unit is None else unit.get_model_parallel_group()
 
 
 def get_model_parallel_world_size() -> int:
-    return 1
+    return _get_model_parallel_world_size()
 
 
 def get_model_parallel_rank() -> int:
-    return 0
+    unit = _model_unit()
+    return 0 if unit is None else unit.get_model_parallel_rank()
 
 
 get_tensor_model_parallel_group = get_model_parallel_group
