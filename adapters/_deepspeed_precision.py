@@ -16,7 +16,7 @@ from torsh.concepts import precision as pc
 from torsh.concepts.dtypes import normalise as _dtype
 from torsh.config import TorshConfig
 from torsh.deferred import AUTO, Deferred, is_deferred
-from torsh.translate import WriteContext
+from torsh.translate import WriteContext, get_path
 
 from ._deepspeed_rules import APPROXIMATE, DEFERRED, DEFERRED_SOURCES, EXACT, UNSUPPORTED, _group, _Seen, _stage
 
@@ -156,10 +156,31 @@ def _read_data_types(seen: _Seen, mode: _Mode) -> None:
                  "DeepSpeed accumulates gradients in the model dtype unless data_types.grad_accum_dtype is set")
     if seen.has("data_types.buffer_dtype"):
         seen.set("data_types.buffer_dtype", "precision.buffer_dtype", _dtype(seen.value("data_types.buffer_dtype")))
+    if _sequence_parallel(seen):
+        _read_seq_parallel_reduce(seen)
+        return
+    seen.inert(_SEQ_COMM, "applies only under sequence parallelism (sequence_parallel_size above 1)")
     comm = seen.value("communication_data_type")
     if concrete or comm is not None:
         seen.set("communication_data_type", "precision.reduce_dtype", _dtype(comm) if comm else low, default=low,
                  reason="" if comm else f"DeepSpeed reduces in {low} when communication_data_type is not set")
+
+
+_SEQ_COMM = "seq_parallel_communication_data_type"
+
+
+def _sequence_parallel(seen: _Seen) -> bool:
+    sp = get_path(seen.ctx.core, "parallelism.sp", 1)
+    return isinstance(sp, int) and sp > 1
+
+
+def _read_seq_parallel_reduce(seen: _Seen) -> None:
+    """Under sequence parallelism DeepSpeed's engine reduces gradients in ``seq_parallel_communication_data_type``
+    (fp32 unless set), whatever ``communication_data_type`` says."""
+    seen.inert("communication_data_type", f"under sequence parallelism DeepSpeed reduces in {_SEQ_COMM} instead")
+    given = seen.value(_SEQ_COMM)
+    seen.set(_SEQ_COMM, "precision.reduce_dtype", _dtype(given) if given else "fp32", default="fp32",
+             reason="" if given else f"DeepSpeed reduces in fp32 under sequence parallelism unless {_SEQ_COMM} is set")
 
 
 def _restated_param_dtype(seen: _Seen, low: str, concrete: bool) -> None:
@@ -238,6 +259,10 @@ def _write_data_types(cfg: TorshConfig, ctx: WriteContext) -> bool:
     if p.grad_accum_dtype not in (None, follows) or deferred and p.grad_accum_dtype is not None:
         ctx.put("data_types.grad_accum_dtype", p.grad_accum_dtype, "precision.grad_accum_dtype")
     reduce = p.reduce_dtype or (None if deferred else param)
+    if cfg.parallelism.sp > 1:  # DeepSpeed reduces in this key's dtype (fp32 by default) under sequence parallelism
+        if reduce not in (None, "fp32"):
+            ctx.put("seq_parallel_communication_data_type", reduce, "precision.reduce_dtype")
+        reduce = follows
     if reduce not in (None, follows):
         ctx.put("communication_data_type", reduce, "precision.reduce_dtype")
     if p.buffer_dtype is not None:
@@ -335,6 +360,6 @@ def _write_loss_scaling(cfg: TorshConfig, ctx: WriteContext) -> None:
 
 _KEYS = (*(f"fp16.{k}" for k in pc.DEEPSPEED_FP16), *(f"bf16.{k}" for k in pc.DEEPSPEED_BF16),
          "torch_autocast.enabled", "torch_autocast.dtype", "data_types.param_dtype", "data_types.grad_accum_dtype",
-         "data_types.buffer_dtype", "communication_data_type")  # fmt: skip
+         "data_types.buffer_dtype", "communication_data_type", "seq_parallel_communication_data_type")  # fmt: skip
 PRECISION = _group("precision and loss scaling", _KEYS, ("precision", "compression"), _read_precision,
                    _write_precision)  # fmt: skip

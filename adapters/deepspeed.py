@@ -81,7 +81,6 @@ FIELD_MAP: dict[str, Any] = {
     "prescale_gradients": To("gradients.prescale", default=False),
     "gradient_predivide_factor": To("gradients.predivide_factor", default=1.0),
     "gradient_allreduce_op": To("gradients.reduce_op", default="mean"),
-    "seq_parallel_communication_data_type": Ignored("sequence parallelism is not part of the core model"),
     "sparse_gradients": _removed("gradients of nn.Embedding(sparse=True) are still reduced sparsely without it"),
     # precision
     "bf16.immediate_grad_update": Ignored(_PERF),

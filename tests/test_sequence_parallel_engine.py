@@ -348,3 +348,27 @@ def test_accelerate_accepts_the_sp_size_torsh_writes(tmp_path):
     size = loaded.parallelism_config["parallelism_config_sp_size"]
     parallelism = ParallelismConfig(sp_size=size)
     assert parallelism.sp_enabled and parallelism.sp_backend == "deepspeed" and parallelism.sp_size == 2
+
+
+def test_deepspeed_reduces_in_the_sequence_parallel_communication_dtype():
+    """Under sequence parallelism DeepSpeed's engine reduces gradients in seq_parallel_communication_data_type
+    (fp32 unless set) instead of communication_data_type; without it the key has no effect. Written back so that
+    the reduction dtype survives a round trip."""
+    from torsh import adapters
+
+    def read(**keys):
+        t = adapters.read({"train_batch_size": 4, "bf16": {"enabled": True}, **keys}, "deepspeed")
+        return t.result.precision.reduce_dtype, {n.source_path: n.fidelity.name for n in t.notes
+                                                 if "communication" in n.source_path}  # fmt: skip
+
+    assert read(sequence_parallel_size=2) == ("fp32", {"seq_parallel_communication_data_type": "DEFAULTED"})
+    assert read(sequence_parallel_size=2, seq_parallel_communication_data_type="bf16",
+                communication_data_type="fp16") == ("bf16", {"seq_parallel_communication_data_type": "EXACT",
+                                                             "communication_data_type": "IGNORED"})  # fmt: skip
+    assert read(seq_parallel_communication_data_type="fp16")[0] == "bf16"
+    assert read(seq_parallel_communication_data_type="fp16")[1]["seq_parallel_communication_data_type"] == "IGNORED"
+    written = adapters.write(adapters.read({"train_batch_size": 4, "bf16": {"enabled": True},
+                                            "sequence_parallel_size": 2,
+                                            "seq_parallel_communication_data_type": "bf16"}, "deepspeed").result,
+                             "deepspeed").result  # fmt: skip
+    assert written["seq_parallel_communication_data_type"] == "bf16" and "communication_data_type" not in written
