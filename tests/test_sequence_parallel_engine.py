@@ -118,6 +118,11 @@ def train(stage, use_mpu):
                          groups._get_sequence_data_parallel_world_size()]}
     if FRAMEWORK == "torsh":
         record["dp_world_size"] = engine.dp_world_size
+        if stage == 0 and not use_mpu:  # DeepSpeed's model-states file records the ranks gradients were reduced over
+            engine.save_checkpoint(os.environ["OUT"], tag="sp")
+            dist.barrier()
+            states = torch.load(os.path.join(os.environ["OUT"], "sp", "mp_rank_00_model_states.pt"), weights_only=False)
+            record["checkpoint_dp_world_size"] = states["dp_world_size"]
     return record
 
 
@@ -198,6 +203,7 @@ def test_ulysses_groups_are_deepspeeds(torsh_run):
         assert got["sequence_parallel_size"] == 2
         assert got["seq_parallel_group"] == [0, 1] and got["seq_data_parallel_group"] == [0, 1]
         assert got["seq_dp_world_size"] == 2 and got["dp_world_size"] == 1 and got["train_batch_size"] == 2
+        assert got["checkpoint_dp_world_size"] == 2  # DeepSpeed writes seq_dp_world_size there
         assert got["groups"] == [2, rank, [0, 1], 2]
 
 

@@ -65,7 +65,8 @@ def model_states(engine: Any, *, client_state: dict, exclude_frozen: bool) -> di
         "skipped_steps": engine.skipped_steps,
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
-        "dp_world_size": engine.dp_world_size,
+        # DeepSpeed records the ranks the gradients were reduced over: under sequence parallelism every rank
+        "dp_world_size": engine.seq_dp_world_size if engine.sequence_parallel_size > 1 else engine.dp_world_size,
         "mp_world_size": engine.mp_world_size,
         "ds_config": engine.config if isinstance(engine.config, dict) else None,
         "ds_version": VERSION,
