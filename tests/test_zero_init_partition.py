@@ -238,3 +238,24 @@ def test_transformers_keeps_arange_out_of_the_dtype_change(pp, monkeypatch):
         assert torch.arange(3, dtype=torch.float32).dtype == torch.float32
         assert torch.ones(3).dtype == torch.bfloat16
     assert torch.arange is pp._orig_torch_arange and torch.ones is pp._orig_torch_ones
+
+
+def test_the_engine_is_set_up_with_torchs_own_constructors_inside_the_context(pp):
+    """``deepspeed.initialize`` inside ``zero.Init`` (DeepSpeed's own test does it): modules torch imports lazily
+    during set-up script functions with ``torch.jit`` and need the real constructors; the context's come back
+    after. torch._dynamo is imported before ``Tensor.__new__`` is replaced (it checks the one it finds)."""
+    import sys
+
+    with pp.Init(dtype=torch.bfloat16):
+        assert "torch._dynamo" in sys.modules
+        with pp.tensor_overrides_suspended():
+            assert torch.empty(2).dtype == torch.float32 and torch.zeros is pp._orig_torch_zeros
+
+            @torch.jit.script
+            def scripted(x: torch.Tensor) -> torch.Tensor:
+                return x + torch.zeros(1)
+
+            assert scripted(torch.ones(1)).item() == 1.0
+        assert torch.empty(2).dtype == torch.bfloat16
+    with pp.tensor_overrides_suspended():  # outside any context: nothing to suspend
+        assert torch.empty(2).dtype == torch.float32

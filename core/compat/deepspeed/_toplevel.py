@@ -61,12 +61,15 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         check_gradient_allreduce_op(source)  # DeepSpeed's engine refuses these when it reads the config
         check_optimizer_construction(source, optimizer)  # and these when it sets up the optimizer
         check_hpz_partition_size(source, _world_size())  # and this when ZeRO-3 partitions the model
+    from .runtime.zero.partition_parameters import tensor_overrides_suspended
+
     try:
-        result = torsh_initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                  training_data=training_data, lr_scheduler=lr_scheduler,
-                                  distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
-                                  collate_fn=collate_fn, config=config, mesh_param=mesh_param,
-                                  config_params=config_params)  # fmt: skip
+        with tensor_overrides_suspended():  # called inside zero.Init: the engine is built with torch's constructors
+            result = torsh_initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                      training_data=training_data, lr_scheduler=lr_scheduler,
+                                      distributed_port=distributed_port, mpu=mpu,
+                                      dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                                      mesh_param=mesh_param, config_params=config_params)  # fmt: skip
     except ConfigError as exc:
         if isinstance(exc, InvalidConfig):
             raise

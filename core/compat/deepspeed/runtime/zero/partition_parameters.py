@@ -16,6 +16,7 @@ are left alone, as DeepSpeed leaves parameters ZeRO did not partition.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -96,6 +97,10 @@ def _add_tensor_creation_wrappers(target_fp_dtype, target_device) -> None:
     """Floating tensors made by torch's constructors become ``target_fp_dtype`` and land on ``target_device`` (when
     no device is named), as inside DeepSpeed's ``zero.Init``: a layer's weights are drawn in the parameter dtype
     DeepSpeed gives them, not drawn in fp32 and cast later (which gives other values)."""
+    # torch._dynamo registers a stand-in for Tensor.__new__ when it is first imported and checks the signature of
+    # the one it finds: imported later inside the context (DDP imports it lazily), it would find ours and refuse
+    import torch._dynamo  # noqa: F401
+
     _patched["Tensor.__new__"] = torch.Tensor.__new__
     torch.Tensor.__new__ = get_new_tensor_fn_for_dtype(target_fp_dtype, target_device)
     wrap = globals()["zero_wrapper_for_fp_tensor_constructor"]  # as it is now (transformers may have swapped it)
@@ -110,6 +115,27 @@ def _remove_tensor_creation_wrappers() -> None:
     torch.Tensor.__new__ = _patched.pop("Tensor.__new__")
     for name in _CONSTRUCTORS:
         setattr(torch, name, globals()[f"_orig_torch_{name}"])
+
+
+@contextlib.contextmanager
+def tensor_overrides_suspended():
+    """torch's own constructors inside the block, even within an open ``zero.Init`` (the engine's set-up when a
+    script calls ``initialize`` inside the context: modules that torch imports lazily there script functions with
+    ``torch.jit``, which needs the real constructors); the context's wrappers are put back after."""
+    saved = {name: getattr(torch, name) for name in _CONSTRUCTORS}
+    saved_new = torch.Tensor.__new__
+    active = "Tensor.__new__" in _patched
+    if active:
+        torch.Tensor.__new__ = _patched["Tensor.__new__"]
+        for name in _CONSTRUCTORS:
+            setattr(torch, name, globals()[f"_orig_torch_{name}"])
+    try:
+        yield
+    finally:
+        if active:
+            torch.Tensor.__new__ = saved_new
+            for name, value in saved.items():
+                setattr(torch, name, value)
 
 
 def _init_dtype(ds_config, dtype) -> torch.dtype:
