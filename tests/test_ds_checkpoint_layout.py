@@ -1,5 +1,6 @@
 """Which files of a DeepSpeed checkpoint directory the reader takes, and the directories it refuses before reading
-any file: tensor- or pipeline-parallel files, gaps in the ranks, no model states."""
+any file: pipeline-parallel files, another model-parallel size than the engine's, gaps in the ranks, no model
+states."""
 
 from __future__ import annotations
 
@@ -36,10 +37,22 @@ def test_stage_3_layout_takes_the_per_rank_model_files_and_bf16_optimizer_files(
                                                    "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # fmt: skip
 
 
+def test_model_parallel_layout_takes_the_files_of_its_own_model_parallel_rank(tmp_path):
+    """Under an mpu each model-parallel rank reads its ``mp_rank_XX`` files only (DeepSpeed's names)."""
+    root = _dir(tmp_path, "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+                "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt")
+    layout = _Layout(root, 1, 2)
+    assert layout.model_files == [root / "mp_rank_01_model_states.pt"]
+    assert [f.name for f in layout.optim_files] == ["zero_pp_rank_0_mp_rank_01_optim_states.pt"]
+    (tmp_path / "gap").mkdir()
+    with pytest.raises(CheckpointError, match=r"ranks \[0, 2\] \(mp_rank_XX\), expected 0..2"):
+        _Layout(_dir(tmp_path / "gap", "mp_rank_00_model_states.pt", "mp_rank_02_model_states.pt"), 0, 3)
+
+
 @pytest.mark.parametrize(("names", "message"), [
     (["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"],
-     r"zero_pp_rank_0_mp_rank_01_optim_states.pt is part of a tensor- or pipeline-parallel DeepSpeed checkpoint "
-     r"\(mp_rank 01\)"),
+     r"holds the files of 2 model-parallel rank\(s\) \(mp_rank_00..mp_rank_01\) but this engine has model-parallel "
+     r"size 1"),
     (["mp_rank_00_model_states.pt", "layer_01-model_states.pt"],
      r"layer_01-model_states.pt is not a DeepSpeed data-parallel checkpoint file"),
     (["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",

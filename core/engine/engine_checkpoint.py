@@ -66,8 +66,9 @@ class CheckpointMethods:
         from .checkpoint.save_load import load_checkpoint
 
         key_map, experts = for_load(self)  # MoE layers: their experts' global names and files
-        if self.__dict__.get("_mpu") is not None:  # each model-parallel rank's slices under its own keys
-            key_map = self._mpu.key_map(self.module.state_dict())
+        mpu, model_parallel = self.__dict__.get("_mpu"), (0, 1)
+        if mpu is not None:  # each model-parallel rank's slices under its own keys (DeepSpeed's: mp_rank_XX files)
+            key_map, model_parallel = mpu.key_map(self.module.state_dict()), (mpu.checkpoint_mp_rank, mpu.tp)
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by the torsh engine")
         with self._checkpoint_state(load=True) as (module, optimizer):
@@ -75,7 +76,8 @@ class CheckpointMethods:
                 load_dir, tag, model=module, optimizer=optimizer, lr_scheduler=self.lr_scheduler,
                 loss_scaler=self.loss_scaler, load_module_strict=load_module_strict,
                 load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
-                load_module_only=load_module_only, key_map=key_map, experts=experts)  # fmt: skip
+                load_module_only=load_module_only, key_map=key_map, experts=experts,
+                model_parallel=model_parallel)  # fmt: skip
         if path is None:
             return None, None
         if state and not load_module_only:

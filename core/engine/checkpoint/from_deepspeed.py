@@ -14,6 +14,12 @@ flat group being the concatenation of its pieces. Both are reassembled here into
 name (fp32 masters, and every optimizer state tensor the same way), then installed into the engine's model and
 optimizer with the same calls as a torsh checkpoint, so the current world size and stage do not matter.
 
+Under a Megatron-style ``mpu`` DeepSpeed writes the same files once per model-parallel rank, ``mp_rank_XX`` naming
+the rank (``mp_rank_01_model_states.pt``, ``zero_pp_rank_<r>_mp_rank_01_optim_states.pt``), each holding that
+rank's slices and ZeRO-partitioned over its data-parallel group only. Each model-parallel rank of the engine reads
+the files of its own ``mp_rank_XX`` exactly as above; a checkpoint with another number of model-parallel ranks
+than the engine's is refused.
+
 Files are read with ``torch.load(weights_only=True)``; the DeepSpeed classes its pickles name (the loss scaler,
 ``ZeroStageEnum``, ``fragment_address``) are mapped to inert stand-ins that only keep the saved attributes, so
 reading needs no DeepSpeed install and runs no code from the file. Anything that cannot be read or does not line
@@ -35,7 +41,7 @@ from .moe_experts import EXPERT_FILE
 __all__ = ["is_deepspeed_checkpoint", "load_deepspeed_checkpoint", "load_file"]
 
 _RANK_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(model|optim)_states\.pt$")
-_MODEL_FILE = "mp_rank_00_model_states.pt"
+_MP_MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 # What DeepSpeed's load_checkpoint keeps out of client_state (engine.py, _load_checkpoint).
 _DEEPSPEED_KEYS = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
                    "random_ltd")  # fmt: skip
@@ -115,46 +121,86 @@ def _need(data: dict, key: str, path: Path) -> Any:
 
 
 class _Layout:
-    """The files of a DeepSpeed checkpoint directory, by kind and data-parallel rank."""
+    """The files of a DeepSpeed checkpoint directory that model-parallel rank ``mp_rank`` of ``mp_size`` reads, by
+    kind and data-parallel rank (DeepSpeed names every file by its model-parallel rank: ``mp_rank_XX``)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, mp_rank: int = 0, mp_size: int = 1) -> None:
         self.path = path
-        found: dict[str, dict[int, Path]] = {"model": {}, "optim": {}}
-        for file in path.iterdir():
-            kind = _rank_file(file)
-            if kind is not None:
-                found[kind[0]][kind[1]] = file
-        optim, model = found["optim"], found["model"]
+        found, mp_ranks = _files_of(path, mp_rank)
+        _check_model_parallel(path, mp_ranks, mp_size)
+        self.mp_size = max(mp_ranks, default=0) + 1
+        optim = found["optim"]
         self.optim_files = [optim[r] for r in sorted(optim)]
         if not _ranks_complete(optim):
             raise CheckpointError(f"DeepSpeed checkpoint {path} is incomplete: optimizer files for ranks "
                                   f"{sorted(optim)} (expected 0..{len(optim) - 1})")  # fmt: skip
-        if (path / _MODEL_FILE).is_file():
-            self.model_files = [path / _MODEL_FILE]
-            return
-        if not model:
-            raise CheckpointError(f"DeepSpeed checkpoint {path} has no {_MODEL_FILE}")
-        if not _ranks_complete(model):
-            raise CheckpointError(f"DeepSpeed checkpoint {path} is incomplete: model files for ranks "
-                                  f"{sorted(model)}")  # fmt: skip
-        self.model_files = [model[r] for r in sorted(model)]
+        self.model_files = _model_files(path, found, model_states_name(mp_rank))
 
 
-def _rank_file(file: Path) -> tuple[str, int] | None:
-    """``("model" | "optim", data-parallel rank)`` for a per-rank file of a data-parallel checkpoint, None for any
-    other file; the files of a tensor- or pipeline-parallel checkpoint are refused."""
+def _files_of(path: Path, mp_rank: int) -> tuple[dict[str, dict[int, Path]], set[int]]:
+    """The files of model-parallel rank ``mp_rank`` by kind and data-parallel rank, and every model-parallel rank
+    that has files."""
+    found: dict[str, dict[int, Path]] = {"model": {}, "optim": {}, "single": {}}
+    mp_ranks: set[int] = set()
+    for file in path.iterdir():
+        kind = _rank_file(file)
+        if kind is not None:
+            mp_ranks.add(kind[2])
+            if kind[2] == mp_rank:
+                found[kind[0]][kind[1]] = file
+    return found, mp_ranks
+
+
+def _model_files(path: Path, found: dict[str, dict[int, Path]], name: str) -> list[Path]:
+    """The model-states file ``name`` (stages 0-2), else the per-data-parallel-rank files (stage 3)."""
+    model = found["model"]
+    if found["single"]:
+        return [path / name]
+    if not model:
+        raise CheckpointError(f"DeepSpeed checkpoint {path} has no {name}")
+    if not _ranks_complete(model):
+        raise CheckpointError(f"DeepSpeed checkpoint {path} is incomplete: model files for ranks "
+                              f"{sorted(model)}")  # fmt: skip
+    return [model[r] for r in sorted(model)]
+
+
+def model_states_name(mp_rank: int) -> str:
+    """DeepSpeed's model-states file of model-parallel rank ``mp_rank`` (stages 0-2)."""
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def _rank_file(file: Path) -> tuple[str, int, int] | None:
+    """``(kind, data-parallel rank, model-parallel rank)`` for a model- or optimizer-state file of DeepSpeed's
+    (kind ``"single"``: a stage 0-2 ``mp_rank_XX_model_states.pt``; ``"model"`` / ``"optim"``: a data-parallel
+    rank's file), None for any other file; the files of a pipeline-parallel checkpoint are refused."""
     match = _RANK_FILE.match(file.name)
     if match:
-        if match.group(2) != "00":
-            raise CheckpointError(f"{file} is part of a tensor- or pipeline-parallel DeepSpeed checkpoint "
-                                  f"(mp_rank {match.group(2)}); only data-parallel checkpoints can be loaded")
-        return match.group(3), int(match.group(1))
+        return match.group(3), int(match.group(1)), int(match.group(2))
+    match = _MP_MODEL_FILE.match(file.name)
+    if match:
+        return "single", 0, int(match.group(1))
     if EXPERT_FILE.match(file.name):  # an MoE expert's weights (read by moe_experts)
         return None
-    if file.name.endswith("model_states.pt") and file.name != _MODEL_FILE:
-        raise CheckpointError(f"{file} is not a DeepSpeed data-parallel checkpoint file (pipeline or "
-                              f"tensor-parallel checkpoints cannot be loaded)")  # fmt: skip
+    if file.name.endswith("model_states.pt"):
+        raise CheckpointError(f"{file} is not a DeepSpeed data-parallel checkpoint file nor a model-parallel "
+                              f"rank's (mp_rank_XX); pipeline checkpoints cannot be loaded")  # fmt: skip
     return None
+
+
+def _check_model_parallel(path: Path, mp_ranks: set[int], mp_size: int) -> None:
+    """The checkpoint holds the files of model-parallel ranks 0..mp_size-1, as many as the engine has (torsh
+    neither merges nor splits the slices of a model-parallel layer)."""
+    if not mp_ranks or sorted(mp_ranks) == list(range(mp_size)):
+        return
+    if sorted(mp_ranks) != list(range(len(mp_ranks))):
+        raise CheckpointError(f"DeepSpeed checkpoint {path} is incomplete: it holds the files of model-parallel "
+                              f"ranks {sorted(mp_ranks)} (mp_rank_XX), expected 0..{max(mp_ranks)}")  # fmt: skip
+    saved = len(mp_ranks)
+    how = ("initialize the engine with the Megatron-style mpu it was saved under (mpu=..., model-parallel size "
+           f"{saved})") if mp_size == 1 else f"initialize the engine with an mpu of model-parallel size {saved}"
+    raise CheckpointError(f"the DeepSpeed checkpoint {path} holds the files of {saved} model-parallel rank(s) "
+                          f"(mp_rank_00..mp_rank_{saved - 1:02d}) but this engine has model-parallel size {mp_size}: "
+                          f"{how}; torsh does not merge or split model-parallel slices")  # fmt: skip
 
 
 def _ranks_complete(files: dict[int, Path]) -> bool:
@@ -254,6 +300,7 @@ def _read(layout: _Layout, with_optimizer: bool, experts: Any = None) -> _Restor
     out.model_file = layout.model_files[0]
     ms = out.model_states = _load(out.model_file)
     module = _need(ms, "module", out.model_file)
+    _check_saved_mp_size(ms, layout, out.model_file)
     out.aliases = _tied_names(module)
     if _holds_experts(ms, experts):
         _read_moe(layout, out, with_optimizer, experts)
@@ -270,6 +317,14 @@ def _read(layout: _Layout, with_optimizer: bool, experts: Any = None) -> _Restor
     _frozen(ms, layout, out)
     _shared_params(ms, out)
     return out
+
+
+def _check_saved_mp_size(ms: dict[str, Any], layout: _Layout, file: Path) -> None:
+    """The model-parallel ranks with files are as many as the saved ``mp_world_size`` (DeepSpeed's check)."""
+    saved = ms.get("mp_world_size")
+    if isinstance(saved, int) and saved != layout.mp_size:
+        raise CheckpointError(f"{file}: checkpoint count {layout.mp_size} is different from saved mp_world_size "
+                              f"{saved}; the checkpoint is incomplete")  # fmt: skip
 
 
 def _holds_experts(ms: dict[str, Any], experts: Any) -> bool:
@@ -353,10 +408,12 @@ def _tied_names(module: dict[str, Any]) -> dict[str, str]:
     return aliases
 
 
-def _read_checked(path: Path, with_optimizer: bool, experts: Any = None) -> _Restored:
-    """:func:`_read`, with any surprise in the files' structure reported as a CheckpointError naming them."""
+def _read_checked(path: Path, with_optimizer: bool, experts: Any = None, model_parallel: tuple[int, int] = (0, 1)
+                  ) -> _Restored:  # fmt: skip
+    """:func:`_read` of the files of model-parallel rank ``model_parallel[0]`` of ``model_parallel[1]``, with any
+    surprise in the files' structure reported as a CheckpointError naming them."""
     try:
-        return _read(_Layout(path), with_optimizer, experts)
+        return _read(_Layout(path, *model_parallel), with_optimizer, experts)
     except CheckpointError:
         raise
     except (KeyError, TypeError, AttributeError, ValueError, IndexError, RuntimeError) as exc:
@@ -510,26 +567,30 @@ def _frozen(ms: dict[str, Any], layout: _Layout, out: _Restored) -> None:
 
 def load_deepspeed_checkpoint(path: Path, *, model: Any, optimizer: Any, lr_scheduler: Any, loss_scaler: Any,
                               strict: bool, load_optimizer_states: bool, load_lr_scheduler_states: bool,
-                              load_module_only: bool, experts: Any = None) -> tuple[str, dict, dict | None]:  # fmt: skip
+                              load_module_only: bool, experts: Any = None, model_parallel: tuple[int, int] = (0, 1)
+                              ) -> tuple[str, dict, dict | None]:  # fmt: skip
     """Load the DeepSpeed checkpoint directory ``path`` (one tag) into the engine's model and optimizer.
 
     Returns ``(model states file, client_state, engine_state)`` like DeepSpeed's ``load_checkpoint``: the
     client state is every entry of the model states that DeepSpeed does not consume itself. ``experts``: the
     model's MoE layers (:class:`~torsh.engine.checkpoint.moe_experts.ExpertCheckpoint`), whose expert files it
-    reads.
+    reads. ``model_parallel``: ``(model-parallel rank, model-parallel size)`` of this rank under a Megatron-style
+    mpu; each model-parallel rank reads its own ``mp_rank_XX`` files (DeepSpeed's names), whose number must be the
+    size.
     """
     from .state import _on_every_rank, _torch_optimizer
 
     optimizer = _torch_optimizer(optimizer) if load_optimizer_states and not load_module_only else None
     # every rank reads the files (a failure on one rank is raised on all, before any collective)
-    restored = _on_every_rank(_read_checked, path, optimizer is not None, experts)
+    restored = _on_every_rank(_read_checked, path, optimizer is not None, experts, model_parallel)
     _install(restored, model, optimizer, strict=strict, file=restored.model_file)
     ms = restored.model_states
     engine_state = None
     if not load_module_only:
         _load_scheduler(restored, lr_scheduler if load_lr_scheduler_states else None)
         _load_loss_scaler(restored, loss_scaler if optimizer is not None else None)
-        engine_state = {k: ms[k] for k in ("global_steps", "global_samples", "skipped_steps") if k in ms}
+        engine_state = {k: ms[k] for k in ("global_steps", "global_samples", "skipped_steps", "dp_world_size",
+                                           "mp_world_size") if k in ms}  # fmt: skip
     client_state = _client_state(restored, load_module_only=load_module_only,
                                  load_lr_scheduler_states=load_lr_scheduler_states,
                                  load_optimizer_states=load_optimizer_states,

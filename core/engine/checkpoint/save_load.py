@@ -490,7 +490,8 @@ def load_checkpoint(load_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
                     loss_scaler: Any, load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                     load_rng_states: bool = False, key_map: dict[str, str] | None = None,
-                    experts: Any = None) -> tuple[str | None, dict | None, dict | None]:  # fmt: skip
+                    experts: Any = None, model_parallel: tuple[int, int] = (0, 1)
+                    ) -> tuple[str | None, dict | None, dict | None]:  # fmt: skip
     """Load a checkpoint written by :func:`save_checkpoint` (at any world size); collective.
 
     ``tag`` None reads ``load_dir/latest``. Returns ``(path, client_state, engine_state)``; ``(None, None, None)``
@@ -501,7 +502,9 @@ def load_checkpoint(load_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
     so the engine keeps its counters). The loss scaler is restored together with the optimizer states. RNG
     states are restored only with ``load_rng_states=True`` (DeepSpeed never restores them). ``key_map``: as for
     :func:`save_checkpoint`; ``experts``: the model's MoE layers
-    (:class:`~torsh.engine.checkpoint.moe_experts.ExpertCheckpoint`), for a DeepSpeed checkpoint's expert files.
+    (:class:`~torsh.engine.checkpoint.moe_experts.ExpertCheckpoint`), for a DeepSpeed checkpoint's expert files;
+    ``model_parallel``: ``(rank, size)`` of this rank's model-parallel group, for a DeepSpeed checkpoint's
+    ``mp_rank_XX`` files.
     """
     path = _resolve_on_rank0(Path(load_dir), tag)
     if path is None:
@@ -511,7 +514,8 @@ def load_checkpoint(load_dir: str | os.PathLike, tag: Any, *, model: Any, optimi
                                loss_scaler=loss_scaler, strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,
-                               load_module_only=load_module_only, experts=experts)  # fmt: skip
+                               load_module_only=load_module_only, experts=experts,
+                               model_parallel=model_parallel)  # fmt: skip
     with_optimizer = load_optimizer_states and not load_module_only and optimizer is not None
     saved = _load_torsh(path, model, optimizer if with_optimizer else None, strict=load_module_strict,
                         key_map=key_map)  # fmt: skip
