@@ -17,13 +17,13 @@ torch = pytest.importorskip("torch")
 STEPS, SAVE_AT = 4, 2
 
 
-def _model(moe_cls):
+def _model(moe_cls, ep_size: int = 2):
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.inp = torch.nn.Linear(4, 4)
             self.moe = moe_cls(4, torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), num_experts=2,
-                               ep_size=2, use_rts=False, min_capacity=0)  # fmt: skip
+                               ep_size=ep_size, use_rts=False, min_capacity=0)  # fmt: skip
             self.out = torch.nn.Linear(4, 2)
 
         def forward(self, x):
@@ -159,9 +159,10 @@ def test_expert_names_local_and_global():
 # ---- torsh <-> real DeepSpeed ---------------------------------------------------------------------------------
 
 
-def _interop_ranks(rank: int, world_size: int, port: int, out: str, stage: int) -> None:
+def _interop_ranks(rank: int, world_size: int, port: int, out: str, stage: int, ep_size: int = 2) -> None:
     """torsh trains 2 steps and saves; DeepSpeed loads it (with the optimizer state at stage 0, the weights only
-    at stage 2: torsh's ZeRO optimizer state is in its DCP files) and continues 2 steps. And the reverse."""
+    at stage 2: torsh's ZeRO optimizer state is in its DCP files) and continues 2 steps. And the reverse. Each
+    saver's file names are recorded."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.moe.layer import MoE as DsMoE
@@ -177,17 +178,19 @@ def _interop_ranks(rank: int, world_size: int, port: int, out: str, stage: int) 
                  "deepspeed": lambda m: deepspeed.initialize(model=m, model_parameters=m.parameters(),
                                                              config=_config(stage))[0]}  # fmt: skip
         classes = {"torsh": MoE, "deepspeed": DsMoE}
-        first = build[saver](_model(classes[saver]))
+        first = build[saver](_model(classes[saver], ep_size))
         _train(first, rank, range(SAVE_AT))
         ckpt = Path(out, f"{saver}-{stage}")
         first.save_checkpoint(str(ckpt), tag="t")
+        dist.barrier()
+        record[f"{saver}_files"] = sorted(os.listdir(ckpt / "t"))
         expected = _train(first, rank, range(SAVE_AT, STEPS)) if with_optimizer else None
-        saved = _weights_at_save(first, ckpt, classes[saver], build[saver])
+        saved = _weights_at_save(first, ckpt, lambda c=classes[saver]: _model(c, ep_size), build[saver])
         torch.manual_seed(3)
-        second = build[loader](_model(classes[loader]))
+        second = build[loader](_model(classes[loader], ep_size))
         second.load_checkpoint(str(ckpt), tag="t", load_optimizer_states=with_optimizer)
         loaded = _weights(second)
-        if loader == "torsh" and stage == 2:  # DeepSpeed's ZeRO-2 files of MoE groups: refused, by name
+        if loader == "torsh" and stage == 2 and ep_size > 1:  # DeepSpeed's ZeRO-2 files of MoE groups: refused
             try:
                 second.load_checkpoint(str(ckpt), tag="t")
             except Exception as exc:  # noqa: BLE001 - recorded for the test
@@ -202,10 +205,10 @@ def _interop_ranks(rank: int, world_size: int, port: int, out: str, stage: int) 
     dist.destroy_process_group()
 
 
-def _weights_at_save(engine, ckpt: Path, moe_cls, build) -> dict:
+def _weights_at_save(engine, ckpt: Path, model, build) -> dict:
     """The weights the saving engine had at the save (read back by a fresh engine of its own kind)."""
     torch.manual_seed(4)
-    again = build(_model(moe_cls))
+    again = build(model())
     again.load_checkpoint(str(ckpt), tag="t", load_optimizer_states=False)
     return _weights(again)
 
@@ -223,7 +226,56 @@ def test_checkpoints_move_between_torsh_and_real_deepspeed(tmp_path, stage):
         if stage == 2:
             assert "load_optimizer_states=False" in record.pop("zero_optimizer_refused")
         for way, run in record.items():
+            if way.endswith("_files"):
+                continue
             assert run["weights_equal"], (rank, way)
             assert run["global_steps"] == STEPS, (rank, way)
             if run["expected"] is not None:  # the optimizer state moved too: the run continues as the saver's
                 assert run["continued"] == pytest.approx(run["expected"], rel=1e-5), (rank, way)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 2])
+def test_ep_size_1_checkpoints_use_deepspeeds_moe_layout_both_ways(tmp_path, stage):
+    """ep_size=1 (every rank holds both experts): DeepSpeed still writes its MoE layout (the model has MoE layers),
+    and so does torsh; each loads the other's, with the same weights and, at stage 0 where the optimizer state
+    moves too, the same continued losses."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    from _engine_harness import free_port, start
+
+    start(_interop_ranks, (2, free_port(), str(tmp_path), stage, 1), 2)
+    moe_files = {"layer_0_expert_0_mp_rank_00_model_states.pt", "layer_0_expert_1_mp_rank_00_model_states.pt",
+                 "mp_rank_00_model_states.pt"}  # fmt: skip
+    for rank in range(2):
+        record = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
+        for saver in ("torsh", "deepspeed"):
+            files = set(record[f"{saver}_files"])
+            assert moe_files <= files, (saver, files)
+            assert ("expp_rank_0_mp_rank_00_optim_states.pt" in files) == (stage == 0), (saver, files)
+            assert "expp_rank_1_mp_rank_00_optim_states.pt" not in files, (saver, files)
+        for way in ("torsh->deepspeed", "deepspeed->torsh"):
+            run = record[way]
+            assert run["weights_equal"] and run["global_steps"] == STEPS, (rank, way)
+            if stage == 0:
+                assert run["continued"] == pytest.approx(run["expected"], rel=1e-5), (rank, way)
+    for saver in ("torsh", "deepspeed"):
+        states = torch.load(tmp_path / f"{saver}-{stage}" / "t" / "mp_rank_00_model_states.pt", weights_only=False)
+        assert states["num_experts"] == [2] and not any("deepspeed_experts" in k for k in states["module"]), saver
+
+
+@pytest.mark.slow
+def test_one_rank_moe_checkpoints_use_deepspeeds_moe_layout_both_ways(tmp_path):
+    """One rank (ep_size 1, both experts local): DeepSpeed's MoE layout both ways, the optimizer state with it."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    from _engine_harness import free_port, start
+
+    start(_interop_ranks, (1, free_port(), str(tmp_path), 0, 1), 1)
+    record = json.loads(Path(tmp_path, "rank0.json").read_text())
+    deepspeeds = {"expp_rank_0_mp_rank_00_optim_states.pt", "layer_0_expert_0_mp_rank_00_model_states.pt",
+                  "layer_0_expert_1_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt"}  # fmt: skip
+    assert set(record["deepspeed_files"]) == deepspeeds and deepspeeds <= set(record["torsh_files"])
+    for way in ("torsh->deepspeed", "deepspeed->torsh"):
+        run = record[way]
+        assert run["weights_equal"] and run["continued"] == pytest.approx(run["expected"], rel=1e-5), way

@@ -51,14 +51,14 @@ def model_states(engine: Any, *, client_state: dict, exclude_frozen: bool) -> di
     frozen = [(n, p) for n, p in engine.module.named_parameters() if id(p) not in optimized]
     keep_frozen = stage >= 2 and not exclude_frozen  # DeepSpeed writes them where gradients are partitioned
     return {
-        "module": OrderedDict((k, _cpu(v)) for k, v in module.items()),
+        "module": OrderedDict((k, cpu_copy(v)) for k, v in module.items()),
         "buffer_names": _buffer_names(engine.module),
         "optimizer": None,  # torsh keeps the optimizer state in the DCP files
         "param_shapes": [OrderedDict((names[id(p)], p.shape) for p in ps) for ps in part.group_params]
         if part is not None else None,
         "frozen_param_shapes": OrderedDict((n, p.shape) for n, p in frozen) if keep_frozen else None,
         "shared_params": shared_params(engine.module) if stage >= 1 else None,
-        "frozen_param_fragments": OrderedDict((n, _cpu(p)) for n, p in frozen) if keep_frozen else None,
+        "frozen_param_fragments": OrderedDict((n, cpu_copy(p)) for n, p in frozen) if keep_frozen else None,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "data_sampler": None,
         "random_ltd": None,
@@ -74,9 +74,18 @@ def model_states(engine: Any, *, client_state: dict, exclude_frozen: bool) -> di
     }
 
 
-def _cpu(t: Any) -> Any:
-    """A CPU copy of its own (not a view of a larger storage, which ``torch.save`` would write whole)."""
-    return t.detach().to("cpu", copy=True) if hasattr(t, "detach") else t
+def cpu_copy(obj: Any) -> Any:
+    """A CPU copy of its own (not a view of a larger storage, which ``torch.save`` would write whole) of a tensor,
+    or of each tensor in nested dicts, lists and tuples (an optimizer's ``state_dict()``); other values as they
+    are."""
+    if hasattr(obj, "detach"):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, cpu_copy(v)) for k, v in obj.items()) if isinstance(obj, OrderedDict) else {
+            k: cpu_copy(v) for k, v in obj.items()}  # fmt: skip
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_copy(v) for v in obj)
+    return obj
 
 
 def _buffer_names(module: Any) -> list[str]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .ds_model_states import cpu_copy
 from .io import CheckpointError
 
 EXPERT_FILE = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
@@ -146,8 +147,7 @@ class ExpertCheckpoint:
             if match is None or not layer.writer:
                 continue
             expert = layer.first() + int(match["id"])
-            copy = value.detach().to("cpu", copy=True) if hasattr(value, "detach") else value
-            files.setdefault(expert_file(layer.index, expert), {})[self.global_name(key)] = copy
+            files.setdefault(expert_file(layer.index, expert), {})[self.global_name(key)] = cpu_copy(value)
         return files
 
     def read_experts(self, path: Path, load: Any) -> dict[str, Any]:
@@ -195,11 +195,15 @@ def rename_state(state: dict, names: dict[str, str] | None) -> dict:
 
 
 def engine_experts(engine: Any) -> ExpertCheckpoint | None:
-    """The MoE layers of ``engine``'s model (None: it has none)."""
-    plan = engine.__dict__.get("_experts")
-    if plan is None or not plan.layers:
+    """The MoE layers of ``engine``'s model (None: it has none, or ZeRO-3 holds it). DeepSpeed writes its MoE
+    layout whenever the model has MoE layers (``has_moe_layers``), at any ``ep_size``: also where every rank holds
+    every expert (``ep_size=1``, or one rank), so the layers are those of the model, not of the local experts."""
+    from ..parallel.moe import moe_layers
+
+    layers = moe_layers(engine.module)
+    if not layers or engine.zero_optimization_stage() >= 3:
         return None
-    return ExpertCheckpoint(engine.module, plan.layers)
+    return ExpertCheckpoint(engine.module, layers)
 
 
 def for_load(engine: Any) -> tuple[dict[str, str], ExpertCheckpoint | None]:
@@ -233,16 +237,5 @@ def save_files(engine: Any, experts: ExpertCheckpoint, model_states: dict | None
     optimizer = engine.optimizer
     plain = isinstance(optimizer, torch.optim.Optimizer) and engine._precision.masters is None
     if engine.zero_optimization_stage() == 0 and plain and experts.writes_optimizer:
-        files[optimizer_file(experts.ep_rank)] = {"optimizer": _cpu_copy(optimizer.state_dict())}
+        files[optimizer_file(experts.ep_rank)] = {"optimizer": cpu_copy(optimizer.state_dict())}
     return model_states, files
-
-
-def _cpu_copy(obj: Any) -> Any:
-    if hasattr(obj, "detach"):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return type(obj)((k, _cpu_copy(v)) for k, v in obj.items()) if isinstance(obj, OrderedDict) else {
-            k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(v) for v in obj)
-    return obj

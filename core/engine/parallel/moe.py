@@ -314,6 +314,12 @@ class ExpertPlan:
         return float(local)
 
 
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's MoE layers (the modules with ``set_deepspeed_parallelism``, as DeepSpeed's engine finds them:
+    its ``has_moe_layers``), in ``modules()`` order."""
+    return [m for m in model.modules() if hasattr(m, "set_deepspeed_parallelism")]
+
+
 def prepare_experts(model: nn.Module, *, stage: int, dp_world_size: int, kind: str = "ddp",
                     use_data_before_expert_parallel: bool = False) -> ExpertPlan | None:  # fmt: skip
     """Give the model's MoE layers their process groups (``set_deepspeed_parallelism`` on every module that has
@@ -325,7 +331,7 @@ def prepare_experts(model: nn.Module, *, stage: int, dp_world_size: int, kind: s
     Refused (:class:`ExpertParallelNotSupported`) where the engine cannot yet train local experts correctly:
     ZeRO-3 / FSDP2 (its shards span the whole world). ``kind``: the engine's layout, ``"ddp"`` (stages 0-2),
     ``"fsdp"`` (stage 3), or a parallelism beside data parallelism (``"tp"``: refused with MoE layers)."""
-    layers = [m for m in model.modules() if hasattr(m, "set_deepspeed_parallelism")]
+    layers = moe_layers(model)
     if layers and kind not in ("ddp", "fsdp"):
         raise ExpertParallelNotSupported(
             f"MoE layers beside {kind} parallelism are not run by the torsh engine: the expert groups are cut from "
