@@ -189,6 +189,9 @@ def test_a_whole_model_is_made_of_the_partitions_one_parameter_at_a_time(pp):
         assert not construction.is_partitioned(p)
 
 
+ORIGINAL_NEW = torch.Tensor.__new__
+
+
 def test_tensors_made_inside_are_built_in_deepspeeds_parameter_dtype(pp, monkeypatch):
     """DeepSpeed's rule: ``dtype`` if given, else the config's bf16/fp16 (fp32 when it enables neither), else fp16
     where the accelerator supports it, bf16 otherwise; ``tensor_overrides`` without the dtype leaves fp32. Weights
@@ -209,10 +212,12 @@ def test_tensors_made_inside_are_built_in_deepspeeds_parameter_dtype(pp, monkeyp
     drawn = torch.empty(4, 4, dtype=torch.bfloat16)
     nn.init.kaiming_uniform_(drawn, a=5 ** 0.5)  # what Linear draws, in bf16
     assert torch.equal(_whole(pp, layer.weight), drawn)
-    assert torch.empty(2).dtype == torch.float32 and torch.Tensor.__new__ is not None  # restored on exit
+    assert torch.empty(2).dtype == torch.float32 and torch.Tensor.__new__ is ORIGINAL_NEW  # restored on exit
     assert built(config_dict_or_path={"train_batch_size": 2, "fp16": {"enabled": True}})[0].weight.dtype == torch.half
     assert built(config_dict_or_path={"train_batch_size": 2})[0].weight.dtype == torch.float32
     assert built(dtype=torch.half)[0].weight.dtype == torch.half
+    assert built(config_dict_or_path={"train_batch_size": 2, "bf16": {"enabled": "true"}})[0].weight.dtype == \
+        torch.bfloat16  # read as DeepSpeed's config model reads a bool
     assert built(dtype=torch.bfloat16, tensor_overrides=[])[0].weight.dtype == torch.float32
     accelerator = get_accelerator()
     expected = (torch.half if accelerator.is_fp16_supported() else torch.bfloat16)
@@ -221,7 +226,7 @@ def test_tensors_made_inside_are_built_in_deepspeeds_parameter_dtype(pp, monkeyp
     assert built()[0].weight.dtype == torch.half
     with pytest.raises(ValueError, match="torch.half, torch.bfloat16 or torch.float"):
         pp.Init(dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="cannot be enabled at once"):
+    with pytest.raises(RuntimeError, match="enables both bf16 and fp16"):
         pp.Init(config_dict_or_path={"train_batch_size": 2, "bf16": {"enabled": True}, "fp16": {"enabled": True}})
 
 
@@ -259,3 +264,37 @@ def test_the_engine_is_set_up_with_torchs_own_constructors_inside_the_context(pp
         assert torch.empty(2).dtype == torch.bfloat16
     with pp.tensor_overrides_suspended():  # outside any context: nothing to suspend
         assert torch.empty(2).dtype == torch.float32
+
+
+def test_a_context_that_fails_to_open_leaves_torch_as_it_was(pp, monkeypatch):
+    """Everything ``zero.Init`` patches is put back when opening it fails part-way, and a later context works."""
+    before = (nn.Module.apply, nn.Module.__dict__.get("__init_subclass__"), nn.Linear.__init__, torch.empty,
+              torch.Tensor.__new__)  # fmt: skip
+
+    def fail(self):
+        raise RuntimeError("no device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(pp._Constructors, "install", fail)
+        with pytest.raises(RuntimeError, match="no device"):
+            with pp.Init(dtype=torch.bfloat16):
+                pass
+        assert (nn.Module.apply, nn.Module.__dict__.get("__init_subclass__"), nn.Linear.__init__, torch.empty,
+                torch.Tensor.__new__) == before  # fmt: skip
+    with pp.Init(dtype=torch.bfloat16):
+        assert torch.empty(1).dtype == torch.bfloat16
+    assert torch.empty(1).dtype == torch.float32
+
+
+def test_constructors_replaced_by_someone_else_are_put_back_and_the_legacy_constructor_works(pp, monkeypatch):
+    """What was installed when the context opened (another library's wrapper) is what comes back; the legacy
+    ``torch.Tensor(...)`` takes sizes or data inside, as outside. The outermost context decides (as DeepSpeed's)."""
+    theirs = lambda *a, **k: pp._orig_torch_zeros(*a, **k)  # noqa: E731
+    monkeypatch.setattr(torch, "zeros", theirs)
+    with pp.Init(dtype=torch.bfloat16):
+        assert torch.zeros(2).dtype == torch.bfloat16
+        assert torch.Tensor([1.0, 2.0]).tolist() == [1.0, 2.0] and torch.Tensor([1.0]).dtype == torch.bfloat16
+        assert torch.Tensor(2, 3).shape == (2, 3)
+        with pp.Init(dtype=torch.float, tensor_overrides=[]):
+            assert torch.zeros(1).dtype == torch.bfloat16
+    assert torch.zeros is theirs and torch.Tensor.__new__ is ORIGINAL_NEW

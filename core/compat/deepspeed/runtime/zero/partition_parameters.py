@@ -52,33 +52,24 @@ _orig_torch_full, _orig_torch_arange, _orig_torch_eye, _orig_torch_randn = (torc
                                                                             torch.randn)  # fmt: skip
 
 
+def _cast_floating(t: torch.Tensor, dtype) -> torch.Tensor:
+    """``t`` with its floating data in ``dtype`` (the same tensor object: a leaf that requires grad stays one)."""
+    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+        t.data = t.data.to(dtype)
+    return t
+
+
 def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype, target_device):
-    """``fn`` making its tensors on ``target_device`` (when no device is given) and floating ones in
-    ``target_fp_dtype`` (DeepSpeed's signature and behaviour)."""
+    """The tensor constructor ``fn`` as ``zero.Init`` installs it: on ``target_device`` unless the call names a
+    device, floating results in ``target_fp_dtype`` (either None: left alone). DeepSpeed's name and arguments;
+    transformers replaces this function around ``zero.Init`` to keep ``torch.arange``'s dtype."""
 
-    def wrapped_fn(*args, **kwargs):
-        if kwargs.get("device") is None and target_device is not None:
+    def constructor(*args, **kwargs):
+        if target_device is not None and kwargs.get("device") is None:
             kwargs["device"] = target_device
-        tensor = fn(*args, **kwargs)
-        if target_fp_dtype is not None and tensor.is_floating_point():
-            tensor.data = tensor.data.to(target_fp_dtype)
-        return tensor
+        return _cast_floating(fn(*args, **kwargs), target_fp_dtype)
 
-    return wrapped_fn
-
-
-def get_new_tensor_fn_for_dtype(target_fp_dtype, target_device):
-    """``torch.Tensor.__new__`` inside ``zero.Init``: an uninitialised tensor of the given shape on
-    ``target_device``, floating ones in ``target_fp_dtype`` (DeepSpeed's signature and behaviour)."""
-
-    def new_tensor(cls, *args, **kwargs):
-        base = _orig_torch_empty(0) if target_device is None else _orig_torch_empty(0, device=target_device)
-        tensor = base.new_empty(*(args or (0,)), **kwargs)
-        if target_fp_dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(target_fp_dtype)
-        return tensor
-
-    return new_tensor
+    return constructor
 
 
 class DeepSpeedTensorOverride(Enum):
@@ -93,84 +84,117 @@ DEFAULT_TENSOR_OVERRIDES = [DeepSpeedTensorOverride.dtype, DeepSpeedTensorOverri
 _CONSTRUCTORS = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
 
 
-def _add_tensor_creation_wrappers(target_fp_dtype, target_device) -> None:
-    """Floating tensors made by torch's constructors become ``target_fp_dtype`` and land on ``target_device`` (when
-    no device is named), as inside DeepSpeed's ``zero.Init``: a layer's weights are drawn in the parameter dtype
-    DeepSpeed gives them, not drawn in fp32 and cast later (which gives other values)."""
-    # torch._dynamo registers a stand-in for Tensor.__new__ when it is first imported and checks the signature of
-    # the one it finds: imported later inside the context (DDP imports it lazily), it would find ours and refuse
-    import torch._dynamo  # noqa: F401
+class _Constructors:
+    """torch's tensor constructors (and the legacy ``torch.Tensor(...)``) while a ``zero.Init`` is open: floating
+    tensors come out in the context's parameter dtype, on its device, so a layer's weights are drawn as DeepSpeed
+    draws them (drawing in fp32 and casting later gives other values). Remembers what it replaced, and puts exactly
+    that back."""
 
-    _patched["Tensor.__new__"] = torch.Tensor.__new__
-    torch.Tensor.__new__ = get_new_tensor_fn_for_dtype(target_fp_dtype, target_device)
-    wrap = globals()["zero_wrapper_for_fp_tensor_constructor"]  # as it is now (transformers may have swapped it)
-    for name in _CONSTRUCTORS:
-        original = globals()[f"_orig_torch_{name}"]
-        setattr(torch, name, wrap(original, target_fp_dtype=target_fp_dtype, target_device=target_device))
+    def __init__(self, dtype, device) -> None:
+        self.dtype, self.device = dtype, device
+        self.replaced: dict[str, object] = {}
+
+    def install(self) -> None:
+        # torch._dynamo checks the Tensor.__new__ it finds when first imported: imported later inside the context
+        # (DDP imports it lazily) it would find the replacement and refuse, so it is imported first
+        import torch._dynamo  # noqa: F401
+
+        self.replaced = {name: getattr(torch, name) for name in _CONSTRUCTORS}
+        self.replaced["Tensor.__new__"] = torch.Tensor.__new__
+        wrap = globals()["zero_wrapper_for_fp_tensor_constructor"]  # looked up now: transformers may swap it
+        for name in _CONSTRUCTORS:
+            setattr(torch, name, wrap(self.replaced[name], target_fp_dtype=self.dtype, target_device=self.device))
+        torch.Tensor.__new__ = self._legacy_new(self.replaced["Tensor.__new__"])
+
+    def _legacy_new(self, original):
+        dtype, device = self.dtype, self.device
+
+        def __new__(cls, *args, **kwargs):  # every legacy form (sizes, data, a tensor), then moved and cast
+            made = original(cls, *args, **kwargs)
+            if device is not None and made.device != torch.device(device):
+                made = made.to(device)
+            return _cast_floating(made, dtype)
+
+        return __new__
+
+    def restore(self) -> None:
+        if not self.replaced:
+            return
+        torch.Tensor.__new__ = self.replaced.pop("Tensor.__new__")
+        for name, value in self.replaced.items():
+            setattr(torch, name, value)
+        self.replaced = {}
+
+    @contextlib.contextmanager
+    def suspended(self):
+        """The replaced constructors inside the block; this context's after it."""
+        if not self.replaced:
+            yield
+            return
+        current = {name: getattr(torch, name) for name in _CONSTRUCTORS}
+        current_new = torch.Tensor.__new__
+        torch.Tensor.__new__ = self.replaced["Tensor.__new__"]
+        for name in _CONSTRUCTORS:
+            setattr(torch, name, self.replaced[name])
+        try:
+            yield
+        finally:
+            torch.Tensor.__new__ = current_new
+            for name, value in current.items():
+                setattr(torch, name, value)
 
 
-def _remove_tensor_creation_wrappers() -> None:
-    if "Tensor.__new__" not in _patched:
-        return
-    torch.Tensor.__new__ = _patched.pop("Tensor.__new__")
-    for name in _CONSTRUCTORS:
-        setattr(torch, name, globals()[f"_orig_torch_{name}"])
-
-
-@contextlib.contextmanager
 def tensor_overrides_suspended():
     """torch's own constructors inside the block, even within an open ``zero.Init`` (the engine's set-up when a
     script calls ``initialize`` inside the context: modules that torch imports lazily there script functions with
-    ``torch.jit``, which needs the real constructors); the context's wrappers are put back after."""
-    saved = {name: getattr(torch, name) for name in _CONSTRUCTORS}
-    saved_new = torch.Tensor.__new__
-    active = "Tensor.__new__" in _patched
-    if active:
-        torch.Tensor.__new__ = _patched["Tensor.__new__"]
-        for name in _CONSTRUCTORS:
-            setattr(torch, name, globals()[f"_orig_torch_{name}"])
-    try:
-        yield
-    finally:
-        if active:
-            torch.Tensor.__new__ = saved_new
-            for name, value in saved.items():
-                setattr(torch, name, value)
+    ``torch.jit``, which needs the real constructors); the context's come back after."""
+    installed = _patched.get("constructors")
+    return installed.suspended() if installed is not None else contextlib.nullcontext()
+
+
+_TRUE = (True, 1, "true", "True", "TRUE", "1", "yes", "on")
+
+
+def _enables(section) -> bool:
+    """Whether a config section turns its mode on (``enabled`` read as DeepSpeed's config model reads a bool)."""
+    return isinstance(section, dict) and section.get("enabled", False) in _TRUE
 
 
 def _init_dtype(ds_config, dtype) -> torch.dtype:
     """The floating dtype ``zero.Init`` builds parameters in, by DeepSpeed's rule: ``dtype`` when given; else the
-    config's (bf16, fp16, or fp32 when it enables neither); with no config either, fp16 where the accelerator
-    supports it, else bf16, else fp32."""
-    from ...accelerator import get_accelerator
-
+    config's mode (bf16 or fp16; fp32 when it enables neither); with no config either, fp16 where the accelerator
+    supports it, else bf16."""
     if dtype is None and ds_config is not None:
-        precision = {key: ds_config.get(key) for key in ("bf16", "bfloat16", "fp16")}
-        enabled = {key for key, section in precision.items() if isinstance(section, dict) and
-                   section.get("enabled") is True}  # fmt: skip
-        if "fp16" in enabled and enabled & {"bf16", "bfloat16"}:
-            raise RuntimeError("bfloat16 and fp16 cannot be enabled at once")
-        return torch.bfloat16 if enabled & {"bf16", "bfloat16"} else torch.half if enabled else torch.float
-    if dtype is not None:
-        chosen = dtype
-    else:
+        bf16 = _enables(ds_config.get("bf16")) or _enables(ds_config.get("bfloat16"))
+        fp16 = _enables(ds_config.get("fp16"))
+        if bf16 and fp16:
+            raise RuntimeError("zero.Init: the config enables both bf16 and fp16; a model has one parameter dtype, "
+                               "so enable only one of them")  # fmt: skip
+        return torch.bfloat16 if bf16 else torch.half if fp16 else torch.float
+    if dtype is None:
+        from ...accelerator import get_accelerator
+
         accelerator = get_accelerator()
-        chosen = (torch.float16 if accelerator.is_fp16_supported() else
-                  torch.bfloat16 if accelerator.is_bf16_supported() else torch.float32)  # fmt: skip
-    if chosen not in (torch.half, torch.bfloat16, torch.float):
-        raise ValueError(f"zero.Init(dtype={chosen}): the parameter dtype must be torch.half, torch.bfloat16 or "
+        dtype = torch.half if accelerator.is_fp16_supported() else (
+            torch.bfloat16 if accelerator.is_bf16_supported() else torch.float)  # fmt: skip
+    if dtype not in (torch.half, torch.bfloat16, torch.float):
+        raise ValueError(f"zero.Init(dtype={dtype}): the parameter dtype must be torch.half, torch.bfloat16 or "
                          "torch.float")  # fmt: skip
-    return chosen
+    return dtype
 
 
 def _local_device() -> torch.device:
-    """The device ``zero.Init`` builds on (DeepSpeed's ``local_device``): this process's GPU on a CUDA machine, else
-    the CPU."""
+    """The device ``zero.Init`` builds on (DeepSpeed's ``local_device``): this process's GPU (its local rank, as
+    any launcher gives it, over the visible devices) on a CUDA machine, else the CPU."""
+    from torsh.ranks import discover
+
     from ...accelerator import get_accelerator
 
-    import os
-
-    return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0") or 0)))
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        return torch.device("cpu")
+    local = discover().local_rank
+    return torch.device(accelerator.device_name(local % max(1, torch.cuda.device_count())))
 
 
 _init_lock = threading.Lock()
@@ -284,14 +308,18 @@ def _patch() -> None:
 
 
 def _unpatch() -> None:
-    nn.Module.apply = _patched.pop("apply")
-    original = _patched.pop("__init_subclass__")
-    if original is None:
-        del nn.Module.__init_subclass__
-    else:
-        nn.Module.__init_subclass__ = original
+    """Put back what :func:`_patch` replaced (also after it stopped part-way)."""
+    if "apply" in _patched:
+        nn.Module.apply = _patched.pop("apply")
+    if "__init_subclass__" in _patched:
+        original = _patched.pop("__init_subclass__")
+        if original is None:
+            del nn.Module.__init_subclass__
+        else:
+            nn.Module.__init_subclass__ = original
     for cls, init in _patched.items():
-        cls.__init__ = init
+        if isinstance(cls, type):
+            cls.__init__ = init
     _patched.clear()
 
 
@@ -341,23 +369,36 @@ class InsertPostInitMethodToModuleSubClasses:
         if self.enabled:
             with _init_lock:
                 if not _active:
-                    _patch()
-                    overrides = self.tensor_overrides or ()
-                    if overrides:
-                        _add_tensor_creation_wrappers(
-                            self.dtype if DeepSpeedTensorOverride.dtype in overrides else None,
-                            _local_device() if DeepSpeedTensorOverride.device in overrides else None)
-                    if self.mem_efficient_linear:
-                        self._enable_mem_efficient_linear()
+                    self._patch_everything()
                 _active.append(self)
         return self
+
+    def _patch_everything(self) -> None:
+        """The outermost context's patches, all or none (a failure part-way puts back what was done)."""
+        overrides = self.tensor_overrides or ()
+        constructors = _Constructors(self.dtype if DeepSpeedTensorOverride.dtype in overrides else None,
+                                     _local_device() if DeepSpeedTensorOverride.device in overrides else None)
+        try:
+            _patch()
+            if overrides:
+                constructors.install()
+                _patched["constructors"] = constructors
+            if self.mem_efficient_linear:
+                self._enable_mem_efficient_linear()
+        except BaseException:
+            _patched.pop("constructors", None)
+            constructors.restore()
+            _unpatch()
+            raise
 
     def __exit__(self, *exc):
         if self.enabled:
             with _init_lock:
                 _active.pop()
                 if not _active:
-                    _remove_tensor_creation_wrappers()
+                    constructors = _patched.pop("constructors", None)
+                    if constructors is not None:
+                        constructors.restore()
                     _unpatch()
         return False
 
