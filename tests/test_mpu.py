@@ -220,13 +220,15 @@ def train(rank: int, world_size: int, scenario: dict) -> dict:
                                                     scenario.get("wide", False)))  # fmt: skip
     dp_rank = mpu.get_data_parallel_rank() if mpu is not None else rank
     rec: dict = {"losses": [], "norms": [], "dp_world_size": engine.dp_world_size,
-                 "mp_world_size": engine.mp_world_size, "dp_rank": dp_rank}  # fmt: skip
+                 "mp_world_size": engine.mp_world_size, "dp_rank": dp_rank,
+                 "dp_group_is_mpus": mpu is not None and engine.data_parallel_group is mpu.get_data_parallel_group()}
     if scenario.get("mpu") == "grid":  # DeepSpeed's engine records the unit in deepspeed.utils.groups
         groups = deepspeed.utils.groups
         rec["groups"] = [groups.mpu is mpu, groups._get_model_parallel_world_size(),
                          groups._get_data_parallel_world_size(), groups._get_data_parallel_rank(),
                          groups.get_model_parallel_rank() == mpu.get_model_parallel_rank(),
                          groups._get_data_parallel_group() is mpu.get_data_parallel_group()]  # fmt: skip
+        rec["tp_src"] = groups.get_tensor_model_parallel_src_rank()
     for step in range(STEPS):
         x, y = data(step, dp_rank)
         loss = torch.nn.functional.mse_loss(engine(x.to(engine.module[0].weight.dtype)).float(), y)
@@ -279,7 +281,7 @@ def resume(rank: int, world_size: int, scenario: dict) -> dict:  # noqa: ARG001
     return records
 
 
-def refused(rank: int, world_size: int, scenario: dict) -> dict:  # noqa: ARG001
+def refused(rank: int, world_size: int, scenario: dict) -> dict:
     """``initialize`` with a bad mpu (or a refused combination): the error's text."""
     import torsh
 
@@ -288,6 +290,8 @@ def refused(rank: int, world_size: int, scenario: dict) -> dict:  # noqa: ARG001
         mpu.get_data_parallel_world_size = lambda: 2  # 2 x 2 on a 2-rank job
     elif scenario["case"] == "group":
         mpu.get_data_parallel_group = lambda: None  # the world, where the mpu says 1 rank
+    elif scenario["case"] == "rank1" and rank == 1:  # wrong on one rank only: rank 0's own mpu is right
+        mpu.get_data_parallel_world_size = lambda: 2
     model, cfg = full_mlp(), config(scenario.get("stage", 0))
     if scenario["case"] == "tp":
         cfg["tensor_parallel"] = {"autotp_size": 2}
@@ -364,6 +368,7 @@ def test_data_parallel_mpu_is_plain_data_parallelism(records, stage):
     want = reference(2)
     for r, (a, b) in enumerate(zip(mine, plain)):
         assert (a["dp_world_size"], a["mp_world_size"], a["dp_rank"]) == (2, 1, r)
+        assert a["dp_group_is_mpus"]  # the engine's data_parallel_group is the mpu's group object, not the world
         assert a["losses"] == b["losses"] and a["norms"] == b["norms"]
         _close(a["norms"], want["norms"], "dp2 norms")
     _close([(a + b) / 2 for a, b in zip(mine[0]["losses"], mine[1]["losses"])], want["losses"], "dp2 losses")
@@ -422,6 +427,71 @@ def test_an_mpu_without_its_methods_is_an_error_naming_them():
     with pytest.raises(ConfigError, match=r"get_model_parallel_rank\(\) returned -1, not an integer >= 0"):
         read_mpu(Negative(), 2)
 
+    class BrokenPipe(Uninitialised):
+        dp_group = mp_group = None
+
+        def get_pipe_parallel_world_size(self):
+            raise RuntimeError("pipeline groups were never made")
+
+    with pytest.raises(ConfigError, match=r"mpu.*get_pipe_parallel_world_size\(\) raised RuntimeError: pipeline"):
+        read_mpu(BrokenPipe(), 2)
+
+
+def test_an_mpu_wrong_on_one_rank_stops_every_rank_with_the_same_error(tmp_path):
+    """Only rank 1's mpu has the wrong sizes: both ranks raise the same ConfigError naming mpu and rank 1, instead
+    of rank 0 going on into the engine's collectives and waiting there for rank 1 (a hang the timeout kills)."""
+    import json
+
+    scenario = {"name": "rank1", "refused": True, "case": "rank1"}
+    h.start(h._worker, (2, h.free_port(), [scenario], str(tmp_path), run_case), 2, timeout=90)
+    texts = [json.loads(Path(tmp_path, f"rank{r}.json").read_text())["rank1"]["error_text"] for r in range(2)]
+    assert texts[0] == texts[1] and texts[0] is not None, texts
+    assert "mpu" in texts[0] and "rank 1: data-parallel size 2 x model-parallel size 2 = 4" in texts[0], texts[0]
+    assert "rank 0" not in texts[0], texts[0]
+
+
+def test_tensor_model_parallel_src_rank_is_the_first_rank_of_the_model_parallel_group(monkeypatch):
+    """deepspeed.utils.groups.get_tensor_model_parallel_src_rank under an mpu of data-parallel size 2 x
+    model-parallel size 2: rank 3's model-parallel group is (2, 3), so 2 (its data-parallel rank is 1); without a
+    model axis, the rank itself."""
+    from torsh.compat.deepspeed.utils import groups
+
+    model_group = object()
+
+    class FakeDist:
+        @staticmethod
+        def is_available():
+            return True
+
+        @staticmethod
+        def is_initialized():
+            return True
+
+        @staticmethod
+        def get_rank(group=None):
+            return 3
+
+        @staticmethod
+        def get_global_rank(group, rank):
+            assert group is model_group
+            return {0: 2, 1: 3}[rank]
+
+    class Mpu:
+        def get_model_parallel_group(self):
+            return model_group
+
+        def get_model_parallel_world_size(self):
+            return 2
+
+        def get_data_parallel_rank(self):
+            return 1
+
+    monkeypatch.setattr(groups, "_dist", lambda: FakeDist)
+    monkeypatch.setattr(groups, "mpu", Mpu())
+    assert groups.get_tensor_model_parallel_src_rank() == 2
+    monkeypatch.setattr(groups, "mpu", None)
+    assert groups.get_tensor_model_parallel_src_rank() == 3
+
 
 @pytest.mark.slow
 def test_data_parallel_mpu_at_zero3_is_plain_zero3():
@@ -430,6 +500,7 @@ def test_data_parallel_mpu_at_zero3_is_plain_zero3():
     records = _run([{"name": "dp2_s3", "mpu": "megatron", "mp": 1, "stage": 3}, {"name": "plain_s3", "stage": 3}])
     for a, b in zip(h.ranks_of(records, "dp2_s3"), h.ranks_of(records, "plain_s3")):
         assert a["losses"] == b["losses"] and a["norms"] == b["norms"] and a["dp_world_size"] == 2
+        assert a["dp_group_is_mpus"]
 
 
 @pytest.mark.slow
@@ -448,6 +519,9 @@ def test_four_ranks_with_both_axes(tmp_path):
         _close([(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[2]["losses"])], want["losses"], name)
         for r in ranks:
             _close(r["norms"], want["norms"], f"{name} norms")
+            assert r["dp_group_is_mpus"]
+    # DeepSpeed's get_tensor_model_parallel_src_rank: the first global rank of each model-parallel pair
+    assert [r["tp_src"] for r in h.ranks_of(records, "s2")] == [0, 0, 2, 2]
     for rec in h.ranks_of(records, "resume"):
         assert rec["resumed"] == rec["first"][STEPS // 2:] and rec["file_holds_this_ranks_slices"]
 

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -116,8 +117,11 @@ def train(stage, use_mpu):
               "groups": [groups._get_sequence_parallel_world_size(), groups._get_sequence_parallel_rank(),
                          dist.get_process_group_ranks(groups._get_sequence_parallel_group()),
                          groups._get_sequence_data_parallel_world_size()]}
-    if FRAMEWORK == "torsh":
-        record["dp_world_size"] = engine.dp_world_size
+    record["dp_world_size"] = engine.dp_world_size  # DeepSpeed's engine: None under its sequence-parallel mpu
+    if FRAMEWORK == "deepspeed":
+        record["batch_ranks"] = engine._config.world_size  # the ranks DeepSpeed's batch arithmetic splits over
+    else:
+        record["dp_group"] = dist.get_process_group_ranks(engine.data_parallel_group)
         if stage == 0 and not use_mpu:  # DeepSpeed's model-states file records the ranks gradients were reduced over
             engine.save_checkpoint(os.environ["OUT"], tag="sp")
             dist.barrier()
@@ -203,6 +207,8 @@ def test_ulysses_groups_are_deepspeeds(torsh_run):
         assert got["sequence_parallel_size"] == 2
         assert got["seq_parallel_group"] == [0, 1] and got["seq_data_parallel_group"] == [0, 1]
         assert got["seq_dp_world_size"] == 2 and got["dp_world_size"] == 1 and got["train_batch_size"] == 2
+        assert got["dp_group"] == [rank]  # DeepSpeed's data_parallel mesh dimension: dp_world_size ranks
+        assert torsh_run[rank]["stage0_mpu"]["dp_group"] == [rank]
         assert got["checkpoint_dp_world_size"] == 2  # DeepSpeed writes seq_dp_world_size there
         assert got["groups"] == [2, rank, [0, 1], 2]
 
@@ -218,6 +224,56 @@ def test_ulysses_losses_equal_deepspeeds(tmp_path, torsh_run):
             assert _relative(ours["losses"], ref["losses"]) <= 1e-5, (stage, ours["losses"], ref["losses"])
             assert _relative(ours["norms"], ref["norms"]) <= 1e-5, (stage, ours["norms"], ref["norms"])
             assert ours["groups"] == ref["groups"] and ours["seq_dp_world_size"] == ref["seq_dp_world_size"]
+            assert ours["train_batch_size"] == ref["train_batch_size"]
+            assert ours["dp_world_size"] == ref["batch_ranks"] and ref["dp_world_size"] in (None, ours["dp_world_size"])
+
+
+def _rebuild_rank(rank: int, world_size: int, port: int, out: str) -> None:
+    """Sequence groups built four times on one process group: a mean, a sum, a parallel_state_sp mpu, a mean."""
+    import torch.distributed as dist
+
+    from torsh.compat.deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from torsh.engine.parallel import sequence
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        made, new_group = [], dist.new_group
+
+        def counting(*args, **kwargs):
+            made.append(args[0] if args else kwargs.get("ranks"))
+            return new_group(*args, **kwargs)
+
+        parallel_state_sp.initialize_sequence_parallel(2)
+        dist.new_group = counting  # this forked rank's own module
+        builds = [sequence.build_sequence_groups(2, reduce_op="mean")]
+        after_first = len(made)
+        builds.append(sequence.build_sequence_groups(2, reduce_op="sum"))
+        builds.append(sequence.build_sequence_groups(2, mpu=parallel_state_sp, reduce_op="mean"))
+        builds.append(sequence.build_sequence_groups(2, reduce_op="mean"))
+        dist.new_group = new_group
+        record = {"factors": [b.loss_factor for b in builds], "made": [after_first, len(made)],
+                  "reused": [b.data_group is builds[0].data_group and b.group is builds[0].group
+                             for b in (builds[1], builds[3])],
+                  "replicas": dist.get_process_group_ranks(builds[0].replicas)}  # fmt: skip
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
+    finally:
+        parallel_state_sp._release_sequence_parallel_groups()
+        sequence.CURRENT = None
+        dist.destroy_process_group()
+
+
+def test_rebuilt_sequence_groups_take_each_configs_loss_factor_and_reuse_the_groups(tmp_path):
+    """A later engine reuses the sequence groups of an earlier one but not its loss factor: under
+    ``gradients.reduce_op`` sum the factor is 1 (the gradients are not multiplied by sp), under mean sp; and no
+    build after the first makes another group (the group of every rank is made once per process group)."""
+    from _engine_harness import free_port, start
+
+    start(_rebuild_rank, (2, free_port(), str(tmp_path)), 2, timeout=60)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["factors"] == [2.0, 1.0, 2.0, 2.0]
+        assert got["made"][0] > 0 and got["made"][1] == got["made"][0], got["made"]
+        assert got["reused"] == [True, True] and got["replicas"] == [rank]
 
 
 # ---- the config side: plan, explain, the readers ------------------------------------------------------------------

@@ -214,10 +214,14 @@ class Engine(CheckpointMethods, nn.Module):
 
     @property
     def data_parallel_group(self) -> Any:
-        """The process group gradients are averaged over: every rank, or with tensor parallelism the ranks that
-        hold the same tensor-parallel slice."""
+        """The data-parallel group (:attr:`dp_world_size` ranks): every rank; with tensor parallelism the ranks that
+        hold the same tensor-parallel slice; an mpu's own group; under sequence parallelism the ranks at the same
+        position of their sequences (DeepSpeed's ``data_parallel`` mesh dimension; ``seq_data_parallel_group`` is
+        the one gradients are reduced over)."""
         import torch.distributed as dist
 
+        if self.__dict__.get("_dp_group") is not None:
+            return self.__dict__["_dp_group"]
         if self.mp_world_size == 1:
             return dist.group.WORLD
         if self.__dict__.get("_dp_group") is None:

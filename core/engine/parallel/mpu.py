@@ -31,7 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torsh.engine.agreement import describe, every_rank
 from torsh.errors import ConfigError, Problem
+
+from .sequence import is_sequence_mpu
 
 #: What DeepSpeed's engine, its ZeRO optimizers and its norm call on an ``mpu``.
 REQUIRED = ("get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size",
@@ -165,18 +168,38 @@ class _DataParallelBroadcast:
 
 def read_mpu(mpu: Any, world_size: int) -> MpuGroups:
     """Check ``mpu`` against the job of ``world_size`` ranks and return its groups; a ``ConfigError`` naming
-    ``mpu`` and what is wrong otherwise."""
-    kind = type(mpu).__name__
+    ``mpu``, what is wrong and on which ranks otherwise. Collective: the ranks agree on the outcome first
+    (:mod:`torsh.engine.agreement`), so a unit that is wrong on one rank stops every rank with the same error
+    instead of leaving the others in the next collective."""
+    groups, problem = None, None
+    try:
+        groups = _read(mpu, world_size)
+    except _Refused as refused:
+        problem = refused.text
+    bad = every_rank(problem)
+    if bad:
+        raise ConfigError([Problem("mpu", type(mpu).__name__, describe(bad))])
+    return groups
+
+
+class _Refused(Exception):
+    """What is wrong with the mpu on this rank (:func:`read_mpu` gathers it from every rank)."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+
+def _read(mpu: Any, world_size: int) -> MpuGroups:
     missing = [name for name in REQUIRED if not callable(getattr(mpu, name, None))]
     if missing:
-        raise ConfigError([Problem("mpu", kind, f"the mpu has no {', '.join(missing)}: DeepSpeed (and torsh) call "
-                                   f"{', '.join(REQUIRED)}; give an mpu with all of them (Megatron's "
-                                   "parallel_state, or PipelineParallelGrid over a PipeModelDataParallelTopology)")])
-    if hasattr(mpu, "initialize_sequence_parallel"):
-        raise ConfigError([Problem("mpu", kind, "an mpu with initialize_sequence_parallel is DeepSpeed's "
-                                   "sequence-parallel groups object, which DeepSpeed does not read as a model-parallel "
-                                   "unit either: pass a Megatron-style mpu, or give sequence_parallel_size in the "
-                                   "config")])  # fmt: skip
+        raise _Refused(f"the mpu has no {', '.join(missing)}: DeepSpeed (and torsh) call {', '.join(REQUIRED)}; "
+                       "give an mpu with all of them (Megatron's parallel_state, or PipelineParallelGrid over a "
+                       "PipeModelDataParallelTopology)")  # fmt: skip
+    if is_sequence_mpu(mpu):
+        raise _Refused("an mpu with initialize_sequence_parallel is DeepSpeed's sequence-parallel groups object, "
+                       "which DeepSpeed does not read as a model-parallel unit either: pass a Megatron-style mpu, "
+                       "or give sequence_parallel_size in the config")  # fmt: skip
     values = {name: _call(mpu, name) for name in REQUIRED}
     dp, mp = values["get_data_parallel_world_size"], values["get_model_parallel_world_size"]
     dp_rank, mp_rank = values["get_data_parallel_rank"], values["get_model_parallel_rank"]
@@ -185,12 +208,12 @@ def read_mpu(mpu: Any, world_size: int) -> MpuGroups:
                                   ("get_data_parallel_rank", 0), ("get_model_parallel_rank", 0))
                 if not isinstance(values[name], int) or isinstance(values[name], bool) or values[name] < low]
     if problems:
-        raise ConfigError([Problem("mpu", kind, "; ".join(problems))])
+        raise _Refused("; ".join(problems))
     problems += _size_problems(mpu, dp, mp, world_size)
     problems += _group_problems("data", values["get_data_parallel_group"], dp, dp_rank)
     problems += _group_problems("model", values["get_model_parallel_group"], mp, mp_rank)
     if problems:
-        raise ConfigError([Problem("mpu", kind, "; ".join(problems))])
+        raise _Refused("; ".join(problems))
     dp_group = values["get_data_parallel_group"]
     return MpuGroups(mpu=mpu, dp_group=dp_group, data_rank=dp_rank, dp=dp,
                      mp_group=values["get_model_parallel_group"], mp_rank=mp_rank, tp=mp,
@@ -201,16 +224,15 @@ def _call(mpu: Any, name: str) -> Any:
     try:
         return getattr(mpu, name)()
     except Exception as err:  # noqa: BLE001 (the user's object: say which call failed and why)
-        raise ConfigError([Problem("mpu", type(mpu).__name__, f"mpu.{name}() raised {type(err).__name__}: {err}; "
-                                   "create the mpu's groups (e.g. Megatron's initialize_model_parallel) before "
-                                   "initialize")]) from None  # fmt: skip
+        raise _Refused(f"mpu.{name}() raised {type(err).__name__}: {err}; create the mpu's groups (e.g. "
+                       "Megatron's initialize_model_parallel) before initialize") from None  # fmt: skip
 
 
 def _size_problems(mpu: Any, dp: int, mp: int, world_size: int) -> list[str]:
     problems = []
-    pipe = getattr(mpu, "get_pipe_parallel_world_size", None) or getattr(
-        mpu, "get_pipeline_model_parallel_world_size", None)  # fmt: skip
-    pp = pipe() if callable(pipe) else 1
+    name = next((n for n in ("get_pipe_parallel_world_size", "get_pipeline_model_parallel_world_size")
+                 if callable(getattr(mpu, n, None))), None)  # fmt: skip
+    pp = _call(mpu, name) if name is not None else 1
     if dp * mp != world_size:
         problems.append(f"data-parallel size {dp} x model-parallel size {mp} = {dp * mp}, but the job has "
                         f"{world_size} ranks: give an mpu whose sizes multiply to the world size")  # fmt: skip

@@ -47,6 +47,9 @@ class SequenceGroups:
     """The ``parallel_state_sp``-style module the script passed as ``mpu`` (None: the engine made the groups)."""
     loss_factor: float = 1.0
     """What the engine multiplies the back-propagated loss by: ``sp`` under a mean reduction, 1 under a sum."""
+    replicas: Any = None
+    """The data-parallel group: the ``world / sp`` ranks at this rank's position in their sequence-parallel groups
+    (one per sequence; DeepSpeed's ``data_parallel`` mesh dimension beside ``sequence_parallel``)."""
 
     @property
     def rank(self) -> int:
@@ -58,7 +61,8 @@ class SequenceGroups:
         members = {"sequence_parallel_size": self.size, "seq_parallel_group": self.group,
                    "seq_data_parallel_group": self.data_group,
                    "seq_dp_world_size": dist.get_world_size(group=self.data_group),
-                   "get_sequence_parallel_group": lambda: self.group, "_sp_loss_factor": self.loss_factor}
+                   "get_sequence_parallel_group": lambda: self.group, "_sp_loss_factor": self.loss_factor,
+                   "_dp_group": self.replicas}
         if self.mpu is not None:
             members["mpu"] = self.mpu
         return members
@@ -95,7 +99,8 @@ def build_sequence_groups(sp: int, *, mpu: Any = None, reduce_op: str = "mean",
                           experts: bool = False) -> SequenceGroups | None:  # fmt: skip
     """This rank's groups for the degree ``sp`` (collective: every rank calls it; None when ``sp`` is 1). An
     ``mpu`` that is a sequence-parallel unit gives its own groups; otherwise the groups of an earlier engine of the
-    same degree are reused, or new ones made. ``experts``: the model has local MoE experts (refused beside it)."""
+    same degree are reused, or new ones made. The loss factor is this call's ``reduce_op``'s, whatever is reused.
+    ``experts``: the model has local MoE experts (refused beside it)."""
     global CURRENT
     if sp == 1:
         return None
@@ -107,24 +112,47 @@ def build_sequence_groups(sp: int, *, mpu: Any = None, reduce_op: str = "mean",
         raise ConfigError([Problem("parallelism.sp", sp, "sequence parallelism beside a Megatron-style mpu's model "
                                    "axis is not run by the torsh engine: set sequence_parallel_size to 1, or pass "
                                    "DeepSpeed's parallel_state_sp as the mpu")])  # fmt: skip
-    factor = float(sp) if reduce_op == "mean" else 1.0
+    factor = float(sp) if reduce_op == "mean" else 1.0  # of this engine's config, whatever groups it reuses
+    group, ranks, replicas, data_group = _made(sp)
     if is_sequence_mpu(mpu):
         group, data_group = mpu.get_sequence_parallel_group(), mpu.get_sequence_data_parallel_group()
         ranks = tuple(dist.get_process_group_ranks(group))
-        CURRENT = SequenceGroups(sp, group, data_group, ranks, dist.group.WORLD, mpu, factor)
-        return CURRENT
-    if CURRENT is not None and CURRENT.size == sp and CURRENT.world is dist.group.WORLD and CURRENT.mpu is None:
-        return CURRENT
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mine = None
-    for first in range(0, world, sp):  # every rank makes every group, as torch requires
-        ranks = tuple(range(first, first + sp))
-        group = dist.new_group(list(ranks))
-        if rank in ranks:
-            mine = (group, ranks)
-    data_group = dist.new_group(list(range(world)))
-    CURRENT = SequenceGroups(sp, mine[0], data_group, mine[1], dist.group.WORLD, None, factor)
+    CURRENT = SequenceGroups(sp, group, data_group, ranks, dist.group.WORLD, mpu if is_sequence_mpu(mpu) else None,
+                             factor, replicas)  # fmt: skip
     return CURRENT
+
+
+_MADE: dict[int, tuple[Any, tuple[int, ...], Any]] = {}
+"""The groups made for each degree (this rank's sequence-parallel group, its ranks, its data-parallel group) in
+:data:`_MADE_IN`; later engines of the same degree reuse them."""
+_MADE_IN: Any = None
+_EVERY_RANK: Any = None
+"""The sequence-data-parallel group of every rank made in :data:`_MADE_IN`, shared by every degree."""
+
+
+def _made(sp: int) -> tuple[Any, tuple[int, ...], Any, Any]:
+    """``(group, ranks, replicas, every rank)`` for the degree ``sp`` in the current default group, made once
+    (collective: every rank makes every group, in one order, as torch requires)."""
+    global _MADE_IN, _EVERY_RANK
+    if _MADE_IN is not dist.group.WORLD:  # a new default group: the old groups died with the old one
+        _MADE.clear()
+        _MADE_IN, _EVERY_RANK = dist.group.WORLD, None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if sp not in _MADE:
+        mine = replicas = None
+        for first in range(0, world, sp):
+            ranks = tuple(range(first, first + sp))
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                mine = (group, ranks)
+        for position in range(sp):
+            group = dist.new_group(list(range(position, world, sp)))
+            if rank % sp == position:
+                replicas = group
+        _MADE[sp] = (*mine, replicas)
+    if _EVERY_RANK is None:
+        _EVERY_RANK = dist.new_group(list(range(world)))
+    return (*_MADE[sp], _EVERY_RANK)
 
 
 def world_size() -> int:

@@ -50,7 +50,7 @@ def initialize(ep_size: int = 1, mpu=None) -> None:
 def _model_unit():
     """The recorded Megatron-style unit; None when there is none or it is a ``parallel_state_sp`` sequence unit
     (DeepSpeed's accessors treat that one as having no data- or model-parallel axis of its own)."""
-    return None if mpu is None or hasattr(mpu, "initialize_sequence_parallel") else mpu
+    return None if mpu is None or _sequence.is_sequence_mpu(mpu) else mpu
 
 
 def _get_data_parallel_group():
@@ -117,7 +117,12 @@ get_tensor_model_parallel_rank = get_model_parallel_rank
 
 
 def get_tensor_model_parallel_src_rank() -> int:
-    return _get_data_parallel_rank()
+    """The global rank of the first member of this rank's model-parallel group (DeepSpeed's
+    ``(rank // mp) * mp`` for its groups of consecutive ranks); this rank itself at model-parallel size 1."""
+    unit = _model_unit()
+    if unit is not None and unit.get_model_parallel_world_size() > 1:
+        return _dist().get_global_rank(unit.get_model_parallel_group(), 0)
+    return _dist().get_rank() if _initialized() else 0
 
 
 _get_sequence_parallel_world_size = _sequence.world_size
