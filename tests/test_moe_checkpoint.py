@@ -279,3 +279,76 @@ def test_one_rank_moe_checkpoints_use_deepspeeds_moe_layout_both_ways(tmp_path):
     for way in ("torsh->deepspeed", "deepspeed->torsh"):
         run = record[way]
         assert run["weights_equal"] and run["continued"] == pytest.approx(run["expected"], rel=1e-5), way
+
+
+# ---- NVMe optimizer offload ------------------------------------------------------------------------------------
+
+
+def test_expert_zero_full_view_keeps_nvme_state_resident():
+    """ExpertZero's checkpoint view is the partition's one implementation: under NVMe offload the optimizer state
+    is read back for the duration of the view (and written out after it)."""
+    import contextlib
+
+    from torsh.engine.parallel.moe_zero import ExpertZero
+    from torsh.engine.zero.nvme import SWAP_ATTR
+    from torsh.engine.zero.partition_checkpoint import CheckpointViews
+
+    events = []
+
+    class Swapper:
+        @contextlib.contextmanager
+        def resident(self):
+            events.append("in")
+            yield
+            events.append("out")
+
+    class Part:
+        reduces = True
+
+        def _load_view(self, *args):
+            events.append("load")
+
+    optimizer = type("Opt", (), {SWAP_ATTR: Swapper()})()
+    zero = ExpertZero([Part(), Part()], [])
+    object.__setattr__(zero, "_module_view", lambda module: (events.append("module") or "root", {}))
+    object.__setattr__(zero, "_optimizer_view", lambda opt, view_of: events.append("optim") or "view")
+    with zero.full_view(None, optimizer, load=True) as pair:
+        assert pair == ("root", "view") and events == ["in", "module", "optim"]
+    assert events == ["in", "module", "optim", "load", "load", "out"]
+    assert ExpertZero.full_view is CheckpointViews.full_view
+
+
+def _nvme_ranks(rank: int, world_size: int, port: int, out: str) -> None:
+    """MoE layers with offload_optimizer nvme: refused at ZeRO-1/2 (ep 2 and ep 1), trained at stage 0."""
+    import torch.distributed as dist
+
+    import torsh
+    from torsh.compat.deepspeed.moe.layer import MoE
+    from torsh.errors import ConfigError
+
+    _init(rank, world_size, port)
+    record = {}
+    try:
+        for stage, ep_size in ((2, 2), (1, 1), (0, 2)):
+            config = _config(stage)
+            config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": out}
+            try:
+                engine = torsh.initialize(model=_model(MoE, ep_size), config=config)[0]
+                record[f"{stage}-{ep_size}"] = _train(engine, rank, range(2))
+            except ConfigError as exc:
+                record[f"{stage}-{ep_size}"] = str(exc)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_moe_with_nvme_optimizer_offload_is_refused_at_zero_1_and_2(tmp_path):
+    from _engine_harness import free_port, start
+
+    start(_nvme_ranks, (2, free_port(), str(tmp_path)), 2)
+    for rank in range(2):
+        record = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
+        for key in ("2-2", "1-1"):
+            assert isinstance(record[key], str), (rank, key, record[key])
+            assert "offload_optimizer.device" in record[key] and "MoE" in record[key], record[key]
+        assert isinstance(record["0-2"], list) and len(record["0-2"]) == 2, record["0-2"]

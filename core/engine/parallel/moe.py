@@ -321,7 +321,8 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def prepare_experts(model: nn.Module, *, stage: int, dp_world_size: int, kind: str = "ddp",
-                    use_data_before_expert_parallel: bool = False) -> ExpertPlan | None:  # fmt: skip
+                    use_data_before_expert_parallel: bool = False,
+                    offload_optimizer: str = "none") -> ExpertPlan | None:  # fmt: skip
     """Give the model's MoE layers their process groups (``set_deepspeed_parallelism`` on every module that has
     it, as DeepSpeed's engine calls it; collective) and return the plan of its local experts (None: the model has
     no expert parameters). Call it before the start-up broadcast and before DDP wraps the model: DDP is told to
@@ -330,12 +331,21 @@ def prepare_experts(model: nn.Module, *, stage: int, dp_world_size: int, kind: s
     At ZeRO-1/2 the engine builds its partitions with :func:`.moe_zero.build_expert_zero` instead of ``build_zero``.
     Refused (:class:`ExpertParallelNotSupported`) where the engine cannot yet train local experts correctly:
     ZeRO-3 / FSDP2 (its shards span the whole world). ``kind``: the engine's layout, ``"ddp"`` (stages 0-2),
-    ``"fsdp"`` (stage 3), or a parallelism beside data parallelism (``"tp"``: refused with MoE layers)."""
+    ``"fsdp"`` (stage 3), or a parallelism beside data parallelism (``"tp"``: refused with MoE layers).
+    ``offload_optimizer``: the optimizer offload device; ``"nvme"`` with MoE layers at ZeRO-1/2 is a ConfigError
+    (the model's MoE optimizer groups are more than one, which the NVMe swapper does not step correctly there)."""
     layers = moe_layers(model)
     if layers and kind not in ("ddp", "fsdp"):
         raise ExpertParallelNotSupported(
             f"MoE layers beside {kind} parallelism are not run by the torsh engine: the expert groups are cut from "
             "a data-parallel world of every rank; drop the tensor/pipeline degree or the MoE layers")  # fmt: skip
+    if layers and offload_optimizer == "nvme" and stage in (1, 2):
+        from torsh.errors import ConfigError, Problem
+
+        raise ConfigError([Problem("zero_optimization.offload_optimizer.device", "nvme", (
+            f"NVMe optimizer offload with MoE layers (deepspeed.moe) at ZeRO stage {stage} is not run by the torsh "
+            "engine: the MoE parameter groups step incorrectly with their state in NVMe files. Use "
+            "offload_optimizer.device cpu (or none), or ZeRO stage 0"))])  # fmt: skip
     for module in layers:
         module.set_deepspeed_parallelism(use_data_before_expert_parallel)
     experts = [p for p in model.parameters() if is_expert_param(p)]

@@ -17,13 +17,13 @@ of every partition.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..zero.partition_checkpoint import CheckpointViews
 from .moe import EXPERT_DATA_PARALLEL
 
 log = logging.getLogger("torsh.engine")
@@ -100,17 +100,15 @@ class ExpertZero:
         return [[p for part in self.parts for p in part.group_params[gi]]
                 for gi in range(len(self.parts[0].group_params))]  # fmt: skip
 
-    @contextlib.contextmanager
-    def full_view(self, module: nn.Module, optimizer: Any, *, load: bool):
-        """What :meth:`ZeroPartition.full_view` gives, over every partition: one module of whole fp32 parameters
-        (each gathered within its partition's group; a rank's experts are its own) and one optimizer view over
-        them with the whole state. Collective. With ``load``, each partition takes its slices back."""
-        root, view_of = self._module_view(module)
-        view_opt = self._optimizer_view(optimizer, view_of) if optimizer is not None else None
-        yield root, view_opt
-        if load:
-            for part in self.parts:
-                part._load_view(module, optimizer, view_opt, view_of)
+    full_view = CheckpointViews.full_view
+    """:meth:`ZeroPartition.full_view`'s one implementation, over every partition through the three views below:
+    one module of whole fp32 parameters (each gathered within its partition's group; a rank's experts are its
+    own) and one optimizer view over them with the whole state. Collective. With ``load``, each partition takes
+    its slices back."""
+
+    def _load_view(self, module: nn.Module, optimizer: Any, view_opt: Any, view_of: dict[int, nn.Parameter]) -> None:
+        for part in self.parts:
+            part._load_view(module, optimizer, view_opt, view_of)
 
     def _module_view(self, module: nn.Module) -> tuple[nn.Module, dict[int, nn.Parameter]]:
         """The shared partition's module view, with the expert partitions' whole values in their parameters."""
