@@ -62,6 +62,17 @@ def modify(rank: int, world_size: int, scenario: dict) -> dict:
     return {"whole": whole.unique().tolist(), "local": layer.weight.ds_tensor.tolist()}
 
 
+def _three_steps(engine, rank: int) -> list[float]:
+    losses = []
+    for step in range(3):
+        tokens, targets = h.batch(step, rank, 2)
+        loss = h.lm_loss(engine(tokens), targets)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
+
+
 def train(rank: int, world_size: int, scenario: dict) -> dict:
     """Three steps of the tiny LM at ``stage``, built under ``zero.Init`` or whole (``init``), seed 0 either way."""
     ds = _ds("torsh")
@@ -76,13 +87,7 @@ def train(rank: int, world_size: int, scenario: dict) -> dict:
     else:
         model = h.build_model(0)
     engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
-    losses = []
-    for step in range(3):
-        tokens, targets = h.batch(step, rank, 2)
-        loss = h.lm_loss(engine(tokens), targets)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss))
+    losses = _three_steps(engine, rank)
     with ds.zero.GatheredParameters(list(engine.module.parameters())):
         sums = [float(p.detach().double().sum()) for p in engine.module.parameters()]
     persist = sorted({str(getattr(p, "ds_persist", None)) for p in engine.module.parameters()})
@@ -99,13 +104,7 @@ def bf16build(rank: int, world_size: int, scenario: dict) -> dict:
         model = h.build_model(0)
     dtypes = sorted({str(p.ds_tensor.dtype) for p in model.parameters()})
     engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
-    losses = []
-    for step in range(3):
-        tokens, targets = h.batch(step, rank, 2)
-        loss = h.lm_loss(engine(tokens), targets)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss))
+    losses = _three_steps(engine, rank)
     return {"losses": losses, "dtypes": dtypes}
 
 
