@@ -229,18 +229,21 @@ class NvmeSwapper:
         chunk = max(1, int(self.hints.sub_group_numel))
         spans = [(a, min(flat.numel(), a + chunk)) for a in range(0, max(1, flat.numel()), chunk)]
         reads = self._reads(files, spans) if files else iter(lambda: {}, None)  # files: not the first step
-        kept, writes = small, []
-        for (a, b), loaded in zip(spans, reads):
-            piece = nn.Parameter(flat[a:b], requires_grad=p.requires_grad)
-            piece.grad = grad[a:b]
-            state[piece] = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in small.items()}, **loaded}
-            group["params"] = [piece]
-            original()
-            kept, elementwise = self._split(state.pop(piece), piece)
-            writes.append(self._write_behind(p, files, a, elementwise))
-        for w in writes:
-            w.result()
-        state[p] = kept
+        kept, writing = small, _Later(lambda: None)
+        try:
+            for (a, b), loaded in zip(spans, reads):
+                piece = nn.Parameter(flat[a:b], requires_grad=p.requires_grad)
+                piece.grad = grad[a:b]
+                state[piece] = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in small.items()}, **loaded}
+                group["params"] = [piece]
+                original()
+                kept, elementwise = self._split(state.pop(piece), piece)
+                following = self._write_behind(p, files, a, elementwise)
+                writing.result()  # at most two pieces' writes in flight (and in memory)
+                writing = following
+            writing.result()
+        finally:
+            state[p] = kept
 
     def _reads(self, files: dict[str, _File], spans: list[tuple[int, int]]) -> Iterator[dict[str, torch.Tensor]]:
         """Each span's state, the next one read while the caller steps this one (``pipeline``)."""
