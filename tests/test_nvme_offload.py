@@ -320,3 +320,22 @@ def test_parameters_on_nvme_are_logged_as_cpu_offload(tmp_path, caplog):
     assert "offload_param.device=nvme (approximate)" in caplog.text
     assert "NVMe parameter swapping is done as CPU offload" in caplog.text
     assert not hasattr(opt, nvme.SWAP_ATTR)  # the optimizer state stays in memory under offload_optimizer cpu
+
+
+@pytest.mark.parametrize("value", [0, "auto"])
+def test_sub_group_size_zero_or_auto_reads_as_deepspeed_does(tmp_path, value):
+    """0: each parameter its own sub-group (stepped whole), "auto": DeepSpeed's default; both read without error."""
+    from torsh import adapters
+    from torsh.engine.auto import resolve_auto
+
+    t = adapters.load({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+        "stage": 3, "sub_group_size": value, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}})
+    cfg, *_ = resolve_auto(t.result, model=nn.Linear(2, 2), optimizer=None, training_data=None, world_size=2)
+    assert cfg.offload.nvme_sub_group_size == (0 if value == 0 else 1_000_000_000)
+    ps, qs, plain, swapped = _adamw_pair(tmp_path, nvme.nvme_hints(cfg.offload))
+    for p, q in zip(ps, qs):
+        p.grad = torch.ones_like(p)
+        q.grad = torch.ones_like(q)
+    plain.step()
+    swapped.step()
+    assert all(torch.equal(p, q) for p, q in zip(ps, qs))

@@ -81,6 +81,7 @@ def resolve_auto(cfg: TorshConfig, *, model: torch.nn.Module, optimizer: Any, tr
     _resolve_optimizer(r, optimizer)
     _resolve_scheduler(r, cfg, training_data, world_size)
     r.fill("gradients.clip_max_norm", DEFAULT_CLIP, "DeepSpeed 0.19.8's and the HF Trainer's default")
+    r.fill("offload.nvme_sub_group_size", 1_000_000_000, "DeepSpeed's default sub_group_size")
     if "sharding.hybrid_shard_size" in r.deferred:
         _resolve_hybrid_shard_size(r)
     r.fill("parallelism.pp", 1, "no pipeline: DeepSpeed's \"auto\" takes the stages of a PipelineModule, and none "

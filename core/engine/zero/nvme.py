@@ -61,7 +61,7 @@ class NvmeHints:
     """The I/O sizes (DeepSpeed's ``aio`` section and the offload section's pipelining)."""
 
     sub_group_numel: int = 1_000_000_000
-    """Elements stepped at a time (DeepSpeed's ``zero_optimization.sub_group_size``)."""
+    """Elements stepped at a time (DeepSpeed's ``zero_optimization.sub_group_size``; 0: a whole parameter)."""
     block_size: int = 1_048_576
     """Bytes per read or write request (``aio.block_size``)."""
     threads: int = 1
@@ -226,7 +226,7 @@ class NvmeSwapper:
         small = dict(state.pop(p, {}))
         files = self.files.setdefault(p, {})
         flat, grad = _local(p.detach()).view(-1), _local(p.grad).reshape(-1)
-        chunk = max(1, int(self.hints.sub_group_numel))
+        chunk = int(self.hints.sub_group_numel) or max(1, flat.numel())  # 0: the whole parameter
         spans = [(a, min(flat.numel(), a + chunk)) for a in range(0, max(1, flat.numel()), chunk)]
         reads = self._reads(files, spans) if files else iter(lambda: {}, None)  # files: not the first step
         kept, writing = small, _Later(lambda: None)
