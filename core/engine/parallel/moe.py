@@ -332,20 +332,13 @@ def prepare_experts(model: nn.Module, *, stage: int, dp_world_size: int, kind: s
     Refused (:class:`ExpertParallelNotSupported`) where the engine cannot yet train local experts correctly:
     ZeRO-3 / FSDP2 (its shards span the whole world). ``kind``: the engine's layout, ``"ddp"`` (stages 0-2),
     ``"fsdp"`` (stage 3), or a parallelism beside data parallelism (``"tp"``: refused with MoE layers).
-    ``offload_optimizer``: the optimizer offload device; ``"nvme"`` with MoE layers at ZeRO-1/2 is a ConfigError
-    (the model's MoE optimizer groups are more than one, which the NVMe swapper does not step correctly there)."""
+    ``offload_optimizer``: the optimizer offload device (every device runs with MoE layers: NVMe offload steps
+    the MoE optimizer groups as CPU offload does)."""
     layers = moe_layers(model)
     if layers and kind not in ("ddp", "fsdp"):
         raise ExpertParallelNotSupported(
             f"MoE layers beside {kind} parallelism are not run by the torsh engine: the expert groups are cut from "
             "a data-parallel world of every rank; drop the tensor/pipeline degree or the MoE layers")  # fmt: skip
-    if layers and offload_optimizer == "nvme" and stage in (1, 2):
-        from torsh.errors import ConfigError, Problem
-
-        raise ConfigError([Problem("zero_optimization.offload_optimizer.device", "nvme", (
-            f"NVMe optimizer offload with MoE layers (deepspeed.moe) at ZeRO stage {stage} is not run by the torsh "
-            "engine: the MoE parameter groups step incorrectly with their state in NVMe files. Use "
-            "offload_optimizer.device cpu (or none), or ZeRO stage 0"))])  # fmt: skip
     for module in layers:
         module.set_deepspeed_parallelism(use_data_before_expert_parallel)
     experts = [p for p in model.parameters() if is_expert_param(p)]

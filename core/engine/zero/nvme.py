@@ -1,15 +1,18 @@
 """NVMe offload of the optimizer state (DeepSpeed's ZeRO-Infinity ``offload_optimizer.device: nvme``).
 
 The optimizer state that has one value per parameter element (Adam's ``exp_avg`` and ``exp_avg_sq``, AMSGrad's
-maximum, SGD's momentum, ...) lives in files under ``nvme_path/zero_stage_<stage>/optimizer/rank<r>`` (the rank
-subdirectory DeepSpeed makes), one file per parameter and state name. Between steps only the small state (Adam's
-``step`` counter) stays in host memory.
+maximum, SGD's momentum, ...) lives in files under ``nvme_path/zero_stage_<stage>/optimizer/rank<r>/<n>`` (the rank
+subdirectory DeepSpeed makes, and in it one folder per optimizer attached in the process, so that two optimizers
+given the same path, an RLHF actor and critic, keep apart), one file per parameter and state name. Between steps
+only the small state (Adam's ``step`` counter) stays in host memory.
 
 The step reads each parameter's state in pieces of ``sub_group_numel`` elements (DeepSpeed's ``sub_group_size``),
 steps that piece of the parameter with the torch optimizer and writes the piece back, so at most one piece of
-state is in host memory at a time. The optimizers the engine steps under offload are elementwise, so a piece
-steps exactly as the whole tensor would (bit for bit): the ``step`` counter each piece starts from is the
-parameter's, and the last piece's is kept.
+state is in host memory at a time. While a piece steps, every parameter group holds only that piece, so the
+optimizer steps each parameter of each group exactly once per step. For an elementwise optimizer a piece steps
+exactly as the whole tensor would (bit for bit): the ``step`` counter each piece starts from is the parameter's,
+and the last piece's is kept. Any other optimizer (Lamb's per-tensor trust ratio, Muon) steps one whole
+parameter at a time, so it sees the tensors it would see without offload.
 
 The I/O is plain positional file reads and writes (``os.preadv``/``os.pwritev`` straight into and out of the
 tensors' memory) in requests of ``block_size`` bytes (DeepSpeed's ``aio.block_size``); with more than one thread
@@ -30,21 +33,24 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import shutil
 import tempfile
 import types
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torsh.errors import ConfigError, Problem
+
+from ..agreement import agreed_problem
 
 log = logging.getLogger("torsh.engine")
 
@@ -81,35 +87,41 @@ class _File:
 
 
 def path_problem(nvme_path: str | None, need_bytes: int) -> str | None:
-    """What is wrong with ``nvme_path`` for ``need_bytes`` of state (None: it can be used)."""
+    """What is wrong with ``nvme_path`` for ``need_bytes`` of state (None: it can be used). An OS error of any
+    check (a directory this process may not search) is the problem, never an exception."""
     if not nvme_path:
         return "is not set: give a directory on a local NVMe (or any local) disk"
     path = Path(nvme_path)
-    if not path.is_dir():
-        return ("does not exist or is not a directory: create it (a directory on a local NVMe disk) or point the "
-                "key at one")  # fmt: skip
-    try:  # a real write (root passes any access() check, a read-only mount does not)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+    try:
+        if not path.is_dir():
+            return ("does not exist or is not a directory: create it (a directory on a local NVMe disk) or point "
+                    "the key at one")  # fmt: skip
+        try:  # a real write (root passes any access() check, a read-only mount does not)
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as e:
+            return (f"cannot be written by this process ({e.strerror}): choose a directory it can write, or fix "
+                    "its mode")  # fmt: skip
+        free = shutil.disk_usage(path).free
     except OSError as e:
-        return f"cannot be written by this process ({e.strerror}): choose a directory it can write, or fix its mode"
-    free = shutil.disk_usage(path).free
+        return f"cannot be used by this process ({e.strerror or e}): choose a directory it can write, or fix its mode"
     if free < need_bytes:
         return (f"has {free / 2**20:,.1f} MiB free, the optimizer state needs about "
                 f"{need_bytes / 2**20:,.1f} MiB: free space there or choose a larger disk")  # fmt: skip
     return None
 
 
-def _agreed_problem(problem: str | None, rank: int) -> str | None:
-    """Every rank's verdict on the path (a rank that cannot use it stops all of them, instead of a hang)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return problem
-    verdicts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, (rank, problem))
-    bad = [(r, p) for r, p in verdicts if p is not None]
-    if not bad:
-        return None
-    return problem or f"on rank {bad[0][0]}: {bad[0][1]}"
+def is_elementwise(optimizer: Any) -> bool:
+    """Whether ``optimizer`` updates each element from that element alone (and the step count), so that a piece
+    of a parameter steps bit for bit as the whole would: the torch optimizers of ``optim.ELEMENTWISE`` and Lion
+    (by class or base class). Any other (Lamb's trust ratio, Muon's matrix, an unknown class) steps whole
+    parameters."""
+    from .. import optimizers
+    from ..optim import ELEMENTWISE
+
+    if isinstance(optimizer, (optimizers.Lamb, optimizers.MuonWithAuxAdam)):
+        return False
+    return any(c.__name__ in ELEMENTWISE or c.__name__ == "Lion" for c in type(optimizer).__mro__)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -124,6 +136,12 @@ class _Io:
         self.blocks = ThreadPoolExecutor(max_workers=hints.threads) if hints.threads > 1 else None
         self.pipe = ThreadPoolExecutor(max_workers=2) if hints.pipeline else None
         """The pipelined reads and writes of whole pieces (their requests go to ``blocks``)."""
+
+    @staticmethod
+    def close(*pools: ThreadPoolExecutor | None) -> None:
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=False)
 
     def _requests(self, nbytes: int) -> list[tuple[int, int]]:
         return [(start, min(nbytes, start + self.block)) for start in range(0, nbytes, self.block)]
@@ -206,42 +224,72 @@ class NvmeSwapper:
         self.index = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
         self.depth = 0  # nested resident() calls
         self.swapped_bytes = 0
+        self.elementwise = is_elementwise(optimizer)
+        """Whether a piece of a parameter steps as the whole would (else each parameter is stepped whole)."""
+        weakref.finalize(self, _Io.close, self.io.blocks, self.io.pipe)  # the threads end with the optimizer
 
     # the step -----------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, original: Any) -> None:
-        """Step every parameter with a gradient piece by piece (``original``: the optimizer's own step)."""
-        for group in self.optimizer.param_groups:
-            params = group["params"]
-            try:
+        """Step every parameter with a gradient, of every group, exactly once (``original``: the optimizer's own
+        step): an elementwise optimizer piece by piece, any other one parameter at a time (the whole tensor). While
+        one piece steps, every group's parameter list holds only that piece (the other parameters' state is in the
+        files, so the optimizer must not see them)."""
+        groups = self.optimizer.param_groups
+        lists = [g["params"] for g in groups]
+        try:
+            for group, params in zip(groups, lists):
                 for p in params:
                     if p.grad is not None:
-                        self._step_param(group, p, original)
-            finally:
-                group["params"] = params
+                        self._step_param(groups, group, p, original)
+        finally:
+            for g, params in zip(groups, lists):
+                g["params"] = params
 
-    def _step_param(self, group: dict, p: nn.Parameter, original: Any) -> None:
+    def _step_param(self, groups: list, group: dict, p: nn.Parameter, original: Any) -> None:
         state = self.optimizer.state
-        small = dict(state.pop(p, {}))
+        before = state.pop(p, {})
+        small = dict(before)
+        # state already in host memory (loaded or made outside this swapper): stepped from it, then written out
+        held = {k: small.pop(k) for k in list(small) if _per_element(small[k], p)}
         files = self.files.setdefault(p, {})
         flat, grad = _local(p.detach()).view(-1), _local(p.grad).reshape(-1)
-        chunk = int(self.hints.sub_group_numel) or max(1, flat.numel())  # 0: the whole parameter
-        spans = [(a, min(flat.numel(), a + chunk)) for a in range(0, max(1, flat.numel()), chunk)]
-        reads = self._reads(files, spans) if files else iter(lambda: {}, None)  # files: not the first step
-        kept, writing = small, _Later(lambda: None)
+        n = flat.numel()
+        chunk = int(self.hints.sub_group_numel) if self.elementwise else 0
+        chunk = chunk or max(1, n)  # 0 (or a whole-tensor optimizer): the whole parameter
+        spans = [(a, min(n, a + chunk)) for a in range(0, max(1, n), chunk)]
+        if held:
+            reads: Iterator[dict] = iter([{k: _local(v).reshape(-1)[a:b] for k, v in held.items()} for a, b in spans])
+        elif files:
+            reads = self._reads(files, spans)
+        else:  # never stepped: the optimizer makes the state
+            reads = iter([{} for _ in spans])
+        whole = not self.elementwise  # step p itself (its norms, its layout), with its state as the optimizer holds it
+        kept, writing, target = small, _Later(lambda: None), None
         try:
             for (a, b), loaded in zip(spans, reads):
-                piece = nn.Parameter(flat[a:b], requires_grad=p.requires_grad)
-                piece.grad = grad[a:b]
-                state[piece] = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in small.items()}, **loaded}
-                group["params"] = [piece]
+                if whole:
+                    target = p
+                    loaded = {k: _as_param_like(v.view(_local(p).shape), p) for k, v in loaded.items()}
+                else:
+                    target = nn.Parameter(flat[a:b], requires_grad=p.requires_grad)
+                    target.grad = grad[a:b]
+                state[target] = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in small.items()}, **loaded}
+                for g in groups:
+                    g["params"] = [target] if g is group else []
                 original()
-                kept, elementwise = self._split(state.pop(piece), piece)
+                kept, elementwise = self._split(state.pop(target), target)
+                target = None
                 following = self._write_behind(p, files, a, elementwise)
                 writing.result()  # at most two pieces' writes in flight (and in memory)
                 writing = following
             writing.result()
+        except BaseException:
+            if target is not None:
+                state.pop(target, None)
+            kept = before  # the parameter's state as it was (its step counter, any state in memory)
+            raise
         finally:
             state[p] = kept
 
@@ -281,7 +329,7 @@ class NvmeSwapper:
 
     def _write_span(self, files: dict[str, _File], first: int, elementwise: dict) -> None:
         for k, v in elementwise.items():
-            self.io.write(files[k], first, v)
+            self.io.write(files[k], first, _local(v))
 
     # whole state in and out ----------------------------------------------------------------------
 
@@ -371,20 +419,32 @@ def attach_nvme(optimizer: Any, offload: Any, *, stage: int, rank: int, hints: N
     if rank == 0:
         log.info("offload_optimizer.device=nvme: optimizer state in %s (sub-groups of %d elements, %d-byte "
                  "requests, %d thread(s), pipelined=%s); the fp32 master weights stay in host memory",
-                 folder.parent, hints.sub_group_numel, hints.block_size, hints.threads, hints.pipeline)  # fmt: skip
+                 folder.parent.parent, hints.sub_group_numel, hints.block_size, hints.threads,
+                 hints.pipeline)  # fmt: skip
     return optimizer
 
 
+_ATTACHED = itertools.count()
+"""Optimizers attached in this process: each gets its own folder (two optimizers may share one nvme_path)."""
+
+
 def _rank_folder(optimizer: Any, nvme_path: str, stage: int, rank: int) -> Path:
-    """This rank's empty swap folder under ``nvme_path`` (checked on every rank first)."""
+    """This optimizer's empty swap folder ``nvme_path/zero_stage_<stage>/optimizer/rank<r>/<n>`` (``n``: the
+    optimizers attached before it in this process). Every step that can fail (the checks, making the folder,
+    clearing a previous run's files from it) is done before the ranks agree, so that all of them stop together."""
     need = sum(_local(p).numel() * 4 for g in optimizer.param_groups for p in g["params"]) * STATES_PER_ELEMENT
-    problem = _agreed_problem(path_problem(nvme_path, need), rank)
+    folder = Path(nvme_path or ".") / f"zero_stage_{stage}" / "optimizer" / f"rank{rank}" / str(next(_ATTACHED))
+    problem = path_problem(nvme_path, need)
+    if problem is None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for stale in folder.glob("*.tensor.swp"):  # a previous run's state: a resumed run loads its checkpoint
+                stale.unlink()
+        except OSError as e:
+            problem = f"cannot be used by this process ({e.strerror or e} at {folder}): choose a directory it can write"
+    problem = agreed_problem(problem, rank)
     if problem is not None:
         raise ConfigError([Problem(PATH_KEY, nvme_path, problem)])
-    folder = Path(nvme_path) / f"zero_stage_{stage}" / "optimizer" / f"rank{rank}"
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob("*.tensor.swp"):  # a previous run's state: a resumed run loads its checkpoint
-        stale.unlink()
     return folder
 
 

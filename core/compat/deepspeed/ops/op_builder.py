@@ -74,7 +74,19 @@ CPUAdagradBuilder = _builder("CPUAdagradBuilder", "cpu_adagrad", "deepspeed.ops.
 CPULionBuilder = _builder("CPULionBuilder", "cpu_lion")
 FusedLambBuilder = _builder("FusedLambBuilder", "fused_lamb")
 FusedLionBuilder = _builder("FusedLionBuilder", "fused_lion")
-AsyncIOBuilder = _builder("AsyncIOBuilder", "async_io")
+
+
+class AsyncIOBuilder(OpBuilder):
+    """DeepSpeed's ``async_io`` op (libaio reads and writes of NVMe offload's swap files). Compatible: scripts ask
+    ``is_compatible()`` before choosing ``offload_optimizer.device: nvme``, and torsh runs NVMe offload without
+    libaio (positional file reads and writes on a thread pool, :mod:`torsh.engine.zero.nvme`). The op itself is
+    still not compiled: not installed, and ``load()`` refuses."""
+
+    NAME = "async_io"
+    TORCH_IMPLEMENTATION = "offload_optimizer.device nvme (torsh's own file I/O, torsh.engine.zero.nvme)"
+
+
+
 GDSBuilder = _builder("GDSBuilder", "gds")
 TransformerBuilder = _builder("TransformerBuilder", "transformer")
 StochasticTransformerBuilder = _builder("StochasticTransformerBuilder", "stochastic_transformer")
