@@ -313,7 +313,8 @@ class OffloadConfig(Section):
     pin_memory: bool = True
     """Page-lock offloaded CPU memory for faster transfers."""
     nvme_path: str | None = None
-    """Directory for NVMe offload (the optimizer state's files go under ``zero_stage_<stage>/optimizer/rank<r>``)."""
+    """Directory for NVMe offload (the optimizer state's files go under ``zero_stage_<stage>/optimizer/rank<r>/<n>``,
+    one folder per optimizer of the process)."""
     nvme_sub_group_size: ElementCountOrZero | MaybeAuto = 1_000_000_000
     """NVMe offload: optimizer-state elements read, stepped and written back at a time (DeepSpeed's
     ``zero_optimization.sub_group_size``; 0: one parameter at a time); smaller keeps less state in host memory

@@ -551,7 +551,7 @@ def _nvme_steps(o) -> list[str]:
     steps = []
     if o.optimizer == "nvme":
         steps.append(f"NVMe offload: the per-element optimizer state (exp_avg, exp_avg_sq, ...) in files under "
-                     f"{o.nvme_path}/zero_stage_<stage>/optimizer/rank<r>, read in and written back piece by piece "
+                     f"{o.nvme_path}/zero_stage_<stage>/optimizer/rank<r>/<n>, read in and written back piece by piece "
                      "around each rank's optimizer step; the fp32 master weights stay in CPU memory")  # fmt: skip
     if o.params == "nvme":
         steps.append("offload.params=nvme (approximate): the parameters are kept in CPU memory "
