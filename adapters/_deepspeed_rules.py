@@ -348,6 +348,24 @@ def _write_offload(cfg: TorshConfig, ctx: WriteContext) -> None:
             ctx.note(core, UNSUPPORTED, f"DeepSpeed offloads {where}", device)
         else:
             _write_offload_part(cfg, ctx, part, device, core)
+    _write_nvme_io(cfg, ctx)
+
+
+#: NVMe offload's I/O settings in DeepSpeed's keys, with DeepSpeed's defaults (written when they differ, whatever the
+#: offload device: DeepSpeed reads sub_group_size at every ZeRO-3 step and the aio section on its own)
+_NVME_IO = (("nvme_sub_group_size", "zero_optimization.sub_group_size", 1_000_000_000),
+            ("nvme_block_size", "aio.block_size", 1_048_576), ("nvme_threads", "aio.intra_op_parallelism", 1))
+
+
+def _write_nvme_io(cfg: TorshConfig, ctx: WriteContext) -> None:
+    o = cfg.offload
+    for field, key, default in _NVME_IO:
+        value = getattr(o, field)
+        if value != default:
+            ctx.put(key, value, f"offload.{field}")
+    if o.nvme_pipeline and o.optimizer != "none":
+        for key in ("pipeline_read", "pipeline_write"):
+            ctx.put(f"zero_optimization.offload_optimizer.{key}", True, "offload.nvme_pipeline")
 
 
 def _write_offload_part(cfg: TorshConfig, ctx: WriteContext, part: str, device: str, core: str) -> None:

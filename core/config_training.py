@@ -315,10 +315,10 @@ class OffloadConfig(Section):
     nvme_path: str | None = None
     """Directory for NVMe offload (the optimizer state's files go under ``zero_stage_<stage>/optimizer/rank<r>/<n>``,
     one folder per optimizer of the process)."""
-    nvme_sub_group_size: ElementCountOrZero | MaybeAuto = 1_000_000_000
+    nvme_sub_group_size: NonNegativeInt | MaybeAuto = 1_000_000_000
     """NVMe offload: optimizer-state elements read, stepped and written back at a time (DeepSpeed's
     ``zero_optimization.sub_group_size``; 0: one parameter at a time); smaller keeps less state in host memory
-    during the step."""
+    during the step. Configs often write a size larger than any model (``1e14``) for "the whole partition"."""
     nvme_block_size: PositiveInt = 1_048_576
     """NVMe offload: bytes per file read or write request (DeepSpeed's ``aio.block_size``)."""
     nvme_threads: PositiveInt = 1

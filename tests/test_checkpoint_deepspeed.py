@@ -128,7 +128,8 @@ def test_loads_in_one_process_without_deepspeed_installed(results, root, tmp_pat
     ref = torch.load(root / f"s{stage}_fp32.pt", weights_only=True)
     for name, p in job["model"].named_parameters():
         assert torch.equal(p.detach(), ref[name]), name
-    assert engine_state == {"global_steps": 2, "global_samples": 8, "skipped_steps": 0} and client["epoch"] == 3
+    assert engine_state == {"global_steps": 2, "global_samples": 8, "skipped_steps": 0, "dp_world_size": 2,
+                            "mp_world_size": 1} and client["epoch"] == 3  # the saved sizes, as DeepSpeed records them
     state = job["optimizer"].state_dict()["state"]
     assert len(state) == 13 and float(state[0]["step"]) == 2.0 and state[0]["exp_avg"].abs().sum() > 0
 
