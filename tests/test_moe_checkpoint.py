@@ -6,6 +6,7 @@ in both directions with the same weights and, continuing, the same losses."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -202,6 +203,11 @@ def _interop_ranks(rank: int, world_size: int, port: int, out: str, stage: int, 
             "global_steps": second.global_steps}  # fmt: skip
         dist.barrier()
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+    # the engines go while their groups are still registered: a group whose last holder is a DDP reducer freed
+    # after destroy_process_group is destroyed with the GIL held, and a gloo thread still releasing its last
+    # collective (it needs the GIL) then waits for ever (seen here with both engines' objects in one process)
+    del first, second
+    gc.collect()
     dist.destroy_process_group()
 
 
