@@ -20,7 +20,7 @@ import torch
 
 import _engine_harness
 
-STAGES = (0, 1, 2, 3)
+STAGES = (0, 1, 2, 3, "2-nvme", "3-nvme")  # the optimizer state in files between steps under NVMe offload
 BETA1 = 0.9  # Adam's default: a step updates exp_avg to BETA1 * exp_avg + (1 - BETA1) * grad
 
 
@@ -36,14 +36,18 @@ def _error(fn) -> str:
     return ""
 
 
-def _stage(ds, stage: int, rank: int) -> dict:
+def _stage(ds, case, rank: int, out: str) -> dict:
     utils = ds.utils
+    stage = int(str(case)[0])
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))  # 3 rows: FSDP2 cuts 2 + 1
     model[0].bias.requires_grad_(False)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
               "optimizer": {"type": "Adam", "params": {"lr": 0.1}}, "zero_optimization": {"stage": stage}}
+    if "nvme" in str(case):
+        os.makedirs(Path(out, "nvme"), exist_ok=True)
+        config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(Path(out, "nvme"))}
     engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
     params = dict(engine.module.named_parameters())
     weight, frozen = params["0.weight"], params["0.bias"]
@@ -98,7 +102,7 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
                       LOCAL_RANK=str(rank))  # fmt: skip
     import torsh.compat.deepspeed as ds
 
-    record = {str(stage): _stage(ds, stage, rank) for stage in STAGES}
+    record = {str(case): _stage(ds, case, rank, out) for case in STAGES}
     with ds.zero.Init():
         layer = torch.nn.Linear(4, 4)
     record["zero_init"] = [_error(lambda: ds.utils.safe_get_full_fp32_param(layer.weight)),

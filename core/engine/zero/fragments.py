@@ -22,6 +22,8 @@ optimizer state); :func:`optimizer_state` finds that state among the live engine
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,12 +219,27 @@ def _live_optimizers() -> list[torch.optim.Optimizer]:
 
 def optimizer_state(stepped: torch.Tensor) -> dict | None:
     """The optimizer state of ``stepped`` (the tensor an engine's optimizer steps); None when no live engine's
-    optimizer has state for it (torch optimizers create it at their first step)."""
+    optimizer has state for it (torch optimizers create it at their first step). Under NVMe offload the per-element
+    entries are in files between steps: read them inside :func:`state_resident`."""
     for optimizer in _live_optimizers():
         state = optimizer.state.get(stepped) if stepped in optimizer.state else None
         if state:
             return state
     return None
+
+
+@contextlib.contextmanager
+def state_resident(stepped: torch.Tensor) -> Iterator[None]:
+    """The optimizer state of ``stepped`` whole in host memory for the block (NVMe offload keeps the per-element
+    entries in files between steps; what the block writes into them is written back out after)."""
+    from .nvme import resident
+
+    owner = next((o for o in _live_optimizers() if stepped in o.state), None)
+    if owner is None:
+        yield
+        return
+    with resident(owner):
+        yield
 
 
 def is_elementwise(value: Any, stepped: torch.Tensor) -> bool:

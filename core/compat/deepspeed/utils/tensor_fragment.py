@@ -206,7 +206,7 @@ def safe_update_full_grad_vectorized(param_list: list, update_func: Callable) ->
 
 def _state(param: torch.Tensor, key: str, what: str, *, required: bool) -> tuple:
     """The layout, the optimizer state tensor ``key`` of ``param`` and the tensor the optimizer steps for it;
-    (None, None, None) when there is no state yet (an error when ``required``)."""
+    (None, None, None) when there is no state yet (an error when ``required``). Call inside :func:`_resident`."""
     layout, stepped = locate(param)
     state = fragments.optimizer_state(stepped)
     if state is None:
@@ -217,6 +217,12 @@ def _state(param: torch.Tensor, key: str, what: str, *, required: bool) -> tuple
     if key not in state:
         raise ValueError(f"{what}: the optimizer state has no {key!r}; it holds {sorted(state)}")
     return layout, state[key], stepped
+
+
+def _resident(param: torch.Tensor):
+    """The block in which ``param``'s optimizer state is in host memory (NVMe offload reads it in, and writes
+    back what the block changed)."""
+    return fragments.state_resident(locate(param)[1])
 
 
 def _per_element(value, stepped: torch.Tensor, key: str, what: str) -> None:
@@ -232,11 +238,12 @@ def safe_get_full_optimizer_state(param, optim_state_key) -> torch.Tensor | None
     param = original(param)
     if not param.requires_grad:
         return None
-    layout, value, stepped = _state(param, optim_state_key, "safe_get_full_optimizer_state", required=False)
-    if value is None:
-        return None
-    _per_element(value, stepped, optim_state_key, "safe_get_full_optimizer_state")
-    return layout.full(value)
+    with _resident(param):
+        layout, value, stepped = _state(param, optim_state_key, "safe_get_full_optimizer_state", required=False)
+        if value is None:
+            return None
+        _per_element(value, stepped, optim_state_key, "safe_get_full_optimizer_state")
+        return layout.full(value)
 
 
 def safe_set_full_optimizer_state(param, value, optim_state_key) -> None:
@@ -246,9 +253,10 @@ def safe_set_full_optimizer_state(param, value, optim_state_key) -> None:
     param = original(param)
     if not param.requires_grad:
         return
-    layout, held, stepped = _state(param, optim_state_key, "safe_set_full_optimizer_state", required=True)
-    _per_element(held, stepped, optim_state_key, "safe_set_full_optimizer_state")
-    layout.write_full(held, value, "safe_set_full_optimizer_state")
+    with _resident(param):
+        layout, held, stepped = _state(param, optim_state_key, "safe_set_full_optimizer_state", required=True)
+        _per_element(held, stepped, optim_state_key, "safe_set_full_optimizer_state")
+        layout.write_full(held, value, "safe_set_full_optimizer_state")
 
 
 def safe_get_local_optimizer_state(param, optim_state_key) -> torch.Tensor | None:
@@ -257,11 +265,12 @@ def safe_get_local_optimizer_state(param, optim_state_key) -> torch.Tensor | Non
     param = original(param)
     if not param.requires_grad:
         return None
-    layout, value, stepped = _state(param, optim_state_key, "safe_get_local_optimizer_state", required=False)
-    if value is None:
-        return None
-    _per_element(value, stepped, optim_state_key, "safe_get_local_optimizer_state")
-    return layout.local(value)
+    with _resident(param):
+        layout, value, stepped = _state(param, optim_state_key, "safe_get_local_optimizer_state", required=False)
+        if value is None:
+            return None
+        _per_element(value, stepped, optim_state_key, "safe_get_local_optimizer_state")
+        return layout.local(value)
 
 
 def safe_set_local_optimizer_state(param, value, optim_state_key) -> None:
@@ -270,7 +279,8 @@ def safe_set_local_optimizer_state(param, value, optim_state_key) -> None:
     param = original(param)
     if not param.requires_grad:
         return
-    layout, held, stepped = _state(param, optim_state_key, "safe_set_local_optimizer_state", required=True)
-    _per_element(held, stepped, optim_state_key, "safe_set_local_optimizer_state")
-    layout.write_local(held, value, "safe_set_local_optimizer_state")
+    with _resident(param):
+        layout, held, stepped = _state(param, optim_state_key, "safe_set_local_optimizer_state", required=True)
+        _per_element(held, stepped, optim_state_key, "safe_set_local_optimizer_state")
+        layout.write_local(held, value, "safe_set_local_optimizer_state")
 
