@@ -248,11 +248,9 @@ def test_transformers_keeps_arange_out_of_the_dtype_change(pp, monkeypatch):
 def test_the_engine_is_set_up_with_torchs_own_constructors_inside_the_context(pp):
     """``deepspeed.initialize`` inside ``zero.Init`` (DeepSpeed's own test does it): modules torch imports lazily
     during set-up script functions with ``torch.jit`` and need the real constructors; the context's come back
-    after. torch._dynamo is imported before ``Tensor.__new__`` is replaced (it checks the one it finds)."""
-    import sys
-
+    after. torch._dynamo accepts the replaced ``Tensor.__new__`` when it is first imported inside the context (it
+    checks the one it finds against its stand-in)."""
     with pp.Init(dtype=torch.bfloat16):
-        assert "torch._dynamo" in sys.modules
         with pp.tensor_overrides_suspended():
             assert torch.empty(2).dtype == torch.float32 and torch.zeros is pp._orig_torch_zeros
 
@@ -298,3 +296,23 @@ def test_constructors_replaced_by_someone_else_are_put_back_and_the_legacy_const
         with pp.Init(dtype=torch.float, tensor_overrides=[]):
             assert torch.zeros(1).dtype == torch.bfloat16
     assert torch.zeros is theirs and torch.Tensor.__new__ is ORIGINAL_NEW
+
+
+def test_torch_dynamo_first_imported_inside_the_context_accepts_it(tmp_path):
+    """In a fresh interpreter (torch._dynamo not imported yet), importing it inside ``zero.Init`` works: DDP does
+    that lazily when a script calls ``initialize`` inside the context."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "dynamo_inside.py"
+    script.write_text(
+        "import sys, torch, torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
+        "from torsh.compat.deepspeed.runtime.zero import partition_parameters as pp\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "with pp.Init(dtype=torch.bfloat16, mem_efficient_linear=False):\n"
+        "    import torch._dynamo\n"
+        "    assert torch.Tensor(2).dtype == torch.bfloat16\n"
+        "dist.destroy_process_group()\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

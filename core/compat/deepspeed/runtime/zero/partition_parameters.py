@@ -95,10 +95,6 @@ class _Constructors:
         self.replaced: dict[str, object] = {}
 
     def install(self) -> None:
-        # torch._dynamo checks the Tensor.__new__ it finds when first imported: imported later inside the context
-        # (DDP imports it lazily) it would find the replacement and refuse, so it is imported first
-        import torch._dynamo  # noqa: F401
-
         self.replaced = {name: getattr(torch, name) for name in _CONSTRUCTORS}
         self.replaced["Tensor.__new__"] = torch.Tensor.__new__
         wrap = globals()["zero_wrapper_for_fp_tensor_constructor"]  # looked up now: transformers may swap it
@@ -109,8 +105,10 @@ class _Constructors:
     def _legacy_new(self, original):
         dtype, device = self.dtype, self.device
 
-        def __new__(cls, *args, **kwargs):  # every legacy form (sizes, data, a tensor), then moved and cast
-            made = original(cls, *args, **kwargs)
+        # A signature of (*args, **kwargs), as torch's own: torch._dynamo, when first imported (DDP imports it lazily,
+        # maybe inside the context), checks the Tensor.__new__ it finds against its stand-in and accepts that one
+        def __new__(*args, **kwargs):  # every legacy form (sizes, data, a tensor), then moved and cast
+            made = original(*args, **kwargs)
             if device is not None and made.device != torch.device(device):
                 made = made.to(device)
             return _cast_floating(made, dtype)
