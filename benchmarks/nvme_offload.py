@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.ranks import launch, worst
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -101,31 +100,11 @@ def worker(stage: int, variant: str, nvme_path: str, out: str) -> None:
     dist.barrier()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(stage: int, variant: str) -> list[dict] | str:
     """Every rank's numbers for one launch, or the error text."""
     with tempfile.TemporaryDirectory(dir=os.environ.get("TORSH_NVME_BENCH_DIR")) as tmp:
         out = str(Path(tmp) / "out.json")
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                   f"--master-port={_free_port()}", "-m", "benchmarks.nvme_offload", "--worker", str(stage), variant,
-                   tmp, out]  # fmt: skip
-        try:
-            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-        except subprocess.TimeoutExpired:
-            return "timed out after 900 s"
-        if done.returncode != 0 or not Path(out).exists():
-            return (done.stdout + done.stderr)[-2000:]
-        return json.loads(Path(out).read_text())
-
-
-def _worst(ranks: list[dict], key: str) -> float:
-    return max(r[key] for r in ranks)
+        return launch("benchmarks.nvme_offload", [str(stage), variant, tmp, out], 2, out)
 
 
 def table(results: dict) -> str:
@@ -140,10 +119,10 @@ def table(results: dict) -> str:
                 lines.append(f"| {stage} | {variant} | error: {str(ranks)[-200:]!r} |")
                 continue
             same = isinstance(cpu, list) and all(a["losses"] == b["losses"] for a, b in zip(ranks, cpu))
-            ratio = (lambda k: f"{_worst(ranks, k) / _worst(cpu, k):.2f}") if isinstance(cpu, list) else (lambda k: "-")
-            lines.append(f"| {stage} | {variant} | {_worst(ranks, 'peak_mib'):.0f} | "
-                         f"{_worst(ranks, 'between_mib'):.0f} | "
-                         f"{_worst(ranks, 'step_s'):.2f} | {ratio('peak_mib')} | {ratio('step_s')} | "
+            ratio = (lambda k: f"{worst(ranks, k) / worst(cpu, k):.2f}") if isinstance(cpu, list) else (lambda k: "-")
+            lines.append(f"| {stage} | {variant} | {worst(ranks, 'peak_mib'):.0f} | "
+                         f"{worst(ranks, 'between_mib'):.0f} | "
+                         f"{worst(ranks, 'step_s'):.2f} | {ratio('peak_mib')} | {ratio('step_s')} | "
                          f"{'yes' if same else 'no'} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from benchmarks.ranks import launch, worst
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -81,31 +80,11 @@ def worker(engine: str, out: str) -> None:
     dist.barrier()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(engine: str, nproc: int) -> list[dict] | str:
     """Every rank's numbers for one launch, or the error text."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "out.json")
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-               "PYTHONPATH": str(ROOT)}  # fmt: skip
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                   f"--master-port={_free_port()}", "-m", "benchmarks.zero_init", "--worker", engine, out]
-        try:
-            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-        except subprocess.TimeoutExpired:
-            return "timed out after 900 s"
-        if done.returncode != 0 or not Path(out).exists():
-            return (done.stdout + done.stderr)[-2000:]
-        return json.loads(Path(out).read_text())
-
-
-def _worst(ranks: list[dict], key: str) -> float:
-    return max(r[key] for r in ranks)
+        return launch("benchmarks.zero_init", [engine, out], nproc, out, {"DS_ACCELERATOR": "cpu"})
 
 
 def table(results: dict) -> str:
@@ -121,14 +100,14 @@ def table(results: dict) -> str:
             continue
         bound = MODEL_MIB / int(nproc) + LARGEST_MODULE_MIB + 64
         if isinstance(ds, list):
-            lines.append(f"| {nproc} | {_worst(ds, 'added_mib'):.0f} | {_worst(ours, 'added_mib'):.0f} | "
-                         f"{_worst(ours, 'added_mib') / _worst(ds, 'added_mib'):.2f} | {bound:.0f} | "
-                         f"{_worst(ds, 'held_elements') / 1e6:.1f} M | {_worst(ours, 'held_elements') / 1e6:.1f} M | "
-                         f"{_worst(ds, 'step_peak_mib'):.0f} | {_worst(ours, 'step_peak_mib'):.0f} | "
-                         f"{_worst(ours, 'step_peak_mib') / _worst(ds, 'step_peak_mib'):.2f} |")  # fmt: skip
+            lines.append(f"| {nproc} | {worst(ds, 'added_mib'):.0f} | {worst(ours, 'added_mib'):.0f} | "
+                         f"{worst(ours, 'added_mib') / worst(ds, 'added_mib'):.2f} | {bound:.0f} | "
+                         f"{worst(ds, 'held_elements') / 1e6:.1f} M | {worst(ours, 'held_elements') / 1e6:.1f} M | "
+                         f"{worst(ds, 'step_peak_mib'):.0f} | {worst(ours, 'step_peak_mib'):.0f} | "
+                         f"{worst(ours, 'step_peak_mib') / worst(ds, 'step_peak_mib'):.2f} |")  # fmt: skip
         else:
-            lines.append(f"| {nproc} | - | {_worst(ours, 'added_mib'):.0f} | - | {bound:.0f} | - | "
-                         f"{_worst(ours, 'held_elements') / 1e6:.1f} M | - | {_worst(ours, 'step_peak_mib'):.0f} | - |")
+            lines.append(f"| {nproc} | - | {worst(ours, 'added_mib'):.0f} | - | {bound:.0f} | - | "
+                         f"{worst(ours, 'held_elements') / 1e6:.1f} M | - | {worst(ours, 'step_peak_mib'):.0f} | - |")
     return "\n".join(lines) + "\n"
 
 
@@ -149,7 +128,7 @@ def chart(results: dict, path: Path) -> bool:
     width = 0.35
     for i, (key, label) in enumerate((("added_mib", "memory added by the build"),
                                       ("step_peak_mib", "peak after the first step"))):
-        ratios = [_worst(r["torsh"], key) / _worst(r["deepspeed"], key) for _, r in rows]
+        ratios = [worst(r["torsh"], key) / worst(r["deepspeed"], key) for _, r in rows]
         ax.bar([j + i * width for j in range(len(rows))], ratios, width, label=label)
     ax.axhline(1.1, color="grey", linestyle="--", linewidth=1, label="target for the build (1.1)")
     ax.axhline(1.0, color="black", linewidth=0.8)
