@@ -169,34 +169,3 @@ def test_a_torsh_run_worker_keeps_the_scripts_exit_status(tmp_path):
     done = _torsh_run(tmp_path, "3")
     assert done.returncode != 0
     assert "exitcode  : 3" in done.stderr, done.stderr[-3000:]
-
-
-def test_a_ddp_reducers_group_is_held_from_python_until_its_holder_is_gone():
-    """A DDP reducer frees its process group from C++ with the GIL held; if it were the last holder, the gloo
-    group's destructor would wait for a thread that needs the GIL (a hang seen after ``destroy_process_group()``
-    when the engine went afterwards). The engine pins the group from Python while the DDP module lives, and drops
-    the pin once it is gone (at the next pin, or at shutdown)."""
-    import gc
-    import weakref
-
-    from torsh.engine import distributed as d
-
-    class Holder:
-        pass
-
-    class Group:
-        pass
-
-    holder, group = Holder(), Group()
-    watch = weakref.ref(group)
-    d.pin_group_for(holder, group)
-    del group
-    gc.collect()
-    assert watch() is not None  # held while the holder lives
-    del holder
-    gc.collect()
-    assert watch() is not None  # ... and after, until the pins are next looked at
-    d.pin_group_for(Holder(), Group())  # the next pin drops the dead holder's group
-    gc.collect()
-    assert watch() is None
-    d._release_pinned(everything=True)

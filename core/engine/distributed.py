@@ -139,32 +139,6 @@ _exit_handler_registered = False
 _GIL_HANDOFF_S = 0.02
 
 
-_pinned: list[tuple[weakref.ReferenceType, object]] = []
-
-
-def pin_group_for(holder: object, group: object) -> None:
-    """Keep a Python reference to ``group`` (None: the default group) for as long as ``holder`` (a DDP module) is
-    alive, and a little longer.
-
-    A DDP reducer holds its process group from C++, and frees it with the GIL held. When the reducer is the last
-    holder (a script called ``destroy_process_group()`` and its engine went afterwards), the gloo group is
-    destroyed there and waits for its threads, one of which may need the GIL to release its last collective: the
-    process hangs. Held from Python, the group outlives the reducer and is destroyed through its Python object,
-    which releases the GIL while it waits. References whose holder is gone are dropped the next time a group is
-    pinned, and at :func:`shutdown`."""
-    _release_pinned()
-    if group is None and dist.is_available() and dist.is_initialized():
-        group = dist.group.WORLD
-    if group is not None:
-        _pinned.append((weakref.ref(holder), group))
-
-
-def _release_pinned(everything: bool = False) -> None:
-    """Drop the pinned groups whose holder has been freed (all of them with ``everything``)."""
-    keep = [] if everything else [(ref, group) for ref, group in _pinned if ref() is not None]
-    _pinned[:] = keep
-
-
 def on_shutdown(callback: Callable[[], object]) -> None:
     """Run ``callback`` (an engine's ``destroy``) at :func:`shutdown`, before the process group goes.
 
@@ -198,14 +172,12 @@ def shutdown(*, destroy_group: bool = True) -> None:
             log.warning("shutdown: %s failed: %s: %s", getattr(callback, "__qualname__", callback),
                         type(exc).__name__, exc)  # fmt: skip
     gc.collect()
-    _release_pinned()
     if destroy_group and dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001
             log.warning("shutdown: destroy_process_group failed: %s: %s", type(exc).__name__, exc)
     gc.collect()
-    _release_pinned(everything=not dist.is_available() or not dist.is_initialized())
     # A group something still references (a layer holding its sequence or expert group) keeps its gloo threads
     # after the destroy. Such a thread releases the tensors of the collective it just ran after the caller has
     # moved on, and needs the GIL to do it; waiting for the GIL once finalisation has begun aborts the process.

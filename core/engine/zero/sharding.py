@@ -22,7 +22,7 @@ from torsh.sharding_plan import ShardingPlan
 
 from . import construction, ds_layout, external_params, leaves, whole_params
 from . import params as zero_params
-from ..distributed import DistInfo, pin_group_for
+from ..distributed import DistInfo
 from ..precision import PrecisionPlan
 from .units import plan_units
 
@@ -120,7 +120,6 @@ def _apply_ddp(model, ddp: DdpConfig, gradients: GradientsConfig, precision: Pre
         gradient_as_bucket_view=ddp.gradient_as_bucket_view,
         forward_sync_buffers=ddp.broadcast_buffers,
     )
-    pin_group_for(wrapped, process_group)  # the group outlives the reducer (see pin_group_for)
     world = dist.get_world_size(process_group) if process_group is not None else info.world_size
     if reduce_hook and _needs_reduce_hook(gradients, precision, world):
         state = _ReduceState(gradients.reduce_op, gradients.prescale, gradients.predivide_factor,
