@@ -343,6 +343,8 @@ def _nvme_ranks(rank: int, world_size: int, port: int, out: str) -> None:
                     record[f"{stage}-{ep_size}-{device}"] = _train(engine, rank, range(3))
                 except Exception as exc:  # noqa: BLE001 (reported, asserted below)
                     record[f"{stage}-{ep_size}-{device}"] = f"{type(exc).__name__}: {exc}"
+                engine = None  # freed while its groups are registered (see _interop_ranks)
+                gc.collect()
         Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     finally:
         dist.destroy_process_group()
