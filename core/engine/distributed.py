@@ -69,7 +69,6 @@ def init_distributed(communication: CommunicationConfig | None = None, *, dist_i
                                        "initialised; call torch.distributed.init_process_group first or pass "
                                        "dist_init_required=None")])  # fmt: skip
         _init_process_group(communication, distributed_port)
-    register_exit_handler()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     _, local_rank, _, _, _ = _discover()
     backend = dist.get_backend()
@@ -194,9 +193,14 @@ def _shutdown_at_exit() -> None:
 
 
 def register_exit_handler() -> None:
-    """Run :func:`shutdown` at interpreter exit (once, however often called); for code that creates its own group,
-    and for layers that hold a process group the script may have created itself."""
+    """Run :func:`shutdown` at interpreter exit (once, however often called). Done when this module is imported:
+    whatever of torsh holds a process group (an engine, a Horovod context, a Ulysses or MoE layer over a group the
+    script made itself) imports it first, so the group is torn down in a safe order at exit however it was
+    started."""
     global _exit_handler_registered
     if not _exit_handler_registered:
         atexit.register(_shutdown_at_exit)
         _exit_handler_registered = True
+
+
+register_exit_handler()

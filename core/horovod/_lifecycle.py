@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from torsh.engine.distributed import elastic_store, register_exit_handler
+from torsh.engine.distributed import elastic_store
 from torsh.engine.distributed import shutdown as _teardown
 from torsh.ranks import RankInfo, discover
 
@@ -104,7 +104,6 @@ def _init_process_group(info: RankInfo) -> None:
             store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, info.rank == 0,
                                   timeout=_timeout())  # fmt: skip
     dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size, timeout=_timeout())
-    register_exit_handler()
 
 
 def _store_via_horovod_rendezvous(info: RankInfo) -> dist.Store:

@@ -29,8 +29,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import Module
 
-from torsh.engine.distributed import register_exit_handler
-
 from .. import comm as dist
 from ..utils import groups
 from .mappings import drop_tokens, gather_tokens, tensor_parallel_world_size
@@ -340,7 +338,6 @@ class MOELayer(Module):
                         "operations, which give the same results")  # fmt: skip
 
     def _set_ep_group(self, ep_group: Any) -> None:
-        register_exit_handler()  # the layer keeps its expert group alive to the end: tear it down safely at exit
         self.ep_group = ep_group
         self.gate._set_ep_group(ep_group)
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
-from torsh.engine.distributed import register_exit_handler
+import torsh.engine.distributed  # noqa: F401 - its exit handler tears the layer's group down safely at exit
 
 __all__ = ["DistributedAttention", "single_all_to_all", "apply_rotary_pos_emb", "head_counts"]
 
@@ -163,7 +163,6 @@ class DistributedAttention(Module):
     def __init__(self, local_attention: Module, sequence_process_group, scatter_idx: int = 2, gather_idx: int = 0,
                  sp_stream=None, num_kv_heads: int | None = None) -> None:  # fmt: skip
         super().__init__()
-        register_exit_handler()  # this layer keeps the group alive to the end: tear it down safely at exit
         self.local_attn = local_attention
         self.spg = sequence_process_group
         self.num_kv_heads = num_kv_heads
