@@ -113,7 +113,6 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     name_of = {id(p): n for n, p in model.named_parameters()}
     # MoE layers get their expert groups now (collective), before the broadcast and DDP, which leave local experts
     experts = prepare_experts(model, stage=decided.sharding.stage, dp_world_size=dp_world,
-                              offload_optimizer=cfg.offload.optimizer,  # NVMe with MoE at ZeRO-1/2: refused
                               kind="fsdp" if decided.fsdp else ("tp" if decided.tp > 1 else "ddp"))  # fmt: skip
     if mp is not None:
         refuse_with(mp, stage=decided.sharding.stage, experts=experts)

@@ -321,8 +321,7 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def prepare_experts(model: nn.Module, *, stage: int, dp_world_size: int, kind: str = "ddp",
-                    use_data_before_expert_parallel: bool = False,
-                    offload_optimizer: str = "none") -> ExpertPlan | None:  # fmt: skip
+                    use_data_before_expert_parallel: bool = False) -> ExpertPlan | None:  # fmt: skip
     """Give the model's MoE layers their process groups (``set_deepspeed_parallelism`` on every module that has
     it, as DeepSpeed's engine calls it; collective) and return the plan of its local experts (None: the model has
     no expert parameters). Call it before the start-up broadcast and before DDP wraps the model: DDP is told to
@@ -331,9 +330,7 @@ def prepare_experts(model: nn.Module, *, stage: int, dp_world_size: int, kind: s
     At ZeRO-1/2 the engine builds its partitions with :func:`.moe_zero.build_expert_zero` instead of ``build_zero``.
     Refused (:class:`ExpertParallelNotSupported`) where the engine cannot yet train local experts correctly:
     ZeRO-3 / FSDP2 (its shards span the whole world). ``kind``: the engine's layout, ``"ddp"`` (stages 0-2),
-    ``"fsdp"`` (stage 3), or a parallelism beside data parallelism (``"tp"``: refused with MoE layers).
-    ``offload_optimizer``: the optimizer offload device (every device runs with MoE layers: NVMe offload steps
-    the MoE optimizer groups as CPU offload does)."""
+    ``"fsdp"`` (stage 3), or a parallelism beside data parallelism (``"tp"``: refused with MoE layers)."""
     layers = moe_layers(model)
     if layers and kind not in ("ddp", "fsdp"):
         raise ExpertParallelNotSupported(
