@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.ranks import launch, worst
+from benchmarks.ranks import launch, reset_peak, status_mib, worst
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -38,18 +38,6 @@ VARIANTS = {
 }
 
 
-def _status_mib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024.0
-    return float("nan")
-
-
-def _reset_peak() -> None:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux)
-    except OSError:
-        pass
 
 
 def config(stage: int, variant: str, nvme_path: str) -> dict:
@@ -86,12 +74,12 @@ def worker(stage: int, variant: str, nvme_path: str, out: str) -> None:
 
     step()
     dist.barrier()
-    _reset_peak()
+    reset_peak()
     start = time.perf_counter()
     for _ in range(STEPS):
         step()
     elapsed = (time.perf_counter() - start) / STEPS
-    mine = {"step_s": elapsed, "peak_mib": _status_mib("VmHWM"), "between_mib": _status_mib("VmRSS"),
+    mine = {"step_s": elapsed, "peak_mib": status_mib("VmHWM"), "between_mib": status_mib("VmRSS"),
             "losses": losses}  # fmt: skip
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)

@@ -1,4 +1,5 @@
-"""Launching a benchmark's worker on several ranks with torchrun and collecting what the ranks measured."""
+"""Launching a benchmark's worker on several ranks with torchrun, the memory a rank reads about itself, and
+collecting what the ranks measured."""
 
 from __future__ import annotations
 
@@ -38,3 +39,23 @@ def launch(module: str, worker_args: list[str], nproc: int, out: str, env: dict[
 def worst(ranks: list[dict], key: str) -> float:
     """The worst rank's value (the largest)."""
     return max(r[key] for r in ranks)
+
+
+def status_mib(field: str) -> float:
+    """A memory figure of this process from ``/proc/self/status`` (``VmRSS``, ``VmHWM``), in MiB (NaN elsewhere)."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return float("nan")
+    for line in lines:
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def reset_peak() -> None:
+    """Start ``VmHWM`` (the peak resident memory) again from the current figure (Linux; elsewhere nothing)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass

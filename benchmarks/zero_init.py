@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.ranks import launch, worst
+from benchmarks.ranks import launch, reset_peak, status_mib, worst
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -31,18 +31,6 @@ MODEL_MIB = LAYERS * WIDTH * WIDTH * 4 / 2**20
 LARGEST_MODULE_MIB = WIDTH * WIDTH * 4 / 2**20
 
 
-def _status_mib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024.0
-    return float("nan")
-
-
-def _reset_peak() -> None:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux)
-    except OSError:
-        pass
 
 
 def worker(engine: str, out: str) -> None:
@@ -60,19 +48,19 @@ def worker(engine: str, out: str) -> None:
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}  # fmt: skip
     torch.manual_seed(0)
     dist.barrier()
-    before = _status_mib("VmRSS")
-    _reset_peak()
+    before = status_mib("VmRSS")
+    reset_peak()
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)))
-    built = {"added_mib": _status_mib("VmRSS") - before, "build_peak_mib": _status_mib("VmHWM") - before,
+    built = {"added_mib": status_mib("VmRSS") - before, "build_peak_mib": status_mib("VmHWM") - before,
              "held_elements": sum(p.ds_tensor.numel() for p in model.parameters())}  # fmt: skip
     engine_, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    _reset_peak()
+    reset_peak()
     x = torch.randn(2, WIDTH)
     loss = engine_(x).float().pow(2).mean()
     engine_.backward(loss)
     engine_.step()
-    built["step_peak_mib"] = _status_mib("VmHWM")
+    built["step_peak_mib"] = status_mib("VmHWM")
     gathered = [None] * world
     dist.all_gather_object(gathered, built)
     if rank == 0:
