@@ -96,6 +96,13 @@ def _init_process_group(communication: CommunicationConfig, distributed_port: in
                                 world_size=world_size, **kwargs)  # fmt: skip
 
 
+def local_device() -> torch.device:
+    """This process's device as :func:`init_distributed` chooses it (its GPU under NCCL, made current; else the
+    CPU), for code that runs before or beside an engine (``zero.Init`` builds modules there)."""
+    backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else _backend("auto")
+    return _device(backend, _discover()[1])
+
+
 def _device(backend: str, local_rank: int) -> torch.device:
     """This rank's device: its GPU under NCCL (made current), else the CPU."""
     if "nccl" in backend and torch.cuda.is_available():

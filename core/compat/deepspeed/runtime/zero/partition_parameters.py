@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torsh.engine.distributed import local_device
 from torsh.engine.zero import construction
 from torsh.engine.zero.params import COMPUTE_DTYPE, ZeroParamStatus, write_shown
 
@@ -179,20 +180,6 @@ def _init_dtype(ds_config, dtype) -> torch.dtype:
         raise ValueError(f"zero.Init(dtype={dtype}): the parameter dtype must be torch.half, torch.bfloat16 or "
                          "torch.float")  # fmt: skip
     return dtype
-
-
-def _local_device() -> torch.device:
-    """The device ``zero.Init`` builds on (DeepSpeed's ``local_device``): this process's GPU (its local rank, as
-    any launcher gives it, over the visible devices) on a CUDA machine, else the CPU."""
-    from torsh.ranks import discover
-
-    from ...accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    if accelerator.device_name() == "cpu":
-        return torch.device("cpu")
-    local = discover().local_rank
-    return torch.device(accelerator.device_name(local % max(1, torch.cuda.device_count())))
 
 
 _init_lock = threading.Lock()
@@ -375,7 +362,7 @@ class InsertPostInitMethodToModuleSubClasses:
         """The outermost context's patches, all or none (a failure part-way puts back what was done)."""
         overrides = self.tensor_overrides or ()
         constructors = _Constructors(self.dtype if DeepSpeedTensorOverride.dtype in overrides else None,
-                                     _local_device() if DeepSpeedTensorOverride.device in overrides else None)
+                                     local_device() if DeepSpeedTensorOverride.device in overrides else None)
         try:
             _patch()
             if overrides:
