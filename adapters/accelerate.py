@@ -163,11 +163,11 @@ def _deepspeed_json(file: Path, ctx: ReadContext, path: str, value: Any) -> dict
 
 #: Accelerate's model-parallel degrees (parallelism_config) -> the core degree, the fidelity and why.
 _DEGREES = {
-    "tp_size": ("parallelism.tp", Fidelity.APPROXIMATE, "DTensor tensor parallelism; Accelerate splits the layers of "
-                "the model's own Hugging Face tp_plan, torsh's default plan the same Hugging Face-style names "
-                "(q/k/v/gate/up colwise, o/down rowwise)"),
+    "tp_size": ("parallelism.tp", Fidelity.APPROXIMATE, "DTensor tensor parallelism; Accelerate splits by the model's "
+                "own tp_plan, torsh by its default plan of the same names (q/k/v/gate/up colwise, o/down rowwise)"),
     "cp_size": ("parallelism.cp", Fidelity.EXACT, "context parallelism"),
-    "sp_size": ("parallelism.sp", Fidelity.EXACT, "DeepSpeed-Ulysses (DeepSpeed's sequence_parallel_size)"),
+    "sp_size": ("parallelism.sp", Fidelity.APPROXIMATE, "Ulysses groups and reduction; Accelerate's swap of a model's "
+                "attention and sequence-sharding of batches are not done (use DistributedAttention, feed blocks)"),
 }
 _SP_SETTINGS = {"sp_backend": "DeepSpeed-Ulysses, which the torsh engine runs", **dict.fromkeys(
     ("sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation"), "for the attention Accelerate swaps in")}

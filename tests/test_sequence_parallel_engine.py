@@ -353,7 +353,8 @@ def test_accelerate_yaml_sp_size_is_ulysses_under_deepspeed_and_cp_size_is_refus
     assert t.result.parallelism.sp == 2 and plan(t.result, 4).refused == ()
     fidelity = {n.source_path.rsplit("_config_", 1)[-1]: n.fidelity.value for n in t.notes
                 if n.source_path.startswith("parallelism_config.")}  # fmt: skip
-    assert fidelity["sp_size"] == "exact" and fidelity["sp_backend"] == "exact"
+    # approximate: Accelerate also swaps a Hugging Face model's attention and shards the batches; torsh does not
+    assert fidelity["sp_size"] == "approximate" and fidelity["sp_backend"] == "exact"
     assert fidelity["sp_seq_length_is_variable"] == "unsupported"
     written = adapters.get("accelerate").write(t.result).result["parallelism_config"]
     assert written["parallelism_config_sp_size"] == 2
