@@ -86,7 +86,6 @@ class AsyncIOBuilder(OpBuilder):
     TORCH_IMPLEMENTATION = "offload_optimizer.device nvme (torsh's own file I/O, torsh.engine.zero.nvme)"
 
 
-
 GDSBuilder = _builder("GDSBuilder", "gds")
 TransformerBuilder = _builder("TransformerBuilder", "transformer")
 StochasticTransformerBuilder = _builder("StochasticTransformerBuilder", "stochastic_transformer")

@@ -181,7 +181,6 @@ def check_optimizer_construction(config, optimizer) -> None:
         assert int(size) % 2 == 0, "allgather_bucket_size must be a multiple of nccl_start_alignment_factor, 2 "
 
 
-
 def check_hpz_partition_size(config, world_size: int) -> None:
     """What DeepSpeed refuses about ZeRO++ ``zero_hpz_partition_size`` when ZeRO-3 starts: a partition size
     (capped at ``world_size``) that does not divide the number of ranks (its ``_ensure_divisibility``). The engine
@@ -197,6 +196,7 @@ def check_hpz_partition_size(config, world_size: int) -> None:
         raise InvalidConfig([Problem("zero_optimization.zero_hpz_partition_size", size,
                                      f"{world_size} is not divisible by {size}, as DeepSpeed refuses it: use a "
                                      "divisor of the number of ranks, or 1 (off)")])
+
 
 def get_prescale_gradients(param_dict):
     return get_scalar_param(param_dict, "prescale_gradients", False)
