@@ -6,9 +6,11 @@ reads its checkpoints, open ``mp_rank_00_model_states.pt`` instead: its ``module
 scheduler, the config and the client state. Where every rank holds the whole model (stages 0-2 without tensor
 parallelism) rank 0 writes that file too, with DeepSpeed's keys, so that
 
-- real DeepSpeed's ``engine.load_checkpoint(dir, load_module_only=True)`` (or ``load_optimizer_states=False``)
-  loads the weights, counters and scheduler of a torsh checkpoint (its optimizer then starts afresh: the
-  optimizer state is in the DCP files only, and the entry ``optimizer`` is None as in DeepSpeed's ZeRO files);
+- real DeepSpeed's ``engine.load_checkpoint(dir)`` loads the weights, counters and scheduler of a torsh
+  checkpoint, and at ZeRO stage 0 with a plain torch optimizer (no fp32 masters) its optimizer state too: the
+  entry ``optimizer`` holds the optimizer's ``state_dict()``, as DeepSpeed writes it for an unwrapped optimizer.
+  Elsewhere the optimizer state is in the DCP files only and ``optimizer`` is None (as in DeepSpeed's ZeRO files):
+  DeepSpeed loads such a checkpoint with ``load_module_only=True`` or ``load_optimizer_states=False``;
 - a script that opens the file (``torch.load(...)["module"]``) finds the weights, without the frozen parameters
   when saved with ``exclude_frozen_parameters=True``.
 
@@ -22,7 +24,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-MODEL_STATES = "mp_rank_00_model_states.pt"
+
+def model_states_file(mp_rank: int = 0) -> str:
+    """DeepSpeed's name of model-parallel rank ``mp_rank``'s model-states file (stages 0-2)."""
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+MODEL_STATES = model_states_file(0)
 VERSION = "0.19.8+torsh"
 """``ds_version``: the DeepSpeed version whose format this is, with a local label saying torsh wrote it."""
 
@@ -36,7 +44,7 @@ def model_states(engine: Any, *, client_state: dict, exclude_frozen: bool) -> di
 
     stage = engine.zero_optimization_stage()
     mpu = engine.__dict__.get("_mpu")  # under an mpu the first rank of each data-parallel group writes its own
-    writer = mpu.dp_rank(0) == 0 if mpu is not None else not (dist.is_initialized() and dist.get_rank() != 0)
+    writer = mpu.data_rank == 0 if mpu is not None else not (dist.is_initialized() and dist.get_rank() != 0)
     if not writer or stage >= 3 or any(
             isinstance(p, DTensor) for p in engine.module.parameters()):  # fmt: skip
         return None
@@ -53,7 +61,7 @@ def model_states(engine: Any, *, client_state: dict, exclude_frozen: bool) -> di
     return {
         "module": OrderedDict((k, cpu_copy(v)) for k, v in module.items()),
         "buffer_names": _buffer_names(engine.module),
-        "optimizer": None,  # torsh keeps the optimizer state in the DCP files
+        "optimizer": stage0_optimizer_state(engine),  # else in the DCP files only
         "param_shapes": [OrderedDict((names[id(p)], p.shape) for p in ps) for ps in part.group_params]
         if part is not None else None,
         "frozen_param_shapes": OrderedDict((n, p.shape) for n, p in frozen) if keep_frozen else None,
@@ -72,6 +80,17 @@ def model_states(engine: Any, *, client_state: dict, exclude_frozen: bool) -> di
         "ds_version": VERSION,
         **dict(client_state),
     }
+
+
+def stage0_optimizer_state(engine: Any) -> dict | None:
+    """A CPU copy of the optimizer's ``state_dict()`` where DeepSpeed saves its optimizer that way: ZeRO stage 0
+    with a plain torch optimizer holding the model's parameters (no fp32 masters, whose state DeepSpeed's
+    fp16/bf16 wrappers save in a format of their own); None elsewhere."""
+    import torch
+
+    optimizer = engine.optimizer
+    plain = isinstance(optimizer, torch.optim.Optimizer) and engine._precision.masters is None
+    return cpu_copy(optimizer.state_dict()) if engine.zero_optimization_stage() == 0 and plain else None
 
 
 def cpu_copy(obj: Any) -> Any:

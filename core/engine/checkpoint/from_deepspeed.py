@@ -35,6 +35,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .ds_model_states import model_states_file
 from .io import CheckpointError
 from .moe_experts import EXPERT_FILE
 
@@ -134,7 +135,7 @@ class _Layout:
         if not _ranks_complete(optim):
             raise CheckpointError(f"DeepSpeed checkpoint {path} is incomplete: optimizer files for ranks "
                                   f"{sorted(optim)} (expected 0..{len(optim) - 1})")  # fmt: skip
-        self.model_files = _model_files(path, found, model_states_name(mp_rank))
+        self.model_files = _model_files(path, found, model_states_file(mp_rank))
 
 
 def _files_of(path: Path, mp_rank: int) -> tuple[dict[str, dict[int, Path]], set[int]]:
@@ -162,11 +163,6 @@ def _model_files(path: Path, found: dict[str, dict[int, Path]], name: str) -> li
         raise CheckpointError(f"DeepSpeed checkpoint {path} is incomplete: model files for ranks "
                               f"{sorted(model)}")  # fmt: skip
     return [model[r] for r in sorted(model)]
-
-
-def model_states_name(mp_rank: int) -> str:
-    """DeepSpeed's model-states file of model-parallel rank ``mp_rank`` (stages 0-2)."""
-    return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
 
 def _rank_file(file: Path) -> tuple[str, int, int] | None:
@@ -358,7 +354,6 @@ def _read_moe(layout: _Layout, out: _Restored, with_optimizer: bool, experts: An
         raise CheckpointError(f"the DeepSpeed MoE checkpoint {layout.path} has no {optim.name} (the optimizer state "
                               "of this rank's experts); load it with load_optimizer_states=False")  # fmt: skip
     _read_stage0_optimizer(_need(_load(optim), "optimizer", optim), out, optim)
-    out.stage0["by_optimizer"] = True  # positions follow the optimizer's groups (experts in groups of their own)
 
 
 def _read_partitioned(layout: _Layout, ms: dict[str, Any], out: _Restored, with_optimizer: bool) -> None:
@@ -640,9 +635,9 @@ def _install(restored: _Restored, model: Any, optimizer: Any, *, strict: bool, f
 
     names = _param_names(model)
     if restored.stage0 is not None and optimizer is not None:
-        ordered = ([names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-                   if restored.stage0.get("by_optimizer") else list(names.values()))  # fmt: skip
-        _stage0_to_names(restored, ordered, file)
+        # DeepSpeed's optimizer state_dict numbers the parameters in its param_groups' order (the same groups as
+        # this optimizer's), not the model's: a no-decay group first puts the biases before the weights
+        _stage0_to_names(restored, [names[id(p)] for g in optimizer.param_groups for p in g["params"]], file)
     weights = dict(restored.weights)
     _check_keys(model, weights, strict, file, restored.aliases)
     options = StateDictOptions(full_state_dict=True, strict=strict)
@@ -703,8 +698,9 @@ def _mismatch(missing: list[str], unexpected: list[str]) -> str:
 
 
 def _stage0_to_names(restored: _Restored, ordered: list[str], file: Path) -> None:
-    """Stage 0 optimizer state is indexed by position in DeepSpeed's parameter list: the model's parameters
-    in order. Checked against the shapes so a different order is an error, not silently wrong state."""
+    """Stage 0 optimizer state is indexed by position in the optimizer's parameter groups, one after the other
+    (``ordered``: the names in that order). Checked against the shapes so a different order is an error, not
+    silently wrong state."""
     info = restored.stage0
     if len(info["order"]) != len(ordered):
         raise CheckpointError(f"{file}: the optimizer holds {len(info['order'])} parameters, the model "

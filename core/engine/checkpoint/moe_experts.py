@@ -20,7 +20,8 @@ different tensors under the same local name, which one set of DCP files could ke
 name each expert is one entry, written once by the ranks that hold it. Loading asks for this rank's global
 names and renames them back. Beside the DCP files torsh writes DeepSpeed's model-states and expert files, so
 DeepSpeed loads the weights (``load_module_only`` / ``load_optimizer_states=False``), and at stage 0 with a plain
-torch optimizer the ``expp_rank`` optimizer files too, so DeepSpeed loads the optimizer state as well.
+torch optimizer the ``expp_rank`` optimizer files too (the optimizer state the model-states file holds as well, see
+:func:`~torsh.engine.checkpoint.ds_model_states.stage0_optimizer_state`), so DeepSpeed loads the optimizer state.
 
 A DeepSpeed checkpoint of a model with MoE layers loads into the torsh engine (:meth:`ExpertCheckpoint.merge`):
 the module state with this rank's experts read from their files; the stage-0 optimizer state from this rank's
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .ds_model_states import cpu_copy
+from .ds_model_states import cpu_copy, stage0_optimizer_state
 from .io import CheckpointError
 
 EXPERT_FILE = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
@@ -228,14 +229,12 @@ def save_files(engine: Any, experts: ExpertCheckpoint, model_states: dict | None
     """DeepSpeed's layout for a model with MoE layers: rank 0's model states without the experts (with
     ``num_experts``), and this rank's files (expert files; at stage 0 with a plain torch optimizer the
     ``expp_rank`` optimizer file, as DeepSpeed writes it for its unwrapped optimizer)."""
-    import torch
-
     files = experts.expert_files(engine.module_state_dict(exclude_frozen_parameters=exclude_frozen))
     if model_states is not None:
         model_states = {**model_states, "module": experts.non_expert(model_states["module"]),
                         "num_experts": list(experts.num_experts), "ds_autoep_layers": None}  # fmt: skip
-    optimizer = engine.optimizer
-    plain = isinstance(optimizer, torch.optim.Optimizer) and engine._precision.masters is None
-    if engine.zero_optimization_stage() == 0 and plain and experts.writes_optimizer:
-        files[optimizer_file(experts.ep_rank)] = {"optimizer": cpu_copy(optimizer.state_dict())}
+    if experts.writes_optimizer:
+        optimizer = model_states["optimizer"] if model_states is not None else stage0_optimizer_state(engine)
+        if optimizer is not None:
+            files[optimizer_file(experts.ep_rank)] = {"optimizer": optimizer}
     return model_states, files

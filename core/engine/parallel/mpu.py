@@ -89,7 +89,9 @@ class MpuGroups:
     @property
     def model_states_name(self) -> str:
         """DeepSpeed's model-states file of this model-parallel rank."""
-        return f"mp_rank_{self.checkpoint_mp_rank:02d}_model_states.pt"
+        from ..checkpoint.ds_model_states import model_states_file
+
+        return model_states_file(self.checkpoint_mp_rank)
 
     def key_map(self, names) -> dict[str, str]:
         """This rank's model and optimizer-state keys in a checkpoint's DCP files: the model-parallel ranks hold

@@ -26,12 +26,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.ds_model_states import model_states_file
 from ..checkpoint.state import RANK_STATE
 from ..zero.partition import ZERO_SLOT
 
 
 def _model_file(engine: Any, root: Path) -> Path:
-    return root / f"mp_rank_{engine.grid.get_model_parallel_rank():02d}_model_states.pt"
+    return root / model_states_file(engine.grid.get_model_parallel_rank())
 
 
 def _optim_file(engine: Any, root: Path) -> Path:
