@@ -299,11 +299,17 @@ def refused(rank: int, world_size: int, scenario: dict) -> dict:
         from torsh.compat.deepspeed.moe.layer import MoE
 
         model.append(MoE(D_OUT, torch.nn.Linear(D_OUT, D_OUT), num_experts=2))
+    # the MoE layers' expert groups after initialize (None: the refusal came before prepare_experts made them)
+    layers = [m for m in model.modules() if hasattr(m, "deepspeed_moe")]
+
+    def expert_groups() -> list:
+        return [m.deepspeed_moe.ep_group is not None for m in layers]
+
     try:
         torsh.initialize(model=model, model_parameters=model.parameters(), mpu=mpu, config=cfg)
     except ConfigError as err:
-        return {"error_text": str(err)}
-    return {"error_text": None}
+        return {"error_text": str(err), "expert_groups": expert_groups()}
+    return {"error_text": None, "expert_groups": expert_groups()}
 
 
 def run_case(rank: int, world_size: int, scenario: dict) -> dict:
@@ -401,6 +407,13 @@ def test_bad_mpus_are_errors_naming_mpu(records):
     tp, moe = (h.ranks_of(records, f"bad_{c}")[0]["error_text"] for c in ("tp", "moe"))
     assert "mpu" in tp and "the config's own tensor / pipeline / context / sequence parallel degrees" in tp
     assert "mpu" in moe and "MoE layers" in moe
+
+
+def test_mpu_beside_moe_is_refused_before_the_expert_groups_are_made(records):
+    """The refusal of MoE layers beside an mpu comes before the engine gives the layers their expert groups (a
+    collective that changes the model): a refused initialize leaves the model as it was."""
+    for record in h.ranks_of(records, "bad_moe"):
+        assert record["error_text"] and record["expert_groups"] == [False]
 
 
 def test_an_mpu_without_its_methods_is_an_error_naming_them():
@@ -552,3 +565,19 @@ def test_deepspeed_utils_groups_answer_from_the_mpu_initialize_was_given(records
     """As DeepSpeed's engine records it (``groups.mpu``): the model-parallel size 2, the data-parallel size 1."""
     for r in h.ranks_of(records, "grid_s0"):
         assert r["groups"] == [True, 2, 1, 0, True, True]
+
+
+def test_norm_function_under_a_partition_is_built_once():
+    """ZeRO-1/2 beside a model axis: the norm function (its scan of the duplicated parameters) is built at the first
+    step and the same one returned at every later step; a new partition gets its own."""
+    from torsh.engine.parallel.mpu import MpuGroups
+
+    class Partition:
+        def global_norm(self, grads, *, skip=(), over=()):  # noqa: ARG002
+            return 0.0
+
+    groups = MpuGroups(mpu=None, dp_group=None, data_rank=0, dp=1, mp_group=None, mp_rank=1, tp=2)
+    first, other = Partition(), Partition()
+    norm = groups.norm_function([], first)
+    assert norm.func == first.global_norm and groups.norm_function([], first) is norm
+    assert groups.norm_function([], other).func == other.global_norm

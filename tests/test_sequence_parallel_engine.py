@@ -88,7 +88,7 @@ def reference():  # the same model on one rank, the whole sequence, clipping as 
     return {"losses": losses, "norms": norms}
 
 
-def train(stage, use_mpu):
+def train(stage, use_mpu, direct=False):
     model = Model()
     config = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "gradient_clipping": 0.5,
               "sequence_parallel_size": SP, "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6,
@@ -103,7 +103,10 @@ def train(stage, use_mpu):
     for step in range(STEPS):
         x, y = (t.chunk(SP, dim=1)[sp_rank] for t in data(step))
         loss = engine(x, y, 1.0 / SP)
-        engine.backward(loss)
+        if direct:  # the script's own backward (allowed at ZeRO 1-3): the same gradients as engine.backward's
+            loss.backward()
+        else:
+            engine.backward(loss)
         engine.step()
         whole = loss.detach().clone()
         dist.all_reduce(whole, group=spg)
@@ -140,6 +143,7 @@ if FRAMEWORK == "deepspeed":  # DeepSpeed runs Ulysses from its sequence-paralle
 else:
     for stage in (0, 1, 2, 3):
         results[f"stage{stage}"] = train(stage, use_mpu=False)
+    results["stage2_direct"] = train(2, use_mpu=False, direct=True)
     parallel_state_sp.initialize_sequence_parallel(SP)
     results["stage0_mpu"] = train(0, use_mpu=True)
 with open(os.path.join(os.environ["OUT"], f"rank{rank}.json"), "w") as handle:
@@ -188,10 +192,11 @@ def torsh_run(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("scenario", ["stage0", "stage1", "stage2", "stage3", "stage0_mpu"])
+@pytest.mark.parametrize("scenario", ["stage0", "stage1", "stage2", "stage3", "stage0_mpu", "stage2_direct"])
 def test_ulysses_trains_with_the_one_rank_losses(torsh_run, scenario):
     """sequence_parallel_size 2 on 2 ranks (from the config, or from a parallel_state_sp mpu): the losses and the
-    clipped gradient norms of the same model on one rank with the whole sequence, at every ZeRO stage."""
+    clipped gradient norms of the same model on one rank with the whole sequence, at every ZeRO stage, and at ZeRO-2
+    also when the script calls ``loss.backward()`` itself instead of ``engine.backward``."""
     reference = torsh_run[0]["one_rank"]
     for rank in (0, 1):
         got = torsh_run[rank][scenario]
@@ -229,7 +234,7 @@ def test_ulysses_losses_equal_deepspeeds(tmp_path, torsh_run):
 
 
 def _rebuild_rank(rank: int, world_size: int, port: int, out: str) -> None:
-    """Sequence groups built four times on one process group: a mean, a sum, a parallel_state_sp mpu, a mean."""
+    """Sequence groups built three times on one process group: the engine's, a parallel_state_sp mpu's, the engine's."""
     import torch.distributed as dist
 
     from torsh.compat.deepspeed.runtime.sequence_parallel import parallel_state_sp
@@ -245,15 +250,13 @@ def _rebuild_rank(rank: int, world_size: int, port: int, out: str) -> None:
 
         parallel_state_sp.initialize_sequence_parallel(2)
         dist.new_group = counting  # this forked rank's own module
-        builds = [sequence.build_sequence_groups(2, reduce_op="mean")]
+        builds = [sequence.build_sequence_groups(2)]
         after_first = len(made)
-        builds.append(sequence.build_sequence_groups(2, reduce_op="sum"))
-        builds.append(sequence.build_sequence_groups(2, mpu=parallel_state_sp, reduce_op="mean"))
-        builds.append(sequence.build_sequence_groups(2, reduce_op="mean"))
+        builds.append(sequence.build_sequence_groups(2, mpu=parallel_state_sp))
+        builds.append(sequence.build_sequence_groups(2))
         dist.new_group = new_group
-        record = {"factors": [b.loss_factor for b in builds], "made": [after_first, len(made)],
-                  "reused": [b.data_group is builds[0].data_group and b.group is builds[0].group
-                             for b in (builds[1], builds[3])],
+        record = {"made": [after_first, len(made)],
+                  "reused": [builds[2].data_group is builds[0].data_group and builds[2].group is builds[0].group],
                   "replicas": dist.get_process_group_ranks(builds[0].replicas)}  # fmt: skip
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
     finally:
@@ -262,18 +265,16 @@ def _rebuild_rank(rank: int, world_size: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_rebuilt_sequence_groups_take_each_configs_loss_factor_and_reuse_the_groups(tmp_path):
-    """A later engine reuses the sequence groups of an earlier one but not its loss factor: under
-    ``gradients.reduce_op`` sum the factor is 1 (the gradients are not multiplied by sp), under mean sp; and no
-    build after the first makes another group (the group of every rank is made once per process group)."""
+def test_rebuilt_sequence_groups_reuse_the_groups(tmp_path):
+    """A later engine reuses the sequence groups of an earlier one: no build after the first makes another group
+    (the group of every rank is made once per process group)."""
     from _engine_harness import free_port, start
 
     start(_rebuild_rank, (2, free_port(), str(tmp_path)), 2, timeout=60)
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert got["factors"] == [2.0, 1.0, 2.0, 2.0]
         assert got["made"][0] > 0 and got["made"][1] == got["made"][0], got["made"]
-        assert got["reused"] == [True, True] and got["replicas"] == [rank]
+        assert got["reused"] == [True] and got["replicas"] == [rank]
 
 
 # ---- the config side: plan, explain, the readers ------------------------------------------------------------------

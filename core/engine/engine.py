@@ -146,8 +146,6 @@ class Engine(CheckpointMethods, nn.Module):
     sequence_parallel_size = 1
     """The Ulysses sequence-parallel degree (``parallelism.sp``; :mod:`torsh.engine.parallel.sequence` sets it with
     DeepSpeed's ``seq_parallel_group``, ``seq_data_parallel_group`` and ``seq_dp_world_size``)."""
-    _sp_loss_factor = 1.0
-    """Ulysses: the back-propagated loss x sp, so that the mean over every rank is DeepSpeed's reduction."""
     sparse_tensor_module_names: frozenset = frozenset()
     """DeepSpeed's modules reduced as sparse gradients (``sparse_gradients``): none, torsh reduces dense ones."""
     pipeline_parallelism = False
@@ -224,10 +222,9 @@ class Engine(CheckpointMethods, nn.Module):
             return self.__dict__["_dp_group"]
         if self.mp_world_size == 1:
             return dist.group.WORLD
-        if self.__dict__.get("_dp_group") is None:
-            from .parallel.tensor_parallel import data_parallel_group
+        from .parallel.tensor_parallel import data_parallel_group
 
-            self.__dict__["_dp_group"] = data_parallel_group(self._shard.mesh)
+        self.__dict__["_dp_group"] = data_parallel_group(self._shard.mesh)
         return self.__dict__["_dp_group"]
 
     def get_data_parallel_rank(self) -> int:
@@ -328,9 +325,8 @@ class Engine(CheckpointMethods, nn.Module):
         return self._policy.save_full_weights
 
     def zero_cpu_offload(self) -> bool:
-        """Whether the optimizer state is offloaded to the CPU (not NVMe: see :meth:`zero_nvme_offload_optimizer`), as
-        DeepSpeed's."""
-        return self._policy.optimizer_offload == "cpu"
+        """Whether the optimizer state is offloaded to the CPU (or NVMe, whose step runs on the CPU), as DeepSpeed's."""
+        return self._policy.optimizer_offload in ("cpu", "nvme")
 
     def zero_nvme_offload_optimizer(self) -> bool:
         """Whether the optimizer state is offloaded to NVMe (files under ``nvme_path``)."""
@@ -463,7 +459,6 @@ class Engine(CheckpointMethods, nn.Module):
         elif self._shard.partition is not None:
             self._shard.partition.before_backward(sync)
         scaled = self.loss_scaler.scale(loss) if self._scaling else loss
-        scaled = scaled * self._sp_loss_factor if self._sp_loss_factor != 1.0 else scaled
         self.__dict__["_running_backward"] = True
         try:
             scaled.backward(retain_graph=retain_graph)

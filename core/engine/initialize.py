@@ -38,7 +38,7 @@ from .distributed import init_distributed as start_process_group
 from .engine import Engine
 from .monitor import Monitor
 from .optim import build_step_optimizer, named_groups
-from .parallel.moe import prepare_experts
+from .parallel.moe import moe_layers, prepare_experts
 from .parallel.moe_zero import build_expert_zero
 from .parallel.mpu import engine_members as mpu_members
 from .parallel.mpu import read_mpu, refuse_with
@@ -88,8 +88,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     log_translation(translation, info.rank)
     warn_not_executed(cfg, info.rank)
     mp = read_mpu(mpu, info.world_size) if mpu is not None and not is_sequence_mpu(mpu) else None  # Megatron's
-    if mp is not None:  # its groups, not the config's own tp / pp / sp degrees (refused before they are laid out)
-        refuse_with(mp, model_degrees=info.world_size // _data_parallel_size(cfg, info.world_size))
+    if mp is not None:  # its groups, not the config's own tp / pp / sp degrees (refused before they are laid out),
+        # nor ZeRO-3 with a model axis, nor MoE layers (refused before prepare_experts gives them expert groups)
+        refuse_with(mp, stage=cfg.sharding.stage, experts=bool(moe_layers(model)),
+                    model_degrees=info.world_size // _data_parallel_size(cfg, info.world_size))  # fmt: skip
     if is_sequence_mpu(mpu):  # DeepSpeed's parallel_state_sp gives the sequence-parallel degree
         cfg = cfg.resolve_deferred({"parallelism.sp": degree_with_mpu(cfg.parallelism.sp, mpu)})
 
@@ -114,10 +116,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     # MoE layers get their expert groups now (collective), before the broadcast and DDP, which leave local experts
     experts = prepare_experts(model, stage=decided.sharding.stage, dp_world_size=dp_world,
                               kind="fsdp" if decided.fsdp else ("tp" if decided.tp > 1 else "ddp"))  # fmt: skip
-    if mp is not None:
-        refuse_with(mp, stage=decided.sharding.stage, experts=experts)
     # Ulysses' sequence-parallel and sequence-data-parallel groups (collective), or those of a parallel_state_sp mpu
-    sequence = build_sequence_groups(cfg.parallelism.sp, mpu=mpu, reduce_op=cfg.gradients.reduce_op,
+    sequence = build_sequence_groups(cfg.parallelism.sp, mpu=mpu,
                                      experts=experts is not None and experts.active)  # fmt: skip
     if experts is not None and optimizer is None:  # DeepSpeed's MoE parameter groups for the optimizer it builds
         model_parameters = experts.param_groups(model_parameters)

@@ -68,6 +68,8 @@ class MpuGroups:
     """The global rank of the data-parallel group's first rank (its weights are every replica's start)."""
     _duplicated: list = field(default_factory=list)
     _duplicated_ids: frozenset = frozenset()
+    _partition_norm: tuple | None = None
+    """``(partition, its norm function)``: built at the first step with a ZeRO-1/2 partition, kept after."""
 
     # -- the members of torsh.plan.Degrees the engine reads ----------------------------------------
 
@@ -131,10 +133,13 @@ class MpuGroups:
         if self.tp == 1:
             return None
         if partition is not None:
-            from ..zero.slots import ZERO_SLOT
+            if self._partition_norm is None or self._partition_norm[0] is not partition:
+                from ..zero.slots import ZERO_SLOT
 
-            skip = [p for p in self._duplicated if hasattr(p, ZERO_SLOT)] if self.mp_rank != 0 else []
-            return functools.partial(partition.global_norm, skip=skip, over=(self.mp_group,))
+                skip = [p for p in self._duplicated if hasattr(p, ZERO_SLOT)] if self.mp_rank != 0 else []
+                self._partition_norm = (partition, functools.partial(partition.global_norm, skip=skip,
+                                                                     over=(self.mp_group,)))  # fmt: skip
+            return self._partition_norm[1]
         return functools.partial(self._norm, params)
 
     def _norm(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
@@ -257,9 +262,10 @@ def _group_problems(axis: str, group: Any, size: int, rank: int) -> list[str]:
     return []
 
 
-def refuse_with(mpu_groups: MpuGroups, *, stage: int = 0, model_degrees: int = 1, experts: Any = None) -> None:
+def refuse_with(mpu_groups: MpuGroups, *, stage: int = 0, model_degrees: int = 1, experts: bool = False) -> None:
     """What the engine does not run beside an mpu, refused by name before the model is touched: the config's own
-    model degrees (``model_degrees``: tp x pp x cp x sp), ZeRO ``stage`` 3 with a model axis, MoE ``experts``."""
+    model degrees (``model_degrees``: tp x pp x cp x sp), ZeRO ``stage`` 3 with a model axis, MoE layers
+    (``experts``: the model has some)."""
     problems = []
     kind = type(mpu_groups.mpu).__name__
     if stage == 3 and mpu_groups.tp > 1:
@@ -270,7 +276,7 @@ def refuse_with(mpu_groups: MpuGroups, *, stage: int = 0, model_degrees: int = 1
         problems.append(Problem("mpu", kind, "an mpu beside the config's own tensor / pipeline / context / "
                                 "sequence parallel degrees: the mpu defines the groups; set those degrees to 1 (or "
                                 "drop the mpu)"))  # fmt: skip
-    if experts is not None:
+    if experts:
         problems.append(Problem("mpu", kind, "an mpu with DeepSpeed MoE layers: torsh builds expert groups over the "
                                 "whole world, not within an mpu's data-parallel group; pass mpu=None"))  # fmt: skip
     if problems:
@@ -278,10 +284,13 @@ def refuse_with(mpu_groups: MpuGroups, *, stage: int = 0, model_degrees: int = 1
 
 
 def reduction_group(engine: Any) -> tuple[int, Any]:
-    """``(size, group)`` of the ranks the engine averages gradients over outside DDP (a backward DDP did not
-    reduce, a ``coalesce_grad_reduction`` block): an mpu's data-parallel group, else every rank (None)."""
+    """``(divisor, group)`` of the engine's gradient mean outside DDP (a backward DDP did not reduce, a
+    ``coalesce_grad_reduction`` block): an mpu's data-parallel group and size, else every rank (None) and the world
+    size, under Ulysses the world size / sp (DeepSpeed sums over the sequence-parallel peers)."""
     groups = engine.__dict__.get("_mpu")
-    return (groups.dp, groups.dp_group) if groups is not None else (engine.world_size, None)
+    if groups is not None:
+        return groups.dp, groups.dp_group
+    return engine.world_size // engine.sequence_parallel_size, None
 
 
 def engine_members(groups: MpuGroups | None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""DeepSpeed-Ulysses sequence parallelism in the engine: the process groups, and the gradient reduction's scale.
+"""DeepSpeed-Ulysses sequence parallelism in the engine: the process groups.
 
 With a sequence-parallel degree ``sp`` (``parallelism.sp``; DeepSpeed's ``sequence_parallel_size``, Accelerate's
 ``sp_size``) each sequence is split over ``sp`` consecutive ranks (a *sequence-parallel group*); the model's
@@ -11,9 +11,9 @@ DeepSpeed reduces the gradients with an all-reduce over every rank divided by th
 sp), not by the world size: summed over the sequence-parallel peers, averaged over the data-parallel replicas. So
 each rank's loss is its share of the sequence's loss (DeepSpeed's Ulysses scripts divide by the peers' total
 weight), and the peers' shares add up to the loss of the whole sequence. The engine reduces with the data-parallel
-layout of every rank (DDP, ZeRO-1/2, FSDP2: the mean over the world) and multiplies the loss it back-propagates
-by ``sp`` (:attr:`SequenceGroups.loss_factor`), which gives DeepSpeed's gradients exactly for a power-of-two
-``sp``.
+layout of every rank (DDP, ZeRO-1/2, FSDP2) with that divisor (``ShardPlan.sp`` in
+:mod:`torsh.engine.zero.sharding`), so the gradients are DeepSpeed's whether the script back-propagates through
+``engine.backward`` or calls ``loss.backward()`` itself.
 
 The groups live here (the engine never imports the DeepSpeed compatibility layer); ``deepspeed.utils.groups``'
 sequence accessors read :data:`CURRENT`.
@@ -45,8 +45,6 @@ class SequenceGroups:
     """The default process group the groups were made in (a later one makes them stale)."""
     mpu: Any = None
     """The ``parallel_state_sp``-style module the script passed as ``mpu`` (None: the engine made the groups)."""
-    loss_factor: float = 1.0
-    """What the engine multiplies the back-propagated loss by: ``sp`` under a mean reduction, 1 under a sum."""
     replicas: Any = None
     """The data-parallel group: the ``world / sp`` ranks at this rank's position in their sequence-parallel groups
     (one per sequence; DeepSpeed's ``data_parallel`` mesh dimension beside ``sequence_parallel``)."""
@@ -61,8 +59,7 @@ class SequenceGroups:
         members = {"sequence_parallel_size": self.size, "seq_parallel_group": self.group,
                    "seq_data_parallel_group": self.data_group,
                    "seq_dp_world_size": dist.get_world_size(group=self.data_group),
-                   "get_sequence_parallel_group": lambda: self.group, "_sp_loss_factor": self.loss_factor,
-                   "_dp_group": self.replicas}
+                   "get_sequence_parallel_group": lambda: self.group, "_dp_group": self.replicas}
         if self.mpu is not None:
             members["mpu"] = self.mpu
         return members
@@ -95,12 +92,10 @@ def degree_with_mpu(configured: int, mpu: Any) -> int:
     return given
 
 
-def build_sequence_groups(sp: int, *, mpu: Any = None, reduce_op: str = "mean",
-                          experts: bool = False) -> SequenceGroups | None:  # fmt: skip
+def build_sequence_groups(sp: int, *, mpu: Any = None, experts: bool = False) -> SequenceGroups | None:
     """This rank's groups for the degree ``sp`` (collective: every rank calls it; None when ``sp`` is 1). An
     ``mpu`` that is a sequence-parallel unit gives its own groups; otherwise the groups of an earlier engine of the
-    same degree are reused, or new ones made. The loss factor is this call's ``reduce_op``'s, whatever is reused.
-    ``experts``: the model has local MoE experts (refused beside it)."""
+    same degree are reused, or new ones made. ``experts``: the model has local MoE experts (refused beside it)."""
     global CURRENT
     if sp == 1:
         return None
@@ -112,13 +107,12 @@ def build_sequence_groups(sp: int, *, mpu: Any = None, reduce_op: str = "mean",
         raise ConfigError([Problem("parallelism.sp", sp, "sequence parallelism beside a Megatron-style mpu's model "
                                    "axis is not run by the torsh engine: set sequence_parallel_size to 1, or pass "
                                    "DeepSpeed's parallel_state_sp as the mpu")])  # fmt: skip
-    factor = float(sp) if reduce_op == "mean" else 1.0  # of this engine's config, whatever groups it reuses
     group, ranks, replicas, data_group = _made(sp)
     if is_sequence_mpu(mpu):
         group, data_group = mpu.get_sequence_parallel_group(), mpu.get_sequence_data_parallel_group()
         ranks = tuple(dist.get_process_group_ranks(group))
     CURRENT = SequenceGroups(sp, group, data_group, ranks, dist.group.WORLD, mpu if is_sequence_mpu(mpu) else None,
-                             factor, replicas)  # fmt: skip
+                             replicas)  # fmt: skip
     return CURRENT
 
 

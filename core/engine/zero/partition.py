@@ -13,8 +13,9 @@ whole tensors.
 
 Backward: a post-accumulate-grad hook per parameter counts the bucket's gradients; when a bucket is complete its
 gradients are copied into one flat buffer in the reduce dtype (divided by W for a mean, before the sum, as
-DeepSpeed's ``average_tensor``), the parameters' ``.grad`` freed, and one asynchronous collective launched, in
-bucket order on every rank (a collective issued out of order would pair with another rank's other bucket).
+DeepSpeed's ``average_tensor``; under Ulysses by W / sp, the data-parallel replicas, as DeepSpeed), the
+parameters' ``.grad`` freed, and one asynchronous collective launched, in bucket order on every rank (a collective
+issued out of order would pair with another rank's other bucket).
 Backward goes on computing while it runs (``overlap_comm``). At the end of backward (an autograd callback) the
 collectives are waited for and this rank's chunk of each is added to its partition gradient, a flat buffer in
 the gradient accumulation dtype (``contiguous_gradients``): stage 2 reduces every micro-step, so gradients are
@@ -108,10 +109,13 @@ class ZeroPartition(CheckpointViews):
     def __init__(self, model: nn.Module, groups: list[list[nn.Parameter]], *, bucket_numel: int,
                  allgather_numel: int, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
                  accum_dtype: torch.dtype, master_device: torch.device | None, mean: bool,
-                 process_group: Any = None, reduce_in_backward: bool = True):  # fmt: skip
+                 process_group: Any = None, reduce_in_backward: bool = True, sp: int = 1):  # fmt: skip
         self.model = model
         self.group = process_group
         self.world = dist.get_world_size(process_group)
+        self.divisor = self.world // sp
+        """What a mean divides the reduced gradients by: the ranks, under Ulysses (degree ``sp``) the data-parallel
+        replicas (DeepSpeed sums over the sequence-parallel peers)."""
         self.rank = dist.get_rank(process_group)
         self.compute_dtype, self.reduce_dtype, self.accum_dtype = compute_dtype, reduce_dtype, accum_dtype
         self.allgather_numel = allgather_numel
@@ -204,7 +208,7 @@ class ZeroPartition(CheckpointViews):
                     b.flat[off:off + p.numel()].zero_()
         flat = b.flat
         if self.mean:
-            flat.div_(self.world)
+            flat.div_(self.divisor)
         if self.scatter:
             b.out = torch.empty(b.chunk, dtype=flat.dtype, device=flat.device)
             b.work = [dist.reduce_scatter_tensor(b.out, flat, group=self.group, async_op=True)]
@@ -530,7 +534,7 @@ def build_zero(model: nn.Module, *, decided: EnginePlan, precision: PrecisionPla
     stage 1 DDP wraps the model and all-reduces the whole gradients (its buckets, overlap and communication hooks);
     at stage 2 the partition reduces them itself. ``process_group``: the data-parallel group (an mpu's; None: every
     rank)."""
-    from .sharding import ShardPlan, apply_ddp
+    from .sharding import ShardPlan, apply_ddp, sequence_degree
 
     partition, built = partition_and_optimizer(model, decided=decided, precision=precision, gradients=gradients,
                                                optimizer=optimizer, client=client, groups=groups,
@@ -541,7 +545,7 @@ def build_zero(model: nn.Module, *, decided: EnginePlan, precision: PrecisionPla
                      p for b in partition.buckets for p in b.params))), sum(b.numel for b in partition.buckets))
     if partition.reduces:
         _note_unit_settings(decided.sharding, info.rank)
-        shard = ShardPlan(model, model, "zero", partition=partition)
+        shard = ShardPlan(model, model, "zero", partition=partition, sp=sequence_degree(decided))
     else:  # stage 1: DDP all-reduces the whole gradients, as DeepSpeed's stage 1 averages them
         shard = apply_ddp(model, decided, gradients, precision, info, process_group=process_group)
         shard.partition = partition
@@ -560,6 +564,8 @@ def partition_and_optimizer(model: nn.Module, *, decided: EnginePlan, precision:
     (``optimizer``). ``process_group``: the data-parallel group (None: every rank); ``accum_dtype``: the partition
     gradients' dtype (None: the precision plan's gradient accumulation dtype). The main engine's ZeRO-1/2 and the
     pipeline engine's ZeRO-1 (over a stage's replicas, fp32 gradients) both build theirs here."""
+    from .sharding import sequence_degree
+
     by_name = dict(model.named_parameters())
     cls, defaults, named = _client_groups(client, optimizer, decided.sharding.stage, groups, name_of, by_name)
     layout = decided.sharding
@@ -569,7 +575,7 @@ def partition_and_optimizer(model: nn.Module, *, decided: EnginePlan, precision:
         compute_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
         accum_dtype=accum_dtype or precision.grad_accum_dtype or precision.param_dtype,
         master_device=torch.device("cpu") if decided.masters_on_cpu else None, mean=gradients.reduce_op == "mean",
-        process_group=process_group, reduce_in_backward=decided.data_parallel != "zero1",
+        process_group=process_group, reduce_in_backward=decided.data_parallel != "zero1", sp=sequence_degree(decided),
     )
     partition.legacy_order = [by_name[n] for g in named for n in g["params"]]  # the order ZeRO-1 saved before
     partition.require_grads = partition.reduces and decided.masters_on_cpu and not layout.ignore_unused_parameters

@@ -49,6 +49,14 @@ class ShardPlan:
     keep_whole: bool = False
     """HSDP at stage 2: the units are gathered again after each optimizer step, so that between steps the parameters are
     whole on every rank, as DeepSpeed's stage 2 keeps them (:func:`.whole_params.make_whole`)."""
+    sp: int = 1
+    """Ulysses' sequence-parallel degree: a mean reduction divides the sum over its ranks by their number / ``sp``
+    (the data-parallel replicas), as DeepSpeed does, instead of by their number."""
+
+
+def sequence_degree(decided: EnginePlan) -> int:
+    """The plan's Ulysses degree (1 without sequence parallelism)."""
+    return decided.degrees.sp if decided.degrees is not None else 1
 
 
 #: The most bytes one start-up broadcast carries (DDP's own parameter sync uses 250 MiB buckets).
@@ -102,11 +110,11 @@ def apply_ddp(model: nn.Module, decided: EnginePlan, gradients: GradientsConfig,
     """DDP with the plan's bucket over ``process_group`` (None: every rank); DeepSpeed's reduction as a comm hook
     unless a compression hook replaces it."""
     return _apply_ddp(model, decided.sharding.ddp, gradients, precision, info, decided.compression != "comm_hook",
-                      process_group)  # fmt: skip
+                      process_group, sp=sequence_degree(decided))  # fmt: skip
 
 
 def _apply_ddp(model, ddp: DdpConfig, gradients: GradientsConfig, precision: PrecisionPlan, info: DistInfo,
-               reduce_hook: bool, process_group: Any = None) -> ShardPlan:  # fmt: skip
+               reduce_hook: bool, process_group: Any = None, sp: int = 1) -> ShardPlan:  # fmt: skip
     from torch.nn.parallel import DistributedDataParallel
 
     wrapped = DistributedDataParallel(
@@ -121,20 +129,21 @@ def _apply_ddp(model, ddp: DdpConfig, gradients: GradientsConfig, precision: Pre
         forward_sync_buffers=ddp.broadcast_buffers,
     )
     world = dist.get_world_size(process_group) if process_group is not None else info.world_size
-    if reduce_hook and _needs_reduce_hook(gradients, precision, world):
+    if reduce_hook and _needs_reduce_hook(gradients, precision, world, sp):
         state = _ReduceState(gradients.reduce_op, gradients.prescale, gradients.predivide_factor,
-                             precision.reduce_dtype, world, process_group)  # fmt: skip
+                             precision.reduce_dtype, world // sp, process_group)  # fmt: skip
         wrapped.register_comm_hook(state, _deepspeed_reduce)
-    return ShardPlan(wrapped, model, "ddp")
+    return ShardPlan(wrapped, model, "ddp", sp=sp)
 
 
-def _needs_reduce_hook(gradients: GradientsConfig, precision: PrecisionPlan, world_size: int) -> bool:
+def _needs_reduce_hook(gradients: GradientsConfig, precision: PrecisionPlan, world_size: int, sp: int = 1) -> bool:
     # DDP's built-in reduction divides by W before a sum; that equals DeepSpeed's post-scale bit for bit when
-    # W is a power of two, so the (slower) Python hook is registered only when the math would differ.
+    # W is a power of two, so the (slower) Python hook is registered only when the math would differ. Under
+    # Ulysses DeepSpeed divides by W / sp, which DDP's built-in mean never does.
     power_of_two = world_size & (world_size - 1) == 0
     return (gradients.reduce_op != "mean" or gradients.predivide_factor != 1.0
             or precision.reduce_dtype != precision.param_dtype
-            or (not gradients.prescale and not power_of_two))
+            or (not gradients.prescale and not power_of_two) or sp > 1)
 
 
 @dataclass
@@ -144,6 +153,7 @@ class _ReduceState:
     factor: float
     dtype: torch.dtype
     world_size: int
+    """What a mean divides by: the reduction's ranks (Ulysses: their number / sp, the data-parallel replicas)."""
     group: Any = None
 
 
@@ -180,14 +190,14 @@ def _after_reduce(state: _ReduceState, reduced: torch.Tensor, buffer: torch.Tens
 
 @torch.no_grad()
 def allreduce_gradients(grads: list[torch.Tensor], gradients: GradientsConfig, precision: PrecisionPlan,
-                        world_size: int, process_group: Any = None) -> None:  # fmt: skip
-    """Reduce ``grads`` in place over every rank (or ``process_group``, of ``world_size`` ranks) outside DDP (the script
-    bypassed its forward, or the first step checks for unused parameters), with the math of DDP's reduction above:
-    one flat collective per dtype."""
-    if world_size == 1 or not grads:
+                        divisor: int, process_group: Any = None) -> None:  # fmt: skip
+    """Reduce ``grads`` in place over every rank (or ``process_group``) outside DDP (the script bypassed its forward,
+    or the first step checks for unused parameters), with the math of DDP's reduction above (a mean divides by
+    ``divisor``: the ranks, or under Ulysses the data-parallel replicas): one flat collective per dtype."""
+    if not grads or dist.get_world_size(process_group) == 1:
         return
     state = _ReduceState(gradients.reduce_op, gradients.prescale, gradients.predivide_factor,
-                         precision.reduce_dtype, world_size)  # fmt: skip
+                         precision.reduce_dtype, divisor)  # fmt: skip
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
@@ -208,7 +218,8 @@ def rebuild_ddp_for_unused(shard: ShardPlan, ddp: DdpConfig, gradients: Gradient
     if remove is not None:
         remove()
     rebuilt = _apply_ddp(shard.module, ddp.model_copy(update={"find_unused_parameters": True}), gradients,
-                         precision, info, reduce_hook, process_group=shard.model.process_group)  # fmt: skip
+                         precision, info, reduce_hook, process_group=shard.model.process_group,
+                         sp=shard.sp)  # fmt: skip
     rebuilt.partition = shard.partition  # ZeRO-1: the same partition steps DDP's reduced gradients
     return rebuilt
 
@@ -247,8 +258,9 @@ def _apply_fsdp(model, decided: EnginePlan, gradients: GradientsConfig, offload:
         # which is the execution order of a stack of blocks.
         for current, following in zip(targets, targets[1:]):
             current.set_modules_to_forward_prefetch([following])
-    _fsdp_reduction(model, layout, gradients)
-    return ShardPlan(model, model, "fsdp", kwargs["mesh"], keep_whole=decided.reshard_after_forward is False)
+    sp = sequence_degree(decided)
+    _fsdp_reduction(model, layout, gradients, kwargs["mesh"].size(), sp)
+    return ShardPlan(model, model, "fsdp", kwargs["mesh"], keep_whole=decided.reshard_after_forward is False, sp=sp)
 
 
 def _fsdp_kwargs(decided: EnginePlan, offload: OffloadConfig, precision: PrecisionPlan, info: DistInfo,
@@ -286,13 +298,16 @@ def _shard_units(model: nn.Module, layout: ShardingPlan, kwargs: dict, info: Dis
     return targets
 
 
-def _fsdp_reduction(model: nn.Module, layout: ShardingPlan, gradients: GradientsConfig) -> None:
-    """FSDP2's reduction as configured (a plain sum for ``reduce_op: sum``); what it ignores said once."""
-    if gradients.reduce_op == "sum":
+def _fsdp_reduction(model: nn.Module, layout: ShardingPlan, gradients: GradientsConfig, ranks: int,
+                    sp: int) -> None:  # fmt: skip
+    """FSDP2's reduction as configured (a plain sum for ``reduce_op: sum``; under Ulysses a mean over the ``ranks /
+    sp`` data-parallel replicas, DeepSpeed's divisor, where FSDP2 divides by ``ranks``); what it ignores said once."""
+    divisor = 1.0 if gradients.reduce_op == "sum" else float(ranks // sp)
+    if gradients.reduce_op == "sum" or sp > 1:
         for unit in model.modules():
             if hasattr(unit, "set_gradient_divide_factor"):  # per unit: the setters do not recurse
-                unit.set_gradient_divide_factor(1.0)
-                # a plain SUM collective (gloo has no PREMUL_SUM, which a divide factor otherwise selects)
+                unit.set_gradient_divide_factor(divisor)
+                # a plain SUM collective, divided after (gloo has no PREMUL_SUM, which a divide factor selects)
                 unit.set_force_sum_reduction_for_comms(True)
     if gradients.predivide_factor != 1.0 or gradients.prescale:
         log.info("gradients.predivide_factor/prescale: FSDP2 divides once for the mean; the result is the same "
