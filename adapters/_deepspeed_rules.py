@@ -285,7 +285,25 @@ _PARAM_NVME = ("torsh keeps the parameters in CPU memory (FSDP2's CPUOffloadPoli
                "NVMe parameter swapping is done as CPU offload (the optimizer state is swapped to NVMe)")
 
 
+_PIPELINE_KEYS = tuple(f"zero_optimization.offload_optimizer.pipeline_{k}" for k in ("read", "write"))
+
+
+def _read_pipeline(seen: _Seen) -> None:
+    """DeepSpeed pipelines the swapping when either of ``pipeline_read`` / ``pipeline_write`` is true (one switch in
+    torsh: ``offload.nvme_pipeline``)."""
+    present = [k for k in _PIPELINE_KEYS if seen.has(k)]
+    if not present:
+        seen.set(_PIPELINE_KEYS[0], "offload.nvme_pipeline", False)
+        return
+    pipeline = any(bool(seen.value(k, False)) for k in present)
+    reason = "pipeline_read or pipeline_write, as DeepSpeed" if len(present) > 1 else ""
+    seen.set(present[0], "offload.nvme_pipeline", pipeline, EXACT, reason)
+    for key in present[1:]:
+        seen.drop(key, f"-> offload.nvme_pipeline (or of {present[0]})", EXACT)
+
+
 def _read_offload(seen: _Seen) -> None:
+    _read_pipeline(seen)
     active = [prefix for part, core, legacy in _OFFLOAD_PARTS
               if (prefix := _offload_part(seen, _stage(seen), part, core, legacy))]  # fmt: skip
     # One core pin_memory / nvme_path for both offload sections: the first active section's value wins, and a
@@ -382,7 +400,7 @@ def _write_offload_part(cfg: TorshConfig, ctx: WriteContext, part: str, device: 
 _OFFLOAD_KEYS = tuple(f"zero_optimization.offload_{part}.{key}" for part in ("param", "optimizer")
                       for key in ("device", "nvme_path", "pin_memory")) + (
     "zero_optimization.cpu_offload", "zero_optimization.cpu_offload_param",
-    "zero_optimization.cpu_offload_use_pin_memory")  # fmt: skip
+    "zero_optimization.cpu_offload_use_pin_memory", *_PIPELINE_KEYS)  # fmt: skip
 OFFLOAD = _group("offload", _OFFLOAD_KEYS, ("offload",), _read_offload, _write_offload)
 
 # ------------------------------------------------------------------------------------------------

@@ -95,8 +95,6 @@ FIELD_MAP: dict[str, Any] = {
     **{f"zero_optimization.offload_optimizer.{k}": Ignored(_OFFLOAD_IO)
        for k in ("buffer_count", "fast_init", "cpuadam_cores_perc")},
     # NVMe offload's I/O: pieces of sub_group_size elements, block_size requests on intra_op_parallelism threads
-    "zero_optimization.offload_optimizer.pipeline_read": To("offload.nvme_pipeline", default=False),
-    "zero_optimization.offload_optimizer.pipeline_write": To("offload.nvme_pipeline", write=False),
     "zero_optimization.sub_group_size": To("offload.nvme_sub_group_size", default=1_000_000_000),
     "aio.block_size": To("offload.nvme_block_size", default=1_048_576),
     "aio.intra_op_parallelism": To("offload.nvme_threads", default=1),

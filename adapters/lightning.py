@@ -48,8 +48,8 @@ _ZERO_KEYS = ("stage", "contiguous_gradients", "overlap_comm", "allgather_partit
               "allgather_bucket_size", "reduce_bucket_size", "sub_group_size")  # fmt: skip
 _CHECKPOINTING = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
                   "synchronize_checkpoint_boundary")  # fmt: skip
-_OFFLOAD_TUNING = ("params_buffer_count", "params_buffer_size", "max_in_cpu", "optimizer_buffer_count", "block_size",
-                   "queue_depth", "single_submit", "overlap_events", "thread_count")  # fmt: skip
+_OFFLOAD_TUNING = ("params_buffer_count", "params_buffer_size", "max_in_cpu", "optimizer_buffer_count", "queue_depth",
+                   "single_submit", "overlap_events", "thread_count")  # fmt: skip
 _STRATEGY_ONLY = {"remote_device": "where the model is built before DeepSpeed takes it (deepspeed.zero.Init)",
                   "logging_level": "DeepSpeed's log level", "load_full_weights": "how a checkpoint is loaded",
                   "exclude_frozen_parameters": "what a checkpoint saves", "process_group_backend": "the backend "
@@ -123,6 +123,9 @@ def _deepspeed_config(args: dict, notes: list[Note]) -> tuple[dict, dict[str, st
     a = {**_DS_DEFAULTS, **args}
     config: dict[str, Any] = {"activation_checkpointing": {k: a[k] for k in _CHECKPOINTING}}
     origin = {f"activation_checkpointing.{k}": f"DeepSpeedStrategy.{k}" for k in _CHECKPOINTING}
+    if "block_size" in args:  # Lightning writes it to aio.block_size (NVMe offload's request size)
+        config["aio"] = {"block_size": args["block_size"]}
+        origin["aio.block_size"] = "DeepSpeedStrategy.block_size"
     if a["zero_optimization"]:
         zero = {k: a[k] for k in _ZERO_KEYS}
         origin.update({f"zero_optimization.{k}": f"DeepSpeedStrategy.{k}" for k in _ZERO_KEYS})

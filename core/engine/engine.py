@@ -325,8 +325,9 @@ class Engine(CheckpointMethods, nn.Module):
         return self._policy.save_full_weights
 
     def zero_cpu_offload(self) -> bool:
-        """Whether the optimizer state is offloaded to the CPU (or NVMe, whose step runs on the CPU), as DeepSpeed's."""
-        return self._policy.optimizer_offload in ("cpu", "nvme")
+        """Whether the optimizer state is offloaded to the CPU (not NVMe: see :meth:`zero_nvme_offload_optimizer`), as
+        DeepSpeed's."""
+        return self._policy.optimizer_offload == "cpu"
 
     def zero_nvme_offload_optimizer(self) -> bool:
         """Whether the optimizer state is offloaded to NVMe (files under ``nvme_path``)."""

@@ -3,7 +3,8 @@
 The optimizer state that has one value per parameter element (Adam's ``exp_avg`` and ``exp_avg_sq``, AMSGrad's
 maximum, SGD's momentum, ...) lives in files under ``nvme_path/zero_stage_<stage>/optimizer/rank<r>/<n>`` (the rank
 subdirectory DeepSpeed makes, and in it one folder per optimizer attached in the process, so that two optimizers
-given the same path, an RLHF actor and critic, keep apart), one file per parameter and state name. Between steps
+given the same path, an RLHF actor and critic, keep apart), one file per parameter and state name. A missing
+``nvme_path`` is made, as DeepSpeed makes it; an optimizer's folder is removed when the optimizer is freed. Between steps
 only the small state (Adam's ``step`` counter) stays in host memory.
 
 The step reads each parameter's state in pieces of ``sub_group_numel`` elements (DeepSpeed's ``sub_group_size``),
@@ -16,9 +17,10 @@ parameter at a time, so it sees the tensors it would see without offload.
 
 The I/O is plain positional file reads and writes (``os.preadv``/``os.pwritev`` straight into and out of the
 tensors' memory) in requests of ``block_size`` bytes (DeepSpeed's ``aio.block_size``); with more than one thread
-(``aio.intra_op_parallelism`` / ``thread_count``) a thread pool issues the requests in parallel, and with
-``pipeline`` (``pipeline_read``/``pipeline_write``) the next piece is read and the last one written while a piece
-steps.
+(``aio.intra_op_parallelism``; DeepSpeed 0.19.8 does not read ``aio.thread_count``, which therefore leaves one
+thread) a thread pool issues the requests in parallel, and with ``pipeline`` (``pipeline_read`` or
+``pipeline_write``, as DeepSpeed) the next piece is read and the last one written while a piece steps. The
+optimizer's step hooks (its own and torch's global ones) run once per step, around all the pieces.
 
 The fp32 master weights stay in host memory, as under CPU offload (at ZeRO-1/2 the flat partitions the post-step
 all-gather reads, at stage 3 FSDP2's sharded parameters the forward gathers from); ``offload_param: nvme`` keeps
@@ -87,15 +89,17 @@ class _File:
 
 
 def path_problem(nvme_path: str | None, need_bytes: int) -> str | None:
-    """What is wrong with ``nvme_path`` for ``need_bytes`` of state (None: it can be used). An OS error of any
-    check (a directory this process may not search) is the problem, never an exception."""
+    """What is wrong with ``nvme_path`` for ``need_bytes`` of state (None: it can be used); a missing directory is
+    made (with its parents), as DeepSpeed does. An OS error of any check (a directory this process may not search or
+    create) is the problem, never an exception."""
     if not nvme_path:
         return "is not set: give a directory on a local NVMe (or any local) disk"
     path = Path(nvme_path)
     try:
+        if not path.exists():  # made as DeepSpeed makes it (parents too)
+            path.mkdir(parents=True, exist_ok=True)
         if not path.is_dir():
-            return ("does not exist or is not a directory: create it (a directory on a local NVMe disk) or point "
-                    "the key at one")  # fmt: skip
+            return "is not a directory: point the key at a directory on a local NVMe (or any local) disk"
         try:  # a real write (root passes any access() check, a read-only mount does not)
             with tempfile.TemporaryFile(dir=path):
                 pass
@@ -223,7 +227,6 @@ class NvmeSwapper:
         self.files: dict[nn.Parameter, dict[str, _File]] = {}
         self.index = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
         self.depth = 0  # nested resident() calls
-        self.swapped_bytes = 0
         self.elementwise = is_elementwise(optimizer)
         """Whether a piece of a parameter steps as the whole would (else each parameter is stepped whole)."""
         weakref.finalize(self, _Io.close, self.io.blocks, self.io.pipe)  # the threads end with the optimizer
@@ -238,14 +241,20 @@ class NvmeSwapper:
         files, so the optimizer must not see them)."""
         groups = self.optimizer.param_groups
         lists = [g["params"] for g in groups]
+        pre, post = _step_hooks(self.optimizer)
+        for hook in pre:
+            hook(self.optimizer, (self.optimizer,), {})
         try:
-            for group, params in zip(groups, lists):
-                for p in params:
-                    if p.grad is not None:
-                        self._step_param(groups, group, p, original)
+            with _hooks_held(self.optimizer):  # the pieces step without them: they run once, around the whole step
+                for group, params in zip(groups, lists):
+                    for p in params:
+                        if p.grad is not None:
+                            self._step_param(groups, group, p, original)
         finally:
             for g, params in zip(groups, lists):
                 g["params"] = params
+        for hook in post:
+            hook(self.optimizer, (self.optimizer,), {})
 
     def _step_param(self, groups: list, group: dict, p: nn.Parameter, original: Any) -> None:
         state = self.optimizer.state
@@ -345,7 +354,6 @@ class NvmeSwapper:
     @torch.no_grad()
     def swap_out(self) -> None:
         """Write every per-element state tensor to its file and drop it from host memory."""
-        total = 0
         for p in self.index:
             st = self.optimizer.state.get(p)
             if not st:
@@ -355,10 +363,8 @@ class NvmeSwapper:
                 if _per_element(value, p):
                     value = _local(value)
                     self.io.write(self._file(files, p, key, value.dtype), 0, value)
-                    total += value.numel() * value.element_size()
             # a new dict: a state_dict() taken while resident keeps the old one, with the tensors
             self.optimizer.state[p] = {k: v for k, v in st.items() if not _per_element(v, p)}
-        self.swapped_bytes = total
 
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:
@@ -372,6 +378,39 @@ class NvmeSwapper:
             self.depth -= 1
             if self.depth == 0:
                 self.swap_out()
+
+
+def _hook_dicts(optimizer: Any) -> tuple[list[dict], list[dict]]:
+    """The step pre- and post-hook dicts torch's ``Optimizer.step`` runs, in its order (global ones first before,
+    last after)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    own_pre = getattr(optimizer, "_optimizer_step_pre_hooks", {})
+    own_post = getattr(optimizer, "_optimizer_step_post_hooks", {})
+    return ([torch_optimizer._global_optimizer_pre_hooks, own_pre],
+            [own_post, torch_optimizer._global_optimizer_post_hooks])  # fmt: skip
+
+
+def _step_hooks(optimizer: Any) -> tuple[list, list]:
+    pre, post = _hook_dicts(optimizer)
+    return [h for d in pre for h in d.values()], [h for d in post for h in d.values()]
+
+
+@contextlib.contextmanager
+def _hooks_held(optimizer: Any) -> Iterator[None]:
+    """The step hooks emptied for the duration, in place (their handles stay valid), then put back."""
+    pre, post = _hook_dicts(optimizer)
+    held = [(d, dict(d)) for d in pre + post]
+    for d, _ in held:
+        d.clear()
+    try:
+        yield
+    finally:
+        for d, hooks in held:
+            added = dict(d)  # a hook registered while the pieces stepped
+            d.clear()
+            d.update(hooks)
+            d.update(added)
 
 
 class _Later:
@@ -415,6 +454,7 @@ def attach_nvme(optimizer: Any, offload: Any, *, stage: int, rank: int, hints: N
     hints = hints or nvme_hints(offload)
     folder = _rank_folder(optimizer, offload.nvme_path, stage, rank)
     swapper = NvmeSwapper(optimizer, folder, hints)
+    weakref.finalize(optimizer, shutil.rmtree, str(folder), True)  # the files go with the optimizer
     _patch(optimizer, swapper)
     if rank == 0:
         log.info("offload_optimizer.device=nvme: optimizer state in %s (sub-groups of %d elements, %d-byte "
