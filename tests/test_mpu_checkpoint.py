@@ -127,6 +127,7 @@ def model_parallel_sizes(rank: int, world_size: int, scenario: dict) -> dict:  #
     for name, engine_mpu, load in (("mp1_into_mp2", mpu, "mp1"), ("mp2_into_plain", None, "mp2"),
                                    ("count_differs_from_saved", None, "mp1")):  # fmt: skip
         engine = _engine("torsh", engine_mpu, 0, seed=7)
+        out[f"{name}_checkpoint_mp_rank"] = engine.checkpoint_mp_rank
         try:
             engine.load_checkpoint(str(root / load), tag="t")
             out[name] = None
@@ -149,10 +150,13 @@ def test_each_model_parallel_rank_loads_its_own_module_states_and_other_sizes_ar
     """The stage-0 DeepSpeed layout (``mp_rank_00`` and ``mp_rank_01`` model states) into an engine of the same
     mpu: each rank gets the slices saved from its model-parallel rank. One model-parallel rank's files into an
     engine of model-parallel size 2, or two into an engine without an mpu, are errors naming both sizes and what
-    to do; a file count that differs from the saved ``mp_world_size`` is DeepSpeed's error."""
+    to do; a file count that differs from the saved ``mp_world_size`` is DeepSpeed's error. The engine's
+    ``checkpoint_mp_rank`` is the model-parallel rank whose files it reads."""
     records = _run([{"name": "sizes", "dir": str(tmp_path)}], model_parallel_sizes)
-    for rec in h.ranks_of(records, "sizes"):
+    for rank, rec in enumerate(h.ranks_of(records, "sizes")):
         assert rec["loaded"]
+        # DeepSpeed's checkpoint_mp_rank: the mpu's model-parallel rank (each rank is one here), 0 without an mpu
+        assert (rec["mp1_into_mp2_checkpoint_mp_rank"], rec["mp2_into_plain_checkpoint_mp_rank"]) == (rank, 0)
         assert "holds the files of 1 model-parallel rank(s) (mp_rank_00..mp_rank_00) but this engine has " \
                "model-parallel size 2: initialize the engine with an mpu of model-parallel size 1" \
                in rec["mp1_into_mp2"], rec["mp1_into_mp2"]  # fmt: skip

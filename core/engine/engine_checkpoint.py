@@ -27,6 +27,13 @@ class CheckpointMethods:
                 "dp_world_size": self.dp_world_size, "mp_world_size": self.mp_world_size,
                 "shared_params": shared_params(self.module)}  # fmt: skip
 
+    @property
+    def checkpoint_mp_rank(self) -> int:
+        """The model-parallel rank whose ``mp_rank_XX`` files this rank writes and reads (DeepSpeed's member): the
+        rank in the model-parallel group (an mpu's, or tensor parallelism's) where the model is split, else 0 (an
+        mpu of model-parallel size 1, such as a sequence-parallel one, writes ``mp_rank_00``)."""
+        return self.get_model_parallel_rank() if self.mp_world_size > 1 else 0
+
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
                         exclude_frozen_parameters=False) -> bool:  # fmt: skip
         """Save model, optimizer, scheduler, loss scaler, counters and ``client_state`` under
