@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from torsh.concepts.offload import deepspeed_offloads
-from torsh.config import TorshConfig, get_path, set_path
+from torsh.config import OffloadConfig, TorshConfig, get_path, set_path
 from torsh.deferred import AUTO, is_deferred
 from torsh.translate import Fidelity, Group, Hook, ReadContext, Seen, Status, To, WriteContext
 
@@ -369,17 +369,23 @@ def _write_offload(cfg: TorshConfig, ctx: WriteContext) -> None:
     _write_nvme_io(cfg, ctx)
 
 
-#: NVMe offload's I/O settings in DeepSpeed's keys, with DeepSpeed's defaults (written when they differ, whatever the
-#: offload device: DeepSpeed reads sub_group_size at every ZeRO-3 step and the aio section on its own)
-_NVME_IO = (("nvme_sub_group_size", "zero_optimization.sub_group_size", 1_000_000_000),
-            ("nvme_block_size", "aio.block_size", 1_048_576), ("nvme_threads", "aio.intra_op_parallelism", 1))
+#: NVMe offload's I/O settings by DeepSpeed's key (written when they differ from DeepSpeed's defaults, the config
+#: model's, whatever the offload device: DeepSpeed reads sub_group_size at every ZeRO-3 step and the aio section on
+#: its own)
+NVME_IO = {"zero_optimization.sub_group_size": "nvme_sub_group_size", "aio.block_size": "nvme_block_size",
+           "aio.intra_op_parallelism": "nvme_threads"}  # fmt: skip
+
+
+def nvme_default(field: str) -> Any:
+    """DeepSpeed's default of an NVMe I/O setting: the config model's field default."""
+    return OffloadConfig.model_fields[field].default
 
 
 def _write_nvme_io(cfg: TorshConfig, ctx: WriteContext) -> None:
     o = cfg.offload
-    for field, key, default in _NVME_IO:
+    for key, field in NVME_IO.items():
         value = getattr(o, field)
-        if value != default:
+        if value != nvme_default(field):
             ctx.put(key, value, f"offload.{field}")
     if o.nvme_pipeline and o.optimizer != "none":
         for key in ("pipeline_read", "pipeline_write"):

@@ -95,9 +95,7 @@ FIELD_MAP: dict[str, Any] = {
     **{f"zero_optimization.offload_optimizer.{k}": Ignored(_OFFLOAD_IO)
        for k in ("buffer_count", "fast_init", "cpuadam_cores_perc")},
     # NVMe offload's I/O: pieces of sub_group_size elements, block_size requests on intra_op_parallelism threads
-    "zero_optimization.sub_group_size": To("offload.nvme_sub_group_size", default=1_000_000_000),
-    "aio.block_size": To("offload.nvme_block_size", default=1_048_576),
-    "aio.intra_op_parallelism": To("offload.nvme_threads", default=1),
+    **{key: To(f"offload.{field}", default=rules.nvme_default(field)) for key, field in rules.NVME_IO.items()},
     "zero_optimization.offload_optimizer.ratio": rules.unless_default(
         1.0, Unsupported("partial optimizer offload (ZeRO-3 only) has no torch equivalent")),
     "zero_optimization.offload_optimizer.super_offload": rules.unless_default(

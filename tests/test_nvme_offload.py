@@ -29,26 +29,25 @@ from torsh.errors import ConfigError
 # one process: the swapper
 
 
-def _offload(path) -> OffloadConfig:
-    return OffloadConfig(optimizer="nvme", nvme_path=str(path))
+def _offload(path, **io) -> OffloadConfig:
+    return OffloadConfig(optimizer="nvme", nvme_path=str(path), **io)
 
 
-def _adamw_pair(tmp_path, hints):
+def _adamw_pair(tmp_path, io: dict, offload: OffloadConfig | None = None):
     torch.manual_seed(0)
     ps = [nn.Parameter(torch.randn(37, 5)), nn.Parameter(torch.randn(11)), nn.Parameter(torch.randn(0))]
     qs = [nn.Parameter(p.detach().clone()) for p in ps]
     kwargs = {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True}
     plain, swapped = torch.optim.AdamW(ps, **kwargs), torch.optim.AdamW(qs, **kwargs)
-    offload = _offload(tmp_path)
-    nvme.attach_nvme(swapped, offload, stage=2, rank=0, hints=hints)
+    nvme.attach_nvme(swapped, offload or _offload(tmp_path, **io), stage=2, rank=0)
     return ps, qs, plain, swapped
 
 
-@pytest.mark.parametrize("hints", [nvme.NvmeHints(sub_group_numel=16),
-                                   nvme.NvmeHints(sub_group_numel=7, block_size=4096, threads=3, pipeline=True),
-                                   nvme.NvmeHints()], ids=["pieces", "threads-pipelined", "whole"])  # fmt: skip
-def test_pieces_step_bit_for_bit_as_the_whole_tensor(tmp_path, hints):
-    ps, qs, plain, swapped = _adamw_pair(tmp_path, hints)
+@pytest.mark.parametrize("io", [{"nvme_sub_group_size": 16},
+                                {"nvme_sub_group_size": 7, "nvme_block_size": 4096, "nvme_threads": 3,
+                                 "nvme_pipeline": True}, {}], ids=["pieces", "threads-pipelined", "whole"])  # fmt: skip
+def test_pieces_step_bit_for_bit_as_the_whole_tensor(tmp_path, io):
+    ps, qs, plain, swapped = _adamw_pair(tmp_path, io)
     for _ in range(4):
         for p, q in zip(ps, qs):
             p.grad = torch.randn_like(p)
@@ -69,8 +68,7 @@ def test_pieces_step_bit_for_bit_as_the_whole_tensor(tmp_path, hints):
     fresh = [nn.Parameter(q.detach().clone()) for q in qs]
     other = torch.optim.AdamW(fresh, lr=1e-2, weight_decay=0.1, amsgrad=True)
     (tmp_path / "b").mkdir()
-    nvme.attach_nvme(other, _offload(tmp_path / "b"),
-                     stage=2, rank=0, hints=hints)  # fmt: skip
+    nvme.attach_nvme(other, _offload(tmp_path / "b", **io), stage=2, rank=0)
     other.load_state_dict(copy.deepcopy(plain.state_dict()))  # (torch shares the step tensors it loads)
     for p, f in zip(ps, fresh):
         p.grad = torch.randn_like(p)
@@ -106,7 +104,7 @@ def test_a_missing_nvme_path_is_made_as_deepspeed_makes_it(tmp_path):
 
 
 def test_a_full_disk_while_writing_names_the_key(tmp_path, monkeypatch):
-    ps, qs, plain, swapped = _adamw_pair(tmp_path, nvme.NvmeHints())
+    ps, qs, plain, swapped = _adamw_pair(tmp_path, {})
 
     def full(*_):
         raise OSError(28, "No space left on device")
@@ -358,7 +356,7 @@ def test_step_hooks_run_once_per_step(tmp_path):
 
     ps = [nn.Parameter(torch.randn(20)), nn.Parameter(torch.randn(20))]
     opt = torch.optim.AdamW(ps, lr=1e-2)
-    nvme.attach_nvme(opt, _offload(tmp_path), stage=2, rank=0, hints=nvme.NvmeHints(sub_group_numel=7))
+    nvme.attach_nvme(opt, _offload(tmp_path, nvme_sub_group_size=7), stage=2, rank=0)
     calls = []
     opt.register_step_pre_hook(lambda o, *_: calls.append(("pre", len(o.param_groups[0]["params"]))))
     opt.register_step_post_hook(lambda o, *_: calls.append(("post", len(o.param_groups[0]["params"]))))
@@ -407,7 +405,7 @@ def test_sub_group_size_zero_or_auto_reads_as_deepspeed_does(tmp_path, value):
         "stage": 3, "sub_group_size": value, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}})
     cfg, *_ = resolve_auto(t.result, model=nn.Linear(2, 2), optimizer=None, training_data=None, world_size=2)
     assert cfg.offload.nvme_sub_group_size == (0 if value == 0 else 1_000_000_000)
-    ps, qs, plain, swapped = _adamw_pair(tmp_path, nvme.nvme_hints(cfg.offload))
+    ps, qs, plain, swapped = _adamw_pair(tmp_path, {}, cfg.offload)
     for p, q in zip(ps, qs):
         p.grad = torch.ones_like(p)
         q.grad = torch.ones_like(q)
@@ -463,14 +461,14 @@ def test_lamb_steps_whole_parameters_as_cpu_offload_at_zero_2_and_3(tmp_path):
 def test_lamb_is_stepped_whole_and_adam_in_pieces():
     from torsh.engine import optimizers
 
-    assert not nvme.is_elementwise(optimizers.Lamb([nn.Parameter(torch.zeros(2))]))
-    assert nvme.is_elementwise(torch.optim.AdamW([nn.Parameter(torch.zeros(2))]))
-    assert not nvme.is_elementwise(torch.optim.Adafactor([nn.Parameter(torch.zeros(2))]))
+    assert not nvme.steps_in_pieces(optimizers.Lamb([nn.Parameter(torch.zeros(2))]))
+    assert nvme.steps_in_pieces(torch.optim.AdamW([nn.Parameter(torch.zeros(2))]))
+    assert not nvme.steps_in_pieces(torch.optim.Adafactor([nn.Parameter(torch.zeros(2))]))
 
 
 def _adamw_run(params, path) -> torch.optim.AdamW:
     opt = torch.optim.AdamW(params, lr=1e-2)
-    nvme.attach_nvme(opt, _offload(path), stage=2, rank=0, hints=nvme.NvmeHints(sub_group_numel=8))
+    nvme.attach_nvme(opt, _offload(path, nvme_sub_group_size=8), stage=2, rank=0)
     return opt
 
 
@@ -514,7 +512,7 @@ def test_an_unsearchable_path_is_a_problem_not_an_exception(tmp_path, monkeypatc
 
 
 def test_a_failing_step_keeps_the_parameters_state(tmp_path):
-    ps, qs, plain, swapped = _adamw_pair(tmp_path, nvme.NvmeHints(sub_group_numel=16))
+    ps, qs, plain, swapped = _adamw_pair(tmp_path, {"nvme_sub_group_size": 16})
     for q in qs:
         q.grad = torch.ones_like(q)
     swapped.step()
@@ -543,7 +541,7 @@ def test_a_failing_step_keeps_the_parameters_state(tmp_path):
 def test_the_io_threads_end_with_the_optimizer(tmp_path):
     import gc
 
-    ps, qs, plain, swapped = _adamw_pair(tmp_path, nvme.NvmeHints(threads=2, pipeline=True))
+    ps, qs, plain, swapped = _adamw_pair(tmp_path, {"nvme_threads": 2, "nvme_pipeline": True})
     io = getattr(swapped, nvme.SWAP_ATTR).io
     del swapped
     gc.collect()
@@ -554,7 +552,7 @@ def test_pipelined_writes_are_on_disk_when_step_returns(tmp_path, monkeypatch):
     """The files hold the last step's state as soon as step() returns (the last piece's write is awaited)."""
     import time
 
-    ps, qs, plain, swapped = _adamw_pair(tmp_path, nvme.NvmeHints(sub_group_numel=64, pipeline=True))
+    ps, qs, plain, swapped = _adamw_pair(tmp_path, {"nvme_sub_group_size": 64, "nvme_pipeline": True})
     swapper = getattr(swapped, nvme.SWAP_ATTR)
     write = swapper._write_span
 

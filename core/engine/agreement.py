@@ -14,15 +14,23 @@ from typing import Any
 import torch.distributed as dist
 
 
+def gather(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank (one ``all_gather_object`` over the default group, which
+    every rank must call); ``[value]`` without a process group or on one rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def every_rank(problem: str | None) -> list[tuple[int, str]]:
     """``(rank, problem)`` of every rank that has a problem, in rank order; the same list on every rank
     (collective over the default group: every rank calls it, with None when it has no problem)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         return [] if problem is None else [(rank, problem)]
-    verdicts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, (dist.get_rank(), problem))
-    return [(int(r), str(p)) for r, p in sorted(verdicts) if p is not None]
+    return [(rank, str(p)) for rank, p in enumerate(gather(problem)) if p is not None]
 
 
 def describe(bad: list[tuple[int, str]]) -> str:

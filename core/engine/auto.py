@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from torsh.config import ResolvedBatch, TorshConfig
+from torsh.config import OffloadConfig, ResolvedBatch, TorshConfig
 from torsh.deferred import is_deferred
 from torsh.errors import ConfigError, Problem
 from torsh.sharding_plan import DEEPSPEED_DEFAULTS
@@ -81,7 +81,8 @@ def resolve_auto(cfg: TorshConfig, *, model: torch.nn.Module, optimizer: Any, tr
     _resolve_optimizer(r, optimizer)
     _resolve_scheduler(r, cfg, training_data, world_size)
     r.fill("gradients.clip_max_norm", DEFAULT_CLIP, "DeepSpeed 0.19.8's and the HF Trainer's default")
-    r.fill("offload.nvme_sub_group_size", 1_000_000_000, "DeepSpeed's default sub_group_size")
+    r.fill("offload.nvme_sub_group_size", OffloadConfig.model_fields["nvme_sub_group_size"].default,
+           "DeepSpeed's default sub_group_size")  # fmt: skip
     if "sharding.hybrid_shard_size" in r.deferred:
         _resolve_hybrid_shard_size(r)
     r.fill("parallelism.pp", 1, "no pipeline: DeepSpeed's \"auto\" takes the stages of a PipelineModule, and none "

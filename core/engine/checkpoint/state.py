@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..agreement import gather as _gather
 from .io import CheckpointError
 
 
@@ -33,16 +34,6 @@ def _barrier() -> None:
     dist = _dist()
     if dist:
         dist.barrier()
-
-
-def _gather(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order, on every rank."""
-    dist = _dist()
-    if not dist:
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def _on_every_rank(fn: Any, *args: Any) -> Any:

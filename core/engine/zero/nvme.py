@@ -64,20 +64,6 @@ STATES_PER_ELEMENT = 2
 """Files per parameter element the space check asks for (Adam's two moments)."""
 
 
-@dataclass(frozen=True)
-class NvmeHints:
-    """The I/O sizes (DeepSpeed's ``aio`` section and the offload section's pipelining)."""
-
-    sub_group_numel: int = 1_000_000_000
-    """Elements stepped at a time (DeepSpeed's ``zero_optimization.sub_group_size``; 0: a whole parameter)."""
-    block_size: int = 1_048_576
-    """Bytes per read or write request (``aio.block_size``)."""
-    threads: int = 1
-    """Threads issuing the requests (``aio.intra_op_parallelism``; 1: the calling thread)."""
-    pipeline: bool = False
-    """Read the next piece and write the last one while a piece steps (``pipeline_read`` / ``pipeline_write``)."""
-
-
 @dataclass
 class _File:
     path: str
@@ -115,7 +101,7 @@ def path_problem(nvme_path: str | None, need_bytes: int) -> str | None:
     return None
 
 
-def is_elementwise(optimizer: Any) -> bool:
+def steps_in_pieces(optimizer: Any) -> bool:
     """Whether ``optimizer`` updates each element from that element alone (and the step count), so that a piece
     of a parameter steps bit for bit as the whole would: the torch optimizers of ``optim.ELEMENTWISE`` and Lion
     (by class or base class). Any other (Lamb's trust ratio, Muon's matrix, an unknown class) steps whole
@@ -133,12 +119,13 @@ def is_elementwise(optimizer: Any) -> bool:
 
 
 class _Io:
-    """Positional reads and writes of whole tensors in ``block_size`` requests, on ``threads`` threads."""
+    """Positional reads and writes of whole tensors in ``nvme_block_size`` requests, on ``nvme_threads`` threads
+    (``offload``: the offload section)."""
 
-    def __init__(self, hints: NvmeHints):
-        self.block = max(4096, int(hints.block_size))
-        self.blocks = ThreadPoolExecutor(max_workers=hints.threads) if hints.threads > 1 else None
-        self.pipe = ThreadPoolExecutor(max_workers=2) if hints.pipeline else None
+    def __init__(self, offload: Any):
+        self.block = max(4096, int(offload.nvme_block_size))
+        self.blocks = ThreadPoolExecutor(max_workers=offload.nvme_threads) if offload.nvme_threads > 1 else None
+        self.pipe = ThreadPoolExecutor(max_workers=2) if offload.nvme_pipeline else None
         """The pipelined reads and writes of whole pieces (their requests go to ``blocks``)."""
 
     @staticmethod
@@ -219,15 +206,16 @@ def _per_element(value: Any, param: torch.Tensor) -> bool:
 class NvmeSwapper:
     """Keeps ``optimizer``'s per-element state in files under ``folder`` (see the module docstring)."""
 
-    def __init__(self, optimizer: Any, folder: Path, hints: NvmeHints):
+    def __init__(self, optimizer: Any, folder: Path, offload: Any):
         self.optimizer = optimizer
         self.folder = folder
-        self.hints = hints
-        self.io = _Io(hints)
+        self.offload = offload
+        """The offload section (its ``nvme_*`` I/O sizes)."""
+        self.io = _Io(offload)
         self.files: dict[nn.Parameter, dict[str, _File]] = {}
         self.index = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
         self.depth = 0  # nested resident() calls
-        self.elementwise = is_elementwise(optimizer)
+        self.elementwise = steps_in_pieces(optimizer)
         """Whether a piece of a parameter steps as the whole would (else each parameter is stepped whole)."""
         weakref.finalize(self, _Io.close, self.io.blocks, self.io.pipe)  # the threads end with the optimizer
 
@@ -265,7 +253,7 @@ class NvmeSwapper:
         files = self.files.setdefault(p, {})
         flat, grad = _local(p.detach()).view(-1), _local(p.grad).reshape(-1)
         n = flat.numel()
-        chunk = int(self.hints.sub_group_numel) if self.elementwise else 0
+        chunk = int(self.offload.nvme_sub_group_size) if self.elementwise else 0
         chunk = chunk or max(1, n)  # 0 (or a whole-tensor optimizer): the whole parameter
         spans = [(a, min(n, a + chunk)) for a in range(0, max(1, n), chunk)]
         if held:
@@ -321,7 +309,7 @@ class NvmeSwapper:
 
     def _read_ahead(self, files: dict[str, _File], span: tuple[int, int]) -> Any:
         a, b = span
-        if self.hints.pipeline:
+        if self.offload.nvme_pipeline:
             return self.io.pipe.submit(self._read_span, files, a, b)
         return _Later(lambda: self._read_span(files, a, b))  # read when the piece steps
 
@@ -331,7 +319,7 @@ class NvmeSwapper:
     def _write_behind(self, p: nn.Parameter, files: dict[str, _File], first: int, elementwise: dict) -> Any:
         for k, v in elementwise.items():  # the first step made the state: name its files
             self._file(files, p, k, v.dtype)
-        if self.hints.pipeline:
+        if self.offload.nvme_pipeline:
             return self.io.pipe.submit(self._write_span, files, first, elementwise)
         self._write_span(files, first, elementwise)
         return _Later(lambda: None)
@@ -436,13 +424,7 @@ def _as_param_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 # attaching to an optimizer
 
 
-def nvme_hints(o: Any) -> NvmeHints:
-    """The I/O sizes of an ``offload`` section."""
-    return NvmeHints(sub_group_numel=o.nvme_sub_group_size, block_size=o.nvme_block_size, threads=o.nvme_threads,
-                     pipeline=o.nvme_pipeline)
-
-
-def attach_nvme(optimizer: Any, offload: Any, *, stage: int, rank: int, hints: NvmeHints | None = None) -> Any:
+def attach_nvme(optimizer: Any, offload: Any, *, stage: int, rank: int) -> Any:
     """Under ``offload.optimizer == "nvme"``, keep ``optimizer``'s per-element state in files under
     ``offload.nvme_path`` (the optimizer itself, with its step and state-dict methods swapping); else unchanged.
     Raises a ConfigError naming ``offload_optimizer.nvme_path`` (on every rank) when a rank cannot use it."""
@@ -451,16 +433,15 @@ def attach_nvme(optimizer: Any, offload: Any, *, stage: int, rank: int, hints: N
                     "files under nvme_path - NVMe parameter swapping is done as CPU offload (FSDP2 CPUOffloadPolicy)")
     if offload.optimizer != "nvme" or optimizer is None:
         return optimizer
-    hints = hints or nvme_hints(offload)
     folder = _rank_folder(optimizer, offload.nvme_path, stage, rank)
-    swapper = NvmeSwapper(optimizer, folder, hints)
+    swapper = NvmeSwapper(optimizer, folder, offload)
     weakref.finalize(optimizer, shutil.rmtree, str(folder), True)  # the files go with the optimizer
     _patch(optimizer, swapper)
     if rank == 0:
         log.info("offload_optimizer.device=nvme: optimizer state in %s (sub-groups of %d elements, %d-byte "
                  "requests, %d thread(s), pipelined=%s); the fp32 master weights stay in host memory",
-                 folder.parent.parent, hints.sub_group_numel, hints.block_size, hints.threads,
-                 hints.pipeline)  # fmt: skip
+                 folder.parent.parent, offload.nvme_sub_group_size, offload.nvme_block_size, offload.nvme_threads,
+                 offload.nvme_pipeline)  # fmt: skip
     return optimizer
 
 
