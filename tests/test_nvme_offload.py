@@ -179,7 +179,12 @@ def _run_bad_path(rank: int, world_size: int, scenario: dict) -> dict:
     import torsh
 
     cfg = json.loads(json.dumps(scenario["config"]))
-    if rank == 1:
+    if rank == 1 and scenario.get("full"):  # rank 1's disk cannot hold the state
+        def full(fd, offset, length):
+            raise OSError(28, "No space left on device")
+
+        nvme.os.posix_fallocate = full
+    elif rank == 1:
         cfg["offload"]["nvme_path"] += "/file"
     try:
         torsh.initialize(model=h.build_model(0), config=cfg)
@@ -227,6 +232,29 @@ def test_a_bad_nvme_path_on_one_rank_stops_every_rank(tmp_path):
     texts = [r["bad"]["error_text"] for r in records]
     assert all(t and "offload_optimizer.nvme_path" in t and "is not a directory" in t for t in texts), texts
     assert "on rank 1" in texts[0]
+
+
+def test_a_disk_too_small_on_one_rank_stops_every_rank_before_training(tmp_path):
+    """The space the state files take is allocated when attaching, before the ranks agree: a disk that cannot hold
+    it on rank 1 stops both ranks there (was: ENOSPC on rank 1 in the middle of a step, rank 0 waiting)."""
+    cfg = _config(2, "nvme", str(tmp_path), "fp32")
+    with tempfile.TemporaryDirectory() as out:
+        h.spawn([{"name": "bad", "config": cfg, "full": True}], 2, out, _run_bad_path)
+        records = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    texts = [r["bad"]["error_text"] for r in records]
+    assert all(t and "offload_optimizer.nvme_path" in t and "too little free space" in t for t in texts), texts
+    assert "on rank 1" in texts[0]
+
+
+def test_the_reserved_space_becomes_the_state_files(tmp_path):
+    ps, qs, plain, swapped = _adamw_pair(tmp_path, {})
+    folder = getattr(swapped, nvme.SWAP_ATTR).folder
+    reserve = folder / nvme.RESERVE
+    assert reserve.stat().st_size == (37 * 5 + 11) * 4 * nvme.STATES_PER_ELEMENT
+    qs[0].grad = torch.ones_like(qs[0])
+    swapped.step()  # three state files of 37 * 5 floats: 3 * 740 bytes of the 1568 reserved
+    assert not reserve.exists()
+    assert all(f.stat().st_size == 37 * 5 * 4 for f in folder.iterdir())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -62,6 +62,8 @@ SWAP_ATTR = "_torsh_nvme"
 """The attribute of an optimizer holding its :class:`NvmeSwapper`."""
 STATES_PER_ELEMENT = 2
 """Files per parameter element the space check asks for (Adam's two moments)."""
+RESERVE = "reserved.space"
+"""The file in an optimizer's folder holding the disk space its state files will take until they take it."""
 
 
 @dataclass
@@ -183,6 +185,20 @@ def _pwrite(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[done:], offset + done
 
 
+def _allocate(path: str, nbytes: int, *, truncate: bool) -> None:
+    """``path`` (made if missing) with ``nbytes`` of disk allocated to it (``os.posix_fallocate``); raises ENOSPC
+    when the disk cannot hold them. A file system without fallocate allocates nothing."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0), 0o600)
+    try:
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+    finally:
+        os.close(fd)
+
+
 def _write_error(e: OSError, path: str) -> Exception:
     if e.errno == errno.ENOSPC:
         return ConfigError([Problem(PATH_KEY, os.path.dirname(path), "the disk is full while writing the "
@@ -215,6 +231,8 @@ class NvmeSwapper:
         self.files: dict[nn.Parameter, dict[str, _File]] = {}
         self.index = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
         self.depth = 0  # nested resident() calls
+        self.reserved = (folder / RESERVE).stat().st_size if (folder / RESERVE).exists() else 0
+        """Bytes still held in the folder's reserve file (:func:`_rank_folder`)."""
         self.elementwise = steps_in_pieces(optimizer)
         """Whether a piece of a parameter steps as the whole would (else each parameter is stepped whole)."""
         weakref.finalize(self, _Io.close, self.io.blocks, self.io.pipe)  # the threads end with the optimizer
@@ -304,8 +322,27 @@ class NvmeSwapper:
 
     def _file(self, files: dict[str, _File], p: nn.Parameter, key: str, dtype: torch.dtype) -> _File:
         if key not in files:
-            files[key] = _File(str(self.folder / f"{self.index[p]}_{key}.tensor.swp"), dtype)
+            path = str(self.folder / f"{self.index[p]}_{key}.tensor.swp")
+            nbytes = _local(p).numel() * torch.empty(0, dtype=dtype).element_size()
+            self._release(nbytes)  # the reserved space becomes this file's
+            try:
+                _allocate(path, nbytes, truncate=False)
+            except OSError as e:
+                raise _write_error(e, path) from e
+            files[key] = _File(path, dtype)
         return files[key]
+
+    def _release(self, nbytes: int) -> None:
+        """Give ``nbytes`` of the space reserved when attaching back to the disk."""
+        if self.reserved <= 0:
+            return
+        self.reserved = max(0, self.reserved - nbytes)
+        reserve = self.folder / RESERVE
+        with contextlib.suppress(OSError):
+            if self.reserved:
+                os.truncate(reserve, self.reserved)
+            else:
+                reserve.unlink()
 
     def _read_ahead(self, files: dict[str, _File], span: tuple[int, int]) -> Any:
         a, b = span
@@ -452,7 +489,9 @@ _ATTACHED = itertools.count()
 def _rank_folder(optimizer: Any, nvme_path: str, stage: int, rank: int) -> Path:
     """This optimizer's empty swap folder ``nvme_path/zero_stage_<stage>/optimizer/rank<r>/<n>`` (``n``: the
     optimizers attached before it in this process). Every step that can fail (the checks, making the folder,
-    clearing a previous run's files from it) is done before the ranks agree, so that all of them stop together."""
+    clearing a previous run's files from it, allocating the space the state files will take) is done before the ranks
+    agree, so that all of them stop together; the space is held in a reserve file that each state file takes its
+    share of when it is made, so that a full disk is found here rather than on one rank in the middle of a step."""
     need = sum(_local(p).numel() * 4 for g in optimizer.param_groups for p in g["params"]) * STATES_PER_ELEMENT
     folder = Path(nvme_path or ".") / f"zero_stage_{stage}" / "optimizer" / f"rank{rank}" / str(next(_ATTACHED))
     problem = path_problem(nvme_path, need)
@@ -461,8 +500,14 @@ def _rank_folder(optimizer: Any, nvme_path: str, stage: int, rank: int) -> Path:
             folder.mkdir(parents=True, exist_ok=True)
             for stale in folder.glob("*.tensor.swp"):  # a previous run's state: a resumed run loads its checkpoint
                 stale.unlink()
+            _allocate(str(folder / RESERVE), need, truncate=True)  # a disk too small fails here, on this rank
         except OSError as e:
-            problem = f"cannot be used by this process ({e.strerror or e} at {folder}): choose a directory it can write"
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                problem = (f"has too little free space for the optimizer state (about {need / 2**20:,.1f} MiB): free "
+                           "space there or choose a larger disk")  # fmt: skip
+            else:
+                problem = (f"cannot be used by this process ({e.strerror or e} at {folder}): choose a directory it "
+                           "can write")  # fmt: skip
     problem = agreed_problem(problem, rank)
     if problem is not None:
         raise ConfigError([Problem(PATH_KEY, nvme_path, problem)])
