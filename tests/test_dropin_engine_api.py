@@ -147,6 +147,29 @@ def test_direct_backward_raises_at_stage_0_only(one_rank):
     _engine(_config(1, bf16={"enabled": False}))(x).sum().backward()
 
 
+def test_direct_backward_under_fp16_loss_scaling_needs_engine_scale(one_rank):
+    """DeepSpeed's rule for a direct backward under a loss scaler: ``loss.backward()`` raises (before any gradient
+    is made), ``engine.scale(loss).backward()`` steps the weights ``engine.backward(loss)`` steps."""
+    config = _config(1, bf16={"enabled": False}, fp16={"enabled": True, "initial_scale_power": 8})
+    x = torch.randn(2, HIDDEN, dtype=torch.float16)
+    engine = _engine(config)
+    with pytest.raises(RuntimeError, match=r"engine\.scale\(loss\)\.backward\(\)"):
+        engine(x).float().pow(2).mean().backward()
+    assert all(p.grad is None for p in engine.module.parameters())
+    for _ in range(2):
+        engine.scale(engine(x).float().pow(2).mean()).backward()
+        engine.step()
+    reference = _engine(config)
+    for _ in range(2):
+        reference.backward(reference(x).float().pow(2).mean())
+        reference.step()
+    mine, theirs = _weights(engine), _weights(reference)
+    assert all(torch.equal(mine[n], theirs[n]) for n in mine)
+    assert any(not torch.equal(mine[n], _weights(_engine(config))[n]) for n in mine)  # the steps moved them
+    with pytest.raises(ValueError, match="scalar loss"):
+        engine.scale(engine(x))
+
+
 def _stand_in(param_dtype=None, buffer_dtype=None, fp16=False, bf16=False):
     config = types.SimpleNamespace(param_dtype=param_dtype, buffer_dtype=buffer_dtype)
     return types.SimpleNamespace(_config=config, fp16_enabled=lambda: fp16, bfloat16_enabled=lambda: bf16)

@@ -1,12 +1,14 @@
-"""DeepSpeed's refusal of ``loss.backward()`` where its engine cannot complete a backward it did not run.
+"""A ``loss.backward()`` the script runs itself on the output of ``engine(...)``, as DeepSpeed treats it.
 
 DeepSpeed's ZeRO optimizers (stages 1-3) count the gradients a backward produces and finish the reduction
 themselves, so there a script may call ``loss.backward()`` (or ``engine.scale(loss).backward()``) on the output
-of ``engine(...)``. Without one (ZeRO stage 0, whose optimizer is the torch optimizer or DeepSpeed's fp16/bf16
-wrapper, or an engine without an optimizer) DeepSpeed's engine raises a RuntimeError when a backward that is not
-``engine.backward(loss)`` reaches the forward's outputs, instead of leaving the gradients unreduced. The torsh
-engine raises the same error in the same case, with a hook on the forward's outputs; a backward under a
-``torch.func`` transform (``grad``, ``vmap``, ``jacrev``) is not refused, as in DeepSpeed.
+of ``engine(...)``: the torsh engine then completes that backward as ``engine.backward`` would have (its
+epilogue: the reduction DDP left to it, ZeRO-1's partition of the reduced gradients), queued to run when autograd
+finishes. Without a ZeRO optimizer (ZeRO stage 0, whose optimizer is the torch optimizer or DeepSpeed's
+fp16/bf16 wrapper, or an engine without an optimizer) DeepSpeed's engine raises a RuntimeError when a backward that
+is not ``engine.backward(loss)`` reaches the forward's outputs, instead of leaving the gradients unreduced; the
+torsh engine raises the same error in the same case. Both through a hook on the forward's outputs; a backward
+under a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``) is left alone, as in DeepSpeed.
 """
 
 from __future__ import annotations
@@ -21,30 +23,66 @@ MESSAGE = ("Direct calls to tensor.backward() are not supported in this configur
            "as DeepSpeed requires here.")  # fmt: skip
 
 
+SCALE_MESSAGE = ("Loss scaling is required for this configuration (fp16 with a loss scaler), but backward() was "
+                 "called directly on a loss that was not scaled. Use engine.backward(loss), or "
+                 "engine.scale(loss).backward(), as DeepSpeed requires here.")  # fmt: skip
+
+
 def refuses(engine: Any) -> bool:
     """Whether DeepSpeed refuses a direct backward for this engine (it has no ZeRO optimizer)."""
     return engine.optimizer is None or engine.zero_optimization_stage() == 0
 
 
 def guard(engine: Any, outputs: Any) -> None:
-    """Where DeepSpeed refuses a direct backward (:func:`refuses`), hook the tensors of ``outputs`` that backward
-    can reach: a backward not run by ``engine.backward`` raises when it gets there."""
-    if not torch.is_grad_enabled() or not refuses(engine):
+    """Hook the tensors of ``outputs`` that backward can reach. A backward not run by ``engine.backward`` raises
+    when it gets there where DeepSpeed refuses it (:func:`refuses`); elsewhere it is run as DeepSpeed's ZeRO
+    optimizers run it: the engine's prologue once per backward, each output gradient divided by the accumulation
+    steps (unless the last ``engine.backward`` said ``scale_wrt_gas=False``), the epilogue when autograd
+    finishes. Under fp16 loss scaling the loss must come from ``engine.scale(loss)``, else it raises before any
+    gradient is made."""
+    if not torch.is_grad_enabled():
         return
     # outputs computed in this forward only: a hook on a leaf (a parameter the model returns) would stay on it
     tensors = [t for t in _tensors(outputs) if t.requires_grad and t.grad_fn is not None]
     if not tensors:
         return
     owner = weakref.ref(engine)
+    refused = refuses(engine)
+    started = [None]  # the autograd graph task whose prologue ran: once per backward, however many outputs
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
         engine = owner()
-        if engine is not None and not engine.__dict__.get("_running_backward") and not _functorch_transforming():
+        if engine is None or engine.__dict__.get("_running_backward") or _functorch_transforming():
+            return grad
+        if refused:
             raise RuntimeError(MESSAGE)
-        return grad
+        task = torch._C._current_graph_task_id()
+        if started[0] != task:
+            started[0] = task
+            _begin(engine)
+        gas = engine.gradient_accumulation_steps()
+        return grad / gas if gas > 1 and engine.__dict__.get("_scale_wrt_gas", True) else grad
 
     for t in tensors:
         t.register_hook(hook)
+
+
+def _begin(engine: Any) -> None:
+    """The start of a direct backward: DeepSpeed's loss-scaling check, the engine's prologue, and its epilogue
+    queued to run last."""
+    if engine._scaling and not engine.__dict__.get("_manual_backward_expected"):
+        raise RuntimeError(SCALE_MESSAGE)
+    engine._check_alive("backward")
+    engine._backward_prologue()
+
+    def finish() -> None:
+        engine.__dict__["_manual_backward_expected"] = False
+        engine._backward_epilogue()
+
+    # queued from a queued callback, so that it runs after the callbacks backward queues meanwhile (DDP's
+    # finalisation of its reduction is one: the epilogue checks that it finished)
+    run_last = torch.autograd.Variable._execution_engine.queue_callback
+    run_last(lambda: run_last(finish))
 
 
 def _tensors(outputs: Any, depth: int = 0) -> list[torch.Tensor]:

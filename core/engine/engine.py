@@ -450,15 +450,10 @@ class Engine(CheckpointMethods, nn.Module):
         self._check_alive("backward")
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
+        self.__dict__["_scale_wrt_gas"] = bool(scale_wrt_gas)  # as DeepSpeed: a later direct backward follows it
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
-        sync = self._sync_now()
-        if sync or self._in_no_sync:  # what allreduce_gradients() reduces: gradients a no_sync backward left local
-            self.__dict__["_unreduced"] = not sync
-        if self._shard.kind == "fsdp":
-            self.wrapped.set_requires_gradient_sync(sync)
-        elif self._shard.partition is not None:
-            self._shard.partition.before_backward(sync)
+        sync = self._backward_prologue()
         scaled = self.loss_scaler.scale(loss) if self._scaling else loss
         self.__dict__["_running_backward"] = True
         try:
@@ -468,6 +463,29 @@ class Engine(CheckpointMethods, nn.Module):
         self._after_backward(sync)
         coalesce.after_backward(self, sync)
         return loss.detach()
+
+    def _backward_prologue(self) -> bool:
+        """What a backward of this engine needs before autograd runs (:meth:`backward`, and a direct
+        ``loss.backward()`` when it reaches the forward's outputs): whether it reduces, told to the sharding."""
+        sync = self._sync_now()
+        if sync or self._in_no_sync:  # what allreduce_gradients() reduces: gradients a no_sync backward left local
+            self.__dict__["_unreduced"] = not sync
+        if self._shard.kind == "fsdp":
+            self.wrapped.set_requires_gradient_sync(sync)
+        elif self._shard.partition is not None:
+            self._shard.partition.before_backward(sync)
+        return sync
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's loss scaling for a backward the script runs itself: ``engine.scale(loss).backward()``
+        (fp16 with a loss scaler needs it; otherwise the loss is returned as it is)."""
+        if self.optimizer is None:
+            raise RuntimeError("engine.scale needs an optimizer: pass one to initialize or configure one")
+        if not torch.is_tensor(loss) or loss.dim() != 0 or loss.grad_fn is None:
+            raise ValueError("engine.scale expects a scalar loss tensor with a grad_fn; for a non-scalar tensor "
+                             "call tensor.backward(gradient) on the output of engine(...)")  # fmt: skip
+        self.__dict__["_manual_backward_expected"] = True
+        return self.loss_scaler.scale(loss) if self._scaling else loss
 
     def _backward_epilogue(self) -> None:
         """DeepSpeed's completion of a backward the script ran itself (``loss.backward()`` on a loss summed over
