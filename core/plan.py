@@ -263,6 +263,12 @@ def _model_parallel_refusals(cfg: TorshConfig, *, pipeline: bool = False) -> lis
         problems.append(Problem("parallelism.sp", par.sp, "sequence parallelism is run beside data parallelism "
                                 "only, not with " + (", ".join(f"parallelism.{k} {v}" for k, v in others.items())
                                                      or "a PipelineModule") + ": set one of them to 1"))  # fmt: skip
+    if par.sp > 1 and cfg.compression.method != "none" and cfg.sharding.stage < 2:
+        problems.append(Problem("compression.method", cfg.compression.method, "gradient compression at sharding "
+                                "stage 0/1 is a DDP communication hook that averages over every rank, and sequence "
+                                f"parallelism (parallelism.sp {par.sp}) averages over the data-parallel replicas "
+                                "only: set compression.method to 'none', or use sharding.stage 2 or 3 with "
+                                "compression 'fp16'/'bf16' (the reduce dtype there)"))  # fmt: skip
     if pipeline_degree(cfg) > 1 and not pipeline:
         problems.append(Problem("parallelism.pp", par.pp, "pipeline parallelism runs only for a "
                                 "deepspeed.pipe.PipelineModule (the pipeline engine): pass one to initialize, or set "

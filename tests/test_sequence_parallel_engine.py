@@ -313,6 +313,26 @@ def test_plan_refuses_what_sequence_parallelism_does_not_run_beside():
     assert cp[0].startswith("parallelism.cp: context parallelism is not run") and "parallelism.sp" in cp[0]
 
 
+def test_plan_refuses_a_compression_hook_beside_sequence_parallelism():
+    """A DDP compression hook averages over every rank, Ulysses over the data-parallel replicas: together the
+    gradients would be sp times too small, so stages 0/1 refuse it; at stages 2/3 an fp16/bf16 compression is
+    the reduce dtype of the engine's own reduction, which divides by the replicas."""
+    from torsh.plan import plan
+
+    def refused(stage: int, method: str) -> list[str]:
+        cfg = TorshConfig.from_dict({"parallelism": {"sp": 2}, "sharding": {"stage": stage},
+                                     "compression": {"method": method}})  # fmt: skip
+        return [f"{p.path}: {p.reason}" for p in plan(cfg, 4).refused]
+
+    for stage in (0, 1):
+        for method in ("fp16", "powersgd"):
+            (why,) = refused(stage, method)
+            assert why.startswith("compression.method: gradient compression at sharding stage 0/1")
+            assert "parallelism.sp 2" in why and "set compression.method to 'none'" in why
+        assert refused(stage, "none") == []
+    assert refused(2, "bf16") == [] and refused(3, "fp16") == []
+
+
 def test_deepspeed_reader_maps_sequence_parallel_size():
     from torsh import adapters
 
