@@ -142,7 +142,8 @@ class Engine(CheckpointMethods, nn.Module):
     """The Megatron-style ``mpu`` passed to ``initialize`` (its groups drive the data-parallel reduction, the
     clipping norm and the checkpoint names: :mod:`torsh.engine.parallel.mpu`), else None."""
     has_moe_layers = False
-    """DeepSpeed's MoE layers (``deepspeed.moe``) are not run by torsh; an MoE block written in torch trains."""
+    """Whether the model holds DeepSpeed MoE layers (``deepspeed.moe.layer.MoE``; their experts' gradients are
+    reduced over the expert-data-parallel groups, :mod:`torsh.engine.parallel.moe`)."""
     sequence_parallel_size = 1
     """The Ulysses sequence-parallel degree (``parallelism.sp``; :mod:`torsh.engine.parallel.sequence` sets it with
     DeepSpeed's ``seq_parallel_group``, ``seq_data_parallel_group`` and ``seq_dp_world_size``)."""

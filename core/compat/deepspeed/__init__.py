@@ -21,7 +21,7 @@ __git_hash__, __git_branch__ = git_hash, git_branch
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
 _SUBMODULES = {"comm", "accelerator", "runtime", "utils", "ops", "moe", "pipe", "profiling", "checkpoint",
-               "git_version_info"}
+               "git_version_info", "module_inject"}
 
 #: name -> (module, attribute); attribute None: the module itself.
 _LAZY = {
