@@ -85,6 +85,18 @@ def _begin(engine: Any) -> None:
     run_last(lambda: run_last(finish))
 
 
+def scale(engine: Any, loss: torch.Tensor) -> torch.Tensor:
+    """DeepSpeed's loss scaling for a backward the script runs itself, ``engine.scale(loss).backward()``: fp16
+    with a loss scaler needs it (:data:`SCALE_MESSAGE`); otherwise the loss is returned as it is."""
+    if engine.optimizer is None:
+        raise RuntimeError("engine.scale needs an optimizer: pass one to initialize or configure one")
+    if not torch.is_tensor(loss) or loss.dim() != 0 or loss.grad_fn is None:
+        raise ValueError("engine.scale expects a scalar loss tensor with a grad_fn; for a non-scalar tensor call "
+                         "tensor.backward(gradient) on the output of engine(...)")  # fmt: skip
+    engine.__dict__["_manual_backward_expected"] = True
+    return engine.loss_scaler.scale(loss) if engine._scaling else loss
+
+
 def _tensors(outputs: Any, depth: int = 0) -> list[torch.Tensor]:
     """The tensors in ``outputs`` (a tensor, or tuples, lists and dicts of them; a model's output object too)."""
     if torch.is_tensor(outputs):

@@ -478,15 +478,8 @@ class Engine(CheckpointMethods, nn.Module):
         return sync
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """DeepSpeed's loss scaling for a backward the script runs itself: ``engine.scale(loss).backward()``
-        (fp16 with a loss scaler needs it; otherwise the loss is returned as it is)."""
-        if self.optimizer is None:
-            raise RuntimeError("engine.scale needs an optimizer: pass one to initialize or configure one")
-        if not torch.is_tensor(loss) or loss.dim() != 0 or loss.grad_fn is None:
-            raise ValueError("engine.scale expects a scalar loss tensor with a grad_fn; for a non-scalar tensor "
-                             "call tensor.backward(gradient) on the output of engine(...)")  # fmt: skip
-        self.__dict__["_manual_backward_expected"] = True
-        return self.loss_scaler.scale(loss) if self._scaling else loss
+        """DeepSpeed's ``engine.scale(loss).backward()`` (:func:`.direct_backward.scale`)."""
+        return direct_backward.scale(self, loss)
 
     def _backward_epilogue(self) -> None:
         """DeepSpeed's completion of a backward the script ran itself (``loss.backward()`` on a loss summed over
