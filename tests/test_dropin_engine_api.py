@@ -166,8 +166,30 @@ def test_direct_backward_under_fp16_loss_scaling_needs_engine_scale(one_rank):
     mine, theirs = _weights(engine), _weights(reference)
     assert all(torch.equal(mine[n], theirs[n]) for n in mine)
     assert any(not torch.equal(mine[n], _weights(_engine(config))[n]) for n in mine)  # the steps moved them
-    with pytest.raises(ValueError, match="scalar loss"):
+    with pytest.raises(AssertionError, match="scalar tensor"):  # DeepSpeed asserts it (also a ValueError)
         engine.scale(engine(x))
+
+
+def test_zero_optimizers_are_deepspeeds_zero_optimizer_with_needs_scaler(one_rank):
+    """DeepSpeed's ZeRO optimizers (stages 1-3) are ``ZeROOptimizer`` instances whose ``needs_scaler()`` says whether
+    a direct backward needs ``engine.scale(loss)`` (fp16 with a loss scaler); DeepSpeed's own test checks both
+    before calling ``loss.backward()``. At stage 0 the optimizer is not one. ``deepspeed.ZeROOptimizer`` is the same
+    class."""
+    import torsh.compat.deepspeed as ds
+    from torsh.compat.deepspeed.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
+    from torsh.compat.deepspeed.utils import safe_get_full_grad
+
+    assert ds.ZeROOptimizer is ZeROOptimizer and ds.DeepSpeedOptimizer is DeepSpeedOptimizer
+    assert issubclass(ZeROOptimizer, DeepSpeedOptimizer)
+    assert not isinstance(_engine(_config(0)).optimizer, (ZeROOptimizer, DeepSpeedOptimizer))
+    for stage in (1, 2, 3):
+        engine = _engine(_config(stage))
+        assert isinstance(engine.optimizer, ZeROOptimizer) and isinstance(engine.optimizer, DeepSpeedOptimizer)
+        assert engine.optimizer.needs_scaler() is False
+        engine(torch.randn(2, HIDDEN, dtype=torch.bfloat16)).float().sum().backward()  # bf16: no scaling needed
+        assert all(safe_get_full_grad(p) is not None for p in engine.module.parameters())
+    fp16 = _engine(_config(1, bf16={"enabled": False}, fp16={"enabled": True}))
+    assert fp16.optimizer.needs_scaler() is True
 
 
 def _stand_in(param_dtype=None, buffer_dtype=None, fp16=False, bf16=False):

@@ -28,6 +28,25 @@ SCALE_MESSAGE = ("Loss scaling is required for this configuration (fp16 with a l
                  "engine.scale(loss).backward(), as DeepSpeed requires here.")  # fmt: skip
 
 
+ZERO_MARK = "_torsh_deepspeed_zero_optimizer"
+"""The attribute marking the engine's optimizer at ZeRO 1-3 as standing for DeepSpeed's ``ZeROOptimizer``."""
+
+
+def adopt(engine: Any, optimizer: Any) -> None:
+    """At ZeRO stages 1-3, mark ``optimizer`` (the engine's) as DeepSpeed's ZeRO optimizer, the one that completes
+    a direct backward (``deepspeed.runtime.base_optimizer.ZeROOptimizer`` recognises the mark), with its
+    ``needs_scaler()``: whether a direct backward needs ``engine.scale(loss)``."""
+    if engine.zero_optimization_stage() == 0:
+        return
+    setattr(optimizer, ZERO_MARK, True)
+    owner = weakref.ref(engine)
+    optimizer.needs_scaler = lambda: bool(getattr(owner(), "_scaling", False))
+
+
+class ScaleError(AssertionError, ValueError):
+    """``engine.scale`` given what is not a scalar loss (DeepSpeed asserts it; a ValueError for torsh's own API)."""
+
+
 def refuses(engine: Any) -> bool:
     """Whether DeepSpeed refuses a direct backward for this engine (it has no ZeRO optimizer)."""
     return engine.optimizer is None or engine.zero_optimization_stage() == 0
@@ -48,7 +67,6 @@ def guard(engine: Any, outputs: Any) -> None:
         return
     owner = weakref.ref(engine)
     refused = refuses(engine)
-    started = [None]  # the autograd graph task whose prologue ran: once per backward, however many outputs
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
         engine = owner()
@@ -56,9 +74,10 @@ def guard(engine: Any, outputs: Any) -> None:
             return grad
         if refused:
             raise RuntimeError(MESSAGE)
+        # once per backward (an autograd graph task), however many outputs of however many forwards it reaches
         task = torch._C._current_graph_task_id()
-        if started[0] != task:
-            started[0] = task
+        if engine.__dict__.get("_direct_backward_task") != task:
+            engine.__dict__["_direct_backward_task"] = task
             _begin(engine)
         gas = engine.gradient_accumulation_steps()
         return grad / gas if gas > 1 and engine.__dict__.get("_scale_wrt_gas", True) else grad
@@ -91,8 +110,8 @@ def scale(engine: Any, loss: torch.Tensor) -> torch.Tensor:
     if engine.optimizer is None:
         raise RuntimeError("engine.scale needs an optimizer: pass one to initialize or configure one")
     if not torch.is_tensor(loss) or loss.dim() != 0 or loss.grad_fn is None:
-        raise ValueError("engine.scale expects a scalar loss tensor with a grad_fn; for a non-scalar tensor call "
-                         "tensor.backward(gradient) on the output of engine(...)")  # fmt: skip
+        raise ScaleError("engine.scale expects a loss that is a scalar tensor with a grad_fn; for a non-scalar "
+                         "tensor call tensor.backward(gradient) on the output of engine(...)")  # fmt: skip
     engine.__dict__["_manual_backward_expected"] = True
     return engine.loss_scaler.scale(loss) if engine._scaling else loss
 

@@ -94,6 +94,7 @@ class Engine(CheckpointMethods, nn.Module):
         """The members DeepSpeed's optimizers have, on the one the engine steps."""
         optimizer.overflow = False  # DeepSpeed's optimizer attribute (scripts and Accelerate read it)
         zero3_members.adopt(self, optimizer)  # ZeRO-3: what DeepSpeed's ZeRO-3 optimizer has
+        direct_backward.adopt(self, optimizer)  # ZeRO 1-3: DeepSpeed's ZeROOptimizer
         if hasattr(optimizer, "optim") and not hasattr(optimizer, "optimizer"):
             # a script's own torch ZeroRedundancyOptimizer, kept at stage 0 in fp32: the torch optimizer of this
             # rank's partition, where DeepSpeed's ZeRO optimizer has its own (engine.optimizer.optimizer)

@@ -44,8 +44,8 @@ _LAZY = {
     "init_inference": (__name__ + "._toplevel", "init_inference"),
     "tp_model_init": (__name__ + "._toplevel", "tp_model_init"),
     "add_tuning_arguments": (__name__ + "._toplevel", "add_tuning_arguments"),
-    "DeepSpeedOptimizer": (__name__ + "._toplevel", "DeepSpeedOptimizer"),
-    "ZeROOptimizer": (__name__ + "._toplevel", "DeepSpeedOptimizer"),
+    "DeepSpeedOptimizer": (__name__ + ".runtime.base_optimizer", "DeepSpeedOptimizer"),
+    "ZeROOptimizer": (__name__ + ".runtime.base_optimizer", "ZeROOptimizer"),
 }
 
 

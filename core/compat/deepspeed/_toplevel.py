@@ -32,10 +32,6 @@ def add_tuning_arguments(parser):
     return parser
 
 
-class DeepSpeedOptimizer:
-    """DeepSpeed's marker base class of its optimizer wrappers (``isinstance`` checks see no torsh optimizer)."""
-
-
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                distributed_port=29500, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                mesh_param=None, config_params=None):  # fmt: skip
