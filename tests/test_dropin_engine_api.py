@@ -191,6 +191,11 @@ def test_zero_optimizers_are_deepspeeds_zero_optimizer_with_needs_scaler(one_ran
     fp16 = _engine(_config(1, bf16={"enabled": False}, fp16={"enabled": True}))
     assert fp16.optimizer.needs_scaler() is True
 
+    class ScriptWrapper(ZeROOptimizer):  # a subclass keeps the usual check
+        pass
+
+    assert not isinstance(fp16.optimizer, ScriptWrapper) and isinstance(ScriptWrapper(), ZeROOptimizer)
+
 
 def _stand_in(param_dtype=None, buffer_dtype=None, fp16=False, bf16=False):
     config = types.SimpleNamespace(param_dtype=param_dtype, buffer_dtype=buffer_dtype)

@@ -10,17 +10,22 @@ from torsh.engine.direct_backward import ZERO_MARK
 
 
 class _ZeroOptimizerType(type):
-    """``isinstance(x, cls)`` is true for the torsh engine's optimizer at ZeRO 1-3 (marked by the engine) as well
-    as for instances of subclasses."""
+    """``isinstance(x, cls)`` for the two bases below is also true for the torsh engine's optimizer at ZeRO 1-3
+    (marked by the engine); a subclass (a script's own optimizer wrapper) keeps the usual check."""
 
     def __instancecheck__(cls, obj) -> bool:
-        return bool(getattr(obj, ZERO_MARK, False)) or super().__instancecheck__(obj)
+        marked = cls.__dict__.get("_takes_engine_mark", False) and bool(getattr(obj, ZERO_MARK, False))
+        return marked or super().__instancecheck__(obj)
 
 
 class DeepSpeedOptimizer(metaclass=_ZeroOptimizerType):
     """DeepSpeed's base of its optimizer wrappers: the torsh engine's optimizer at ZeRO 1-3 is one (at stage 0
     DeepSpeed's fp16/bf16 wrapper is one too; torsh's is not)."""
 
+    _takes_engine_mark = True
+
 
 class ZeROOptimizer(DeepSpeedOptimizer):
     """DeepSpeed's base of its ZeRO optimizers: the torsh engine's optimizer at ZeRO 1-3 is one."""
+
+    _takes_engine_mark = True
