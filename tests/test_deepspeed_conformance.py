@@ -987,6 +987,31 @@ def direct_backward(rank: int, world_size: int, scenario: dict) -> dict:
     return {"losses": losses}
 
 
+def gradient_penalty(rank: int, world_size: int, scenario: dict) -> dict:
+    """``torch.autograd.grad`` through the output of ``engine(...)`` (a gradient penalty: the input gradient's norm
+    added to the loss) at ZeRO 1-3, then ``engine.backward``: the losses and the input gradients' norms. ``via``
+    "module" runs the forward on ``engine.module`` instead, which the engine's output hooks never see."""
+    import torch
+
+    engine = _init(_ds(scenario["engine"]), _config(scenario["stage"], gradient_accumulation_steps=2))
+    forward = engine.module if scenario.get("via") == "module" else engine
+    losses, norms = [], []
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(2, 8, generator=g).requires_grad_()
+        out = forward(x)
+        try:
+            (dx,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+        except NotImplementedError as exc:  # torsh at ZeRO-3
+            return {"refused": f"{type(exc).__name__}: {exc}"}
+        loss = ((out - x.detach()) ** 2).mean() + 0.1 * dx.pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+        norms.append(float(dx.norm()))
+    return {"losses": losses, "norms": norms}
+
+
 def _scenarios(tmp: str) -> list[dict]:
     out = []
     for engine in ENGINES:
@@ -1011,6 +1036,10 @@ def _scenarios(tmp: str) -> list[dict]:
         for stage in (0, 1):
             out.append({**call, "name": f"allreduce_s{stage}_{engine}", "target": f"{MODULE}:explicit_allreduce",
                         "stage": stage})  # fmt: skip
+        for stage in (1, 2, 3) if engine == "torsh" else ():  # DeepSpeed 0.19.8 fails it at every stage
+            for via in ("engine", "module"):
+                out.append({**call, "name": f"penalty_{via}_s{stage}_{engine}", "target": f"{MODULE}:gradient_penalty",
+                            "stage": stage, "via": via})  # fmt: skip
         for stage in (1, 2, 3):
             # two forwards in one direct backward: torsh only (DeepSpeed 0.19.8's step then fails with KeyError)
             for mode in ("direct", "engine") + (("two", "twoengine") if engine == "torsh" else ()):
@@ -1075,6 +1104,24 @@ def test_direct_backward_on_the_engines_output_is_completed_as_deepspeed(records
                                                                            "torsh")  # fmt: skip
     for mine, reference in zip(two, summed):
         assert mine["losses"] == pytest.approx(reference["losses"], rel=1e-6)
+
+
+def test_autograd_grad_through_the_engines_output_is_not_a_training_backward(records):
+    """A gradient penalty (``torch.autograd.grad`` of the output, ``create_graph=True``, then ``engine.backward``):
+    the engine does not take the penalty's pass for a backward of its own (no reduction, no rebuilt DDP, no division
+    by the accumulation steps). At ZeRO-1/2 the losses and input gradients through ``engine(x)`` equal those through
+    ``engine.module(x)``, which no output hook sees; at ZeRO-3 it is refused by name (FSDP2 frees the gathered
+    parameters the second pass needs). DeepSpeed 0.19.8 fails this script at every stage here (IndexError at stages
+    1-2, "mat2 must be a matrix" at 3), so there is no DeepSpeed run to compare with."""
+    for stage in (1, 2):
+        around = _ranks(records, f"penalty_module_s{stage}", "torsh")
+        for mine, reference in zip(_ranks(records, f"penalty_engine_s{stage}", "torsh"), around):
+            assert mine["losses"] == pytest.approx(reference["losses"], rel=1e-6)
+            assert mine["norms"] == pytest.approx(reference["norms"], rel=1e-6)
+            assert mine["losses"][0] != mine["losses"][-1]
+    for refused in (r["refused"] for r in _ranks(records, "penalty_engine_s3", "torsh")):
+        assert refused.startswith("NotImplementedError") and "create_graph=True" in refused and "ZeRO stage 3" in \
+            refused  # fmt: skip
 
 
 @both

@@ -13,6 +13,7 @@ under a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``) is left alone,
 
 from __future__ import annotations
 
+import collections
 import weakref
 from typing import Any
 
@@ -26,6 +27,13 @@ MESSAGE = ("Direct calls to tensor.backward() are not supported in this configur
 SCALE_MESSAGE = ("Loss scaling is required for this configuration (fp16 with a loss scaler), but backward() was "
                  "called directly on a loss that was not scaled. Use engine.backward(loss), or "
                  "engine.scale(loss).backward(), as DeepSpeed requires here.")  # fmt: skip
+
+
+DOUBLE_BACKWARD_MESSAGE = (
+    "torch.autograd.grad(..., create_graph=True) through the output of engine(...) (a gradient penalty) is not run "
+    "by the torsh engine at ZeRO stage 3: FSDP2 frees the gathered parameters after this pass, which the backward "
+    "through the penalty needs again. Use ZeRO stage 1 or 2 for this model, or a penalty that does not "
+    "differentiate through the input gradient")  # fmt: skip
 
 
 ZERO_MARK = "_torsh_deepspeed_zero_optimizer"
@@ -58,7 +66,9 @@ def guard(engine: Any, outputs: Any) -> None:
     optimizers run it: the engine's prologue once per backward, each output gradient divided by the accumulation
     steps (unless the last ``engine.backward`` said ``scale_wrt_gas=False``), the epilogue when autograd
     finishes. Under fp16 loss scaling the loss must come from ``engine.scale(loss)``, else it raises before any
-    gradient is made."""
+    gradient is made. ``torch.autograd.grad`` through the outputs is not a backward of the engine's and is left
+    alone (DeepSpeed divides its output gradients by the accumulation steps too), except that with
+    ``create_graph=True`` at ZeRO-3 it is refused (:data:`DOUBLE_BACKWARD_MESSAGE`)."""
     if not torch.is_grad_enabled():
         return
     # outputs computed in this forward only: a hook on a leaf (a parameter the model returns) would stay on it
@@ -68,22 +78,51 @@ def guard(engine: Any, outputs: Any) -> None:
     owner = weakref.ref(engine)
     refused = refuses(engine)
 
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        engine = owner()
-        if engine is None or engine.__dict__.get("_running_backward") or _functorch_transforming():
-            return grad
-        if refused:
-            raise RuntimeError(MESSAGE)
-        # once per backward (an autograd graph task), however many outputs of however many forwards it reaches
-        task = torch._C._current_graph_task_id()
-        if engine.__dict__.get("_direct_backward_task") != task:
-            engine.__dict__["_direct_backward_task"] = task
-            _begin(engine)
-        gas = engine.gradient_accumulation_steps()
-        return grad / gas if gas > 1 and engine.__dict__.get("_scale_wrt_gas", True) else grad
+    def hooked(grad_fn: Any):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            engine = owner()
+            if engine is None or engine.__dict__.get("_running_backward") or _functorch_transforming():
+                return grad
+            if refused:
+                raise RuntimeError(MESSAGE)
+            # decided once per backward (an autograd graph task), however many outputs of however many forwards
+            # it reaches; torch.autograd.grad (a gradient penalty, an input saliency) is left alone
+            task = torch._C._current_graph_task_id()
+            seen = engine.__dict__.get("_direct_backward_task")
+            if seen is None or seen[0] != task:
+                seen = (task, _accumulates(grad_fn))
+                engine.__dict__["_direct_backward_task"] = seen
+                if seen[1]:
+                    _begin(engine)
+                elif torch.is_grad_enabled() and engine._shard.kind == "fsdp":  # autograd.grad(create_graph=True)
+                    raise NotImplementedError(DOUBLE_BACKWARD_MESSAGE)
+            gas = engine.gradient_accumulation_steps()
+            return grad / gas if seen[1] and gas > 1 and engine.__dict__.get("_scale_wrt_gas", True) else grad
+
+        return hook
 
     for t in tensors:
-        t.register_hook(hook)
+        t.register_hook(hooked(t.grad_fn))
+
+
+def _accumulates(grad_fn: Any) -> bool:
+    """Whether the running backward accumulates into the leaves of the graph (``loss.backward()``), and is not
+    ``torch.autograd.grad``, which leaves ``.grad`` alone: asked of the leaf nearest the output (breadth first).
+    True when no leaf is found within a bound (a graph that reaches its parameters through a reentrant
+    checkpoint only)."""
+    queue, seen = collections.deque([grad_fn]), set()
+    while queue and len(seen) < 10_000:
+        node = queue.popleft()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # an AccumulateGrad: a leaf of the graph
+            try:
+                return bool(torch._C._will_engine_execute_node(node))
+            except RuntimeError:  # torch refuses the question for a leaf while torch.autograd.grad runs
+                return False
+        queue.extend(child for child, _ in node.next_functions)
+    return True
 
 
 def _begin(engine: Any) -> None:
