@@ -16,6 +16,8 @@ construction): the getters give None before, the setters raise.
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Callable
 
 import torch
@@ -204,83 +206,62 @@ def safe_update_full_grad_vectorized(param_list: list, update_func: Callable) ->
 # --- optimizer state -------------------------------------------------------------------------------------------
 
 
-def _state(param: torch.Tensor, key: str, what: str, *, required: bool) -> tuple:
-    """The layout, the optimizer state tensor ``key`` of ``param`` and the tensor the optimizer steps for it;
-    (None, None, None) when there is no state yet (an error when ``required``). Call inside :func:`_resident`."""
+@contextlib.contextmanager
+def _optimizer_state(param: torch.Tensor, key: str, what: str, *, required: bool):
+    """The block in which ``(layout, state)``: the layout of ``param`` and its per-element optimizer state ``key``,
+    held in host memory (NVMe offload reads it in, and writes back what the block changed). ``(None, None)`` for a
+    parameter that does not train, and before the optimizer's first step (an error then when ``required``)."""
+    param = original(param)
+    if not param.requires_grad:
+        yield None, None
+        return
     layout, stepped = locate(param)
-    state = fragments.optimizer_state(stepped)
-    if state is None:
-        if required:
-            raise ValueError(f"{what}: the optimizer has no state for this parameter yet (torch optimizers create "
-                             "it at their first step): call it after engine.step()")  # fmt: skip
-        return None, None, None
-    if key not in state:
-        raise ValueError(f"{what}: the optimizer state has no {key!r}; it holds {sorted(state)}")
-    return layout, state[key], stepped
-
-
-def _resident(param: torch.Tensor):
-    """The block in which ``param``'s optimizer state is in host memory (NVMe offload reads it in, and writes
-    back what the block changed)."""
-    return fragments.state_resident(locate(param)[1])
-
-
-def _per_element(value, stepped: torch.Tensor, key: str, what: str) -> None:
-    if not is_elementwise(value, stepped):
-        raise ValueError(f"{what}: optimizer state {key!r} is not one value per element of the parameter (it is "
-                         f"{type(value).__name__}{tuple(value.shape) if torch.is_tensor(value) else ''}); only "
-                         "per-element state such as Adam's exp_avg is read or written per parameter")  # fmt: skip
+    with fragments.state_resident(stepped):
+        state = fragments.optimizer_state(stepped)
+        if state is None:
+            if required:
+                raise ValueError(f"{what}: the optimizer has no state for this parameter yet (torch optimizers "
+                                 "create it at their first step): call it after engine.step()")  # fmt: skip
+            yield None, None
+            return
+        if key not in state:
+            raise ValueError(f"{what}: the optimizer state has no {key!r}; it holds {sorted(state)}")
+        value = state[key]
+        if not is_elementwise(value, stepped):
+            raise ValueError(f"{what}: optimizer state {key!r} is not one value per element of the parameter (it "
+                             f"is {type(value).__name__}{tuple(value.shape) if torch.is_tensor(value) else ''}); "
+                             "only per-element state such as Adam's exp_avg is read or written per parameter")
+        yield layout, value
 
 
 def safe_get_full_optimizer_state(param, optim_state_key) -> torch.Tensor | None:
     """The whole optimizer state ``optim_state_key`` (Adam: ``exp_avg``, ``exp_avg_sq``) of ``param``; None for a
     parameter that does not train and before the optimizer's first step. Collective under ZeRO."""
-    param = original(param)
-    if not param.requires_grad:
-        return None
-    with _resident(param):
-        layout, value, stepped = _state(param, optim_state_key, "safe_get_full_optimizer_state", required=False)
-        if value is None:
-            return None
-        _per_element(value, stepped, optim_state_key, "safe_get_full_optimizer_state")
-        return layout.full(value)
+    with _optimizer_state(param, optim_state_key, "safe_get_full_optimizer_state", required=False) as (layout, value):
+        return None if value is None else layout.full(value)
 
 
 def safe_set_full_optimizer_state(param, value, optim_state_key) -> None:
     """Write ``value`` (the whole state, the same on every rank) as optimizer state ``optim_state_key`` of
     ``param``; each rank keeps its part. Not collective. After the optimizer's first step (before it, it has
     none)."""
-    param = original(param)
-    if not param.requires_grad:
-        return
-    with _resident(param):
-        layout, held, stepped = _state(param, optim_state_key, "safe_set_full_optimizer_state", required=True)
-        _per_element(held, stepped, optim_state_key, "safe_set_full_optimizer_state")
-        layout.write_full(held, value, "safe_set_full_optimizer_state")
+    with _optimizer_state(param, optim_state_key, "safe_set_full_optimizer_state", required=True) as (layout, held):
+        if held is not None:
+            layout.write_full(held, value, "safe_set_full_optimizer_state")
 
 
 def safe_get_local_optimizer_state(param, optim_state_key) -> torch.Tensor | None:
     """This rank's part of optimizer state ``optim_state_key`` of ``param`` (see the module docstring); None for a
     parameter that does not train and before the optimizer's first step."""
-    param = original(param)
-    if not param.requires_grad:
-        return None
-    with _resident(param):
-        layout, value, stepped = _state(param, optim_state_key, "safe_get_local_optimizer_state", required=False)
-        if value is None:
-            return None
-        _per_element(value, stepped, optim_state_key, "safe_get_local_optimizer_state")
-        return layout.local(value)
+    with _optimizer_state(param, optim_state_key, "safe_get_local_optimizer_state", required=False) as (layout,
+                                                                                                         value):
+        return None if value is None else layout.local(value)
 
 
 def safe_set_local_optimizer_state(param, value, optim_state_key) -> None:
     """Write ``value`` (sized as :func:`safe_get_local_optimizer_state` gives it) as this rank's part of optimizer
     state ``optim_state_key`` of ``param``. After the optimizer's first step."""
-    param = original(param)
-    if not param.requires_grad:
-        return
-    with _resident(param):
-        layout, held, stepped = _state(param, optim_state_key, "safe_set_local_optimizer_state", required=True)
-        _per_element(held, stepped, optim_state_key, "safe_set_local_optimizer_state")
-        layout.write_local(held, value, "safe_set_local_optimizer_state")
+    with _optimizer_state(param, optim_state_key, "safe_set_local_optimizer_state", required=True) as (layout, held):
+        if held is not None:
+            layout.write_local(held, value, "safe_set_local_optimizer_state")
 
