@@ -43,17 +43,22 @@ def _adamw_pair(tmp_path, io: dict, offload: OffloadConfig | None = None):
     return ps, qs, plain, swapped
 
 
+def _step_both(ps, qs, plain, swapped) -> None:
+    """One step of both optimizers of :func:`_adamw_pair` with the same random gradients."""
+    for p, q in zip(ps, qs):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    plain.step()
+    swapped.step()
+
+
 @pytest.mark.parametrize("io", [{"nvme_sub_group_size": 16},
                                 {"nvme_sub_group_size": 7, "nvme_block_size": 4096, "nvme_threads": 3,
                                  "nvme_pipeline": True}, {}], ids=["pieces", "threads-pipelined", "whole"])  # fmt: skip
 def test_pieces_step_bit_for_bit_as_the_whole_tensor(tmp_path, io):
     ps, qs, plain, swapped = _adamw_pair(tmp_path, io)
     for _ in range(4):
-        for p, q in zip(ps, qs):
-            p.grad = torch.randn_like(p)
-            q.grad = p.grad.clone()
-        plain.step()
-        swapped.step()
+        _step_both(ps, qs, plain, swapped)
     assert all(torch.equal(p, q) for p, q in zip(ps, qs))
     # between steps only the step counter is in memory; the moments are in the rank's files
     assert {k for st in swapped.state.values() for k in st} == {"step"}
@@ -590,11 +595,7 @@ def test_pipelined_writes_are_on_disk_when_step_returns(tmp_path, monkeypatch):
 
     monkeypatch.setattr(swapper, "_write_span", slow)
     for _ in range(2):
-        for p, q in zip(ps, qs):
-            p.grad = torch.randn_like(p)
-            q.grad = p.grad.clone()
-        plain.step()
-        swapped.step()
+        _step_both(ps, qs, plain, swapped)
         on_disk = np.fromfile(swapper.files[qs[0]]["exp_avg"].path, dtype=np.float32)
         assert np.array_equal(on_disk, plain.state[ps[0]]["exp_avg"].reshape(-1).numpy())
 
