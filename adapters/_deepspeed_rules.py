@@ -295,11 +295,17 @@ def _read_pipeline(seen: _Seen) -> None:
     if not present:
         seen.set(_PIPELINE_KEYS[0], "offload.nvme_pipeline", False)
         return
-    pipeline = any(bool(seen.value(k, False)) for k in present)
-    reason = "pipeline_read or pipeline_write, as DeepSpeed" if len(present) > 1 else ""
-    seen.set(present[0], "offload.nvme_pipeline", pipeline, EXACT, reason)
+    values = [bool(seen.value(k, False)) for k in _PIPELINE_KEYS]  # an absent key is DeepSpeed's default, false
+    pipeline = any(values)
+    if values[0] == values[1]:
+        fidelity, reason = EXACT, "pipeline_read or pipeline_write, as DeepSpeed" if len(present) > 1 else ""
+    else:  # DeepSpeed overlaps only the reads, or only the writes; torsh's one switch overlaps both
+        only = "reads" if values[0] else "writes"
+        fidelity, reason = APPROXIMATE, (f"DeepSpeed overlaps only the {only} with the step; torsh overlaps reads and "
+                                         "writes together (the same values, other timing)")
+    seen.set(present[0], "offload.nvme_pipeline", pipeline, fidelity, reason)
     for key in present[1:]:
-        seen.drop(key, f"-> offload.nvme_pipeline (or of {present[0]})", EXACT)
+        seen.drop(key, f"-> offload.nvme_pipeline (or of {present[0]})", fidelity)
 
 
 def _read_offload(seen: _Seen) -> None:
