@@ -52,6 +52,23 @@ def _step_both(ps, qs, plain, swapped) -> None:
     swapped.step()
 
 
+def test_one_parameters_state_is_read_in_alone(tmp_path):
+    """The tensor-fragment API asks for one parameter's state: only its files are read in (and written back), not
+    every parameter's (at ZeRO-3 a loop over the parameters read the whole state once per parameter)."""
+    ps, qs, plain, swapped = _adamw_pair(tmp_path, {})
+    _step_both(ps, qs, plain, swapped)
+    with nvme.resident(swapped, [qs[0]]):
+        assert set(swapped.state[qs[0]]) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+        assert torch.equal(swapped.state[qs[0]]["exp_avg"], plain.state[ps[0]]["exp_avg"])
+        assert all(set(swapped.state[q]) <= {"step"} for q in qs[1:])
+        swapped.state[qs[0]]["exp_avg"].mul_(2)  # a setter's change is written back out
+    assert {k for st in swapped.state.values() for k in st} == {"step"}
+    with nvme.resident(swapped):
+        assert torch.equal(swapped.state[qs[0]]["exp_avg"], 2 * plain.state[ps[0]]["exp_avg"])
+        with nvme.resident(swapped, [qs[1]]):  # inside the whole state: nothing more to read
+            assert "exp_avg" in swapped.state[qs[2]]
+
+
 @pytest.mark.parametrize("io", [{"nvme_sub_group_size": 16},
                                 {"nvme_sub_group_size": 7, "nvme_block_size": 4096, "nvme_threads": 3,
                                  "nvme_pipeline": True}, {}], ids=["pieces", "threads-pipelined", "whole"])  # fmt: skip
@@ -255,11 +272,14 @@ def test_the_reserved_space_becomes_the_state_files(tmp_path):
     ps, qs, plain, swapped = _adamw_pair(tmp_path, {})
     folder = getattr(swapped, nvme.SWAP_ATTR).folder
     reserve = folder / nvme.RESERVE
-    assert reserve.stat().st_size == (37 * 5 + 11) * 4 * nvme.STATES_PER_ELEMENT
+    assert reserve.stat().st_size == (37 * 5 + 11) * 4 * 3  # AMSGrad: three per-element states (was: two)
     qs[0].grad = torch.ones_like(qs[0])
-    swapped.step()  # three state files of 37 * 5 floats: 3 * 740 bytes of the 1568 reserved
+    swapped.step()  # three state files of 37 * 5 floats: 3 * 740 bytes of the 2352 reserved
+    assert reserve.stat().st_size == 11 * 4 * 3  # what the other parameter's three files will take
+    qs[1].grad = torch.ones_like(qs[1])
+    swapped.step()
     assert not reserve.exists()
-    assert all(f.stat().st_size == 37 * 5 * 4 for f in folder.iterdir())
+    assert sorted(f.stat().st_size for f in folder.iterdir()) == [11 * 4] * 3 + [37 * 5 * 4] * 3
 
 
 # --------------------------------------------------------------------------------------------------

@@ -230,7 +230,7 @@ def optimizer_state(stepped: torch.Tensor) -> dict | None:
 
 @contextlib.contextmanager
 def state_resident(stepped: torch.Tensor) -> Iterator[None]:
-    """The optimizer state of ``stepped`` whole in host memory for the block (NVMe offload keeps the per-element
+    """The optimizer state of ``stepped`` in host memory for the block (NVMe offload keeps the per-element
     entries in files between steps; what the block writes into them is written back out after)."""
     from .nvme import resident
 
@@ -238,7 +238,7 @@ def state_resident(stepped: torch.Tensor) -> Iterator[None]:
     if owner is None:
         yield
         return
-    with resident(owner):
+    with resident(owner, [stepped]):  # this parameter's files only
         yield
 
 

@@ -45,7 +45,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -60,8 +60,10 @@ PATH_KEY = "offload_optimizer.nvme_path"
 """The key a bad path is reported under (the DeepSpeed config's; torsh's ``offload.nvme_path``)."""
 SWAP_ATTR = "_torsh_nvme"
 """The attribute of an optimizer holding its :class:`NvmeSwapper`."""
-STATES_PER_ELEMENT = 2
-"""Files per parameter element the space check asks for (Adam's two moments)."""
+def states_per_element(optimizer: Any) -> int:
+    """Files per parameter element the space check asks for: Adam's two moments, three with AMSGrad's maximum (an
+    upper bound for the other optimizers, which keep one or two)."""
+    return 3 if any(g.get("amsgrad") for g in optimizer.param_groups) else 2
 RESERVE = "reserved.space"
 """The file in an optimizer's folder holding the disk space its state files will take until they take it."""
 
@@ -303,7 +305,8 @@ class NvmeSwapper:
         except BaseException:
             if target is not None:
                 state.pop(target, None)
-            kept = before  # the parameter's state as it was (its step counter, any state in memory)
+            # the step counter as it was; the pieces already stepped stay stepped (the step is partial)
+            kept = before
             raise
         finally:
             state[p] = kept
@@ -368,18 +371,21 @@ class NvmeSwapper:
     # whole state in and out ----------------------------------------------------------------------
 
     @torch.no_grad()
-    def swap_in(self) -> None:
-        """Read every parameter's state back into ``optimizer.state`` as the optimizer holds it."""
-        for p, files in self.files.items():
+    def swap_in(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Read every parameter's state (or that of ``params``) back into ``optimizer.state`` as the optimizer
+        holds it."""
+        for p in self.files if params is None else [q for q in params if q in self.files]:
+            files = self.files[p]
             st = self.optimizer.state.setdefault(p, {})
             local = _local(p.detach())
             for key, f in files.items():
                 st[key] = _as_param_like(self.io.read(f, 0, local.numel()).view(local.shape), p)
 
     @torch.no_grad()
-    def swap_out(self) -> None:
-        """Write every per-element state tensor to its file and drop it from host memory."""
-        for p in self.index:
+    def swap_out(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Write every per-element state tensor (or those of ``params``) to its file and drop it from host
+        memory."""
+        for p in self.index if params is None else [q for q in params if q in self.index]:
             st = self.optimizer.state.get(p)
             if not st:
                 continue
@@ -392,8 +398,19 @@ class NvmeSwapper:
             self.optimizer.state[p] = {k: v for k, v in st.items() if not _per_element(v, p)}
 
     @contextlib.contextmanager
-    def resident(self) -> Iterator[None]:
-        """The whole state in host memory for the duration (checkpoints), written back out afterwards."""
+    def resident(self, params: list[torch.Tensor] | None = None) -> Iterator[None]:
+        """The whole state (checkpoints), or that of ``params`` (the tensor-fragment API), in host memory for the
+        duration, written back out afterwards."""
+        if params is not None:
+            if self.depth:  # the whole state is in already
+                yield
+                return
+            self.swap_in(params)
+            try:
+                yield
+            finally:
+                self.swap_out(params)
+            return
         self.depth += 1
         try:
             if self.depth == 1:
@@ -492,7 +509,8 @@ def _rank_folder(optimizer: Any, nvme_path: str, stage: int, rank: int) -> Path:
     clearing a previous run's files from it, allocating the space the state files will take) is done before the ranks
     agree, so that all of them stop together; the space is held in a reserve file that each state file takes its
     share of when it is made, so that a full disk is found here rather than on one rank in the middle of a step."""
-    need = sum(_local(p).numel() * 4 for g in optimizer.param_groups for p in g["params"]) * STATES_PER_ELEMENT
+    need = sum(_local(p).numel() * 4 for g in optimizer.param_groups for p in g["params"]) * states_per_element(
+        optimizer)
     folder = Path(nvme_path or ".") / f"zero_stage_{stage}" / "optimizer" / f"rank{rank}" / str(next(_ATTACHED))
     problem = path_problem(nvme_path, need)
     if problem is None:
@@ -541,11 +559,12 @@ def _patch(optimizer: Any, swapper: NvmeSwapper) -> None:
 
 
 @contextlib.contextmanager
-def resident(optimizer: Any) -> Iterator[None]:
-    """``optimizer``'s whole state in host memory for the duration (no-op without NVMe offload)."""
+def resident(optimizer: Any, params: list[torch.Tensor] | None = None) -> Iterator[None]:
+    """``optimizer``'s whole state, or that of ``params``, in host memory for the duration (no-op without NVMe
+    offload)."""
     swapper = getattr(optimizer, SWAP_ATTR, None)
     if swapper is None:
         yield
         return
-    with swapper.resident():
+    with swapper.resident(params):
         yield
