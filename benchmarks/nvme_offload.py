@@ -4,8 +4,9 @@ The model is 10 bias-free ``Linear(2048, 2048)`` layers in fp32 (42 M parameters
 ranks), trained with torsh's engine from a DeepSpeed JSON at ZeRO-2 and ZeRO-3 with ``offload_optimizer`` on the
 CPU and on NVMe (``nvme_path`` a directory on the local disk). NVMe runs twice: plain positional file I/O on the
 calling thread, and ``aio.intra_op_parallelism: 2`` with ``pipeline_read``/``pipeline_write`` (a thread pool reading
-the next piece and writing the last one while a piece steps). ``sub_group_size`` is 4 M elements, so at most
-32 MiB of AdamW state per rank is in host memory during the NVMe step.
+the next piece and writing the last one while a piece steps). ``sub_group_size`` is 4 M elements, so the plain
+variant holds one piece's AdamW state (32 MiB per rank) in host memory during the NVMe step, the pipelined one up
+to four (the piece stepping, the one read ahead, two being written: 128 MiB).
 
 Per rank, after one warm-up step: the peak resident memory over the timed steps (``VmHWM``, reset after the
 warm-up), the resident memory between steps (``VmRSS``) and the mean step time (forward, backward, step) over 5
@@ -36,8 +37,6 @@ VARIANTS = {
     "nvme": {"device": "nvme"},
     "nvme-threads-pipelined": {"device": "nvme", "pipeline_read": True, "pipeline_write": True, "threads": 2},
 }
-
-
 
 
 def config(stage: int, variant: str, nvme_path: str) -> dict:

@@ -31,8 +31,6 @@ MODEL_MIB = LAYERS * WIDTH * WIDTH * 4 / 2**20
 LARGEST_MODULE_MIB = WIDTH * WIDTH * 4 / 2**20
 
 
-
-
 def worker(engine: str, out: str) -> None:
     """One rank: build under zero.Init, initialize at stage 3, one step; rank 0 writes every rank's numbers."""
     import torch

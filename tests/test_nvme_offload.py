@@ -92,11 +92,7 @@ def test_pieces_step_bit_for_bit_as_the_whole_tensor(tmp_path, io):
     (tmp_path / "b").mkdir()
     nvme.attach_nvme(other, _offload(tmp_path / "b", **io), stage=2, rank=0)
     other.load_state_dict(copy.deepcopy(plain.state_dict()))  # (torch shares the step tensors it loads)
-    for p, f in zip(ps, fresh):
-        p.grad = torch.randn_like(p)
-        f.grad = p.grad.clone()
-    plain.step()
-    other.step()
+    _step_both(ps, fresh, plain, other)
     assert all(torch.equal(p, f) for p, f in zip(ps, fresh))
 
 
