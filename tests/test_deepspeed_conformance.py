@@ -972,7 +972,11 @@ def direct_backward(rank: int, world_size: int, scenario: dict) -> dict:
     accumulation steps: DeepSpeed's ZeRO optimizers complete it (reduction, division by the accumulation steps),
     and so must torsh's engine. ``mode`` "engine" runs ``engine.backward(loss)`` for the reference losses."""
     ds = _ds(scenario["engine"])
-    engine = _init(ds, _config(scenario["stage"], gradient_accumulation_steps=2))
+    # SGD: Adam's step hardly changes when every gradient is scaled alike, which would hide a missing or doubled
+    # division by the accumulation steps
+    sgd = {"type": "SGD", "params": {"lr": 0.1}}
+    engine = _init(ds, _config(scenario["stage"], gradient_accumulation_steps=2, optimizer=sgd,
+                               zero_allow_untested_optimizer=True))
     losses = []
     for micro in range(8):
         loss = _loss(engine, micro, rank)

@@ -147,6 +147,27 @@ def test_direct_backward_raises_at_stage_0_only(one_rank):
     _engine(_config(1, bf16={"enabled": False}))(x).sum().backward()
 
 
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_forward_without_backward_frees_its_activations_at_once(one_rank, stage):
+    """The hooks on the forward's outputs hold nothing of its graph: an output dropped without a backward (an
+    evaluation pass with grad enabled) frees the tensors the graph saved at once, without the cyclic garbage
+    collector (was: hook and grad_fn kept each other, 437 MiB more peak memory over 30 such passes of a 4 x 1024 MLP)."""
+    import gc
+    import weakref
+
+    engine = _engine(_config(stage, bf16={"enabled": False}))
+    saved = []
+    engine.module[1].register_forward_hook(lambda m, i, o: saved.append(weakref.ref(o)))  # ReLU's output: saved
+    gc.disable()
+    try:
+        out = engine(torch.randn(2, HIDDEN)).sum()
+        assert saved[-1]() is not None
+        del out
+        assert saved[-1]() is None
+    finally:
+        gc.enable()
+
+
 def test_direct_backward_under_fp16_loss_scaling_needs_engine_scale(one_rank):
     """DeepSpeed's rule for a direct backward under a loss scaler: ``loss.backward()`` raises (before any gradient
     is made), ``engine.scale(loss).backward()`` steps the weights ``engine.backward(loss)`` steps."""
@@ -186,7 +207,8 @@ def test_zero_optimizers_are_deepspeeds_zero_optimizer_with_needs_scaler(one_ran
         engine = _engine(_config(stage))
         assert isinstance(engine.optimizer, ZeROOptimizer) and isinstance(engine.optimizer, DeepSpeedOptimizer)
         assert engine.optimizer.needs_scaler() is False
-        engine(torch.randn(2, HIDDEN, dtype=torch.bfloat16)).float().sum().backward()  # bf16: no scaling needed
+        # bf16: a direct backward needs no engine.scale (DeepSpeed's check; its numerics are tested on 2 ranks)
+        engine(torch.randn(2, HIDDEN, dtype=torch.bfloat16)).float().sum().backward()
         assert all(safe_get_full_grad(p) is not None for p in engine.module.parameters())
     fp16 = _engine(_config(1, bf16={"enabled": False}, fp16={"enabled": True}))
     assert fp16.optimizer.needs_scaler() is True

@@ -67,7 +67,7 @@ def guard(engine: Any, outputs: Any) -> None:
     steps (unless the last ``engine.backward`` said ``scale_wrt_gas=False``), the epilogue when autograd
     finishes. Under fp16 loss scaling the loss must come from ``engine.scale(loss)``, else it raises before any
     gradient is made. ``torch.autograd.grad`` through the outputs is not a backward of the engine's and is left
-    alone (DeepSpeed divides its output gradients by the accumulation steps too), except that with
+    alone (DeepSpeed would divide its output gradients by the accumulation steps; torsh does not), except that with
     ``create_graph=True`` at ZeRO-3 it is refused (:data:`DOUBLE_BACKWARD_MESSAGE`)."""
     if not torch.is_grad_enabled():
         return
@@ -78,31 +78,30 @@ def guard(engine: Any, outputs: Any) -> None:
     owner = weakref.ref(engine)
     refused = refuses(engine)
 
-    def hooked(grad_fn: Any):
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            engine = owner()
-            if engine is None or engine.__dict__.get("_running_backward") or _functorch_transforming():
-                return grad
-            if refused:
-                raise RuntimeError(MESSAGE)
-            # decided once per backward (an autograd graph task), however many outputs of however many forwards
-            # it reaches; torch.autograd.grad (a gradient penalty, an input saliency) is left alone
-            task = torch._C._current_graph_task_id()
-            seen = engine.__dict__.get("_direct_backward_task")
-            if seen is None or seen[0] != task:
-                seen = (task, _accumulates(grad_fn))
-                engine.__dict__["_direct_backward_task"] = seen
-                if seen[1]:
-                    _begin(engine)
-                elif torch.is_grad_enabled() and engine._shard.kind == "fsdp":  # autograd.grad(create_graph=True)
-                    raise NotImplementedError(DOUBLE_BACKWARD_MESSAGE)
-            gas = engine.gradient_accumulation_steps()
-            return grad / gas if seen[1] and gas > 1 and engine.__dict__.get("_scale_wrt_gas", True) else grad
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        engine = owner()
+        if engine is None or engine.__dict__.get("_running_backward") or _functorch_transforming():
+            return grad
+        if refused:
+            raise RuntimeError(MESSAGE)
+        # decided once per backward (an autograd graph task), however many outputs of however many forwards
+        # it reaches; torch.autograd.grad (a gradient penalty, an input saliency) is left alone
+        task = torch._C._current_graph_task_id()
+        seen = engine.__dict__.get("_direct_backward_task")
+        if seen is None or seen[0] != task:
+            seen = (task, _accumulates(torch._C._current_autograd_node()))
+            engine.__dict__["_direct_backward_task"] = seen
+            if seen[1]:
+                _begin(engine)
+            elif torch.is_grad_enabled() and engine._shard.kind == "fsdp":  # autograd.grad(create_graph=True)
+                raise NotImplementedError(DOUBLE_BACKWARD_MESSAGE)
+        gas = engine.gradient_accumulation_steps()
+        return grad / gas if seen[1] and gas > 1 and engine.__dict__.get("_scale_wrt_gas", True) else grad
 
-        return hook
-
+    # the hook holds nothing of the graph (the node it runs for is asked of autograd): a closure over the
+    # tensor's grad_fn, on which torch keeps the hook, would be a cycle keeping the forward's activations alive
     for t in tensors:
-        t.register_hook(hooked(t.grad_fn))
+        t.register_hook(hook)
 
 
 def _accumulates(grad_fn: Any) -> bool:
@@ -148,7 +147,7 @@ def scale(engine: Any, loss: torch.Tensor) -> torch.Tensor:
     with a loss scaler needs it (:data:`SCALE_MESSAGE`); otherwise the loss is returned as it is."""
     if engine.optimizer is None:
         raise RuntimeError("engine.scale needs an optimizer: pass one to initialize or configure one")
-    if not torch.is_tensor(loss) or loss.dim() != 0 or loss.grad_fn is None:
+    if not torch.is_tensor(loss) or loss.numel() != 1 or loss.grad_fn is None:  # DeepSpeed's rule: one element
         raise ScaleError("engine.scale expects a loss that is a scalar tensor with a grad_fn; for a non-scalar "
                          "tensor call tensor.backward(gradient) on the output of engine(...)")  # fmt: skip
     engine.__dict__["_manual_backward_expected"] = True

@@ -59,7 +59,7 @@ def get_n_embd() -> int | None:
     return n_embd
 
 
-def _share(count: int, parts: int, index: int) -> int:
+def share_out(count: int, parts: int, index: int) -> int:
     """Part ``index`` of ``count`` shared out over ``parts`` as evenly as it goes, the first parts one more."""
     return count // parts + (1 if index < count % parts else 0)
 
@@ -91,11 +91,11 @@ def get_shard_size(total_size: int, mp_size: int, name: Any = None, rank: int | 
     if rank is None:
         rank = _group_rank(mp_size, mp_group)
     if _by_heads(total_size, heads, name):
-        return total_size * _share(heads, mp_size, rank) // heads
+        return total_size * share_out(heads, mp_size, rank) // heads
     if total_size < tp_grain_size:
-        return _share(total_size, mp_size, rank)
+        return share_out(total_size, mp_size, rank)
     grains, leftover = divmod(total_size, tp_grain_size)
-    rows = _share(grains, mp_size, rank) * tp_grain_size
+    rows = share_out(grains, mp_size, rank) * tp_grain_size
     return rows + leftover if rank == mp_size - 1 else rows
 
 

@@ -27,15 +27,16 @@ from torch.nn import Module
 
 import torsh.engine.distributed  # noqa: F401 - its exit handler tears the layer's group down safely at exit
 
+from ..module_inject.tp_shard import share_out
+
 __all__ = ["DistributedAttention", "single_all_to_all", "apply_rotary_pos_emb", "head_counts"]
 
 
 def head_counts(num_heads: int, world_size: int, num_kv_heads: int | None = None) -> list[int]:
     """How many of ``num_heads`` heads each of ``world_size`` ranks holds (see the module docstring)."""
     if num_kv_heads is not None and num_heads % num_kv_heads == 0:
-        groups = [num_kv_heads // world_size + (1 if r < num_kv_heads % world_size else 0) for r in range(world_size)]
-        return [num_heads * g // num_kv_heads for g in groups]
-    return [num_heads // world_size + (1 if r < num_heads % world_size else 0) for r in range(world_size)]
+        return [num_heads * share_out(num_kv_heads, world_size, r) // num_kv_heads for r in range(world_size)]
+    return [share_out(num_heads, world_size, r) for r in range(world_size)]
 
 
 def _seq_dim(batch_dim_idx: int) -> int:
