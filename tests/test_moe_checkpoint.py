@@ -303,7 +303,7 @@ def test_expert_zero_full_view_keeps_nvme_state_resident():
 
     class Swapper:
         @contextlib.contextmanager
-        def resident(self):
+        def resident(self, params=None):
             events.append("in")
             yield
             events.append("out")
