@@ -43,7 +43,6 @@ from torsh.translate import (
 
 from ._accelerate_launch import (
     _DDP_TYPES,
-    _TORCHRUN_TYPES,
     _kind,
     _kind_of,
     _read_distributed_type,
@@ -62,6 +61,7 @@ from ._accelerate_fsdp import (
     _write_fsdp_rest,
     _write_fsdp_sharding,
 )
+from ._accelerate_parallelism import _check_parallelism_sizes, _read_megatron, _read_parallelism, _write_degrees
 from ._sniff import Shape, best
 from ._torch_names import AUTO_SETTERS, SCRIPT_SIDE, explain_unsupported
 
@@ -159,122 +159,6 @@ def _deepspeed_json(file: Path, ctx: ReadContext, path: str, value: Any) -> dict
                     "(train_batch_size, zero_optimization, fp16/bf16, ...)")  # fmt: skip
         return None
     return data
-
-
-#: Accelerate's model-parallel degrees (parallelism_config) -> the core degree, the fidelity and why.
-_DEGREES = {
-    "tp_size": ("parallelism.tp", Fidelity.APPROXIMATE, "DTensor tensor parallelism; Accelerate splits by the model's "
-                "own tp_plan, torsh by its default plan of the same names (q/k/v/gate/up colwise, o/down rowwise)"),
-    "cp_size": ("parallelism.cp", Fidelity.EXACT, "context parallelism"),
-    "sp_size": ("parallelism.sp", Fidelity.APPROXIMATE, "Ulysses groups and reduction; Accelerate's swap of a model's "
-                "attention and sequence-sharding of batches are not done (use DistributedAttention, feed blocks)"),
-}
-_SP_SETTINGS = {"sp_backend": "DeepSpeed-Ulysses, which the torsh engine runs", **dict.fromkeys(
-    ("sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation"), "for the attention Accelerate swaps in")}
-#: The Megatron-LM backend's degrees: Megatron's own model classes split themselves; the degree is the same.
-_MEGATRON_DEGREES = {
-    "megatron_lm_tp_degree": "parallelism.tp",
-    "megatron_lm_pp_degree": "parallelism.pp",
-    "megatron_lm_context_parallel_size": "parallelism.cp",
-}
-
-
-def _read_megatron(value: Any, ctx: ReadContext, path: str) -> None:
-    key = path.rsplit(".", 1)[-1]
-    if key not in _MEGATRON_DEGREES:
-        ctx.keep(path, value)
-        ctx.note(path, Fidelity.UNSUPPORTED, "a Megatron-LM engine setting; torsh does not run Megatron-LM", value)
-    elif value is None or value == 1:
-        ctx.keep(path, value)
-        ctx.note(path, Fidelity.EXACT, "no such parallelism", value)
-    elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        ctx.problem(path, value, "a degree is a positive number of processes")
-    else:
-        ctx.set(_MEGATRON_DEGREES[key], value, path, Fidelity.APPROXIMATE, "the same degree; Megatron-LM's model "
-                "classes split themselves" + (", torsh splits the model's linear layers with DTensor"
-                                              if key == "megatron_lm_tp_degree" else ""))  # fmt: skip
-
-
-#: The sizes accelerate launch writes into the training process's environment without looking at them (it compares
-#: cp_size and sp_size with 1 first); ParallelismConfig reads each back with int(), so a number as text is that number.
-_SIZES_AS_TEXT = ("dp_replicate_size", "dp_shard_size", "tp_size")
-
-
-def _size(key: str, value: Any, ctx: ReadContext, path: str) -> Any:
-    """A size as ParallelismConfig gets it: ``int(str(value))`` for the sizes passed on as text."""
-    if key in _SIZES_AS_TEXT and isinstance(value, str):
-        try:
-            number = int(value)
-        except ValueError:
-            return value
-        ctx.note(path, Fidelity.EXACT, "a number as text: accelerate launch passes it on as text and Accelerate's "
-                 "ParallelismConfig reads it with int()", value)  # fmt: skip
-        return number
-    return value
-
-
-def _read_parallelism(value: Any, ctx: ReadContext, path: str) -> None:
-    key = path.rsplit(".", 1)[-1].removeprefix("parallelism_config_")
-    value = _size(key, value, ctx, path)
-    if key.endswith("_size") and value is None:
-        ctx.problem(path, value, "null: accelerate launch compares it with 1 or passes it on as the text 'None', "
-                    "which Accelerate's ParallelismConfig cannot read as a size; write 1 for none")  # fmt: skip
-    elif key in ("dp_replicate_size", "dp_shard_size") and _kind(ctx) == "FSDP":
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            ctx.problem(path, value, "a size is a positive number of processes (Accelerate's ParallelismConfig "
-                        "refuses anything else)")  # fmt: skip
-        else:
-            _state(ctx)[key] = (value, path, value)
-    elif key.endswith("_size") and value == 1 and not isinstance(value, bool):
-        ctx.note(path, Fidelity.EXACT, "1: no such parallelism", value)
-    elif key in _DEGREES and (key != "sp_size" or _kind(ctx) == "DEEPSPEED"):
-        core, fidelity, reason = _DEGREES[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            ctx.problem(path, value, "a degree is a positive number of processes")
-        else:
-            ctx.set(core, value, path, fidelity, reason)
-    elif key.startswith("dp_"):
-        ctx.keep(path, value)
-        ctx.note(path, Fidelity.UNSUPPORTED, f"the data-parallel degree of a {_kind(ctx)} layout; torsh's data "
-                 "parallelism takes every process the model-parallel degrees leave", value)  # fmt: skip
-    else:
-        _read_sp_setting(key, value, ctx, path)
-
-
-def _read_sp_setting(key: str, value: Any, ctx: ReadContext, path: str) -> None:
-    """The other settings: Ulysses' under the DeepSpeed backend (the only one Accelerate runs sp with)."""
-    ds, sp = _kind(ctx) == "DEEPSPEED", key.startswith("sp_")
-    ctx.keep(path, value)
-    reason = (_SP_SETTINGS.get(key) if ds else "Accelerate runs sp with its DeepSpeed backend only") if sp else None
-    ctx.note(path, Fidelity.EXACT if ds and (key, value) == ("sp_backend", "deepspeed") else Fidelity.UNSUPPORTED,
-             reason or "sequence parallelism (and its settings) is not run by torsh", value)  # fmt: skip
-
-
-def _check_parallelism_sizes(ctx: ReadContext) -> None:
-    """The combinations Accelerate's ParallelismConfig refuses when the training process builds it (the torchrun and
-    DeepSpeed launchers pass the sizes on): tensor or context parallelism over pure replication, context and sequence
-    parallelism together. Sizes that are not numbers are refused by their own keys."""
-    section = ctx.raw.get("parallelism_config")
-    if not isinstance(section, dict) or not section or _kind(ctx) not in _TORCHRUN_TYPES:
-        return
-    sizes = {}
-    for name in ("tp_size", "cp_size", "sp_size", "dp_replicate_size", "dp_shard_size"):
-        value = section.get(f"parallelism_config_{name}", 1)
-        try:
-            sizes[name] = int(value) if isinstance(value, (int, str)) and not isinstance(value, bool) else None
-        except ValueError:
-            sizes[name] = None
-    if None in sizes.values():
-        return
-    key = "parallelism_config.parallelism_config_"
-    model_parallel = sizes["tp_size"] > 1 or sizes["cp_size"] > 1
-    if model_parallel and sizes["dp_replicate_size"] > 1 and sizes["dp_shard_size"] == 1:
-        ctx.problem(f"{key}dp_shard_size", section.get("parallelism_config_dp_shard_size", 1), "Accelerate's "
-                    "ParallelismConfig refuses tensor or context parallelism over pure replication (dp_replicate_size "
-                    "> 1, dp_shard_size 1): set dp_shard_size > 1 (FSDP or HSDP with TP/CP)")  # fmt: skip
-    if sizes["cp_size"] > 1 and sizes["sp_size"] > 1:
-        ctx.problem(f"{key}sp_size", section.get("parallelism_config_sp_size"), "Accelerate's ParallelismConfig "
-                    "refuses context and sequence parallelism together: set one of cp_size, sp_size to 1")
 
 
 # ---- the map --------------------------------------------------------------------------------------
@@ -525,24 +409,6 @@ def _write_kind(backend: str):
                          "ZeRO++ keys: use deepspeed_config_file", cfg.sharding.hybrid_shard_size)  # fmt: skip
 
     return hook
-
-
-def _write_degrees(cfg: TorshConfig, ctx: WriteContext) -> None:
-    """parallelism_config's model-parallel degrees (Accelerate's ParallelismConfig)."""
-    par = cfg.parallelism
-    for key, core in (("tp_size", "parallelism.tp"), ("cp_size", "parallelism.cp"), ("sp_size", "parallelism.sp")):
-        value = getattr(par, core.split(".")[1])
-        if value != 1:
-            ctx.put(f"parallelism_config.parallelism_config_{key}", value, core)
-    if par.pp != 1:
-        ctx.note("parallelism.pp", Fidelity.UNSUPPORTED, "Accelerate's parallelism_config has no pipeline degree "
-                 "(only its Megatron-LM backend does)", par.pp)  # fmt: skip
-    if par.tp_plan:
-        ctx.note("parallelism.tp_plan", Fidelity.UNSUPPORTED, "Accelerate splits the layers of the model's own "
-                 "tp_plan (transformers); not a config setting", par.tp_plan)  # fmt: skip
-    if par.dp_replicate is not None:
-        ctx.put("parallelism_config.parallelism_config_dp_replicate_size", par.dp_replicate,
-                "parallelism.dp_replicate")  # fmt: skip
 
 
 def _write_deepspeed_rest(cfg: TorshConfig, ctx: WriteContext) -> None:

@@ -235,7 +235,8 @@ class ParallelismConfig(Section):
     pp: Annotated[int, Field(gt=0, le=MAX_PROCESSES)] | MaybeAuto = 1
     """Pipeline-parallel degree (pipeline stages). "auto": the stages of a DeepSpeed ``PipelineModule``."""
     cp: Annotated[int, Field(gt=0, le=MAX_PROCESSES)] = 1
-    """Context parallel degree (torch's context_parallel: ring attention over a sequence split across ranks)."""
+    """Context-parallel degree: each sequence split over this many ranks, attention over the whole of it (inside
+    ``engine.context_parallel(buffers=...)``, as torch's ``context_parallel`` and Accelerate's ``cp_size``)."""
     sp: Annotated[int, Field(gt=0, le=MAX_PROCESSES)] = 1
     """Sequence-parallel degree (DeepSpeed-Ulysses, DeepSpeed's ``sequence_parallel_size``): each sequence is split
     over this many consecutive ranks, whose ``DistributedAttention`` exchanges heads for sequence; gradients are

@@ -252,12 +252,10 @@ def _model_parallel_refusals(cfg: TorshConfig, *, pipeline: bool = False) -> lis
     """The degrees the engine does not run, each with its alternative (``pipeline``: the model is a DeepSpeed
     ``PipelineModule``, which the pipeline engine runs)."""
     par, problems = cfg.parallelism, []
-    if par.cp > 1:
-        problems.append(Problem("parallelism.cp", par.cp, "context parallelism is not run by the torsh engine "
-                                "(torch's context_parallel is experimental and only splits scaled-dot-product "
-                                "attention); set it to 1 and fit long sequences with DeepSpeed-Ulysses sequence "
-                                "parallelism (parallelism.sp: DeepSpeed's sequence_parallel_size, Accelerate's "
-                                "sp_size), activation checkpointing, sharding.stage 3 or parallelism.tp"))  # fmt: skip
+    if par.cp > 1 and (pipeline_degree(cfg) > 1 or pipeline):
+        problems.append(Problem("parallelism.cp", par.cp, "context parallelism is run beside data and tensor "
+                                "parallelism, not with pipeline parallelism: set parallelism.cp or parallelism.pp "
+                                "to 1"))  # fmt: skip
     others = {k: v for k, v in (("tp", par.tp), ("pp", pipeline_degree(cfg)), ("cp", par.cp)) if v > 1}
     if par.sp > 1 and (others or pipeline):
         problems.append(Problem("parallelism.sp", par.sp, "sequence parallelism is run beside data parallelism "
@@ -329,9 +327,10 @@ def _data_parallel(stage: int, laid: Degrees | None, *, tp: int = 1,
         return "zero2", None
     if laid is None:
         return "hsdp", None
+    # the context-parallel peers hold the same model: FSDP2 shards over them too (Accelerate's dp_shard_cp)
     if laid.dp_replicate == 1:
-        return "fsdp2", (laid.dp_shard,)
-    return "hsdp", (laid.dp_replicate, laid.dp_shard)
+        return "fsdp2", (laid.dp_shard * laid.cp,)
+    return "hsdp", (laid.dp_replicate, laid.dp_shard * laid.cp)
 
 
 def _step_policy(cfg: TorshConfig, ddp: DdpConfig, *, scaling: bool, compressed: bool) -> StepPolicy:
@@ -388,6 +387,7 @@ def _dtype(value: object) -> str:
 def _with_steps(decided: EnginePlan, cfg: TorshConfig) -> EnginePlan:
     steps = _mesh_steps(decided, cfg)
     steps += sequence_steps(decided.degrees)
+    steps += context_steps(decided.degrees)
     steps += _checkpointing_steps(cfg)
     if decided.tp > 1:
         steps.append(tp_plan_step(cfg))
@@ -477,6 +477,31 @@ def sequence_steps(laid: Degrees | None) -> list[str]:
             f"{laid.dp}, as DeepSpeed); the sp ranks of a group read the same batch shard"]  # fmt: skip
 
 
+def context_groups(laid: Degrees) -> tuple[list[list[int]], list[list[int]]]:
+    """The context-parallel groups on the mesh of ``laid`` (the ranks that differ only in their ``cp``
+    coordinate), and the data-parallel groups (the ranks that differ only in their data-parallel coordinates)."""
+    by_rest: dict[tuple, list[int]] = {}
+    by_slot: dict[tuple, list[int]] = {}
+    for rank in range(laid.world_size):
+        at = laid.coordinates(rank)
+        by_rest.setdefault(tuple((n, i) for n, i in at.items() if n != "cp"), []).append(rank)
+        by_slot.setdefault(tuple((n, i) for n, i in at.items() if not n.startswith("dp_")), []).append(rank)
+    return list(by_rest.values()), list(by_slot.values())
+
+
+def context_steps(laid: Degrees | None) -> list[str]:
+    """The context-parallel degree and groups in words (nothing without context parallelism)."""
+    if laid is None or laid.cp == 1:
+        return []
+    cp_groups, _ = context_groups(laid)
+    listed = "; ".join(str(g) for g in cp_groups[:_RANKS_LISTED]) + (" ..." if len(cp_groups) > _RANKS_LISTED else "")
+    return [f"context parallelism of degree {laid.cp}: context-parallel groups {listed} (the ranks of a group read "
+            f"the same batch shard; inside engine.context_parallel(buffers=...) each holds two of the 2 x {laid.cp} "
+            "chunks of every sequence, and scaled_dot_product_attention all-gathers the keys and values of the "
+            f"whole sequence over the group); gradients averaged over every data- and context-parallel rank "
+            f"({laid.dp} x {laid.cp}: each rank's loss is the mean over its part of the sequence)"]  # fmt: skip
+
+
 #: The default tensor-parallel plan: a linear layer's last name -> how it is split (Hugging Face-style names, as
 #: DeepSpeed's AutoTP recognises them: the projections into a block are split by output columns, the projection out
 #: of it by input rows, so each pair needs one all-reduce).
@@ -519,9 +544,12 @@ def _sharding_step(decided: EnginePlan, cfg: TorshConfig) -> str:
                 "backward into each rank's partition; fp32 masters and optimizer state partitioned; updated "
                 "partitions all-gathered after the step")
     laid = decided.degrees
-    group = laid.dp_shard if laid is not None else cfg.sharding.hybrid_shard_size
+    cp = laid.cp if laid is not None else 1
+    group = laid.dp_shard * cp if laid is not None else cfg.sharding.hybrid_shard_size
     mesh = (f"HSDP on a 2-D mesh (shard within groups of {group}, replicate across groups)"
             if decided.data_parallel == "hsdp" else "sharded over all data-parallel ranks")  # fmt: skip
+    if cp > 1:
+        mesh += f" and their context-parallel peers (dp_shard x cp flattened: {laid.dp_shard} x {cp})"
     if cfg.parallelism.tp > 1:
         mesh += ", on the data-parallel sub-mesh after tensor parallelism"
     return (f"FSDP2 fully_shard(reshard_after_forward={decided.reshard_after_forward}) - "

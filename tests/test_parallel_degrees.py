@@ -82,7 +82,11 @@ def test_refusals_name_the_degree_and_the_alternative():
     problems = {p.path: p.reason for p in plan.refusals(_cfg(parallelism={"tp": 3, "cp": 2}), world_size=8)}
     assert "does not divide the world size 8" in problems["parallelism"] and "lower parallelism." in \
         problems["parallelism"]  # fmt: skip
-    assert "context parallelism" in problems["parallelism.cp"] and "set it to 1" in problems["parallelism.cp"]
+    assert "parallelism.cp" not in problems  # context parallelism runs (beside data and tensor parallelism)
+    with_pp = {p.path: p.reason for p in plan.refusals(_cfg(parallelism={"pp": 2, "cp": 2}), world_size=4)}
+    assert "not with pipeline parallelism" in with_pp["parallelism.cp"] and "parallelism.pp" in with_pp
+    beside_pipeline = plan.refusals(_cfg(parallelism={"cp": 2}), world_size=2, pipeline=True)
+    assert [p.path for p in beside_pipeline] == ["parallelism.cp"]  # a PipelineModule passed to initialize
     pp = plan.refusals(_cfg(parallelism={"pp": 2}), world_size=2)
     assert [p.path for p in pp] == ["parallelism.pp"] and "sharding.stage 3" in pp[0].reason
 
@@ -166,7 +170,7 @@ def test_accelerate_megatron_degrees_are_read_and_its_other_settings_reported():
     t = adapters.read({"distributed_type": "FSDP", "num_processes": 4, "fsdp_config": {"fsdp_version": 2},
                        "parallelism_config": {"parallelism_config_cp_size": 2}}, "accelerate")  # fmt: skip
     assert t.result.parallelism.cp == 2
-    assert [p.path for p in plan.refusals(t.result, world_size=4)] == ["parallelism.cp"]
+    assert plan.refusals(t.result, world_size=4) == []
 
 
 def test_a_degree_a_dialect_cannot_hold_is_noted_not_dropped():

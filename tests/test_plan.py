@@ -34,7 +34,6 @@ def test_plan_imports_no_torch():
     ({"sharding": {"stage": 3}, "compression": {"method": "fp16"}, "precision": {"reduce_dtype": "bf16"}}, 2,
      "compression.method"),
     ({"parallelism": {"pp": 2}}, 2, "parallelism.pp"),
-    ({"parallelism": {"cp": 2}}, 2, "parallelism.cp"),
     ({"parallelism": {"tp": 3}}, 4, "parallelism"),
     ({"parallelism": {"tp": 2}, "sharding": {"stage": 3, "hybrid_shard_size": 4}}, 4, "sharding.hybrid_shard_size"),
     ({"parallelism": {"tp": 2, "dp_replicate": 3}, "sharding": {"stage": 3}}, 4, "parallelism.dp_replicate"),

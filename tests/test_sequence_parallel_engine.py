@@ -309,8 +309,8 @@ def test_plan_refuses_what_sequence_parallelism_does_not_run_beside():
     assert odd.startswith("parallelism.sp: the sequence-parallel degree must divide the 3 data-parallel rank(s)")
     (with_tp,) = refused({"sp": 2, "tp": 2}, 4)
     assert with_tp.startswith("parallelism.sp:") and "parallelism.tp 2" in with_tp
-    cp = refused({"cp": 2}, 4)
-    assert cp[0].startswith("parallelism.cp: context parallelism is not run") and "parallelism.sp" in cp[0]
+    (with_cp,) = refused({"sp": 2, "cp": 2}, 4)
+    assert with_cp.startswith("parallelism.sp:") and "parallelism.cp 2" in with_cp
 
 
 def test_plan_refuses_a_compression_hook_beside_sequence_parallelism():
@@ -361,9 +361,9 @@ parallelism_config:
 """
 
 
-def test_accelerate_yaml_sp_size_is_ulysses_under_deepspeed_and_cp_size_is_refused_by_the_plan(tmp_path):
+def test_accelerate_yaml_sp_size_is_ulysses_under_deepspeed_and_cp_size_is_context_parallelism(tmp_path):
     """Accelerate runs sp_size as DeepSpeed's sequence_parallel_size (its DeepSpeed backend only); cp_size is torch's
-    context parallelism, read as parallelism.cp and refused by the plan with the reason."""
+    context parallelism, read as parallelism.cp, which the engine runs (``test_context_parallel_engine``)."""
     import yaml
 
     from torsh import adapters
@@ -390,9 +390,7 @@ def test_accelerate_yaml_sp_size_is_ulysses_under_deepspeed_and_cp_size_is_refus
     raw["parallelism_config"] = {"parallelism_config_cp_size": 2, "parallelism_config_dp_shard_size": 2}
     raw["distributed_type"] = "FSDP"
     t = adapters.get("accelerate").read(raw)
-    assert t.result.parallelism.cp == 2
-    (problem,) = [p for p in plan(t.result, 4).refused if p.path == "parallelism.cp"]
-    assert "context parallelism is not run" in problem.reason
+    assert t.result.parallelism.cp == 2 and plan(t.result, 4).refused == ()
 
 
 def test_sequence_groups_refuse_what_they_do_not_run_beside():

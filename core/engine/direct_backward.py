@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .parallel.context import direct_backward_started
+
 MESSAGE = ("Direct calls to tensor.backward() are not supported in this configuration (ZeRO stage 0, or an engine "
            "without an optimizer: nothing would reduce the gradients). Please use engine.backward(loss) instead, "
            "as DeepSpeed requires here.")  # fmt: skip
@@ -131,8 +133,10 @@ def _begin(engine: Any) -> None:
         raise RuntimeError(SCALE_MESSAGE)
     engine._check_alive("backward")
     engine._backward_prologue()
+    split_attention_done = direct_backward_started(engine)  # context parallelism: recomputations attend whole
 
     def finish() -> None:
+        split_attention_done()
         engine.__dict__["_manual_backward_expected"] = False
         engine._backward_epilogue()
 

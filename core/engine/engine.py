@@ -27,6 +27,7 @@ from .distributed import DistInfo, on_shutdown
 from .engine_checkpoint import CheckpointMethods
 from .engine_members import DEEPSPEED_ENGINE_MEMBERS, config_view
 from .monitor import Monitor, ThroughputTimer
+from .parallel.context import ContextParallelMethods, backward_context, forward_context
 from .precision import PrecisionPlan
 from .zero import params as zero_params
 from .zero import whole_params
@@ -35,7 +36,7 @@ from .zero.sharding import ShardPlan
 log = logging.getLogger("torsh.engine")
 
 
-class Engine(CheckpointMethods, nn.Module):
+class Engine(CheckpointMethods, ContextParallelMethods, nn.Module):
     """A running job built by :func:`torsh.initialize`; behaves like ``deepspeed.DeepSpeedEngine``."""
 
     def __init__(self, *, config: dict, policy: StepPolicy, monitor: Monitor, batch: ResolvedBatch, info: DistInfo,
@@ -204,7 +205,7 @@ class Engine(CheckpointMethods, nn.Module):
 
     @property
     def dp_world_size(self) -> int:
-        """Data-parallel world size: the ranks the batch is split over (world size / tensor-parallel degree)."""
+        """Data-parallel world size: the ranks the batch is split over (world size / (tp x cp), or x sp)."""
         return self._degrees.dp if self._degrees is not None else self._info.world_size
 
     @property
@@ -439,6 +440,7 @@ class Engine(CheckpointMethods, nn.Module):
 
     def _forward_context(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
+        stack.enter_context(forward_context(self))  # context parallelism: the split attention was called
         if self._precision.autocast_dtype is not None:
             stack.enter_context(torch.autocast(self.device.type, dtype=self._precision.autocast_dtype))
         if self._policy.activations_on_cpu:
@@ -459,7 +461,8 @@ class Engine(CheckpointMethods, nn.Module):
         scaled = self.loss_scaler.scale(loss) if self._scaling else loss
         self.__dict__["_running_backward"] = True
         try:
-            scaled.backward(retain_graph=retain_graph)
+            with backward_context(self):  # a checkpointed forward inside engine.context_parallel is recomputed so
+                scaled.backward(retain_graph=retain_graph)
         finally:
             self.__dict__["_running_backward"] = False
         self._after_backward(sync)

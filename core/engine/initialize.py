@@ -42,6 +42,7 @@ from .parallel.moe import moe_layers, prepare_experts
 from .parallel.moe_zero import build_expert_zero
 from .parallel.mpu import engine_members as mpu_members
 from .parallel.mpu import read_mpu, refuse_with
+from .parallel.context import build_context_groups
 from .parallel.sequence import build_sequence_groups, degree_with_mpu, is_sequence_mpu
 from .parallel.tensor_parallel import apply_tensor_parallel
 from .precision import apply_precision
@@ -119,6 +120,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     # Ulysses' sequence-parallel and sequence-data-parallel groups (collective), or those of a parallel_state_sp mpu
     sequence = build_sequence_groups(cfg.parallelism.sp, mpu=mpu,
                                      experts=experts is not None and experts.active)  # fmt: skip
+    # the context-parallel groups (collective): the ranks that share each sequence, and the batch shards' ranks
+    context = build_context_groups(decided.degrees, experts=experts is not None and experts.active, mpu=mpu)
     if experts is not None and optimizer is None:  # DeepSpeed's MoE parameter groups for the optimizer it builds
         model_parameters = experts.param_groups(model_parameters)
     groups = named_groups(model_parameters, name_of, list(name_of.values()),
@@ -167,6 +170,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     engine.__dict__.update(mpu_members(mp))  # DeepSpeed's engine.mpu; the mpu's groups
     if sequence is not None:
         engine.__dict__.update(sequence.engine_members())  # DeepSpeed's seq_parallel_group, sequence_parallel_size...
+    if context is not None:  # engine.context_parallel(...); data_parallel_group: the ranks of the batch shards
+        engine.__dict__.update(_context_groups=context, _dp_group=context.replicas)
     engine.__dict__["_experts"] = experts if experts is not None and experts.active else None
     if experts is not None:
         engine.__dict__.update(experts.engine_members())  # DeepSpeed's has_moe_layers, num_experts, moe_layers...

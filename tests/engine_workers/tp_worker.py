@@ -80,11 +80,11 @@ def build_model(seed: int = 0, tied: bool = False):
     return model
 
 
-def batch(step: int, dp_rank: int):
+def batch(step: int, dp_rank: int, seq: int = SEQ):
     import torch
 
     g = torch.Generator().manual_seed(1000 * step + dp_rank)
-    tokens = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g)
+    tokens = torch.randint(0, VOCAB, (MICRO, seq + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -99,9 +99,9 @@ def run_scenario(rank: int, world: int, scenario: dict) -> dict:
 
     import torsh
 
-    tp, steps = scenario["tp"], scenario.get("steps", 4)
-    dp = world // tp
-    dp_rank = rank // tp  # the mesh is (dp..., tp): tp innermost
+    tp, cp, steps, seq = scenario.get("tp", 1), scenario.get("cp", 1), scenario.get("steps", 4), scenario.get("seq", SEQ)
+    dp = world // (tp * cp)
+    dp_rank = rank // (tp * cp)  # the mesh is (dp..., cp, tp): tp innermost
     tied = scenario.get("tied", False)
     model = build_model(tied=tied)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -115,26 +115,40 @@ def run_scenario(rank: int, world: int, scenario: dict) -> dict:
                  "engine_degrees": [engine.dp_world_size, engine.mp_world_size, engine.get_data_parallel_world_size(),
                                     engine.get_data_parallel_rank(), engine.get_tensor_parallel_rank(),
                                     dist.get_world_size(group), dist.get_rank(group)]}  # fmt: skip
+    outside = scenario.get("backward_outside", False)  # engine.backward after the context-parallel block
     for step in range(steps):
-        x, y = batch(step, dp_rank)
-        loss = lm_loss(engine(x), y)
-        engine.backward(loss)
+        if step == scenario.get("resume_at"):  # a checkpoint, and the rest of the run in a new engine loaded from it
+            engine.save_checkpoint(scenario["save_dir"], tag="mid")
+            engine, _, _, _ = torsh.initialize(model=build_model(seed=1, tied=tied), config=scenario["config"])
+            engine.load_checkpoint(scenario["save_dir"], tag="mid")
+        x, y = batch(step, dp_rank, seq)
+        # each context-parallel rank trains on its part of the sequences (a no-op context without cp)
+        with engine.context_parallel(buffers=[x, y], buffer_seq_dims=[1, 1], no_restore_buffers={x, y}):
+            loss = lm_loss(engine(x), y)
+            if not outside:  # "direct": the script's own loss.backward() (ZeRO 1-3)
+                loss.backward() if scenario.get("direct") else engine.backward(loss)
+        if outside:
+            loss.backward() if scenario.get("direct") else engine.backward(loss)
         engine.step()
         rec["losses"].append(loss.item())
+    rec["cp_shape"] = list(x.shape)
     params = dict(engine.module.named_parameters())
     rec["tied"] = engine.module.lm_head.weight is engine.module.embed_tokens.weight
     rec["placements"] = {n: [str(pl) for pl in getattr(p, "placements", ())] for n, p in params.items()}
     full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in params.items()}
     if rank == 0:
-        clip = scenario.get("clip", 0.0)
+        clip, gas = scenario.get("clip", 0.0), scenario.get("gas", 1)
         ref = build_model(tied=tied)
         ref.load_state_dict(start, strict=False)
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
         rec["reference"] = []
         for step in range(steps):
-            xs, ys = zip(*(batch(step, d) for d in range(dp)))
+            xs, ys = zip(*(batch(step, d, seq) for d in range(dp)))
             loss = lm_loss(ref(torch.cat(xs)), torch.cat(ys))
-            loss.backward()
+            (loss / gas).backward()
+            if (step + 1) % gas:  # gradient accumulation: the step at the boundary only
+                rec["reference"].append(loss.item())
+                continue
             if clip:
                 torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
             opt.step()

@@ -42,9 +42,16 @@ def build_mesh(degrees: Degrees, info: DistInfo) -> Any:
 
 
 def data_parallel_mesh(mesh: Any, degrees: Degrees) -> Any:
-    """The sub-mesh FSDP2 shards over: ``(dp_replicate, dp_shard)`` under HSDP, else ``dp_shard``."""
-    names = [n for n, _ in degrees.dims if n in ("dp_replicate", "dp_shard")]
-    return mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
+    """The sub-mesh FSDP2 shards over: ``(dp_replicate, dp_shard)`` under HSDP, else ``dp_shard``; with context
+    parallelism ``dp_shard`` and ``cp`` flattened into one dimension, ``dp_shard_cp`` (the context-parallel peers hold
+    the same model: Accelerate's and torchtitan's layout)."""
+    names = [n for n, _ in degrees.dims]
+    shard = [n for n in ("dp_shard", "cp") if n in names]
+    if len(shard) > 1:
+        mesh[tuple(shard)]._flatten("dp_shard_cp")
+        shard = ["dp_shard_cp"]
+    picked = [n for n in ("dp_replicate",) if n in names] + shard
+    return mesh[tuple(picked)] if len(picked) > 1 else mesh[picked[0]]
 
 
 def data_parallel_group(dp_mesh: Any) -> Any:

@@ -1,0 +1,308 @@
+"""Context parallelism: each sequence split over the ``cp`` ranks of a context-parallel group, attention over the
+whole of it (``parallelism.cp``; Accelerate's ``parallelism_config_cp_size``, torchtitan's
+``context_parallel_degree``).
+
+What Accelerate and torchtitan run with torch's ``context_parallel``, on any device: inside
+``engine.context_parallel(buffers=[...], buffer_seq_dims=[...])`` (Accelerate's ``maybe_context_parallel``) each
+buffer the script gives (input ids, labels, position ids) is replaced in place by this rank's part of its sequence
+dimension, and every ``torch.nn.functional.scaled_dot_product_attention`` call attends from this rank's queries to the
+keys and values of the whole sequence, all-gathered over the group (torch's "allgather" rotation). The part is torch's
+load-balanced one: the sequence cut into ``2 x cp`` chunks, rank ``r`` holding chunks ``r`` and ``2cp - 1 - r``, so that
+under a causal mask every rank attends to as many keys. The gather's backward reduce-scatters the key and value
+gradients to the ranks that hold them. On leaving the context each buffer gets its whole value back (unless it is in
+``no_restore_buffers``).
+
+Why not torch's own ``context_parallel``: torch 2.13's splits only the CUDA attention kernels, and raises
+``NotImplementedError`` for the CPU one (``_scaled_dot_product_flash_attention_for_cpu``).
+
+The context-parallel peers hold the same model and read the same batch shard; each rank's loss is the mean over its
+part of the sequence, and the gradients are averaged over every data-parallel and context-parallel rank (FSDP2 over
+the flattened ``dp_shard x cp`` ranks, as Accelerate and torchtitan shard; DDP and ZeRO-1/2 over every rank), which is
+the gradient of the whole sequence's mean when every part counts as many tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from torsh.errors import ConfigError, Problem
+from torsh.plan import Degrees, context_groups
+
+KEY = "parallelism.cp"
+
+
+@dataclass(frozen=True)
+class ContextGroups:
+    """This rank's context-parallel groups (:func:`build_context_groups`)."""
+
+    size: int
+    """The context-parallel degree."""
+    group: Any
+    """This rank's context-parallel group: the ranks that share its sequences."""
+    ranks: tuple[int, ...]
+    """The global ranks of :attr:`group`, in the order of the sequence's parts."""
+    replicas: Any
+    """The data-parallel group: the ranks at this rank's position of the context-parallel (and tensor-parallel)
+    dimension, one per batch shard."""
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in its group: which parts of the sequence it holds."""
+        return self.ranks.index(dist.get_rank())
+
+
+def build_context_groups(laid: Degrees | None, *, experts: bool = False, mpu: Any = None) -> ContextGroups | None:
+    """This rank's groups (collective: every rank makes every group, in one order); None without context
+    parallelism. ``experts``: the model has local MoE experts; ``mpu``: the script passed one (both refused)."""
+    if laid is None or laid.cp == 1:
+        return None
+    if experts or mpu is not None:
+        what = "MoE expert parallelism (the MoE layers' ep_size)" if experts else "an mpu passed to initialize"
+        raise ConfigError([Problem(KEY, laid.cp, f"context parallelism beside {what} is not run by the torsh engine: "
+                                   "set parallelism.cp to 1, or drop the other")])  # fmt: skip
+    me = dist.get_rank()
+    cp_groups, dp_groups = context_groups(laid)
+    mine = replicas = None
+    for ranks in cp_groups:
+        group = dist.new_group(ranks)
+        if me in ranks:
+            mine = (group, tuple(ranks))
+    for ranks in dp_groups:
+        group = dist.new_group(ranks)
+        if me in ranks:
+            replicas = group
+    return ContextGroups(laid.cp, mine[0], mine[1], replicas)
+
+
+def positions(length: int, rank: int, size: int) -> torch.Tensor:
+    """The places in the whole sequence of the ``length`` tokens rank ``rank`` of ``size`` holds (two chunks)."""
+    half = length // 2
+    head = torch.arange(rank * half, (rank + 1) * half)
+    tail = torch.arange((2 * size - 1 - rank) * half, (2 * size - rank) * half)
+    return torch.cat([head, tail])
+
+
+def shard(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    """This rank's part of ``tensor`` along ``dim``: chunks ``rank`` and ``2 size - 1 - rank`` of ``2 size``."""
+    chunks = tensor.chunk(2 * size, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=dim)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence dimension (-2) over the group, in rank order; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, groups: ContextGroups) -> torch.Tensor:
+        ctx.groups = groups
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(groups.size)]
+        dist.all_gather(parts, x.contiguous(), group=groups.group)
+        return torch.cat(parts, dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        parts = [p.contiguous() for p in grad.chunk(ctx.groups.size, dim=-2)]
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, group=ctx.groups.group)
+        return out, None
+
+
+def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):  # fmt: skip
+    return locals()
+
+
+_SDPA_PARAMETERS = inspect.signature(_sdpa_arguments)
+_SDPA = F.scaled_dot_product_attention
+"""torch's own function (:func:`attention_patched` replaces the module's name for a backward)."""
+#: What runs a backward: a torch function mode is off while it handles one, so the recomputation of a checkpointed
+#: forward inside it calls ``scaled_dot_product_attention`` unseen (:func:`attention_patched` covers it).
+_BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+
+class SplitAttention(TorchFunctionMode):
+    """``scaled_dot_product_attention`` over the whole sequence from this rank's part (counted in :attr:`calls`)."""
+
+    def __init__(self, groups: ContextGroups):
+        super().__init__()
+        self.groups = groups
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _BACKWARDS:
+            with attention_patched(self.groups):
+                return func(*args, **kwargs)
+        if func is not _SDPA:
+            return func(*args, **kwargs)
+        self.calls += 1
+        return self.attend(**_SDPA_PARAMETERS.bind(*args, **kwargs).arguments)
+
+    def attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False) -> torch.Tensor:  # fmt: skip
+        groups = self.groups
+        length = query.shape[-2]
+        if attn_mask is not None:
+            raise ConfigError([Problem(KEY, groups.size, "scaled_dot_product_attention was given an attn_mask inside "
+                                       "the context-parallel context: each rank holds part of the sequence, so a "
+                                       "mask over it cannot be split; context parallelism runs causal or unmasked "
+                                       "attention (a Hugging Face model: pass no attention_mask, and pack or pad "
+                                       "the batch instead)")])  # fmt: skip
+        if key.shape[-2] != length or value.shape[-2] != length:
+            raise ConfigError([Problem(KEY, groups.size, f"scaled_dot_product_attention with {length} queries and "
+                                       f"{key.shape[-2]} keys inside the context-parallel context: only "
+                                       "self-attention over the split sequence is split (keys and values of the "
+                                       "same length as the queries)")])  # fmt: skip
+        if length % 2:
+            raise ConfigError([Problem(KEY, groups.size, f"scaled_dot_product_attention over {length} tokens of "
+                                       "this rank's part: a part is two equal chunks; give every tensor with the "
+                                       "sequence dimension to engine.context_parallel(buffers=...)")])  # fmt: skip
+        keys, values = _GatherSequence.apply(key, groups), _GatherSequence.apply(value, groups)
+        mask = None
+        if is_causal:
+            mine = positions(length, groups.rank, groups.size).to(query.device)
+            theirs = torch.cat([positions(length, r, groups.size) for r in range(groups.size)]).to(query.device)
+            mask = theirs[None, :] <= mine[:, None]
+        return _SDPA(query, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+
+
+@contextlib.contextmanager
+def attention_patched(groups: ContextGroups):
+    """``torch.nn.functional.scaled_dot_product_attention`` split for the block (the module's name replaced): what
+    a backward needs, where the torch function mode is off, for activation checkpointing's recomputation of a
+    forward that ran inside the context. Code that imported the function by name before is not reached."""
+    split = SplitAttention(groups)
+
+    def attention(*args, **kwargs):
+        return split.attend(**_SDPA_PARAMETERS.bind(*args, **kwargs).arguments)
+
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = _SDPA
+
+
+def _seq_dims(buffers: list, dims: list | None) -> list[int]:
+    if not isinstance(buffers, (list, tuple)) or not all(isinstance(b, torch.Tensor) for b in buffers):
+        raise ConfigError([Problem("buffers", type(buffers).__name__, "engine.context_parallel takes a list of "
+                                   "tensors (the batch's input ids, labels, position ids...)")])  # fmt: skip
+    dims = [1] * len(buffers) if dims is None else list(dims)
+    if len(dims) != len(buffers):
+        raise ConfigError([Problem("buffer_seq_dims", dims, f"one sequence dimension per buffer: {len(buffers)} "
+                                   f"buffer(s), {len(dims)} dimension(s)")])  # fmt: skip
+    for i, (buffer, dim) in enumerate(zip(buffers, dims)):
+        if not isinstance(dim, int) or not -buffer.dim() <= dim < buffer.dim():
+            raise ConfigError([Problem("buffer_seq_dims", dims, f"buffer {i} has {buffer.dim()} dimension(s): "
+                                       f"{dim!r} is not one of them")])  # fmt: skip
+    return dims
+
+
+class ContextParallel(contextlib.AbstractContextManager):
+    """``engine.context_parallel(...)``: the buffers split for the duration, attention over the whole sequence."""
+
+    def __init__(self, groups: ContextGroups, module: torch.nn.Module, buffers=None, buffer_seq_dims=None,
+                 no_restore_buffers=None):  # fmt: skip
+        self.groups, self.module = groups, module
+        self.buffers = list(buffers or [])
+        self.dims = _seq_dims(self.buffers, buffer_seq_dims)
+        keep = no_restore_buffers or ()
+        self.keep = {id(b) for b in keep}
+        for i, (buffer, dim) in enumerate(zip(self.buffers, self.dims)):
+            if buffer.shape[dim] % (2 * groups.size):
+                raise ConfigError([Problem("buffers", f"buffer {i}", f"its sequence dimension ({dim}) has "
+                                           f"{buffer.shape[dim]} elements, not a multiple of 2 x cp = "
+                                           f"{2 * groups.size} (the sequence is cut into two chunks per "
+                                           "context-parallel rank): pad the batch's sequences to a multiple of "
+                                           f"{2 * groups.size}")])  # fmt: skip
+        self.mode = SplitAttention(groups)
+        self._whole: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self):
+        done = set()
+        for buffer, dim in zip(self.buffers, self.dims):
+            if id(buffer) in done:
+                continue
+            done.add(id(buffer))
+            whole = buffer.data
+            buffer.data = shard(whole, dim, self.groups.rank, self.groups.size)
+            if id(buffer) not in self.keep:
+                self._whole.append((buffer, whole))
+        self.mode.__enter__()
+        self.module.__dict__["_cp_active"] = self
+        return self
+
+    def __exit__(self, *exc):
+        self.module.__dict__.pop("_cp_active", None)
+        self.mode.__exit__(*exc)
+        for buffer, whole in self._whole:
+            buffer.data = whole
+        self._whole = []
+        return False
+
+
+@contextlib.contextmanager
+def forward_context(engine: Any):
+    """Around the engine's forward: remembers whether it ran inside the context (for :func:`backward_context`), and
+    refuses a forward inside it that called no ``scaled_dot_product_attention`` (its attention would see only this
+    rank's part of the sequence)."""
+    active = engine.__dict__.get("_cp_active")
+    engine.__dict__["_cp_last_forward"] = active.groups if active is not None else None
+    F.scaled_dot_product_attention = _SDPA  # torch's own, should a direct backward have failed while it was split
+    if active is None:
+        yield
+        return
+    before = active.mode.calls
+    yield
+    if active.mode.calls == before:
+        raise ConfigError([Problem(KEY, active.groups.size, "the model's forward inside engine.context_parallel "
+                                   "called no torch.nn.functional.scaled_dot_product_attention: context parallelism "
+                                   "splits that call only, and attention written out by hand would see only this "
+                                   "rank's part of the sequence (a Hugging Face model: load it with "
+                                   "attn_implementation=\"sdpa\"); run the forward outside the context, or set "
+                                   "parallelism.cp to 1")])  # fmt: skip
+
+
+def direct_backward_started(engine: Any) -> Any:
+    """A script's own ``loss.backward()`` after the block, from a forward inside it: the split attention for that
+    backward (:func:`attention_patched`); returns what puts torch's back when it finishes (the next forward puts it
+    back too, should the backward fail)."""
+    groups = engine.__dict__.get("_cp_last_forward")
+    if groups is None or engine.__dict__.get("_cp_active") is not None or engine.__dict__.get("_running_backward"):
+        return lambda: None
+    patch = attention_patched(groups)
+    patch.__enter__()
+    return lambda: patch.__exit__(None, None, None)
+
+
+def backward_context(engine: Any) -> contextlib.AbstractContextManager:
+    """Around ``engine.backward`` outside the context after a forward inside it: the split attention again, for
+    activation checkpointing's recomputation of that forward."""
+    groups = engine.__dict__.get("_cp_last_forward")
+    if groups is None or engine.__dict__.get("_cp_active") is not None:
+        return contextlib.nullcontext()
+    return attention_patched(groups)
+
+
+class ContextParallelMethods:
+    """The engine's context-parallel members (an :class:`torsh.engine.engine.Engine` base)."""
+
+    def context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
+        """Split ``buffers`` (tensors the model reads, each with its sequence dimension in ``buffer_seq_dims``,
+        default 1) over the context-parallel group for the ``with`` block, attention over the whole sequence; the
+        buffers get their whole values back at its end, except those in ``no_restore_buffers``. Without context
+        parallelism (``parallelism.cp`` 1) it does nothing, so a script runs at any degree (Accelerate's
+        ``maybe_context_parallel``)."""
+        groups = self.__dict__.get("_context_groups")
+        if groups is None:
+            return contextlib.nullcontext()
+        return ContextParallel(groups, self, buffers, buffer_seq_dims, no_restore_buffers)
+
+    maybe_context_parallel = context_parallel

@@ -1,0 +1,282 @@
+"""Context parallelism in the engine (``parallelism.cp``; Accelerate's ``parallelism_config_cp_size``).
+
+Torch's own ``context_parallel`` does not run on a CPU (torch 2.13 raises NotImplementedError for the CPU attention
+kernel), and DeepSpeed has no context parallelism, so each run is compared with the same model trained on one rank
+on the whole sequences (``engine_workers/tp_worker.py``): every rank of a context-parallel group reads the batch of
+its data-parallel index and trains, inside ``engine.context_parallel(buffers=[tokens, targets])``, on its part of
+the sequences. Its loss is the mean over its part; the mean over the group's ranks is the whole sequence's (every
+part counts as many tokens), and must agree with the one-rank loss within 1e-5 relative at every step, the final
+weights within fp32 rounding. Then the context itself, the plan and ``explain``, and the Accelerate reader.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from torsh.config import TorshConfig
+from torsh.errors import ConfigError
+
+OPTIMIZER = {"name": "AdamW", "lr": 1e-2, "weight_decay": 0.0}
+
+
+def _native(gas: int = 1, **sections) -> dict:
+    return {"batch": {"micro_batch_size": 2, "gradient_accumulation_steps": gas}, "optimizer": OPTIMIZER, **sections}
+
+
+def _cp2(tmp) -> list[dict]:
+    return [
+        {"name": "stage0", "cp": 2, "seq": 8, "config": _native(parallelism={"cp": 2})},
+        {"name": "stage1_resumed", "cp": 2, "seq": 8, "resume_at": 2, "save_dir": str(tmp / "ck1"),
+         "config": _native(parallelism={"cp": 2}, sharding={"stage": 1})},
+        {"name": "stage2_resumed", "cp": 2, "seq": 8, "resume_at": 2, "save_dir": str(tmp / "ck2"),
+         "config": _native(parallelism={"cp": 2}, sharding={"stage": 2})},
+        # activation checkpointing, and engine.backward after the block: the recomputation attends as the forward
+        {"name": "stage3_checkpointed_resumed", "cp": 2, "seq": 8, "resume_at": 2, "save_dir": str(tmp / "ck3"),
+         "backward_outside": True, "config": _native(parallelism={"cp": 2}, sharding={"stage": 3},
+                                                     activation_checkpointing={"enabled": True, "modules": ["Layer"]})},
+        # the script's own loss.backward() after the block, with activation checkpointing
+        {"name": "stage2_checkpointed_direct_after", "cp": 2, "seq": 8, "direct": True, "backward_outside": True,
+         "config": _native(parallelism={"cp": 2}, sharding={"stage": 2},
+                           activation_checkpointing={"enabled": True, "modules": ["Layer"]})},
+        # the script's own loss.backward() inside the block, with gradient accumulation and a longer sequence
+        {"name": "stage3_direct_accumulated", "cp": 2, "seq": 12, "gas": 2, "direct": True, "steps": 6,
+         "config": _native(gas=2, parallelism={"cp": 2}, sharding={"stage": 3},
+                           activation_checkpointing={"enabled": True, "modules": ["Layer"]})},
+    ]  # fmt: skip
+
+
+def _four(tmp) -> list[dict]:
+    return [
+        {"name": "dp2_cp2_stage3", "cp": 2, "seq": 8, "config": _native(parallelism={"cp": 2}, sharding={"stage": 3})},
+        {"name": "dp2_cp2_hsdp", "cp": 2, "seq": 8,
+         "config": _native(parallelism={"cp": 2, "dp_replicate": 2}, sharding={"stage": 3})},
+        {"name": "dp2_cp2_stage1_resumed", "cp": 2, "seq": 8, "resume_at": 2, "save_dir": str(tmp / "ck"),
+         "config": _native(parallelism={"cp": 2}, sharding={"stage": 1})},
+        {"name": "tp2_cp2_stage2", "tp": 2, "cp": 2, "seq": 8,
+         "config": _native(parallelism={"cp": 2, "tp": 2}, sharding={"stage": 2})},
+        {"name": "cp4_stage3", "cp": 4, "seq": 16, "config": _native(parallelism={"cp": 4}, sharding={"stage": 3})},
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cp2(tmp_path_factory):
+    from test_tensor_parallel_engine import _launch
+
+    tmp = tmp_path_factory.mktemp("cp2")
+    return _launch(tmp, 2, _cp2(tmp))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    from test_tensor_parallel_engine import _launch
+
+    tmp = tmp_path_factory.mktemp("cp4")
+    return _launch(tmp, 4, _four(tmp))
+
+
+def _same_as_one_rank(ranks: list[dict], name: str, peers: int) -> None:
+    """``peers`` consecutive ranks (the context- and tensor-parallel ranks of one data-parallel index) share a
+    batch: their mean loss is that batch's, and the data-parallel indices' mean the one-rank loss."""
+    from test_tensor_parallel_engine import _records
+
+    recs = _records(ranks, name)
+    ref, dp = recs[0], len(recs) // peers
+    for step, expected in enumerate(ref["reference"]):
+        per_dp = [sum(recs[d * peers + i]["losses"][step] for i in range(peers)) / peers for d in range(dp)]
+        assert math.isclose(sum(per_dp) / dp, expected, rel_tol=1e-5), (step, per_dp, expected)
+    assert ref["changed"] > 1e-3  # the weights moved
+    assert ref["weight_diff"] <= 1e-5 * max(1.0, ref["weight_scale"]), ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["stage0", "stage1_resumed", "stage2_resumed", "stage3_checkpointed_resumed",
+                                  "stage2_checkpointed_direct_after", "stage3_direct_accumulated"])  # fmt: skip
+def test_cp2_on_two_ranks_trains_as_one_rank(cp2, name):
+    _same_as_one_rank(cp2, name, peers=2)
+
+
+@pytest.mark.slow
+def test_cp2_ranks_hold_parts_of_one_sequence_and_share_its_batch(cp2):
+    from test_tensor_parallel_engine import _records
+
+    records = _records(cp2, "stage0")
+    assert [r["cp_shape"] for r in records] == [[2, 4], [2, 4]]  # each rank: half of the 8 tokens
+    assert records[0]["losses"] != records[1]["losses"]  # different parts of the same sequences
+    # [dp_world_size, mp_world_size, get_data_parallel_world_size, get_data_parallel_rank,
+    #  get_tensor_parallel_rank, size of data_parallel_group, rank in it]: one data-parallel rank
+    assert [r["engine_degrees"] for r in records] == [[1, 1, 1, 0, 0, 1, 0]] * 2
+    assert records[0]["train_batch_size"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp2_cp2_stage3", "dp2_cp2_hsdp", "dp2_cp2_stage1_resumed", "tp2_cp2_stage2",
+                                  "cp4_stage3"])  # fmt: skip
+def test_four_ranks_with_context_parallelism_train_as_one_rank(four, name):
+    _same_as_one_rank(four, name, peers=2 if name.startswith("dp2") else 4)
+
+
+@pytest.mark.slow
+def test_dp2_x_cp2_splits_the_batch_over_the_data_parallel_ranks_only(four):
+    from test_tensor_parallel_engine import _records
+
+    records = _records(four, "dp2_cp2_stage3")
+    assert records[0]["train_batch_size"] == 4  # micro 2 x 2 data-parallel ranks
+    assert [r["engine_degrees"] for r in records] == [[2, 1, 2, d, 0, 2, d] for d in (0, 1) for _ in (0, 1)]
+    tp = _records(four, "tp2_cp2_stage2")
+    assert [r["engine_degrees"][:5] for r in tp] == [[1, 2, 1, 0, t] for _ in (0, 1) for t in (0, 1)]
+
+
+# ---- the context, without a process group ------------------------------------------------------------------------
+
+
+def _groups(size: int = 2):
+    from torsh.engine.parallel.context import ContextGroups
+
+    return ContextGroups(size, None, tuple(range(size)), None)
+
+
+def test_each_rank_holds_two_chunks_of_the_sequence_and_the_ranks_hold_it_all():
+    """torch's load-balanced layout: 2 x cp chunks, rank r holding chunks r and 2cp - 1 - r, so that under a causal
+    mask every rank attends to as many keys."""
+    import torch
+
+    from torsh.engine.parallel.context import positions, shard
+
+    whole = torch.arange(8).reshape(1, 8)
+    parts = [shard(whole, 1, r, 2) for r in range(2)]
+    assert [p.tolist() for p in parts] == [[[0, 1, 6, 7]], [[2, 3, 4, 5]]]
+    assert [positions(4, r, 2).tolist() for r in range(2)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert sorted(torch.cat([positions(6, r, 3) for r in range(3)]).tolist()) == list(range(18))
+
+
+def test_buffers_that_cannot_be_split_are_refused_by_name():
+    import torch
+
+    from torsh.engine.parallel.context import ContextParallel
+
+    module = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="not a multiple of 2 x cp = 4.*pad"):
+        ContextParallel(_groups(), module, [torch.zeros(2, 6)])
+    with pytest.raises(ConfigError, match="buffer_seq_dims.*2 buffer"):
+        ContextParallel(_groups(), module, [torch.zeros(2, 8), torch.zeros(2, 8)], [1])
+    with pytest.raises(ConfigError, match="buffer 0 has 2 dimension"):
+        ContextParallel(_groups(), module, [torch.zeros(2, 8)], [2])
+    with pytest.raises(ConfigError, match="list of tensors"):
+        ContextParallel(_groups(), module, [[1, 2, 3, 4]])
+
+
+def test_attention_the_split_cannot_run_is_refused_by_name():
+    """A mask over the whole sequence, and cross-attention to keys of another length: neither can be split (both
+    refused before any communication)."""
+    import torch
+
+    from torsh.engine.parallel.context import SplitAttention
+
+    q = torch.randn(1, 2, 4, 8)
+    split = SplitAttention(_groups())
+    with pytest.raises(ConfigError, match="attn_mask") as exc:
+        split.attend(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    assert exc.value.problems[0].path == "parallelism.cp"
+    with pytest.raises(ConfigError, match="4 queries and 6 keys"):
+        split.attend(q, torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8))
+
+
+def test_a_forward_inside_the_context_that_calls_no_sdpa_is_refused():
+    """Attention written out by hand would see only this rank's part of the sequence: silently wrong, so refused."""
+    import types
+
+    from torsh.engine.parallel.context import SplitAttention, forward_context
+
+    engine = types.SimpleNamespace()
+    engine.__dict__["_cp_active"] = types.SimpleNamespace(mode=SplitAttention(_groups()), groups=_groups())
+    with pytest.raises(ConfigError, match="called no torch.nn.functional.scaled_dot_product_attention"):
+        with forward_context(engine):
+            pass
+    with forward_context(engine):
+        engine._cp_active.mode.calls += 1  # what the split attention counts
+    assert engine.__dict__["_cp_last_forward"] is engine._cp_active.groups
+    del engine.__dict__["_cp_active"]
+    with forward_context(engine):  # outside the context: nothing checked, nothing to recompute split
+        pass
+    assert engine.__dict__["_cp_last_forward"] is None
+
+
+def test_without_context_parallelism_the_context_does_nothing():
+    """A script written for cp runs unchanged at cp 1 (Accelerate's maybe_context_parallel)."""
+    import torch
+
+    from torsh.engine.parallel.context import ContextParallelMethods
+
+    engine = type("Engine", (ContextParallelMethods,), {})()
+    tokens = torch.arange(8).reshape(1, 8)
+    with engine.context_parallel(buffers=[tokens], buffer_seq_dims=[1]):
+        assert tokens.shape == (1, 8)
+    with engine.maybe_context_parallel(buffers=[tokens]):
+        assert tokens.shape == (1, 8)
+
+
+# ---- the plan, explain and the readers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("parallelism", "stage", "kind", "mesh"), [
+    ({"cp": 2}, 3, "fsdp2", (4,)),  # FSDP2 over dp_shard x cp, as Accelerate's dp_shard_cp
+    ({"cp": 2, "dp_replicate": 2}, 3, "hsdp", (2, 2)),
+    ({"cp": 2}, 1, "zero1", None),  # DDP over every rank
+    ({"cp": 2, "tp": 2}, 2, "fsdp2", (2,)),
+])  # fmt: skip
+def test_the_context_parallel_peers_share_the_data_parallel_layout(parallelism, stage, kind, mesh):
+    from torsh.plan import plan
+
+    decided = plan(TorshConfig.from_dict({"parallelism": parallelism, "sharding": {"stage": stage}}), 4)
+    assert decided.refused == ()
+    assert (decided.data_parallel, decided.mesh) == (kind, mesh)
+    assert decided.degrees.dp == 4 // (2 * parallelism.get("tp", 1))  # the batch is split over dp only
+
+
+def test_explain_names_the_context_parallel_groups(tmp_path, capsys):
+    from torsh.cli import main
+
+    path = tmp_path / "accelerate.yaml"
+    path.write_text("distributed_type: FSDP\nnum_processes: 4\nfsdp_config:\n  fsdp_version: 2\nparallelism_config:\n"
+                    "  parallelism_config_cp_size: 2\n  parallelism_config_dp_shard_size: 2\n")
+    assert main(["explain", str(path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "device mesh (dp_shard, cp) = (dp_shard 2 x cp 2) on 4 rank(s)" in out
+    assert "rank 1: dp_shard 0, cp 1 (batch shard 0); rank 2: dp_shard 1, cp 0 (batch shard 1)" in out
+    assert "context parallelism of degree 2: context-parallel groups [0, 1]; [2, 3]" in out
+    assert "averaged over every data- and context-parallel rank (2 x 2" in out
+
+
+def test_accelerate_context_parallel_settings_are_read():
+    from torsh import adapters
+    from torsh.translate import Fidelity
+
+    raw = {"distributed_type": "FSDP", "num_processes": 4, "fsdp_config": {"fsdp_version": 2},
+           "parallelism_config": {"parallelism_config_cp_size": 2, "parallelism_config_cp_comm_strategy": "alltoall",
+                                  "parallelism_config_cp_backend": "torch"}}  # fmt: skip
+    t = adapters.get("accelerate").read(raw)
+    notes = {n.source_path.rsplit("_config_", 1)[-1]: n.fidelity for n in t.notes}
+    assert t.result.parallelism.cp == 2 and notes["cp_size"] is Fidelity.EXACT
+    assert notes["cp_comm_strategy"] is Fidelity.APPROXIMATE and notes["cp_backend"] is Fidelity.APPROXIMATE
+    raw["parallelism_config"]["parallelism_config_cp_comm_strategy"] = "allgather"
+    notes = {n.source_path.rsplit("_config_", 1)[-1]: n.fidelity for n in adapters.get("accelerate").read(raw).notes}
+    assert notes["cp_comm_strategy"] is Fidelity.EXACT
+    written = adapters.get("accelerate").write(adapters.get("accelerate").read(raw).result).result
+    assert written["parallelism_config"]["parallelism_config_cp_size"] == 2
+    raw["parallelism_config"]["parallelism_config_cp_comm_strategy"] = "ring"
+    with pytest.raises(ConfigError, match="cp_comm_strategy.*allgather, alltoall"):
+        adapters.get("accelerate").read(raw)
+
+
+def test_context_parallelism_beside_moe_or_an_mpu_is_refused_before_any_group_is_made():
+    from torsh.engine.parallel.context import build_context_groups
+    from torsh.plan import degrees
+
+    laid = degrees(TorshConfig.from_dict({"parallelism": {"cp": 2}}), 2)
+    with pytest.raises(ConfigError, match="MoE expert parallelism"):
+        build_context_groups(laid, experts=True)
+    with pytest.raises(ConfigError, match="an mpu passed to initialize"):
+        build_context_groups(laid, mpu=object())
+    assert build_context_groups(degrees(TorshConfig(), 2)) is None
