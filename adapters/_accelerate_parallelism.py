@@ -19,9 +19,10 @@ from ._accelerate_launch import _TORCHRUN_TYPES, _kind
 _DEGREES = {
     "tp_size": ("parallelism.tp", Fidelity.APPROXIMATE, "DTensor tensor parallelism; Accelerate splits by the model's "
                 "own tp_plan, torsh by its default plan of the same names (q/k/v/gate/up colwise, o/down rowwise)"),
-    "cp_size": ("parallelism.cp", Fidelity.EXACT, "context parallelism: the sequence split over cp ranks as torch's "
-                "context_parallel splits it (2 x cp chunks, load-balanced), scaled_dot_product_attention over the "
-                "whole sequence; inside engine.context_parallel(buffers=...), Accelerate's maybe_context_parallel"),
+    "cp_size": ("parallelism.cp", Fidelity.EXACT, "context parallelism: each sequence split over cp ranks and "
+                "scaled_dot_product_attention over the whole of it, inside engine.context_parallel(buffers=...) "
+                "(Accelerate's maybe_context_parallel); the parts are contiguous where torch load-balances them: the "
+                "same training"),
     "sp_size": ("parallelism.sp", Fidelity.APPROXIMATE, "Ulysses groups and reduction; Accelerate's swap of a model's "
                 "attention and sequence-sharding of batches are not done (use DistributedAttention, feed blocks)"),
 }

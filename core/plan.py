@@ -496,8 +496,8 @@ def context_steps(laid: Degrees | None) -> list[str]:
     cp_groups, _ = context_groups(laid)
     listed = "; ".join(str(g) for g in cp_groups[:_RANKS_LISTED]) + (" ..." if len(cp_groups) > _RANKS_LISTED else "")
     return [f"context parallelism of degree {laid.cp}: context-parallel groups {listed} (the ranks of a group read "
-            f"the same batch shard; inside engine.context_parallel(buffers=...) each holds two of the 2 x {laid.cp} "
-            "chunks of every sequence, and scaled_dot_product_attention all-gathers the keys and values of the "
+            f"the same batch shard; inside engine.context_parallel(buffers=...) rank r of a group holds the r-th "
+            f"of {laid.cp} contiguous parts of every sequence, and scaled_dot_product_attention all-gathers the keys and values of the "
             f"whole sequence over the group); gradients averaged over every data- and context-parallel rank "
             f"({laid.dp} x {laid.cp}: each rank's loss is the mean over its part of the sequence)"]  # fmt: skip
 

@@ -40,6 +40,12 @@ def _cp2(tmp) -> list[dict]:
         {"name": "stage2_checkpointed_direct_after", "cp": 2, "seq": 8, "direct": True, "backward_outside": True,
          "config": _native(parallelism={"cp": 2}, sharding={"stage": 2},
                            activation_checkpointing={"enabled": True, "modules": ["Layer"]})},
+        # a Hugging Face Llama (SDPA, grouped key/value heads, rotary positions from the split position ids)
+        {"name": "hf_llama_stage3", "cp": 2, "seq": 16, "model": "llama",
+         "config": _native(parallelism={"cp": 2}, sharding={"stage": 3})},
+        # transformers' reentrant checkpointing, and the script's own loss.backward() after the block
+        {"name": "hf_llama_checkpointed_direct_after", "cp": 2, "seq": 16, "model": "llama", "hf_checkpointing": True,
+         "direct": True, "backward_outside": True, "config": _native(parallelism={"cp": 2}, sharding={"stage": 1})},
         # the script's own loss.backward() inside the block, with gradient accumulation and a longer sequence
         {"name": "stage3_direct_accumulated", "cp": 2, "seq": 12, "gas": 2, "direct": True, "steps": 6,
          "config": _native(gas=2, parallelism={"cp": 2}, sharding={"stage": 3},
@@ -92,7 +98,9 @@ def _same_as_one_rank(ranks: list[dict], name: str, peers: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["stage0", "stage1_resumed", "stage2_resumed", "stage3_checkpointed_resumed",
-                                  "stage2_checkpointed_direct_after", "stage3_direct_accumulated"])  # fmt: skip
+                                  "stage2_checkpointed_direct_after", "hf_llama_stage3",
+                                  "hf_llama_checkpointed_direct_after",
+                                  "stage3_direct_accumulated"])  # fmt: skip
 def test_cp2_on_two_ranks_trains_as_one_rank(cp2, name):
     _same_as_one_rank(cp2, name, peers=2)
 
@@ -128,6 +136,39 @@ def test_dp2_x_cp2_splits_the_batch_over_the_data_parallel_ranks_only(four):
     assert [r["engine_degrees"][:5] for r in tp] == [[1, 2, 1, 0, t] for _ in (0, 1) for t in (0, 1)]
 
 
+def _one_rank_given_a_mask(rank: int, world: int, scenario: dict) -> dict:
+    import torch
+
+    from torsh.engine.parallel.context import SplitAttention, build_context_groups
+    from torsh.plan import degrees
+
+    groups = build_context_groups(degrees(TorshConfig.from_dict({"parallelism": {"cp": 2}}), world))
+    q = torch.randn(1, 2, 4, 8)
+    if scenario["name"] == "mask":
+        SplitAttention(groups).attend(q, q, q, attn_mask=torch.ones(4, 8, dtype=torch.bool) if rank == 0 else None)
+    else:  # parts of different lengths: the ranks were given different batches
+        q = torch.randn(1, 2, 4 + 2 * rank, 8)
+        SplitAttention(groups).attend(q, q, q, is_causal=True)
+    return {}
+
+
+@pytest.mark.slow
+def test_a_refusal_on_one_rank_is_raised_on_every_rank_of_the_group(tmp_path):
+    """Whether a call can be split may depend on the data (a Hugging Face model builds a mask for one rank's part
+    and not for another's): the ranks agree before the gather, so the others raise instead of waiting in it."""
+    import json
+
+    import _engine_harness
+
+    _engine_harness.spawn([{"name": "mask"}, {"name": "lengths"}], 2, str(tmp_path), runner=_one_rank_given_a_mask)
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    errors = [r["mask"]["error"] for r in records]
+    assert errors[0].startswith("ConfigError") and "attn_mask" in errors[0]
+    assert errors[1].startswith("ConfigError") and "another rank of the context-parallel group" in errors[1]
+    for record in records:
+        assert "parts of 4 to 6 tokens: every rank of a group must be given the same batch" in record["lengths"]["error"]
+
+
 # ---- the context, without a process group ------------------------------------------------------------------------
 
 
@@ -137,18 +178,18 @@ def _groups(size: int = 2):
     return ContextGroups(size, None, tuple(range(size)), None)
 
 
-def test_each_rank_holds_two_chunks_of_the_sequence_and_the_ranks_hold_it_all():
-    """torch's load-balanced layout: 2 x cp chunks, rank r holding chunks r and 2cp - 1 - r, so that under a causal
-    mask every rank attends to as many keys."""
+def test_each_rank_holds_a_contiguous_part_of_the_sequence():
+    """Contiguous parts, so that a rank's position ids are contiguous: a Hugging Face model takes a jump in them for
+    the start of a packed sequence, and masks (torch's load-balanced chunks would make rank 0's [0, 1, 6, 7])."""
     import torch
 
     from torsh.engine.parallel.context import positions, shard
 
     whole = torch.arange(8).reshape(1, 8)
     parts = [shard(whole, 1, r, 2) for r in range(2)]
-    assert [p.tolist() for p in parts] == [[[0, 1, 6, 7]], [[2, 3, 4, 5]]]
-    assert [positions(4, r, 2).tolist() for r in range(2)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
-    assert sorted(torch.cat([positions(6, r, 3) for r in range(3)]).tolist()) == list(range(18))
+    assert [p.tolist() for p in parts] == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    assert [positions(4, r, 2).tolist() for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert parts[0].untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()  # a copy, not a view
 
 
 def test_buffers_that_cannot_be_split_are_refused_by_name():
@@ -157,8 +198,8 @@ def test_buffers_that_cannot_be_split_are_refused_by_name():
     from torsh.engine.parallel.context import ContextParallel
 
     module = torch.nn.Linear(2, 2)
-    with pytest.raises(ConfigError, match="not a multiple of 2 x cp = 4.*pad"):
-        ContextParallel(_groups(), module, [torch.zeros(2, 6)])
+    with pytest.raises(ConfigError, match="not a multiple of cp = 2.*pad"):
+        ContextParallel(_groups(), module, [torch.zeros(2, 7)])
     with pytest.raises(ConfigError, match="buffer_seq_dims.*2 buffer"):
         ContextParallel(_groups(), module, [torch.zeros(2, 8), torch.zeros(2, 8)], [1])
     with pytest.raises(ConfigError, match="buffer 0 has 2 dimension"):

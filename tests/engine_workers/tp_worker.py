@@ -18,9 +18,12 @@ from pathlib import Path
 VOCAB, HIDDEN, HEADS, SEQ, MICRO = 32, 16, 4, 6, 2
 
 
-def build_model(seed: int = 0, tied: bool = False):
+def build_model(seed: int = 0, tied: bool = False, kind: str = "tiny"):
     import torch
     from torch import nn
+
+    if kind == "llama":  # a Hugging Face Llama with SDPA attention (grouped key/value heads, rotary positions)
+        return _llama(seed)
 
     class Attention(nn.Module):
         def __init__(self):
@@ -67,7 +70,7 @@ def build_model(seed: int = 0, tied: bool = False):
             self.norm = nn.LayerNorm(HIDDEN)
             self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
-        def forward(self, tokens):
+        def forward(self, tokens, positions=None):  # (its attention is causal over the token order)
             x = self.embed_tokens(tokens)
             for layer in self.layers:
                 x = layer(x)
@@ -78,6 +81,26 @@ def build_model(seed: int = 0, tied: bool = False):
     if tied:  # a Hugging Face causal LM's tie_word_embeddings
         model.lm_head.weight = model.embed_tokens.weight
     return model
+
+
+def _llama(seed: int):
+    import torch
+    from torch import nn
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class Llama(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(seed)
+            config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                                 num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,
+                                 max_position_embeddings=64, attn_implementation="sdpa")  # fmt: skip
+            self.model = LlamaForCausalLM(config)
+
+        def forward(self, tokens, positions):
+            return self.model(input_ids=tokens, position_ids=positions).logits
+
+    return Llama()
 
 
 def batch(step: int, dp_rank: int, seq: int = SEQ):
@@ -103,7 +126,11 @@ def run_scenario(rank: int, world: int, scenario: dict) -> dict:
     dp = world // (tp * cp)
     dp_rank = rank // (tp * cp)  # the mesh is (dp..., cp, tp): tp innermost
     tied = scenario.get("tied", False)
-    model = build_model(tied=tied)
+    kind = scenario.get("model", "tiny")
+    model = build_model(tied=tied, kind=kind)
+    if scenario.get("hf_checkpointing"):  # transformers' own (reentrant) activation checkpointing
+        model.model.gradient_checkpointing_enable({"use_reentrant": True})
+        model.train()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     if scenario.get("tp_model_init"):  # DeepSpeed's AutoTP training entry, before initialize
         model = torsh.tp_model_init(model, tp_size=tp, dtype=torch.float32)
@@ -119,12 +146,13 @@ def run_scenario(rank: int, world: int, scenario: dict) -> dict:
     for step in range(steps):
         if step == scenario.get("resume_at"):  # a checkpoint, and the rest of the run in a new engine loaded from it
             engine.save_checkpoint(scenario["save_dir"], tag="mid")
-            engine, _, _, _ = torsh.initialize(model=build_model(seed=1, tied=tied), config=scenario["config"])
+            engine, _, _, _ = torsh.initialize(model=build_model(seed=1, tied=tied, kind=kind), config=scenario["config"])
             engine.load_checkpoint(scenario["save_dir"], tag="mid")
         x, y = batch(step, dp_rank, seq)
         # each context-parallel rank trains on its part of the sequences (a no-op context without cp)
-        with engine.context_parallel(buffers=[x, y], buffer_seq_dims=[1, 1], no_restore_buffers={x, y}):
-            loss = lm_loss(engine(x), y)
+        positions = torch.arange(seq).expand(x.shape[0], seq).clone()  # the token places: split with the tokens
+        with engine.context_parallel(buffers=[x, y, positions], no_restore_buffers={x, y, positions}):
+            loss = lm_loss(engine(x, positions), y)
             if not outside:  # "direct": the script's own loss.backward() (ZeRO 1-3)
                 loss.backward() if scenario.get("direct") else engine.backward(loss)
         if outside:
@@ -133,18 +161,20 @@ def run_scenario(rank: int, world: int, scenario: dict) -> dict:
         rec["losses"].append(loss.item())
     rec["cp_shape"] = list(x.shape)
     params = dict(engine.module.named_parameters())
-    rec["tied"] = engine.module.lm_head.weight is engine.module.embed_tokens.weight
+    if kind == "tiny":
+        rec["tied"] = engine.module.lm_head.weight is engine.module.embed_tokens.weight
     rec["placements"] = {n: [str(pl) for pl in getattr(p, "placements", ())] for n, p in params.items()}
     full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in params.items()}
     if rank == 0:
         clip, gas = scenario.get("clip", 0.0), scenario.get("gas", 1)
-        ref = build_model(tied=tied)
+        ref = build_model(tied=tied, kind=kind)
         ref.load_state_dict(start, strict=False)
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
         rec["reference"] = []
         for step in range(steps):
             xs, ys = zip(*(batch(step, d, seq) for d in range(dp)))
-            loss = lm_loss(ref(torch.cat(xs)), torch.cat(ys))
+            whole = torch.cat(xs)
+            loss = lm_loss(ref(whole, torch.arange(seq).expand(whole.shape[0], seq)), torch.cat(ys))
             (loss / gas).backward()
             if (step + 1) % gas:  # gradient accumulation: the step at the boundary only
                 rec["reference"].append(loss.item())

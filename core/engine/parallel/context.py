@@ -6,10 +6,12 @@ What Accelerate and torchtitan run with torch's ``context_parallel``, on any dev
 ``engine.context_parallel(buffers=[...], buffer_seq_dims=[...])`` (Accelerate's ``maybe_context_parallel``) each
 buffer the script gives (input ids, labels, position ids) is replaced in place by this rank's part of its sequence
 dimension, and every ``torch.nn.functional.scaled_dot_product_attention`` call attends from this rank's queries to the
-keys and values of the whole sequence, all-gathered over the group (torch's "allgather" rotation). The part is torch's
-load-balanced one: the sequence cut into ``2 x cp`` chunks, rank ``r`` holding chunks ``r`` and ``2cp - 1 - r``, so that
-under a causal mask every rank attends to as many keys. The gather's backward reduce-scatters the key and value
-gradients to the ranks that hold them. On leaving the context each buffer gets its whole value back (unless it is in
+keys and values of the whole sequence, all-gathered over the group (torch's "allgather" rotation). Rank ``r`` holds the
+``r``-th of ``cp`` contiguous parts. (torch load-balances instead, rank ``r`` holding chunks ``r`` and ``2cp - 1 - r`` of
+``2 x cp``, which saves work only where a ring skips masked blocks; here every rank computes its queries against every
+key either way, and contiguous parts keep each rank's position ids contiguous, which Hugging Face models would
+otherwise take for packed sequences and mask.) The gather's backward reduce-scatters the key and value gradients to
+the ranks that hold them. On leaving the context each buffer gets its whole value back (unless it is in
 ``no_restore_buffers``).
 
 Why not torch's own ``context_parallel``: torch 2.13's splits only the CUDA attention kernels, and raises
@@ -83,17 +85,13 @@ def build_context_groups(laid: Degrees | None, *, experts: bool = False, mpu: An
 
 
 def positions(length: int, rank: int, size: int) -> torch.Tensor:
-    """The places in the whole sequence of the ``length`` tokens rank ``rank`` of ``size`` holds (two chunks)."""
-    half = length // 2
-    head = torch.arange(rank * half, (rank + 1) * half)
-    tail = torch.arange((2 * size - 1 - rank) * half, (2 * size - rank) * half)
-    return torch.cat([head, tail])
+    """The places in the whole sequence of the ``length`` tokens rank ``rank`` of ``size`` holds."""
+    return torch.arange(rank * length, (rank + 1) * length)
 
 
 def shard(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
-    """This rank's part of ``tensor`` along ``dim``: chunks ``rank`` and ``2 size - 1 - rank`` of ``2 size``."""
-    chunks = tensor.chunk(2 * size, dim=dim)
-    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=dim)
+    """This rank's part of ``tensor`` along ``dim``: the ``rank``-th of ``size`` contiguous parts (a copy)."""
+    return tensor.chunk(size, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -112,6 +110,26 @@ class _GatherSequence(torch.autograd.Function):
         out = torch.empty_like(parts[0])
         dist.reduce_scatter(out, parts, group=ctx.groups.group)
         return out, None
+
+
+def _agree(problem: str | None, groups: ContextGroups, length: int, device: torch.device) -> None:
+    """Raise ``problem`` on every rank of the group when any rank has one (one small all-reduce, which also compares
+    the ranks' part lengths): a refusal on one rank alone would leave the others waiting in the gather. Without a
+    process group, this rank's own."""
+    refused, lengths = problem is not None, (length, length)
+    if groups.group is not None and dist.is_available() and dist.is_initialized():
+        flags = torch.tensor([int(refused), length, -length], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=groups.group)
+        any_refused, longest, minus_shortest = flags.tolist()
+        refused, lengths = bool(any_refused), (-minus_shortest, longest)
+    if not refused and lengths[0] != lengths[1]:
+        refused, problem = True, (f"the ranks of a context-parallel group hold parts of {lengths[0]} to {lengths[1]} "
+                                  "tokens: every rank of a group must be given the same batch (the engine's "
+                                  "dataloader does; a script's own sampler takes engine.get_data_parallel_rank() and "
+                                  "dp_world_size)")  # fmt: skip
+    if refused:
+        raise ConfigError([Problem(KEY, groups.size, problem or "another rank of the context-parallel group refused "
+                                   "its scaled_dot_product_attention call (its error says why)")])  # fmt: skip
 
 
 def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -149,21 +167,17 @@ class SplitAttention(TorchFunctionMode):
                enable_gqa=False) -> torch.Tensor:  # fmt: skip
         groups = self.groups
         length = query.shape[-2]
+        problem = None
         if attn_mask is not None:
-            raise ConfigError([Problem(KEY, groups.size, "scaled_dot_product_attention was given an attn_mask inside "
-                                       "the context-parallel context: each rank holds part of the sequence, so a "
-                                       "mask over it cannot be split; context parallelism runs causal or unmasked "
-                                       "attention (a Hugging Face model: pass no attention_mask, and pack or pad "
-                                       "the batch instead)")])  # fmt: skip
-        if key.shape[-2] != length or value.shape[-2] != length:
-            raise ConfigError([Problem(KEY, groups.size, f"scaled_dot_product_attention with {length} queries and "
-                                       f"{key.shape[-2]} keys inside the context-parallel context: only "
-                                       "self-attention over the split sequence is split (keys and values of the "
-                                       "same length as the queries)")])  # fmt: skip
-        if length % 2:
-            raise ConfigError([Problem(KEY, groups.size, f"scaled_dot_product_attention over {length} tokens of "
-                                       "this rank's part: a part is two equal chunks; give every tensor with the "
-                                       "sequence dimension to engine.context_parallel(buffers=...)")])  # fmt: skip
+            problem = ("scaled_dot_product_attention was given an attn_mask inside the context-parallel context: each "
+                       "rank holds part of the sequence, so a mask over it cannot be split; context parallelism runs "
+                       "causal or unmasked attention (a Hugging Face model: pass no attention_mask, and pack or pad "
+                       "the batch instead)")  # fmt: skip
+        elif key.shape[-2] != length or value.shape[-2] != length:
+            problem = (f"scaled_dot_product_attention with {length} queries and {key.shape[-2]} keys inside the "
+                       "context-parallel context: only self-attention over the split sequence is split (keys and "
+                       "values of the same length as the queries)")  # fmt: skip
+        _agree(problem, groups, length, query.device)
         keys, values = _GatherSequence.apply(key, groups), _GatherSequence.apply(value, groups)
         mask = None
         if is_causal:
@@ -216,12 +230,11 @@ class ContextParallel(contextlib.AbstractContextManager):
         keep = no_restore_buffers or ()
         self.keep = {id(b) for b in keep}
         for i, (buffer, dim) in enumerate(zip(self.buffers, self.dims)):
-            if buffer.shape[dim] % (2 * groups.size):
+            if buffer.shape[dim] % groups.size:
                 raise ConfigError([Problem("buffers", f"buffer {i}", f"its sequence dimension ({dim}) has "
-                                           f"{buffer.shape[dim]} elements, not a multiple of 2 x cp = "
-                                           f"{2 * groups.size} (the sequence is cut into two chunks per "
-                                           "context-parallel rank): pad the batch's sequences to a multiple of "
-                                           f"{2 * groups.size}")])  # fmt: skip
+                                           f"{buffer.shape[dim]} elements, not a multiple of cp = {groups.size} "
+                                           "(each context-parallel rank holds an equal part): pad the batch's "
+                                           f"sequences to a multiple of {groups.size}")])  # fmt: skip
         self.mode = SplitAttention(groups)
         self._whole: list[tuple[torch.Tensor, torch.Tensor]] = []
 
