@@ -256,6 +256,10 @@ def _model_parallel_refusals(cfg: TorshConfig, *, pipeline: bool = False) -> lis
         problems.append(Problem("parallelism.cp", par.cp, "context parallelism is run beside data and tensor "
                                 "parallelism, not with pipeline parallelism: set parallelism.cp or parallelism.pp "
                                 "to 1"))  # fmt: skip
+    if par.cp > 1 and cfg.gradients.reduce_op == "sum":
+        problems.append(Problem("gradients.reduce_op", "sum", f"with context parallelism (parallelism.cp {par.cp}) "
+                                "each rank's loss is the mean over its part of the sequence: summing the ranks' "
+                                f"gradients gives {par.cp} x the whole sequence's; use 'mean'"))  # fmt: skip
     others = {k: v for k, v in (("tp", par.tp), ("pp", pipeline_degree(cfg)), ("cp", par.cp)) if v > 1}
     if par.sp > 1 and (others or pipeline):
         problems.append(Problem("parallelism.sp", par.sp, "sequence parallelism is run beside data parallelism "

@@ -27,7 +27,7 @@ def _native(gas: int = 1, **sections) -> dict:
 
 def _cp2(tmp) -> list[dict]:
     return [
-        {"name": "stage0", "cp": 2, "seq": 8, "config": _native(parallelism={"cp": 2})},
+        {"name": "stage0", "cp": 2, "seq": 8, "dataloader": True, "config": _native(parallelism={"cp": 2})},
         {"name": "stage1_resumed", "cp": 2, "seq": 8, "resume_at": 2, "save_dir": str(tmp / "ck1"),
          "config": _native(parallelism={"cp": 2}, sharding={"stage": 1})},
         {"name": "stage2_resumed", "cp": 2, "seq": 8, "resume_at": 2, "save_dir": str(tmp / "ck2"),
@@ -46,6 +46,20 @@ def _cp2(tmp) -> list[dict]:
         # transformers' reentrant checkpointing, and the script's own loss.backward() after the block
         {"name": "hf_llama_checkpointed_direct_after", "cp": 2, "seq": 16, "model": "llama", "hf_checkpointing": True,
          "direct": True, "backward_outside": True, "config": _native(parallelism={"cp": 2}, sharding={"stage": 1})},
+        # attention through `from torch.nn.functional import scaled_dot_product_attention`, reentrant checkpointing,
+        # backward inside and after the block
+        {"name": "by_name_checkpointed", "cp": 2, "seq": 8, "model": "by_name",
+         "config": _native(parallelism={"cp": 2}, sharding={"stage": 1})},
+        {"name": "by_name_checkpointed_after", "cp": 2, "seq": 8, "model": "by_name", "backward_outside": True,
+         "config": _native(parallelism={"cp": 2}, sharding={"stage": 2})},
+        {"name": "by_name_checkpointed_direct_after", "cp": 2, "seq": 8, "model": "by_name", "direct": True,
+         "backward_outside": True, "config": _native(parallelism={"cp": 2}, sharding={"stage": 3})},
+        # an evaluation forward of whole sequences between the block and engine.backward (reentrant checkpoints)
+        {"name": "by_name_eval_between", "cp": 2, "seq": 8, "model": "by_name", "backward_outside": True,
+         "eval_between": True, "config": _native(parallelism={"cp": 2}, sharding={"stage": 1})},
+        # clipping: a gradient of the wrong scale (summed over the parts instead of averaged) changes the losses
+        {"name": "stage2_clipped", "cp": 2, "seq": 8, "clip": 0.05,
+         "config": _native(parallelism={"cp": 2}, sharding={"stage": 2}, gradients={"clip_max_norm": 0.05})},
         # the script's own loss.backward() inside the block, with gradient accumulation and a longer sequence
         {"name": "stage3_direct_accumulated", "cp": 2, "seq": 12, "gas": 2, "direct": True, "steps": 6,
          "config": _native(gas=2, parallelism={"cp": 2}, sharding={"stage": 3},
@@ -55,7 +69,8 @@ def _cp2(tmp) -> list[dict]:
 
 def _four(tmp) -> list[dict]:
     return [
-        {"name": "dp2_cp2_stage3", "cp": 2, "seq": 8, "config": _native(parallelism={"cp": 2}, sharding={"stage": 3})},
+        {"name": "dp2_cp2_stage3", "cp": 2, "seq": 8, "dataloader": True,
+         "config": _native(parallelism={"cp": 2}, sharding={"stage": 3})},
         {"name": "dp2_cp2_hsdp", "cp": 2, "seq": 8,
          "config": _native(parallelism={"cp": 2, "dp_replicate": 2}, sharding={"stage": 3})},
         {"name": "dp2_cp2_stage1_resumed", "cp": 2, "seq": 8, "resume_at": 2, "save_dir": str(tmp / "ck"),
@@ -99,7 +114,9 @@ def _same_as_one_rank(ranks: list[dict], name: str, peers: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["stage0", "stage1_resumed", "stage2_resumed", "stage3_checkpointed_resumed",
                                   "stage2_checkpointed_direct_after", "hf_llama_stage3",
-                                  "hf_llama_checkpointed_direct_after",
+                                  "hf_llama_checkpointed_direct_after", "by_name_checkpointed",
+                                  "by_name_checkpointed_after", "by_name_checkpointed_direct_after",
+                                  "by_name_eval_between", "stage2_clipped",
                                   "stage3_direct_accumulated"])  # fmt: skip
 def test_cp2_on_two_ranks_trains_as_one_rank(cp2, name):
     _same_as_one_rank(cp2, name, peers=2)
@@ -116,6 +133,7 @@ def test_cp2_ranks_hold_parts_of_one_sequence_and_share_its_batch(cp2):
     #  get_tensor_parallel_rank, size of data_parallel_group, rank in it]: one data-parallel rank
     assert [r["engine_degrees"] for r in records] == [[1, 1, 1, 0, 0, 1, 0]] * 2
     assert records[0]["train_batch_size"] == 2
+    assert records[0]["first_batch"] == records[1]["first_batch"]  # the engine's dataloader: one batch shard
 
 
 @pytest.mark.slow
@@ -132,6 +150,8 @@ def test_dp2_x_cp2_splits_the_batch_over_the_data_parallel_ranks_only(four):
     records = _records(four, "dp2_cp2_stage3")
     assert records[0]["train_batch_size"] == 4  # micro 2 x 2 data-parallel ranks
     assert [r["engine_degrees"] for r in records] == [[2, 1, 2, d, 0, 2, d] for d in (0, 1) for _ in (0, 1)]
+    batches = [r["first_batch"] for r in records]  # the engine's dataloader: ranks (0, 1) and (2, 3) share a shard
+    assert batches[0] == batches[1] and batches[2] == batches[3] and batches[0] != batches[2]
     tp = _records(four, "tp2_cp2_stage2")
     assert [r["engine_degrees"][:5] for r in tp] == [[1, 2, 1, 0, t] for _ in (0, 1) for t in (0, 1)]
 
@@ -167,6 +187,49 @@ def test_a_refusal_on_one_rank_is_raised_on_every_rank_of_the_group(tmp_path):
     assert errors[1].startswith("ConfigError") and "another rank of the context-parallel group" in errors[1]
     for record in records:
         assert "parts of 4 to 6 tokens: every rank of a group must be given the same batch" in record["lengths"]["error"]
+
+
+def _misuse(rank: int, world: int, scenario: dict) -> dict:
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    import torsh
+
+    sys.path.insert(0, str(Path(__file__).parent / "engine_workers"))
+    from tp_worker import batch, build_model, lm_loss
+
+    config = {"batch": {"micro_batch_size": 2}, "optimizer": OPTIMIZER, "parallelism": {"cp": 2}}
+    engine, *_ = torsh.initialize(model=build_model(), config=config)
+    x, y = batch(0, rank if scenario["name"] == "different_batches" else 0, 8)
+    if scenario["name"] == "nested":
+        with engine.context_parallel(buffers=[x, y]), engine.context_parallel(buffers=[x, y]):
+            pass
+    with engine.context_parallel(buffers=[x, y]):  # restored on leaving: the default
+        loss = lm_loss(engine(x), y)
+    engine.backward(loss)
+    return {}
+
+
+@pytest.mark.slow
+def test_misuses_of_the_block_are_refused_on_every_rank(tmp_path):
+    """A backward after a block that restored its buffers (autograd keeps them: they are whole again), ranks of a
+    group given different batches (a sampler over the global ranks: each would hold part of another sequence), and
+    a block inside another: ConfigErrors naming the key, on both ranks, where they were wrong gradients or a
+    crash in torch."""
+    import json
+
+    import _engine_harness
+
+    names = ("restored", "different_batches", "nested")
+    _engine_harness.spawn([{"name": n} for n in names], 2, str(tmp_path), runner=_misuse)
+    for r in range(2):
+        record = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert "no_restore_buffers: a backward after the context-parallel block" in record["restored"]["error"]
+        assert "buffers: the ranks of a context-parallel group were given different batches" in \
+            record["different_batches"]["error"]  # fmt: skip
+        assert "inside another context-parallel block" in record["nested"]["error"]
 
 
 # ---- the context, without a process group ------------------------------------------------------------------------
@@ -206,6 +269,10 @@ def test_buffers_that_cannot_be_split_are_refused_by_name():
         ContextParallel(_groups(), module, [torch.zeros(2, 8)], [2])
     with pytest.raises(ConfigError, match="list of tensors"):
         ContextParallel(_groups(), module, [[1, 2, 3, 4]])
+    with pytest.raises(ConfigError, match="buffers: .*list of tensors"):
+        ContextParallel(_groups(), module, torch.zeros(2, 8))
+    with pytest.raises(ConfigError, match="no_restore_buffers: .*list of tensors"):
+        ContextParallel(_groups(), module, [torch.zeros(2, 8)], no_restore_buffers=torch.zeros(2, 8))
 
 
 def test_attention_the_split_cannot_run_is_refused_by_name():
@@ -294,21 +361,48 @@ def test_accelerate_context_parallel_settings_are_read():
     from torsh import adapters
     from torsh.translate import Fidelity
 
+    accelerate = adapters.get("accelerate")
     raw = {"distributed_type": "FSDP", "num_processes": 4, "fsdp_config": {"fsdp_version": 2},
-           "parallelism_config": {"parallelism_config_cp_size": 2, "parallelism_config_cp_comm_strategy": "alltoall",
+           "parallelism_config": {"parallelism_config_cp_size": 2, "parallelism_config_dp_shard_size": 2,
+                                  "parallelism_config_cp_comm_strategy": "alltoall",
                                   "parallelism_config_cp_backend": "torch"}}  # fmt: skip
-    t = adapters.get("accelerate").read(raw)
-    notes = {n.source_path.rsplit("_config_", 1)[-1]: n.fidelity for n in t.notes}
-    assert t.result.parallelism.cp == 2 and notes["cp_size"] is Fidelity.EXACT
-    assert notes["cp_comm_strategy"] is Fidelity.APPROXIMATE and notes["cp_backend"] is Fidelity.APPROXIMATE
+    t = accelerate.read(raw)
+    notes = {n.source_path.rsplit("_config_", 1)[-1]: n for n in t.notes}
+    # approximate: contiguous parts, and a mask refused where Accelerate drops it
+    assert t.result.parallelism.cp == 2 and notes["cp_size"].fidelity is Fidelity.APPROXIMATE
+    assert "attention mask" in notes["cp_size"].reason
+    assert notes["cp_comm_strategy"].fidelity is Fidelity.APPROXIMATE
+    assert notes["cp_backend"].fidelity is Fidelity.APPROXIMATE
     raw["parallelism_config"]["parallelism_config_cp_comm_strategy"] = "allgather"
-    notes = {n.source_path.rsplit("_config_", 1)[-1]: n.fidelity for n in adapters.get("accelerate").read(raw).notes}
+    notes = {n.source_path.rsplit("_config_", 1)[-1]: n.fidelity for n in accelerate.read(raw).notes}
     assert notes["cp_comm_strategy"] is Fidelity.EXACT
-    written = adapters.get("accelerate").write(adapters.get("accelerate").read(raw).result).result
-    assert written["parallelism_config"]["parallelism_config_cp_size"] == 2
+    # written back as Accelerate checks it: dp_shard_size x cp_size = num_processes
+    written = accelerate.write(accelerate.read(raw).result).result["parallelism_config"]
+    assert (written["parallelism_config_cp_size"], written["parallelism_config_dp_shard_size"]) == (2, 2)
     raw["parallelism_config"]["parallelism_config_cp_comm_strategy"] = "ring"
     with pytest.raises(ConfigError, match="cp_comm_strategy.*allgather, alltoall"):
-        adapters.get("accelerate").read(raw)
+        accelerate.read(raw)
+    # Accelerate reads the strategy only for cp_size above 1
+    quiet = {**raw, "parallelism_config": {"parallelism_config_cp_size": 1,
+                                           "parallelism_config_cp_comm_strategy": "ring"}}  # fmt: skip
+    (note,) = [n for n in accelerate.read(quiet).notes if n.source_path.endswith("cp_comm_strategy")]
+    assert "no effect" in note.reason
+    # Accelerate refuses cp_size > 1 without its FSDP2 plugin
+    for kind, version in (("MULTI_GPU", 2), ("FSDP", 1)):
+        with pytest.raises(ConfigError, match="cp_size: Accelerate runs context parallelism with its FSDP2"):
+            accelerate.read({**raw, "distributed_type": kind, "fsdp_config": {"fsdp_version": version},
+                             "parallelism_config": {"parallelism_config_cp_size": 2}})
+
+
+def test_the_accelerate_writer_says_what_accelerate_would_refuse():
+    from torsh import adapters
+    from torsh.translate import Fidelity
+
+    cfg = TorshConfig.from_dict({"launch": {"world_size": 4}, "sharding": {"stage": 3},
+                                 "parallelism": {"cp": 2, "dp_replicate": 2}})  # fmt: skip
+    t = adapters.get("accelerate").write(cfg)
+    assert any(n.fidelity is Fidelity.UNSUPPORTED and "pure replication" in n.reason for n in t.notes
+               if n.source_path == "parallelism.dp_replicate")  # fmt: skip
 
 
 def test_context_parallelism_beside_moe_or_an_mpu_is_refused_before_any_group_is_made():
@@ -321,3 +415,61 @@ def test_context_parallelism_beside_moe_or_an_mpu_is_refused_before_any_group_is
     with pytest.raises(ConfigError, match="an mpu passed to initialize"):
         build_context_groups(laid, mpu=object())
     assert build_context_groups(degrees(TorshConfig(), 2)) is None
+
+
+def test_a_backward_that_failed_while_the_attention_was_split_is_mended_at_the_next_forward():
+    """The split of a direct backward after the block is undone when that backward finishes; if it fails, the next
+    forward puts back what was there before (another library's replacement included), and leaves it otherwise."""
+    import types
+
+    import torch.nn.functional as F
+
+    from torsh.engine.parallel.context import attention_patched, forward_context
+
+    def theirs(*args, **kwargs):  # another library's replacement
+        raise AssertionError
+
+    original = F.scaled_dot_product_attention
+    try:
+        F.scaled_dot_product_attention = theirs
+        patch = attention_patched(_groups())
+        patch.__enter__()  # (a backward that never finished)
+        assert F.scaled_dot_product_attention is not theirs
+        with forward_context(types.SimpleNamespace()):
+            pass
+        assert F.scaled_dot_product_attention is theirs
+        with forward_context(types.SimpleNamespace()):
+            pass
+        assert F.scaled_dot_product_attention is theirs
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+@pytest.mark.parametrize(("size", "rank"), [(2, 0), (2, 1), (3, 1), (3, 2)])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_a_ranks_causal_attention_is_its_rows_of_the_whole_sequences(monkeypatch, size, rank, gqa):
+    """With the gather standing in for the group (it returns the whole sequence's keys and values), a rank's output
+    and its queries' gradients are its rows of the one-rank attention, grouped key/value heads included."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from torsh.engine.parallel import context
+
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    length = 4
+    g = torch.Generator().manual_seed(size * 10 + rank)
+    q = torch.randn(2, 4, size * length, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2 if gqa else 4, size * length, 8, generator=g) for _ in range(2))
+    mine = slice(rank * length, (rank + 1) * length)
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    (whole[..., mine, :] ** 2).sum().backward()
+    expected_grad, q.grad = q.grad[..., mine, :].clone(), None
+    local_k, local_v = k[..., mine, :], v[..., mine, :]
+    gathered = {id(local_k): k, id(local_v): v}
+    monkeypatch.setattr(context._GatherSequence, "apply", staticmethod(lambda x, groups: gathered[id(x)]))
+    local_q = q[..., mine, :].detach().requires_grad_()
+    out = context.SplitAttention(_groups(size)).attend(local_q, local_k, local_v, is_causal=True, enable_gqa=gqa)
+    torch.testing.assert_close(out, whole[..., mine, :].detach())
+    (out**2).sum().backward()
+    torch.testing.assert_close(local_q.grad, expected_grad)

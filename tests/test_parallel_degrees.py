@@ -85,6 +85,8 @@ def test_refusals_name_the_degree_and_the_alternative():
     assert "parallelism.cp" not in problems  # context parallelism runs (beside data and tensor parallelism)
     with_pp = {p.path: p.reason for p in plan.refusals(_cfg(parallelism={"pp": 2, "cp": 2}), world_size=4)}
     assert "not with pipeline parallelism" in with_pp["parallelism.cp"] and "parallelism.pp" in with_pp
+    summed = plan.refusals(_cfg(parallelism={"cp": 2}, gradients={"reduce_op": "sum"}), world_size=2)
+    assert [p.path for p in summed] == ["gradients.reduce_op"] and "2 x the whole sequence's" in summed[0].reason
     beside_pipeline = plan.refusals(_cfg(parallelism={"cp": 2}), world_size=2, pipeline=True)
     assert [p.path for p in beside_pipeline] == ["parallelism.cp"]  # a PipelineModule passed to initialize
     pp = plan.refusals(_cfg(parallelism={"pp": 2}), world_size=2)

@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from torch.nn.functional import scaled_dot_product_attention as sdpa_by_name  # (a model file's own import)
+
 VOCAB, HIDDEN, HEADS, SEQ, MICRO = 32, 16, 4, 6, 2
 
 
@@ -37,7 +39,10 @@ def build_model(seed: int = 0, tied: bool = False, kind: str = "tiny"):
             b, s, _ = x.shape
             head = HIDDEN // HEADS  # the head count follows the (split) projection: view(..., -1, head_dim)
             q, k, v = (p(x).view(b, s, -1, head).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if kind == "by_name":  # called through a module-level name bound to torch's function
+                out = sdpa_by_name(q, k, v, is_causal=True)
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     class Mlp(nn.Module):
@@ -72,8 +77,8 @@ def build_model(seed: int = 0, tied: bool = False, kind: str = "tiny"):
 
         def forward(self, tokens, positions=None):  # (its attention is causal over the token order)
             x = self.embed_tokens(tokens)
-            for layer in self.layers:
-                x = layer(x)
+            for layer in self.layers:  # "by_name": torch's reentrant checkpointing of each layer
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True) if kind == "by_name" else layer(x)
             return self.lm_head(self.norm(x))
 
     torch.manual_seed(seed)
@@ -134,7 +139,8 @@ def run_scenario(rank: int, world: int, scenario: dict) -> dict:
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     if scenario.get("tp_model_init"):  # DeepSpeed's AutoTP training entry, before initialize
         model = torsh.tp_model_init(model, tp_size=tp, dtype=torch.float32)
-    engine, _, _, _ = torsh.initialize(model=model, config=scenario["config"])
+    data = torch.utils.data.TensorDataset(torch.arange(64)) if scenario.get("dataloader") else None
+    engine, _, _, _ = torsh.initialize(model=model, config=scenario["config"], training_data=data)
     import torch.distributed as dist
 
     group = engine.data_parallel_group
@@ -142,6 +148,8 @@ def run_scenario(rank: int, world: int, scenario: dict) -> dict:
                  "engine_degrees": [engine.dp_world_size, engine.mp_world_size, engine.get_data_parallel_world_size(),
                                     engine.get_data_parallel_rank(), engine.get_tensor_parallel_rank(),
                                     dist.get_world_size(group), dist.get_rank(group)]}  # fmt: skip
+    if data is not None:  # what the engine's dataloader gives this rank first
+        rec["first_batch"] = next(iter(engine.training_dataloader))[0].tolist()
     outside = scenario.get("backward_outside", False)  # engine.backward after the context-parallel block
     for step in range(steps):
         if step == scenario.get("resume_at"):  # a checkpoint, and the rest of the run in a new engine loaded from it
@@ -155,6 +163,9 @@ def run_scenario(rank: int, world: int, scenario: dict) -> dict:
             loss = lm_loss(engine(x, positions), y)
             if not outside:  # "direct": the script's own loss.backward() (ZeRO 1-3)
                 loss.backward() if scenario.get("direct") else engine.backward(loss)
+        if scenario.get("eval_between"):  # an evaluation forward of whole sequences before the backward
+            with torch.no_grad():
+                engine(*batch(step, dp_rank, seq)[:1], torch.arange(seq).expand(MICRO, seq))
         if outside:
             loss.backward() if scenario.get("direct") else engine.backward(loss)
         engine.step()

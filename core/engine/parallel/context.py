@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +144,19 @@ _SDPA = F.scaled_dot_product_attention
 #: What runs a backward: a torch function mode is off while it handles one, so the recomputation of a checkpointed
 #: forward inside it calls ``scaled_dot_product_attention`` unseen (:func:`attention_patched` covers it).
 _BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+#: The module-level names bound to torch's function that split calls came through (``from torch.nn.functional import
+#: scaled_dot_product_attention``): :class:`attention_patched` replaces them as well as the module's own name.
+_BY_NAME: dict[tuple[int, str], tuple[dict, str]] = {}
+
+
+def _note_caller(frame: Any) -> None:
+    """Remember the names of ``frame``'s module that are torch's function (the frame that called it)."""
+    if frame is None:
+        return
+    names = frame.f_globals
+    for name in frame.f_code.co_names:
+        if names.get(name) is _SDPA and (id(names), name) not in _BY_NAME:
+            _BY_NAME[(id(names), name)] = (names, name)
 
 
 class SplitAttention(TorchFunctionMode):
@@ -160,6 +174,7 @@ class SplitAttention(TorchFunctionMode):
                 return func(*args, **kwargs)
         if func is not _SDPA:
             return func(*args, **kwargs)
+        _note_caller(sys._getframe(1))
         self.calls += 1
         return self.attend(**_SDPA_PARAMETERS.bind(*args, **kwargs).arguments)
 
@@ -179,29 +194,51 @@ class SplitAttention(TorchFunctionMode):
                        "values of the same length as the queries)")  # fmt: skip
         _agree(problem, groups, length, query.device)
         keys, values = _GatherSequence.apply(key, groups), _GatherSequence.apply(value, groups)
-        mask = None
-        if is_causal:
-            mine = positions(length, groups.rank, groups.size).to(query.device)
-            theirs = torch.cat([positions(length, r, groups.size) for r in range(groups.size)]).to(query.device)
-            mask = theirs[None, :] <= mine[:, None]
-        return _SDPA(query, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+        if not is_causal:
+            return _SDPA(query, keys, values, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+        # Causal: this rank's queries see the keys before its part and its own part causally, none after. As the
+        # last rows of a causal attention over that prefix, with the queries before them zeros whose outputs are
+        # dropped (their gradients are zero, so they add nothing to the keys' and values'): no mask of the whole
+        # sequence (which the CPU kernel would keep per layer, as floats), only the causal kernel.
+        before = groups.rank * length
+        seen = before + length
+        queries = torch.cat([query.new_zeros(*query.shape[:-2], before, query.shape[-1]), query], dim=-2) \
+            if before else query
+        out = _SDPA(queries, keys[..., :seen, :], values[..., :seen, :], dropout_p=dropout_p, is_causal=True,
+                    scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+        return out[..., before:, :]
 
 
-@contextlib.contextmanager
-def attention_patched(groups: ContextGroups):
+class attention_patched(contextlib.AbstractContextManager):  # noqa: N801 (used as a function-like context)
     """``torch.nn.functional.scaled_dot_product_attention`` split for the block (the module's name replaced): what
     a backward needs, where the torch function mode is off, for activation checkpointing's recomputation of a
-    forward that ran inside the context. Code that imported the function by name before is not reached."""
-    split = SplitAttention(groups)
+    forward that ran inside the context. Code that imported the function by name before is not reached. Leaving
+    puts back what was there, unless something else replaced it meanwhile (a plain object, not a generator: one
+    never left, after a failed backward, must not put anything back whenever it is collected)."""
 
-    def attention(*args, **kwargs):
-        return split.attend(**_SDPA_PARAMETERS.bind(*args, **kwargs).arguments)
+    def __init__(self, groups: ContextGroups):
+        split = SplitAttention(groups)
 
-    F.scaled_dot_product_attention = attention
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = _SDPA
+        def attention(*args, **kwargs):
+            return split.attend(**_SDPA_PARAMETERS.bind(*args, **kwargs).arguments)
+
+        self.attention = attention
+
+    def __enter__(self):
+        self.attention._torsh_replaced = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = self.attention
+        self.by_name = [(names, name) for names, name in _BY_NAME.values() if names.get(name) is _SDPA]
+        for names, name in self.by_name:
+            names[name] = self.attention
+        return self
+
+    def __exit__(self, *exc):
+        if F.scaled_dot_product_attention is self.attention:
+            F.scaled_dot_product_attention = self.attention._torsh_replaced
+        for names, name in self.by_name:
+            if names.get(name) is self.attention:
+                names[name] = _SDPA
+        return False
 
 
 def _seq_dims(buffers: list, dims: list | None) -> list[int]:
@@ -225,10 +262,9 @@ class ContextParallel(contextlib.AbstractContextManager):
     def __init__(self, groups: ContextGroups, module: torch.nn.Module, buffers=None, buffer_seq_dims=None,
                  no_restore_buffers=None):  # fmt: skip
         self.groups, self.module = groups, module
-        self.buffers = list(buffers or [])
+        self.buffers = _tensors("buffers", buffers)
         self.dims = _seq_dims(self.buffers, buffer_seq_dims)
-        keep = no_restore_buffers or ()
-        self.keep = {id(b) for b in keep}
+        self.keep = {id(b) for b in _tensors("no_restore_buffers", no_restore_buffers)}
         for i, (buffer, dim) in enumerate(zip(self.buffers, self.dims)):
             if buffer.shape[dim] % groups.size:
                 raise ConfigError([Problem("buffers", f"buffer {i}", f"its sequence dimension ({dim}) has "
@@ -239,6 +275,12 @@ class ContextParallel(contextlib.AbstractContextManager):
         self._whole: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __enter__(self):
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise ConfigError([Problem(KEY, self.groups.size, "engine.context_parallel inside another "
+                                       "context-parallel block: its buffers would be split twice; leave the outer "
+                                       "block first")])  # fmt: skip
+        _same_batch(self.buffers, self.groups)
         done = set()
         for buffer, dim in zip(self.buffers, self.dims):
             if id(buffer) in done:
@@ -249,16 +291,55 @@ class ContextParallel(contextlib.AbstractContextManager):
             if id(buffer) not in self.keep:
                 self._whole.append((buffer, whole))
         self.mode.__enter__()
-        self.module.__dict__["_cp_active"] = self
+        self.module.__dict__["_cp_active"] = _ACTIVE = self
+        self.module.__dict__["_cp_restored"] = False
         return self
 
     def __exit__(self, *exc):
+        global _ACTIVE
+        _ACTIVE = None
         self.module.__dict__.pop("_cp_active", None)
         self.mode.__exit__(*exc)
         for buffer, whole in self._whole:
             buffer.data = whole
+        # autograd keeps the buffers themselves (token ids, targets): a backward after the block would find them
+        # whole again (backward_context refuses it)
+        self.module.__dict__["_cp_restored"] = bool(self._whole)
         self._whole = []
         return False
+
+
+_ACTIVE: ContextParallel | None = None
+"""The context-parallel block open in this process (one at a time)."""
+
+
+def _tensors(key: str, given: Any) -> list:
+    """``given`` as a list of tensors (None: none), else the ConfigError naming ``key``."""
+    if given is None:
+        return []
+    if isinstance(given, torch.Tensor) or not isinstance(given, (list, tuple, set, frozenset)) \
+            or not all(isinstance(b, torch.Tensor) for b in given):  # fmt: skip
+        raise ConfigError([Problem(key, type(given).__name__, "engine.context_parallel takes a list of tensors "
+                                   "(the batch's input ids, labels, position ids...)")])  # fmt: skip
+    return list(given)
+
+
+def _same_batch(buffers: list, groups: ContextGroups) -> None:
+    """Refuse, on every rank of the group, buffers that differ between its ranks (each rank would hold part of
+    another sequence: a script's own sampler over the global ranks, say): one all-reduce of a checksum each."""
+    if not buffers or groups.group is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    sums = torch.stack([b.detach().double().sum() + (b.detach().double().flatten() *
+                        torch.arange(b.numel(), dtype=torch.float64, device=b.device).remainder(7)).sum()
+                        for b in buffers])  # fmt: skip
+    both = torch.cat([sums, -sums])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=groups.group)
+    if not torch.equal(both[: len(buffers)], -both[len(buffers):]):
+        raise ConfigError([Problem("buffers", len(buffers), "the ranks of a context-parallel group were given "
+                                   "different batches: every rank of a group holds part of the same sequences "
+                                   "(the engine's dataloader gives them the same batch; a script's own sampler takes "
+                                   "engine.get_data_parallel_rank() and engine.dp_world_size, not the global rank "
+                                   "and world size)")])  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -267,8 +348,14 @@ def forward_context(engine: Any):
     refuses a forward inside it that called no ``scaled_dot_product_attention`` (its attention would see only this
     rank's part of the sequence)."""
     active = engine.__dict__.get("_cp_active")
-    engine.__dict__["_cp_last_forward"] = active.groups if active is not None else None
-    F.scaled_dot_product_attention = _SDPA  # torch's own, should a direct backward have failed while it was split
+    if active is not None or torch.is_grad_enabled():  # (a no_grad forward, an evaluation, makes no graph to redo)
+        engine.__dict__["_cp_last_forward"] = active.groups if active is not None else None
+    split = getattr(F.scaled_dot_product_attention, "_torsh_replaced", None)
+    if split is not None:  # a direct backward failed while the function was split: what was there before, again
+        F.scaled_dot_product_attention = split
+        for names, name in _BY_NAME.values():
+            if hasattr(names.get(name), "_torsh_replaced"):
+                names[name] = _SDPA
     if active is None:
         yield
         return
@@ -283,6 +370,14 @@ def forward_context(engine: Any):
                                    "parallelism.cp to 1")])  # fmt: skip
 
 
+def _refuse_restored(engine: Any) -> None:
+    if engine.__dict__.get("_cp_restored"):
+        raise ConfigError([Problem("no_restore_buffers", None, "a backward after the context-parallel block whose "
+                                   "buffers were restored: autograd keeps the buffers themselves (token ids, "
+                                   "targets), which hold the whole sequences again; give every buffer in "
+                                   "no_restore_buffers, or run the backward inside the block")])  # fmt: skip
+
+
 def direct_backward_started(engine: Any) -> Any:
     """A script's own ``loss.backward()`` after the block, from a forward inside it: the split attention for that
     backward (:func:`attention_patched`); returns what puts torch's back when it finishes (the next forward puts it
@@ -290,6 +385,7 @@ def direct_backward_started(engine: Any) -> Any:
     groups = engine.__dict__.get("_cp_last_forward")
     if groups is None or engine.__dict__.get("_cp_active") is not None or engine.__dict__.get("_running_backward"):
         return lambda: None
+    _refuse_restored(engine)
     patch = attention_patched(groups)
     patch.__enter__()
     return lambda: patch.__exit__(None, None, None)
@@ -301,6 +397,7 @@ def backward_context(engine: Any) -> contextlib.AbstractContextManager:
     groups = engine.__dict__.get("_cp_last_forward")
     if groups is None or engine.__dict__.get("_cp_active") is not None:
         return contextlib.nullcontext()
+    _refuse_restored(engine)
     return attention_patched(groups)
 
 
