@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from torsh.concepts import sharding
 from torsh.config import TorshConfig
 from torsh.translate import Fidelity, ReadContext, WriteContext
 
-from ._accelerate_fsdp import _state
+from ._accelerate_fsdp import _fsdp_version, _state
 from ._accelerate_launch import _TORCHRUN_TYPES, _kind
 
 
@@ -19,10 +20,10 @@ from ._accelerate_launch import _TORCHRUN_TYPES, _kind
 _DEGREES = {
     "tp_size": ("parallelism.tp", Fidelity.APPROXIMATE, "DTensor tensor parallelism; Accelerate splits by the model's "
                 "own tp_plan, torsh by its default plan of the same names (q/k/v/gate/up colwise, o/down rowwise)"),
-    "cp_size": ("parallelism.cp", Fidelity.EXACT, "context parallelism: each sequence split over cp ranks and "
-                "scaled_dot_product_attention over the whole of it, inside engine.context_parallel(buffers=...) "
-                "(Accelerate's maybe_context_parallel); the parts are contiguous where torch load-balances them: the "
-                "same training"),
+    "cp_size": ("parallelism.cp", Fidelity.APPROXIMATE, "context parallelism: each sequence split over cp ranks "
+                "and scaled_dot_product_attention over the whole of it, inside engine.context_parallel(buffers=...) "
+                "(Accelerate's maybe_context_parallel); the parts are contiguous where torch load-balances them (the "
+                "same training), and an attention mask is refused where Accelerate drops it and attends causally"),
     "sp_size": ("parallelism.sp", Fidelity.APPROXIMATE, "Ulysses groups and reduction; Accelerate's swap of a model's "
                 "attention and sequence-sharding of batches are not done (use DistributedAttention, feed blocks)"),
 }
@@ -115,7 +116,12 @@ _CP_SETTINGS = {
 
 def _read_cp_setting(key: str, value: Any, ctx: ReadContext, path: str) -> None:
     known = _CP_SETTINGS.get(key)
-    if known is None:
+    section = ctx.raw.get("parallelism_config")
+    cp = section.get("parallelism_config_cp_size", 1) if isinstance(section, dict) else 1
+    if known is not None and cp in (1, "1"):
+        ctx.keep(path, value)
+        ctx.note(path, Fidelity.EXACT, "no effect: Accelerate reads it only when cp_size is above 1", value)
+    elif known is None:
         ctx.keep(path, value)
         ctx.note(path, Fidelity.UNSUPPORTED, "a context-parallel setting torsh does not know", value)
     elif value not in known:
@@ -159,6 +165,10 @@ def _check_parallelism_sizes(ctx: ReadContext) -> None:
     if sizes["cp_size"] > 1 and sizes["sp_size"] > 1:
         ctx.problem(f"{key}sp_size", section.get("parallelism_config_sp_size"), "Accelerate's ParallelismConfig "
                     "refuses context and sequence parallelism together: set one of cp_size, sp_size to 1")
+    elif sizes["cp_size"] > 1 and (_kind(ctx) != "FSDP" or _fsdp_version(ctx) < 2):
+        ctx.problem(f"{key}cp_size", sizes["cp_size"], "Accelerate runs context parallelism with its FSDP2 plugin "
+                    "only (it refuses cp_size > 1 without an FSDP plugin, or with fsdp_version 1): set "
+                    "distributed_type FSDP and fsdp_config.fsdp_version 2, or cp_size 1")  # fmt: skip
 
 
 def _write_degrees(cfg: TorshConfig, ctx: WriteContext) -> None:
@@ -177,3 +187,23 @@ def _write_degrees(cfg: TorshConfig, ctx: WriteContext) -> None:
     if par.dp_replicate is not None:
         ctx.put("parallelism_config.parallelism_config_dp_replicate_size", par.dp_replicate,
                 "parallelism.dp_replicate")  # fmt: skip
+    _write_shard_size(cfg, ctx)
+
+
+def _write_shard_size(cfg: TorshConfig, ctx: WriteContext) -> None:
+    """dp_shard_size beside tensor or context parallelism (without a hybrid group, which the FSDP writer gives):
+    Accelerate checks that the sizes multiply to num_processes, and refuses them over pure replication."""
+    par = cfg.parallelism
+    model = par.tp * par.cp * (par.pp if isinstance(par.pp, int) else 1)
+    if model == 1 or cfg.sharding.hybrid_shard_size is not None:
+        return
+    ranks = sharding.data_parallel_ranks(cfg.launch.world_size, model)
+    replicate = par.dp_replicate or 1
+    if ranks is None or ranks % replicate:
+        return
+    if ranks // replicate > 1:
+        ctx.put("parallelism_config.parallelism_config_dp_shard_size", ranks // replicate, "parallelism")
+    elif replicate > 1:
+        ctx.note("parallelism.dp_replicate", Fidelity.UNSUPPORTED, "Accelerate's ParallelismConfig refuses tensor or "
+                 "context parallelism over pure replication (dp_shard_size 1): torsh runs it, Accelerate would not",
+                 par.dp_replicate)  # fmt: skip

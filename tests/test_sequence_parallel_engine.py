@@ -388,7 +388,7 @@ def test_accelerate_yaml_sp_size_is_ulysses_under_deepspeed_and_cp_size_is_conte
     assert note.fidelity.value == "unsupported" and "DeepSpeed backend" in note.reason
 
     raw["parallelism_config"] = {"parallelism_config_cp_size": 2, "parallelism_config_dp_shard_size": 2}
-    raw["distributed_type"] = "FSDP"
+    raw["distributed_type"], raw["fsdp_config"] = "FSDP", {"fsdp_version": 2}  # Accelerate's cp needs FSDP2
     t = adapters.get("accelerate").read(raw)
     assert t.result.parallelism.cp == 2 and plan(t.result, 4).refused == ()
 
