@@ -62,6 +62,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks --update-readme
 	$(PY) -m benchmarks.zero_init
 	$(PY) -m benchmarks.nvme_offload
+	$(PY) -m benchmarks.context_parallel
 
 ## Regenerate the golden files of migration_examples/ after an intended change (review the diff).
 goldens: $(STAMP)

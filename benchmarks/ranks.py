@@ -3,12 +3,14 @@ collecting what the ranks measured."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,3 +61,18 @@ def reset_peak() -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
+
+
+def options_or_worker(prog: str, doc: str, worker: Any, argv: list[str] | None,
+                      **defaults: str) -> argparse.Namespace | None:  # fmt: skip
+    """The benchmark's options (``--NAME`` for each default), or None after running ``worker(*args)`` for
+    ``--worker ARG ARG`` (how :func:`launch` starts each rank)."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc)
+    for name, default in defaults.items():
+        parser.add_argument(f"--{name}", default=default)
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(*args.worker)
+        return None
+    return args

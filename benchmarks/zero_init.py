@@ -15,13 +15,12 @@ Writes ``benchmarks/results/zero-init.json``, ``zero-init.md`` (the table the re
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.ranks import launch, reset_peak, status_mib, worst
+from benchmarks.ranks import launch, options_or_worker, reset_peak, status_mib, worst
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -129,13 +128,9 @@ def chart(results: dict, path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.zero_init", description=__doc__)
-    parser.add_argument("--ranks", default="2,4")
-    parser.add_argument("--engines", default="torsh,deepspeed")
-    parser.add_argument("--worker", nargs=2, metavar=("ENGINE", "OUT"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(*args.worker)
+    args = options_or_worker("python -m benchmarks.zero_init", __doc__, worker, argv, ranks="2,4",
+                             engines="torsh,deepspeed")  # fmt: skip
+    if args is None:
         return 0
     results: dict[str, dict] = {}
     for nproc in args.ranks.split(","):
