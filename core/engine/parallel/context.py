@@ -6,21 +6,22 @@ What Accelerate and torchtitan run with torch's ``context_parallel``, on any dev
 ``engine.context_parallel(buffers=[...], buffer_seq_dims=[...])`` (Accelerate's ``maybe_context_parallel``) each
 buffer the script gives (input ids, labels, position ids) is replaced in place by this rank's part of its sequence
 dimension, and every ``torch.nn.functional.scaled_dot_product_attention`` call attends from this rank's queries to the
-keys and values of the whole sequence, all-gathered over the group (torch's "allgather" rotation). Rank ``r`` holds the
+keys and values of the whole sequence, all-gathered over the group (torch's "allgather" rotation); a causal call runs
+torch's causal kernel over the keys up to this rank's part, without a mask of the whole sequence. Rank ``r`` holds the
 ``r``-th of ``cp`` contiguous parts. (torch load-balances instead, rank ``r`` holding chunks ``r`` and ``2cp - 1 - r`` of
-``2 x cp``, which saves work only where a ring skips masked blocks; here every rank computes its queries against every
-key either way, and contiguous parts keep each rank's position ids contiguous, which Hugging Face models would
-otherwise take for packed sequences and mask.) The gather's backward reduce-scatters the key and value gradients to
-the ranks that hold them. On leaving the context each buffer gets its whole value back (unless it is in
-``no_restore_buffers``).
+``2 x cp``, which shares a ring's causal work out evenly; here the last rank of a group does the most, and contiguous
+parts keep each rank's position ids contiguous, which Hugging Face models would otherwise take for packed sequences
+and mask.) The gather's backward reduce-scatters the key and value gradients to the ranks that hold them. On leaving
+the context each buffer gets its whole value back (unless it is in ``no_restore_buffers``). What cannot be split (a
+mask, cross-attention, ranks given different batches, a block in a block) is refused on every rank of the group.
 
 Why not torch's own ``context_parallel``: torch 2.13's splits only the CUDA attention kernels, and raises
 ``NotImplementedError`` for the CPU one (``_scaled_dot_product_flash_attention_for_cpu``).
 
 The context-parallel peers hold the same model and read the same batch shard; each rank's loss is the mean over its
 part of the sequence, and the gradients are averaged over every data-parallel and context-parallel rank (FSDP2 over
-the flattened ``dp_shard x cp`` ranks, as Accelerate and torchtitan shard; DDP and ZeRO-1/2 over every rank), which is
-the gradient of the whole sequence's mean when every part counts as many tokens.
+the flattened ``dp_shard x cp`` ranks, as Accelerate and torchtitan shard; DDP and ZeRO-1/2 over every rank without
+tensor parallelism), which is the gradient of the whole sequence's mean when every part counts as many tokens.
 """
 
 from __future__ import annotations
