@@ -109,7 +109,10 @@ _MODEL_DEGREES = {
                                "feed_forward.w1/w2/w3 as torchtitan does, but not its embedding, norms (sequence "
                                "parallel) or output head (loss parallel), which stay replicated"),
     "pipeline_parallel_degree": ("parallelism.pp", Fidelity.EXACT, "pipeline stages"),
-    "context_parallel_degree": ("parallelism.cp", Fidelity.EXACT, "context parallelism"),
+    "context_parallel_degree": ("parallelism.cp", Fidelity.APPROXIMATE, "context parallelism: each sequence split "
+                                "over the cp ranks, attention over the whole of it, inside the engine's "
+                                "context_parallel block; its parts are contiguous where torchtitan load-balances "
+                                "them (the same training)"),
 }
 
 
@@ -193,6 +196,14 @@ def _read_other_degree(value: Any, ctx: Any, path: str) -> None:
     else:
         ctx.keep(path, value)
         ctx.note(path, Fidelity.UNSUPPORTED, "expert parallelism is not run by torsh", value)
+
+
+def _read_rotate_method(value: Any, ctx: Any, path: str) -> None:
+    """torchtitan's context-parallel rotation: torsh all-gathers the keys and values either way."""
+    ctx.keep(path, value)
+    exact = value == "allgather"
+    ctx.note(path, Fidelity.EXACT if exact else Fidelity.APPROXIMATE, "torsh all-gathers the keys and values over "
+             "the context-parallel group" + ("" if exact else ": the same attention, other communication"), value)
 
 
 # ---- precision -------------------------------------------------------------------------------------------------
@@ -342,6 +353,7 @@ _GROUPS = (
 _MEANING = {
     **{f"parallelism.{k}": _read_other_degree for k in key_table()["sections"]["parallelism"]
        if k.endswith("_degree") and not k.startswith("data_parallel")},
+    "parallelism.context_parallel_rotate_method": _read_rotate_method,
     "training.enable_cpu_offload": _read_offload,
     "training.global_batch_size": _global_batch,
 }

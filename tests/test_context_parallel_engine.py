@@ -473,3 +473,15 @@ def test_a_ranks_causal_attention_is_its_rows_of_the_whole_sequences(monkeypatch
     torch.testing.assert_close(out, whole[..., mine, :].detach())
     (out**2).sum().backward()
     torch.testing.assert_close(local_q.grad, expected_grad)
+
+
+def test_torchtitan_context_parallel_settings_are_read():
+    from torsh import adapters
+    from torsh.translate import Fidelity
+
+    for method, fidelity in (("allgather", Fidelity.EXACT), ("alltoall", Fidelity.APPROXIMATE)):
+        t = adapters.get("torchtitan").read({"parallelism": {
+            "context_parallel_degree": 2, "context_parallel_rotate_method": method, "data_parallel_shard_degree": -1}})
+        notes = {n.source_path: n.fidelity for n in t.notes}
+        assert t.result.parallelism.cp == 2 and notes["parallelism.context_parallel_degree"] is Fidelity.APPROXIMATE
+        assert notes["parallelism.context_parallel_rotate_method"] is fidelity
