@@ -184,9 +184,9 @@ def test_a_refusal_on_one_rank_is_raised_on_every_rank_of_the_group(tmp_path):
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     errors = [r["mask"]["error"] for r in records]
     assert errors[0].startswith("ConfigError") and "attn_mask" in errors[0]
-    assert errors[1].startswith("ConfigError") and "another rank of the context-parallel group" in errors[1]
+    assert errors[1].startswith("ConfigError") and "on rank 0: scaled_dot_product_attention was given an attn_mask" in errors[1]
     for record in records:
-        assert "parts of 4 to 6 tokens: every rank of a group must be given the same batch" in record["lengths"]["error"]
+        assert "parts of different lengths: every rank of a group must be given the same batch" in record["lengths"]["error"]
 
 
 def _misuse(rank: int, world: int, scenario: dict) -> dict:
@@ -246,12 +246,11 @@ def test_each_rank_holds_a_contiguous_part_of_the_sequence():
     the start of a packed sequence, and masks (torch's load-balanced chunks would make rank 0's [0, 1, 6, 7])."""
     import torch
 
-    from torsh.engine.parallel.context import positions, shard
+    from torsh.engine.parallel.context import shard
 
     whole = torch.arange(8).reshape(1, 8)
     parts = [shard(whole, 1, r, 2) for r in range(2)]
     assert [p.tolist() for p in parts] == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
-    assert [positions(4, r, 2).tolist() for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert parts[0].untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()  # a copy, not a view
 
 
@@ -291,22 +290,28 @@ def test_attention_the_split_cannot_run_is_refused_by_name():
         split.attend(q, torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8))
 
 
-def test_a_forward_inside_the_context_that_calls_no_sdpa_is_refused():
+def test_a_forward_inside_the_context_that_calls_no_sdpa_is_refused(monkeypatch):
     """Attention written out by hand would see only this rank's part of the sequence: silently wrong, so refused."""
     import types
 
-    from torsh.engine.parallel.context import SplitAttention, forward_context
+    import torch
+
+    from torsh.engine.parallel import context
 
     engine = types.SimpleNamespace()
-    engine.__dict__["_cp_active"] = types.SimpleNamespace(mode=SplitAttention(_groups()), groups=_groups())
+    block = types.SimpleNamespace(module=engine, mode=context.SplitAttention(_groups()), groups=_groups())
+    monkeypatch.setattr(context, "_ACTIVE", block)
     with pytest.raises(ConfigError, match="called no torch.nn.functional.scaled_dot_product_attention"):
-        with forward_context(engine):
+        with context.forward_context(engine):
             pass
-    with forward_context(engine):
-        engine._cp_active.mode.calls += 1  # what the split attention counts
-    assert engine.__dict__["_cp_last_forward"] is engine._cp_active.groups
-    del engine.__dict__["_cp_active"]
-    with forward_context(engine):  # outside the context: nothing checked, nothing to recompute split
+    with context.forward_context(engine):
+        block.mode.calls += 1  # what the split attention counts
+    assert engine.__dict__["_cp_last_forward"] is block
+    monkeypatch.setattr(context, "_ACTIVE", None)
+    with torch.no_grad(), context.forward_context(engine):  # an evaluation: the block's forward is still the one
+        pass
+    assert engine.__dict__["_cp_last_forward"] is block
+    with context.forward_context(engine):  # a training forward outside: nothing checked, nothing to redo split
         pass
     assert engine.__dict__["_cp_last_forward"] is None
 

@@ -14,23 +14,24 @@ from typing import Any
 import torch.distributed as dist
 
 
-def gather(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order, on every rank (one ``all_gather_object`` over the default group, which
-    every rank must call); ``[value]`` without a process group or on one rank."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+def gather(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank (one ``all_gather_object`` over ``group``, the default
+    one unless given, whose every rank must call it); ``[value]`` without a process group or on one rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 
-def every_rank(problem: str | None) -> list[tuple[int, str]]:
-    """``(rank, problem)`` of every rank that has a problem, in rank order; the same list on every rank
-    (collective over the default group: every rank calls it, with None when it has no problem)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def every_rank(problem: str | None, group: Any = None) -> list[tuple[int, str]]:
+    """``(rank, problem)`` of every rank of ``group`` (the default one unless given) that has a problem, in rank
+    order (ranks in the group); the same list on every rank (collective: each calls it, with None when it has no
+    problem)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
         return [] if problem is None else [(rank, problem)]
-    return [(rank, str(p)) for rank, p in enumerate(gather(problem)) if p is not None]
+    return [(rank, str(p)) for rank, p in enumerate(gather(problem, group)) if p is not None]
 
 
 def describe(bad: list[tuple[int, str]]) -> str:
@@ -43,10 +44,10 @@ def describe(bad: list[tuple[int, str]]) -> str:
                      for text, ranks in by_text.items())  # fmt: skip
 
 
-def agreed_problem(problem: str | None, rank: int) -> str | None:
-    """This rank's problem, or when it has none and another rank has, that rank's (``on rank R: ...``); None when
-    no rank has one. Collective, as :func:`every_rank`."""
-    bad = every_rank(problem)
+def agreed_problem(problem: str | None, rank: int, group: Any = None) -> str | None:
+    """This rank's problem, or when it has none and another rank has, that rank's (``on rank R: ...``, R its rank in
+    ``group``); None when no rank has one. Collective, as :func:`every_rank`."""
+    bad = every_rank(problem, group)
     if not bad:
         return None
     first = next(((r, p) for r, p in bad if r != rank), bad[0])

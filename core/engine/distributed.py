@@ -211,3 +211,28 @@ def register_exit_handler() -> None:
 
 
 register_exit_handler()
+
+
+_GROUPS: dict[tuple[int, ...], object] = {}
+"""The process groups :func:`own_group` made, by their ranks, in :data:`_GROUPS_IN`."""
+_GROUPS_IN: object = None
+
+
+def own_group(partition: list[list[int]]) -> tuple[object, tuple[int, ...]]:
+    """This rank's group of ``partition`` (lists of global ranks that together hold every rank) and its ranks.
+    Collective: every rank makes every group of the partition, in one order, as torch requires; a group of the same
+    ranks made before in the current default group (by any caller, for any parallelism) is reused."""
+    global _GROUPS_IN
+    if _GROUPS_IN is not dist.group.WORLD:  # a new default group: the old groups died with the old one
+        _GROUPS.clear()
+        _GROUPS_IN = dist.group.WORLD
+    me, mine = dist.get_rank(), None
+    for ranks in partition:
+        key = tuple(ranks)
+        if key not in _GROUPS:
+            _GROUPS[key] = dist.new_group(list(key))
+        if me in key:
+            mine = (_GROUPS[key], key)
+    if mine is None:
+        raise ValueError(f"rank {me} is in no group of {partition}")
+    return mine

@@ -40,6 +40,9 @@ from torch.overrides import TorchFunctionMode
 from torsh.errors import ConfigError, Problem
 from torsh.plan import Degrees, context_groups
 
+from ..agreement import agreed_problem
+from ..distributed import own_group
+
 KEY = "parallelism.cp"
 
 
@@ -72,23 +75,10 @@ def build_context_groups(laid: Degrees | None, *, experts: bool = False, mpu: An
         what = "MoE expert parallelism (the MoE layers' ep_size)" if experts else "an mpu passed to initialize"
         raise ConfigError([Problem(KEY, laid.cp, f"context parallelism beside {what} is not run by the torsh engine: "
                                    "set parallelism.cp to 1, or drop the other")])  # fmt: skip
-    me = dist.get_rank()
     cp_groups, dp_groups = context_groups(laid)
-    mine = replicas = None
-    for ranks in cp_groups:
-        group = dist.new_group(ranks)
-        if me in ranks:
-            mine = (group, tuple(ranks))
-    for ranks in dp_groups:
-        group = dist.new_group(ranks)
-        if me in ranks:
-            replicas = group
-    return ContextGroups(laid.cp, mine[0], mine[1], replicas)
-
-
-def positions(length: int, rank: int, size: int) -> torch.Tensor:
-    """The places in the whole sequence of the ``length`` tokens rank ``rank`` of ``size`` holds."""
-    return torch.arange(rank * length, (rank + 1) * length)
+    group, ranks = own_group(cp_groups)
+    replicas, _ = own_group(dp_groups)
+    return ContextGroups(laid.cp, group, ranks, replicas)
 
 
 def shard(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
@@ -114,24 +104,31 @@ class _GatherSequence(torch.autograd.Function):
         return out, None
 
 
-def _agree(problem: str | None, groups: ContextGroups, length: int, device: torch.device) -> None:
-    """Raise ``problem`` on every rank of the group when any rank has one (one small all-reduce, which also compares
-    the ranks' part lengths): a refusal on one rank alone would leave the others waiting in the gather. Without a
-    process group, this rank's own."""
-    refused, lengths = problem is not None, (length, length)
-    if groups.group is not None and dist.is_available() and dist.is_initialized():
-        flags = torch.tensor([int(refused), length, -length], device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=groups.group)
-        any_refused, longest, minus_shortest = flags.tolist()
-        refused, lengths = bool(any_refused), (-minus_shortest, longest)
-    if not refused and lengths[0] != lengths[1]:
-        refused, problem = True, (f"the ranks of a context-parallel group hold parts of {lengths[0]} to {lengths[1]} "
-                                  "tokens: every rank of a group must be given the same batch (the engine's "
-                                  "dataloader does; a script's own sampler takes engine.get_data_parallel_rank() and "
-                                  "dp_world_size)")  # fmt: skip
-    if refused:
-        raise ConfigError([Problem(KEY, groups.size, problem or "another rank of the context-parallel group refused "
-                                   "its scaled_dot_product_attention call (its error says why)")])  # fmt: skip
+def _extremes(values: list[float], groups: ContextGroups, device: torch.device) -> tuple[list[float], list[float]]:
+    """The smallest and the largest of each value over the ranks of the group (one all-reduce); this rank's own
+    without a process group."""
+    if groups.group is None or not (dist.is_available() and dist.is_initialized()):
+        return list(values), list(values)
+    both = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=groups.group)
+    got = both.tolist()
+    return [-v for v in got[len(values):]], got[: len(values)]
+
+
+def _refuse_together(problem: str | None, what: list[float], groups: ContextGroups, device: torch.device,
+                     differing: str) -> None:  # fmt: skip
+    """Raise on every rank of the group when any rank has a ``problem``, or when the ranks' ``what`` differ
+    (``differing`` says why that is wrong): a refusal on one rank alone would leave the others waiting in the next
+    collective. The check is one small all-reduce; only a refusal gathers the ranks' texts
+    (:func:`torsh.engine.agreement.agreed_problem`)."""
+    low, high = _extremes([float(problem is not None), *what], groups, device)
+    if high[0]:
+        problem = agreed_problem(problem, dist.get_rank(groups.group) if groups.group is not None else 0,
+                                 groups.group)  # fmt: skip
+    elif low != high:
+        problem = differing
+    if problem:
+        raise ConfigError([Problem(KEY, groups.size, problem)])
 
 
 def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -193,7 +190,10 @@ class SplitAttention(TorchFunctionMode):
             problem = (f"scaled_dot_product_attention with {length} queries and {key.shape[-2]} keys inside the "
                        "context-parallel context: only self-attention over the split sequence is split (keys and "
                        "values of the same length as the queries)")  # fmt: skip
-        _agree(problem, groups, length, query.device)
+        _refuse_together(problem, [length], groups, query.device, "the ranks of a context-parallel group hold "
+                         "parts of different lengths: every rank of a group must be given the same batch (the "
+                         "engine's dataloader does; a script's own sampler takes engine.get_data_parallel_rank() and "
+                         "dp_world_size)")  # fmt: skip
         keys, values = _GatherSequence.apply(key, groups), _GatherSequence.apply(value, groups)
         if not is_causal:
             return _SDPA(query, keys, values, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
@@ -211,11 +211,11 @@ class SplitAttention(TorchFunctionMode):
 
 
 class attention_patched(contextlib.AbstractContextManager):  # noqa: N801 (used as a function-like context)
-    """``torch.nn.functional.scaled_dot_product_attention`` split for the block (the module's name replaced): what
-    a backward needs, where the torch function mode is off, for activation checkpointing's recomputation of a
-    forward that ran inside the context. Code that imported the function by name before is not reached. Leaving
-    puts back what was there, unless something else replaced it meanwhile (a plain object, not a generator: one
-    never left, after a failed backward, must not put anything back whenever it is collected)."""
+    """``torch.nn.functional.scaled_dot_product_attention`` split for the block (the module's name replaced, and
+    every module-level name bound to torch's function that split calls came through): what a backward needs, where
+    the torch function mode is off, for activation checkpointing's recomputation of a forward that ran inside the
+    context. Leaving puts back what was there, unless something else replaced it meanwhile (a plain object, not a
+    generator: one never left, after a failed backward, must not put anything back whenever it is collected)."""
 
     def __init__(self, groups: ContextGroups):
         split = SplitAttention(groups)
@@ -226,7 +226,8 @@ class attention_patched(contextlib.AbstractContextManager):  # noqa: N801 (used 
         self.attention = attention
 
     def __enter__(self):
-        self.attention._torsh_replaced = F.scaled_dot_product_attention
+        global _PATCHED
+        _PATCHED, self.replaced = self, F.scaled_dot_product_attention
         F.scaled_dot_product_attention = self.attention
         self.by_name = [(names, name) for names, name in _BY_NAME.values() if names.get(name) is _SDPA]
         for names, name in self.by_name:
@@ -234,18 +235,22 @@ class attention_patched(contextlib.AbstractContextManager):  # noqa: N801 (used 
         return self
 
     def __exit__(self, *exc):
+        global _PATCHED
+        if _PATCHED is self:
+            _PATCHED = None
         if F.scaled_dot_product_attention is self.attention:
-            F.scaled_dot_product_attention = self.attention._torsh_replaced
+            F.scaled_dot_product_attention = self.replaced
         for names, name in self.by_name:
             if names.get(name) is self.attention:
                 names[name] = _SDPA
         return False
 
 
+_PATCHED: attention_patched | None = None
+"""The split a backward installed and has not taken back yet (None: none)."""
+
+
 def _seq_dims(buffers: list, dims: list | None) -> list[int]:
-    if not isinstance(buffers, (list, tuple)) or not all(isinstance(b, torch.Tensor) for b in buffers):
-        raise ConfigError([Problem("buffers", type(buffers).__name__, "engine.context_parallel takes a list of "
-                                   "tensors (the batch's input ids, labels, position ids...)")])  # fmt: skip
     dims = [1] * len(buffers) if dims is None else list(dims)
     if len(dims) != len(buffers):
         raise ConfigError([Problem("buffer_seq_dims", dims, f"one sequence dimension per buffer: {len(buffers)} "
@@ -274,6 +279,8 @@ class ContextParallel(contextlib.AbstractContextManager):
                                            f"sequences to a multiple of {groups.size}")])  # fmt: skip
         self.mode = SplitAttention(groups)
         self._whole: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.restored = False
+        """Whether leaving the block gave a buffer its whole value back."""
 
     def __enter__(self):
         global _ACTIVE
@@ -292,26 +299,29 @@ class ContextParallel(contextlib.AbstractContextManager):
             if id(buffer) not in self.keep:
                 self._whole.append((buffer, whole))
         self.mode.__enter__()
-        self.module.__dict__["_cp_active"] = _ACTIVE = self
-        self.module.__dict__["_cp_restored"] = False
+        _ACTIVE = self
         return self
 
     def __exit__(self, *exc):
         global _ACTIVE
         _ACTIVE = None
-        self.module.__dict__.pop("_cp_active", None)
         self.mode.__exit__(*exc)
         for buffer, whole in self._whole:
             buffer.data = whole
         # autograd keeps the buffers themselves (token ids, targets): a backward after the block would find them
-        # whole again (backward_context refuses it)
-        self.module.__dict__["_cp_restored"] = bool(self._whole)
-        self._whole = []
+        # whole again (_split_for_backward refuses it)
+        self.restored = bool(self._whole)
+        self._whole, self.buffers = [], []
         return False
 
 
 _ACTIVE: ContextParallel | None = None
 """The context-parallel block open in this process (one at a time)."""
+
+
+def _active(engine: Any) -> ContextParallel | None:
+    """The block open on ``engine`` (None: none)."""
+    return _ACTIVE if _ACTIVE is not None and _ACTIVE.module is engine else None
 
 
 def _tensors(key: str, given: Any) -> list:
@@ -327,20 +337,16 @@ def _tensors(key: str, given: Any) -> list:
 
 def _same_batch(buffers: list, groups: ContextGroups) -> None:
     """Refuse, on every rank of the group, buffers that differ between its ranks (each rank would hold part of
-    another sequence: a script's own sampler over the global ranks, say): one all-reduce of a checksum each."""
-    if not buffers or groups.group is None or not (dist.is_available() and dist.is_initialized()):
+    another sequence: a script's own sampler over the global ranks, say): a checksum of each, compared."""
+    if not buffers:
         return
-    sums = torch.stack([b.detach().double().sum() + (b.detach().double().flatten() *
-                        torch.arange(b.numel(), dtype=torch.float64, device=b.device).remainder(7)).sum()
-                        for b in buffers])  # fmt: skip
-    both = torch.cat([sums, -sums])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=groups.group)
-    if not torch.equal(both[: len(buffers)], -both[len(buffers):]):
-        raise ConfigError([Problem("buffers", len(buffers), "the ranks of a context-parallel group were given "
-                                   "different batches: every rank of a group holds part of the same sequences "
-                                   "(the engine's dataloader gives them the same batch; a script's own sampler takes "
-                                   "engine.get_data_parallel_rank() and engine.dp_world_size, not the global rank "
-                                   "and world size)")])  # fmt: skip
+    sums = [float(b.detach().double().sum() + (b.detach().double().flatten() * torch.arange(
+        b.numel(), dtype=torch.float64, device=b.device).remainder(7)).sum()) for b in buffers]  # fmt: skip
+    _refuse_together(None, sums, groups, buffers[0].device, "buffers: the ranks of a context-parallel group were "
+                     "given different batches: every rank of a group holds part of the same sequences (the engine's "
+                     "dataloader gives them the same batch; a script's own sampler takes "
+                     "engine.get_data_parallel_rank() and engine.dp_world_size, not the global rank and world "
+                     "size)")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -348,15 +354,11 @@ def forward_context(engine: Any):
     """Around the engine's forward: remembers whether it ran inside the context (for :func:`backward_context`), and
     refuses a forward inside it that called no ``scaled_dot_product_attention`` (its attention would see only this
     rank's part of the sequence)."""
-    active = engine.__dict__.get("_cp_active")
+    active = _active(engine)
     if active is not None or torch.is_grad_enabled():  # (a no_grad forward, an evaluation, makes no graph to redo)
-        engine.__dict__["_cp_last_forward"] = active.groups if active is not None else None
-    split = getattr(F.scaled_dot_product_attention, "_torsh_replaced", None)
-    if split is not None:  # a direct backward failed while the function was split: what was there before, again
-        F.scaled_dot_product_attention = split
-        for names, name in _BY_NAME.values():
-            if hasattr(names.get(name), "_torsh_replaced"):
-                names[name] = _SDPA
+        engine.__dict__["_cp_last_forward"] = active  # the block of the forward a backward would redo
+    if _PATCHED is not None:  # a direct backward failed while the function was split: put back what was there
+        _PATCHED.__exit__(None, None, None)
     if active is None:
         yield
         return
@@ -371,23 +373,26 @@ def forward_context(engine: Any):
                                    "parallelism.cp to 1")])  # fmt: skip
 
 
-def _refuse_restored(engine: Any) -> None:
-    if engine.__dict__.get("_cp_restored"):
+def _split_for_backward(engine: Any) -> attention_patched | None:
+    """The split a backward outside the block needs, after a forward inside it (None: none is needed)."""
+    block = engine.__dict__.get("_cp_last_forward")
+    if block is None or _active(engine) is not None:
+        return None
+    if block.restored:
         raise ConfigError([Problem("no_restore_buffers", None, "a backward after the context-parallel block whose "
                                    "buffers were restored: autograd keeps the buffers themselves (token ids, "
                                    "targets), which hold the whole sequences again; give every buffer in "
                                    "no_restore_buffers, or run the backward inside the block")])  # fmt: skip
+    return attention_patched(block.groups)
 
 
 def direct_backward_started(engine: Any) -> Any:
     """A script's own ``loss.backward()`` after the block, from a forward inside it: the split attention for that
-    backward (:func:`attention_patched`); returns what puts torch's back when it finishes (the next forward puts it
+    backward (:class:`attention_patched`); returns what puts torch's back when it finishes (the next forward puts it
     back too, should the backward fail)."""
-    groups = engine.__dict__.get("_cp_last_forward")
-    if groups is None or engine.__dict__.get("_cp_active") is not None or engine.__dict__.get("_running_backward"):
+    patch = None if engine.__dict__.get("_running_backward") else _split_for_backward(engine)
+    if patch is None:
         return lambda: None
-    _refuse_restored(engine)
-    patch = attention_patched(groups)
     patch.__enter__()
     return lambda: patch.__exit__(None, None, None)
 
@@ -395,11 +400,7 @@ def direct_backward_started(engine: Any) -> Any:
 def backward_context(engine: Any) -> contextlib.AbstractContextManager:
     """Around ``engine.backward`` outside the context after a forward inside it: the split attention again, for
     activation checkpointing's recomputation of that forward."""
-    groups = engine.__dict__.get("_cp_last_forward")
-    if groups is None or engine.__dict__.get("_cp_active") is not None:
-        return contextlib.nullcontext()
-    _refuse_restored(engine)
-    return attention_patched(groups)
+    return _split_for_backward(engine) or contextlib.nullcontext()
 
 
 class ContextParallelMethods:

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed import own_group
+
 log = logging.getLogger("torsh.engine")
 
 EXPERT_PARALLEL: dict[str, Any] = {}
@@ -90,16 +92,11 @@ def create_expert_groups(expert_parallel_size: int, use_data_before_expert_paral
     name = f"ep_size_{ep}"
     if name in EXPERT_PARALLEL:
         return name
-    rank = dist.get_rank()
     expert_parallel, expert_data_parallel = expert_parallel_ranks(world, 1, ep, 1, use_data_before_expert_parallel)
-    for ranks in expert_parallel:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            EXPERT_PARALLEL[name], EXPERT_PARALLEL_RANKS[name] = group, ranks
-    for ranks in expert_data_parallel:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            EXPERT_DATA_PARALLEL[name], EXPERT_DATA_PARALLEL_RANKS[name] = group, ranks
+    group, ranks = own_group(expert_parallel)
+    EXPERT_PARALLEL[name], EXPERT_PARALLEL_RANKS[name] = group, list(ranks)
+    group, ranks = own_group(expert_data_parallel)
+    EXPERT_DATA_PARALLEL[name], EXPERT_DATA_PARALLEL_RANKS[name] = group, list(ranks)
     return name
 
 

@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 from torsh.errors import ConfigError, Problem
 
+from ..distributed import own_group
+
 
 @dataclass(frozen=True)
 class SequenceGroups:
@@ -116,37 +118,14 @@ def build_sequence_groups(sp: int, *, mpu: Any = None, experts: bool = False) ->
     return CURRENT
 
 
-_MADE: dict[int, tuple[Any, tuple[int, ...], Any]] = {}
-"""The groups made for each degree (this rank's sequence-parallel group, its ranks, its data-parallel group) in
-:data:`_MADE_IN`; later engines of the same degree reuse them."""
-_MADE_IN: Any = None
-_EVERY_RANK: Any = None
-"""The sequence-data-parallel group of every rank made in :data:`_MADE_IN`, shared by every degree."""
-
-
 def _made(sp: int) -> tuple[Any, tuple[int, ...], Any, Any]:
     """``(group, ranks, replicas, every rank)`` for the degree ``sp`` in the current default group, made once
-    (collective: every rank makes every group, in one order, as torch requires)."""
-    global _MADE_IN, _EVERY_RANK
-    if _MADE_IN is not dist.group.WORLD:  # a new default group: the old groups died with the old one
-        _MADE.clear()
-        _MADE_IN, _EVERY_RANK = dist.group.WORLD, None
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if sp not in _MADE:
-        mine = replicas = None
-        for first in range(0, world, sp):
-            ranks = tuple(range(first, first + sp))
-            group = dist.new_group(list(ranks))
-            if rank in ranks:
-                mine = (group, ranks)
-        for position in range(sp):
-            group = dist.new_group(list(range(position, world, sp)))
-            if rank % sp == position:
-                replicas = group
-        _MADE[sp] = (*mine, replicas)
-    if _EVERY_RANK is None:
-        _EVERY_RANK = dist.new_group(list(range(world)))
-    return (*_MADE[sp], _EVERY_RANK)
+    (collective: :func:`torsh.engine.distributed.own_group`)."""
+    world = dist.get_world_size()
+    group, ranks = own_group([list(range(first, first + sp)) for first in range(0, world, sp)])
+    replicas, _ = own_group([list(range(position, world, sp)) for position in range(sp)])
+    every, _ = own_group([list(range(world))])
+    return group, ranks, replicas, every
 
 
 def world_size() -> int:
