@@ -358,12 +358,20 @@ def _write_fsdp1_strategy(s: Any, ctx: WriteContext) -> None:
             "under the key `accelerate config` writes for FSDP1: both keys, so every Accelerate version runs it")
 
 
+def data_ranks(cfg: TorshConfig) -> int | None:
+    """The data-parallel ranks of the processes the config's launch states: their count over tp x cp x pp (None
+    when it states none). Accelerate's dp_replicate_size x dp_shard_size."""
+    from torsh.contract import launch_world_size
+
+    par = cfg.parallelism
+    return sharding.data_parallel_ranks(launch_world_size(cfg), par.tp * par.cp * (par.pp if isinstance(par.pp, int)
+                                                                                   else 1))  # fmt: skip
+
+
 def _write_fsdp2_hybrid(cfg: TorshConfig, ctx: WriteContext) -> None:
     """FSDP2 hybrid sharding: parallelism_config's dp_replicate_size x dp_shard_size over the data-parallel ranks."""
-    size, par = cfg.sharding.hybrid_shard_size, cfg.parallelism
-    ranks = sharding.data_parallel_ranks(cfg.launch.world_size, par.tp * par.cp * (par.pp if isinstance(par.pp, int)
-                                                                                   else 1))  # fmt: skip
-    mesh = None if size is AUTO else sharding.hybrid_mesh(size, ranks)
+    size = cfg.sharding.hybrid_shard_size
+    mesh = None if size is AUTO else sharding.hybrid_mesh(size, data_ranks(cfg))
     if mesh is None:
         ctx.note("sharding.hybrid_shard_size", Fidelity.UNSUPPORTED, "FSDP2 hybrid sharding in Accelerate is "
                  "parallelism_config dp_replicate_size x dp_shard_size: needs a known group size dividing "

@@ -12,7 +12,7 @@ from torsh.concepts import sharding
 from torsh.config import TorshConfig
 from torsh.translate import Fidelity, ReadContext, WriteContext
 
-from ._accelerate_fsdp import _fsdp_version, _state
+from ._accelerate_fsdp import _fsdp_version, _state, data_ranks
 from ._accelerate_launch import _TORCHRUN_TYPES, _kind
 
 
@@ -171,36 +171,44 @@ def _check_parallelism_sizes(ctx: ReadContext) -> None:
                     "distributed_type FSDP and fsdp_config.fsdp_version 2, or cp_size 1")  # fmt: skip
 
 
-def _write_degrees(cfg: TorshConfig, ctx: WriteContext) -> None:
-    """parallelism_config's model-parallel degrees (Accelerate's ParallelismConfig)."""
-    par = cfg.parallelism
-    for key, core in (("tp_size", "parallelism.tp"), ("cp_size", "parallelism.cp"), ("sp_size", "parallelism.sp")):
-        value = getattr(par, core.split(".")[1])
-        if value != 1:
-            ctx.put(f"parallelism_config.parallelism_config_{key}", value, core)
-    if par.pp != 1:
-        ctx.note("parallelism.pp", Fidelity.UNSUPPORTED, "Accelerate's parallelism_config has no pipeline degree "
-                 "(only its Megatron-LM backend does)", par.pp)  # fmt: skip
-    if par.tp_plan:
-        ctx.note("parallelism.tp_plan", Fidelity.UNSUPPORTED, "Accelerate splits the layers of the model's own "
-                 "tp_plan (transformers); not a config setting", par.tp_plan)  # fmt: skip
-    if par.dp_replicate is not None:
-        ctx.put("parallelism_config.parallelism_config_dp_replicate_size", par.dp_replicate,
-                "parallelism.dp_replicate")  # fmt: skip
-    _write_shard_size(cfg, ctx)
+def write_degrees(backend: str):
+    """parallelism_config's model-parallel degrees (Accelerate's ParallelismConfig), for a file of ``backend``."""
+
+    def hook(cfg: TorshConfig, ctx: WriteContext) -> None:
+        par = cfg.parallelism
+        for key, core in (("tp_size", "parallelism.tp"), ("cp_size", "parallelism.cp"), ("sp_size", "parallelism.sp")):
+            value = getattr(par, core.split(".")[1])
+            if key == "cp_size" and value != 1 and backend != "fsdp2":
+                ctx.note(core, Fidelity.UNSUPPORTED, f"Accelerate runs cp_size with its FSDP2 plugin only, and this "
+                         f"file is written for {backend} (refused by Accelerate with cp_size): not written; torsh "
+                         "runs it, or write the config at sharding.stage 2 or 3 for FSDP2", value)  # fmt: skip
+            elif value != 1:
+                ctx.put(f"parallelism_config.parallelism_config_{key}", value, core)
+        if par.pp != 1:
+            ctx.note("parallelism.pp", Fidelity.UNSUPPORTED, "Accelerate's parallelism_config has no pipeline "
+                     "degree (only its Megatron-LM backend does)", par.pp)  # fmt: skip
+        if par.tp_plan:
+            ctx.note("parallelism.tp_plan", Fidelity.UNSUPPORTED, "Accelerate splits the layers of the model's own "
+                     "tp_plan (transformers); not a config setting", par.tp_plan)  # fmt: skip
+        if par.dp_replicate is not None:
+            ctx.put("parallelism_config.parallelism_config_dp_replicate_size", par.dp_replicate,
+                    "parallelism.dp_replicate")  # fmt: skip
+        _write_shard_size(cfg, ctx, backend)
+
+    return hook
 
 
-def _write_shard_size(cfg: TorshConfig, ctx: WriteContext) -> None:
-    """dp_shard_size beside tensor or context parallelism (without a hybrid group, which the FSDP writer gives):
-    Accelerate checks that the sizes multiply to num_processes, and refuses them over pure replication."""
+def _write_shard_size(cfg: TorshConfig, ctx: WriteContext, backend: str) -> None:
+    """dp_shard_size beside the other sizes written for ``backend`` (but a hybrid group's, which the FSDP2 writer
+    gives): Accelerate checks that the sizes multiply to num_processes, and refuses tp or cp over pure replication."""
     par = cfg.parallelism
-    model = par.tp * par.cp * (par.pp if isinstance(par.pp, int) else 1)
-    if model == 1 or cfg.sharding.hybrid_shard_size is not None:
+    cp = par.cp if backend == "fsdp2" else 1  # the context-parallel degree written
+    if (par.tp * cp == 1 and par.dp_replicate is None) or (backend == "fsdp2" and cfg.sharding.hybrid_shard_size):
         return
-    ranks = sharding.data_parallel_ranks(cfg.launch.world_size, model)
-    replicate = par.dp_replicate or 1
-    if ranks is None or ranks % replicate:
+    ranks, replicate = data_ranks(cfg), par.dp_replicate or 1
+    if ranks is None or ranks * (par.cp // cp) % replicate:
         return
+    ranks *= par.cp // cp  # a degree not written (cp outside FSDP2) leaves its ranks to data parallelism
     if ranks // replicate > 1:
         ctx.put("parallelism_config.parallelism_config_dp_shard_size", ranks // replicate, "parallelism")
     elif replicate > 1:

@@ -61,7 +61,7 @@ from ._accelerate_fsdp import (
     _write_fsdp_rest,
     _write_fsdp_sharding,
 )
-from ._accelerate_parallelism import _check_parallelism_sizes, _read_megatron, _read_parallelism, _write_degrees
+from ._accelerate_parallelism import _check_parallelism_sizes, _read_megatron, _read_parallelism, write_degrees
 from ._sniff import Shape, best
 from ._torch_names import AUTO_SETTERS, SCRIPT_SIDE, explain_unsupported
 
@@ -487,7 +487,7 @@ def _write_map(backend: str) -> FieldMap:
             "main_process_ip", c.launch.master_addr, "launch.master_addr"), claims=("launch.master_addr",)),
         "main_process_port": Hook(write=lambda c, x: c.launch.master_port is not None and x.put(
             "main_process_port", c.launch.master_port, "launch.master_port"), claims=("launch.master_port",)),
-        "parallelism_config.(degrees)": Hook(write=_write_degrees, claims=("parallelism",)),
+        "parallelism_config.(degrees)": Hook(write=write_degrees(backend), claims=("parallelism",)),
     }
     if backend.startswith("fsdp"):
         version = int(backend[-1])

@@ -146,9 +146,19 @@ def config_world_size(cfg: TorshConfig) -> tuple[int, str] | None:
     b = cfg.batch
     sizes = (b.global_batch_size, b.micro_batch_size, b.gradient_accumulation_steps)
     if all(isinstance(v, int) for v in sizes) and sizes[0] % (sizes[1] * sizes[2]) == 0:
+        # the batch counts data-parallel ranks: each is tp x pp x cp x sp processes (DeepSpeed's batch rule)
+        par = cfg.parallelism
+        model = par.tp * par.cp * par.sp * (par.pp if isinstance(par.pp, int) else 1)
         ranks = sizes[0] // (sizes[1] * sizes[2])
-        return ranks, (f"global batch {sizes[0]} / (micro batch {sizes[1]} x accumulation {sizes[2]})")
+        return ranks * model, (f"global batch {sizes[0]} / (micro batch {sizes[1]} x accumulation {sizes[2]})"
+                               + (f" x {model} model-parallel ranks each" if model > 1 else ""))  # fmt: skip
     return None
+
+
+def launch_world_size(cfg: TorshConfig) -> int | None:
+    """The number of processes the launch section states (not the batch: it counts data-parallel ranks)."""
+    stated = config_world_size(cfg)
+    return stated[0] if stated is not None and not stated[1].startswith("global batch") else None
 
 
 def _world_size(cfg: TorshConfig, world_size: int | None) -> int:

@@ -73,6 +73,7 @@ def check_meaning(cfg: TorshConfig, written, view: dict) -> None:
     dtype = cfg.precision.param_dtype
     if not lossy(written, "precision.param_dtype"):
         assert view["mixed_precision"] == ("no" if dtype is AUTO else _PRECISION[dtype])
+    check_parallelism(cfg, written, view)
     s = cfg.sharding
     if kind == "FSDP":
         check_fsdp(cfg, written, view["fsdp"])
@@ -85,6 +86,21 @@ def check_meaning(cfg: TorshConfig, written, view: dict) -> None:
     else:
         assert kind in _DDP_TYPES
         assert s.stage == 0 or lossy(written, "sharding.stage")
+
+
+def check_parallelism(cfg: TorshConfig, written, view: dict) -> None:
+    """Accelerate's ParallelismConfig against the source's degrees: what Accelerator() checks (the sizes multiply to
+    the process count; context parallelism only with its FSDP2 plugin, state.py) and the degrees themselves."""
+    parallelism = view.get("parallelism")
+    if parallelism is None:
+        return
+    if parallelism["total_size"] > 1 and "num_processes" in written.result:  # (else the launch flag gives it)
+        assert parallelism["total_size"] == view["num_processes"], parallelism
+    if parallelism["cp"] > 1:
+        assert view["distributed_type"] == "FSDP" and view["fsdp"]["version"] == 2
+    for name in ("tp", "cp", "sp"):
+        if not lossy(written, f"parallelism.{name}"):
+            assert parallelism[name] == getattr(cfg.parallelism, name), (name, parallelism)
 
 
 def check_fsdp(cfg: TorshConfig, written, fsdp: dict) -> None:
@@ -130,6 +146,21 @@ def test_accelerate_accepts_every_yaml_torsh_writes_and_builds_the_same_plugin(p
         extra = [] if "num_processes" in written.result else ["--num_processes", "2"]
         view = launch_view(out, *extra)  # raises what accelerate launch raises for a file it refuses
         check_meaning(read.result, written, view)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("parallelism", [{"cp": 2}, {"cp": 2, "tp": 2}, {"cp": 2, "dp_replicate": 2}])
+def test_accelerate_accepts_the_context_parallelism_torsh_writes(stage, parallelism, tmp_path):
+    """A native context-parallel config on 8 processes, at every stage and backend: Accelerate's launcher and its
+    ParallelismConfig take the file, the sizes multiply to num_processes, and cp_size is there unless the report
+    says it is not (Accelerate runs cp with its FSDP2 plugin only)."""
+    if "dp_replicate" in parallelism and stage < 2:
+        pytest.skip("parallelism.dp_replicate is HSDP: stages 2 and 3 only (torsh refuses it below)")
+    cfg = TorshConfig.from_dict({"parallelism": parallelism, "sharding": {"stage": stage},
+                                 "launch": {"nproc_per_node": 8}})  # fmt: skip
+    for backend in BACKENDS:
+        written, out = write(cfg, backend, tmp_path)
+        check_meaning(cfg, written, launch_view(out))
 
 
 def test_deepspeed_sources_give_accelerate_the_process_count():

@@ -59,6 +59,8 @@ def launch_view(config_file: str | Path, *extra: str, script: str = "probe.py") 
         "mixed_precision": env.get("ACCELERATE_MIXED_PRECISION", "no"),
         "use_fsdp": bool(args.use_fsdp), "use_deepspeed": bool(args.use_deepspeed),
     }
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG") == "true":
+        view["parallelism"] = parallelism_view(env)
     if args.use_fsdp:
         view["fsdp"] = fsdp_plugin_view(env)
     if args.use_deepspeed:
@@ -109,3 +111,13 @@ def deepspeed_plugin_view(env: dict[str, str]) -> dict[str, Any]:
     return {"zero_stage": plugin.zero_stage, "config": plugin.deepspeed_config,
             "offload_optimizer_device": plugin.offload_optimizer_device,
             "offload_param_device": plugin.offload_param_device}  # fmt: skip
+
+
+def parallelism_view(env: dict[str, str]) -> dict[str, Any]:
+    """The ParallelismConfig ``Accelerator()`` builds in a process with this environment: its sizes and total."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    with _environment({k: v for k, v in env.items() if k.startswith("PARALLELISM_CONFIG_")}):
+        config = ParallelismConfig()
+    sizes = {name: getattr(config, f"{name}_size") for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
+    return {**sizes, "total_size": config.total_size}
