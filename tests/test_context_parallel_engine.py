@@ -28,13 +28,13 @@ def _native(gas: int = 1, **sections) -> dict:
 def _cp2(tmp) -> list[dict]:
     return [
         {"name": "stage0", "cp": 2, "seq": 8, "dataloader": True, "config": _native(parallelism={"cp": 2})},
-        {"name": "stage1_resumed", "cp": 2, "seq": 8, "resume_at": 2, "save_dir": str(tmp / "ck1"),
+        {"name": "stage1_resumed", "cp": 2, "seq": 8, "resume_at": 2, "save_dir": str(tmp / "ck1"), "final_save": True,
          "config": _native(parallelism={"cp": 2}, sharding={"stage": 1})},
         {"name": "stage2_resumed", "cp": 2, "seq": 8, "resume_at": 2, "save_dir": str(tmp / "ck2"),
          "config": _native(parallelism={"cp": 2}, sharding={"stage": 2})},
         # activation checkpointing, and engine.backward after the block: the recomputation attends as the forward
         {"name": "stage3_checkpointed_resumed", "cp": 2, "seq": 8, "resume_at": 2, "save_dir": str(tmp / "ck3"),
-         "backward_outside": True, "config": _native(parallelism={"cp": 2}, sharding={"stage": 3},
+         "final_save": True, "backward_outside": True, "config": _native(parallelism={"cp": 2}, sharding={"stage": 3},
                                                      activation_checkpointing={"enabled": True, "modules": ["Layer"]})},
         # the script's own loss.backward() after the block, with activation checkpointing
         {"name": "stage2_checkpointed_direct_after", "cp": 2, "seq": 8, "direct": True, "backward_outside": True,
@@ -69,7 +69,8 @@ def _cp2(tmp) -> list[dict]:
 
 def _four(tmp) -> list[dict]:
     return [
-        {"name": "dp2_cp2_stage3", "cp": 2, "seq": 8, "dataloader": True,
+        {"name": "dp2_cp2_stage3", "cp": 2, "seq": 8, "dataloader": True, "final_save": True,
+         "save_dir": str(tmp / "ck3"),
          "config": _native(parallelism={"cp": 2}, sharding={"stage": 3})},
         {"name": "dp2_cp2_hsdp", "cp": 2, "seq": 8,
          "config": _native(parallelism={"cp": 2, "dp_replicate": 2}, sharding={"stage": 3})},
@@ -109,6 +110,8 @@ def _same_as_one_rank(ranks: list[dict], name: str, peers: int) -> None:
         assert math.isclose(sum(per_dp) / dp, expected, rel_tol=1e-5), (step, per_dp, expected)
     assert ref["changed"] > 1e-3  # the weights moved
     assert ref["weight_diff"] <= 1e-5 * max(1.0, ref["weight_scale"]), ref
+    if "saved_diff" in ref:  # the final checkpoint, consolidated as DeepSpeed's zero_to_fp32 does
+        assert ref["saved_names"] and ref["saved_diff"] <= 1e-5 * max(1.0, ref["weight_scale"]), ref
 
 
 @pytest.mark.slow

@@ -176,6 +176,9 @@ def run_scenario(rank: int, world: int, scenario: dict) -> dict:
         rec["tied"] = engine.module.lm_head.weight is engine.module.embed_tokens.weight
     rec["placements"] = {n: [str(pl) for pl in getattr(p, "placements", ())] for n, p in params.items()}
     full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in params.items()}
+    if scenario.get("final_save"):  # the script's last line: a checkpoint saved on every rank
+        engine.save_checkpoint(scenario["save_dir"], tag="final")
+        dist.barrier()
     if rank == 0:
         clip, gas = scenario.get("clip", 0.0), scenario.get("gas", 1)
         ref = build_model(tied=tied, kind=kind)
@@ -197,6 +200,12 @@ def run_scenario(rank: int, world: int, scenario: dict) -> dict:
             rec["reference"].append(loss.item())
         expected = dict(ref.named_parameters())
         rec["weight_diff"] = max(float((full[n] - expected[n]).abs().max()) for n in expected)
+        if scenario.get("final_save"):  # its weights, as DeepSpeed's zero_to_fp32 consolidates them
+            from torsh.compat.deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            saved = get_fp32_state_dict_from_zero_checkpoint(scenario["save_dir"], tag="final")
+            rec["saved_names"] = sorted(saved) == sorted(expected)
+            rec["saved_diff"] = max(float((saved[n].float() - expected[n].detach()).abs().max()) for n in expected)
         rec["weight_scale"] = max(float(expected[n].abs().max()) for n in expected)
         rec["changed"] = max(float((full[n] - start[n]).abs().max()) for n in start)
     return rec
