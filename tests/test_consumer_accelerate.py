@@ -148,14 +148,13 @@ def test_accelerate_accepts_every_yaml_torsh_writes_and_builds_the_same_plugin(p
         check_meaning(read.result, written, view)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("parallelism", [{"cp": 2}, {"cp": 2, "tp": 2}, {"cp": 2, "dp_replicate": 2}])
+@pytest.mark.parametrize(("stage", "parallelism"), [  # (dp_replicate is HSDP: stages 2 and 3 only)
+    *((stage, par) for stage in (0, 1, 2, 3) for par in ({"cp": 2}, {"cp": 2, "tp": 2})),
+    *((stage, {"cp": 2, "dp_replicate": 2}) for stage in (2, 3))])  # fmt: skip
 def test_accelerate_accepts_the_context_parallelism_torsh_writes(stage, parallelism, tmp_path):
     """A native context-parallel config on 8 processes, at every stage and backend: Accelerate's launcher and its
     ParallelismConfig take the file, the sizes multiply to num_processes, and cp_size is there unless the report
     says it is not (Accelerate runs cp with its FSDP2 plugin only)."""
-    if "dp_replicate" in parallelism and stage < 2:
-        pytest.skip("parallelism.dp_replicate is HSDP: stages 2 and 3 only (torsh refuses it below)")
     cfg = TorshConfig.from_dict({"parallelism": parallelism, "sharding": {"stage": stage},
                                  "launch": {"nproc_per_node": 8}})  # fmt: skip
     for backend in BACKENDS:
